@@ -1,0 +1,161 @@
+"""Reproduce the built-in base model from scratch: `parity build-model`.
+
+A ~0.8M-parameter Llama with a character-level tokenizer, pretrained by supervised
+next-token prediction on worked solutions of the built-in arithmetic task, and
+stopped early on purpose: the base model must solve many held-out problems only
+*sometimes* (per-problem accuracy in [0.2, 0.8] at temperature 1), which is the
+material RL fine-tuning and the sanity test need.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from parity.models import CausalLM, ModelConfig, load_tokenizer, save_model
+from parity.rollout import RolloutEngine, SamplingParams
+from parity.tasks import BUILTIN_CHARS, BUILTIN_SPECIALS, ArithmeticTask, Problem
+from parity.trainer import OptimConfig, Trainer
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    steps: int = 1200
+    batch_size: int = 64
+    slip_prob: float = 0.4  # fraction of pretraining solutions with one wrong step
+    lr: float = 3e-3
+    warmup: int = 100
+    seed: int = 0
+    eval_problems: int = 128
+    eval_samples: int = 16
+
+
+def builtin_model_config() -> ModelConfig:
+    vocab = len(BUILTIN_SPECIALS) + len(BUILTIN_CHARS)
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+
+
+def write_tokenizer(out_dir: Path) -> None:
+    """A character-level `tokenizer.json` (plus the HF side files) for the built-in task."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab = {tok: i for i, tok in enumerate(BUILTIN_SPECIALS)}
+    for ch in BUILTIN_CHARS:
+        vocab[ch] = len(vocab)
+    tok = HFTokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(BUILTIN_SPECIALS))
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "pad_token": "<pad>",
+                    "add_bos_token": False}, indent=2) + "\n"
+    )
+    (out_dir / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": 1, "pad_token_id": 0}, indent=2) + "\n"
+    )
+
+
+def accuracy_spread(
+    model: CausalLM, tokenizer_dir: Path, problems: int, samples: int, seed: int
+) -> dict[str, float]:
+    """Per-problem accuracy over `samples` draws at temperature 1 on held-out problems."""
+    tok = load_tokenizer(tokenizer_dir)
+    task = ArithmeticTask()
+    probs = task.problems(problems, seed=seed, split="eval")
+    engine = RolloutEngine(model.config, "fp32", tok.eos_id, tok.pad_id)
+    engine.load_weights(model.state_dict(), version=0)
+    batch = engine.generate([tok.encode(p.prompt) for p in probs], samples, SamplingParams(max_new_tokens=96), seed)
+    rewards = torch.tensor([
+        task.reward(probs[int(g)], tok.decode(batch.response_ids[i][batch.response_mask[i]].tolist()))
+        for i, g in enumerate(batch.group_index)
+    ]).view(problems, samples)
+    acc = rewards.mean(-1)
+    return {
+        "mean_accuracy": float(acc.mean()),
+        "spread_fraction": float(((acc >= 0.2) & (acc <= 0.8)).float().mean()),
+        "solved_fraction": float((acc > 0.8).float().mean()),
+        "unsolved_fraction": float((acc < 0.2).float().mean()),
+    }
+
+
+def _slip(problem: Problem, prob: float, rng: random.Random) -> tuple[int, int] | None:
+    """With probability `prob`, one step whose sum is off by 1-3 (kept in 0..19)."""
+    if rng.random() >= prob:
+        return None
+    step = rng.randrange(ArithmeticTask.num_steps(problem))
+    true_sum = int(ArithmeticTask.solution(problem).split(",")[step].split("=")[1].split(">")[0])
+    wrong = [v for v in range(true_sum - 3, true_sum + 4) if v != true_sum and 0 <= v <= 19]
+    return step, rng.choice(wrong)
+
+
+def build_model(out_dir: str | Path, cfg: BuildConfig = BuildConfig(), log=print, on_eval=None) -> dict[str, float]:
+    """Train the built-in model from scratch and save it (HF format) to `out_dir`."""
+    torch.manual_seed(cfg.seed)
+    out_dir = Path(out_dir)
+    tok_dir = out_dir.parent / f".{out_dir.name}.tokenizer"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(tok_dir)
+    (tok_dir / "config.json").write_text(json.dumps(builtin_model_config().to_hf()))
+    tok = load_tokenizer(tok_dir)
+
+    model = CausalLM(builtin_model_config())
+    model.init_weights(cfg.seed)
+    trainer = Trainer(model, "fp32", OptimConfig(lr=cfg.lr, weight_decay=0.1, beta2=0.98, grad_clip=1.0), tok.pad_id)
+    task = ArithmeticTask()
+    rng = random.Random(cfg.seed)
+    start = time.time()
+    bar = tqdm(range(cfg.steps), desc="build-model", unit="step")
+    for step in bar:
+        # Linear warm-up then constant: a shorter build is a prefix of a longer one.
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = lr
+        problems = task.problems(cfg.batch_size, seed=rng.randrange(2**31))
+        prompts = [tok.encode(p.prompt) for p in problems]
+        answers = [tok.encode(task.solution(p, _slip(p, cfg.slip_prob, rng))) + [tok.eos_id] for p in problems]
+        width = max(len(a) for a in answers)
+        resp = torch.full((len(answers), width), tok.pad_id, dtype=torch.long)
+        for i, a in enumerate(answers):
+            resp[i, : len(a)] = torch.tensor(a)
+        mask = resp != tok.pad_id
+        logp = trainer.logprobs(prompts, resp, mask)
+        loss = -(logp.sum() / mask.sum())
+        trainer.backward(loss)
+        stats = trainer.step()
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}", gnorm=f"{stats.grad_norm:.2f}")
+        if on_eval is not None:
+            on_eval(step + 1, model, tok_dir)
+    bar.close()
+    log(f"pretrained {cfg.steps} steps in {time.time() - start:.0f}s")
+    spread = accuracy_spread(model, tok_dir, cfg.eval_problems, cfg.eval_samples, cfg.seed)
+    log("held-out accuracy: " + ", ".join(f"{k}={v:.3f}" for k, v in spread.items()))
+    save_model(model, out_dir, tokenizer_dir=tok_dir)
+    for f in tok_dir.iterdir():
+        f.unlink()
+    tok_dir.rmdir()
+    return spread

@@ -1,0 +1,175 @@
+"""Typed configs: dataclasses filled from YAML plus `key=value` overrides.
+
+Every key is checked against the dataclass before any work starts: an unknown
+key, a wrong type or a bad value is a `ConfigError` naming the key (and, for
+YAML, the file and line) and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot be used; the message names the key."""
+
+
+def _yaml_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
+    """Parse YAML and remember the line of every mapping key, by dotted path."""
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        raise ConfigError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    lines: dict[str, int] = {}
+
+    def walk(n: Any, prefix: str) -> None:
+        if isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                path = f"{prefix}{k.value}"
+                lines[path] = k.start_mark.line + 1
+                walk(v, path + ".")
+
+    walk(node, "")
+    return data, lines
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        for opt in options:
+            if opt is type(None):
+                continue
+            try:
+                return _coerce(value, opt, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {' or '.join(_type_name(o) for o in options)}, got {value!r}")
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {_type_name(tp)} fields, got {value!r}")
+        return _build(tp, value, f"{key}.")
+    raise ConfigError(f"{key}: unsupported config type {tp!r}")
+
+
+def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(
+                f"unknown config key {prefix}{key!s}; allowed keys here: {', '.join(sorted(fields))}"
+            )
+        kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}")
+    obj = cls(**kwargs)
+    check = getattr(obj, "validate", None)
+    if check is not None:
+        check()
+    return obj
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {p} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`["a.b=3", "c=fp16"]` -> nested dict with YAML-parsed values."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE (for example precision=fp16)")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(out, key.strip(), value)
+    return out
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """Build `cls` from an optional YAML file and `key=value` overrides (overrides win)."""
+    data: dict[str, Any] = {}
+    lines: dict[str, int] = {}
+    source = ""
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        source = str(path)
+        loaded, lines = _yaml_lines(path.read_text(), source)
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{source}:1: the top level must be a mapping of config keys")
+        data = loaded or {}
+    data = _merge(data, parse_overrides(overrides or []))
+    try:
+        return _build(cls, data)
+    except ConfigError as e:
+        msg = str(e)
+        key = msg.split(":", 1)[0].removeprefix("unknown config key ").split(";")[0].split("[")[0]
+        if key in lines:
+            raise ConfigError(f"{source}:{lines[key]}: {msg}") from None
+        raise
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    return dataclasses.asdict(obj)
+
+
+def dump_yaml(obj: Any) -> str:
+    return yaml.safe_dump(to_dict(obj), sort_keys=False)

@@ -1,0 +1,217 @@
+"""`parity mismatch`: offline measurement of how far apart the two engines are.
+
+For each (trainer precision, rollout precision) pair: load the same FP32 weights
+into both engines, sample responses with the rollout engine (recording μ), score
+the same tokens with the trainer (π), and report every mismatch metric.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from parity import precision as prec
+from parity.config import ConfigError
+from parity.diagnostics import mismatch_by_length, mismatch_metrics
+from parity.files import atomic_write_json, atomic_write_text
+from parity.models import load_model, load_tokenizer, resolve_model_dir
+from parity.rollout import RolloutEngine, SamplingParams
+from parity.tasks import ArithmeticTask
+from parity.trainer import OptimConfig, Trainer
+
+# Metrics shown in the markdown table, with their ratio to the FP16 run.
+TABLE_METRICS = ("k3", "token_abs_log_ratio_mean", "seq_abs_log_ratio", "prob_abs_diff_mean", "chi2_token")
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 96
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.max_new_tokens)
+
+    def validate(self) -> None:
+        try:
+            self.params()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+@dataclass
+class MismatchConfig:
+    model: str = "builtin"
+    prompts: str = "builtin"  # "builtin" (the arithmetic task) or a JSONL file with a "prompt" field
+    num_prompts: int = 64
+    group_size: int = 4
+    # Each entry is TRAINER/ROLLOUT precision, e.g. "bf16/fp32" = BF16 trainer, FP32 rollout.
+    pairs: list[str] = field(default_factory=lambda: ["fp32/fp32", "bf16/bf16", "fp16/fp16", "bf16/fp32"])
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seed: int = 0
+    out: str = "parity-mismatch"
+
+    def validate(self) -> None:
+        for p in self.pairs:
+            parse_pair(p)
+        if self.num_prompts < 1 or self.group_size < 1:
+            raise ConfigError("num_prompts and group_size must be >= 1")
+
+
+def parse_pair(pair: str) -> tuple[str, str]:
+    parts = pair.split("/")
+    if len(parts) != 2 or any(p not in prec.PRECISIONS for p in parts):
+        raise ConfigError(
+            f"pairs: {pair!r} is not TRAINER/ROLLOUT with each one of {', '.join(prec.PRECISIONS)} "
+            "(for example bf16/fp32)"
+        )
+    return parts[0], parts[1]
+
+
+def load_prompts(source: str, n: int, seed: int) -> list[str]:
+    if source == "builtin":
+        return [p.prompt for p in ArithmeticTask().problems(n, seed=seed, split="eval")]
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"prompts: file {source!r} does not exist (use 'builtin' or a JSONL file)")
+    prompts: list[str] = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ConfigError(f"{path}:{lineno}: expected an object with a string field 'prompt'")
+        prompts.append(row["prompt"])
+        if len(prompts) == n:
+            break
+    if not prompts:
+        raise ConfigError(f"{path}: no prompts found")
+    return prompts
+
+
+@dataclass
+class PairResult:
+    trainer_precision: str
+    rollout_precision: str
+    metrics: dict[str, float]
+    by_length: dict[str, float]
+    num_sequences: int
+    num_tokens: int
+    seconds: float
+    # Kept for the plots, not written to JSON.
+    trainer_logprobs: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def label(self) -> str:
+        if self.trainer_precision == self.rollout_precision:
+            return self.trainer_precision
+        return f"{self.trainer_precision}-train/{self.rollout_precision}-roll"
+
+
+def measure_pair(
+    trainer: Trainer, engine: RolloutEngine, prompts: list[list[int]], cfg: MismatchConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample with `engine`, score with `trainer`; returns (π, μ, mask)."""
+    engine.load_weights(*trainer.export_weights())
+    sampling = cfg.sampling.params()
+    batch = engine.generate(prompts, cfg.group_size, sampling, seed=cfg.seed)
+    with torch.no_grad():
+        pi = trainer.logprobs(
+            batch.prompt_ids, batch.response_ids, batch.response_mask, batch.support, sampling.temperature
+        )
+    return pi, batch.rollout_logprobs, batch.response_mask
+
+
+def run_mismatch(cfg: MismatchConfig, progress: bool = True) -> list[PairResult]:
+    model_dir = resolve_model_dir(cfg.model)
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [tokenizer.encode(p) for p in load_prompts(cfg.prompts, cfg.num_prompts, cfg.seed)]
+    model = load_model(model_dir)
+    results: list[PairResult] = []
+    for pair in tqdm(cfg.pairs, desc="mismatch", unit="pair", disable=not progress):
+        train_p, roll_p = parse_pair(pair)
+        start = time.perf_counter()
+        trainer = Trainer(model, train_p, OptimConfig(), tokenizer.pad_id)
+        engine = RolloutEngine(model.config, roll_p, tokenizer.eos_id, tokenizer.pad_id)
+        pi, mu, mask = measure_pair(trainer, engine, prompts, cfg)
+        results.append(
+            PairResult(
+                trainer_precision=train_p,
+                rollout_precision=roll_p,
+                metrics=mismatch_metrics(pi, mu, mask),
+                by_length=mismatch_by_length(pi, mu, mask),
+                num_sequences=int(mask.shape[0]),
+                num_tokens=int(mask.sum()),
+                seconds=time.perf_counter() - start,
+                trainer_logprobs=pi,
+                rollout_logprobs=mu,
+                mask=mask,
+            )
+        )
+    return results
+
+
+def results_json(model: str, results: list[PairResult]) -> dict[str, Any]:
+    return {
+        "model": model,
+        "runs": [
+            {
+                "rollout_precision": r.rollout_precision,
+                "trainer_precision": r.trainer_precision,
+                "num_sequences": r.num_sequences,
+                "num_tokens": r.num_tokens,
+                "metrics": r.metrics,
+                "by_length": r.by_length,
+            }
+            for r in results
+        ],
+    }
+
+
+def markdown_table(results: list[PairResult]) -> str:
+    """One row per precision pair; each metric with its ratio to the FP16/FP16 run."""
+    ref = next((r for r in results if r.trainer_precision == r.rollout_precision == "fp16"), None)
+    head = "| trainer | rollout | tokens | " + " | ".join(TABLE_METRICS) + " |"
+    lines = [head, "|" + "---|" * (3 + len(TABLE_METRICS))]
+    for r in results:
+        cells = []
+        for k in TABLE_METRICS:
+            v = r.metrics[k]
+            ratio = ""
+            if ref is not None and ref.metrics[k] > 0:
+                ratio = f" ({v / ref.metrics[k]:.3g}× fp16)"
+            cells.append(f"{v:.3g}{ratio}")
+        lines.append(f"| {r.trainer_precision} | {r.rollout_precision} | {r.num_tokens} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
+    from parity.report import plot_mismatch_scatter, plot_seq_log_ratio_vs_length
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "mismatch.json", results_json(cfg.model, results))
+    md = (
+        f"# Training-inference mismatch: {cfg.model}\n\n"
+        f"{cfg.num_prompts} prompts × {cfg.group_size} samples, temperature {cfg.sampling.temperature}, "
+        f"top_k {cfg.sampling.top_k}, top_p {cfg.sampling.top_p}, max_new_tokens {cfg.sampling.max_new_tokens}, "
+        f"seed {cfg.seed}. Δ = π (trainer) − μ (rollout) over response tokens; "
+        "metric definitions in docs/metrics.md.\n\n" + markdown_table(results)
+        + "\n![token-level μ vs π](mismatch_scatter.png)\n\n![sequence log-ratio vs length](seq_log_ratio_vs_length.png)\n"
+    )
+    atomic_write_text(out / "mismatch.md", md)
+    plot_mismatch_scatter(results, out / "mismatch_scatter.png")
+    plot_seq_log_ratio_vs_length(results, out / "seq_log_ratio_vs_length.png")
+    return out

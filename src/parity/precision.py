@@ -1,0 +1,159 @@
+"""Precision policy: dtypes, the CPU FP16 fast path, and the dynamic loss scaler.
+
+Every matmul-class op in the model goes through `linear` and `attention` here, so
+the numerics of each precision are defined in one place:
+
+* inputs and weights are rounded to the compute dtype,
+* products are accumulated in FP32 (as GPU tensor cores do),
+* outputs are rounded back to the compute dtype.
+
+On CUDA, and for BF16/FP32 on CPU, native kernels already do exactly that. This
+machine's CPU has no FP16 matmul hardware (native FP16 matmul is 4-150x slower),
+so for FP16 on CPU we run the FP32 kernel on the FP16-rounded inputs and round the
+result to FP16: numerically what a GPU does, at FP32 speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+PRECISIONS = tuple(DTYPES)
+
+# FP16 range, used by the doctor and by the loss scaler's docs.
+FP16_MAX = 65504.0
+FP16_MIN_NORMAL = 6.103515625e-05
+
+
+def to_dtype(precision: str) -> torch.dtype:
+    """Map a precision name (`fp32`, `bf16`, `fp16`) to its torch dtype."""
+    try:
+        return DTYPES[precision]
+    except KeyError:
+        raise ValueError(
+            f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}"
+        ) from None
+
+
+def _emulate(t: torch.Tensor) -> bool:
+    """True when `t` is FP16 on a device without fast FP16 matmul (the CPU)."""
+    return t.dtype == torch.float16 and t.device.type == "cpu"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias` in the dtype of `x`, accumulating in FP32."""
+    weight = weight.to(x.dtype)
+    bias = None if bias is None else bias.to(x.dtype)
+    if _emulate(x):
+        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return out.to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads, in the dtype of `q`.
+
+    `q` is [B, H, Tq, D]; `k`, `v` are [B, Hkv, Tk, D]; `mask` is a boolean
+    [B, 1, Tq, Tk] (True = attend) or None.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if _emulate(q):
+        out = F.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal, enable_gqa=gqa
+        )
+        return out.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+
+@dataclass
+class LossScaleState:
+    scale: float
+    clean_steps: int = 0
+    skipped_steps: int = 0
+
+
+class DynamicLossScaler:
+    """Dynamic loss scaling for FP16 training (DESIGN.md, precision semantics).
+
+    Start at `init_scale`; after `growth_interval` consecutive clean steps double the
+    scale; on any inf/NaN gradient halve it and skip the optimizer step. With
+    `enabled=False` (BF16/FP32) the scale stays 1; a non-finite gradient still
+    skips the step and is counted.
+    """
+
+    def __init__(
+        self,
+        enabled: bool,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 200,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        min_scale: float = 1.0,
+    ) -> None:
+        self.enabled = enabled
+        self.growth_interval = growth_interval
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.min_scale = min_scale
+        self.state = LossScaleState(scale=init_scale if enabled else 1.0)
+
+    @property
+    def scale(self) -> float:
+        return self.state.scale
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.state.skipped_steps
+
+    def unscale_and_check(self, params: list[torch.nn.Parameter]) -> bool:
+        """Divide gradients by the scale in place; return True if all are finite."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return True
+        if self.enabled and self.state.scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / self.state.scale)
+        norms = torch._foreach_norm(grads)
+        return bool(torch.isfinite(torch.stack(norms)).all())
+
+    def update(self, finite: bool) -> None:
+        """Advance the scaler after a step; `finite` is what `unscale_and_check` said."""
+        if not finite:
+            self.state.skipped_steps += 1
+        if not self.enabled:
+            return
+        if finite:
+            self.state.clean_steps += 1
+            if self.state.clean_steps >= self.growth_interval:
+                self.state.scale *= self.growth_factor
+                self.state.clean_steps = 0
+        else:
+            self.state.clean_steps = 0
+            self.state.scale = max(self.state.scale * self.backoff_factor, self.min_scale)
+
+    def state_dict(self) -> dict[str, float]:
+        return {
+            "scale": self.state.scale,
+            "clean_steps": self.state.clean_steps,
+            "skipped_steps": self.state.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.state = LossScaleState(
+            scale=float(state["scale"]),
+            clean_steps=int(state["clean_steps"]),
+            skipped_steps=int(state["skipped_steps"]),
+        )
+

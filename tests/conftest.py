@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny real Hugging Face checkpoints built and saved in the test session."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+VOCAB_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +=,.>?"
+
+
+def write_char_tokenizer(out: Path) -> int:
+    """A character-level tokenizer.json with <pad>=0, <bos>=1, <eos>=2; returns the vocab size."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
+    for ch in VOCAB_CHARS:
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<pad>", "<bos>", "<eos>"])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<eos>", "pad_token": "<pad>", "bos_token": "<bos>"})
+    )
+    return len(vocab)
+
+
+def save_hf_model(out: Path, arch: str, seed: int = 0, vocab_size: int = 64, tie: bool = False) -> Path:
+    """Build a tiny random Llama or Qwen2 with `transformers` and `save_pretrained` it."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=tie,
+    )
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    # Larger-than-default weights so the random model has a non-trivial distribution.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(out)
+    write_char_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> Path:
+    return save_hf_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory) -> Path:
+    return save_hf_model(tmp_path_factory.mktemp("qwen2"), "qwen2", seed=1, tie=True)

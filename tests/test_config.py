@@ -1,0 +1,52 @@
+"""Typed configs: YAML + key=value overrides, and errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from parity import config
+from parity.config import ConfigError
+from parity.mismatch import MismatchConfig
+
+
+def test_yaml_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("num_prompts: 8\nsampling:\n  top_k: 5\npairs: [fp16/fp16]\n")
+    cfg = config.load(MismatchConfig, f, ["sampling.temperature=0.5", "pairs=bf16/fp32,fp32/fp32"])
+    assert cfg.num_prompts == 8 and cfg.sampling.top_k == 5 and cfg.sampling.temperature == 0.5
+    assert cfg.pairs == ["bf16/fp32", "fp32/fp32"]
+    assert cfg.group_size == MismatchConfig().group_size
+
+
+def test_unknown_key_names_file_line_and_allowed(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("num_prompts: 8\nsampling:\n  topk: 5\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:3: unknown config key sampling.topk; allowed keys here: .*top_k"):
+        config.load(MismatchConfig, f)
+
+
+def test_wrong_type_names_key(tmp_path):
+    with pytest.raises(ConfigError, match="num_prompts: expected an integer, got 'many'"):
+        config.load(MismatchConfig, None, ["num_prompts=many"])
+    f = tmp_path / "c.yaml"
+    f.write_text("seed: 1\nsampling: 3\n")
+    with pytest.raises(ConfigError, match="c.yaml:2: sampling: expected a mapping"):
+        config.load(MismatchConfig, f)
+
+
+def test_bad_values_are_rejected():
+    with pytest.raises(ConfigError, match="pairs: 'fp8/fp16' is not TRAINER/ROLLOUT"):
+        config.load(MismatchConfig, None, ["pairs=fp8/fp16"])
+    with pytest.raises(ConfigError, match="top_p must be in"):
+        config.load(MismatchConfig, None, ["sampling.top_p=1.5"])
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        config.load(MismatchConfig, None, ["num_prompts"])
+
+
+def test_invalid_yaml_names_line(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("seed: 1\nsampling: [\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:\d+: invalid YAML"):
+        config.load(MismatchConfig, f)
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(MismatchConfig, tmp_path / "missing.yaml")

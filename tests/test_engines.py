@@ -1,0 +1,120 @@
+"""The rollout engine and the trainer: μ against a reference, support records, weight sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parity.diagnostics import mismatch_metrics
+from parity.models import load_model, load_tokenizer
+from parity.rollout import RolloutEngine, SamplingParams, filter_logits
+from parity.trainer import OptimConfig, Trainer
+
+PROMPTS = ["12+34=", "7+8=", "123+4567=", "5+5="]
+
+
+def _setup(path, precision="fp32"):
+    tok = load_tokenizer(path)
+    model = load_model(path)
+    trainer = Trainer(model, precision, OptimConfig(lr=1e-3), tok.pad_id)
+    engine = RolloutEngine(model.config, precision, tok.eos_id, tok.pad_id)
+    engine.load_weights(*trainer.export_weights())
+    return tok, trainer, engine
+
+
+def _reference_logits(path, prompt_ids, response_ids, n):
+    """FP32 logits from `transformers` for the n response tokens of one unpadded sequence."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids + response_ids[:n]])
+    with torch.no_grad():
+        logits = ref(ids).logits[0]
+    return logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + n]
+
+
+def test_mu_equals_reference_fp32(llama_dir):
+    tok, _, engine = _setup(llama_dir)
+    sampling = SamplingParams(temperature=0.7, max_new_tokens=24)
+    batch = engine.generate([tok.encode(p) for p in PROMPTS], 3, sampling, seed=0)
+    for row in (0, 5, 11):
+        n = int(batch.response_mask[row].sum())
+        resp = batch.response_ids[row, :n].tolist()
+        logits = _reference_logits(llama_dir, batch.prompt_ids[row], resp, n)
+        ref_mu = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
+        assert torch.allclose(batch.rollout_logprobs[row, :n], ref_mu, atol=1e-5), row
+
+
+def test_support_recorded_for_top_k_and_top_p(llama_dir):
+    tok, trainer, engine = _setup(llama_dir)
+    for sampling in (SamplingParams(top_k=5, max_new_tokens=16), SamplingParams(top_p=0.6, max_new_tokens=16)):
+        batch = engine.generate([tok.encode(p) for p in PROMPTS[:2]], 2, sampling, seed=1)
+        assert batch.support is not None
+        for row in range(batch.response_ids.shape[0]):
+            n = int(batch.response_mask[row].sum())
+            resp = batch.response_ids[row, :n].tolist()
+            logits = _reference_logits(llama_dir, batch.prompt_ids[row], resp, n)
+            for t in range(n):
+                kept = set(torch.isfinite(filter_logits(logits[t : t + 1], sampling)[0]).nonzero().flatten().tolist())
+                recorded = {i for i in batch.support[row, t].tolist() if i >= 0}
+                assert recorded == kept, (row, t)
+                assert resp[t] in recorded
+            # μ is normalised over the support: the sampled token's mass is relative to the kept mass.
+            probs = torch.softmax(logits, -1)
+            for t in range(n):
+                ids = [i for i in batch.support[row, t].tolist() if i >= 0]
+                expected = torch.log(probs[t, resp[t]] / probs[t, ids].sum())
+                assert abs(float(batch.rollout_logprobs[row, t]) - float(expected)) < 1e-5
+        # The trainer scores on the same support: π matches μ at FP32 round-off.
+        with torch.no_grad():
+            pi = trainer.logprobs(batch.prompt_ids, batch.response_ids, batch.response_mask, batch.support)
+        assert (pi - batch.rollout_logprobs).abs().max() < 1e-4
+        assert sampling.top_k == 0 or (batch.support >= 0).sum(-1).max() <= sampling.top_k
+
+
+def test_generation_is_seeded_and_stops_at_eos(llama_dir):
+    tok, _, engine = _setup(llama_dir)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    sampling = SamplingParams(max_new_tokens=40)
+    a = engine.generate(prompts, 4, sampling, seed=3)
+    b = engine.generate(prompts, 4, sampling, seed=3)
+    c = engine.generate(prompts, 4, sampling, seed=4)
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert not torch.equal(a.response_ids, c.response_ids)
+    assert a.response_ids.shape[0] == 16 and a.group_index.tolist() == [i // 4 for i in range(16)]
+    for row in range(16):
+        n = int(a.response_mask[row].sum())
+        ended = a.response_ids[row, n - 1] == tok.eos_id
+        assert bool(ended) != bool(a.truncated[row])
+        assert (a.response_ids[row, : n - 1] != tok.eos_id).all()  # nothing sampled after EOS
+        assert (a.response_ids[row, n:] == tok.pad_id).all()
+
+
+@pytest.mark.parametrize("fixture", ["llama_dir", "qwen2_dir"])
+def test_weight_sync_fp32_agrees_to_round_off(fixture, request):
+    """After a real optimizer step and export, rollout μ and trainer π agree at FP32."""
+    path = request.getfixturevalue(fixture)
+    tok, trainer, engine = _setup(path)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    sampling = SamplingParams(max_new_tokens=24)
+    batch = engine.generate(prompts, 2, sampling, seed=0)
+    logp = trainer.logprobs(batch.prompt_ids, batch.response_ids, batch.response_mask)
+    trainer.backward(-logp.sum() / batch.num_tokens)
+    stats = trainer.step()
+    assert not stats.skipped and stats.weight_version == 1
+    engine.load_weights(*trainer.export_weights())
+    assert engine.weight_version == 1
+    batch = engine.generate(prompts, 2, sampling, seed=1)
+    assert batch.weight_version == 1
+    with torch.no_grad():
+        pi = trainer.logprobs(batch.prompt_ids, batch.response_ids, batch.response_mask)
+    metrics = mismatch_metrics(pi, batch.rollout_logprobs, batch.response_mask)
+    assert metrics["token_abs_log_ratio_max"] < 1e-4
+    assert metrics["k3"] < 1e-9
+
+
+def test_weights_stored_in_rollout_precision(llama_dir):
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        _, trainer, engine = _setup(llama_dir, precision)
+        assert all(p.dtype == dtype for p in engine.model.parameters())
+        assert all(p.dtype == torch.float32 for p in trainer.model.parameters())

@@ -1,0 +1,66 @@
+"""`parity mismatch` end to end: on test-built Llama/Qwen2 directories and on the built-in model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parity.cli import main
+
+REQUIRED_METRICS = {
+    "k1", "k2", "k3", "chi2_token", "seq_abs_log_ratio", "token_abs_log_ratio_mean",
+    "token_abs_log_ratio_max", "prob_abs_diff_mean", "prob_abs_diff_max",
+}
+
+
+def _check_schema(doc: dict, model: str, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], dict]:
+    assert doc["model"] == model
+    runs = {}
+    for run in doc["runs"]:
+        assert isinstance(run["num_sequences"], int) and isinstance(run["num_tokens"], int)
+        assert REQUIRED_METRICS <= set(run["metrics"])
+        assert all(isinstance(v, float) for v in run["metrics"].values())
+        runs[(run["trainer_precision"], run["rollout_precision"])] = run
+    assert list(runs) == pairs
+    return runs
+
+
+@pytest.mark.parametrize("fixture", ["llama_dir", "qwen2_dir"])
+def test_mismatch_on_hf_checkpoint(fixture, request, tmp_path, capsys):
+    path = request.getfixturevalue(fixture)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["12+34=", "hello ", "7+8=", "abc"]))
+    out = tmp_path / "out"
+    code = main(["mismatch", "--model", str(path), "--out", str(out), f"prompts={prompts}", "group_size=2",
+                 "sampling.max_new_tokens=24", "pairs=fp32/fp32,bf16/bf16,fp16/fp16,bf16/fp32"])
+    assert code == 0
+    doc = json.loads((out / "mismatch.json").read_text())
+    runs = _check_schema(doc, str(path), [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32")])
+    assert runs[("fp32", "fp32")]["metrics"]["token_abs_log_ratio_max"] < 1e-4
+    assert runs[("fp16", "fp16")]["metrics"]["k3"] < runs[("bf16", "bf16")]["metrics"]["k3"]
+    for name in ("mismatch.md", "mismatch_scatter.png", "seq_log_ratio_vs_length.png"):
+        assert (out / name).stat().st_size > 0
+    assert "× fp16" in (out / "mismatch.md").read_text()
+    assert "| fp16 | fp16 |" in capsys.readouterr().out
+
+
+def test_mismatch_rejects_bad_prompt_file(tmp_path, capsys):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "1+1="}\n{"text": 3}\n')
+    assert main(["mismatch", f"prompts={bad}", "--out", str(tmp_path / "o")]) == 2
+    assert f"{bad}:2: expected an object with a string field 'prompt'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_mismatch_builtin_precision_ordering(tmp_path):
+    """On the built-in model: FP32 at round-off, FP16 several times below BF16 (token level)."""
+    out = tmp_path / "out"
+    assert main(["mismatch", "--out", str(out), "num_prompts=32", "group_size=4"]) == 0
+    runs = _check_schema(json.loads((out / "mismatch.json").read_text()), "builtin",
+                         [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32")])
+    k3 = {pair: run["metrics"]["k3"] for pair, run in runs.items()}
+    tok = {pair: run["metrics"]["token_abs_log_ratio_mean"] for pair, run in runs.items()}
+    assert k3[("fp32", "fp32")] < 1e-9
+    assert k3[("bf16", "bf16")] > 4 * k3[("fp16", "fp16")]
+    assert tok[("bf16", "bf16")] > 2 * tok[("fp16", "fp16")] > 100 * tok[("fp32", "fp32")]

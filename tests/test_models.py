@@ -1,0 +1,103 @@
+"""Loading real Hugging Face checkpoints, numerics against `transformers`, and load errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from parity.models import ModelError, load_model, load_tokenizer, resolve_model_dir, save_model
+
+
+@pytest.mark.parametrize("fixture", ["llama_dir", "qwen2_dir"])
+def test_logits_match_transformers_fp32(fixture, request):
+    from transformers import AutoModelForCausalLM
+
+    path = request.getfixturevalue(fixture)
+    ours = load_model(path)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(3, 40, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ref(ids).logits
+        hidden = ours.hidden_states(ids, torch.arange(17).expand(2, 17), torch.float32)
+        got = ours.logits(hidden)
+    assert torch.allclose(got, expected, atol=2e-5, rtol=1e-4), (got - expected).abs().max()
+
+
+def test_save_roundtrip_loads_in_transformers(llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ours = load_model(llama_dir)
+    out = save_model(ours, tmp_path / "copy", tokenizer_dir=llama_dir)
+    ref = AutoModelForCausalLM.from_pretrained(out)
+    for name, p in ref.state_dict().items():
+        assert torch.equal(p, ours.state_dict()[name]), name
+    assert load_tokenizer(out).eos_id == 2
+
+
+def test_tokenizer_special_ids(llama_dir):
+    tok = load_tokenizer(llama_dir)
+    assert (tok.eos_id, tok.pad_id, tok.bos_id) == (2, 0, 1)
+    ids = tok.encode("12+3=")
+    assert ids[0] == 1 and tok.decode(ids) == "12+3="
+
+
+def test_builtin_model_loads():
+    model = load_model("builtin")
+    tok = load_tokenizer("builtin")
+    assert model.config.architecture == "llama"
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000
+    assert tok.decode(tok.encode("123+45=")) == "123+45="
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_missing_directory():
+    with pytest.raises(ModelError, match="does not exist"):
+        resolve_model_dir("/nonexistent/model")
+
+
+def test_missing_tokenizer(llama_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(llama_dir, d)
+    (d / "tokenizer.json").unlink()
+    with pytest.raises(ModelError, match="no tokenizer.json"):
+        load_tokenizer(d)
+
+
+def test_pickle_only_weights_refused(llama_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(llama_dir, d)
+    (d / "model.safetensors").unlink()
+    torch.save({"x": torch.zeros(1)}, d / "pytorch_model.bin")
+    with pytest.raises(ModelError, match="pickle files.*never unpickles"):
+        load_model(d)
+
+
+def test_unsupported_architecture(llama_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(llama_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelError, match="unsupported architecture model_type='gpt2'.*llama, qwen2"):
+        load_model(d)
+
+
+def test_missing_config(llama_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(llama_dir, d)
+    (d / "config.json").unlink()
+    with pytest.raises(ModelError, match="no config.json"):
+        load_model(d)
+
+
+def test_cli_reports_model_error_in_one_line(capsys):
+    from parity.cli import main
+
+    assert main(["mismatch", "--model", "/nonexistent/model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "does not exist" in err
