@@ -1,13 +1,16 @@
 """Engine benchmarks, side by side in one run (results: docs/benchmarks.md).
 
 1. Rollout tokens/s: Parity's RolloutEngine vs Hugging Face `generate` on the same
-   model, batch, sampling settings and number of new tokens (EOS disabled in both
-   so every row generates exactly `--new-tokens` tokens).
-2. FP16 / BF16 cost ratio on this machine for a rollout and for a trainer step
-   (forward + backward + optimizer step on the rolled-out batch).
-3. Peak memory (max RSS) of each measurement, each run in a fresh subprocess.
+   model, prompts, group size, sampling settings and token budget, timed
+   alternately in one process (A, B, A, B, ...) so machine noise hits both alike:
+   - `fixed`: EOS disabled in both, every row generates exactly `new_tokens`;
+   - `eos`: the natural case, each row stops at EOS; tokens/s counts generated
+     tokens up to and including EOS.
+2. FP16 / BF16 cost ratio on this CPU for a rollout and for a trainer step
+   (forward + backward + optimizer step on one rollout batch), alternated likewise.
+3. Peak memory: max RSS of each workload run alone in a fresh process.
 
-    python benchmarks/engines.py [--repeats 5] [--json out.json]
+    python benchmarks/engines.py [--repeats 7] [--models builtin,llama-4.4M] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,14 +28,13 @@ from pathlib import Path
 import torch
 
 MODELS = {
-    # name: (model dir or None for a random Llama of this shape, prompts, group size, new tokens)
     "builtin": dict(path="builtin", prompts=16, group=4, new_tokens=64),
     # The 4.4M-parameter Llama of DESIGN.md (6 layers, hidden 256), random weights.
     "llama-4.4M": dict(path=None, prompts=16, group=4, new_tokens=16),
 }
 
 
-def _llama_4m(tmp: Path) -> Path:
+def make_llama_4m(out: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from parity.models import BUILTIN_DIR
@@ -41,120 +43,164 @@ def _llama_4m(tmp: Path) -> Path:
     cfg = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
                       num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
                       bos_token_id=None, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
-    model.save_pretrained(tmp)
+    LlamaForCausalLM(cfg).save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        (tmp / name).write_bytes((BUILTIN_DIR / name).read_bytes())
-    return tmp
+        (out / name).write_bytes((BUILTIN_DIR / name).read_bytes())
+    return out
 
 
-def _prompts(spec: dict, tokenizer) -> list[list[int]]:
-    from parity.tasks import ArithmeticTask
+class Workloads:
+    """Everything a measurement needs, built once per process."""
 
-    return [tokenizer.encode(p.prompt) for p in ArithmeticTask().problems(spec["prompts"], seed=0, split="eval")]
+    def __init__(self, model_dir: str, spec: dict):
+        from parity.models import load_tokenizer
+        from parity.tasks import ArithmeticTask
 
+        self.model_dir, self.spec = model_dir, spec
+        self.tok = load_tokenizer(model_dir)
+        problems = ArithmeticTask().problems(spec["prompts"], seed=0, split="eval")
+        self.prompts = [self.tok.encode(p.prompt) for p in problems]
+        self.seed = 0
 
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    def parity_rollout(self, precision: str, eos: bool):
+        from parity.models import load_model
+        from parity.rollout import RolloutEngine, SamplingParams
 
+        model = load_model(self.model_dir)
+        engine = RolloutEngine(model.config, precision, self.tok.eos_id if eos else -1, self.tok.pad_id)
+        engine.load_weights(model.state_dict(), 0)
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=self.spec["new_tokens"])
 
-def measure(kind: str, model_dir: str, spec: dict, precision: str, repeats: int) -> dict:
-    """One measurement; runs in its own process so max RSS is its own peak."""
-    from parity import precision as prec
-    from parity.models import load_model, load_tokenizer
-    from parity.rollout import RolloutEngine, SamplingParams
-    from parity.trainer import OptimConfig, Trainer
+        def run() -> int:
+            self.seed += 1
+            return engine.generate(self.prompts, self.spec["group"], sampling, seed=self.seed).num_tokens
 
-    torch.manual_seed(0)
-    tok = load_tokenizer(model_dir)
-    prompts = _prompts(spec, tok)
-    n_rows, new = len(prompts) * spec["group"], spec["new_tokens"]
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=new)
-    if kind == "hf_generate":
+        return run
+
+    def hf_generate(self, precision: str, eos: bool):
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=prec.to_dtype(precision)).eval()
-        width = max(len(p) for p in prompts)
-        rows = [p for p in prompts for _ in range(spec["group"])]
-        ids = torch.tensor([[tok.pad_id] * (width - len(p)) + p for p in rows])
-        attn = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in rows])[:, None]).long()
+        from parity import precision as prec
 
-        def run():
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=prec.to_dtype(precision)).eval()
+        group, new = self.spec["group"], self.spec["new_tokens"]
+        width = max(len(p) for p in self.prompts)
+        rows = [p for p in self.prompts for _ in range(group)]
+        ids = torch.tensor([[self.tok.pad_id] * (width - len(p)) + p for p in rows])
+        attn = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in rows])[:, None]).long()
+        eos_id = self.tok.eos_id
+
+        def run() -> int:
             with torch.no_grad():
                 out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,
-                                     top_p=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=tok.pad_id)
-            assert out.shape[1] == width + new
+                                     top_p=1.0, max_new_tokens=new, min_new_tokens=None if eos else new,
+                                     eos_token_id=eos_id if eos else None, pad_token_id=self.tok.pad_id)
+            gen = out[:, width:]
+            if not eos:
+                return gen.numel()
+            is_eos = gen == eos_id
+            first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, torch.full_like(gen[:, 0], gen.shape[1]))
+            return int(first.sum())
 
-        seconds = _median_time(run, repeats)
-        return {"seconds": seconds, "tokens_per_s": n_rows * new / seconds, "max_rss_mb": _max_rss_mb()}
+        return run
 
-    model = load_model(model_dir)
-    engine = RolloutEngine(model.config, precision, eos_id=-1, pad_id=tok.pad_id)  # EOS off: fixed length
-    trainer = Trainer(model, precision, OptimConfig(lr=1e-6), tok.pad_id)
-    engine.load_weights(*trainer.export_weights())
-    seed = iter(range(10**6))
-    if kind == "rollout":
-        seconds = _median_time(lambda: engine.generate(prompts, spec["group"], sampling, seed=next(seed)), repeats)
-        return {"seconds": seconds, "tokens_per_s": n_rows * new / seconds, "max_rss_mb": _max_rss_mb()}
-    batch = engine.generate(prompts, spec["group"], sampling, seed=0)
+    def train_step(self, precision: str):
+        from parity.models import load_model
+        from parity.rollout import RolloutEngine, SamplingParams
+        from parity.trainer import OptimConfig, Trainer
 
-    def train_step():
-        logp = trainer.logprobs(batch.prompt_ids, batch.response_ids, batch.response_mask)
-        trainer.backward(-(logp.sum() / batch.num_tokens) * 1e-3)
-        trainer.step()
+        model = load_model(self.model_dir)
+        engine = RolloutEngine(model.config, precision, -1, self.tok.pad_id)
+        trainer = Trainer(model, precision, OptimConfig(lr=1e-6), self.tok.pad_id)
+        engine.load_weights(*trainer.export_weights())
+        sampling = SamplingParams(max_new_tokens=self.spec["new_tokens"])
+        batch = engine.generate(self.prompts, self.spec["group"], sampling, seed=0)
 
-    seconds = _median_time(train_step, repeats)
-    return {"seconds": seconds, "tokens_per_s": batch.num_tokens / seconds, "max_rss_mb": _max_rss_mb()}
+        def run() -> int:
+            logp = trainer.logprobs(batch.prompt_ids, batch.response_ids, batch.response_mask)
+            trainer.backward(-(logp.sum() / batch.num_tokens) * 1e-3)
+            trainer.step()
+            return batch.num_tokens
+
+        return run
 
 
-def _max_rss_mb() -> float:
+def alternate(runs: dict, repeats: int) -> dict:
+    """Median seconds and tokens/s of each callable, called in turn `repeats` times after a warm-up."""
+    for fn in runs.values():
+        fn()
+    times: dict = {k: [] for k in runs}
+    tokens: dict = {k: [] for k in runs}
+    for _ in range(repeats):
+        for k, fn in runs.items():
+            t = time.perf_counter()
+            tokens[k].append(fn())
+            times[k].append(time.perf_counter() - t)
+    return {k: {"seconds": statistics.median(times[k]),
+                "tokens_per_s": statistics.median(n / s for n, s in zip(tokens[k], times[k]))} for k in runs}
+
+
+def timing_job(model_dir: str, spec: dict, repeats: int) -> dict:
+    w = Workloads(model_dir, spec)
+    out = {}
+    for eos in (False, True):
+        for precision in ("fp32", "bf16"):
+            r = alternate({"parity": w.parity_rollout(precision, eos), "hf": w.hf_generate(precision, eos)}, repeats)
+            out[f"rollout_{'eos' if eos else 'fixed'}_{precision}"] = r
+    out["rollout_fp16_vs_bf16"] = alternate({p: w.parity_rollout(p, False) for p in ("bf16", "fp16")}, repeats)
+    out["train_step"] = alternate({p: w.train_step(p) for p in ("fp32", "bf16", "fp16")}, repeats)
+    return out
+
+
+def memory_job(model_dir: str, spec: dict, kind: str, precision: str) -> float:
+    w = Workloads(model_dir, spec)
+    fn = {"parity_rollout": lambda: w.parity_rollout(precision, False), "hf_generate": lambda: w.hf_generate(precision, False),
+          "train_step": lambda: w.train_step(precision)}[kind]()
+    for _ in range(3):
+        fn()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _run_isolated(*args) -> dict:
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(1) as pool:
-        return pool.apply(measure, args)
+def isolated(fn, *args):
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+
+    from parity.models import resolve_model_dir
+
     results: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             spec = MODELS[name]
-            model_dir = spec["path"] or str(_llama_4m(Path(tmp) / name))
-            r: dict = {}
-            for precision in ("fp32", "bf16", "fp16"):
-                r[f"rollout_{precision}"] = _run_isolated("rollout", model_dir, spec, precision, args.repeats)
-                r[f"train_{precision}"] = _run_isolated("train", model_dir, spec, precision, args.repeats)
-            for precision in ("fp32", "bf16"):
-                r[f"hf_generate_{precision}"] = _run_isolated("hf_generate", model_dir, spec, precision, args.repeats)
+            model_dir = str(resolve_model_dir(spec["path"]) if spec["path"] else make_llama_4m(Path(tmp) / name))
+            r = isolated(timing_job, model_dir, spec, args.repeats)
+            r["peak_rss_mb"] = {f"{kind}_{p}": isolated(memory_job, model_dir, spec, kind, p)
+                                for kind in ("parity_rollout", "hf_generate", "train_step") for p in ("fp32", "bf16")}
+            r["peak_rss_mb"]["train_step_fp16"] = isolated(memory_job, model_dir, spec, "train_step", "fp16")
             results["models"][name] = r
-            rows = spec["prompts"] * spec["group"]
-            print(f"\n## {name}: {rows} sequences ({spec['prompts']} prompts x {spec['group']}), "
-                  f"{spec['new_tokens']} new tokens, median of {args.repeats}")
-            print("| measurement | precision | seconds | tokens/s | max RSS MB |")
+            print(f"\n## {name}: {spec['prompts']} prompts x {spec['group']} samples, up to {spec['new_tokens']} "
+                  f"new tokens, median of {args.repeats}, {torch.get_num_threads()} threads")
+            print("| rollout | precision | Parity tokens/s | HF generate tokens/s | speed-up |")
             print("|---|---|---|---|---|")
-            for key, v in r.items():
-                kind, precision = key.rsplit("_", 1)
-                print(f"| {kind} | {precision} | {v['seconds']:.3f} | {v['tokens_per_s']:.0f} | {v['max_rss_mb']:.0f} |")
-            for precision in ("fp32", "bf16"):
-                ratio = r[f"rollout_{precision}"]["tokens_per_s"] / r[f"hf_generate_{precision}"]["tokens_per_s"]
-                print(f"rollout speed vs HF generate ({precision}): {ratio:.2f}x")
-            for kind in ("rollout", "train"):
-                ratio = r[f"{kind}_fp16"]["seconds"] / r[f"{kind}_bf16"]["seconds"]
-                print(f"{kind} cost fp16 / bf16: {ratio:.2f}x")
+            for key in (k for k in r if k.startswith("rollout_") and k.count("_") == 2):
+                _, mode, precision = key.split("_")
+                ours, hf = r[key]["parity"]["tokens_per_s"], r[key]["hf"]["tokens_per_s"]
+                print(f"| {mode} | {precision} | {ours:.0f} | {hf:.0f} | {ours / hf:.2f}x |")
+            roll = r["rollout_fp16_vs_bf16"]
+            train = r["train_step"]
+            print(f"\nrollout fp16/bf16 time: {roll['fp16']['seconds'] / roll['bf16']['seconds']:.2f}x "
+                  f"({roll['fp16']['seconds']:.3f}s / {roll['bf16']['seconds']:.3f}s)")
+            print(f"train step fp16/bf16 time: {train['fp16']['seconds'] / train['bf16']['seconds']:.2f}x "
+                  f"(fp32 {train['fp32']['seconds']:.3f}s, bf16 {train['bf16']['seconds']:.3f}s, "
+                  f"fp16 {train['fp16']['seconds']:.3f}s)")
+            print("peak RSS MB: " + ", ".join(f"{k} {v:.0f}" for k, v in r["peak_rss_mb"].items()))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -50,7 +50,7 @@ class SamplingConfig:
 class MismatchConfig:
     model: str = "builtin"
     prompts: str = "builtin"  # "builtin" (the arithmetic task) or a JSONL file with a "prompt" field
-    num_prompts: int = 64
+    num_prompts: int = 128
     group_size: int = 4
     # Each entry is TRAINER/ROLLOUT precision, e.g. "bf16/fp32" = BF16 trainer, FP32 rollout.
     pairs: list[str] = field(default_factory=lambda: ["fp32/fp32", "bf16/bf16", "fp16/fp16", "bf16/fp32"])

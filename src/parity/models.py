@@ -133,28 +133,27 @@ class ModelConfig:
 # ----------------------------------------------------------------------------- modules
 
 
-class KVCache:
-    """Static per-layer key/value storage for incremental decoding."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in FP32, round to the compute dtype, then scale (as HF Llama does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(x.dtype) * xf.to(x.dtype)
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def repeat_interleave(self, times: int, length: int) -> KVCache:
-        """A cache for `batch * times` rows holding copies of the first `length` slots."""
-        out = KVCache.__new__(KVCache)
-        k = self.k.new_zeros((self.k.shape[0], self.k.shape[1] * times, *self.k.shape[2:]))
-        v = torch.zeros_like(k)
-        k[:, :, :, :length] = self.k[:, :, :, :length].repeat_interleave(times, dim=1)
-        v[:, :, :, :length] = self.v[:, :, :, :length].repeat_interleave(times, dim=1)
-        out.k, out.v = k, v
-        return out
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., head_dim] for integer positions, computed in FP32 and rounded to `dtype`."""
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only the given batch rows (drops finished sequences)."""
-        self.k = self.k[:, rows]
-        self.v = self.v[:, rows]
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
 
 
 class RMSNorm(nn.Module):
@@ -164,10 +163,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in FP32, round to the compute dtype, then scale (as HF Llama does).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight.to(x.dtype) * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -182,11 +178,6 @@ class Linear(nn.Module):
         return precision.linear(x, self.weight, self.bias)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -196,28 +187,14 @@ class Attention(nn.Module):
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        layer_cache: tuple[torch.Tensor, torch.Tensor] | None,
-        start: int,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        if layer_cache is not None:
-            cache_k, cache_v = layer_cache
-            cache_k[:, :, start : start + t] = k
-            cache_v[:, :, start : start + t] = v
-            k, v = cache_k[:, :, : start + t], cache_v[:, :, : start + t]
-        # Without a mask the sequence is causal and unpadded on the left (trainer path).
-        out = precision.attention(q, k, v, mask=mask, causal=mask is None)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Rows are unpadded on the left, so plain causal attention is exact.
+        out = precision.attention(q, k, v, causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -240,8 +217,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer_cache, start, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, start, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -254,9 +231,9 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """A Llama-family causal LM. The compute dtype is chosen per call, not per module:
-    the rollout engine stores its weights in that dtype, while the trainer keeps FP32
-    master weights and casts them on the fly (autograd flows through the cast)."""
+    """A Llama-family causal LM, as the trainer runs it. The compute dtype is chosen
+    per call: the FP32 master weights are cast on the fly (autograd flows through the
+    cast). The rollout engine has its own inference path over the same weights."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -265,8 +242,7 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -279,31 +255,13 @@ class CausalLM(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    def hidden_states(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        dtype: torch.dtype,
-        cache: KVCache | None = None,
-        start: int = 0,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Final normalised hidden states [B, T, H] in `dtype`.
-
-        With `cache`, the keys/values of these tokens are written at slots
-        `start:start+T` and attention covers slots `0:start+T`, restricted by the
-        boolean `mask` [B, 1, T, start+T]. Without a mask attention is causal.
-        """
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Final normalised hidden states [B, T, H] in `dtype`, causal attention."""
         x = self.model.embed_tokens.weight.to(dtype)[input_ids]
-        cos, sin = self.rope(positions, dtype)
-        for i, layer in enumerate(self.model.layers):
-            layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-            x = layer(x, cos, sin, layer_cache, start, mask)
+        cos, sin = rope_angles(positions, self.inv_freq, dtype)
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

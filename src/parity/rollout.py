@@ -1,8 +1,10 @@
 """The rollout (inference) engine: batched sampling with a static KV cache.
 
-One call samples `group_size` responses for each prompt. Each prompt is prefilled
-once and its cache copied to its group; finished sequences are dropped from the
-batch as they stop. For every sampled token the engine records μ, its
+The engine runs its own inference path over the policy's weights, stored in the
+rollout precision with the Q/K/V and gate/up projections fused into one matmul
+each (as inference engines do). One call samples `group_size` responses for each
+prompt. Each prompt is prefilled once and its cache copied to its group; finished
+sequences are dropped from the batch as they stop. For every sampled token the engine records μ, its
 log-probability under the distribution actually sampled from (after temperature,
 top-k and top-p), and, when filtering is on, the ids of that distribution's
 support so the trainer can score π on the same support.
@@ -11,11 +13,13 @@ support so the trainer can score π on the same support.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from parity import precision as prec
-from parity.models import CausalLM, KVCache, ModelConfig
+from parity.models import CausalLM, ModelConfig, apply_rope, rope_angles, rope_inv_freq
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,8 @@ class RolloutBatch:
 
 def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """Apply temperature, top-k and top-p to FP32 logits [N, V]; dropped tokens get -inf."""
-    logits = logits / sampling.temperature
+    if sampling.temperature != 1.0:
+        logits = logits / sampling.temperature
     if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -79,6 +84,18 @@ def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tenso
     return logits
 
 
+def sample_categorical(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One draw per row of probs [N, V] by inverse CDF: [N, 1] token ids.
+
+    One uniform number per row instead of `torch.multinomial`'s one per vocabulary
+    entry, which dominates a decode step at real vocabulary sizes. `right=True`
+    never returns a zero-probability token.
+    """
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], 1, generator=gen, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1)
+
+
 def support_ids(kept: torch.Tensor) -> torch.Tensor:
     """Token ids where `kept` [N, V] is True, as [N, K] padded with -1 (K = max count)."""
     counts = kept.sum(-1)
@@ -87,27 +104,123 @@ def support_ids(kept: torch.Tensor) -> torch.Tensor:
     return ids.masked_fill(torch.arange(k, device=kept.device) >= counts[:, None], -1)
 
 
+class KVCache:
+    """Static key/value storage [layers, batch, kv_heads, slots, head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, slots: int, dtype: torch.dtype, device: torch.device):
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def repeat_rows(self, times: int) -> None:
+        """Each batch row becomes `times` consecutive copies (one per group member)."""
+        self.k = self.k.repeat_interleave(times, dim=1)
+        self.v = self.v.repeat_interleave(times, dim=1)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the given batch rows (drops finished sequences)."""
+        self.k = self.k[:, rows]
+        self.v = self.v[:, rows]
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
 class RolloutEngine:
     """Samples from a copy of the policy whose weights are stored in the rollout precision."""
 
     def __init__(self, config: ModelConfig, precision: str, eos_id: int, pad_id: int, device: str = "cpu"):
+        self.config = config
         self.precision = precision
         self.dtype = prec.to_dtype(precision)
         self.device = torch.device(device)
         self.eos_id, self.pad_id = eos_id, pad_id
-        self.model = CausalLM(config).to(device=self.device, dtype=self.dtype).requires_grad_(False)
-        self.model.inv_freq = self.model.inv_freq.float()  # RoPE frequencies stay FP32
+        with torch.device("meta"):
+            names = CausalLM(config).state_dict().keys()
+        self._expected = {n for n in names if not (config.tie_word_embeddings and n == "lm_head.weight")}
+        cos, sin = rope_angles(torch.arange(config.max_position_embeddings), rope_inv_freq(config), self.dtype)
+        self._cos, self._sin = cos.to(self.device), sin.to(self.device)
+        self.layers: list[_Layer] = []
         self.weight_version = -1
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Copy weights in (cast to the rollout precision) and record their version."""
-        missing, unexpected = self.model.load_state_dict(
-            {k: v.to(self.dtype) for k, v in state.items()}, strict=False
-        )
-        missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
-        if missing or unexpected:
-            raise ValueError(f"weight sync: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        """Copy weights in (Hugging Face names), cast to the rollout precision, fuse, and
+        record their version."""
+        missing = sorted(self._expected - state.keys())
+        if missing:
+            raise ValueError(f"weight sync: missing {missing[:4]}")
+
+        def w(name: str) -> torch.Tensor:
+            return state[name].detach().to(device=self.device, dtype=self.dtype)
+
+        def cat(*names: str) -> torch.Tensor | None:
+            return torch.cat([w(n) for n in names]) if names[0] in state else None
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if self.config.tie_word_embeddings else w("lm_head.weight")
+        self.layers = []
+        for i in range(self.config.num_layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            self.layers.append(
+                _Layer(
+                    input_norm=w(f"model.layers.{i}.input_layernorm.weight"),
+                    qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                    qkv_bias=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
+                    o=w(a + "o_proj.weight"),
+                    o_bias=w(a + "o_proj.bias") if a + "o_proj.bias" in state else None,
+                    post_norm=w(f"model.layers.{i}.post_attention_layernorm.weight"),
+                    gate_up=cat(m + "gate_proj.weight", m + "up_proj.weight"),
+                    gate_up_bias=cat(m + "gate_proj.bias", m + "up_proj.bias"),
+                    down=w(m + "down_proj.weight"),
+                    down_bias=w(m + "down_proj.bias") if m + "down_proj.bias" in state else None,
+                )
+            )
         self.weight_version = version
+
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits [B, V] (FP32) of the last position; writes K/V at slots start..start+T.
+
+        `mask` is a boolean [B, 1, T, start+T] (prefill) or, for decoding (T = 1), an
+        additive FP32 key bias [B, 1, 1, start+1] (0 = attend, -inf = padding).
+        RMSNorm here is the fused kind (FP32 inside, one rounding), as inference engines
+        run it; the trainer follows the Hugging Face form (two roundings).
+        """
+        cfg = self.config
+        b, t = ids.shape
+        h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        norm = partial(F.rms_norm, normalized_shape=(cfg.hidden_size,), eps=cfg.rms_norm_eps)
+        x = self.embed[ids]
+        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
+        for i, layer in enumerate(self.layers):
+            qkv = prec.linear(norm(x, weight=layer.input_norm), layer.qkv, layer.qkv_bias)
+            # RoPE on the query and key heads together: one op chain instead of two.
+            qk, v = qkv.split([(h + hkv) * d, hkv * d], dim=-1)
+            q, k = apply_rope(qk.view(b, t, h + hkv, d).transpose(1, 2), cos, sin).split([h, hkv], dim=1)
+            cache.k[i, :, :, start : start + t] = k
+            cache.v[i, :, :, start : start + t] = v.view(b, t, hkv, d).transpose(1, 2)
+            k, v = cache.k[i, :, :, : start + t], cache.v[i, :, :, : start + t]
+            if t == 1:
+                attn = prec.decode_attention(q, k, v, mask)
+            else:
+                attn = prec.attention(q, k, v, mask=mask)
+            x = x + prec.linear(attn.transpose(1, 2).reshape(b, t, h * d), layer.o, layer.o_bias)
+            gate, up = prec.linear(norm(x, weight=layer.post_norm), layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            x = x + prec.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        return prec.linear(norm(x[:, -1], weight=self.norm), self.lm_head).float()
 
     @torch.no_grad()
     def generate(
@@ -115,15 +228,17 @@ class RolloutEngine:
     ) -> RolloutBatch:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs at least one prompt, each with at least one token")
-        dev, model = self.device, self.model
+        if not self.layers:
+            raise RuntimeError("RolloutEngine.generate() before load_weights()")
+        dev = self.device
         gen = torch.Generator(device=dev).manual_seed(seed)
         n_prompts, max_new = len(prompts), sampling.max_new_tokens
         prompt_len = max(len(p) for p in prompts)
         max_len = prompt_len + max_new
-        if max_len > model.config.max_position_embeddings:
+        if max_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"prompt ({prompt_len}) + max_new_tokens ({max_new}) exceeds the model's "
-                f"max_position_embeddings ({model.config.max_position_embeddings})"
+                f"max_position_embeddings ({self.config.max_position_embeddings})"
             )
 
         # Prefill each prompt once, left-padded to a common length.
@@ -138,13 +253,12 @@ class RolloutEngine:
         causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=dev).tril()
         # A pad query attends to itself only, so its (unused) softmax row is not empty.
         mask = (causal & key_valid[:, None, None, :prompt_len]) | torch.eye(prompt_len, dtype=torch.bool, device=dev)
-        cache = KVCache(model.config, n_prompts, max_len, self.dtype, dev)
-        hidden = model.hidden_states(ids, positions, self.dtype, cache, 0, mask)
-        logits = model.logits(hidden[:, -1]).repeat_interleave(group_size, dim=0)
+        cache = KVCache(self.config, n_prompts, max_len, self.dtype, dev)
+        logits = self._forward(ids, positions, cache, 0, mask).repeat_interleave(group_size, dim=0)
 
         # Expand to the groups; from here on `rows` maps active rows to output rows.
         batch = n_prompts * group_size
-        cache = cache.repeat_interleave(group_size, prompt_len)
+        cache.repeat_rows(group_size)
         key_valid = key_valid.repeat_interleave(group_size, dim=0)
         next_pos = lengths.repeat_interleave(group_size)
         rows = torch.arange(batch, device=dev)
@@ -155,17 +269,19 @@ class RolloutEngine:
         mask_out = torch.zeros(batch, max_new, dtype=torch.bool, device=dev)
         supports: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, ids) per step
 
+        key_bias = torch.zeros(key_valid.shape, device=dev).masked_fill(~key_valid, float("-inf"))
         for t in range(max_new):
             processed = filter_logits(logits, sampling)
             logp = torch.log_softmax(processed, dim=-1)
-            token = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+            token = sample_categorical(logp.exp(), gen)
             live = ~done
-            out_rows = rows[live]
-            tokens[out_rows, t] = token[live]
-            logprobs[out_rows, t] = logp.gather(-1, token[:, None]).squeeze(-1)[live]
-            mask_out[out_rows, t] = True
+            # Rows that finished earlier keep their (pad) outputs.
+            tokens[rows, t] = torch.where(live, token.squeeze(-1), self.pad_id)
+            logprobs[rows, t] = logp.gather(-1, token).squeeze(-1).masked_fill(done, 0.0)
+            mask_out[rows, t] = live
             if sampling.filtered:
-                supports.append((out_rows, support_ids(torch.isfinite(processed[live]))))
+                supports.append((rows[live], support_ids(torch.isfinite(processed[live]))))
+            token = token.squeeze(-1)
             done = done | (token == self.eos_id)
             if bool(done.all()) or t == max_new - 1:
                 break
@@ -174,11 +290,9 @@ class RolloutEngine:
                 keep = (~done).nonzero().squeeze(-1)
                 cache.select(keep)
                 rows, token, done = rows[keep], token[keep], done[keep]
-                key_valid, next_pos = key_valid[keep], next_pos[keep]
+                key_bias, next_pos = key_bias[keep], next_pos[keep]
             start = prompt_len + t
-            step_mask = key_valid[:, None, None, : start + 1]
-            hidden = model.hidden_states(token[:, None], next_pos[:, None], self.dtype, cache, start, step_mask)
-            logits = model.logits(hidden[:, -1])
+            logits = self._forward(token[:, None], next_pos[:, None], cache, start, key_bias[:, None, None, : start + 1])
             next_pos = next_pos + 1
 
         used = int(mask_out.sum(0).nonzero().max()) + 1
