@@ -78,17 +78,18 @@ def attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
     """Attention of one new token per row over its cache, in the dtype of `q`.
 
-    `q` [B, H, 1, D]; `k`, `v` [B, Hkv, S, D]; `key_bias` [B, 1, 1, S] FP32 (0 = attend,
+    `q` [B, H, 1, D]; `k_t` [B, Hkv, D, S] (keys transposed); `v` [B, Hkv, S, D];
+    `key_bias` [B, 1, 1, S] FP32 (0 = attend,
     -inf = masked). Scores and softmax in FP32 on the rounded inputs, as flash-decoding
     kernels do; grouped query heads share their KV head without copying it.
     """
     b, h, _, d = q.shape
-    hkv = k.shape[1]
+    hkv = k_t.shape[1]
     qg = q.float().view(b, hkv, h // hkv, d)
-    scores = torch.matmul(qg, k.float().transpose(-1, -2)) * d**-0.5 + key_bias
+    scores = torch.matmul(qg, k_t.float()) * d**-0.5 + key_bias
     out = torch.matmul(torch.softmax(scores, dim=-1), v.float())
     return out.view(b, h, 1, d).to(q.dtype)
 

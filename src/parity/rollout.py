@@ -105,12 +105,12 @@ def support_ids(kept: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Static key/value storage [layers, batch, kv_heads, slots, head_dim]."""
+    """Static key/value storage. Keys are kept transposed, [layers, batch, kv_heads,
+    head_dim, slots], so the decode-time q·kᵀ reads contiguous memory."""
 
     def __init__(self, cfg: ModelConfig, batch: int, slots: int, dtype: torch.dtype, device: torch.device):
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros((cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, slots), dtype=dtype, device=device)
+        self.v = torch.zeros((cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim), dtype=dtype, device=device)
 
     def repeat_rows(self, times: int) -> None:
         """Each batch row becomes `times` consecutive copies (one per group member)."""
@@ -210,13 +210,13 @@ class RolloutEngine:
             # RoPE on the query and key heads together: one op chain instead of two.
             qk, v = qkv.split([(h + hkv) * d, hkv * d], dim=-1)
             q, k = apply_rope(qk.view(b, t, h + hkv, d).transpose(1, 2), cos, sin).split([h, hkv], dim=1)
-            cache.k[i, :, :, start : start + t] = k
+            cache.k[i, ..., start : start + t] = k.transpose(-1, -2)
             cache.v[i, :, :, start : start + t] = v.view(b, t, hkv, d).transpose(1, 2)
-            k, v = cache.k[i, :, :, : start + t], cache.v[i, :, :, : start + t]
+            k_t, v = cache.k[i, ..., : start + t], cache.v[i, :, :, : start + t]
             if t == 1:
-                attn = prec.decode_attention(q, k, v, mask)
+                attn = prec.decode_attention(q, k_t, v, mask)
             else:
-                attn = prec.attention(q, k, v, mask=mask)
+                attn = prec.attention(q, k_t.transpose(-1, -2), v, mask=mask)
             x = x + prec.linear(attn.transpose(1, 2).reshape(b, t, h * d), layer.o, layer.o_bias)
             gate, up = prec.linear(norm(x, weight=layer.post_norm), layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
             x = x + prec.linear(F.silu(gate) * up, layer.down, layer.down_bias)
