@@ -9,6 +9,9 @@
 2. FP16 / BF16 cost ratio on this CPU for a rollout and for a trainer step
    (forward + backward + optimizer step on one rollout batch), alternated likewise.
 3. Peak memory: max RSS of each workload run alone in a fresh process.
+4. Matmul throughput on this CPU at a trainer-step shape, per precision path
+   (FP32, native BF16, native FP16, and Parity's FP16 fast path), which explains
+   the FP16/BF16 ratios above.
 
     python benchmarks/engines.py [--repeats 7] [--models builtin,llama-4.4M] [--json out.json]
 """
@@ -40,9 +43,19 @@ def make_llama_4m(out: Path) -> Path:
     from parity.models import BUILTIN_DIR
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
-                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
-                      bos_token_id=None, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(cfg).save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         (out / name).write_bytes((BUILTIN_DIR / name).read_bytes())
@@ -92,9 +105,18 @@ class Workloads:
 
         def run() -> int:
             with torch.no_grad():
-                out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,
-                                     top_p=1.0, max_new_tokens=new, min_new_tokens=None if eos else new,
-                                     eos_token_id=eos_id if eos else None, pad_token_id=self.tok.pad_id)
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=attn,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=new,
+                    min_new_tokens=None if eos else new,
+                    eos_token_id=eos_id if eos else None,
+                    pad_token_id=self.tok.pad_id,
+                )
             gen = out[:, width:]
             if not eos:
                 return gen.numel()
@@ -136,8 +158,13 @@ def alternate(runs: dict, repeats: int) -> dict:
             t = time.perf_counter()
             tokens[k].append(fn())
             times[k].append(time.perf_counter() - t)
-    return {k: {"seconds": statistics.median(times[k]),
-                "tokens_per_s": statistics.median(n / s for n, s in zip(tokens[k], times[k]))} for k in runs}
+    return {
+        k: {
+            "seconds": statistics.median(times[k]),
+            "tokens_per_s": statistics.median(n / s for n, s in zip(tokens[k], times[k])),
+        }
+        for k in runs
+    }
 
 
 def timing_job(model_dir: str, spec: dict, repeats: int) -> dict:
@@ -154,11 +181,38 @@ def timing_job(model_dir: str, spec: dict, repeats: int) -> dict:
 
 def memory_job(model_dir: str, spec: dict, kind: str, precision: str) -> float:
     w = Workloads(model_dir, spec)
-    fn = {"parity_rollout": lambda: w.parity_rollout(precision, False), "hf_generate": lambda: w.hf_generate(precision, False),
-          "train_step": lambda: w.train_step(precision)}[kind]()
+    fn = {
+        "parity_rollout": lambda: w.parity_rollout(precision, False),
+        "hf_generate": lambda: w.hf_generate(precision, False),
+        "train_step": lambda: w.train_step(precision),
+    }[kind]()
     for _ in range(3):
         fn()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def matmul_job(repeats: int) -> dict:
+    """GFLOP/s of x[1408, 256] @ w[256, 1024] (64 sequences x 22 tokens, a 4.4M-Llama MLP)."""
+    import torch.nn.functional as F
+
+    from parity import precision as prec
+
+    x, w = torch.randn(1408, 256), torch.randn(1024, 256)
+    flops = 2 * x.shape[0] * x.shape[1] * w.shape[0]
+    paths = {
+        "fp32": lambda: F.linear(x, w),
+        "bf16_native": (lambda xb, wb: lambda: F.linear(xb, wb))(x.bfloat16(), w.bfloat16()),
+        "fp16_native": (lambda xh, wh: lambda: F.linear(xh, wh))(x.half(), w.half()),
+        "fp16_fast_path": (lambda xh, wh: lambda: prec.linear(xh, wh))(x.half(), w.half()),
+    }
+    out = {}
+    for name, fn in paths.items():
+        fn()
+        t = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        out[name] = flops * repeats / (time.perf_counter() - t) / 1e9
+    return out
 
 
 def isolated(fn, *args):
@@ -176,17 +230,27 @@ def main() -> int:
     from parity.models import resolve_model_dir
 
     results: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "models": {}}
+    results["matmul_gflops"] = isolated(matmul_job, 20)
+    print(
+        "matmul GFLOP/s at [1408x256] @ [256x1024]: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in results["matmul_gflops"].items())
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             spec = MODELS[name]
             model_dir = str(resolve_model_dir(spec["path"]) if spec["path"] else make_llama_4m(Path(tmp) / name))
             r = isolated(timing_job, model_dir, spec, args.repeats)
-            r["peak_rss_mb"] = {f"{kind}_{p}": isolated(memory_job, model_dir, spec, kind, p)
-                                for kind in ("parity_rollout", "hf_generate", "train_step") for p in ("fp32", "bf16")}
+            r["peak_rss_mb"] = {
+                f"{kind}_{p}": isolated(memory_job, model_dir, spec, kind, p)
+                for kind in ("parity_rollout", "hf_generate", "train_step")
+                for p in ("fp32", "bf16")
+            }
             r["peak_rss_mb"]["train_step_fp16"] = isolated(memory_job, model_dir, spec, "train_step", "fp16")
             results["models"][name] = r
-            print(f"\n## {name}: {spec['prompts']} prompts x {spec['group']} samples, up to {spec['new_tokens']} "
-                  f"new tokens, median of {args.repeats}, {torch.get_num_threads()} threads")
+            print(
+                f"\n## {name}: {spec['prompts']} prompts x {spec['group']} samples, up to {spec['new_tokens']} "
+                f"new tokens, median of {args.repeats}, {torch.get_num_threads()} threads"
+            )
             print("| rollout | precision | Parity tokens/s | HF generate tokens/s | speed-up |")
             print("|---|---|---|---|---|")
             for key in (k for k in r if k.startswith("rollout_") and k.count("_") == 2):
@@ -195,11 +259,15 @@ def main() -> int:
                 print(f"| {mode} | {precision} | {ours:.0f} | {hf:.0f} | {ours / hf:.2f}x |")
             roll = r["rollout_fp16_vs_bf16"]
             train = r["train_step"]
-            print(f"\nrollout fp16/bf16 time: {roll['fp16']['seconds'] / roll['bf16']['seconds']:.2f}x "
-                  f"({roll['fp16']['seconds']:.3f}s / {roll['bf16']['seconds']:.3f}s)")
-            print(f"train step fp16/bf16 time: {train['fp16']['seconds'] / train['bf16']['seconds']:.2f}x "
-                  f"(fp32 {train['fp32']['seconds']:.3f}s, bf16 {train['bf16']['seconds']:.3f}s, "
-                  f"fp16 {train['fp16']['seconds']:.3f}s)")
+            print(
+                f"\nrollout fp16/bf16 time: {roll['fp16']['seconds'] / roll['bf16']['seconds']:.2f}x "
+                f"({roll['fp16']['seconds']:.3f}s / {roll['bf16']['seconds']:.3f}s)"
+            )
+            print(
+                f"train step fp16/bf16 time: {train['fp16']['seconds'] / train['bf16']['seconds']:.2f}x "
+                f"(fp32 {train['fp32']['seconds']:.3f}s, bf16 {train['bf16']['seconds']:.3f}s, "
+                f"fp16 {train['fp16']['seconds']:.3f}s)"
+            )
             print("peak RSS MB: " + ", ".join(f"{k} {v:.0f}" for k, v in r["peak_rss_mb"].items()))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

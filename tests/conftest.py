@@ -13,8 +13,7 @@ VOCAB_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +=,.>?"
 
 def write_char_tokenizer(out: Path) -> int:
     """A character-level tokenizer.json with <pad>=0, <bos>=1, <eos>=2; returns the vocab size."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
     for ch in VOCAB_CHARS:
@@ -37,9 +36,17 @@ def save_hf_model(out: Path, arch: str, seed: int = 0, vocab_size: int = 64, tie
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=tie,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=tie,
     )
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))

@@ -9,8 +9,15 @@ import pytest
 from parity.cli import main
 
 REQUIRED_METRICS = {
-    "k1", "k2", "k3", "chi2_token", "seq_abs_log_ratio", "token_abs_log_ratio_mean",
-    "token_abs_log_ratio_max", "prob_abs_diff_mean", "prob_abs_diff_max",
+    "k1",
+    "k2",
+    "k3",
+    "chi2_token",
+    "seq_abs_log_ratio",
+    "token_abs_log_ratio_mean",
+    "token_abs_log_ratio_max",
+    "prob_abs_diff_mean",
+    "prob_abs_diff_max",
 }
 
 
@@ -32,8 +39,19 @@ def test_mismatch_on_hf_checkpoint(fixture, request, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["12+34=", "hello ", "7+8=", "abc"]))
     out = tmp_path / "out"
-    code = main(["mismatch", "--model", str(path), "--out", str(out), f"prompts={prompts}", "group_size=2",
-                 "sampling.max_new_tokens=24", "pairs=fp32/fp32,bf16/bf16,fp16/fp16,bf16/fp32"])
+    code = main(
+        [
+            "mismatch",
+            "--model",
+            str(path),
+            "--out",
+            str(out),
+            f"prompts={prompts}",
+            "group_size=2",
+            "sampling.max_new_tokens=24",
+            "pairs=fp32/fp32,bf16/bf16,fp16/fp16,bf16/fp32",
+        ]
+    )
     assert code == 0
     doc = json.loads((out / "mismatch.json").read_text())
     runs = _check_schema(doc, str(path), [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32")])
@@ -57,8 +75,11 @@ def test_mismatch_builtin_precision_ordering(tmp_path):
     """On the built-in model: FP32 at round-off, FP16 several times below BF16 (token level)."""
     out = tmp_path / "out"
     assert main(["mismatch", "--out", str(out), "num_prompts=32", "group_size=4"]) == 0
-    runs = _check_schema(json.loads((out / "mismatch.json").read_text()), "builtin",
-                         [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32")])
+    runs = _check_schema(
+        json.loads((out / "mismatch.json").read_text()),
+        "builtin",
+        [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32")],
+    )
     k3 = {pair: run["metrics"]["k3"] for pair, run in runs.items()}
     tok = {pair: run["metrics"]["token_abs_log_ratio_mean"] for pair, run in runs.items()}
     assert k3[("fp32", "fp32")] < 1e-9

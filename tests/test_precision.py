@@ -28,8 +28,9 @@ def test_fp16_fast_path_attention_matches_fp32_on_rounded_inputs():
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 4, 5, 8, generator=g).half() for _ in range(3))
     out = precision.attention(q, k[:, :2], v[:, :2], causal=True)
-    ref = F.scaled_dot_product_attention(q.float(), k[:, :2].float(), v[:, :2].float(), is_causal=True,
-                                         enable_gqa=True).half()
+    ref = F.scaled_dot_product_attention(
+        q.float(), k[:, :2].float(), v[:, :2].float(), is_causal=True, enable_gqa=True
+    ).half()
     assert out.dtype == torch.float16 and torch.equal(out, ref)
 
 

@@ -98,9 +98,7 @@ def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
-            raise ConfigError(
-                f"unknown config key {prefix}{key!s}; allowed keys here: {', '.join(sorted(fields))}"
-            )
+            raise ConfigError(f"unknown config key {prefix}{key!s}; allowed keys here: {', '.join(sorted(fields))}")
         kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}")
     obj = cls(**kwargs)
     check = getattr(obj, "validate", None)
@@ -156,15 +154,26 @@ def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | No
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{source}:1: the top level must be a mapping of config keys")
         data = loaded or {}
-    data = _merge(data, parse_overrides(overrides or []))
+    override_data = parse_overrides(overrides or [])
+    data = _merge(data, override_data)
     try:
         return _build(cls, data)
     except ConfigError as e:
+        # Point at the YAML line, unless the offending value came from an override.
         msg = str(e)
         key = msg.split(":", 1)[0].removeprefix("unknown config key ").split(";")[0].split("[")[0]
-        if key in lines:
+        if key in lines and not _has_path(override_data, key):
             raise ConfigError(f"{source}:{lines[key]}: {msg}") from None
         raise
+
+
+def _has_path(data: dict[str, Any], dotted: str) -> bool:
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

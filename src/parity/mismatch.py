@@ -208,8 +208,10 @@ def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
         f"{cfg.num_prompts} prompts × {cfg.group_size} samples, temperature {cfg.sampling.temperature}, "
         f"top_k {cfg.sampling.top_k}, top_p {cfg.sampling.top_p}, max_new_tokens {cfg.sampling.max_new_tokens}, "
         f"seed {cfg.seed}. Δ = π (trainer) − μ (rollout) over response tokens; "
-        "metric definitions in docs/metrics.md.\n\n" + markdown_table(results)
-        + "\n![token-level μ vs π](mismatch_scatter.png)\n\n![sequence log-ratio vs length](seq_log_ratio_vs_length.png)\n"
+        "metric definitions in docs/metrics.md.\n\n"
+        + markdown_table(results)
+        + "\n![token-level μ vs π](mismatch_scatter.png)\n\n"
+        + "![sequence log-ratio vs length](seq_log_ratio_vs_length.png)\n"
     )
     atomic_write_text(out / "mismatch.md", md)
     plot_mismatch_scatter(results, out / "mismatch_scatter.png")

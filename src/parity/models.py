@@ -10,7 +10,7 @@ save in the Hugging Face format with no conversion.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +68,7 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ModelError(
-                f"{source}: unsupported RoPE scaling rope_type={rope_type!r}; "
-                "only the default RoPE is implemented"
+                f"{source}: unsupported RoPE scaling rope_type={rope_type!r}; only the default RoPE is implemented"
             )
         if hf.get("use_sliding_window"):
             raise ModelError(f"{source}: sliding-window attention is not supported")
@@ -140,7 +139,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight.to(x.dtype) * xf.to(x.dtype)
 
 
-def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_angles(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [..., head_dim] for integer positions, computed in FP32 and rounded to `dtype`."""
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -290,9 +291,6 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i != self.eos_id and i != self.pad_id], skip_special_tokens=True)
 
-    def token_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
@@ -312,7 +310,11 @@ def _special_id(tok_cfg: dict[str, Any], key: str, tokenizer_json: Path) -> int 
     for added in vocab.get("added_tokens", []):
         if added.get("content") == token:
             return int(added["id"])
-    return vocab.get("model", {}).get("vocab", {}).get(token) if isinstance(vocab.get("model", {}).get("vocab"), dict) else None
+    return (
+        vocab.get("model", {}).get("vocab", {}).get(token)
+        if isinstance(vocab.get("model", {}).get("vocab"), dict)
+        else None
+    )
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
@@ -325,7 +327,9 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
         )
     cfg = _read_json(model_dir / "config.json")
     tok_cfg = _read_json(model_dir / "tokenizer_config.json") if (model_dir / "tokenizer_config.json").is_file() else {}
-    gen_cfg = _read_json(model_dir / "generation_config.json") if (model_dir / "generation_config.json").is_file() else {}
+    gen_cfg = (
+        _read_json(model_dir / "generation_config.json") if (model_dir / "generation_config.json").is_file() else {}
+    )
 
     def first(*values):
         for v in values:
@@ -337,7 +341,9 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
 
     eos = first(gen_cfg.get("eos_token_id"), _special_id(tok_cfg, "eos_token", path), cfg.get("eos_token_id"))
     if eos is None:
-        raise ModelError(f"{model_dir}: no EOS token id in generation_config.json, tokenizer_config.json or config.json")
+        raise ModelError(
+            f"{model_dir}: no EOS token id in generation_config.json, tokenizer_config.json or config.json"
+        )
     pad = first(gen_cfg.get("pad_token_id"), _special_id(tok_cfg, "pad_token", path), cfg.get("pad_token_id"), eos)
     add_bos = tok_cfg.get("add_bos_token", cfg.get("model_type") == "llama" and cfg.get("bos_token_id") is not None)
     bos = first(_special_id(tok_cfg, "bos_token", path), cfg.get("bos_token_id")) if add_bos else None
@@ -351,9 +357,7 @@ def resolve_model_dir(model: str | Path) -> Path:
     """`builtin` names the shipped model; anything else is a local directory."""
     if str(model) == "builtin":
         if not (BUILTIN_DIR / "model.safetensors").is_file():
-            raise ModelError(
-                f"the built-in model is missing from {BUILTIN_DIR}; rebuild it with `parity build-model`"
-            )
+            raise ModelError(f"the built-in model is missing from {BUILTIN_DIR}; rebuild it with `parity build-model`")
         return BUILTIN_DIR
     path = Path(model).expanduser()
     if not path.is_dir():
@@ -424,11 +428,12 @@ def save_model(model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path |
         save_file(export_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer_dir is not None:
             src = resolve_model_dir(tokenizer_dir)
-            for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+            for name in (
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "generation_config.json",
+                "special_tokens_map.json",
+            ):
                 if (src / name).is_file():
                     (tmp / name).write_bytes((src / name).read_bytes())
     return out_dir
-
-
-def describe(cfg: ModelConfig) -> dict[str, Any]:
-    return asdict(cfg)

@@ -37,9 +37,7 @@ def to_dtype(precision: str) -> torch.dtype:
     try:
         return DTYPES[precision]
     except KeyError:
-        raise ValueError(
-            f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}"
-        ) from None
+        raise ValueError(f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}") from None
 
 
 def _emulate(t: torch.Tensor) -> bool:
@@ -172,4 +170,3 @@ class DynamicLossScaler:
             clean_steps=int(state["clean_steps"]),
             skipped_steps=int(state["skipped_steps"]),
         )
-

@@ -37,15 +37,27 @@ def plot_mismatch_scatter(results: Sequence[PairResult], path: Path) -> None:
         top, bottom = axes[0][col], axes[1][col]
         top.scatter(mu, pi, s=3, alpha=0.35)
         top.plot([0, 1], [0, 1], color="black", lw=0.7)
-        top.set(xlim=(0, 1), ylim=(0, 1), xlabel="rollout probability μ",
-                ylabel="trainer probability π" if col == 0 else None, title=r.label)
+        top.set(
+            xlim=(0, 1),
+            ylim=(0, 1),
+            xlabel="rollout probability μ",
+            ylabel="trainer probability π" if col == 0 else None,
+            title=r.label,
+        )
         bottom.scatter(mu, delta, s=3, alpha=0.35, color="tab:red")
         bottom.axhline(0, color="black", lw=0.7)
         bottom.set_yscale("symlog", linthresh=1e-6)
         bottom.set(xlim=(0, 1), xlabel="rollout probability μ", ylabel="log π − log μ" if col == 0 else None)
-        bottom.text(0.5, 0.5, f"k3 = {r.metrics['k3']:.2e}\nmean |Δ| = {r.metrics['token_abs_log_ratio_mean']:.2e}",
-                    transform=bottom.transAxes, ha="center", va="center", fontsize=9,
-                    bbox=dict(facecolor="white", alpha=0.8, edgecolor="none"))
+        bottom.text(
+            0.5,
+            0.5,
+            f"k3 = {r.metrics['k3']:.2e}\nmean |Δ| = {r.metrics['token_abs_log_ratio_mean']:.2e}",
+            transform=bottom.transAxes,
+            ha="center",
+            va="center",
+            fontsize=9,
+            bbox=dict(facecolor="white", alpha=0.8, edgecolor="none"),
+        )
     fig.suptitle("Token-level training–inference mismatch")
     _save(fig, path)
 
@@ -58,7 +70,10 @@ def plot_seq_log_ratio_vs_length(results: Sequence[PairResult], path: Path) -> N
         seq = (r.trainer_logprobs - r.rollout_logprobs).masked_fill(~r.mask, 0).sum(-1).abs().numpy()
         ax.scatter(lengths, seq, s=8, alpha=0.5, label=f"{r.label} (mean {seq.mean():.2e})")
     ax.set_yscale("symlog", linthresh=1e-6)
-    ax.set(xlabel="response length (tokens)", ylabel="|sequence log-ratio| = |Σ_t log π − log μ|",
-           title="Sequence-level mismatch against response length")
+    ax.set(
+        xlabel="response length (tokens)",
+        ylabel="|sequence log-ratio| = |Σ_t log π − log μ|",
+        title="Sequence-level mismatch against response length",
+    )
     ax.legend(fontsize=8)
     _save(fig, path)

@@ -223,9 +223,7 @@ class RolloutEngine:
         return prec.linear(norm(x[:, -1], weight=self.norm), self.lm_head).float()
 
     @torch.no_grad()
-    def generate(
-        self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, seed: int
-    ) -> RolloutBatch:
+    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs at least one prompt, each with at least one token")
         if not self.layers:
@@ -292,7 +290,9 @@ class RolloutEngine:
                 rows, token, done = rows[keep], token[keep], done[keep]
                 key_bias, next_pos = key_bias[keep], next_pos[keep]
             start = prompt_len + t
-            logits = self._forward(token[:, None], next_pos[:, None], cache, start, key_bias[:, None, None, : start + 1])
+            logits = self._forward(
+                token[:, None], next_pos[:, None], cache, start, key_bias[:, None, None, : start + 1]
+            )
             next_pos = next_pos + 1
 
         used = int(mask_out.sum(0).nonzero().max()) + 1

@@ -71,17 +71,21 @@ def write_tokenizer(out_dir: Path) -> None:
     tok.add_special_tokens(list(BUILTIN_SPECIALS))
     tok.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "pad_token": "<pad>",
-                    "add_bos_token": False}, indent=2) + "\n"
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<eos>",
+                "pad_token": "<pad>",
+                "add_bos_token": False,
+            },
+            indent=2,
+        )
+        + "\n"
     )
-    (out_dir / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": 1, "pad_token_id": 0}, indent=2) + "\n"
-    )
+    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, "pad_token_id": 0}, indent=2) + "\n")
 
 
-def accuracy_spread(
-    model: CausalLM, tokenizer_dir: Path, problems: int, samples: int, seed: int
-) -> dict[str, float]:
+def accuracy_spread(model: CausalLM, tokenizer_dir: Path, problems: int, samples: int, seed: int) -> dict[str, float]:
     """Per-problem accuracy over `samples` draws at temperature 1 on held-out problems."""
     tok = load_tokenizer(tokenizer_dir)
     task = ArithmeticTask()
@@ -89,10 +93,12 @@ def accuracy_spread(
     engine = RolloutEngine(model.config, "fp32", tok.eos_id, tok.pad_id)
     engine.load_weights(model.state_dict(), version=0)
     batch = engine.generate([tok.encode(p.prompt) for p in probs], samples, SamplingParams(max_new_tokens=96), seed)
-    rewards = torch.tensor([
-        task.reward(probs[int(g)], tok.decode(batch.response_ids[i][batch.response_mask[i]].tolist()))
-        for i, g in enumerate(batch.group_index)
-    ]).view(problems, samples)
+    rewards = torch.tensor(
+        [
+            task.reward(probs[int(g)], tok.decode(batch.response_ids[i][batch.response_mask[i]].tolist()))
+            for i, g in enumerate(batch.group_index)
+        ]
+    ).view(problems, samples)
     acc = rewards.mean(-1)
     return {
         "mean_accuracy": float(acc.mean()),
