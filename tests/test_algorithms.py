@@ -90,8 +90,16 @@ def test_estimator_matches_formula(name):
 
 def test_registry_is_complete():
     assert set(POLICY_LOSSES) == {
-        "grpo", "grpo_token_tis", "grpo_token_mis", "grpo_seq_tis", "grpo_seq_mis", "gspo",
-        "pg_seq_is", "pg_seq_tis", "pg_seq_mis", "reinforce",
+        "grpo",
+        "grpo_token_tis",
+        "grpo_token_mis",
+        "grpo_seq_tis",
+        "grpo_seq_mis",
+        "gspo",
+        "pg_seq_is",
+        "pg_seq_tis",
+        "pg_seq_mis",
+        "reinforce",
     }
     assert NEEDS_OLD_LOGPROBS == {n for n in POLICY_LOSSES if n.startswith(("grpo", "gspo"))}
 
@@ -121,8 +129,14 @@ def test_masking_drops_and_truncation_clamps():
 def test_log_ratios_are_clamped():
     theta = torch.tensor([[0.0, 0.0]], dtype=torch.float64)
     mu = torch.tensor([[-100.0, -100.0]], dtype=torch.float64)
-    loss, _, stats = _run("pg_seq_is", theta, theta.clone(), mu, torch.tensor([1.0], dtype=torch.float64),
-                          torch.ones(1, 2, dtype=torch.bool))
+    loss, _, stats = _run(
+        "pg_seq_is",
+        theta,
+        theta.clone(),
+        mu,
+        torch.tensor([1.0], dtype=torch.float64),
+        torch.ones(1, 2, dtype=torch.bool),
+    )
     assert torch.isfinite(loss).all() and math.isclose(float(stats["is_weight_max"]), math.exp(20), rel_tol=1e-9)
 
 

@@ -1,4 +1,4 @@
-"""Tasks: problems with exactly checkable answers, and their reward functions.
+"""Tasks: datasets of problems and the reward functions that score responses.
 
 The built-in task is column addition written out step by step, right to left:
 
@@ -12,8 +12,15 @@ rollout/trainer mismatch has a long sequence to accumulate over.
 
 from __future__ import annotations
 
+import importlib
+import json
 import random
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,143 @@ class ArithmeticTask:
 
     def reward(self, problem: Problem, response: str) -> float:
         return 1.0 if self.extract_answer(response) == problem.answer else 0.0
+
+
+class DataError(ValueError):
+    """A dataset file that cannot be used; the message names the file and line."""
+
+
+def load_problems(path: str | Path) -> list[Problem]:
+    """Problems from a JSONL or Parquet file with string fields `prompt` and `answer`."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"task.data: file {str(path)!r} does not exist")
+    rows: list[tuple[str, object]] = []  # (where, row)
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        missing = {"prompt", "answer"} - set(table.column_names)
+        if missing:
+            raise DataError(f"{path}: missing column(s) {sorted(missing)}; need 'prompt' and 'answer'")
+        rows = [(f"{path}: row {i}", r) for i, r in enumerate(table.select(["prompt", "answer"]).to_pylist())]
+    else:
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"{path}:{lineno}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+    problems = []
+    for where, row in rows:
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or "answer" not in row:
+            raise DataError(f"{where}: expected an object with a string 'prompt' and an 'answer'")
+        problems.append(Problem(prompt=row["prompt"], answer=str(row["answer"])))
+    if not problems:
+        raise DataError(f"{path}: no problems found")
+    return problems
+
+
+class DataOrder:
+    """Which problem comes next: a fresh seeded permutation every epoch.
+
+    The whole state is `position`, so a resumed run draws exactly the same prompts.
+    """
+
+    def __init__(self, num_items: int, seed: int, position: int = 0):
+        self.num_items, self.seed, self.position = num_items, seed, position
+        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+
+    def take(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            epoch, offset = divmod(self.position, self.num_items)
+            if epoch != self._epoch:
+                gen = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+                self._epoch, self._perm = epoch, torch.randperm(self.num_items, generator=gen)
+            out.append(int(self._perm[offset]))
+            self.position += 1
+        return out
+
+
+# ----------------------------------------------------------------------------- rewards
+# A reward function takes (problem, response text, response length in tokens).
+RewardFn = Callable[[Problem, str, int], float]
+
+_BOXED = re.compile(r"\\boxed\s*\{")
+
+
+def extract_boxed(text: str) -> str | None:
+    """Contents of the last \\boxed{...} in `text` (braces balanced), or None."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    if not starts:
+        return None
+    depth, i = 1, starts[-1]
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def builtin_reward(problem: Problem, response: str, length: int) -> float:
+    return ArithmeticTask().reward(problem, response)
+
+
+def length_reward(problem: Problem, response: str, length: int) -> float:
+    """−(response length in tokens, EOS included): the optimum is to stop at once."""
+    return -float(length)
+
+
+def exact_reward(problem: Problem, response: str, length: int) -> float:
+    return 1.0 if response.strip() == problem.answer.strip() else 0.0
+
+
+def math_reward(problem: Problem, response: str, length: int) -> float:
+    """1 if the last \\boxed{} answer equals the reference under `math-verify`."""
+    import logging
+
+    from math_verify import parse, verify
+
+    # The reward runner enforces the timeout; math-verify's own (signal-based) is off.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    boxed = extract_boxed(response)
+    if boxed is None:
+        return 0.0
+    answer = problem.answer if "\\boxed" in problem.answer else f"${problem.answer}$"
+    gold = parse(answer, parsing_timeout=None)
+    guess = parse(f"\\boxed{{{boxed}}}", parsing_timeout=None)
+    return 1.0 if verify(gold, guess, timeout_seconds=None) else 0.0
+
+
+REWARDS: dict[str, RewardFn] = {
+    "builtin": builtin_reward,
+    "length": length_reward,
+    "exact": exact_reward,
+    "math": math_reward,
+}
+TRUSTED_REWARDS = {"builtin", "length", "exact"}  # fast, pure: run in-process
+
+
+def import_reward_fn(spec: str) -> RewardFn:
+    """`module:function` -> the function, called as fn(prompt, response, answer) -> float."""
+    if spec.count(":") != 1:
+        raise ValueError(f"task.reward_fn: expected 'module:function', got {spec!r}")
+    module_name, fn_name = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"task.reward_fn: cannot import module {module_name!r} ({e})") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"task.reward_fn: {module_name!r} has no function {fn_name!r}")
+
+    def reward(problem: Problem, response: str, length: int) -> float:
+        return float(fn(problem.prompt, response, problem.answer))
+
+    reward.__qualname__ = spec
+    return reward
 
 
 # Characters of the built-in model's vocabulary (after the special tokens).
