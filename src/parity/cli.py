@@ -8,6 +8,8 @@ from pathlib import Path
 
 from parity.config import ConfigError
 from parity.models import ModelError
+from parity.rewards import RewardError
+from parity.tasks import DataError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -39,6 +41,23 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
     out = write_outputs(cfg, results)
     print(markdown_table(results))
     print(f"wrote {out}/mismatch.json, mismatch.md, mismatch_scatter.png, seq_log_ratio_vs_length.png")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from parity import config as cfg_mod
+    from parity.loop import Run, TrainConfig, summary_line
+
+    if args.resume:
+        if args.config or args.overrides:
+            raise ConfigError("--resume continues a run with its saved config.yaml; drop the config and overrides")
+        run = Run.resume(args.resume)
+    else:
+        config, overrides = _split_config(args)
+        run = Run.create(cfg_mod.load(TrainConfig, config, overrides))
+    print(f"run directory: {run.run_dir}")
+    history = run.train()
+    print(summary_line(history))
     return 0
 
 
@@ -75,6 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory (default parity-mismatch); same as out=DIR")
     p.set_defaults(func=cmd_mismatch)
 
+    p = sub.add_parser(
+        "train",
+        help="RL fine-tuning: rollout, rewards, estimator, mismatch metrics, checkpoints",
+        description=(
+            "Run RL fine-tuning. Config sections: rollout, trainer, algorithm, task, reward (see docs/training.md); "
+            "top-level keys: model, precision, steps, prompts_per_step, seed, run_dir, checkpoint_every. "
+            "Example: parity train precision=fp16 algorithm.name=grpo steps=100"
+        ),
+    )
+    _add_config_args(p)
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.set_defaults(func=cmd_train)
+
     from parity.builtin.build import BuildConfig
     from parity.models import BUILTIN_DIR
 
@@ -94,6 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ModelError) as e:
+    except (ConfigError, ModelError, DataError, RewardError) as e:
         print(f"parity {args.command}: error: {e}", file=sys.stderr)
         return 2

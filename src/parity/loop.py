@@ -1,0 +1,505 @@
+"""`parity train`: the synchronous RL loop, its config, and its run directory.
+
+One step, top to bottom (`Run.step`):
+
+    prompts ─► RolloutEngine (rollout precision) ─► tokens, μ
+            ─► rewards ─► group advantages
+            ─► [π_old pass, only if several updates per rollout]
+            ─► for each epoch, mini-batch: π_θ, estimator loss, scaled backward, optimizer step
+            ─► mismatch metrics (μ vs π on the sampling weights) ─► weight sync ─► log, checkpoint
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from parity import config as config_mod
+from parity import precision as prec
+from parity.algorithms import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    LossConfig,
+    PolicyInputs,
+    aggregate,
+    group_advantages,
+    kl_penalty,
+)
+from parity.checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
+from parity.config import ConfigError
+from parity.diagnostics import mismatch_by_length, mismatch_metrics
+from parity.files import atomic_write_text
+from parity.models import load_model, load_tokenizer, resolve_model_dir
+from parity.rewards import RewardRunner
+from parity.rollout import RolloutEngine, SamplingParams
+from parity.tasks import REWARDS, TRUSTED_REWARDS, ArithmeticTask, DataOrder, import_reward_fn, load_problems
+from parity.trainer import OptimConfig, Trainer
+
+TRUNCATION_MODES = ("keep", "zero_reward", "drop")
+BINARY_REWARDS = {"builtin", "exact", "math"}
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class RolloutSection:
+    precision: str | None = None  # overrides `precision` for the rollout engine
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 96
+    group_size: int = 8
+
+
+@dataclass
+class TrainerSection:
+    precision: str | None = None  # overrides `precision` for the trainer
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    loss_scale_init: float = 65536.0
+    loss_scale_growth_interval: int = 200
+    micro_batch_size: int = 64  # sequences per forward/backward
+
+
+@dataclass
+class AlgorithmSection:
+    name: str = "pg_seq_is"
+    advantage: str = "grpo"
+    aggregation: str = "seq_mean_token_sum_norm"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    gspo_clip_low: float = 3e-4
+    gspo_clip_high: float = 4e-4
+    cap: float = 2.0
+    ppo_epochs: int = 1
+    num_minibatches: int = 1
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    truncated: str = "keep"  # responses without EOS: keep | zero_reward | drop (from the loss)
+
+
+@dataclass
+class TaskSection:
+    name: str = "builtin"  # the reward: builtin | length | exact | math
+    data: str = "builtin"  # builtin (generated arithmetic problems) or a JSONL/Parquet file
+    num_problems: int = 1024  # size of the generated builtin dataset
+    reward_fn: str = ""  # module:function, called as fn(prompt, response, answer); overrides `name`
+
+
+@dataclass
+class RewardSection:
+    timeout_s: float = 5.0
+    strict: bool = False  # a failing reward stops the run instead of scoring 0
+    isolate: str = "auto"  # auto (user/math rewards in a worker process) | always | never
+
+
+@dataclass
+class TrainConfig:
+    model: str = "builtin"
+    precision: str = "fp16"  # both engines; rollout.precision / trainer.precision override one side
+    allow_precision_mismatch: bool = False
+    steps: int = 50
+    prompts_per_step: int = 16
+    seed: int = 0
+    run_dir: str = ""  # default: runs/train-<time>
+    checkpoint_every: int = 10  # steps; 0 = only at the end
+    keep_checkpoints: int = 2
+    tensorboard: bool = True  # when the tensorboard package is installed
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+
+    @property
+    def rollout_precision(self) -> str:
+        return self.rollout.precision or self.precision
+
+    @property
+    def trainer_precision(self) -> str:
+        return self.trainer.precision or self.precision
+
+    def validate(self) -> None:
+        def one_of(key: str, value: str, allowed) -> None:
+            if value not in allowed:
+                raise ConfigError(f"{key}: unknown value {value!r}; allowed: {', '.join(sorted(allowed))}")
+
+        for key, value in (
+            ("precision", self.precision),
+            ("rollout.precision", self.rollout_precision),
+            ("trainer.precision", self.trainer_precision),
+        ):
+            one_of(key, value, prec.PRECISIONS)
+        if self.rollout_precision != self.trainer_precision and not self.allow_precision_mismatch:
+            raise ConfigError(
+                f"rollout.precision={self.rollout_precision} and trainer.precision={self.trainer_precision} differ; "
+                "a mismatched pair is an ablation: set allow_precision_mismatch=true to run it on purpose"
+            )
+        one_of("algorithm.name", self.algorithm.name, POLICY_LOSSES)
+        one_of("algorithm.advantage", self.algorithm.advantage, ADVANTAGES)
+        one_of("algorithm.aggregation", self.algorithm.aggregation, AGGREGATIONS)
+        one_of("algorithm.kl_estimator", self.algorithm.kl_estimator, KL_ESTIMATORS)
+        one_of("algorithm.truncated", self.algorithm.truncated, TRUNCATION_MODES)
+        one_of("task.name", self.task.name, REWARDS)
+        one_of("reward.isolate", self.reward.isolate, ("auto", "always", "never"))
+        if self.task.name == "length" and self.algorithm.truncated == "zero_reward":
+            raise ConfigError("algorithm.truncated=zero_reward would reward the longest responses on task.name=length")
+        for key, value in (
+            ("steps", self.steps),
+            ("prompts_per_step", self.prompts_per_step),
+            ("rollout.group_size", self.rollout.group_size),
+            ("algorithm.ppo_epochs", self.algorithm.ppo_epochs),
+            ("algorithm.num_minibatches", self.algorithm.num_minibatches),
+            ("trainer.micro_batch_size", self.trainer.micro_batch_size),
+        ):
+            if value < 1:
+                raise ConfigError(f"{key}: must be >= 1, got {value}")
+        if self.prompts_per_step % self.algorithm.num_minibatches:
+            raise ConfigError(
+                f"algorithm.num_minibatches={self.algorithm.num_minibatches} must divide "
+                f"prompts_per_step={self.prompts_per_step} (mini-batches hold whole groups)"
+            )
+        if self.algorithm.advantage == "grpo" and self.rollout.group_size < 2:
+            raise ConfigError("algorithm.advantage=grpo needs rollout.group_size >= 2 (a group std)")
+        if self.task.reward_fn and self.task.reward_fn.count(":") != 1:
+            raise ConfigError(f"task.reward_fn: expected 'module:function', got {self.task.reward_fn!r}")
+        try:
+            SamplingParams(
+                self.rollout.temperature, self.rollout.top_k, self.rollout.top_p, self.rollout.max_new_tokens
+            )
+        except ValueError as e:
+            raise ConfigError(str(e).replace("sampling.", "rollout.")) from None
+
+
+# ----------------------------------------------------------------------------- logging
+
+
+class MetricsLog:
+    """`metrics.jsonl`, one object per step with "step"; TensorBoard too when available."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool):
+        self.path = run_dir / "metrics.jsonl"
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:
+                pass
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines logged after `step` (a killed run's steps past its checkpoint)."""
+        if not self.path.is_file():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError):
+                continue  # a line cut short by the kill
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+
+    def log(self, metrics: dict[str, float]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if key != "step":
+                    self.writer.add_scalar(key, value, metrics["step"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+class Run:
+    """A training run: engines, data, rewards and the step. Build with `Run.create`/`Run.resume`."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, progress: bool = True):
+        self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
+        self.model_dir = resolve_model_dir(cfg.model)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        model = load_model(self.model_dir)
+        t = cfg.trainer
+        optim = OptimConfig(
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            beta1=t.beta1,
+            beta2=t.beta2,
+            eps=t.eps,
+            grad_clip=t.grad_clip,
+            loss_scale_init=t.loss_scale_init,
+            loss_scale_growth_interval=t.loss_scale_growth_interval,
+        )
+        self.trainer = Trainer(model, cfg.trainer_precision, optim, self.tokenizer.pad_id)
+        self.engine = RolloutEngine(model.config, cfg.rollout_precision, self.tokenizer.eos_id, self.tokenizer.pad_id)
+        self.reference = None
+        if cfg.algorithm.kl_coef > 0:
+            self.reference = Trainer(load_model(self.model_dir), cfg.trainer_precision, optim, self.tokenizer.pad_id)
+            self.reference.model.requires_grad_(False)
+        if cfg.task.data == "builtin":
+            self.problems = ArithmeticTask().problems(cfg.task.num_problems, seed=cfg.seed, split="eval")
+        else:
+            self.problems = load_problems(cfg.task.data)
+        self.data = DataOrder(len(self.problems), cfg.seed)
+        if cfg.task.reward_fn:
+            reward_fn, trusted = import_reward_fn(cfg.task.reward_fn), False
+        else:
+            reward_fn, trusted = REWARDS[cfg.task.name], cfg.task.name in TRUSTED_REWARDS
+        isolate = {"auto": not trusted, "always": True, "never": False}[cfg.reward.isolate]
+        self.rewards = RewardRunner(reward_fn, isolate, cfg.reward.timeout_s, cfg.reward.strict)
+        self.sampling = SamplingParams(
+            cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p, cfg.rollout.max_new_tokens
+        )
+        a = cfg.algorithm
+        self.loss_cfg = LossConfig(a.clip_low, a.clip_high, a.gspo_clip_low, a.gspo_clip_high, a.cap)
+        self.step_count = 0
+        self.log = MetricsLog(run_dir, cfg.tensorboard)
+        self.engine.load_weights(*self.trainer.export_weights())
+
+    # -- construction ---------------------------------------------------------
+
+    @classmethod
+    def create(cls, cfg: TrainConfig, progress: bool = True) -> Run:
+        run_dir = Path(cfg.run_dir or time.strftime("runs/train-%Y%m%d-%H%M%S"))
+        if (run_dir / "metrics.jsonl").exists() or latest_checkpoint(run_dir) is not None:
+            raise ConfigError(
+                f"run_dir: {run_dir} already holds a run; continue it with `parity train --resume {run_dir}` "
+                "or choose another run_dir"
+            )
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.run_dir = str(run_dir)
+        atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
+        return cls(cfg, run_dir, progress)
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, progress: bool = True) -> Run:
+        run_dir = Path(run_dir)
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"--resume {run_dir}: no config.yaml there; is this a run directory?")
+        cfg = config_mod.load(TrainConfig, run_dir / "config.yaml")
+        run = cls(cfg, run_dir, progress)
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is not None:
+            state = load_checkpoint(ckpt, run.trainer)
+            run.step_count = state.step
+            run.data.position = state.data_position
+            run.engine.load_weights(*run.trainer.export_weights())
+        run.log.truncate_after(run.step_count)
+        return run
+
+    # -- one step -------------------------------------------------------------
+
+    def _logprobs(self, trainer: Trainer, batch, rows: torch.Tensor) -> torch.Tensor:
+        return trainer.logprobs(
+            [batch.prompt_ids[i] for i in rows.tolist()],
+            batch.response_ids[rows],
+            batch.response_mask[rows],
+            None if batch.support is None else batch.support[rows],
+            self.sampling.temperature,
+        )
+
+    def _no_grad_logprobs(self, trainer: Trainer, batch) -> torch.Tensor:
+        rows = torch.arange(batch.response_ids.shape[0])
+        with torch.no_grad():
+            return torch.cat([self._logprobs(trainer, batch, r) for r in rows.split(self.cfg.trainer.micro_batch_size)])
+
+    def step(self) -> dict[str, float]:
+        cfg, a = self.cfg, self.cfg.algorithm
+        times: dict[str, float] = {}
+        t0 = time.perf_counter()
+        problems = [self.problems[i] for i in self.data.take(cfg.prompts_per_step)]
+        batch = self.engine.generate(
+            [self.tokenizer.encode(p.prompt) for p in problems],
+            cfg.rollout.group_size,
+            self.sampling,
+            seed=cfg.seed * 1_000_003 + self.step_count,
+        )
+        times["rollout"] = time.perf_counter() - t0
+
+        t = time.perf_counter()
+        lengths = batch.response_lengths.tolist()
+        texts = [self.tokenizer.decode(batch.response_ids[i, :n].tolist()) for i, n in enumerate(lengths)]
+        result = self.rewards(
+            [(problems[g], text, n) for g, text, n in zip(batch.group_index.tolist(), texts, lengths)]
+        )
+        rewards = torch.tensor(result.rewards)
+        scored = rewards.clone()
+        if a.truncated == "zero_reward":
+            scored[batch.truncated] = 0.0
+        advantages = group_advantages(scored, batch.group_index, a.advantage)
+        loss_mask = batch.response_mask.clone()
+        if a.truncated == "drop":
+            loss_mask[batch.truncated] = False
+        times["reward"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        updates = a.ppo_epochs * a.num_minibatches
+        # π on the sampling weights: a separate pass only when several updates follow.
+        old = self._no_grad_logprobs(self.trainer, batch) if updates > 1 else None
+        sampling_pi = old if old is not None else torch.zeros_like(batch.rollout_logprobs)
+        ref = self._no_grad_logprobs(self.reference, batch) if self.reference is not None else None
+        n_rows = batch.response_ids.shape[0]
+        rows_per_mb = n_rows // a.num_minibatches
+        stats: dict[str, list[float]] = {}
+        losses, kls = [], []
+        step_stats = None
+        order_gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.step_count)
+        for epoch in range(a.ppo_epochs):
+            # Mini-batches hold whole groups, shuffled per epoch.
+            groups = (
+                torch.randperm(cfg.prompts_per_step, generator=order_gen)
+                if epoch
+                else torch.arange(cfg.prompts_per_step)
+            )
+            row_order = (groups[:, None] * cfg.rollout.group_size + torch.arange(cfg.rollout.group_size)).flatten()
+            for mb in row_order.split(rows_per_mb):
+                n_seq, n_tok = len(mb), int(loss_mask[mb].sum())
+                for rows in mb.split(cfg.trainer.micro_batch_size):
+                    logp = self._logprobs(self.trainer, batch, rows)
+                    if old is None:
+                        sampling_pi[rows] = logp.detach()
+                    inputs = PolicyInputs(
+                        logprobs=logp,
+                        old_logprobs=logp.detach() if old is None else old[rows],
+                        rollout_logprobs=batch.rollout_logprobs[rows],
+                        advantages=advantages[rows],
+                        mask=loss_mask[rows],
+                    )
+                    token_loss, loss_stats = POLICY_LOSSES[a.name](inputs, self.loss_cfg)
+                    if ref is not None:
+                        kl = kl_penalty(logp, ref[rows], a.kl_estimator)
+                        kls.append(float((kl.detach() * loss_mask[rows]).sum() / loss_mask[rows].sum().clamp(min=1)))
+                        token_loss = token_loss + a.kl_coef * kl
+                    loss = aggregate(
+                        token_loss, loss_mask[rows], a.aggregation, n_seq, n_tok, self.sampling.max_new_tokens
+                    )
+                    self.trainer.backward(loss)
+                    losses.append(float(loss.detach()))
+                    for k, v in loss_stats.items():
+                        stats.setdefault(k, []).append(float(v))
+                step_stats = self.trainer.step()
+                stats.setdefault("grad_norm", []).append(step_stats.grad_norm)
+        times["train"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        self.engine.load_weights(*self.trainer.export_weights())
+        times["sync"] = time.perf_counter() - t
+        self.step_count += 1
+        times["step"] = time.perf_counter() - t0
+
+        # Rows are grouped contiguously, one group per prompt.
+        group_std = rewards.view(cfg.prompts_per_step, cfg.rollout.group_size).std(-1, correction=0)
+        metrics: dict[str, float] = {
+            "step": self.step_count,
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "reward/errors": result.errors,
+            "reward/timeouts": result.timeouts,
+            "response/length_mean": float(batch.response_lengths.float().mean()),
+            "response/length_max": int(batch.response_lengths.max()),
+            "response/truncated_frac": float(batch.truncated.float().mean()),
+            "groups/zero_variance_frac": float((group_std == 0).float().mean()),
+            "loss/policy": sum(losses),
+            "grad/norm": _mean(stats.pop("grad_norm")),
+            "precision/loss_scale": step_stats.loss_scale,
+            "precision/skipped_steps": step_stats.skipped_total,
+            "train/updates": updates,
+            "train/old_logprob_pass": int(old is not None),
+            "weights/version": step_stats.weight_version,
+        }
+        if cfg.task.name in BINARY_REWARDS and not cfg.task.reward_fn:
+            metrics["reward/accuracy"] = float((rewards >= 1.0).float().mean())
+        if kls:
+            metrics["loss/kl"] = _mean(kls)
+        renames = {
+            "clip_frac": "clip/frac",
+            "clip_frac_low": "clip/frac_low",
+            "clip_frac_high": "clip/frac_high",
+            "ratio_mean": "clip/ratio_mean",
+            "is_weight_mean": "is/weight_mean",
+            "is_weight_max": "is/weight_max",
+            "is_masked_frac": "is/masked_frac",
+        }
+        for k, v in stats.items():
+            metrics[renames[k]] = max(v) if k == "is_weight_max" else _mean(v)
+        mm = mismatch_metrics(sampling_pi, batch.rollout_logprobs, batch.response_mask)
+        metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
+        by_len = mismatch_by_length(sampling_pi, batch.rollout_logprobs, batch.response_mask)
+        metrics.update({f"mismatch/{k}": v for k, v in by_len.items()})
+        metrics.update({f"time/{k}": v for k, v in times.items()})
+        metrics["perf/tokens_per_s"] = batch.num_tokens / times["step"]
+        return metrics
+
+    # -- the loop -------------------------------------------------------------
+
+    def train(self) -> list[dict[str, float]]:
+        cfg = self.cfg
+        if self.trainer.precision != self.engine.precision:
+            print(
+                f"WARNING: mismatched precisions on purpose: trainer {self.trainer.precision}, "
+                f"rollout {self.engine.precision}",
+                file=sys.stderr,
+            )
+        history = []
+        bar = tqdm(total=cfg.steps, initial=self.step_count, desc="train", unit="step", disable=not self.progress)
+        try:
+            while self.step_count < cfg.steps:
+                metrics = self.step()
+                self.log.log(metrics)
+                history.append(metrics)
+                bar.update(1)
+                headline = {
+                    "reward": f"{metrics['reward/mean']:.3f}",
+                    "len": f"{metrics['response/length_mean']:.1f}",
+                    "k3": f"{metrics['mismatch/k3']:.1e}",
+                }
+                if "reward/accuracy" in metrics:
+                    headline["acc"] = f"{metrics['reward/accuracy']:.2f}"
+                bar.set_postfix(headline)
+                every = cfg.checkpoint_every
+                if (every and self.step_count % every == 0) or self.step_count == cfg.steps:
+                    self.checkpoint()
+        finally:
+            bar.close()
+            self.rewards.close()
+            self.log.close()
+        return history
+
+    def checkpoint(self) -> Path:
+        state = RunState(self.step_count, self.data.position, self.trainer.weight_version)
+        return save_checkpoint(self.run_dir, self.trainer, state, self.model_dir, self.cfg.keep_checkpoints)
+
+
+def summary_line(history: list[dict[str, Any]]) -> str:
+    if not history:
+        return "no steps run"
+    first, last = history[0], history[-1]
+    key = "reward/accuracy" if "reward/accuracy" in last else "reward/mean"
+    return (
+        f"step {last['step']}: {key} {first[key]:.3f} -> {last[key]:.3f}, "
+        f"response length {last['response/length_mean']:.1f}, mismatch k3 {last['mismatch/k3']:.2e}"
+    )
