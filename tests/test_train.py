@@ -135,3 +135,86 @@ def test_sigkill_mid_run_then_resume_reproduces_metrics(tmp_path):
 
     assert main(["train", "--resume", str(killed)]) == 0
     assert _metrics(killed) == _metrics(reference)
+
+
+def test_loop_contains_a_hanging_user_reward_and_runs_math(tmp_path, monkeypatch):
+    """A user reward that hangs on some samples costs them reward 0 and is counted; the run goes on."""
+    (tmp_path / "slow_reward.py").write_text(
+        "import time\n"
+        "def score(prompt, response, answer):\n"
+        "    if response.endswith('0'):\n"
+        "        time.sleep(30)\n"
+        "    return 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(10, 30)))
+    base = [
+        f"task.data={data}",
+        "prompts_per_step=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=24",
+        "tensorboard=false",
+        "reward.timeout_s=0.5",
+    ]
+    run = Run.create(
+        config.load(TrainConfig, None, [f"run_dir={tmp_path / 'a'}", "task.reward_fn=slow_reward:score", *base]),
+        progress=False,
+    )
+    metrics = [run.step() for _ in range(3)]
+    run.rewards.close()
+    assert sum(m["reward/timeouts"] for m in metrics) > 0
+    assert all(m["reward/errors"] == 0 for m in metrics)
+    run = Run.create(
+        config.load(TrainConfig, None, [f"run_dir={tmp_path / 'b'}", "task.name=math", *base]), progress=False
+    )
+    m = run.step()
+    run.rewards.close()
+    assert m["reward/errors"] == 0 and m["reward/timeouts"] == 0 and "reward/accuracy" in m
+
+
+def test_kl_penalty_to_reference(tmp_path):
+    run = Run.create(
+        config.load(TrainConfig, None, [f"run_dir={tmp_path}", "algorithm.kl_coef=0.1", *TINY]), progress=False
+    )
+    first, second = run.step(), run.step()
+    run.rewards.close()
+    assert first["loss/kl"] == 0.0  # the policy starts at the reference
+    assert second["loss/kl"] > 0.0
+
+
+def test_tensorboard_events_written(tmp_path):
+    pytest.importorskip("tensorboard")
+    run_dir = tmp_path / "tb"
+    assert main(["train", f"run_dir={run_dir}", *TINY[:-1], "steps=1"]) == 0
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def _mean_last(history: list[dict], key: str, n: int = 5) -> float:
+    return sum(m[key] for m in history[-n:]) / n
+
+
+@pytest.mark.slow
+def test_fp16_pg_seq_is_raises_accuracy(tmp_path):
+    run = Run.create(
+        config.load(TrainConfig, None, [f"run_dir={tmp_path}", "steps=40", "checkpoint_every=0", "tensorboard=false"]),
+        progress=False,
+    )
+    history = run.train()
+    first = sum(m["reward/accuracy"] for m in history[:5]) / 5
+    assert _mean_last(history, "reward/accuracy") > first + 0.2
+
+
+@pytest.mark.slow
+def test_fp16_length_task_converges_to_eos(tmp_path):
+    run = Run.create(
+        config.load(
+            TrainConfig,
+            None,
+            [f"run_dir={tmp_path}", "steps=50", "checkpoint_every=0", "task.name=length", "tensorboard=false"],
+        ),
+        progress=False,
+    )
+    history = run.train()
+    assert history[0]["response/length_mean"] > 20
+    assert _mean_last(history, "response/length_mean") <= 2.0
