@@ -61,6 +61,53 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_perfectible(args: argparse.Namespace) -> int:
+    from parity import config as cfg_mod
+    from parity.perfectible import (
+        PerfectibleConfig,
+        candidate_problems,
+        filter_perfectible,
+        format_histogram,
+        histogram,
+        measure_accuracies,
+        write_set,
+    )
+
+    config, overrides = _split_config(args)
+    cfg = cfg_mod.load(PerfectibleConfig, config, overrides)
+    problems = candidate_problems(cfg)
+    accuracies = measure_accuracies(cfg, problems)
+    keep = filter_perfectible(accuracies, cfg.lo, cfg.hi)
+    write_set(Path(cfg.out), problems, accuracies, keep)
+    print(format_histogram(histogram(accuracies, cfg.samples), cfg.lo, cfg.hi))
+    print(f"kept {len(keep)} of {len(problems)} problems -> {cfg.out}")
+    return 0
+
+
+def cmd_sanity(args: argparse.Namespace) -> int:
+    from parity.sanity import DEFAULT_RUNS, parse_runs, run_sanity
+
+    runs = parse_runs(args.runs or ",".join(DEFAULT_RUNS))
+    summary = run_sanity(Path(args.out), runs, quick=args.quick, seed=args.seed)
+    from parity.report import summary_table
+
+    print(summary_table(summary["runs"]))
+    print(f"wrote {args.out}/summary.json, report.md and plots ({summary['wall_seconds']:.0f} s)")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from parity.report import report_runs, summary_table
+
+    try:
+        summaries = report_runs([Path(d) for d in args.run_dirs], Path(args.out))
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    print(summary_table(summaries))
+    print(f"wrote {args.out}/report.md, summary.json, accuracy.png, mismatch.png")
+    return 0
+
+
 def cmd_build_model(args: argparse.Namespace) -> int:
     from parity.builtin.build import BuildConfig, build_model
 
@@ -106,6 +153,40 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "sanity",
+        help="the sanity test: BF16 vs FP16 and estimators on the perfectible set (the main job)",
+        description=(
+            "Build (or reuse) the perfectible set of the built-in model and task, train the model on it under a "
+            "matrix of precisions and estimators, and write summary.json, report.md and plots."
+        ),
+    )
+    p.add_argument("--out", default="parity-sanity", help="output directory (default parity-sanity)")
+    p.add_argument("--quick", action="store_true", help="fewer, smaller steps: a first look in about 3 minutes")
+    p.add_argument("--runs", help="comma-separated PRECISION/ESTIMATOR, e.g. fp16/pg_seq_is,bf16/grpo")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_sanity)
+
+    p = sub.add_parser(
+        "perfectible",
+        help="problems the base model solves sometimes: sample K per problem, keep accuracy in [lo, hi]",
+        description=(
+            "Config keys: model, task (builtin|exact|math), data (builtin or JSONL/Parquet with prompt, answer), "
+            "num_candidates, samples, lo, hi, max_new_tokens, precision, seed, out (JSONL)."
+        ),
+    )
+    _add_config_args(p)
+    p.set_defaults(func=cmd_perfectible)
+
+    p = sub.add_parser(
+        "report",
+        help="plots and a summary table of `parity train` runs, side by side",
+        description="Reads RUN_DIR/metrics.jsonl of each run; writes report.md, summary.json and PNG plots.",
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", default="parity-report", help="output directory (default parity-report)")
+    p.set_defaults(func=cmd_report)
 
     from parity.builtin.build import BuildConfig
     from parity.models import BUILTIN_DIR

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -10,6 +11,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from parity.files import atomic_write_json, atomic_write_text  # noqa: E402
 
 if TYPE_CHECKING:
     from parity.mismatch import PairResult
@@ -77,3 +80,123 @@ def plot_seq_log_ratio_vs_length(results: Sequence[PairResult], path: Path) -> N
     )
     ax.legend(fontsize=8)
     _save(fig, path)
+
+
+# ----------------------------------------------------------------------------- training runs
+
+TARGET_ACCURACY = 0.95
+SMOOTHING = 5  # steps in the moving average that "training accuracy" means
+
+
+def load_history(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl; is this a `parity train` run directory?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def moving_average(values: list[float], n: int = SMOOTHING) -> list[float]:
+    return [sum(values[max(0, i - n + 1) : i + 1]) / len(values[max(0, i - n + 1) : i + 1]) for i in range(len(values))]
+
+
+def summarize(history: list[dict]) -> dict:
+    """Headline figures of one run. Accuracy is the moving average over SMOOTHING steps."""
+    key = "reward/accuracy" if "reward/accuracy" in history[0] else "reward/mean"
+    acc = moving_average([m[key] for m in history])
+    elapsed = [sum(m["time/step"] for m in history[: i + 1]) for i in range(len(history))]
+    hit = next((i for i, a in enumerate(acc) if a >= TARGET_ACCURACY), None)
+    last = history[-SMOOTHING:]
+    return {
+        "steps": len(history),
+        "metric": key,
+        "initial_accuracy": acc[0],
+        "final_accuracy": acc[-1],
+        "best_accuracy": max(acc),
+        "steps_to_95": None if hit is None else history[hit]["step"],
+        "seconds_to_95": None if hit is None else round(elapsed[hit], 1),
+        "wall_seconds": round(elapsed[-1], 1),
+        "final_mismatch_k3": sum(m["mismatch/k3"] for m in last) / len(last),
+        "final_seq_abs_log_ratio": sum(m["mismatch/seq_abs_log_ratio"] for m in last) / len(last),
+        "skipped_fp16_steps": history[-1]["precision/skipped_steps"],
+    }
+
+
+def summary_table(summaries: dict[str, dict]) -> str:
+    head = (
+        "| run | accuracy start → final (best) | steps to 95% | seconds to 95% | mismatch k3 | "
+        "seq \\|log-ratio\\| | skipped FP16 steps |\n|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for name, s in summaries.items():
+        to95 = "—" if s["steps_to_95"] is None else str(s["steps_to_95"])
+        sec = "—" if s["seconds_to_95"] is None else f"{s['seconds_to_95']:.0f}"
+        rows.append(
+            f"| {name} | {s['initial_accuracy']:.2f} → {s['final_accuracy']:.2f} ({s['best_accuracy']:.2f}) | {to95} | "
+            f"{sec} | {s['final_mismatch_k3']:.2e} | {s['final_seq_abs_log_ratio']:.2e} | {s['skipped_fp16_steps']} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def plot_accuracy(histories: dict[str, list[dict]], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), layout="constrained")
+    for name, h in histories.items():
+        key = "reward/accuracy" if "reward/accuracy" in h[0] else "reward/mean"
+        ax.plot(
+            [m["step"] for m in h],
+            moving_average([m[key] for m in h]),
+            label=name,
+            ls="-" if name.startswith("fp16") else "--",
+        )
+    if any("reward/accuracy" in h[0] for h in histories.values()):
+        ax.axhline(TARGET_ACCURACY, color="grey", lw=0.7, ls=":")
+        ax.set_ylim(0, 1.02)
+    ax.set(xlabel="step", ylabel=f"training accuracy ({SMOOTHING}-step mean)", title="Training accuracy")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_mismatch_curves(histories: dict[str, list[dict]], path: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.3), layout="constrained")
+    for name, h in histories.items():
+        steps = [m["step"] for m in h]
+        ls = "-" if name.startswith("fp16") else "--"
+        axes[0].plot(steps, moving_average([m["mismatch/k3"] for m in h]), label=name, ls=ls)
+        axes[1].plot(steps, moving_average([m["mismatch/seq_abs_log_ratio"] for m in h]), label=name, ls=ls)
+    axes[0].set(yscale="log", xlabel="step", ylabel="mismatch/k3", title="Token-level mismatch KL(μ‖π) (k3)")
+    axes[1].set(
+        yscale="log", xlabel="step", ylabel="mismatch/seq_abs_log_ratio", title="Sequence-level |Σ log π − log μ|"
+    )
+    axes[0].legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_histogram(counts: list[int], lo: float, hi: float, path: Path) -> None:
+    k = len(counts) - 1
+    fig, ax = plt.subplots(figsize=(7, 3.8), layout="constrained")
+    colors = ["tab:green" if lo <= i / k <= hi else "tab:grey" for i in range(k + 1)]
+    ax.bar(range(k + 1), counts, color=colors)
+    ax.set(
+        xlabel=f"times solved out of {k} samples",
+        ylabel="problems",
+        title=f"Base-model accuracy per problem (green: kept, accuracy in [{lo}, {hi}])",
+    )
+    _save(fig, path)
+
+
+def report_runs(run_dirs: list[Path], out: Path) -> dict[str, dict]:
+    """`parity report`: summary table and plots for `parity train` runs, side by side."""
+    out.mkdir(parents=True, exist_ok=True)
+    histories = {Path(d).name: load_history(Path(d)) for d in run_dirs}
+    summaries = {name: summarize(h) for name, h in histories.items()}
+    plot_accuracy(histories, out / "accuracy.png")
+    plot_mismatch_curves(histories, out / "mismatch.png")
+    atomic_write_json(out / "summary.json", summaries)
+    md = (
+        "# Runs\n\n"
+        + summary_table(summaries)
+        + f"\nAccuracy is the {SMOOTHING}-step moving average of the training batch accuracy; "
+        "mismatch figures are means of the last 5 steps.\n\n"
+        "![training accuracy](accuracy.png)\n\n![mismatch](mismatch.png)\n"
+    )
+    atomic_write_text(out / "report.md", md)
+    return summaries

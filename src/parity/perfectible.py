@@ -1,0 +1,145 @@
+"""`parity perfectible`: problems the base model solves sometimes.
+
+Sample K responses per problem at temperature 1 with the base model, score them
+with the task's checker, and keep the problems whose accuracy lies in [lo, hi]
+(default [0.2, 0.8]). On such a set any sound RL algorithm must reach
+near-100% training accuracy: the model can already produce the right answer,
+it only has to learn to prefer it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from parity.config import ConfigError
+from parity.files import atomic_write_text
+from parity.models import load_model, load_tokenizer, resolve_model_dir
+from parity.rewards import RewardRunner
+from parity.rollout import RolloutEngine, SamplingParams
+from parity.tasks import REWARDS, TRUSTED_REWARDS, ArithmeticTask, Problem, load_problems
+
+
+@dataclass
+class PerfectibleConfig:
+    model: str = "builtin"
+    task: str = "builtin"  # the checker: builtin | exact | math
+    data: str = "builtin"  # builtin (generated problems) or a JSONL/Parquet file
+    num_candidates: int = 256  # builtin data: how many problems to try
+    samples: int = 16  # K
+    lo: float = 0.2
+    hi: float = 0.8
+    max_new_tokens: int = 96
+    precision: str = "fp32"
+    seed: int = 0
+    batch_prompts: int = 32  # prompts per generate() call
+    out: str = "perfectible.jsonl"
+
+    def validate(self) -> None:
+        if self.task not in REWARDS or self.task == "length":
+            raise ConfigError(f"task: {self.task!r} has no right answer; use builtin, exact or math")
+        if not 0 <= self.lo <= self.hi <= 1:
+            raise ConfigError(f"lo, hi: need 0 <= lo <= hi <= 1, got {self.lo}, {self.hi}")
+        if self.samples < 1 or self.num_candidates < 1:
+            raise ConfigError("samples and num_candidates must be >= 1")
+
+
+def filter_perfectible(accuracies: list[float], lo: float, hi: float) -> list[int]:
+    """Indices of problems whose accuracy lies in [lo, hi]."""
+    return [i for i, a in enumerate(accuracies) if lo <= a <= hi]
+
+
+def histogram(accuracies: list[float], samples: int) -> list[int]:
+    """Number of problems solved k times, k = 0..samples."""
+    counts = [0] * (samples + 1)
+    for a in accuracies:
+        counts[round(a * samples)] += 1
+    return counts
+
+
+def format_histogram(counts: list[int], lo: float, hi: float, width: int = 40) -> str:
+    k = len(counts) - 1
+    top = max(counts) or 1
+    lines = []
+    for solved, n in enumerate(counts):
+        mark = "*" if lo <= solved / k <= hi else " "
+        lines.append(f"{solved:>3}/{k} {mark} {'#' * round(width * n / top):<{width}} {n}")
+    return "\n".join(lines) + f"\n(* = kept: accuracy in [{lo}, {hi}])"
+
+
+def candidate_problems(cfg: PerfectibleConfig) -> list[Problem]:
+    if cfg.data == "builtin":
+        return ArithmeticTask().problems(cfg.num_candidates, seed=cfg.seed, split="eval")
+    return load_problems(cfg.data)
+
+
+def measure_accuracies(cfg: PerfectibleConfig, problems: list[Problem], progress: bool = True) -> list[float]:
+    model_dir = resolve_model_dir(cfg.model)
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir)
+    engine = RolloutEngine(model.config, cfg.precision, tok.eos_id, tok.pad_id)
+    engine.load_weights(model.state_dict(), version=0)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=cfg.max_new_tokens)
+    reward = RewardRunner(REWARDS[cfg.task], isolate=cfg.task not in TRUSTED_REWARDS)
+    accuracies: list[float] = []
+    try:
+        chunks = range(0, len(problems), cfg.batch_prompts)
+        for start in tqdm(chunks, desc="perfectible", unit="batch", disable=not progress):
+            chunk = problems[start : start + cfg.batch_prompts]
+            batch = engine.generate([tok.encode(p.prompt) for p in chunk], cfg.samples, sampling, seed=cfg.seed + start)
+            lengths = batch.response_lengths.tolist()
+            items = [
+                (chunk[g], tok.decode(batch.response_ids[i, :n].tolist()), n)
+                for i, (g, n) in enumerate(zip(batch.group_index.tolist(), lengths))
+            ]
+            scores = torch.tensor(reward(items).rewards).view(len(chunk), cfg.samples)
+            accuracies.extend((scores >= 1.0).float().mean(-1).tolist())
+    finally:
+        reward.close()
+    return accuracies
+
+
+def write_set(path: Path, problems: list[Problem], accuracies: list[float], keep: list[int]) -> None:
+    rows = [
+        json.dumps({"prompt": problems[i].prompt, "answer": problems[i].answer, "base_accuracy": accuracies[i]})
+        for i in keep
+    ]
+    atomic_write_text(path, "".join(r + "\n" for r in rows))
+
+
+def cache_key(cfg: PerfectibleConfig) -> str:
+    """Identifies a perfectible set: the model's weights and every setting that shapes the set."""
+    model_dir = resolve_model_dir(cfg.model)
+    h = hashlib.sha256()
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f.read_bytes())
+    settings = {k: v for k, v in vars(cfg).items() if k not in ("model", "out", "batch_prompts")}
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parity"
+
+
+def build_or_load(cfg: PerfectibleConfig, progress: bool = True) -> tuple[Path, list[float], bool]:
+    """The perfectible set for `cfg` from the cache, or measured and cached.
+
+    Returns (path of the JSONL set, accuracies of all candidates, whether it was cached).
+    """
+    key = cache_key(cfg)
+    path = cache_dir() / f"perfectible-{key}.jsonl"
+    meta = cache_dir() / f"perfectible-{key}.json"
+    if path.is_file() and meta.is_file():
+        return path, json.loads(meta.read_text())["accuracies"], True
+    problems = candidate_problems(cfg)
+    accuracies = measure_accuracies(cfg, problems, progress)
+    write_set(path, problems, accuracies, filter_perfectible(accuracies, cfg.lo, cfg.hi))
+    atomic_write_text(meta, json.dumps({"accuracies": accuracies}) + "\n")
+    return path, accuracies, False

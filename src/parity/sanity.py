@@ -1,0 +1,207 @@
+"""`parity sanity`: the sanity test of the research, as Parity's main job.
+
+Keep only problems the base model solves sometimes (the perfectible set), then
+train the same model on them under a matrix of precisions and estimators. Any
+sound RL setup must reach near-100% training accuracy there; one that cannot
+is broken. Writes summary.json, report.md and plots to the output directory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from parity import config as config_mod
+from parity.config import ConfigError
+from parity.files import atomic_write_json, atomic_write_text
+from parity.loop import Run, TrainConfig
+from parity.mismatch import MismatchConfig, SamplingConfig, run_mismatch
+from parity.perfectible import PerfectibleConfig, build_or_load, filter_perfectible, format_histogram, histogram
+from parity.report import (
+    plot_accuracy,
+    plot_histogram,
+    plot_mismatch_curves,
+    plot_mismatch_scatter,
+    summarize,
+    summary_table,
+)
+from parity.tasks import load_problems
+
+DEFAULT_RUNS = (
+    "fp16/pg_seq_is",
+    "bf16/pg_seq_is",
+    "fp16/grpo",
+    "bf16/grpo",
+    "bf16/grpo_token_tis",
+    "bf16/grpo_seq_mis",
+)
+
+
+@dataclass(frozen=True)
+class SanitySettings:
+    steps: int
+    prompts_per_step: int
+    group_size: int
+
+
+FULL = SanitySettings(steps=120, prompts_per_step=16, group_size=8)
+QUICK = SanitySettings(steps=25, prompts_per_step=8, group_size=8)
+
+
+def parse_runs(spec: str) -> list[tuple[str, str]]:
+    from parity.algorithms import POLICY_LOSSES
+    from parity.precision import PRECISIONS
+
+    runs = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        parts = item.split("/")
+        if len(parts) != 2 or parts[0] not in PRECISIONS or parts[1] not in POLICY_LOSSES:
+            raise ConfigError(
+                f"--runs: {item!r} is not PRECISION/ESTIMATOR (precisions: {', '.join(PRECISIONS)}; "
+                f"estimators: {', '.join(sorted(POLICY_LOSSES))})"
+            )
+        runs.append((parts[0], parts[1]))
+    if not runs:
+        raise ConfigError("--runs: no runs given")
+    return runs
+
+
+def run_sanity(out: Path, runs: list[tuple[str, str]], quick: bool, seed: int = 0, log=print) -> dict:
+    settings = QUICK if quick else FULL
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+
+    pcfg = PerfectibleConfig(seed=seed)
+    set_path, accuracies, cached = build_or_load(pcfg)
+    keep = filter_perfectible(accuracies, pcfg.lo, pcfg.hi)
+    counts = histogram(accuracies, pcfg.samples)
+    log(
+        f"perfectible set: {len(keep)} of {len(accuracies)} problems ({'cached' if cached else 'measured'}): {set_path}"
+    )
+    log(format_histogram(counts, pcfg.lo, pcfg.hi))
+    (out / "perfectible.jsonl").write_text(set_path.read_text())
+    plot_histogram(counts, pcfg.lo, pcfg.hi, out / "perfectible_histogram.png")
+
+    # Token-level μ vs π on the base model, per precision, over the perfectible prompts.
+    mcfg = MismatchConfig(
+        prompts=str(out / "perfectible.jsonl"),
+        num_prompts=32,
+        group_size=4,
+        pairs=[f"{p}/{p}" for p in sorted({p for p, _ in runs})],
+        sampling=SamplingConfig(max_new_tokens=96),
+        seed=seed,
+    )
+    pairs = run_mismatch(mcfg, progress=False)
+    plot_mismatch_scatter(pairs, out / "mismatch_scatter.png")
+
+    histories: dict[str, list[dict]] = {}
+    for precision, estimator in runs:
+        name = f"{precision}/{estimator}"
+        run_dir = out / "runs" / name.replace("/", "-")
+        if run_dir.exists():
+            import shutil
+
+            shutil.rmtree(run_dir)
+        cfg = config_mod.load(
+            TrainConfig,
+            None,
+            [
+                f"precision={precision}",
+                f"algorithm.name={estimator}",
+                f"task.data={out / 'perfectible.jsonl'}",
+                f"steps={settings.steps}",
+                f"prompts_per_step={settings.prompts_per_step}",
+                f"rollout.group_size={settings.group_size}",
+                f"seed={seed}",
+                f"run_dir={run_dir}",
+                "checkpoint_every=0",
+                "keep_checkpoints=1",
+                "tensorboard=false",
+            ],
+        )
+        log(f"run {len(histories) + 1}/{len(runs)}: {name}")
+        histories[name] = Run.create(cfg).train()
+
+    summaries = {name: summarize(h) for name, h in histories.items()}
+    plot_accuracy(histories, out / "accuracy.png")
+    plot_mismatch_curves(histories, out / "mismatch.png")
+    summary = {
+        "settings": {
+            "quick": quick,
+            "steps": settings.steps,
+            "prompts_per_step": settings.prompts_per_step,
+            "group_size": settings.group_size,
+            "seed": seed,
+        },
+        "perfectible": {
+            "num_problems": len(keep),
+            "num_candidates": len(accuracies),
+            "samples": pcfg.samples,
+            "lo": pcfg.lo,
+            "hi": pcfg.hi,
+            "histogram": counts,
+        },
+        "base_mismatch": {p.label: p.metrics for p in pairs},
+        "runs": summaries,
+        "wall_seconds": round(time.perf_counter() - start, 1),
+    }
+    atomic_write_json(out / "summary.json", summary)
+    atomic_write_text(out / "report.md", render_report(summary))
+    return summary
+
+
+def _verdict(name: str, s: dict) -> str:
+    if s["steps_to_95"] is not None:
+        return f"- **{name}** reached 95% training accuracy at step {s['steps_to_95']} ({s['seconds_to_95']:.0f} s)."
+    return (
+        f"- **{name}** did not reach 95% in {s['steps']} steps: training accuracy "
+        f"{s['initial_accuracy']:.2f} → {s['final_accuracy']:.2f} (best {s['best_accuracy']:.2f})."
+    )
+
+
+def render_report(summary: dict) -> str:
+    p, st = summary["perfectible"], summary["settings"]
+    base = summary["base_mismatch"]
+    lines = [
+        "# Sanity test",
+        "",
+        f"{'Quick' if st['quick'] else 'Full'} run: {st['steps']} steps of {st['prompts_per_step']} prompts × "
+        f"{st['group_size']} samples per run, seed {st['seed']}, {summary['wall_seconds']:.0f} s in all.",
+        "",
+        "## Perfectible set",
+        "",
+        f"{p['num_problems']} of {p['num_candidates']} held-out problems have base-model accuracy in "
+        f"[{p['lo']}, {p['hi']}] over {p['samples']} samples at temperature 1.",
+        "",
+        "![accuracy histogram](perfectible_histogram.png)",
+        "",
+        "## Runs",
+        "",
+        summary_table(summary["runs"]),
+        "Training accuracy is the 5-step moving average of the batch accuracy on the perfectible set; "
+        "mismatch figures are means over the last 5 steps.",
+        "",
+        *[_verdict(name, s) for name, s in summary["runs"].items()],
+        "",
+        "![training accuracy](accuracy.png)",
+        "",
+        "![mismatch during training](mismatch.png)",
+        "",
+        "## Mismatch of the base model, per precision",
+        "",
+        "| precision | k3 | mean \\|Δ\\| per token | mean \\|Σ Δ\\| per sequence |",
+        "|---|---|---|---|",
+        *[
+            f"| {label} | {m['k3']:.2e} | {m['token_abs_log_ratio_mean']:.2e} | {m['seq_abs_log_ratio']:.2e} |"
+            for label, m in base.items()
+        ],
+        "",
+        "![token-level μ vs π](mismatch_scatter.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def load_set_size(out: Path) -> int:
+    return len(load_problems(out / "perfectible.jsonl"))

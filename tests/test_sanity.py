@@ -1,0 +1,80 @@
+"""The perfectible filter, `parity sanity --quick` end to end, and `parity report`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from parity.cli import main
+from parity.config import ConfigError
+from parity.perfectible import filter_perfectible, format_histogram, histogram
+from parity.sanity import parse_runs
+
+
+def test_filter_on_known_accuracies():
+    # A synthetic checker's per-problem accuracies over 16 samples: 0/16 ... 16/16.
+    accuracies = [k / 16 for k in range(17)]
+    keep = filter_perfectible(accuracies, 0.2, 0.8)
+    assert keep == list(range(4, 13))  # 4/16 = 0.25 is the first >= 0.2; 12/16 = 0.75 the last <= 0.8
+    assert filter_perfectible([0.2, 0.8, 0.19, 0.81], 0.2, 0.8) == [0, 1]  # both ends inclusive
+    counts = histogram(accuracies + [0.5], 16)
+    assert counts[8] == 2 and sum(counts) == 18
+    text = format_histogram(counts, 0.2, 0.8)
+    assert " 8/16 * " in text and " 3/16   " in text
+
+
+def test_perfectible_command_on_user_data(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{a}+{a + 7}=", "answer": str(2 * a + 7)}) + "\n" for a in range(100, 124))
+    )
+    out = tmp_path / "set.jsonl"
+    assert main(["perfectible", f"data={data}", "samples=8", f"out={out}", "lo=0", "hi=1"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 24 and all(0 <= r["base_accuracy"] <= 1 for r in rows)
+    assert "kept 24 of 24" in capsys.readouterr().out
+
+
+def test_bad_runs_are_rejected():
+    assert parse_runs("fp16/pg_seq_is, bf16/grpo") == [("fp16", "pg_seq_is"), ("bf16", "grpo")]
+    with pytest.raises(ConfigError, match="'fp16-grpo' is not PRECISION/ESTIMATOR"):
+        parse_runs("fp16-grpo")
+    with pytest.raises(ConfigError, match="'bf16/ppo' is not"):
+        parse_runs("bf16/ppo")
+
+
+@pytest.mark.slow
+def test_sanity_quick_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "sanity"
+    assert main(["sanity", "--quick", "--out", str(out), "--runs", "fp16/pg_seq_is,bf16/grpo"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["perfectible"]["num_problems"] >= 64
+    assert set(summary["runs"]) == {"fp16/pg_seq_is", "bf16/grpo"}
+    for s in summary["runs"].values():
+        assert s["steps"] == summary["settings"]["steps"]
+        assert 0 <= s["final_accuracy"] <= 1 and s["final_mismatch_k3"] >= 0
+        assert s["steps_to_95"] is None or 1 <= s["steps_to_95"] <= s["steps"]
+        assert isinstance(s["skipped_fp16_steps"], int)
+    report = (out / "report.md").read_text()
+    assert "## Perfectible set" in report and "fp16/pg_seq_is" in report
+    for png in ("accuracy.png", "mismatch.png", "mismatch_scatter.png", "perfectible_histogram.png"):
+        with Image.open(out / png) as img:
+            assert img.size[0] > 300 and img.size[1] > 200
+    # A second run reuses the cached perfectible set.
+    cached = list((tmp_path / "cache" / "parity").glob("perfectible-*.jsonl"))
+    assert len(cached) == 1
+
+    # `parity report` over the runs sanity made with `parity train`.
+    runs = sorted((out / "runs").iterdir())
+    rep = tmp_path / "report"
+    assert main(["report", *map(str, runs), "--out", str(rep)]) == 0
+    assert set(json.loads((rep / "summary.json").read_text())) == {r.name for r in runs}
+    assert (rep / "accuracy.png").stat().st_size > 0
+
+
+def test_report_rejects_a_non_run(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
