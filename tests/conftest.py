@@ -11,22 +11,14 @@ import torch
 VOCAB_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +=,.>?"
 
 
-def write_char_tokenizer(out: Path) -> int:
-    """A character-level tokenizer.json with <pad>=0, <bos>=1, <eos>=2; returns the vocab size."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def write_char_tokenizer(out: Path) -> None:
+    """A character-level tokenizer.json with <pad>=0, <bos>=1, <eos>=2."""
+    from parity.builtin.build import char_tokenizer
 
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
-    for ch in VOCAB_CHARS:
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<pad>", "<bos>", "<eos>"])
-    tok.save(str(out / "tokenizer.json"))
+    char_tokenizer(VOCAB_CHARS, ("<pad>", "<bos>", "<eos>")).save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps({"eos_token": "<eos>", "pad_token": "<pad>", "bos_token": "<bos>"})
     )
-    return len(vocab)
 
 
 def save_hf_model(out: Path, arch: str, seed: int = 0, vocab_size: int = 64, tie: bool = False) -> Path:

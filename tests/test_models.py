@@ -60,17 +60,21 @@ def test_missing_directory():
         resolve_model_dir("/nonexistent/model")
 
 
-def test_missing_tokenizer(llama_dir, tmp_path):
+def _copy(src, tmp_path):
     d = tmp_path / "m"
-    shutil.copytree(llama_dir, d)
+    shutil.copytree(src, d)
+    return d
+
+
+def test_missing_tokenizer(llama_dir, tmp_path):
+    d = _copy(llama_dir, tmp_path)
     (d / "tokenizer.json").unlink()
     with pytest.raises(ModelError, match="no tokenizer.json"):
         load_tokenizer(d)
 
 
 def test_pickle_only_weights_refused(llama_dir, tmp_path):
-    d = tmp_path / "m"
-    shutil.copytree(llama_dir, d)
+    d = _copy(llama_dir, tmp_path)
     (d / "model.safetensors").unlink()
     torch.save({"x": torch.zeros(1)}, d / "pytorch_model.bin")
     with pytest.raises(ModelError, match="pickle files.*never unpickles"):
@@ -78,8 +82,7 @@ def test_pickle_only_weights_refused(llama_dir, tmp_path):
 
 
 def test_unsupported_architecture(llama_dir, tmp_path):
-    d = tmp_path / "m"
-    shutil.copytree(llama_dir, d)
+    d = _copy(llama_dir, tmp_path)
     cfg = json.loads((d / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (d / "config.json").write_text(json.dumps(cfg))
@@ -88,8 +91,7 @@ def test_unsupported_architecture(llama_dir, tmp_path):
 
 
 def test_missing_config(llama_dir, tmp_path):
-    d = tmp_path / "m"
-    shutil.copytree(llama_dir, d)
+    d = _copy(llama_dir, tmp_path)
     (d / "config.json").unlink()
     with pytest.raises(ModelError, match="no config.json"):
         load_model(d)

@@ -20,6 +20,9 @@ With Δ = π − μ over response tokens:
 
 from __future__ import annotations
 
+import math
+import statistics
+
 import torch
 
 LOG_RATIO_CLAMP = 20.0  # every log-ratio is clamped before exp (DESIGN.md)
@@ -77,3 +80,87 @@ def mismatch_by_length(
         out[f"k3/len_{lo + 1}-{hi}"] = metrics["k3"]
         out[f"seq_abs_log_ratio/len_{lo + 1}-{hi}"] = metrics["seq_abs_log_ratio"]
     return out
+
+
+# ----------------------------------------------------------------------------- α/β decomposition
+
+PROB_BIN_EDGES = (0.0, 0.1, 0.5, 0.9, 1.0)
+
+
+def clip_active(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+    """Tokens whose PPO clipped branch is active (zero gradient): r > 1+ε_high with A > 0,
+    or r < 1−ε_low with A < 0. `advantages` [B] broadcast over tokens."""
+    a = advantages[:, None]
+    return ((a > 0) & (log_ratio > math.log1p(clip_high))) | ((a < 0) & (log_ratio < math.log1p(-clip_low)))
+
+
+def phantom_clip_frac(
+    log_ratio: torch.Tensor,
+    beta_in_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> float:
+    """Fraction of tokens whose clip is active with β in the ratio and inactive without it.
+
+    `beta_in_ratio` is the precision gap the ratio actually contains: β when the ratio is
+    taken against the rollout's μ, zero when it is taken against a recomputed or shadow
+    π_old — so those two give exactly 0 by construction.
+    """
+    with_beta = clip_active(log_ratio, advantages, clip_low, clip_high)
+    without = clip_active(log_ratio - beta_in_ratio, advantages, clip_low, clip_high)
+    m = mask.bool()
+    return float((with_beta & ~without & m).sum() / m.sum().clamp(min=1))
+
+
+def beta_metrics(
+    beta: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """β = π^{P_train} − π^{P_roll} on the sampling weights: size, sign, where it is large,
+    and its correlation with the advantage."""
+    m = mask.bool()
+    b = beta.detach().double()[m]
+    out = {
+        "beta/mean": float(b.mean()),
+        "beta/abs_mean": float(b.abs().mean()),
+        "beta/abs_max": float(b.abs().max()),
+    }
+    probs = rollout_logprobs.detach().exp()[m]
+    for lo, hi in zip(PROB_BIN_EDGES[:-1], PROB_BIN_EDGES[1:]):
+        sel = (probs >= lo) & ((probs < hi) if hi < 1 else (probs <= hi))
+        if bool(sel.any()):
+            out[f"beta/abs_mean/p_{lo:g}-{hi:g}"] = float(b[sel].abs().mean())
+    lengths = mask.sum(-1)
+    rows_beta = beta.detach().double().abs() * mask
+    for lo, hi in zip(LENGTH_BIN_EDGES[:-1], LENGTH_BIN_EDGES[1:]):
+        rows = (lengths > lo) & (lengths <= hi)
+        if bool(rows.any()):
+            out[f"beta/abs_mean/len_{lo + 1}-{hi}"] = float(rows_beta[rows].sum() / mask[rows].sum())
+    adv = advantages.double()[:, None].expand_as(beta)[m]
+    if b.numel() > 1 and float(b.std()) > 0 and float(adv.std()) > 0:
+        out["beta/adv_corr"] = float(torch.corrcoef(torch.stack([b, adv]))[0, 1])
+    else:
+        out["beta/adv_corr"] = 0.0
+    return out
+
+
+# ----------------------------------------------------------------------------- collapse early warning
+
+
+def mismatch_alarm(series: list[float], window: int, factor: float) -> bool:
+    """A rising mismatch relative to its early level (DESIGN.md: the early warning of collapse).
+
+    Fires when, with at least 2·`window` values,
+    1. the median of the last `window` values exceeds `factor` × the median of the first
+       `window` values (the mismatch has grown, robustly to spikes), and
+    2. the median of the last `window`/2 values exceeds the median of the `window`/2 before
+       them (it is still rising, not a level shift that has settled).
+    """
+    if window < 2 or len(series) < 2 * window:
+        return False
+    early = statistics.median(series[:window])
+    recent = series[-window:]
+    half = window // 2
+    rising = statistics.median(recent[half:]) > statistics.median(recent[:half])
+    return statistics.median(recent) > factor * max(early, 1e-30) and rising

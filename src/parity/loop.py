@@ -36,7 +36,7 @@ from parity.algorithms import (
 )
 from parity.checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
 from parity.config import ConfigError
-from parity.diagnostics import mismatch_by_length, mismatch_metrics
+from parity.diagnostics import beta_metrics, mismatch_alarm, mismatch_by_length, mismatch_metrics, phantom_clip_frac
 from parity.files import atomic_write_text
 from parity.models import load_model, load_tokenizer, resolve_model_dir
 from parity.rewards import RewardRunner
@@ -45,6 +45,7 @@ from parity.tasks import REWARDS, TRUSTED_REWARDS, ArithmeticTask, DataOrder, im
 from parity.trainer import OptimConfig, Trainer
 
 TRUNCATION_MODES = ("keep", "zero_reward", "drop")
+RATIO_SOURCES = ("recompute", "shadow", "rollout")
 BINARY_REWARDS = {"builtin", "exact", "math"}
 
 # ----------------------------------------------------------------------------- config
@@ -89,6 +90,11 @@ class AlgorithmSection:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     truncated: str = "keep"  # responses without EOS: keep | zero_reward | drop (from the loss)
+    # What the PPO ratio is taken against: recompute (π_old from the trainer on the sampling
+    # weights), shadow (a trainer forward in the rollout precision on those weights), or
+    # rollout (μ itself, as asynchronous trainers do: the precision gap β enters the clip).
+    ratio_source: str = "recompute"
+    shadow_forward: bool = False  # run the shadow forward for α/β metrics even if the ratio does not use it
 
 
 @dataclass
@@ -107,6 +113,13 @@ class RewardSection:
 
 
 @dataclass
+class HealthSection:
+    alarm_window: int = 20  # steps; the rule is in docs/training.md
+    alarm_factor: float = 4.0
+    on_alarm: str = "warn"  # warn | checkpoint (save, go on) | stop (save, end the run)
+
+
+@dataclass
 class TrainConfig:
     model: str = "builtin"
     precision: str = "fp16"  # both engines; rollout.precision / trainer.precision override one side
@@ -115,7 +128,7 @@ class TrainConfig:
     prompts_per_step: int = 16
     seed: int = 0
     run_dir: str = ""  # default: runs/train-<time>
-    checkpoint_every: int = 10  # steps; 0 = only at the end
+    checkpoint_every: int = 10  # steps; 0 = only at the end; -1 = never
     keep_checkpoints: int = 2
     tensorboard: bool = True  # when the tensorboard package is installed
     rollout: RolloutSection = field(default_factory=RolloutSection)
@@ -123,6 +136,7 @@ class TrainConfig:
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     task: TaskSection = field(default_factory=TaskSection)
     reward: RewardSection = field(default_factory=RewardSection)
+    health: HealthSection = field(default_factory=HealthSection)
 
     @property
     def rollout_precision(self) -> str:
@@ -155,6 +169,8 @@ class TrainConfig:
         one_of("algorithm.truncated", self.algorithm.truncated, TRUNCATION_MODES)
         one_of("task.name", self.task.name, REWARDS)
         one_of("reward.isolate", self.reward.isolate, ("auto", "always", "never"))
+        one_of("algorithm.ratio_source", self.algorithm.ratio_source, RATIO_SOURCES)
+        one_of("health.on_alarm", self.health.on_alarm, ("warn", "checkpoint", "stop"))
         if self.task.name == "length" and self.algorithm.truncated == "zero_reward":
             raise ConfigError("algorithm.truncated=zero_reward would reward the longest responses on task.name=length")
         for key, value in (
@@ -164,9 +180,12 @@ class TrainConfig:
             ("algorithm.ppo_epochs", self.algorithm.ppo_epochs),
             ("algorithm.num_minibatches", self.algorithm.num_minibatches),
             ("trainer.micro_batch_size", self.trainer.micro_batch_size),
+            ("keep_checkpoints", self.keep_checkpoints),
         ):
             if value < 1:
                 raise ConfigError(f"{key}: must be >= 1, got {value}")
+        if self.checkpoint_every < -1:
+            raise ConfigError(f"checkpoint_every: must be >= -1 (-1 = never), got {self.checkpoint_every}")
         if self.prompts_per_step % self.algorithm.num_minibatches:
             raise ConfigError(
                 f"algorithm.num_minibatches={self.algorithm.num_minibatches} must divide "
@@ -277,6 +296,8 @@ class Run:
         a = cfg.algorithm
         self.loss_cfg = LossConfig(a.clip_low, a.clip_high, a.gspo_clip_low, a.gspo_clip_high, a.cap)
         self.step_count = 0
+        self.alarm_series: list[float] = []  # mismatch/k3 per step, for the collapse warning
+        self.alarmed = False
         self.log = MetricsLog(run_dir, cfg.tensorboard)
         self.engine.load_weights(*self.trainer.export_weights())
 
@@ -309,23 +330,30 @@ class Run:
             run.data.position = state.data_position
             run.engine.load_weights(*run.trainer.export_weights())
         run.log.truncate_after(run.step_count)
+        for line in run.log.path.read_text().splitlines() if run.log.path.is_file() else []:
+            logged = json.loads(line)
+            run.alarm_series.append(logged["mismatch/k3"])
+            run.alarmed = run.alarmed or bool(logged.get("health/mismatch_alarm"))
         return run
 
     # -- one step -------------------------------------------------------------
 
-    def _logprobs(self, trainer: Trainer, batch, rows: torch.Tensor) -> torch.Tensor:
+    def _logprobs(self, trainer: Trainer, batch, rows: torch.Tensor, precision: str | None = None) -> torch.Tensor:
         return trainer.logprobs(
             [batch.prompt_ids[i] for i in rows.tolist()],
             batch.response_ids[rows],
             batch.response_mask[rows],
             None if batch.support is None else batch.support[rows],
             self.sampling.temperature,
+            precision=precision,
         )
 
-    def _no_grad_logprobs(self, trainer: Trainer, batch) -> torch.Tensor:
+    def _no_grad_logprobs(self, trainer: Trainer, batch, precision: str | None = None) -> torch.Tensor:
         rows = torch.arange(batch.response_ids.shape[0])
         with torch.no_grad():
-            return torch.cat([self._logprobs(trainer, batch, r) for r in rows.split(self.cfg.trainer.micro_batch_size)])
+            return torch.cat(
+                [self._logprobs(trainer, batch, r, precision) for r in rows.split(self.cfg.trainer.micro_batch_size)]
+            )
 
     def step(self) -> dict[str, float]:
         cfg, a = self.cfg, self.cfg.algorithm
@@ -362,6 +390,14 @@ class Run:
         old = self._no_grad_logprobs(self.trainer, batch) if updates > 1 else None
         sampling_pi = old if old is not None else torch.zeros_like(batch.rollout_logprobs)
         ref = self._no_grad_logprobs(self.reference, batch) if self.reference is not None else None
+        times["train"] = time.perf_counter() - t
+        shadow = None
+        if a.ratio_source == "shadow" or a.shadow_forward:
+            t = time.perf_counter()
+            shadow = self._no_grad_logprobs(self.trainer, batch, precision=self.engine.precision)
+            times["shadow"] = time.perf_counter() - t
+        t = time.perf_counter()
+        ppo_token_clip = a.name.startswith("grpo")
         n_rows = batch.response_ids.shape[0]
         rows_per_mb = n_rows // a.num_minibatches
         stats: dict[str, list[float]] = {}
@@ -382,14 +418,31 @@ class Run:
                     logp = self._logprobs(self.trainer, batch, rows)
                     if old is None:
                         sampling_pi[rows] = logp.detach()
+                    ratio_ref = {
+                        "recompute": sampling_pi[rows],
+                        "shadow": None if shadow is None else shadow[rows],
+                        "rollout": batch.rollout_logprobs[rows],
+                    }[a.ratio_source]
                     inputs = PolicyInputs(
                         logprobs=logp,
-                        old_logprobs=logp.detach() if old is None else old[rows],
+                        old_logprobs=ratio_ref,
                         rollout_logprobs=batch.rollout_logprobs[rows],
                         advantages=advantages[rows],
                         mask=loss_mask[rows],
                     )
                     token_loss, loss_stats = POLICY_LOSSES[a.name](inputs, self.loss_cfg)
+                    if shadow is not None and ppo_token_clip:
+                        # β is in the ratio only when the ratio is taken against μ.
+                        beta = sampling_pi[rows] - shadow[rows]
+                        beta_in = beta if a.ratio_source == "rollout" else torch.zeros_like(beta)
+                        log_ratio = logp.detach() - ratio_ref
+                        loss_stats["phantom_clip_frac"] = phantom_clip_frac(
+                            log_ratio, beta_in, advantages[rows], loss_mask[rows], a.clip_low, a.clip_high
+                        )
+                        m = loss_mask[rows]
+                        loss_stats["alpha_abs_mean"] = float(
+                            ((log_ratio - beta_in).abs() * m).sum() / m.sum().clamp(min=1)
+                        )
                     if ref is not None:
                         kl = kl_penalty(logp, ref[rows], a.kl_estimator)
                         kls.append(float((kl.detach() * loss_mask[rows]).sum() / loss_mask[rows].sum().clamp(min=1)))
@@ -403,7 +456,7 @@ class Run:
                         stats.setdefault(k, []).append(float(v))
                 step_stats = self.trainer.step()
                 stats.setdefault("grad_norm", []).append(step_stats.grad_norm)
-        times["train"] = time.perf_counter() - t
+        times["train"] += time.perf_counter() - t
 
         t = time.perf_counter()
         self.engine.load_weights(*self.trainer.export_weights())
@@ -443,6 +496,8 @@ class Run:
             "is_weight_mean": "is/weight_mean",
             "is_weight_max": "is/weight_max",
             "is_masked_frac": "is/masked_frac",
+            "phantom_clip_frac": "phantom/clip_frac",
+            "alpha_abs_mean": "alpha/abs_mean",
         }
         for k, v in stats.items():
             metrics[renames[k]] = max(v) if k == "is_weight_max" else _mean(v)
@@ -450,6 +505,12 @@ class Run:
         metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
         by_len = mismatch_by_length(sampling_pi, batch.rollout_logprobs, batch.response_mask)
         metrics.update({f"mismatch/{k}": v for k, v in by_len.items()})
+        if shadow is not None:
+            metrics.update(beta_metrics(sampling_pi - shadow, batch.rollout_logprobs, advantages, batch.response_mask))
+        self.alarm_series.append(metrics["mismatch/k3"])
+        metrics["health/mismatch_alarm"] = int(
+            mismatch_alarm(self.alarm_series, cfg.health.alarm_window, cfg.health.alarm_factor)
+        )
         metrics.update({f"time/{k}": v for k, v in times.items()})
         metrics["perf/tokens_per_s"] = batch.num_tokens / times["step"]
         return metrics
@@ -481,8 +542,21 @@ class Run:
                     headline["acc"] = f"{metrics['reward/accuracy']:.2f}"
                 bar.set_postfix(headline)
                 every = cfg.checkpoint_every
-                if (every and self.step_count % every == 0) or self.step_count == cfg.steps:
+                if every >= 0 and ((every and self.step_count % every == 0) or self.step_count == cfg.steps):
                     self.checkpoint()
+                if metrics["health/mismatch_alarm"] and not self.alarmed:
+                    self.alarmed = True
+                    action = cfg.health.on_alarm
+                    tqdm.write(
+                        f"WARNING step {self.step_count}: the training-inference mismatch is rising (mismatch/k3 "
+                        f"{metrics['mismatch/k3']:.2e}, over {cfg.health.alarm_factor:g}x its early level): "
+                        f"an early sign of collapse; health.on_alarm={action}",
+                        file=sys.stderr,
+                    )
+                    if action in ("checkpoint", "stop"):
+                        self.checkpoint()
+                    if action == "stop":
+                        break
         finally:
             bar.close()
             self.rewards.close()

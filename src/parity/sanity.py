@@ -8,6 +8,7 @@ is broken. Writes summary.json, report.md and plots to the output directory.
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,9 +101,7 @@ def run_sanity(out: Path, runs: list[tuple[str, str]], quick: bool, seed: int = 
         name = f"{precision}/{estimator}"
         run_dir = out / "runs" / name.replace("/", "-")
         if run_dir.exists():
-            import shutil
-
-            shutil.rmtree(run_dir)
+            shutil.rmtree(run_dir)  # a previous sanity run's copy of this run
         cfg = config_mod.load(
             TrainConfig,
             None,
@@ -115,8 +114,7 @@ def run_sanity(out: Path, runs: list[tuple[str, str]], quick: bool, seed: int = 
                 f"rollout.group_size={settings.group_size}",
                 f"seed={seed}",
                 f"run_dir={run_dir}",
-                "checkpoint_every=0",
-                "keep_checkpoints=1",
+                "checkpoint_every=-1",
                 "tensorboard=false",
             ],
         )

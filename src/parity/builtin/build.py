@@ -57,31 +57,31 @@ def builtin_model_config() -> ModelConfig:
     )
 
 
-def write_tokenizer(out_dir: Path) -> None:
-    """A character-level `tokenizer.json` (plus the HF side files) for the built-in task."""
+def char_tokenizer(chars: str, specials: tuple[str, ...]):
+    """A character-level `tokenizers` tokenizer: the specials first (ids 0..), then one id per character."""
     from tokenizers import Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
-    vocab = {tok: i for i, tok in enumerate(BUILTIN_SPECIALS)}
-    for ch in BUILTIN_CHARS:
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for ch in chars:
         vocab[ch] = len(vocab)
-    tok = HFTokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok = HFTokenizer(models.WordLevel(vocab, unk_token=specials[0]))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(list(BUILTIN_SPECIALS))
-    tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": "<eos>",
-                "pad_token": "<pad>",
-                "add_bos_token": False,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    tok.add_special_tokens(list(specials))
+    return tok
+
+
+def write_tokenizer(out_dir: Path) -> None:
+    """The built-in model's `tokenizer.json` (plus the HF side files)."""
+    char_tokenizer(BUILTIN_CHARS, BUILTIN_SPECIALS).save(str(out_dir / "tokenizer.json"))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "add_bos_token": False,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, "pad_token_id": 0}, indent=2) + "\n")
 
 
