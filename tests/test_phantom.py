@@ -120,3 +120,22 @@ def test_on_alarm_stop_ends_the_run(tmp_path):
     history = run.train()
     assert history[-1]["health/mismatch_alarm"] == 1 and len(history) < 6
     assert (tmp_path / "checkpoints").is_dir()  # stop saves a checkpoint first
+
+
+@pytest.mark.slow
+def test_phantom_command_end_to_end(tmp_path):
+    import json
+
+    from parity.cli import main
+
+    out = tmp_path / "phantom"
+    assert main(["phantom", "--out", str(out), "--steps", "6", "--eps", "0.001"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    runs = summary["runs"]
+    assert len(runs) == 5
+    assert runs["fp32-train/bf16-roll, ratio vs recompute"]["phantom_clip_frac_mean"] == 0.0
+    assert runs["fp32-train/bf16-roll, ratio vs shadow"]["phantom_clip_frac_mean"] == 0.0
+    assert runs["fp32-train/bf16-roll, ratio vs rollout μ, ε=0.001"]["phantom_clip_frac_mean"] > 0.0
+    assert summary["base_beta"]["beta/abs_mean"] > 0
+    for name in ("report.md", "phantom.png", "beta.png"):
+        assert (out / name).stat().st_size > 0

@@ -218,3 +218,18 @@ def test_fp16_length_task_converges_to_eos(tmp_path):
     history = run.train()
     assert history[0]["response/length_mean"] > 20
     assert _mean_last(history, "response/length_mean") <= 2.0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_runs_are_bitwise_reproducible(tmp_path, precision):
+    """Same config, same seed: identical metrics (the basis of exact resume), in every precision."""
+    histories = []
+    for name in ("a", "b"):
+        cfg = config.load(
+            TrainConfig,
+            None,
+            [f"run_dir={tmp_path / name}", f"precision={precision}", "steps=3", "checkpoint_every=-1", *TINY[1:]],
+        )
+        run = Run.create(cfg, progress=False)
+        histories.append([{k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))} for m in run.train()])
+    assert histories[0] == histories[1]

@@ -108,6 +108,29 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_phantom(args: argparse.Namespace) -> int:
+    from parity.phantom import run_phantom
+
+    eps = tuple(float(e) for e in args.eps.split(",") if e.strip())
+    summary = run_phantom(Path(args.out), steps=args.steps, eps_sweep=eps, seed=args.seed)
+    for name, r in summary["runs"].items():
+        to2 = r["steps_to_length_2"]
+        print(
+            f"{name}: length <= 2 at step {to2 if to2 is not None else '-'}, "
+            f"phantom clip frac {r['phantom_clip_frac_mean']:.4f}"
+        )
+    print(f"wrote {args.out}/report.md, summary.json, phantom.png, beta.png ({summary['wall_seconds']:.0f} s)")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from parity.doctor import render, run_doctor
+
+    result = run_doctor(args.model, Path(args.out) if args.out else None, num_prompts=args.prompts)
+    print(render(result))
+    return 0
+
+
 def cmd_build_model(args: argparse.Namespace) -> int:
     from parity.builtin.build import BuildConfig, build_model
 
@@ -167,6 +190,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", help="comma-separated PRECISION/ESTIMATOR, e.g. fp16/pg_seq_is,bf16/grpo")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_sanity)
+
+    p = sub.add_parser(
+        "phantom",
+        help="the phantom-clipping experiment: FP32 trainer / BF16 rollout on the length task, per ratio source",
+        description=(
+            "Train the built-in model on the length task (reward = -length) with PPO clip, FP32 trainer and BF16 "
+            "rollout, with the ratio taken against the rollout's mu, a recomputed pi_old, or a shadow forward; "
+            "and with matched FP16. Then sweep epsilon to find where beta alone trips the clip."
+        ),
+    )
+    p.add_argument("--out", default="parity-phantom", help="output directory (default parity-phantom)")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--eps", default="0.02,0.005,0.001,0.0002", help="clip epsilons for the sweep (comma-separated)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_phantom)
+
+    p = sub.add_parser(
+        "doctor",
+        help="is this model FP16-safe? weight/activation range per layer, mismatch per precision, a recommendation",
+        description="Checks any local Hugging Face Llama/Qwen2 directory (or the built-in model) for FP16 safety.",
+    )
+    p.add_argument("--model", default="builtin", help="model directory, or 'builtin' (default)")
+    p.add_argument("--out", help="also write doctor.json and doctor.md here")
+    p.add_argument("--prompts", type=int, default=8, help="how many prompts to probe with (default 8)")
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser(
         "perfectible",

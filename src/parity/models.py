@@ -258,7 +258,8 @@ class CausalLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Final normalised hidden states [B, T, H] in `dtype`, causal attention."""
-        x = self.model.embed_tokens.weight.to(dtype)[input_ids]
+        # F.embedding: its CPU backward is deterministic (indexing's accumulate is not, in FP32).
+        x = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight.to(dtype))
         cos, sin = rope_angles(positions, self.inv_freq, dtype)
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         for layer in self.model.layers:

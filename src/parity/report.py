@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from parity.files import atomic_write_json, atomic_write_text  # noqa: E402
 
 if TYPE_CHECKING:
+    import torch
+
     from parity.mismatch import PairResult
 
 MAX_SCATTER_POINTS = 20000
@@ -137,36 +140,62 @@ def summary_table(summaries: dict[str, dict]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
-def plot_accuracy(histories: dict[str, list[dict]], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), layout="constrained")
-    for name, h in histories.items():
-        key = "reward/accuracy" if "reward/accuracy" in h[0] else "reward/mean"
-        ax.plot(
-            [m["step"] for m in h],
-            moving_average([m[key] for m in h]),
-            label=name,
-            ls="-" if name.startswith("fp16") else "--",
-        )
-    if any("reward/accuracy" in h[0] for h in histories.values()):
-        ax.axhline(TARGET_ACCURACY, color="grey", lw=0.7, ls=":")
-        ax.set_ylim(0, 1.02)
-    ax.set(xlabel="step", ylabel=f"training accuracy ({SMOOTHING}-step mean)", title="Training accuracy")
-    ax.legend(fontsize=8)
+@dataclass(frozen=True)
+class Panel:
+    key: str  # metric name in metrics.jsonl
+    title: str
+    log: bool = False
+    hline: float | None = None
+
+
+def plot_curves(histories: dict[str, list[dict]], panels: list[Panel], path: Path) -> None:
+    """One panel per metric, one line per run ({SMOOTHING}-step moving average)."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.3), squeeze=False, layout="constrained")
+    for ax, panel in zip(axes[0], panels):
+        for name, h in histories.items():
+            rows = [m for m in h if panel.key in m]
+            if rows:
+                ls = "-" if name.startswith("fp16") else "--"
+                ax.plot([m["step"] for m in rows], moving_average([m[panel.key] for m in rows]), label=name, ls=ls)
+        if panel.hline is not None:
+            ax.axhline(panel.hline, color="grey", lw=0.7, ls=":")
+        ax.set(xlabel="step", ylabel=panel.key, title=panel.title, yscale="log" if panel.log else "linear")
+    axes[0][0].legend(fontsize=8)
     _save(fig, path)
 
 
+def plot_accuracy(histories: dict[str, list[dict]], path: Path) -> None:
+    binary = any("reward/accuracy" in h[0] for h in histories.values())
+    key = "reward/accuracy" if binary else "reward/mean"
+    plot_curves(histories, [Panel(key, "Training accuracy", hline=TARGET_ACCURACY if binary else None)], path)
+
+
 def plot_mismatch_curves(histories: dict[str, list[dict]], path: Path) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.3), layout="constrained")
-    for name, h in histories.items():
-        steps = [m["step"] for m in h]
-        ls = "-" if name.startswith("fp16") else "--"
-        axes[0].plot(steps, moving_average([m["mismatch/k3"] for m in h]), label=name, ls=ls)
-        axes[1].plot(steps, moving_average([m["mismatch/seq_abs_log_ratio"] for m in h]), label=name, ls=ls)
-    axes[0].set(yscale="log", xlabel="step", ylabel="mismatch/k3", title="Token-level mismatch KL(μ‖π) (k3)")
-    axes[1].set(
-        yscale="log", xlabel="step", ylabel="mismatch/seq_abs_log_ratio", title="Sequence-level |Σ log π − log μ|"
+    plot_curves(
+        histories,
+        [
+            Panel("mismatch/k3", "Token-level mismatch KL(μ‖π) (k3)", log=True),
+            Panel("mismatch/seq_abs_log_ratio", "Sequence-level |Σ log π − log μ|", log=True),
+        ],
+        path,
     )
-    axes[0].legend(fontsize=8)
+
+
+def plot_beta_distribution(beta: torch.Tensor, probs: torch.Tensor, path: Path) -> None:
+    """Histogram of token-level β, and |β| against the token's probability."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.3), layout="constrained")
+    b = beta.double().numpy()
+    axes[0].hist(b, bins=200, color="tab:purple")
+    axes[0].set(
+        yscale="log",
+        xlabel="β = log π_FP32 − log π_BF16 (same weights)",
+        ylabel="tokens",
+        title="Distribution of the precision gap β",
+    )
+    axes[1].scatter(probs.numpy(), abs(b), s=3, alpha=0.4, color="tab:purple")
+    axes[1].set(
+        xscale="log", yscale="symlog", xlabel="token probability μ", ylabel="|β|", title="|β| against token probability"
+    )
     _save(fig, path)
 
 

@@ -8,6 +8,7 @@ is broken. Writes summary.json, report.md and plots to the output directory.
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from dataclasses import dataclass
@@ -158,6 +159,40 @@ def _verdict(name: str, s: dict) -> str:
     )
 
 
+def reading(summary: dict) -> list[str]:
+    """What the numbers say about FP16 vs BF16, derived from the summary (no fixed verdict)."""
+    runs, base = summary["runs"], summary["base_mismatch"]
+    reached = {name: s["steps_to_95"] is not None for name, s in runs.items()}
+    by_prec = {p: [n for n in runs if n.startswith(p + "/")] for p in ("fp16", "bf16")}
+    lines = ["## Reading", ""]
+    if all(reached.values()):
+        lines.append(
+            "Every run reached 95% training accuracy: on this model and task BF16 and FP16 behave the same — "
+            "both converge, with every estimator."
+        )
+    else:
+        missed = [n for n, ok in reached.items() if not ok]
+        lines.append(f"Runs that did not reach 95%: {', '.join(missed)}.")
+        for p in ("fp16", "bf16"):
+            if by_prec[p] and all(not reached[n] for n in by_prec[p]):
+                lines.append(f"No {p.upper()} run reached 95%.")
+    if "bf16" in base and "fp16" in base:
+        b, f = base["bf16"], base["fp16"]
+        spread = math.expm1(b["seq_abs_log_ratio"]) * 100
+        lines += [
+            "",
+            f"The measurement that explains it: the base model's BF16 mismatch is "
+            f"{b['k3'] / max(f['k3'], 1e-30):.0f}× FP16's in k3 and "
+            f"{b['token_abs_log_ratio_mean'] / max(f['token_abs_log_ratio_mean'], 1e-30):.1f}× per token, but small "
+            f"in absolute terms: the sequence log-ratio averages {b['seq_abs_log_ratio']:.2e}, so a sequence's "
+            f"importance weight is typically within {spread:.1f}% of 1 (IS effective sample size "
+            f"{b['is_ess']:.4f}). A gap that small does not bias the gradient enough to matter here; the "
+            "research's collapses came from long responses and large models, where the sequence log-ratio grows "
+            "by orders of magnitude.",
+        ]
+    return lines + [""]
+
+
 def render_report(summary: dict) -> str:
     p, st = summary["perfectible"], summary["settings"]
     base = summary["base_mismatch"]
@@ -182,6 +217,7 @@ def render_report(summary: dict) -> str:
         "",
         *[_verdict(name, s) for name, s in summary["runs"].items()],
         "",
+        *reading(summary),
         "![training accuracy](accuracy.png)",
         "",
         "![mismatch during training](mismatch.png)",
