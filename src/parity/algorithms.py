@@ -43,13 +43,17 @@ LossFn = Callable[[PolicyInputs, LossConfig], tuple[torch.Tensor, dict[str, torc
 POLICY_LOSSES: dict[str, LossFn] = {}
 # Estimators whose ratio needs π_old (a forward on the sampling weights).
 NEEDS_OLD_LOGPROBS: set[str] = set()
+# Estimators that clip the token-level ratio exp(π_θ − π_old) (where phantom clipping is measured).
+TOKEN_RATIO_CLIP: set[str] = set()
 
 
-def register(name: str, needs_old: bool = False) -> Callable[[LossFn], LossFn]:
+def register(name: str, needs_old: bool = False, token_clip: bool = False) -> Callable[[LossFn], LossFn]:
     def wrap(fn: LossFn) -> LossFn:
         POLICY_LOSSES[name] = fn
         if needs_old:
             NEEDS_OLD_LOGPROBS.add(name)
+        if token_clip:
+            TOKEN_RATIO_CLIP.add(name)
         return fn
 
     return wrap
@@ -100,13 +104,13 @@ def _weight_stats(weights: torch.Tensor, mask: torch.Tensor, kept: torch.Tensor 
     return stats
 
 
-@register("grpo", needs_old=True)
+@register("grpo", needs_old=True, token_clip=True)
 def grpo(inp: PolicyInputs, cfg: LossConfig):
     """PPO clip on r = exp(π_θ − π_old)."""
     return _grpo(inp, cfg)
 
 
-@register("grpo_token_tis", needs_old=True)
+@register("grpo_token_tis", needs_old=True, token_clip=True)
 def grpo_token_tis(inp: PolicyInputs, cfg: LossConfig):
     """grpo × min(exp(π_old − μ), C) per token (truncated IS)."""
     loss, stats = _grpo(inp, cfg)
@@ -115,7 +119,7 @@ def grpo_token_tis(inp: PolicyInputs, cfg: LossConfig):
     return loss * truncated, {**stats, **_weight_stats(truncated, inp.mask)}
 
 
-@register("grpo_token_mis", needs_old=True)
+@register("grpo_token_mis", needs_old=True, token_clip=True)
 def grpo_token_mis(inp: PolicyInputs, cfg: LossConfig):
     """grpo × w·1[w ≤ C] per token, w = exp(π_old − μ) (masked IS)."""
     loss, stats = _grpo(inp, cfg)
@@ -129,7 +133,7 @@ def _seq_weight(inp: PolicyInputs, current: torch.Tensor) -> torch.Tensor:
     return _exp(_seq_sum(current.detach() - inp.rollout_logprobs, inp.mask))[:, None]
 
 
-@register("grpo_seq_tis", needs_old=True)
+@register("grpo_seq_tis", needs_old=True, token_clip=True)
 def grpo_seq_tis(inp: PolicyInputs, cfg: LossConfig):
     """grpo × min(ρ, C), ρ = exp Σ_t(π_old − μ)."""
     loss, stats = _grpo(inp, cfg)
@@ -137,7 +141,7 @@ def grpo_seq_tis(inp: PolicyInputs, cfg: LossConfig):
     return loss * rho, {**stats, **_weight_stats(rho.expand_as(loss), inp.mask)}
 
 
-@register("grpo_seq_mis", needs_old=True)
+@register("grpo_seq_mis", needs_old=True, token_clip=True)
 def grpo_seq_mis(inp: PolicyInputs, cfg: LossConfig):
     """grpo × ρ·1[ρ ≤ C], ρ = exp Σ_t(π_old − μ)."""
     loss, stats = _grpo(inp, cfg)

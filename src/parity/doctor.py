@@ -60,7 +60,7 @@ def layer_reports(model, input_ids: torch.Tensor) -> list[LayerReport]:
     for name, module in groups.items():
         for sub in module.modules():
 
-            def record(mod, inputs, output, name=name):
+            def record(_module, _inputs, output, name=name):
                 act_max[name] = max(act_max[name], float(output.detach().abs().max()))
 
             hooks.append(sub.register_forward_hook(record))

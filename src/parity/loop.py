@@ -28,6 +28,7 @@ from parity.algorithms import (
     AGGREGATIONS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    TOKEN_RATIO_CLIP,
     LossConfig,
     PolicyInputs,
     aggregate,
@@ -39,7 +40,7 @@ from parity.config import ConfigError
 from parity.diagnostics import beta_metrics, mismatch_alarm, mismatch_by_length, mismatch_metrics, phantom_clip_frac
 from parity.files import atomic_write_text
 from parity.models import load_model, load_tokenizer, resolve_model_dir
-from parity.rewards import RewardRunner
+from parity.rewards import RewardRunner, score_rollouts
 from parity.rollout import RolloutEngine, SamplingParams
 from parity.tasks import REWARDS, TRUSTED_REWARDS, ArithmeticTask, DataOrder, import_reward_fn, load_problems
 from parity.trainer import OptimConfig, Trainer
@@ -369,11 +370,7 @@ class Run:
         times["rollout"] = time.perf_counter() - t0
 
         t = time.perf_counter()
-        lengths = batch.response_lengths.tolist()
-        texts = [self.tokenizer.decode(batch.response_ids[i, :n].tolist()) for i, n in enumerate(lengths)]
-        result = self.rewards(
-            [(problems[g], text, n) for g, text, n in zip(batch.group_index.tolist(), texts, lengths)]
-        )
+        result = score_rollouts(batch, problems, self.tokenizer, self.rewards)
         rewards = torch.tensor(result.rewards)
         scored = rewards.clone()
         if a.truncated == "zero_reward":
@@ -397,7 +394,7 @@ class Run:
             shadow = self._no_grad_logprobs(self.trainer, batch, precision=self.engine.precision)
             times["shadow"] = time.perf_counter() - t
         t = time.perf_counter()
-        ppo_token_clip = a.name.startswith("grpo")
+        ppo_token_clip = a.name in TOKEN_RATIO_CLIP
         n_rows = batch.response_ids.shape[0]
         rows_per_mb = n_rows // a.num_minibatches
         stats: dict[str, list[float]] = {}

@@ -172,6 +172,7 @@ def results_json(model: str, results: list[PairResult]) -> dict[str, Any]:
                 "trainer_precision": r.trainer_precision,
                 "num_sequences": r.num_sequences,
                 "num_tokens": r.num_tokens,
+                "seconds": r.seconds,
                 "metrics": r.metrics,
                 "by_length": r.by_length,
             }

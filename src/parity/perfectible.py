@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from parity.config import ConfigError
 from parity.files import atomic_write_text
-from parity.models import load_model, load_tokenizer, resolve_model_dir
-from parity.rewards import RewardRunner
+from parity.models import Tokenizer, load_model, load_tokenizer, resolve_model_dir
+from parity.rewards import RewardRunner, score_rollouts
 from parity.rollout import RolloutEngine, SamplingParams
 from parity.tasks import REWARDS, TRUSTED_REWARDS, ArithmeticTask, Problem, load_problems
 
@@ -79,30 +79,41 @@ def candidate_problems(cfg: PerfectibleConfig) -> list[Problem]:
     return load_problems(cfg.data)
 
 
+def problem_accuracies(
+    engine: RolloutEngine,
+    tokenizer: Tokenizer,
+    problems: list[Problem],
+    runner: RewardRunner,
+    samples: int,
+    max_new_tokens: int = 96,
+    seed: int = 0,
+    batch_prompts: int = 32,
+    progress: bool = False,
+) -> list[float]:
+    """Fraction of `samples` responses at temperature 1 that score 1, per problem."""
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
+    accuracies: list[float] = []
+    for start in tqdm(range(0, len(problems), batch_prompts), desc="perfectible", unit="batch", disable=not progress):
+        chunk = problems[start : start + batch_prompts]
+        batch = engine.generate([tokenizer.encode(p.prompt) for p in chunk], samples, sampling, seed=seed + start)
+        scores = torch.tensor(score_rollouts(batch, chunk, tokenizer, runner).rewards).view(len(chunk), samples)
+        accuracies.extend((scores >= 1.0).float().mean(-1).tolist())
+    return accuracies
+
+
 def measure_accuracies(cfg: PerfectibleConfig, problems: list[Problem], progress: bool = True) -> list[float]:
     model_dir = resolve_model_dir(cfg.model)
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir)
     engine = RolloutEngine(model.config, cfg.precision, tok.eos_id, tok.pad_id)
     engine.load_weights(model.state_dict(), version=0)
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=cfg.max_new_tokens)
-    reward = RewardRunner(REWARDS[cfg.task], isolate=cfg.task not in TRUSTED_REWARDS)
-    accuracies: list[float] = []
+    runner = RewardRunner(REWARDS[cfg.task], isolate=cfg.task not in TRUSTED_REWARDS)
     try:
-        chunks = range(0, len(problems), cfg.batch_prompts)
-        for start in tqdm(chunks, desc="perfectible", unit="batch", disable=not progress):
-            chunk = problems[start : start + cfg.batch_prompts]
-            batch = engine.generate([tok.encode(p.prompt) for p in chunk], cfg.samples, sampling, seed=cfg.seed + start)
-            lengths = batch.response_lengths.tolist()
-            items = [
-                (chunk[g], tok.decode(batch.response_ids[i, :n].tolist()), n)
-                for i, (g, n) in enumerate(zip(batch.group_index.tolist(), lengths))
-            ]
-            scores = torch.tensor(reward(items).rewards).view(len(chunk), cfg.samples)
-            accuracies.extend((scores >= 1.0).float().mean(-1).tolist())
+        return problem_accuracies(
+            engine, tok, problems, runner, cfg.samples, cfg.max_new_tokens, cfg.seed, cfg.batch_prompts, progress
+        )
     finally:
-        reward.close()
-    return accuracies
+        runner.close()
 
 
 def write_set(path: Path, problems: list[Problem], accuracies: list[float], keep: list[int]) -> None:

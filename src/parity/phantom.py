@@ -65,19 +65,22 @@ def steps_to_length(history: list[dict], target: float = TARGET_LENGTH) -> int |
     return next((m["step"] for m in history if m["response/length_mean"] <= target), None)
 
 
-def beta_distribution(model: str, num_prompts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Token-level β = π^{FP32} − π^{BF16} (trainer code path, same weights) on BF16 samples."""
+def beta_distribution(
+    model: str, num_prompts: int, seed: int, rollout_precision: str = "bf16"
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Token-level β = π^{FP32} − π^{P_roll} (trainer code path, same weights) on samples
+    drawn by a rollout engine in `rollout_precision`."""
     model_dir = resolve_model_dir(model)
     tok = load_tokenizer(model_dir)
     base = load_model(model_dir)
     trainer = Trainer(base, "fp32", OptimConfig(), tok.pad_id)
-    engine = RolloutEngine(base.config, "bf16", tok.eos_id, tok.pad_id)
+    engine = RolloutEngine(base.config, rollout_precision, tok.eos_id, tok.pad_id)
     engine.load_weights(*trainer.export_weights())
     prompts = [tok.encode(p.prompt) for p in ArithmeticTask().problems(num_prompts, seed=seed, split="eval")]
     batch = engine.generate(prompts, 4, SamplingParams(max_new_tokens=96), seed=seed)
     with torch.no_grad():
         args = (batch.prompt_ids, batch.response_ids, batch.response_mask)
-        beta = trainer.logprobs(*args) - trainer.logprobs(*args, precision="bf16")
+        beta = trainer.logprobs(*args) - trainer.logprobs(*args, precision=rollout_precision)
     stats = beta_metrics(beta, batch.rollout_logprobs, torch.zeros(beta.shape[0]), batch.response_mask)
     stats.pop("beta/adv_corr")
     return beta[batch.response_mask], batch.rollout_logprobs[batch.response_mask].exp(), stats
@@ -86,8 +89,9 @@ def beta_distribution(model: str, num_prompts: int, seed: int) -> tuple[torch.Te
 def run_phantom(out: Path, steps: int, eps_sweep: tuple[float, ...], seed: int = 0, log=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    beta, probs, beta_stats = beta_distribution("builtin", 64, seed)
+    beta, probs, beta_stats = beta_distribution("builtin", 64, seed, "bf16")
     plot_beta_distribution(beta, probs, out / "beta.png")
+    beta_fp16 = beta_distribution("builtin", 64, seed, "fp16")[2]
     histories: dict[str, list[dict]] = {}
     runs = default_runs(eps_sweep)
     for i, run in enumerate(runs, 1):
@@ -123,6 +127,7 @@ def run_phantom(out: Path, steps: int, eps_sweep: tuple[float, ...], seed: int =
     summary = {
         "steps": steps,
         "base_beta": beta_stats,
+        "base_beta_fp16_rollout": beta_fp16,
         "runs": {
             name: {
                 "steps_to_length_2": steps_to_length(h),
@@ -142,7 +147,7 @@ def run_phantom(out: Path, steps: int, eps_sweep: tuple[float, ...], seed: int =
 
 
 def render_report(summary: dict) -> str:
-    b = summary["base_beta"]
+    b, f = summary["base_beta"], summary["base_beta_fp16_rollout"]
     rows = [
         f"| {name} | {'—' if r['steps_to_length_2'] is None else r['steps_to_length_2']} | {r['final_length']:.1f} | "
         f"{r['phantom_clip_frac_first10']:.4f} | {r['phantom_clip_frac_mean']:.4f} | {r['clip_frac_first10']:.4f} | "
@@ -166,6 +171,10 @@ def render_report(summary: dict) -> str:
             f"β of the base model (FP32 trainer vs BF16, same weights, trainer code path): mean {b['beta/mean']:.2e}, "
             f"mean |β| {b['beta/abs_mean']:.2e}, max |β| {b['beta/abs_max']:.2e}; mean |β| by token probability "
             f"({bins}).",
+            "",
+            f"For comparison, FP32 trainer vs FP16 (same weights): mean |β| {f['beta/abs_mean']:.2e}, max |β| "
+            f"{f['beta/abs_max']:.2e} — BF16's β is {b['beta/abs_mean'] / max(f['beta/abs_mean'], 1e-30):.1f}× "
+            "larger on average.",
             "",
             "![length and phantom clip fraction](phantom.png)",
             "",

@@ -12,8 +12,13 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from parity.tasks import Problem, RewardFn
+
+if TYPE_CHECKING:
+    from parity.models import Tokenizer
+    from parity.rollout import RolloutBatch
 
 
 class RewardError(RuntimeError):
@@ -111,3 +116,15 @@ class RewardRunner:
                 errors += 1
                 self._fail(f"raised {error}")
         return RewardResult(rewards, errors, timeouts)
+
+
+def score_rollouts(
+    batch: RolloutBatch, problems: list[Problem], tokenizer: Tokenizer, runner: RewardRunner
+) -> RewardResult:
+    """Decode each response and score it against its prompt's problem (`problems[group]`)."""
+    lengths = batch.response_lengths.tolist()
+    items = [
+        (problems[g], tokenizer.decode(batch.response_ids[i, :n].tolist()), n)
+        for i, (g, n) in enumerate(zip(batch.group_index.tolist(), lengths))
+    ]
+    return runner(items)

@@ -28,7 +28,6 @@ from parity.report import (
     summarize,
     summary_table,
 )
-from parity.tasks import load_problems
 
 DEFAULT_RUNS = (
     "fp16/pg_seq_is",
@@ -235,7 +234,3 @@ def render_report(summary: dict) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def load_set_size(out: Path) -> int:
-    return len(load_problems(out / "perfectible.jsonl"))

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from parity.models import CausalLM, ModelConfig, load_tokenizer, save_model
-from parity.rollout import RolloutEngine, SamplingParams
+from parity.rollout import RolloutEngine
 from parity.tasks import BUILTIN_CHARS, BUILTIN_SPECIALS, ArithmeticTask, Problem
 from parity.trainer import OptimConfig, Trainer
 
@@ -87,19 +87,16 @@ def write_tokenizer(out_dir: Path) -> None:
 
 def accuracy_spread(model: CausalLM, tokenizer_dir: Path, problems: int, samples: int, seed: int) -> dict[str, float]:
     """Per-problem accuracy over `samples` draws at temperature 1 on held-out problems."""
+    from parity.perfectible import problem_accuracies
+    from parity.rewards import RewardRunner
+    from parity.tasks import builtin_reward
+
     tok = load_tokenizer(tokenizer_dir)
-    task = ArithmeticTask()
-    probs = task.problems(problems, seed=seed, split="eval")
+    probs = ArithmeticTask().problems(problems, seed=seed, split="eval")
     engine = RolloutEngine(model.config, "fp32", tok.eos_id, tok.pad_id)
     engine.load_weights(model.state_dict(), version=0)
-    batch = engine.generate([tok.encode(p.prompt) for p in probs], samples, SamplingParams(max_new_tokens=96), seed)
-    rewards = torch.tensor(
-        [
-            task.reward(probs[int(g)], tok.decode(batch.response_ids[i][batch.response_mask[i]].tolist()))
-            for i, g in enumerate(batch.group_index)
-        ]
-    ).view(problems, samples)
-    acc = rewards.mean(-1)
+    runner = RewardRunner(builtin_reward, isolate=False)
+    acc = torch.tensor(problem_accuracies(engine, tok, probs, runner, samples, seed=seed, batch_prompts=problems))
     return {
         "mean_accuracy": float(acc.mean()),
         "spread_fraction": float(((acc >= 0.2) & (acc <= 0.8)).float().mean()),
