@@ -47,7 +47,7 @@ class SanitySettings:
 
 
 FULL = SanitySettings(steps=120, prompts_per_step=16, group_size=8)
-QUICK = SanitySettings(steps=25, prompts_per_step=8, group_size=8)
+QUICK = SanitySettings(steps=50, prompts_per_step=8, group_size=8)
 
 
 def parse_runs(spec: str) -> list[tuple[str, str]]:
