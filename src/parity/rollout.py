@@ -299,10 +299,10 @@ class RolloutEngine:
         tokens, logprobs, mask_out = tokens[:, :used], logprobs[:, :used], mask_out[:, :used]
         support = None
         if sampling.filtered:
-            width = max(ids.shape[1] for _, ids in supports)
+            width = max(kept.shape[1] for _, kept in supports)
             support = torch.full((batch, used, width), -1, dtype=torch.long, device=dev)
-            for t, (out_rows, ids) in enumerate(supports):
-                support[out_rows, t, : ids.shape[1]] = ids
+            for t, (out_rows, kept) in enumerate(supports):
+                support[out_rows, t, : kept.shape[1]] = kept
         lengths_out = mask_out.sum(-1)
         ended = tokens.gather(1, (lengths_out - 1).clamp(min=0)[:, None]).squeeze(-1) == self.eos_id
         return RolloutBatch(
