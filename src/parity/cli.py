@@ -150,19 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
-        "mismatch",
-        help="offline: how far apart the rollout engine and the trainer are, per precision",
+        "sanity",
+        help="the sanity test: BF16 vs FP16 and estimators on the perfectible set (the main job)",
         description=(
-            "Sample with the rollout engine and score the same tokens with the trainer, on the same "
-            "weights, for each TRAINER/ROLLOUT precision pair; report every mismatch metric. "
-            "Config keys: model, prompts, num_prompts, group_size, pairs, sampling.{temperature,top_k,"
-            "top_p,max_new_tokens}, seed, out."
+            "Build (or reuse) the perfectible set of the built-in model and task, train the model on it under a "
+            "matrix of precisions and estimators, and write summary.json, report.md and plots."
         ),
     )
-    _add_config_args(p)
-    p.add_argument("--model", help="model directory, or 'builtin' (default); same as model=DIR")
-    p.add_argument("--out", help="output directory (default parity-mismatch); same as out=DIR")
-    p.set_defaults(func=cmd_mismatch)
+    p.add_argument("--out", default="parity-sanity", help="output directory (default parity-sanity)")
+    p.add_argument("--quick", action="store_true", help="fewer, smaller steps: a first look in about 3 minutes")
+    p.add_argument("--runs", help="comma-separated PRECISION/ESTIMATOR, e.g. fp16/pg_seq_is,bf16/grpo")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_sanity)
 
     p = sub.add_parser(
         "train",
@@ -178,18 +177,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
-        "sanity",
-        help="the sanity test: BF16 vs FP16 and estimators on the perfectible set (the main job)",
+        "report",
+        help="plots and a summary table of `parity train` runs, side by side",
+        description="Reads RUN_DIR/metrics.jsonl of each run; writes report.md, summary.json and PNG plots.",
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", default="parity-report", help="output directory (default parity-report)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser(
+        "perfectible",
+        help="problems the base model solves sometimes: sample K per problem, keep accuracy in [lo, hi]",
         description=(
-            "Build (or reuse) the perfectible set of the built-in model and task, train the model on it under a "
-            "matrix of precisions and estimators, and write summary.json, report.md and plots."
+            "Config keys: model, task (builtin|exact|math), data (builtin or JSONL/Parquet with prompt, answer), "
+            "num_candidates, samples, lo, hi, max_new_tokens, precision, seed, out (JSONL)."
         ),
     )
-    p.add_argument("--out", default="parity-sanity", help="output directory (default parity-sanity)")
-    p.add_argument("--quick", action="store_true", help="fewer, smaller steps: a first look in about 3 minutes")
-    p.add_argument("--runs", help="comma-separated PRECISION/ESTIMATOR, e.g. fp16/pg_seq_is,bf16/grpo")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_sanity)
+    _add_config_args(p)
+    p.set_defaults(func=cmd_perfectible)
+
+    p = sub.add_parser(
+        "mismatch",
+        help="offline: how far apart the rollout engine and the trainer are, per precision",
+        description=(
+            "Sample with the rollout engine and score the same tokens with the trainer, on the same "
+            "weights, for each TRAINER/ROLLOUT precision pair; report every mismatch metric. "
+            "Config keys: model, prompts, num_prompts, group_size, pairs, sampling.{temperature,top_k,"
+            "top_p,max_new_tokens}, seed, out."
+        ),
+    )
+    _add_config_args(p)
+    p.add_argument("--model", help="model directory, or 'builtin' (default); same as model=DIR")
+    p.add_argument("--out", help="output directory (default parity-mismatch); same as out=DIR")
+    p.set_defaults(func=cmd_mismatch)
 
     p = sub.add_parser(
         "phantom",
@@ -216,32 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=8, help="how many prompts to probe with (default 8)")
     p.set_defaults(func=cmd_doctor)
 
-    p = sub.add_parser(
-        "perfectible",
-        help="problems the base model solves sometimes: sample K per problem, keep accuracy in [lo, hi]",
-        description=(
-            "Config keys: model, task (builtin|exact|math), data (builtin or JSONL/Parquet with prompt, answer), "
-            "num_candidates, samples, lo, hi, max_new_tokens, precision, seed, out (JSONL)."
-        ),
-    )
-    _add_config_args(p)
-    p.set_defaults(func=cmd_perfectible)
-
-    p = sub.add_parser(
-        "report",
-        help="plots and a summary table of `parity train` runs, side by side",
-        description="Reads RUN_DIR/metrics.jsonl of each run; writes report.md, summary.json and PNG plots.",
-    )
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    p.add_argument("--out", default="parity-report", help="output directory (default parity-report)")
-    p.set_defaults(func=cmd_report)
-
     from parity.builtin.build import BuildConfig
     from parity.models import BUILTIN_DIR
 
     p = sub.add_parser(
         "build-model",
-        help="reproduce the built-in base model from scratch (~10 min on 2 cores)",
+        help="reproduce the built-in base model from scratch (~5 min on 2 cores)",
         description="Pretrain the built-in model on the arithmetic task and save it in Hugging Face format.",
     )
     p.add_argument("--out", default=str(BUILTIN_DIR), type=Path, help=f"output directory (default {BUILTIN_DIR})")
