@@ -176,9 +176,5 @@ def _has_path(data: dict[str, Any], dotted: str) -> bool:
     return True
 
 
-def to_dict(obj: Any) -> dict[str, Any]:
-    return dataclasses.asdict(obj)
-
-
 def dump_yaml(obj: Any) -> str:
-    return yaml.safe_dump(to_dict(obj), sort_keys=False)
+    return yaml.safe_dump(dataclasses.asdict(obj), sort_keys=False)

@@ -33,6 +33,11 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
+def _delta(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Δ = π − μ in FP64, 0 outside the mask."""
+    return (trainer_logprobs.detach().double() - rollout_logprobs.detach().double()).masked_fill(~mask, 0.0)
+
+
 def mismatch_metrics(
     trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, float]:
@@ -40,7 +45,7 @@ def mismatch_metrics(
     pi = trainer_logprobs.detach().double()
     mu = rollout_logprobs.detach().double()
     m = mask.bool()
-    delta = (pi - mu).masked_fill(~m, 0.0)
+    delta = _delta(trainer_logprobs, rollout_logprobs, m)
     d = delta[m]
     n_tok = m.sum(-1).clamp(min=1)
     seq_delta = delta.sum(-1)
@@ -70,15 +75,17 @@ def mismatch_by_length(
     trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, float]:
     """k3 and seq_abs_log_ratio per response-length bin, keyed `k3/len_LO-HI` etc."""
-    lengths = mask.sum(-1)
+    m = mask.bool()
+    delta = _delta(trainer_logprobs, rollout_logprobs, m)
+    lengths = m.sum(-1)
     out: dict[str, float] = {}
     for lo, hi in zip(LENGTH_BIN_EDGES[:-1], LENGTH_BIN_EDGES[1:]):
         rows = (lengths > lo) & (lengths <= hi)
         if not bool(rows.any()):
             continue
-        metrics = mismatch_metrics(trainer_logprobs[rows], rollout_logprobs[rows], mask[rows])
-        out[f"k3/len_{lo + 1}-{hi}"] = metrics["k3"]
-        out[f"seq_abs_log_ratio/len_{lo + 1}-{hi}"] = metrics["seq_abs_log_ratio"]
+        d = delta[rows][m[rows]]
+        out[f"k3/len_{lo + 1}-{hi}"] = float((_exp(d) - d - 1).mean())
+        out[f"seq_abs_log_ratio/len_{lo + 1}-{hi}"] = float(delta[rows].sum(-1).abs().mean())
     return out
 
 

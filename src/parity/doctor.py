@@ -9,9 +9,7 @@ precision pair on a few prompts, then recommends a precision with its reason.
 
 from __future__ import annotations
 
-import json
 import math
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,21 +116,17 @@ def run_doctor(model: str, out: Path | None, num_prompts: int = 8, seed: int = 0
     width = min(len(e) for e in encoded)
     reports = layer_reports(net, torch.tensor([e[:width] for e in encoded]))
 
-    with tempfile.TemporaryDirectory() as tmp:
-        prompts = Path(tmp) / "prompts.jsonl"
-        prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-        pairs = run_mismatch(
-            MismatchConfig(
-                model=str(model),
-                prompts=str(prompts),
-                num_prompts=num_prompts,
-                group_size=2,
-                pairs=["fp32/fp32", "bf16/bf16", "fp16/fp16"],
-                sampling=SamplingConfig(max_new_tokens=48),
-                seed=seed,
-            ),
-            progress=False,
-        )
+    pairs = run_mismatch(
+        MismatchConfig(
+            model=str(model),
+            group_size=2,
+            pairs=["fp32/fp32", "bf16/bf16", "fp16/fp16"],
+            sampling=SamplingConfig(max_new_tokens=48),
+            seed=seed,
+        ),
+        progress=False,
+        texts=texts,
+    )
     mismatch = {p.trainer_precision: p.metrics for p in pairs}
     precision, reason = recommend(reports, mismatch)
     result = {

@@ -134,10 +134,12 @@ def measure_pair(
     return pi, batch.rollout_logprobs, batch.response_mask
 
 
-def run_mismatch(cfg: MismatchConfig, progress: bool = True) -> list[PairResult]:
+def run_mismatch(cfg: MismatchConfig, progress: bool = True, texts: list[str] | None = None) -> list[PairResult]:
+    """Measure every pair of `cfg.pairs`; `texts` replaces the prompts `cfg.prompts` names."""
     model_dir = resolve_model_dir(cfg.model)
     tokenizer = load_tokenizer(model_dir)
-    prompts = [tokenizer.encode(p) for p in load_prompts(cfg.prompts, cfg.num_prompts, cfg.seed)]
+    texts = load_prompts(cfg.prompts, cfg.num_prompts, cfg.seed) if texts is None else texts
+    prompts = [tokenizer.encode(p) for p in texts]
     model = load_model(model_dir)
     results: list[PairResult] = []
     for pair in tqdm(cfg.pairs, desc="mismatch", unit="pair", disable=not progress):

@@ -280,7 +280,6 @@ class Tokenizer:
     def __init__(self, path: Path, eos_id: int, pad_id: int, bos_id: int | None):
         from tokenizers import Tokenizer as HFTokenizer
 
-        self.path = path
         self._tok = HFTokenizer.from_file(str(path))
         self.eos_id, self.pad_id, self.bos_id = eos_id, pad_id, bos_id
         self.vocab_size = self._tok.get_vocab_size()

@@ -257,7 +257,8 @@ class RolloutEngine:
         # Expand to the groups; from here on `rows` maps active rows to output rows.
         batch = n_prompts * group_size
         cache.repeat_rows(group_size)
-        key_valid = key_valid.repeat_interleave(group_size, dim=0)
+        key_bias = torch.zeros(key_valid.shape, device=dev).masked_fill(~key_valid, float("-inf"))
+        key_bias = key_bias.repeat_interleave(group_size, dim=0)
         next_pos = lengths.repeat_interleave(group_size)
         rows = torch.arange(batch, device=dev)
         done = torch.zeros(batch, dtype=torch.bool, device=dev)
@@ -267,7 +268,6 @@ class RolloutEngine:
         mask_out = torch.zeros(batch, max_new, dtype=torch.bool, device=dev)
         supports: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, ids) per step
 
-        key_bias = torch.zeros(key_valid.shape, device=dev).masked_fill(~key_valid, float("-inf"))
         for t in range(max_new):
             processed = filter_logits(logits, sampling)
             logp = torch.log_softmax(processed, dim=-1)

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parity import config as config_mod
+from parity.algorithms import POLICY_LOSSES
 from parity.config import ConfigError
 from parity.files import atomic_write_json, atomic_write_text
 from parity.loop import Run, TrainConfig
 from parity.mismatch import MismatchConfig, SamplingConfig, run_mismatch
 from parity.perfectible import PerfectibleConfig, build_or_load, filter_perfectible, format_histogram, histogram
+from parity.precision import PRECISIONS
 from parity.report import (
     plot_accuracy,
     plot_histogram,
@@ -51,9 +53,6 @@ QUICK = SanitySettings(steps=50, prompts_per_step=8, group_size=8)
 
 
 def parse_runs(spec: str) -> list[tuple[str, str]]:
-    from parity.algorithms import POLICY_LOSSES
-    from parity.precision import PRECISIONS
-
     runs = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         parts = item.split("/")

@@ -19,8 +19,10 @@ import torch
 from tqdm import tqdm
 
 from parity.models import CausalLM, ModelConfig, load_tokenizer, save_model
+from parity.perfectible import problem_accuracies
+from parity.rewards import RewardRunner
 from parity.rollout import RolloutEngine
-from parity.tasks import BUILTIN_CHARS, BUILTIN_SPECIALS, ArithmeticTask, Problem
+from parity.tasks import BUILTIN_CHARS, BUILTIN_SPECIALS, ArithmeticTask, Problem, builtin_reward
 from parity.trainer import OptimConfig, Trainer
 
 
@@ -87,10 +89,6 @@ def write_tokenizer(out_dir: Path) -> None:
 
 def accuracy_spread(model: CausalLM, tokenizer_dir: Path, problems: int, samples: int, seed: int) -> dict[str, float]:
     """Per-problem accuracy over `samples` draws at temperature 1 on held-out problems."""
-    from parity.perfectible import problem_accuracies
-    from parity.rewards import RewardRunner
-    from parity.tasks import builtin_reward
-
     tok = load_tokenizer(tokenizer_dir)
     probs = ArithmeticTask().problems(problems, seed=seed, split="eval")
     engine = RolloutEngine(model.config, "fp32", tok.eos_id, tok.pad_id)
