@@ -133,7 +133,7 @@ class Workloads:
 
         model = load_model(self.model_dir)
         engine = RolloutEngine(model.config, precision, -1, self.tok.pad_id)
-        trainer = Trainer(model, precision, OptimConfig(lr=1e-6), self.tok.pad_id)
+        trainer = Trainer(model, precision, OptimConfig(lr=1e-6))
         engine.load_weights(*trainer.export_weights())
         sampling = SamplingParams(max_new_tokens=self.spec["new_tokens"])
         batch = engine.generate(self.prompts, self.spec["group"], sampling, seed=0)

@@ -44,13 +44,16 @@ def save_hf_model(out: Path, arch: str, seed: int = 0, vocab_size: int = 64, tie
         model = LlamaForCausalLM(LlamaConfig(**common))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
-    # Larger-than-default weights so the random model has a non-trivial distribution.
+    # Larger-than-default weights so the random model has a non-trivial distribution,
+    # and norm gains away from 1, as in any trained model.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
             elif name.endswith("bias"):
                 p.normal_(0, 0.1)
+            elif name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(out)
     write_char_tokenizer(out)
     return out

@@ -16,7 +16,7 @@ PROMPTS = ["12+34=", "7+8=", "123+4567=", "5+5="]
 def _setup(path, precision="fp32"):
     tok = load_tokenizer(path)
     model = load_model(path)
-    trainer = Trainer(model, precision, OptimConfig(lr=1e-3), tok.pad_id)
+    trainer = Trainer(model, precision, OptimConfig(lr=1e-3))
     engine = RolloutEngine(model.config, precision, tok.eos_id, tok.pad_id)
     engine.load_weights(*trainer.export_weights())
     return tok, trainer, engine

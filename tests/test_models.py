@@ -9,21 +9,39 @@ import pytest
 import torch
 
 from parity.models import ModelError, load_model, load_tokenizer, resolve_model_dir, save_model
+from parity.packing import pack
 
 
 @pytest.mark.parametrize("fixture", ["llama_dir", "qwen2_dir"])
-def test_logits_match_transformers_fp32(fixture, request):
+def test_packed_logits_match_transformers_fp32(fixture, request):
+    """Shared prompts stored once, ragged responses, no padding: every stream
+    position's logits equal transformers' on the row written out in full."""
     from transformers import AutoModelForCausalLM
 
     path = request.getfixturevalue(fixture)
     ours = load_model(path)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.randint(3, 40, (2, 17), generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    short, long = torch.randint(3, 40, (3,), generator=gen).tolist(), torch.randint(3, 40, (9,), generator=gen).tolist()
+    prompts = [short, short, long, long, long]
+    lengths = [4, 1, 6, 3, 0]
+    responses = torch.randint(3, 40, (5, 6), generator=gen)
+    mask = torch.arange(6) < torch.tensor(lengths)[:, None]
+    packed = pack(prompts, responses, mask)
+    # The stream: each distinct prompt once, then every response without its last token.
+    streamed = [max(n - 1, 0) for n in lengths]
+    assert packed.num_tokens == 3 + 9 + sum(streamed)
+    prompt_at = {0: list(range(0, 3)), 2: list(range(3, 12))}
+    starts = (12 + torch.tensor([0] + streamed).cumsum(0)).tolist()
     with torch.no_grad():
-        expected = ref(ids).logits
-        hidden = ours.hidden_states(ids, torch.arange(17).expand(2, 17), torch.float32)
-        got = ours.logits(hidden)
-    assert torch.allclose(got, expected, atol=2e-5, rtol=1e-4), (got - expected).abs().max()
+        got = ours.logits(ours.hidden_states(packed, torch.float32))
+        for row, prompt in enumerate(prompts):
+            response_at = list(range(starts[row], starts[row] + streamed[row]))
+            stream = torch.tensor(prompt_at[0 if row < 2 else 2] + response_at)
+            full = torch.tensor(prompt + responses[row, : streamed[row]].tolist())
+            assert torch.equal(packed.token_ids[stream], full)
+            expected = ref(full[None]).logits[0]
+            assert torch.allclose(got[stream], expected, atol=2e-5, rtol=1e-4), (got[stream] - expected).abs().max()
 
 
 def test_save_roundtrip_loads_in_transformers(llama_dir, tmp_path):

@@ -18,6 +18,7 @@ import torch
 from parity.files import atomic_write_json, atomic_write_text
 from parity.mismatch import MismatchConfig, SamplingConfig, run_mismatch
 from parity.models import load_model, load_tokenizer, resolve_model_dir
+from parity.packing import pack
 from parity.precision import FP16_MAX, FP16_MIN_NORMAL
 from parity.tasks import ArithmeticTask
 
@@ -63,8 +64,7 @@ def layer_reports(model, input_ids: torch.Tensor) -> list[LayerReport]:
 
             hooks.append(sub.register_forward_hook(record))
     with torch.no_grad():
-        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
-        model.logits(model.hidden_states(input_ids, positions, torch.float32))
+        model.logits(model.hidden_states(pack(input_ids.tolist()), torch.float32))
     for h in hooks:
         h.remove()
     # The embedding is a table lookup, not a module call: measure the rows used.

@@ -274,11 +274,11 @@ class Run:
             loss_scale_init=t.loss_scale_init,
             loss_scale_growth_interval=t.loss_scale_growth_interval,
         )
-        self.trainer = Trainer(model, cfg.trainer_precision, optim, self.tokenizer.pad_id)
+        self.trainer = Trainer(model, cfg.trainer_precision, optim)
         self.engine = RolloutEngine(model.config, cfg.rollout_precision, self.tokenizer.eos_id, self.tokenizer.pad_id)
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
-            self.reference = Trainer(load_model(self.model_dir), cfg.trainer_precision, optim, self.tokenizer.pad_id)
+            self.reference = Trainer(load_model(self.model_dir), cfg.trainer_precision, optim)
             self.reference.model.requires_grad_(False)
         if cfg.task.data == "builtin":
             self.problems = ArithmeticTask().problems(cfg.task.num_problems, seed=cfg.seed, split="eval")

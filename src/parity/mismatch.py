@@ -145,7 +145,7 @@ def run_mismatch(cfg: MismatchConfig, progress: bool = True, texts: list[str] | 
     for pair in tqdm(cfg.pairs, desc="mismatch", unit="pair", disable=not progress):
         train_p, roll_p = parse_pair(pair)
         start = time.perf_counter()
-        trainer = Trainer(model, train_p, OptimConfig(), tokenizer.pad_id)
+        trainer = Trainer(model, train_p, OptimConfig())
         engine = RolloutEngine(model.config, roll_p, tokenizer.eos_id, tokenizer.pad_id)
         pi, mu, mask = measure_pair(trainer, engine, prompts, cfg)
         results.append(

@@ -20,6 +20,7 @@ from torch import nn
 
 from parity import precision
 from parity.files import atomic_dir
+from parity.packing import PackedBatch, gather_rows
 
 BUILTIN_DIR = Path(__file__).parent / "builtin" / "model"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -188,15 +189,29 @@ class Attention(nn.Module):
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Rows are unpadded on the left, so plain causal attention is exact.
-        out = precision.attention(q, k, v, causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+        """`x` [N, H] is the packed token stream; attention runs on its rows."""
+        n, d = x.shape[0], self.head_dim
+        q = apply_rope(self.q_proj(x).view(n, self.num_heads, d), cos, sin).reshape(n, -1)
+        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, d), cos, sin).reshape(n, -1)
+        v = self.v_proj(x)
+        outputs = []
+        for index in packed.attention_rows:
+            # Rows are right-padded, so plain causal attention is exact on the real slots.
+            out = precision.attention(
+                _heads(gather_rows(q, index), self.num_heads),
+                _heads(gather_rows(k, index), self.num_kv_heads),
+                _heads(gather_rows(v, index), self.num_kv_heads),
+                causal=True,
+            )
+            outputs.append(out.transpose(1, 2).flatten(0, 1).flatten(1))
+        return self.o_proj(gather_rows(torch.cat(outputs), packed.from_rows))
+
+
+def _heads(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, t, heads * D] -> [b, heads, t, D]."""
+    b, t, _ = rows.shape
+    return rows.view(b, t, heads, -1).transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -218,8 +233,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, packed)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -256,14 +271,13 @@ class CausalLM(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Final normalised hidden states [B, T, H] in `dtype`, causal attention."""
-        # F.embedding: its CPU backward is deterministic (indexing's accumulate is not, in FP32).
-        x = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight.to(dtype))
-        cos, sin = rope_angles(positions, self.inv_freq, dtype)
+    def hidden_states(self, packed: PackedBatch, dtype: torch.dtype) -> torch.Tensor:
+        """Final normalised hidden states [N, H] in `dtype` of the packed token stream."""
+        x = gather_rows(self.model.embed_tokens.weight.to(dtype), packed.token_ids)
+        cos, sin = rope_angles(packed.positions, self.inv_freq, dtype)
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, packed)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

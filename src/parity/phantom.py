@@ -73,7 +73,7 @@ def beta_distribution(
     model_dir = resolve_model_dir(model)
     tok = load_tokenizer(model_dir)
     base = load_model(model_dir)
-    trainer = Trainer(base, "fp32", OptimConfig(), tok.pad_id)
+    trainer = Trainer(base, "fp32", OptimConfig())
     engine = RolloutEngine(base.config, rollout_precision, tok.eos_id, tok.pad_id)
     engine.load_weights(*trainer.export_weights())
     prompts = [tok.encode(p.prompt) for p in ArithmeticTask().problems(num_prompts, seed=seed, split="eval")]

