@@ -1,27 +1,38 @@
-"""Parity vs Hugging Face TRL's GRPOTrainer: step time on the same work (results: docs/benchmarks.md).
+"""Parity vs Hugging Face TRL's GRPOTrainer on the same work (results: docs/benchmarks.md).
 
 Same model directory, tokenizer, prompts, group size, max new tokens, learning
 rate, precision and loss (PPO-clip GRPO, one update per rollout, group-normalised
 advantages, per-token sums divided by the max completion length: TRL's `dr_grpo`
-and Parity's `grpo` + `seq_mean_token_sum_norm`). Each side runs in its own fresh
-process (so max RSS is its own), back to back; the median step time is taken
-over the steps after the warm-up.
+and Parity's `grpo` + `seq_mean_token_sum_norm`). Every run is a fresh process
+(so max RSS is its own); the sides alternate, TRL then Parity, `--rounds` times.
+
+Step time (default): median step time over the steps after the warm-up, pooled
+over the rounds, for each configuration and precision.
+
+Time to solve (`--solve`): the built-in model trained on its perfectible set at
+`parity sanity` settings until the 5-step mean training accuracy reaches 95% or
+the wall-time budget runs out; Parity in FP16, TRL in its fastest setting on this
+CPU (BF16; TRL has no FP16 on CPU). Writes accuracy-against-wall-time curves.
 
     pip install -e '.[bench]'
-    python benchmarks/vs_trl.py [--steps 7] [--warmup 2] [--json out.json]
+    python benchmarks/vs_trl.py [--steps 12] [--warmup 2] [--rounds 2] [--json out.json]
+    python benchmarks/vs_trl.py --solve [--budget-s 300] [--json out.json] [--plot solve.png]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import resource
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engines import isolated, make_llama_4m, matmul_job  # noqa: E402
+from parity.report import SMOOTHING, TARGET_ACCURACY, moving_average  # noqa: E402
 
 CONFIGS = {
     # name: (model: "builtin" or "llama-4.4M", prompts per step, group size, max new tokens)
@@ -31,57 +42,84 @@ CONFIGS = {
 LR = 2e-4
 
 
-def _problems(n: int):
-    from parity.tasks import ArithmeticTask
-
-    return ArithmeticTask().problems(n, seed=0, split="eval")
-
-
 def _max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_parity(model_dir: str, prompts: int, group: int, new_tokens: int, precision: str, steps: int, warmup: int):
+def _eval_problems(n: int) -> list[dict]:
+    from parity.tasks import ArithmeticTask
+
+    return [{"prompt": p.prompt, "answer": p.answer} for p in ArithmeticTask().problems(n, seed=0, split="eval")]
+
+
+def _perfectible_problems() -> list[dict]:
+    from parity.perfectible import PerfectibleConfig, build_or_load
+
+    path, _, _ = build_or_load(PerfectibleConfig(seed=0))
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _solved_at(accuracy: list[float]) -> int | None:
+    """Index of the first step at the sanity test's bar (its moving-average accuracy)."""
+    return next((i for i, a in enumerate(moving_average(accuracy)) if a >= TARGET_ACCURACY), None)
+
+
+# ----------------------------------------------------------------------------- the two sides
+
+
+def parity_run(
+    model_dir: str,
+    problems: list[dict],
+    prompts: int,
+    group: int,
+    new_tokens: int,
+    precision: str,
+    steps: int,
+    tmp: Path,
+):
     from parity import config
     from parity.loop import Run, TrainConfig
 
-    with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data.jsonl"
-        data.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n" for p in _problems(256)))
-        cfg = config.load(
-            TrainConfig,
-            None,
-            [
-                f"model={model_dir}",
-                f"precision={precision}",
-                "algorithm.name=grpo",
-                "algorithm.advantage=grpo",
-                "algorithm.aggregation=seq_mean_token_sum_norm",
-                f"trainer.lr={LR}",
-                f"prompts_per_step={prompts}",
-                f"rollout.group_size={group}",
-                f"rollout.max_new_tokens={new_tokens}",
-                f"steps={steps + warmup}",
-                f"task.data={data}",
-                f"run_dir={Path(tmp) / 'run'}",
-                "checkpoint_every=-1",
-                "tensorboard=false",
-                f"trainer.micro_batch_size={prompts * group}",
-            ],
-        )
-        history = Run.create(cfg, progress=False).train()
-    timed = history[warmup:]
-    return {
-        "step_s": statistics.median(m["time/step"] for m in timed),
-        "tokens_per_s": statistics.median(m["perf/tokens_per_s"] for m in timed),
-        "peak_mb": _max_rss_mb(),
-    }
+    data = tmp / "data.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in problems))
+    cfg = config.load(
+        TrainConfig,
+        None,
+        [
+            f"model={model_dir}",
+            f"precision={precision}",
+            "algorithm.name=grpo",
+            "algorithm.advantage=grpo",
+            "algorithm.aggregation=seq_mean_token_sum_norm",
+            f"trainer.lr={LR}",
+            f"prompts_per_step={prompts}",
+            f"rollout.group_size={group}",
+            f"rollout.max_new_tokens={new_tokens}",
+            f"steps={steps}",
+            f"task.data={data}",
+            f"run_dir={tmp / 'run'}",
+            "checkpoint_every=-1",
+            "tensorboard=false",
+            f"trainer.micro_batch_size={prompts * group}",
+        ],
+    )
+    return Run.create(cfg, progress=False)
 
 
-def run_trl(model_dir: str, prompts: int, group: int, new_tokens: int, precision: str, steps: int, warmup: int):
+def trl_trainer(
+    model_dir: str,
+    problems: list[dict],
+    prompts: int,
+    group: int,
+    new_tokens: int,
+    precision: str,
+    steps: int,
+    callbacks: list,
+    on_accuracy=None,
+):
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from parity.tasks import ArithmeticTask, Problem
@@ -89,22 +127,11 @@ def run_trl(model_dir: str, prompts: int, group: int, new_tokens: int, precision
     task = ArithmeticTask()
 
     def reward(prompts, completions, answer, **_):
-        return [task.reward(Problem(p, a), c) for p, c, a in zip(prompts, completions, answer)]
+        scores = [task.reward(Problem(p, a), c) for p, c, a in zip(prompts, completions, answer)]
+        if on_accuracy is not None:
+            on_accuracy(sum(s >= 1.0 for s in scores) / len(scores))
+        return scores
 
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.times: list[float] = []
-            self.start = 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self.start)
-
-    timer = StepTimer()
-    dataset = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in _problems(256)])
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(),
         use_cpu=True,
@@ -113,7 +140,7 @@ def run_trl(model_dir: str, prompts: int, group: int, new_tokens: int, precision
         max_completion_length=new_tokens,
         learning_rate=LR,
         lr_scheduler_type="constant",
-        max_steps=steps + warmup,
+        max_steps=steps,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
@@ -128,72 +155,233 @@ def run_trl(model_dir: str, prompts: int, group: int, new_tokens: int, precision
         bf16=precision == "bf16",
         seed=0,
     )
-    trainer = GRPOTrainer(
-        model=model,
+    return GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
         reward_funcs=reward,
         args=args,
-        train_dataset=dataset,
+        train_dataset=Dataset.from_list(problems),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
-        callbacks=[timer],
+        callbacks=callbacks,
     )
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h][warmup:]
-    timed = timer.times[warmup:]
-    tokens = [h["completions/mean_length"] * prompts * group for h in logs]
+
+
+# ----------------------------------------------------------------------------- step time
+
+
+def parity_steps(model_dir, prompts, group, new_tokens, precision, steps, warmup) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        run = parity_run(
+            model_dir, _eval_problems(256), prompts, group, new_tokens, precision, steps + warmup, Path(tmp)
+        )
+        timed = run.train()[warmup:]
     return {
-        "step_s": statistics.median(timed),
-        "tokens_per_s": statistics.median(n / s for n, s in zip(tokens, timed)),
+        "step_s": [m["time/step"] for m in timed],
+        "tokens_per_s": [m["perf/tokens_per_s"] for m in timed],
+        "train_gflops": [m["perf/train_gflops"] for m in timed],
         "peak_mb": _max_rss_mb(),
     }
 
 
-def isolated(fn, *args):
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(fn, args)
+def trl_steps(model_dir, prompts, group, new_tokens, precision, steps, warmup) -> dict:
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times: list[float] = []
+            self.start = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+
+    timer = StepTimer()
+    trainer = trl_trainer(
+        model_dir, _eval_problems(256), prompts, group, new_tokens, precision, steps + warmup, [timer]
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h][warmup:]
+    timed = timer.times[warmup:]
+    return {
+        "step_s": timed,
+        "tokens_per_s": [h["completions/mean_length"] * prompts * group / s for h, s in zip(logs, timed)],
+        "peak_mb": _max_rss_mb(),
+    }
+
+
+def step_table(args) -> dict:
+    peak = isolated(matmul_job, 30)
+    print(f"matmul GFLOP/s at [1408x256] @ [256x1024]: fp32 {peak['fp32']:.0f}, bf16 {peak['bf16_native']:.0f}")
+    print(
+        "| config | precision | Parity step s | TRL step s | speed-up | Parity tokens/s | TRL tokens/s | "
+        "Parity trainer GFLOP/s | Parity peak MB | TRL peak MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    out = {"matmul_gflops": {"fp32": peak["fp32"], "bf16": peak["bf16_native"]}, "configs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (model, prompts, group, new_tokens) in CONFIGS.items():
+            model_dir = str(_model_dir(model, Path(tmp)))
+            for precision in args.precisions.split(","):
+                work = (model_dir, prompts, group, new_tokens, precision, args.steps, args.warmup)
+                rounds = [(isolated(trl_steps, *work), isolated(parity_steps, *work)) for _ in range(args.rounds)]
+                trl = {k: [x for r, _ in rounds for x in r[k]] for k in ("step_s", "tokens_per_s")}
+                ours = {k: [x for _, r in rounds for x in r[k]] for k in ("step_s", "tokens_per_s", "train_gflops")}
+                row = {
+                    "name": name,
+                    "precision": precision,
+                    "parity_step_s": statistics.median(ours["step_s"]),
+                    "trl_step_s": statistics.median(trl["step_s"]),
+                    "parity_peak_mb": max(r["peak_mb"] for _, r in rounds),
+                    "trl_peak_mb": max(r["peak_mb"] for r, _ in rounds),
+                    "parity_tokens_per_s": statistics.median(ours["tokens_per_s"]),
+                    "trl_tokens_per_s": statistics.median(trl["tokens_per_s"]),
+                    "parity_train_gflops": statistics.median(ours["train_gflops"]),
+                }
+                row["speedup"] = row["trl_step_s"] / row["parity_step_s"]
+                out["configs"].append(row)
+                print(
+                    f"| {name} | {precision} | {row['parity_step_s']:.3f} | {row['trl_step_s']:.3f} | "
+                    f"{row['speedup']:.2f}x | {row['parity_tokens_per_s']:.0f} | {row['trl_tokens_per_s']:.0f} | "
+                    f"{row['parity_train_gflops']:.0f} | {row['parity_peak_mb']:.0f} | {row['trl_peak_mb']:.0f} |",
+                    flush=True,
+                )
+    return out
+
+
+def _model_dir(model: str, tmp: Path) -> Path:
+    from parity.models import resolve_model_dir
+
+    return resolve_model_dir("builtin") if model == "builtin" else make_llama_4m(tmp / model)
+
+
+# ----------------------------------------------------------------------------- time to solve
+
+
+def parity_solve(precision: str, budget_s: float, max_steps: int) -> dict:
+    from parity.models import resolve_model_dir
+
+    model, prompts, group, new_tokens = CONFIGS["builtin (sanity settings)"]
+    curve, accuracy = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        run = parity_run(
+            str(resolve_model_dir(model)),
+            _perfectible_problems(),
+            prompts,
+            group,
+            new_tokens,
+            precision,
+            max_steps,
+            Path(tmp),
+        )
+        start = time.perf_counter()
+        while run.step_count < max_steps:
+            accuracy.append(run.step()["reward/accuracy"])
+            curve.append((time.perf_counter() - start, accuracy[-1]))
+            if _solved_at(accuracy) is not None or curve[-1][0] > budget_s:
+                break
+    return {"curve": curve}
+
+
+def trl_solve(precision: str, budget_s: float, max_steps: int) -> dict:
+    from transformers import TrainerCallback
+
+    from parity.models import resolve_model_dir
+
+    curve, accuracy = [], []
+    clock = {"start": None}
+
+    def on_accuracy(acc: float) -> None:
+        accuracy.append(acc)
+
+    class StopWhenSolved(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if clock["start"] is None:
+                clock["start"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            curve.append((time.perf_counter() - clock["start"], accuracy[-1]))
+            if _solved_at(accuracy) is not None or curve[-1][0] > budget_s:
+                control.should_training_stop = True
+
+    model, prompts, group, new_tokens = CONFIGS["builtin (sanity settings)"]
+    trainer = trl_trainer(
+        str(resolve_model_dir(model)),
+        _perfectible_problems(),
+        prompts,
+        group,
+        new_tokens,
+        precision,
+        max_steps,
+        [StopWhenSolved()],
+        on_accuracy,
+    )
+    trainer.train()
+    return {"curve": curve}
+
+
+def solve_table(args) -> dict:
+    sides = {"Parity fp16": (parity_solve, "fp16"), "TRL bf16": (trl_solve, "bf16")}
+    out = {"budget_s": args.budget_s, "runs": []}
+    print("| run | steps | 95% reached at step | seconds to 95% | accuracy at the end | seconds run |")
+    print("|---|---|---|---|---|---|")
+    for name, (fn, precision) in sides.items():
+        curve = isolated(fn, precision, args.budget_s, args.max_steps)["curve"]
+        accuracy = [a for _, a in curve]
+        hit = _solved_at(accuracy)
+        row = {
+            "name": name,
+            "precision": precision,
+            "steps": len(curve),
+            "steps_to_95": None if hit is None else hit + 1,
+            "seconds_to_95": None if hit is None else curve[hit][0],
+            "final_accuracy": moving_average(accuracy)[-1],
+            "seconds": curve[-1][0],
+            "curve": curve,
+        }
+        out["runs"].append(row)
+        to95 = "not reached" if hit is None else str(hit + 1)
+        sec = "—" if hit is None else f"{curve[hit][0]:.0f}"
+        print(
+            f"| {name} | {len(curve)} | {to95} | {sec} | {row['final_accuracy']:.3f} | {row['seconds']:.0f} |",
+            flush=True,
+        )
+    if args.plot:
+        plot_solve(out["runs"], args.plot)
+    return out
+
+
+def plot_solve(runs: list[dict], path: Path) -> None:
+    import matplotlib.pyplot as plt  # parity.report has chosen the Agg backend
+
+    fig, ax = plt.subplots(figsize=(7, 4.3), layout="constrained")
+    for r in runs:
+        seconds = [s for s, _ in r["curve"]]
+        ax.plot(seconds, moving_average([a for _, a in r["curve"]]), label=r["name"])
+    ax.axhline(TARGET_ACCURACY, color="grey", lw=0.7, ls=":")
+    ax.set(
+        xlabel="wall seconds",
+        ylabel=f"training accuracy ({SMOOTHING}-step mean)",
+        title="Built-in perfectible set: accuracy against wall time",
+    )
+    ax.legend()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=7, help="timed steps per side (after the warm-up)")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per run (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="TRL/Parity run pairs per configuration")
     parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--solve", action="store_true", help="time to 95%% training accuracy instead")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="--solve: wall-time budget per side")
+    parser.add_argument("--max-steps", type=int, default=200, help="--solve: step budget per side")
+    parser.add_argument("--plot", type=Path, help="--solve: write the accuracy-vs-time plot here")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).parent))
-    from engines import make_llama_4m
-    from parity.models import resolve_model_dir
-
-    out = {"configs": []}
-    print(
-        "| config | precision | Parity step s | TRL step s | speed-up | Parity tokens/s | TRL tokens/s | "
-        "Parity peak MB | TRL peak MB |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, (model, prompts, group, new_tokens) in CONFIGS.items():
-            model_dir = str(resolve_model_dir("builtin") if model == "builtin" else make_llama_4m(Path(tmp) / model))
-            for precision in args.precisions.split(","):
-                work = (model_dir, prompts, group, new_tokens, precision, args.steps, args.warmup)
-                trl = isolated(run_trl, *work)
-                ours = isolated(run_parity, *work)
-                row = {
-                    "name": name,
-                    "precision": precision,
-                    "parity_step_s": ours["step_s"],
-                    "trl_step_s": trl["step_s"],
-                    "speedup": trl["step_s"] / ours["step_s"],
-                    "parity_peak_mb": ours["peak_mb"],
-                    "trl_peak_mb": trl["peak_mb"],
-                    "parity_tokens_per_s": ours["tokens_per_s"],
-                    "trl_tokens_per_s": trl["tokens_per_s"],
-                }
-                out["configs"].append(row)
-                print(
-                    f"| {name} | {precision} | {ours['step_s']:.3f} | {trl['step_s']:.3f} | {row['speedup']:.2f}x | "
-                    f"{ours['tokens_per_s']:.0f} | {trl['tokens_per_s']:.0f} | {ours['peak_mb']:.0f} | "
-                    f"{trl['peak_mb']:.0f} |",
-                    flush=True,
-                )
+    out = solve_table(args) if args.solve else step_table(args)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0

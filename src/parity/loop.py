@@ -382,6 +382,8 @@ class Run:
         times["reward"] = time.perf_counter() - t
 
         t = time.perf_counter()
+        trainers = [self.trainer] + ([self.reference] if self.reference is not None else [])
+        flops_before = sum(tr.matmul_flops for tr in trainers)
         updates = a.ppo_epochs * a.num_minibatches
         # π on the sampling weights: a separate pass only when several updates follow.
         old = self._no_grad_logprobs(self.trainer, batch) if updates > 1 else None
@@ -510,6 +512,8 @@ class Run:
         )
         metrics.update({f"time/{k}": v for k, v in times.items()})
         metrics["perf/tokens_per_s"] = batch.num_tokens / times["step"]
+        flops = sum(tr.matmul_flops for tr in trainers) - flops_before
+        metrics["perf/train_gflops"] = flops / 1e9 / (times["train"] + times.get("shadow", 0.0))
         return metrics
 
     # -- the loop -------------------------------------------------------------

@@ -41,6 +41,7 @@ def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 class PackedBatch:
     token_ids: torch.Tensor  # [N] each prompt once, then every response token
     positions: torch.Tensor  # [N] position of each token in its own sequence
+    seq_lengths: torch.Tensor  # [B] stream tokens each row attends over (its prompt and response)
     attention_rows: tuple[torch.Tensor, ...]  # chunks of rows [b_k, L_k]: stream index per slot (padding -> 0)
     from_rows: torch.Tensor  # [N] slot holding each token's attention output (chunks flattened, in order)
     score_index: torch.Tensor  # [M] stream token whose output predicts each response token (row-major)
@@ -118,6 +119,7 @@ def pack(
     return PackedBatch(
         token_ids=token_ids,
         positions=positions,
+        seq_lengths=seq_len,
         attention_rows=tuple(attention_rows),
         from_rows=from_rows,
         score_index=prev[response_mask],

@@ -106,16 +106,23 @@ def support_ids(kept: torch.Tensor) -> torch.Tensor:
 
 class KVCache:
     """Static key/value storage. Keys are kept transposed, [layers, batch, kv_heads,
-    head_dim, slots], so the decode-time q·kᵀ reads contiguous memory."""
+    head_dim, slots], so the decode-time q·kᵀ reads contiguous memory. Slots past the
+    current position are never read before they are written, so they start empty."""
 
     def __init__(self, cfg: ModelConfig, batch: int, slots: int, dtype: torch.dtype, device: torch.device):
-        self.k = torch.zeros((cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, slots), dtype=dtype, device=device)
-        self.v = torch.zeros((cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim), dtype=dtype, device=device)
+        self.k = torch.empty((cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, slots), dtype=dtype, device=device)
+        self.v = torch.empty((cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim), dtype=dtype, device=device)
 
-    def repeat_rows(self, times: int) -> None:
-        """Each batch row becomes `times` consecutive copies (one per group member)."""
-        self.k = self.k.repeat_interleave(times, dim=1)
-        self.v = self.v.repeat_interleave(times, dim=1)
+    def repeat_rows(self, times: int, slots: int) -> None:
+        """Each batch row becomes `times` consecutive copies (one per group member), with
+        room for `slots` positions; only the filled slots are copied."""
+        filled = self.k.shape[-1]
+        k, v = self.k, self.v
+        layers, rows, heads, dim = k.shape[:4]
+        self.k = k.new_empty((layers, rows * times, heads, dim, slots))
+        self.v = v.new_empty((layers, rows * times, heads, slots, dim))
+        self.k.view(layers, rows, times, heads, dim, slots)[..., :filled] = k[:, :, None]
+        self.v.view(layers, rows, times, heads, slots, dim)[..., :filled, :] = v[:, :, None]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only the given batch rows (drops finished sequences)."""
@@ -251,12 +258,12 @@ class RolloutEngine:
         causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=dev).tril()
         # A pad query attends to itself only, so its (unused) softmax row is not empty.
         mask = (causal & key_valid[:, None, None, :prompt_len]) | torch.eye(prompt_len, dtype=torch.bool, device=dev)
-        cache = KVCache(self.config, n_prompts, max_len, self.dtype, dev)
+        cache = KVCache(self.config, n_prompts, prompt_len, self.dtype, dev)
         logits = self._forward(ids, positions, cache, 0, mask).repeat_interleave(group_size, dim=0)
 
         # Expand to the groups; from here on `rows` maps active rows to output rows.
         batch = n_prompts * group_size
-        cache.repeat_rows(group_size)
+        cache.repeat_rows(group_size, max_len)
         key_bias = torch.zeros(key_valid.shape, device=dev).masked_fill(~key_valid, float("-inf"))
         key_bias = key_bias.repeat_interleave(group_size, dim=0)
         next_pos = lengths.repeat_interleave(group_size)

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from parity import precision as prec
-from parity.models import CausalLM, export_state
-from parity.packing import gather_rows, pack
+from parity.models import CausalLM, ModelConfig, export_state
+from parity.packing import PackedBatch, gather_rows, pack
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,18 @@ def token_logprobs(
     return logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(kept, dim=-1)
 
 
+def matmul_flops(cfg: ModelConfig, packed: PackedBatch, scored: int) -> float:
+    """Model FLOPs (2 per multiply-add) of one forward over `packed` scoring `scored`
+    tokens: projections and MLP per stream token, causal attention over its lower
+    triangle, the LM head per scored token. Padding and recomputation are not counted."""
+    q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_token = cfg.hidden_size * (2 * q_width + 2 * kv_width + 3 * cfg.intermediate_size)
+    lengths = packed.seq_lengths.double()
+    attention = 2 * q_width * float((lengths * (lengths + 1)).sum())  # QKᵀ and PV per layer
+    layers = cfg.num_layers * (2 * per_token * packed.num_tokens + attention)
+    return layers + 2 * cfg.hidden_size * cfg.vocab_size * scored
+
+
 class Trainer:
     def __init__(self, model: CausalLM, precision: str, optim: OptimConfig):
         self.model = model.float()
@@ -78,6 +90,7 @@ class Trainer:
             growth_interval=optim.loss_scale_growth_interval,
         )
         self.weight_version = 0
+        self.matmul_flops = 0.0  # model FLOPs of every pass so far (backward counted as 2x forward)
 
     @property
     def device(self) -> torch.device:
@@ -98,6 +111,8 @@ class Trainer:
         """
         dtype = self.dtype if precision is None else prec.to_dtype(precision)
         packed = pack(prompt_ids, response_ids, response_mask)
+        passes = 3 if torch.is_grad_enabled() else 1
+        self.matmul_flops += passes * matmul_flops(self.model.config, packed, int(response_mask.sum()))
         hidden = gather_rows(self.model.hidden_states(packed, dtype), packed.score_index)
         scored = token_logprobs(
             self.model.logits(hidden),

@@ -1,0 +1,79 @@
+"""The trainer's packed layout: shared prompts, no padding, chunked attention, FLOP count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parity.models import load_model, load_tokenizer
+from parity.packing import pack
+from parity.trainer import OptimConfig, Trainer, matmul_flops
+
+
+def _batch(tok):
+    """Two prompts of different lengths, three responses each, ragged (one of length 1)."""
+    prompts = [tok.encode("12+34="), tok.encode("123+4567=")]
+    prompt_ids = [prompts[0]] * 3 + [prompts[1]] * 3
+    lengths = torch.tensor([5, 1, 9, 3, 7, 2])
+    response_ids = torch.randint(3, 40, (6, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.arange(9) < lengths[:, None]
+    return prompt_ids, response_ids.masked_fill(~mask, 0), mask
+
+
+def test_packed_logprobs_and_grads_equal_one_row_at_a_time(llama_dir):
+    """Sharing prompts and dropping padding changes nothing but round-off: π and the
+    gradient of a loss equal those computed row by row, each row alone."""
+    tok = load_tokenizer(llama_dir)
+    trainer = Trainer(load_model(llama_dir), "fp32", OptimConfig())
+    prompt_ids, response_ids, mask = _batch(tok)
+
+    packed = trainer.logprobs(prompt_ids, response_ids, mask)
+    (packed * mask).sum().backward()
+    packed_grads = [p.grad.clone() for p in trainer.params]
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+    rows = []
+    for i in range(len(prompt_ids)):
+        n = int(mask[i].sum())
+        row = trainer.logprobs(prompt_ids[i : i + 1], response_ids[i : i + 1, :n], mask[i : i + 1, :n])
+        row.sum().backward()
+        rows.append(torch.cat([row[0], torch.zeros(9 - n)]))
+    assert torch.allclose(packed, torch.stack(rows), atol=1e-5)
+    assert (packed[~mask] == 0).all()
+    for got, p in zip(packed_grads, trainer.params):
+        assert torch.allclose(got, p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_layout_stores_each_prompt_once_without_padding(llama_dir):
+    tok = load_tokenizer(llama_dir)
+    prompt_ids, response_ids, mask = _batch(tok)
+    packed = pack(prompt_ids, response_ids, mask)
+    n_prompts = len(prompt_ids[0]) + len(prompt_ids[3])
+    # Each response streams all but its last token.
+    assert packed.num_tokens == n_prompts + int((mask.sum(-1) - 1).sum())
+    assert packed.seq_lengths.tolist() == [len(p) + int(n) - 1 for p, n in zip(prompt_ids, mask.sum(-1))]
+    assert packed.score_index.numel() == int(mask.sum())
+    # Every token's attention output is read from exactly one row slot.
+    assert packed.from_rows.unique().numel() == packed.num_tokens
+    slots = sum(index.numel() for index in packed.attention_rows)
+    assert packed.from_rows.max() < slots
+    # Chunks are sorted longest first, each padded only to its own longest row.
+    widths = [index.shape[1] for index in packed.attention_rows]
+    assert widths == sorted(widths, reverse=True) and widths[-1] < widths[0]
+
+
+def test_empty_prompt_is_an_error():
+    with pytest.raises(ValueError, match="prompt of at least one token"):
+        pack([[]], torch.zeros((1, 1), dtype=torch.long), torch.ones((1, 1), dtype=torch.bool))
+
+
+def test_matmul_flops_by_hand(llama_dir):
+    model = load_model(llama_dir)
+    cfg = model.config  # hidden 64, MLP 128, 2 layers, 4 heads / 2 KV heads of 16, vocabulary 64
+    packed = pack([[5, 6, 7]], torch.tensor([[8, 9]]), torch.tensor([[True, True]]))
+    # Stream: 3 prompt tokens + 1 response token; one row of length 4; 2 scored tokens.
+    per_token = 2 * 64 * (64 + 32 + 32 + 64 + 3 * 128)
+    attention = 2 * 64 * (4 * 5)  # QKᵀ and PV over the causal triangle: 2 · width · L(L+1)
+    expected = 2 * (4 * per_token + attention) + 2 * 64 * 64 * 2
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size) == (64, 128, 2, 64)
+    assert matmul_flops(cfg, packed, scored=2) == expected
