@@ -76,6 +76,7 @@ def parity_run(
     precision: str,
     steps: int,
     tmp: Path,
+    seed: int = 0,
 ):
     from parity import config
     from parity.loop import Run, TrainConfig
@@ -101,6 +102,7 @@ def parity_run(
             "checkpoint_every=-1",
             "tensorboard=false",
             f"trainer.micro_batch_size={prompts * group}",
+            f"seed={seed}",
         ],
     )
     return Run.create(cfg, progress=False)
@@ -116,6 +118,7 @@ def trl_trainer(
     steps: int,
     callbacks: list,
     on_accuracy=None,
+    seed: int = 0,
 ):
     import torch
     from datasets import Dataset
@@ -153,7 +156,7 @@ def trl_trainer(
         beta=0.0,
         disable_tqdm=True,
         bf16=precision == "bf16",
-        seed=0,
+        seed=seed,
     )
     return GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
@@ -258,7 +261,7 @@ def _model_dir(model: str, tmp: Path) -> Path:
 # ----------------------------------------------------------------------------- time to solve
 
 
-def parity_solve(precision: str, budget_s: float, max_steps: int) -> dict:
+def parity_solve(precision: str, budget_s: float, max_steps: int, seed: int) -> dict:
     from parity.models import resolve_model_dir
 
     model, prompts, group, new_tokens = CONFIGS["builtin (sanity settings)"]
@@ -273,6 +276,7 @@ def parity_solve(precision: str, budget_s: float, max_steps: int) -> dict:
             precision,
             max_steps,
             Path(tmp),
+            seed,
         )
         start = time.perf_counter()
         while run.step_count < max_steps:
@@ -283,7 +287,7 @@ def parity_solve(precision: str, budget_s: float, max_steps: int) -> dict:
     return {"curve": curve}
 
 
-def trl_solve(precision: str, budget_s: float, max_steps: int) -> dict:
+def trl_solve(precision: str, budget_s: float, max_steps: int, seed: int) -> dict:
     from transformers import TrainerCallback
 
     from parity.models import resolve_model_dir
@@ -315,6 +319,7 @@ def trl_solve(precision: str, budget_s: float, max_steps: int) -> dict:
         max_steps,
         [StopWhenSolved()],
         on_accuracy,
+        seed,
     )
     trainer.train()
     return {"curve": curve}
@@ -322,11 +327,11 @@ def trl_solve(precision: str, budget_s: float, max_steps: int) -> dict:
 
 def solve_table(args) -> dict:
     sides = {"Parity fp16": (parity_solve, "fp16"), "TRL bf16": (trl_solve, "bf16")}
-    out = {"budget_s": args.budget_s, "runs": []}
+    out = {"budget_s": args.budget_s, "seed": args.seed, "runs": []}
     print("| run | steps | 95% reached at step | seconds to 95% | accuracy at the end | seconds run |")
     print("|---|---|---|---|---|---|")
     for name, (fn, precision) in sides.items():
-        curve = isolated(fn, precision, args.budget_s, args.max_steps)["curve"]
+        curve = isolated(fn, precision, args.budget_s, args.max_steps, args.seed)["curve"]
         accuracy = [a for _, a in curve]
         hit = _solved_at(accuracy)
         row = {
@@ -378,6 +383,7 @@ def main() -> int:
     parser.add_argument("--solve", action="store_true", help="time to 95%% training accuracy instead")
     parser.add_argument("--budget-s", type=float, default=300.0, help="--solve: wall-time budget per side")
     parser.add_argument("--max-steps", type=int, default=200, help="--solve: step budget per side")
+    parser.add_argument("--seed", type=int, default=0, help="--solve: seed of both sides")
     parser.add_argument("--plot", type=Path, help="--solve: write the accuracy-vs-time plot here")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
