@@ -18,6 +18,18 @@ def test_yaml_and_overrides(tmp_path):
     assert cfg.group_size == MismatchConfig().group_size
 
 
+def test_exponent_numbers_without_a_dot(tmp_path):
+    """YAML 1.1 reads `2e-4` as a string; a float key still takes it, from a file or key=value."""
+    from parity.loop import TrainConfig
+
+    f = tmp_path / "c.yaml"
+    f.write_text("trainer:\n  lr: 3e-5\n")
+    assert config.load(TrainConfig, f).trainer.lr == 3e-5
+    assert config.load(TrainConfig, None, ["trainer.lr=2e-4"]).trainer.lr == 2e-4
+    with pytest.raises(ConfigError, match="trainer.lr: expected a number, got 'fast'"):
+        config.load(TrainConfig, None, ["trainer.lr=fast"])
+
+
 def test_unknown_key_names_file_line_and_allowed(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("num_prompts: 8\nsampling:\n  topk: 5\n")

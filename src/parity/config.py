@@ -80,6 +80,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 reads `2e-4` (no dot in the mantissa) as a string.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
