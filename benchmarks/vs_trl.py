@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -67,59 +68,52 @@ def _solved_at(accuracy: list[float]) -> int | None:
 # ----------------------------------------------------------------------------- the two sides
 
 
-def parity_run(
-    model_dir: str,
-    problems: list[dict],
-    prompts: int,
-    group: int,
-    new_tokens: int,
-    precision: str,
-    steps: int,
-    tmp: Path,
-    seed: int = 0,
-):
+@dataclass(frozen=True)
+class Work:
+    """What both sides run: the same model, data, batch shape, precision and budget."""
+
+    model_dir: str
+    problems: list[dict]
+    prompts: int
+    group: int
+    new_tokens: int
+    precision: str
+    steps: int
+    seed: int = 0
+
+
+def parity_run(work: Work, tmp: Path):
     from parity import config
     from parity.loop import Run, TrainConfig
 
     data = tmp / "data.jsonl"
-    data.write_text("".join(json.dumps(p) + "\n" for p in problems))
+    data.write_text("".join(json.dumps(p) + "\n" for p in work.problems))
     cfg = config.load(
         TrainConfig,
         None,
         [
-            f"model={model_dir}",
-            f"precision={precision}",
+            f"model={work.model_dir}",
+            f"precision={work.precision}",
             "algorithm.name=grpo",
             "algorithm.advantage=grpo",
             "algorithm.aggregation=seq_mean_token_sum_norm",
             f"trainer.lr={LR}",
-            f"prompts_per_step={prompts}",
-            f"rollout.group_size={group}",
-            f"rollout.max_new_tokens={new_tokens}",
-            f"steps={steps}",
+            f"prompts_per_step={work.prompts}",
+            f"rollout.group_size={work.group}",
+            f"rollout.max_new_tokens={work.new_tokens}",
+            f"steps={work.steps}",
             f"task.data={data}",
             f"run_dir={tmp / 'run'}",
             "checkpoint_every=-1",
             "tensorboard=false",
-            f"trainer.micro_batch_size={prompts * group}",
-            f"seed={seed}",
+            f"trainer.micro_batch_size={work.prompts * work.group}",
+            f"seed={work.seed}",
         ],
     )
     return Run.create(cfg, progress=False)
 
 
-def trl_trainer(
-    model_dir: str,
-    problems: list[dict],
-    prompts: int,
-    group: int,
-    new_tokens: int,
-    precision: str,
-    steps: int,
-    callbacks: list,
-    on_accuracy=None,
-    seed: int = 0,
-):
+def trl_trainer(work: Work, callbacks: list, on_accuracy=None):
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -138,12 +132,12 @@ def trl_trainer(
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(),
         use_cpu=True,
-        per_device_train_batch_size=prompts * group,
-        num_generations=group,
-        max_completion_length=new_tokens,
+        per_device_train_batch_size=work.prompts * work.group,
+        num_generations=work.group,
+        max_completion_length=work.new_tokens,
         learning_rate=LR,
         lr_scheduler_type="constant",
-        max_steps=steps,
+        max_steps=work.steps,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
@@ -155,15 +149,15 @@ def trl_trainer(
         top_p=1.0,
         beta=0.0,
         disable_tqdm=True,
-        bf16=precision == "bf16",
-        seed=seed,
+        bf16=work.precision == "bf16",
+        seed=work.seed,
     )
     return GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        model=AutoModelForCausalLM.from_pretrained(work.model_dir, dtype=torch.float32),
         reward_funcs=reward,
         args=args,
-        train_dataset=Dataset.from_list(problems),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        train_dataset=Dataset.from_list(work.problems),
+        processing_class=AutoTokenizer.from_pretrained(work.model_dir),
         callbacks=callbacks,
     )
 
@@ -171,12 +165,9 @@ def trl_trainer(
 # ----------------------------------------------------------------------------- step time
 
 
-def parity_steps(model_dir, prompts, group, new_tokens, precision, steps, warmup) -> dict:
+def parity_steps(work: Work, warmup: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        run = parity_run(
-            model_dir, _eval_problems(256), prompts, group, new_tokens, precision, steps + warmup, Path(tmp)
-        )
-        timed = run.train()[warmup:]
+        timed = parity_run(work, Path(tmp)).train()[warmup:]
     return {
         "step_s": [m["time/step"] for m in timed],
         "tokens_per_s": [m["perf/tokens_per_s"] for m in timed],
@@ -185,7 +176,7 @@ def parity_steps(model_dir, prompts, group, new_tokens, precision, steps, warmup
     }
 
 
-def trl_steps(model_dir, prompts, group, new_tokens, precision, steps, warmup) -> dict:
+def trl_steps(work: Work, warmup: int) -> dict:
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -200,15 +191,13 @@ def trl_steps(model_dir, prompts, group, new_tokens, precision, steps, warmup) -
             self.times.append(time.perf_counter() - self.start)
 
     timer = StepTimer()
-    trainer = trl_trainer(
-        model_dir, _eval_problems(256), prompts, group, new_tokens, precision, steps + warmup, [timer]
-    )
+    trainer = trl_trainer(work, [timer])
     trainer.train()
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h][warmup:]
     timed = timer.times[warmup:]
     return {
         "step_s": timed,
-        "tokens_per_s": [h["completions/mean_length"] * prompts * group / s for h, s in zip(logs, timed)],
+        "tokens_per_s": [h["completions/mean_length"] * work.prompts * work.group / s for h, s in zip(logs, timed)],
         "peak_mb": _max_rss_mb(),
     }
 
@@ -226,8 +215,12 @@ def step_table(args) -> dict:
         for name, (model, prompts, group, new_tokens) in CONFIGS.items():
             model_dir = str(_model_dir(model, Path(tmp)))
             for precision in args.precisions.split(","):
-                work = (model_dir, prompts, group, new_tokens, precision, args.steps, args.warmup)
-                rounds = [(isolated(trl_steps, *work), isolated(parity_steps, *work)) for _ in range(args.rounds)]
+                steps = args.steps + args.warmup
+                work = Work(model_dir, _eval_problems(256), prompts, group, new_tokens, precision, steps)
+                rounds = [
+                    (isolated(trl_steps, work, args.warmup), isolated(parity_steps, work, args.warmup))
+                    for _ in range(args.rounds)
+                ]
                 trl = {k: [x for r, _ in rounds for x in r[k]] for k in ("step_s", "tokens_per_s")}
                 ours = {k: [x for _, r in rounds for x in r[k]] for k in ("step_s", "tokens_per_s", "train_gflops")}
                 row = {
@@ -261,25 +254,21 @@ def _model_dir(model: str, tmp: Path) -> Path:
 # ----------------------------------------------------------------------------- time to solve
 
 
-def parity_solve(precision: str, budget_s: float, max_steps: int, seed: int) -> dict:
+def solve_work(precision: str, max_steps: int, seed: int) -> Work:
+    """The built-in model on its perfectible set, at `parity sanity` settings."""
     from parity.models import resolve_model_dir
 
-    model, prompts, group, new_tokens = CONFIGS["builtin (sanity settings)"]
+    _, prompts, group, new_tokens = CONFIGS["builtin (sanity settings)"]
+    problems = _perfectible_problems()
+    return Work(str(resolve_model_dir("builtin")), problems, prompts, group, new_tokens, precision, max_steps, seed)
+
+
+def parity_solve(work: Work, budget_s: float) -> dict:
     curve, accuracy = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        run = parity_run(
-            str(resolve_model_dir(model)),
-            _perfectible_problems(),
-            prompts,
-            group,
-            new_tokens,
-            precision,
-            max_steps,
-            Path(tmp),
-            seed,
-        )
+        run = parity_run(work, Path(tmp))
         start = time.perf_counter()
-        while run.step_count < max_steps:
+        while run.step_count < work.steps:
             accuracy.append(run.step()["reward/accuracy"])
             curve.append((time.perf_counter() - start, accuracy[-1]))
             if _solved_at(accuracy) is not None or curve[-1][0] > budget_s:
@@ -287,10 +276,8 @@ def parity_solve(precision: str, budget_s: float, max_steps: int, seed: int) -> 
     return {"curve": curve}
 
 
-def trl_solve(precision: str, budget_s: float, max_steps: int, seed: int) -> dict:
+def trl_solve(work: Work, budget_s: float) -> dict:
     from transformers import TrainerCallback
-
-    from parity.models import resolve_model_dir
 
     curve, accuracy = [], []
     clock = {"start": None}
@@ -308,20 +295,7 @@ def trl_solve(precision: str, budget_s: float, max_steps: int, seed: int) -> dic
             if _solved_at(accuracy) is not None or curve[-1][0] > budget_s:
                 control.should_training_stop = True
 
-    model, prompts, group, new_tokens = CONFIGS["builtin (sanity settings)"]
-    trainer = trl_trainer(
-        str(resolve_model_dir(model)),
-        _perfectible_problems(),
-        prompts,
-        group,
-        new_tokens,
-        precision,
-        max_steps,
-        [StopWhenSolved()],
-        on_accuracy,
-        seed,
-    )
-    trainer.train()
+    trl_trainer(work, [StopWhenSolved()], on_accuracy).train()
     return {"curve": curve}
 
 
@@ -331,7 +305,7 @@ def solve_table(args) -> dict:
     print("| run | steps | 95% reached at step | seconds to 95% | accuracy at the end | seconds run |")
     print("|---|---|---|---|---|---|")
     for name, (fn, precision) in sides.items():
-        curve = isolated(fn, precision, args.budget_s, args.max_steps, args.seed)["curve"]
+        curve = isolated(fn, solve_work(precision, args.max_steps, args.seed), args.budget_s)["curve"]
         accuracy = [a for _, a in curve]
         hit = _solved_at(accuracy)
         row = {

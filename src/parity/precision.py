@@ -104,7 +104,9 @@ def _weighted_values(scores: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) 
     """softmax(scores) @ v with flash-attention numerics: FP32 scores and softmax, the
     probabilities rounded to `dtype`, FP32 accumulation, the output rounded to `dtype`."""
     probs = torch.softmax(scores, dim=-1).to(dtype)
-    return torch.matmul(probs.float(), v.float()).to(dtype)
+    if _emulate(probs):
+        return torch.matmul(probs.float(), v.float()).to(dtype)
+    return torch.matmul(probs, v.to(dtype))  # BF16 and FP32 kernels accumulate in FP32
 
 
 @dataclass
