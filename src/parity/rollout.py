@@ -124,10 +124,14 @@ class KVCache:
         self.k.view(layers, rows, times, heads, dim, slots)[..., :filled] = k[:, :, None]
         self.v.view(layers, rows, times, heads, slots, dim)[..., :filled, :] = v[:, :, None]
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only the given batch rows (drops finished sequences)."""
-        self.k = self.k[:, rows]
-        self.v = self.v[:, rows]
+    def select(self, rows: torch.Tensor, filled: int) -> None:
+        """Keep only the given batch rows (drops finished sequences); copies the
+        `filled` slots only."""
+        k, v = self.k, self.v
+        self.k = k.new_empty((k.shape[0], len(rows), *k.shape[2:]))
+        self.v = v.new_empty((v.shape[0], len(rows), *v.shape[2:]))
+        self.k[..., :filled] = k[:, rows, ..., :filled]
+        self.v[..., :filled, :] = v[:, rows, ..., :filled, :]
 
 
 @dataclass
@@ -293,7 +297,7 @@ class RolloutEngine:
             # Drop finished rows once they are a quarter of the batch (cache copy amortised).
             if int(done.sum()) * 4 >= done.numel():
                 keep = (~done).nonzero().squeeze(-1)
-                cache.select(keep)
+                cache.select(keep, filled=prompt_len + t)
                 rows, token, done = rows[keep], token[keep], done[keep]
                 key_bias, next_pos = key_bias[keep], next_pos[keep]
             start = prompt_len + t
