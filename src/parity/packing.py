@@ -9,8 +9,8 @@ must see is stored once, in one stream of N tokens:
     [ unique prompt 0 | unique prompt 1 | ... | response 0 | response 1 | ... ]
 
 (each response without its last token, which predicts nothing and is attended by
-nothing). Every position-wise op (embedding, norms, projections, MLP, LM head) runs on that
-stream. Only attention needs whole sequences: `gather_rows(x, index)` lays the
+nothing). Every position-wise op (embedding, norms, projections, MLP, LM head)
+runs on that stream. Only attention needs whole sequences: `gather_rows(x, index)` lays the
 stream out as right-padded rows (prompt then response; a shared prompt is read by
 each of its rows), sorted by length into a few chunks so that short rows are not
 padded to the longest, causal attention runs on each chunk, and `from_rows` picks
@@ -39,7 +39,7 @@ def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PackedBatch:
-    token_ids: torch.Tensor  # [N] each prompt once, then every response token
+    token_ids: torch.Tensor  # [N] each prompt once, then each response but its last token
     positions: torch.Tensor  # [N] position of each token in its own sequence
     seq_lengths: torch.Tensor  # [B] stream tokens each row attends over (its prompt and response)
     attention_rows: tuple[torch.Tensor, ...]  # chunks of rows [b_k, L_k]: stream index per slot (padding -> 0)
@@ -89,7 +89,7 @@ def pack(
     resp_start = n_prompt + torch.cumsum(resp_len, 0) - resp_len
 
     token_ids = torch.cat(
-        [torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device), response_ids[in_stream]]
+        [torch.tensor([tok for p in prompts for tok in p], dtype=torch.long, device=device), response_ids[in_stream]]
     )
     prompt_positions = torch.cat([torch.arange(n, device=device) for n in unique_len.tolist()])
     p_len, p_start = unique_len[prompt_of_row], unique_start[prompt_of_row]
