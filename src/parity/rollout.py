@@ -107,11 +107,17 @@ def support_ids(kept: torch.Tensor) -> torch.Tensor:
 class KVCache:
     """Static key/value storage. Keys are kept transposed, [layers, batch, kv_heads,
     head_dim, slots], so the decode-time q·kᵀ reads contiguous memory. Slots past the
-    current position are never read before they are written, so they start empty."""
+    current position are never read before they are written, so they start empty.
+
+    On the CPU the scores are taken in FP32 (flash-attention numerics), so keys are
+    stored in FP32, holding their rounded values: the key cache is not converted
+    at every decode step. Values stay in the compute dtype."""
 
     def __init__(self, cfg: ModelConfig, batch: int, slots: int, dtype: torch.dtype, device: torch.device):
-        self.k = torch.empty((cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, slots), dtype=dtype, device=device)
-        self.v = torch.empty((cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim), dtype=dtype, device=device)
+        key_dtype = torch.float32 if device.type == "cpu" else dtype
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads)
+        self.k = torch.empty((*shape, cfg.head_dim, slots), dtype=key_dtype, device=device)
+        self.v = torch.empty((*shape, slots, cfg.head_dim), dtype=dtype, device=device)
 
     def repeat_rows(self, times: int, slots: int) -> None:
         """Each batch row becomes `times` consecutive copies (one per group member), with
