@@ -119,23 +119,14 @@ class KVCache:
         self.k = torch.empty((*shape, cfg.head_dim, slots), dtype=key_dtype, device=device)
         self.v = torch.empty((*shape, slots, cfg.head_dim), dtype=dtype, device=device)
 
-    def repeat_rows(self, times: int, slots: int) -> None:
-        """Each batch row becomes `times` consecutive copies (one per group member), with
-        room for `slots` positions; only the filled slots are copied."""
-        filled = self.k.shape[-1]
+    def take_rows(self, rows: torch.Tensor, filled: int, slots: int | None = None) -> None:
+        """Keep batch rows `rows` (in that order; repeats give one copy per group member,
+        omissions drop finished sequences), with room for `slots` positions (default:
+        as now). Only the `filled` slots are copied."""
         k, v = self.k, self.v
-        layers, rows, heads, dim = k.shape[:4]
-        self.k = k.new_empty((layers, rows * times, heads, dim, slots))
-        self.v = v.new_empty((layers, rows * times, heads, slots, dim))
-        self.k.view(layers, rows, times, heads, dim, slots)[..., :filled] = k[:, :, None]
-        self.v.view(layers, rows, times, heads, slots, dim)[..., :filled, :] = v[:, :, None]
-
-    def select(self, rows: torch.Tensor, filled: int) -> None:
-        """Keep only the given batch rows (drops finished sequences); copies the
-        `filled` slots only."""
-        k, v = self.k, self.v
-        self.k = k.new_empty((k.shape[0], len(rows), *k.shape[2:]))
-        self.v = v.new_empty((v.shape[0], len(rows), *v.shape[2:]))
+        slots = k.shape[-1] if slots is None else slots
+        self.k = k.new_empty((k.shape[0], len(rows), *k.shape[2:4], slots))
+        self.v = v.new_empty((v.shape[0], len(rows), v.shape[2], slots, v.shape[4]))
         self.k[..., :filled] = k[:, rows, ..., :filled]
         self.v[..., :filled, :] = v[:, rows, ..., :filled, :]
 
@@ -273,7 +264,7 @@ class RolloutEngine:
 
         # Expand to the groups; from here on `rows` maps active rows to output rows.
         batch = n_prompts * group_size
-        cache.repeat_rows(group_size, max_len)
+        cache.take_rows(torch.arange(n_prompts, device=dev).repeat_interleave(group_size), prompt_len, max_len)
         key_bias = torch.zeros(key_valid.shape, device=dev).masked_fill(~key_valid, float("-inf"))
         key_bias = key_bias.repeat_interleave(group_size, dim=0)
         next_pos = lengths.repeat_interleave(group_size)
@@ -303,7 +294,7 @@ class RolloutEngine:
             # Drop finished rows once they are a quarter of the batch (cache copy amortised).
             if int(done.sum()) * 4 >= done.numel():
                 keep = (~done).nonzero().squeeze(-1)
-                cache.select(keep, filled=prompt_len + t)
+                cache.take_rows(keep, filled=prompt_len + t)
                 rows, token, done = rows[keep], token[keep], done[keep]
                 key_bias, next_pos = key_bias[keep], next_pos[keep]
             start = prompt_len + t
