@@ -9,6 +9,7 @@ from pathlib import Path
 from parity.config import ConfigError
 from parity.models import ModelError
 from parity.rewards import RewardError
+from parity.runtime import reuse_freed_memory
 from parity.tasks import DataError
 
 
@@ -253,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    reuse_freed_memory()  # every command allocates tensors of a few MiB per step
     try:
         return args.func(args)
     except (ConfigError, ModelError, DataError, RewardError) as e:

@@ -42,6 +42,7 @@ from parity.files import atomic_write_text
 from parity.models import load_model, load_tokenizer, resolve_model_dir
 from parity.rewards import RewardRunner, score_rollouts
 from parity.rollout import RolloutEngine, SamplingParams
+from parity.runtime import reuse_freed_memory
 from parity.tasks import REWARDS, TRUSTED_REWARDS, ArithmeticTask, DataOrder, import_reward_fn, load_problems
 from parity.trainer import OptimConfig, Trainer
 
@@ -259,6 +260,7 @@ class Run:
     """A training run: engines, data, rewards and the step. Build with `Run.create`/`Run.resume`."""
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, progress: bool = True):
+        reuse_freed_memory()
         self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
         self.model_dir = resolve_model_dir(cfg.model)
         self.tokenizer = load_tokenizer(self.model_dir)
