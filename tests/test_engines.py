@@ -90,6 +90,23 @@ def test_generation_is_seeded_and_stops_at_eos(llama_dir):
         assert (a.response_ids[row, n:] == tok.pad_id).all()
 
 
+def test_cache_growth_leaves_samples_unchanged(llama_dir, monkeypatch):
+    """Slots added block by block (with compaction in between) give the same tokens and
+    μ as one cache sized for the whole response."""
+    import parity.rollout
+
+    tok, _, engine = _setup(llama_dir)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    sampling = SamplingParams(max_new_tokens=40)
+    monkeypatch.setattr(parity.rollout, "CACHE_BLOCK", 5)
+    grown = engine.generate(prompts, 4, sampling, seed=1)
+    monkeypatch.setattr(parity.rollout, "CACHE_BLOCK", 1000)
+    whole = engine.generate(prompts, 4, sampling, seed=1)
+    assert grown.response_mask.sum(-1).max() > 5 * 3  # several blocks were added
+    assert torch.equal(grown.response_ids, whole.response_ids)
+    assert torch.equal(grown.rollout_logprobs, whole.rollout_logprobs)
+
+
 @pytest.mark.parametrize("fixture", ["llama_dir", "qwen2_dir"])
 def test_weight_sync_fp32_agrees_to_round_off(fixture, request):
     """After a real optimizer step and export, rollout μ and trainer π agree at FP32."""

@@ -104,10 +104,18 @@ def support_ids(kept: torch.Tensor) -> torch.Tensor:
     return ids.masked_fill(torch.arange(k, device=kept.device) >= counts[:, None], -1)
 
 
+CACHE_BLOCK = 32  # decode-time KV slots are added this many at a time
+
+
 class KVCache:
-    """Static key/value storage. Keys are kept transposed, [layers, batch, kv_heads,
+    """Key/value storage. Keys are kept transposed, [layers, batch, kv_heads,
     head_dim, slots], so the decode-time q·kᵀ reads contiguous memory. Slots past the
     current position are never read before they are written, so they start empty.
+
+    Decoding adds slots a block at a time rather than reserving `max_new_tokens` up
+    front: rows stay short, so each step's reads are dense (the decode step is bound
+    by memory latency, not FLOPs), and a batch that stops early never pays for the
+    slots it does not use. The copy at each block boundary is amortised over the block.
 
     On the CPU the scores are taken in FP32 (flash-attention numerics), so keys are
     stored in FP32, holding their rounded values: the key cache is not converted
@@ -119,12 +127,16 @@ class KVCache:
         self.k = torch.empty((*shape, cfg.head_dim, slots), dtype=key_dtype, device=device)
         self.v = torch.empty((*shape, slots, cfg.head_dim), dtype=dtype, device=device)
 
+    @property
+    def slots(self) -> int:
+        return self.k.shape[-1]
+
     def take_rows(self, rows: torch.Tensor, filled: int, slots: int | None = None) -> None:
         """Keep batch rows `rows` (in that order; repeats give one copy per group member,
         omissions drop finished sequences), with room for `slots` positions (default:
         as now). Only the `filled` slots are copied."""
         k, v = self.k, self.v
-        slots = k.shape[-1] if slots is None else slots
+        slots = self.slots if slots is None else slots
         self.k = k.new_empty((k.shape[0], len(rows), *k.shape[2:4], slots))
         self.v = v.new_empty((v.shape[0], len(rows), v.shape[2], slots, v.shape[4]))
         self.k[..., :filled] = k[:, rows, ..., :filled]
@@ -264,7 +276,8 @@ class RolloutEngine:
 
         # Expand to the groups; from here on `rows` maps active rows to output rows.
         batch = n_prompts * group_size
-        cache.take_rows(torch.arange(n_prompts, device=dev).repeat_interleave(group_size), prompt_len, max_len)
+        expand = torch.arange(n_prompts, device=dev).repeat_interleave(group_size)
+        cache.take_rows(expand, prompt_len, min(max_len, prompt_len + CACHE_BLOCK))
         key_bias = torch.zeros(key_valid.shape, device=dev).masked_fill(~key_valid, float("-inf"))
         key_bias = key_bias.repeat_interleave(group_size, dim=0)
         next_pos = lengths.repeat_interleave(group_size)
@@ -298,6 +311,8 @@ class RolloutEngine:
                 rows, token, done = rows[keep], token[keep], done[keep]
                 key_bias, next_pos = key_bias[keep], next_pos[keep]
             start = prompt_len + t
+            if start == cache.slots:
+                cache.take_rows(torch.arange(len(rows), device=dev), start, min(max_len, start + CACHE_BLOCK))
             logits = self._forward(
                 token[:, None], next_pos[:, None], cache, start, key_bias[:, None, None, : start + 1]
             )
