@@ -70,19 +70,24 @@ def attention(
     `q` is [B, H, Tq, D]; `k`, `v` are [B, Hkv, Tk, D]; `mask` is a boolean
     [B, 1, Tq, Tk] (True = attend) or None.
     """
-    gqa = q.shape[1] != k.shape[1]
     if q.device.type == "cpu" and q.dtype != torch.float32:
         # The CPU has no FP16 attention kernel worth using, and its BF16 one has a ~8x
         # slower backward than FP32's: spell out the flash-attention numerics instead.
-        bias = torch.zeros((), device=q.device)
+        # The query heads sharing a KV head become extra rows of one matmul against it,
+        # so K and V are never copied per query head.
+        b, h, q_len, d = q.shape
+        kv_heads, k_len = k.shape[1], k.shape[2]
+        groups = h // kv_heads
+        bias = torch.zeros((q_len, k_len), device=q.device)
         if causal:
-            bias = torch.full((q.shape[2], k.shape[2]), float("-inf"), device=q.device).triu(1)
+            bias = bias.masked_fill(torch.ones_like(bias, dtype=torch.bool).triu(1), float("-inf"))
         if mask is not None:
-            bias = bias + torch.zeros(mask.shape, device=q.device).masked_fill(~mask, float("-inf"))
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5 + bias
-        return _weighted_values(scores, v, q.dtype)
+            bias = bias.masked_fill(~mask, float("-inf"))
+        bias = bias.repeat(*(1,) * (bias.dim() - 2), groups, 1)  # row g * q_len + t is query t
+        q_rows = q.reshape(b, kv_heads, groups * q_len, d).float()
+        scores = torch.matmul(q_rows, k.float().transpose(-1, -2)) * d**-0.5 + bias
+        return _weighted_values(scores, v, q.dtype).view(b, h, q_len, d)
+    gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
