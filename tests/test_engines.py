@@ -107,6 +107,24 @@ def test_cache_growth_leaves_samples_unchanged(llama_dir, monkeypatch):
     assert torch.equal(grown.rollout_logprobs, whole.rollout_logprobs)
 
 
+def test_decode_batch_shrinks_in_row_buckets(llama_dir, monkeypatch):
+    """Dropping finished rows keeps the decode batch at multiples of ROW_BUCKET (topped
+    up with finished rows), and the finished rows' outputs stay padding."""
+    import parity.rollout
+
+    tok, _, engine = _setup(llama_dir)
+    sizes = []
+    forward = engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda ids, *a: sizes.append(ids.shape[0]) or forward(ids, *a))
+    batch = engine.generate([tok.encode(p) for p in PROMPTS], 10, SamplingParams(max_new_tokens=40), seed=2)
+    assert sizes[0] == 4 and sizes[1] == 40  # prefill of the prompts, then the whole batch
+    assert len(set(sizes[1:])) > 1  # rows were dropped
+    assert all(n % parity.rollout.ROW_BUCKET == 0 for n in sizes[2:] if n != 40)
+    lengths = batch.response_mask.sum(-1)
+    assert ((batch.response_ids == tok.pad_id) | batch.response_mask).all()
+    assert (batch.rollout_logprobs[~batch.response_mask] == 0).all() and lengths.min() < lengths.max()
+
+
 @pytest.mark.parametrize("fixture", ["llama_dir", "qwen2_dir"])
 def test_weight_sync_fp32_agrees_to_round_off(fixture, request):
     """After a real optimizer step and export, rollout μ and trainer π agree at FP32."""

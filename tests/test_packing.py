@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import parity.precision
 from parity.models import load_model, load_tokenizer
-from parity.packing import pack
+from parity.packing import ROW_MULTIPLE, STREAM_MULTIPLE, pack
 from parity.trainer import OptimConfig, Trainer, matmul_flops
 
 
@@ -60,6 +61,34 @@ def test_layout_stores_each_prompt_once_without_padding(llama_dir):
     # Chunks are sorted longest first, each padded only to its own longest row.
     widths = [index.shape[1] for index in packed.attention_rows]
     assert widths == sorted(widths, reverse=True) and widths[-1] < widths[0]
+
+
+def test_bucketed_layout_changes_nothing_but_round_off(llama_dir, monkeypatch):
+    """Padding the stream, the attention rows and the scored rows to fixed multiples
+    (what BF16 on the CPU runs, so that oneDNN reuses its kernels) leaves π and the
+    gradients as they are."""
+    tok = load_tokenizer(llama_dir)
+    trainer = Trainer(load_model(llama_dir), "fp32", OptimConfig())
+    prompt_ids, response_ids, mask = _batch(tok)
+
+    def logprobs_and_grads():
+        logprobs = trainer.logprobs(prompt_ids, response_ids, mask)
+        (logprobs * mask).sum().backward()
+        grads = [p.grad.clone() for p in trainer.params]
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return logprobs, grads
+
+    plain, plain_grads = logprobs_and_grads()
+    monkeypatch.setattr(parity.precision, "per_shape_kernels", lambda dtype, device: True)
+    bucketed, bucketed_grads = logprobs_and_grads()
+    assert torch.allclose(bucketed, plain, atol=1e-6)
+    for got, want in zip(bucketed_grads, plain_grads):
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+
+    packed = pack(prompt_ids, response_ids, mask, bucket=True)
+    assert packed.token_ids.numel() % STREAM_MULTIPLE == 0 and packed.token_ids.numel() > packed.num_tokens
+    assert packed.score_index.numel() % STREAM_MULTIPLE == 0
+    assert all(index.shape[1] % ROW_MULTIPLE == 0 for index in packed.attention_rows)
 
 
 def test_empty_prompt_is_an_error():

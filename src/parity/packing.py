@@ -25,6 +25,11 @@ import torch
 import torch.nn.functional as F
 
 ATTENTION_CHUNKS = 4  # length-sorted row chunks for attention: less padding, few kernel calls
+# With `bucket=True` the stream is padded to a multiple of STREAM_MULTIPLE tokens and each
+# chunk's rows to a multiple of ROW_MULTIPLE slots, so that a run sees a few shapes over
+# and over (for kernels built per shape; see `precision.per_shape_kernels`).
+STREAM_MULTIPLE = 64
+ROW_MULTIPLE = 16
 
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -44,23 +49,21 @@ class PackedBatch:
     seq_lengths: torch.Tensor  # [B] stream tokens each row attends over (its prompt and response)
     attention_rows: tuple[torch.Tensor, ...]  # chunks of rows [b_k, L_k]: stream index per slot (padding -> 0)
     from_rows: torch.Tensor  # [N] slot holding each token's attention output (chunks flattened, in order)
-    score_index: torch.Tensor  # [M] stream token whose output predicts each response token (row-major)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.token_ids.numel()
+    score_index: torch.Tensor  # [M] stream token whose output predicts each response token (row-major), then padding
+    num_tokens: int  # real stream tokens; any after them are padding that nothing reads
 
 
 def pack(
     prompt_ids: list[list[int]],
     response_ids: torch.Tensor | None = None,
     response_mask: torch.Tensor | None = None,
+    bucket: bool = False,
 ) -> PackedBatch:
     """Pack rows of prompt + response. Identical prompts are stored once.
 
     `response_ids` [B, T] and `response_mask` [B, T] (True on real tokens, a prefix
     of each row) may be None to pack prompts alone. Each response token is scored
-    from the stream token just before it.
+    from the stream token just before it. `bucket` pads the shapes to the multiples above.
     """
     b = len(prompt_ids)
     if b == 0 or any(len(p) == 0 for p in prompt_ids):
@@ -102,6 +105,8 @@ def pack(
     offset = 0
     for rows in torch.argsort(seq_len, descending=True, stable=True).tensor_split(min(ATTENTION_CHUNKS, b)):
         width = int(seq_len[rows].max())
+        if bucket:
+            width = -(-width // ROW_MULTIPLE) * ROW_MULTIPLE
         slot = torch.arange(width, device=device).expand(len(rows), width)
         r_len, r_plen = seq_len[rows][:, None], p_len[rows][:, None]
         index = torch.where(slot < r_plen, p_start[rows][:, None] + slot, resp_start[rows][:, None] + slot - r_plen)
@@ -116,11 +121,20 @@ def pack(
 
     # Response token j is predicted by token j-1, or by the prompt's last token for j = 0.
     prev = torch.where(slot_t == 0, (p_start + p_len - 1)[:, None], resp_start[:, None] + slot_t - 1)
+    num_tokens = token_ids.numel()
+    if bucket:
+        # Padding tokens (id 0 at position 0) are computed but attended and scored by nothing.
+        extra = (0, -num_tokens % STREAM_MULTIPLE)
+        token_ids, positions, from_rows = F.pad(token_ids, extra), F.pad(positions, extra), F.pad(from_rows, extra)
+    score_index = prev[response_mask]
+    if bucket:  # extra scored rows (of token 0) whose log-probs are dropped
+        score_index = F.pad(score_index, (0, -score_index.numel() % STREAM_MULTIPLE))
     return PackedBatch(
         token_ids=token_ids,
         positions=positions,
         seq_lengths=seq_len,
         attention_rows=tuple(attention_rows),
         from_rows=from_rows,
-        score_index=prev[response_mask],
+        score_index=score_index,
+        num_tokens=num_tokens,
     )

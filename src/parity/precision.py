@@ -43,6 +43,13 @@ def to_dtype(precision: str) -> torch.dtype:
         raise ValueError(f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}") from None
 
 
+def per_shape_kernels(dtype: torch.dtype, device: torch.device) -> bool:
+    """True where this dtype's matmuls run kernels generated for each input shape: BF16
+    on the CPU goes to oneDNN, which builds (and caches) a kernel per shape, at the cost
+    of a few hundred microseconds each. Callers then keep their shapes to a few sizes."""
+    return dtype == torch.bfloat16 and device.type == "cpu"
+
+
 def _emulate(t: torch.Tensor) -> bool:
     """True when `t` is FP16 on a device without fast FP16 matmul (the CPU)."""
     return t.dtype == torch.float16 and t.device.type == "cpu"
@@ -109,9 +116,11 @@ def _weighted_values(scores: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) 
     """softmax(scores) @ v with flash-attention numerics: FP32 scores and softmax, the
     probabilities rounded to `dtype`, FP32 accumulation, the output rounded to `dtype`."""
     probs = torch.softmax(scores, dim=-1).to(dtype)
-    if _emulate(probs):
+    if _emulate(probs) or v.dtype == torch.float32:
+        # FP32 kernels on rounded inputs: exact products, FP32 sums. (A CPU KV cache
+        # holds FP32 values, rounded to the precision when written.)
         return torch.matmul(probs.float(), v.float()).to(dtype)
-    return torch.matmul(probs, v.to(dtype))  # BF16 and FP32 kernels accumulate in FP32
+    return torch.matmul(probs, v)  # the BF16 kernel accumulates in FP32
 
 
 @dataclass

@@ -105,6 +105,10 @@ def support_ids(kept: torch.Tensor) -> torch.Tensor:
 
 
 CACHE_BLOCK = 32  # decode-time KV slots are added this many at a time
+# Decode batch sizes stay multiples of this. On the CPU, BF16 matmuls run oneDNN kernels
+# generated for each shape; a handful of batch sizes, reused by every rollout, costs
+# nothing after the first, where every new size cost a kernel build per layer.
+ROW_BUCKET = 16
 
 
 class KVCache:
@@ -113,19 +117,20 @@ class KVCache:
     current position are never read before they are written, so they start empty.
 
     Decoding adds slots a block at a time rather than reserving `max_new_tokens` up
-    front: rows stay short, so each step's reads are dense (the decode step is bound
-    by memory latency, not FLOPs), and a batch that stops early never pays for the
+    front: rows stay short, so each step's reads are dense (the decode step's small
+    kernels wait on memory more than on arithmetic), and a batch that stops early never pays for the
     slots it does not use. The copy at each block boundary is amortised over the block.
 
-    On the CPU the scores are taken in FP32 (flash-attention numerics), so keys are
-    stored in FP32, holding their rounded values: the key cache is not converted
-    at every decode step. Values stay in the compute dtype."""
+    On the CPU, attention runs FP32 kernels on rounded inputs (flash-attention
+    numerics), so keys and values are stored in FP32, holding their values rounded to
+    the rollout precision: nothing is converted at each decode step, and no BF16
+    kernel is generated for each new cache length."""
 
     def __init__(self, cfg: ModelConfig, batch: int, slots: int, dtype: torch.dtype, device: torch.device):
-        key_dtype = torch.float32 if device.type == "cpu" else dtype
+        store = torch.float32 if device.type == "cpu" else dtype
         shape = (cfg.num_layers, batch, cfg.num_kv_heads)
-        self.k = torch.empty((*shape, cfg.head_dim, slots), dtype=key_dtype, device=device)
-        self.v = torch.empty((*shape, slots, cfg.head_dim), dtype=dtype, device=device)
+        self.k = torch.empty((*shape, cfg.head_dim, slots), dtype=store, device=device)
+        self.v = torch.empty((*shape, slots, cfg.head_dim), dtype=store, device=device)
 
     @property
     def slots(self) -> int:
@@ -304,9 +309,11 @@ class RolloutEngine:
             done = done | (token == self.eos_id)
             if bool(done.all()) or t == max_new - 1:
                 break
-            # Drop finished rows once they are a quarter of the batch (cache copy amortised).
-            if int(done.sum()) * 4 >= done.numel():
-                keep = (~done).nonzero().squeeze(-1)
+            # Drop finished rows once they are a quarter of the batch (cache copy amortised),
+            # down to a multiple of ROW_BUCKET rows, topped up with finished ones.
+            size = -(-int((~done).sum()) // ROW_BUCKET) * ROW_BUCKET
+            if int(done.sum()) * 4 >= done.numel() and size < done.numel():
+                keep = torch.cat([(~done).nonzero(), done.nonzero()]).squeeze(-1)[:size]
                 cache.take_rows(keep, filled=prompt_len + t)
                 rows, token, done = rows[keep], token[keep], done[keep]
                 key_bias, next_pos = key_bias[keep], next_pos[keep]

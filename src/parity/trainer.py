@@ -110,12 +110,13 @@ class Trainer:
         `precision` overrides the trainer precision for this forward (shadow forward).
         """
         dtype = self.dtype if precision is None else prec.to_dtype(precision)
-        packed = pack(prompt_ids, response_ids, response_mask)
+        packed = pack(prompt_ids, response_ids, response_mask, bucket=prec.per_shape_kernels(dtype, self.device))
         passes = 3 if torch.is_grad_enabled() else 1
-        self.matmul_flops += passes * matmul_flops(self.model.config, packed, int(response_mask.sum()))
+        num_scored = int(response_mask.sum())
+        self.matmul_flops += passes * matmul_flops(self.model.config, packed, num_scored)
         hidden = gather_rows(self.model.hidden_states(packed, dtype), packed.score_index)
         scored = token_logprobs(
-            self.model.logits(hidden),
+            self.model.logits(hidden)[:num_scored],
             response_ids[response_mask],
             None if support is None else support[response_mask],
             temperature,
