@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "build-model",
-        help="reproduce the built-in base model from scratch (~5 min on 2 cores)",
+        help="reproduce the built-in base model from scratch (~3 min on 2 cores)",
         description="Pretrain the built-in model on the arithmetic task and save it in Hugging Face format.",
     )
     p.add_argument("--out", default=str(BUILTIN_DIR), type=Path, help=f"output directory (default {BUILTIN_DIR})")

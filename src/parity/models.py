@@ -3,7 +3,7 @@
 Parity runs its own compact implementation of the Llama family (Llama, Qwen2)
 rather than the `transformers` modelling code, so that every matmul goes through
 `precision.linear` / `precision.attention` and the rollout engine can keep a
-static KV cache. Parameter names match Hugging Face's, so checkpoints load and
+KV cache. Parameter names match Hugging Face's, so checkpoints load and
 save in the Hugging Face format with no conversion.
 """
 

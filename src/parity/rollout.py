@@ -1,4 +1,4 @@
-"""The rollout (inference) engine: batched sampling with a static KV cache.
+"""The rollout (inference) engine: batched sampling with a KV cache.
 
 The engine runs its own inference path over the policy's weights, stored in the
 rollout precision with the Q/K/V and gate/up projections fused into one matmul
