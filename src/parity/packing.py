@@ -121,13 +121,12 @@ def pack(
 
     # Response token j is predicted by token j-1, or by the prompt's last token for j = 0.
     prev = torch.where(slot_t == 0, (p_start + p_len - 1)[:, None], resp_start[:, None] + slot_t - 1)
-    num_tokens = token_ids.numel()
+    num_tokens, score_index = token_ids.numel(), prev[response_mask]
     if bucket:
-        # Padding tokens (id 0 at position 0) are computed but attended and scored by nothing.
+        # Padding tokens (id 0 at position 0) are computed but attended by nothing; the
+        # padded scored rows read token 0, and the trainer drops their log-probs.
         extra = (0, -num_tokens % STREAM_MULTIPLE)
         token_ids, positions, from_rows = F.pad(token_ids, extra), F.pad(positions, extra), F.pad(from_rows, extra)
-    score_index = prev[response_mask]
-    if bucket:  # extra scored rows (of token 0) whose log-probs are dropped
         score_index = F.pad(score_index, (0, -score_index.numel() % STREAM_MULTIPLE))
     return PackedBatch(
         token_ids=token_ids,

@@ -118,8 +118,9 @@ class KVCache:
 
     Decoding adds slots a block at a time rather than reserving `max_new_tokens` up
     front: rows stay short, so each step's reads are dense (the decode step's small
-    kernels wait on memory more than on arithmetic), and a batch that stops early never pays for the
-    slots it does not use. The copy at each block boundary is amortised over the block.
+    kernels wait on memory more than on arithmetic), and a batch that stops early
+    never pays for the slots it does not use. The copy at each block boundary is
+    amortised over the block.
 
     On the CPU, attention runs FP32 kernels on rounded inputs (flash-attention
     numerics), so keys and values are stored in FP32, holding their values rounded to
