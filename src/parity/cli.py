@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--out", default="parity-sanity", help="output directory (default parity-sanity)")
-    p.add_argument("--quick", action="store_true", help="fewer, smaller steps: a first look in about 3 minutes")
+    p.add_argument("--quick", action="store_true", help="fewer, smaller steps: a first look in about a minute")
     p.add_argument("--runs", help="comma-separated PRECISION/ESTIMATOR, e.g. fp16/pg_seq_is,bf16/grpo")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_sanity)
