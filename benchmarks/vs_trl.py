@@ -7,7 +7,11 @@ and Parity's `grpo` + `seq_mean_token_sum_norm`). Every run is a fresh process
 (so max RSS is its own); the sides alternate, TRL then Parity, `--rounds` times.
 
 Step time (default): median step time over the steps after the warm-up, pooled
-over the rounds, for each configuration and precision.
+over the rounds, for each configuration and precision. Beside it, the matmul
+floor: one Parity step's linear-layer matmuls (projections, MLP, LM head; the
+trainer's with their backward) replayed alone at their own shapes, and the
+ceiling, TRL's step time over that floor: the speed-up Parity would reach if
+nothing but those matmuls cost time.
 
 Time to solve (`--solve`): the built-in model trained on its perfectible set at
 `parity sanity` settings until the 5-step mean training accuracy reaches 95% or
@@ -176,6 +180,60 @@ def parity_steps(work: Work, warmup: int) -> dict:
     }
 
 
+def parity_matmul_floor(work: Work, warmup: int, repeats: int = 7) -> dict:
+    """Seconds that one Parity step's linear-layer matmuls take on their own.
+
+    Every `F.linear` of a real step (after `warmup` steps) is recorded with its shapes,
+    then each is run alone on random inputs of those shapes: its forward, plus for the
+    trainer's the two backward matmuls (input and weight gradients). The sum is what
+    the projections, MLP and LM head cost on this CPU at the shapes the step uses, with
+    nothing else running (hot caches: an optimistic floor). Attention, norms, sampling
+    and the optimizer are not in it.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    calls: list[tuple] = []
+
+    class RecordLinear(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.linear:
+                x, w = args[0], args[1]
+                calls.append((tuple(x.shape), tuple(w.shape), x.dtype, w.requires_grad))
+            return func(*args, **(kwargs or {}))
+
+    def seconds(fn, *args) -> float:
+        fn(*args)  # first call: BF16 kernels are built per shape
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn(*args)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def backward(x, w, grad_out):  # the input and the weight gradient
+        return grad_out @ w, grad_out.t() @ x
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = parity_run(work, Path(tmp))
+        for _ in range(warmup):
+            run.step()
+        with RecordLinear():
+            run.step()
+    cost: dict[tuple, float] = {}
+    floor = {"rollout_s": 0.0, "trainer_s": 0.0}
+    for call in calls:
+        x_shape, w_shape, dtype, grad = call
+        if call not in cost:
+            x = torch.randn(x_shape, dtype=dtype).reshape(-1, x_shape[-1])
+            w = torch.randn(w_shape, dtype=dtype)
+            g = torch.randn(x.shape[0], w_shape[0], dtype=dtype)
+            cost[call] = seconds(F.linear, x, w) + (seconds(backward, x, w, g) if grad else 0.0)
+        floor["trainer_s" if grad else "rollout_s"] += cost[call]
+    return floor
+
+
 def trl_steps(work: Work, warmup: int) -> dict:
     from transformers import TrainerCallback
 
@@ -207,9 +265,9 @@ def step_table(args) -> dict:
     print(f"matmul GFLOP/s at [1408x256] @ [256x1024]: fp32 {peak['fp32']:.0f}, bf16 {peak['bf16_native']:.0f}")
     print(
         "| config | precision | Parity step s | TRL step s | speed-up | Parity tokens/s | TRL tokens/s | "
-        "Parity trainer GFLOP/s | Parity peak MB | TRL peak MB |"
+        "Parity trainer GFLOP/s | matmul floor s | ceiling | Parity peak MB | TRL peak MB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     out = {"matmul_gflops": {"fp32": peak["fp32"], "bf16": peak["bf16_native"]}, "configs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (model, prompts, group, new_tokens) in CONFIGS.items():
@@ -221,6 +279,7 @@ def step_table(args) -> dict:
                     (isolated(trl_steps, work, args.warmup), isolated(parity_steps, work, args.warmup))
                     for _ in range(args.rounds)
                 ]
+                floor = isolated(parity_matmul_floor, work, args.warmup)
                 trl = {k: [x for r, _ in rounds for x in r[k]] for k in ("step_s", "tokens_per_s")}
                 ours = {k: [x for _, r in rounds for x in r[k]] for k in ("step_s", "tokens_per_s", "train_gflops")}
                 row = {
@@ -233,13 +292,16 @@ def step_table(args) -> dict:
                     "parity_tokens_per_s": statistics.median(ours["tokens_per_s"]),
                     "trl_tokens_per_s": statistics.median(trl["tokens_per_s"]),
                     "parity_train_gflops": statistics.median(ours["train_gflops"]),
+                    "matmul_floor_s": floor["rollout_s"] + floor["trainer_s"],
                 }
                 row["speedup"] = row["trl_step_s"] / row["parity_step_s"]
+                row["ceiling_speedup"] = row["trl_step_s"] / row["matmul_floor_s"]
                 out["configs"].append(row)
                 print(
                     f"| {name} | {precision} | {row['parity_step_s']:.3f} | {row['trl_step_s']:.3f} | "
                     f"{row['speedup']:.2f}x | {row['parity_tokens_per_s']:.0f} | {row['trl_tokens_per_s']:.0f} | "
-                    f"{row['parity_train_gflops']:.0f} | {row['parity_peak_mb']:.0f} | {row['trl_peak_mb']:.0f} |",
+                    f"{row['parity_train_gflops']:.0f} | {row['matmul_floor_s']:.3f} | {row['ceiling_speedup']:.2f}x | "
+                    f"{row['parity_peak_mb']:.0f} | {row['trl_peak_mb']:.0f} |",
                     flush=True,
                 )
     return out
