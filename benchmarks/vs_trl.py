@@ -20,6 +20,7 @@ CPU (BF16; TRL has no FP16 on CPU). Writes accuracy-against-wall-time curves.
 
     pip install -e '.[bench]'
     python benchmarks/vs_trl.py [--steps 12] [--warmup 2] [--rounds 2] [--json out.json]
+        [--models builtin,llama-4.4M] [--precisions fp32,bf16] [--trl-checkpointing]
     python benchmarks/vs_trl.py --solve [--budget-s 300] [--json out.json] [--plot solve.png]
 """
 
@@ -84,6 +85,7 @@ class Work:
     precision: str
     steps: int
     seed: int = 0
+    trl_checkpointing: bool = False  # TRL only: recompute activations in the backward (its default)
 
 
 def parity_run(work: Work, tmp: Path):
@@ -145,7 +147,7 @@ def trl_trainer(work: Work, callbacks: list, on_accuracy=None):
         logging_steps=1,
         save_strategy="no",
         report_to=[],
-        gradient_checkpointing=False,
+        gradient_checkpointing=work.trl_checkpointing,
         loss_type="dr_grpo",
         scale_rewards="group",
         temperature=1.0,
@@ -271,10 +273,21 @@ def step_table(args) -> dict:
     out = {"matmul_gflops": {"fp32": peak["fp32"], "bf16": peak["bf16_native"]}, "configs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (model, prompts, group, new_tokens) in CONFIGS.items():
+            if model not in args.models.split(","):
+                continue
             model_dir = str(_model_dir(model, Path(tmp)))
             for precision in args.precisions.split(","):
                 steps = args.steps + args.warmup
-                work = Work(model_dir, _eval_problems(256), prompts, group, new_tokens, precision, steps)
+                work = Work(
+                    model_dir,
+                    _eval_problems(256),
+                    prompts,
+                    group,
+                    new_tokens,
+                    precision,
+                    steps,
+                    trl_checkpointing=args.trl_checkpointing,
+                )
                 rounds = [
                     (isolated(trl_steps, work, args.warmup), isolated(parity_steps, work, args.warmup))
                     for _ in range(args.rounds)
@@ -416,6 +429,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="TRL/Parity run pairs per configuration")
     parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--models", default="builtin,llama-4.4M", help="which configurations (by model)")
+    parser.add_argument(
+        "--trl-checkpointing",
+        action="store_true",
+        help="TRL with gradient checkpointing, its GRPOConfig default (more work than Parity does)",
+    )
     parser.add_argument("--solve", action="store_true", help="time to 95%% training accuracy instead")
     parser.add_argument("--budget-s", type=float, default=300.0, help="--solve: wall-time budget per side")
     parser.add_argument("--max-steps", type=int, default=200, help="--solve: step budget per side")
