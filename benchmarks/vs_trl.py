@@ -442,6 +442,9 @@ def main() -> int:
     parser.add_argument("--plot", type=Path, help="--solve: write the accuracy-vs-time plot here")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    known = {model for model, *_ in CONFIGS.values()}
+    if unknown := set(args.models.split(",")) - known:
+        parser.error(f"--models: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(sorted(known))}")
     out = solve_table(args) if args.solve else step_table(args)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
