@@ -306,6 +306,8 @@ def step_table(args) -> dict:
                     "trl_tokens_per_s": statistics.median(trl["tokens_per_s"]),
                     "parity_train_gflops": statistics.median(ours["train_gflops"]),
                     "matmul_floor_s": floor["rollout_s"] + floor["trainer_s"],
+                    "matmul_floor_rollout_s": floor["rollout_s"],
+                    "matmul_floor_trainer_s": floor["trainer_s"],
                 }
                 row["speedup"] = row["trl_step_s"] / row["parity_step_s"]
                 row["ceiling_speedup"] = row["trl_step_s"] / row["matmul_floor_s"]
