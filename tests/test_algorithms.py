@@ -1,4 +1,16 @@
-"""Each estimator against its formula on hand-made tensors: values and gradients, masks and caps."""
+"""Each estimator against its reference, written out independently here, in FP64.
+
+For every estimator the whole loss — rejection, per-token loss, aggregation with the
+estimator's default normaliser — and its gradient with respect to π_θ are compared
+with a transcription of the reference code to 1e-12. The comment on each formula
+names the file and lines it was transcribed from (the commits read):
+
+    OAT   sail-sg/Precision-RL@5b04485 oat/main.py (the FP16 paper's code, on Oat)
+    TRL   huggingface/trl@f2cd577 trl/trainer/grpo_trainer.py
+    VERL  volcengine/verl@b178a3c verl/trainer/ppo/core_algos.py; the veto at
+          volcengine/verl@2f2996b verl/trainer/ppo/rollout_corr_helper.py
+    SKYRL NovaSky-AI/SkyRL@a956457 skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py
+"""
 
 from __future__ import annotations
 
@@ -8,136 +20,257 @@ import pytest
 import torch
 
 from parity.algorithms import (
-    NEEDS_OLD_LOGPROBS,
-    POLICY_LOSSES,
+    ESTIMATORS,
     LossConfig,
     PolicyInputs,
     aggregate,
+    clip_bounds,
     group_advantages,
     kl_penalty,
+    rejected_sequences,
 )
 
-CFG = LossConfig(clip_low=0.2, clip_high=0.3, cap=1.5)
+L_MAX = 10  # the constant normaliser of seq_mean_token_sum_norm (Oat: generate_max_length)
 
 
-def _inputs():
-    """Two sequences (3 and 2 tokens) with ratios on both sides of the clip and IS weights on both sides of C."""
-    theta = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -1.2, 0.0]], dtype=torch.float64)
-    old = torch.tensor([[-1.1, -0.9, -1.9], [-0.3, -1.0, 0.0]], dtype=torch.float64)
-    mu = torch.tensor([[-1.0, -1.5, -1.9], [-0.1, -1.3, 0.0]], dtype=torch.float64)
-    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
-    mask = torch.tensor([[True, True, True], [True, True, False]])
+def _batch(seed: int = 0, rows: int = 8, tokens: int = 7):
+    """Random log-probs with per-row gaps of very different sizes, so that weights fall on
+    both sides of every cap and band; rows of different lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    mu = -torch.rand(rows, tokens, generator=gen, dtype=torch.float64) * 3
+    scale = torch.tensor([1e-3, 3e-3, 0.05, 0.2, 0.5, 1.0, 0.004, 0.3], dtype=torch.float64)[:rows, None]
+    old = mu + torch.randn(rows, tokens, generator=gen, dtype=torch.float64) * scale
+    theta = old + torch.randn(rows, tokens, generator=gen, dtype=torch.float64) * 0.15
+    adv = torch.randn(rows, generator=gen, dtype=torch.float64)
+    lengths = torch.tensor([7, 3, 5, 1, 7, 6, 2, 4])[:rows]
+    mask = torch.arange(tokens)[None, :] < lengths[:, None]
+    # A very unlikely token (w < 1e-4) in one row, for the veto.
+    old[2, 1] = mu[2, 1] - 12.0
     return theta, old, mu, adv, mask
 
 
-def _run(name, theta, old, mu, adv, mask):
-    lp = theta.clone().requires_grad_(True)
-    loss, stats = POLICY_LOSSES[name](PolicyInputs(lp, old, mu, adv, mask), CFG)
-    (loss * mask).sum().backward()
-    return loss.detach() * mask, lp.grad, stats
+def _parity_loss(name: str, theta, old, mu, adv, mask, cfg: LossConfig, aggregation: str) -> torch.Tensor:
+    """The loss as `Run.step` computes it for one mini-batch: rejection, estimator, aggregation."""
+    loss_mask = mask.clone()
+    rejected = rejected_sequences(name, old, mu, loss_mask, cfg)
+    n_seq = len(mask)
+    if rejected is not None:
+        loss_mask[rejected] = False
+        n_seq -= int(rejected.sum())
+    token_loss, _ = ESTIMATORS[name].loss(PolicyInputs(theta, old, mu, adv, loss_mask), cfg)
+    return aggregate(token_loss, loss_mask, aggregation, n_seq, int(loss_mask.sum()), L_MAX)
 
 
-def _ppo(theta, old, adv, low, high):
-    r = torch.exp(theta - old)
-    a = adv[:, None]
-    return torch.maximum(-a * r, -a * r.clamp(1 - low, 1 + high))
+# ----------------------------------------------------------------------------- the references
 
 
-def _expected(name, theta, old, mu, adv, mask):
-    """The DESIGN.md formula, written out independently; `theta` has grad."""
+def _ref_ppo(theta, old, adv, low, high):
+    # OAT 669-675: ratio = exp(new − old); max(−A·ratio, −A·clamp(ratio, 1−clip_low, 1+clip_high))
+    ratio = torch.exp(theta - old)
+    return torch.max(-adv[:, None] * ratio, -adv[:, None] * torch.clamp(ratio, 1 - low, 1 + high))
+
+
+def _ref_drgrpo_aggregate(per_token, mask):
+    # OAT 347-351, 718-719: masked_sum(·, axis=1) / generate_max_length, then mean over sequences
+    return ((per_token * mask).sum(1) / L_MAX).mean()
+
+
+def _ref_seq_mean_token_mean(per_token, mask):
+    # VERL core_algos.py 1065-1071 (seq-mean-token-mean): per-sequence token mean, mean over the
+    # sequences that have tokens left
+    m = mask.double()
+    per_seq = (per_token * m).sum(1) / m.sum(1).clamp(min=1)
+    return per_seq.sum() / (m.sum(1) > 0).sum()
+
+
+def _reference(name: str, theta, old, mu, adv, mask, c: LossConfig) -> torch.Tensor:
     m = mask.double()
     a = adv[:, None]
-    sg = theta.detach()
+    eps_lo, eps_hi = c.clip_low, c.clip_high
     if name == "grpo":
-        return _ppo(theta, old, adv, CFG.clip_low, CFG.clip_high)
+        return _ref_drgrpo_aggregate(_ref_ppo(theta, old, adv, eps_lo, eps_hi), m)
     if name == "grpo_token_tis":
-        return _ppo(theta, old, adv, CFG.clip_low, CFG.clip_high) * torch.exp(old - mu).clamp(max=CFG.cap)
+        # OAT 689-693: pg_loss_max *= exp(old − actor).clamp(max=tis_c); TRL 2596-2601 adds the lower bound
+        tis = torch.exp(old - mu).clamp(min=c.cap_low, max=c.cap)
+        return _ref_drgrpo_aggregate(_ref_ppo(theta, old, adv, eps_lo, eps_hi) * tis, m)
     if name == "grpo_token_mis":
+        # TRL 2579-2583, 2602-2610 (token_mask): w = exp(old − sampling); w·1[min ≤ w ≤ max]
         w = torch.exp(old - mu)
-        return _ppo(theta, old, adv, CFG.clip_low, CFG.clip_high) * w * (w <= CFG.cap)
-    rho_old = torch.exp(((old - mu) * m).sum(-1, keepdim=True))
+        w = w * ((w >= c.cap_low) & (w <= c.cap))
+        return _ref_drgrpo_aggregate(_ref_ppo(theta, old, adv, eps_lo, eps_hi) * w, m)
     if name == "grpo_seq_tis":
-        return _ppo(theta, old, adv, CFG.clip_low, CFG.clip_high) * rho_old.clamp(max=CFG.cap)
+        # TRL 2583-2601 (sequence_truncate): exp(Σ_t (old − sampling)·mask), clamped to [min, max]
+        rho = torch.exp(((old - mu) * m).sum(-1, keepdim=True)).clamp(min=c.cap_low, max=c.cap)
+        return _ref_drgrpo_aggregate(_ref_ppo(theta, old, adv, eps_lo, eps_hi) * rho, m)
     if name == "grpo_seq_mis":
-        return _ppo(theta, old, adv, CFG.clip_low, CFG.clip_high) * rho_old * (rho_old <= CFG.cap)
+        # OAT 676-687: seq_is = exp(Σ (old − actor)·mask); pg_loss_max *= (seq_is <= C)·seq_is
+        seq_is = torch.exp(((old - mu) * m).sum(-1, keepdim=True))
+        keep = ((seq_is <= c.cap) & (seq_is >= c.cap_low)).double()
+        return _ref_drgrpo_aggregate(_ref_ppo(theta, old, adv, eps_lo, eps_hi) * keep * seq_is, m)
+    if name == "grpo_seq_geo_rs":
+        # SKYRL 217-236: geo = exp(Σ (old − rollout)·mask / num_tokens); keep iff low ≤ geo ≤ high,
+        # applied to the loss mask (l.345), so rejected sequences leave the denominators
+        geo = torch.exp(((old - mu) * m).sum(-1) / m.sum(-1).clamp(min=1))
+        kept = m * ((geo >= c.cap_low) & (geo <= c.cap)).double()[:, None]
+        per_seq = (_ref_ppo(theta, old, adv, eps_lo, eps_hi) * kept).sum(1) / L_MAX
+        return per_seq.sum() / (kept.sum(1) > 0).sum()
     if name == "gspo":
-        s = torch.exp(((theta - old) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True))
-        r = s.detach() * torch.exp(theta - sg)
-        return torch.maximum(-a * r, -a * r.clamp(1 - CFG.gspo_clip_low, 1 + CFG.gspo_clip_high))
-    rho = torch.exp(((sg - mu) * m).sum(-1, keepdim=True))
-    if name == "pg_seq_is":
-        return -rho * a * theta
-    if name == "pg_seq_tis":
-        return -rho.clamp(max=CFG.cap) * a * theta
-    if name == "pg_seq_mis":
-        return -rho * (rho <= CFG.cap) * a * theta
+        # OAT 649-667: s = exp(Σ (new.detach() − old)·mask / Σ mask); ratio = s·p/p.detach();
+        # clamp to [1 − 3e-4, 1 + 4e-4]; VERL 1311-1314 aggregates it seq-mean-token-mean
+        s = torch.exp(((theta.detach() - old) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True))
+        p = torch.exp(theta)
+        ratio = s * p / p.detach()
+        loss = torch.max(-a * ratio, -a * torch.clamp(ratio, 1 - 3e-4, 1 + 4e-4))
+        return _ref_seq_mean_token_mean(loss, m)
+    if name in ("pg_seq_is", "pg_seq_tis", "pg_seq_mis"):
+        # OAT 625-635: seq_is = exp(Σ (new.detach() − actor)·mask); −seq_is.clamp(max=C)·A·new
+        seq_is = torch.exp(((theta.detach() - mu) * m).sum(-1, keepdim=True))
+        if name == "pg_seq_tis":
+            seq_is = seq_is.clamp(min=c.cap_low, max=c.cap)
+        if name == "pg_seq_mis":  # TRL 2602-2610's mask rule on OAT's PG weight
+            seq_is = seq_is * ((seq_is >= c.cap_low) & (seq_is <= c.cap))
+        return _ref_drgrpo_aggregate(-seq_is * a * theta, m)
+    if name == "pg_token_is":
+        # OAT 636-646: token_is = exp((new.detach() − actor)·mask); −token_is·A·new
+        token_is = torch.exp((theta.detach() - mu) * m)
+        return _ref_drgrpo_aggregate(-token_is * a * theta, m)
     if name == "reinforce":
-        return -a * theta
-    raise AssertionError(name)
+        # OAT 622-623: −A·new
+        return _ref_drgrpo_aggregate(-a * theta, m)
+    raise AssertionError(f"no reference for {name}")
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
-def test_estimator_matches_formula(name):
-    theta, old, mu, adv, mask = _inputs()
-    loss, grad, _ = _run(name, theta, old, mu, adv, mask)
-    t = theta.clone().requires_grad_(True)
-    expected = _expected(name, t, old, mu, adv, mask) * mask
-    expected.sum().backward()
-    assert torch.allclose(loss, expected.detach(), atol=1e-12), (loss, expected)
-    assert torch.allclose(grad, t.grad, atol=1e-12), (grad, t.grad)
-    assert (grad[~mask] == 0).all()
+def _ref_veto(old, mu, mask, threshold):
+    # VERL@2f2996b rollout_corr_helper.py 656-677: reject the whole sequence if any valid token has
+    # log r < log(threshold), r = exp(old − rollout)
+    return (((old - mu) < math.log(threshold)) & mask).any(-1)
 
 
-def test_registry_is_complete():
-    assert set(POLICY_LOSSES) == {
+def _config(name: str, **kw) -> LossConfig:
+    est = ESTIMATORS[name]
+    cap = kw.pop("cap", est.cap if est.cap is not None else math.inf)
+    cap_low = kw.pop("cap_low", est.cap_low)
+    return LossConfig(clip_low=0.2, clip_high=0.28, cap=cap, cap_low=cap_low, **kw)
+
+
+def _compare(name: str, cfg: LossConfig, seed: int = 0):
+    est = ESTIMATORS[name]
+    aggregation = est.aggregation or "seq_mean_token_sum_norm"
+    theta, old, mu, adv, mask = _batch(seed)
+    mine = theta.clone().requires_grad_(True)
+    loss = _parity_loss(name, mine, old, mu, adv, mask, cfg, aggregation)
+    loss.backward()
+    ref_theta = theta.clone().requires_grad_(True)
+    ref_mask = mask.clone()
+    if cfg.token_veto > 0:
+        ref_mask[_ref_veto(old, mu, mask, cfg.token_veto)] = False
+    kept = ref_mask.any(-1)  # vetoed rows leave the mask and the sequence count
+    ref = _reference(name, ref_theta[kept], old[kept], mu[kept], adv[kept], ref_mask[kept], cfg)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-12, (name, loss.item(), ref.item())
+    assert torch.allclose(mine.grad, ref_theta.grad, rtol=0, atol=1e-12), (name, mine.grad - ref_theta.grad)
+    assert float(mine.grad.abs().sum()) > 0  # the comparison is not of two zeros
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_estimator_matches_its_reference(name):
+    _compare(name, _config(name))
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in ESTIMATORS.items() if e.cap is not None and not e.rejects))
+def test_two_sided_bounds_match_the_reference(name):
+    # TRL's vllm_importance_sampling_clip_min/max (2596-2610)
+    _compare(name, _config(name, cap=2.5, cap_low=0.5))
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo_seq_mis", "pg_seq_is"])
+def test_token_veto_matches_the_reference(name):
+    theta, old, mu, _, mask = _batch()
+    assert bool(_ref_veto(old, mu, mask, 1e-4).any())  # the batch has a token to veto
+    _compare(name, _config(name, token_veto=1e-4))
+
+
+def test_registry_and_reference_defaults():
+    assert set(ESTIMATORS) == {
         "grpo",
         "grpo_token_tis",
         "grpo_token_mis",
         "grpo_seq_tis",
         "grpo_seq_mis",
+        "grpo_seq_geo_rs",
         "gspo",
         "pg_seq_is",
         "pg_seq_tis",
         "pg_seq_mis",
+        "pg_token_is",
         "reinforce",
     }
-    assert NEEDS_OLD_LOGPROBS == {n for n in POLICY_LOSSES if n.startswith(("grpo", "gspo"))}
+    caps = {n: e.cap for n, e in ESTIMATORS.items()}
+    # Oat's sanity scripts: token TIS 2, GRPO-Seq-MIS 10, "seq_mis" PG scripts truncate at 3; TRL's clip_max 3.
+    assert caps["grpo_token_tis"] == 2 and caps["grpo_seq_mis"] == 10 and caps["pg_seq_tis"] == 3
+    assert caps["grpo_token_mis"] == 3 and caps["grpo_seq_tis"] == 3 and caps["pg_seq_mis"] == 3
+    assert (ESTIMATORS["grpo_seq_geo_rs"].cap_low, caps["grpo_seq_geo_rs"]) == (0.99, 1.01)  # SkyRL's band
+    assert caps["pg_seq_is"] is caps["grpo"] is caps["pg_token_is"] is None
+    assert ESTIMATORS["gspo"].aggregation == "seq_mean_token_mean" and ESTIMATORS["gspo"].advantage == "grpo"
+    assert all(e.advantage == "drgrpo" for n, e in ESTIMATORS.items() if n != "gspo")
+    assert all(e.source for e in ESTIMATORS.values())
 
 
 def test_clip_zeroes_gradient_and_is_counted():
-    theta, old, mu, adv, mask = _inputs()
-    _, grad, stats = _run("grpo", theta, old, mu, adv, mask)
-    r = torch.exp(theta - old)
-    # Token (0,1): r = e^0.4 = 1.49 > 1.3 with A > 0 -> clipped, zero gradient.
-    assert r[0, 1] > 1.3 and grad[0, 1] == 0
-    # Token (1,1): r = e^-0.2 = 0.82 > 0.8 inside the clip -> gradient flows.
-    assert grad[1, 1] != 0
-    assert math.isclose(float(stats["clip_frac"]), 1 / 5) and math.isclose(float(stats["clip_frac_high"]), 1 / 5)
+    theta = torch.tensor([[-1.0, -0.5, -2.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-1.0, -0.9, -2.0]], dtype=torch.float64)
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    loss, stats = ESTIMATORS["grpo"].loss(PolicyInputs(theta, old, old, adv, mask), LossConfig(0.2, 0.3))
+    loss.sum().backward()
+    # Token 1: r = e^0.4 = 1.49 > 1.3 with A > 0 -> clipped, zero gradient; the others flow.
+    assert theta.grad[0, 1] == 0 and theta.grad[0, 0] != 0
+    assert math.isclose(float(stats["clip_frac"]), 1 / 3) and math.isclose(float(stats["clip_frac_high"]), 1 / 3)
 
 
 def test_masking_drops_and_truncation_clamps():
-    theta, old, mu, adv, mask = _inputs()
-    # w = exp(old - mu) at (0,1) is e^0.6 = 1.82 > C = 1.5: MIS drops the token, TIS keeps it at C.
-    mis, mis_grad, mis_stats = _run("grpo_token_mis", theta, old, mu, adv, mask)
-    tis, _, _ = _run("grpo_token_tis", theta, old, mu, adv, mask)
-    grpo, _, _ = _run("grpo", theta, old, mu, adv, mask)
-    assert mis[0, 1] == 0 and mis_grad[0, 1] == 0
-    assert torch.isclose(tis[0, 1], grpo[0, 1] * 1.5)
-    assert math.isclose(float(mis_stats["is_masked_frac"]), 1 / 5)
+    theta, old, mu, adv, mask = _batch()
+    cfg = LossConfig(cap=1.5)
+    w = torch.exp(old - mu)
+    over = (w > 1.5) & mask
+    assert bool(over.any())
+    mis, mis_stats = ESTIMATORS["grpo_token_mis"].loss(PolicyInputs(theta, old, mu, adv, mask), cfg)
+    tis, _ = ESTIMATORS["grpo_token_tis"].loss(PolicyInputs(theta, old, mu, adv, mask), cfg)
+    grpo, _ = ESTIMATORS["grpo"].loss(PolicyInputs(theta, old, mu, adv, mask), cfg)
+    assert (mis[over] == 0).all() and torch.allclose(tis[over], grpo[over] * 1.5)
+    assert math.isclose(float(mis_stats["is_masked_frac"]), int(over.sum()) / int(mask.sum()))
 
 
 def test_log_ratios_are_clamped():
-    theta = torch.tensor([[0.0, 0.0]], dtype=torch.float64)
-    mu = torch.tensor([[-100.0, -100.0]], dtype=torch.float64)
-    loss, _, stats = _run(
-        "pg_seq_is",
-        theta,
-        theta.clone(),
-        mu,
-        torch.tensor([1.0], dtype=torch.float64),
-        torch.ones(1, 2, dtype=torch.bool),
-    )
+    theta = torch.zeros(1, 2, dtype=torch.float64)
+    mu = torch.full((1, 2), -100.0, dtype=torch.float64)
+    inp = PolicyInputs(theta, theta.clone(), mu, torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2, dtype=bool))
+    loss, stats = ESTIMATORS["pg_seq_is"].loss(inp, LossConfig())
     assert torch.isfinite(loss).all() and math.isclose(float(stats["is_weight_max"]), math.exp(20), rel_tol=1e-9)
+
+
+def test_gspo_gradient_mass_per_sequence_does_not_depend_on_length():
+    """GSPO's per-sequence objective: with the same advantage and ratio, a 4-token and a
+    64-token response get the same total gradient (their aggregation is per sequence)."""
+    lengths = (4, 64)
+    theta = torch.full((2, 64), -1.0, dtype=torch.float64, requires_grad=True)
+    mask = torch.arange(64)[None, :] < torch.tensor(lengths)[:, None]
+    adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    loss, _ = ESTIMATORS["gspo"].loss(PolicyInputs(theta, theta.detach(), theta.detach(), adv, mask), LossConfig())
+    aggregate(loss, mask, ESTIMATORS["gspo"].aggregation, 2, int(mask.sum()), 64).backward()
+    mass = theta.grad.abs().sum(-1)
+    assert math.isclose(float(mass[0]), float(mass[1]), rel_tol=1e-12)
+    # Under the L_max normaliser the long response would carry 16x the mass: why GSPO refuses it.
+    theta.grad = None
+    loss, _ = ESTIMATORS["gspo"].loss(PolicyInputs(theta, theta.detach(), theta.detach(), adv, mask), LossConfig())
+    aggregate(loss, mask, "seq_mean_token_sum_norm", 2, int(mask.sum()), 64).backward()
+    mass = theta.grad.abs().sum(-1)
+    assert math.isclose(float(mass[1] / mass[0]), 16.0, rel_tol=1e-12)
+
+
+def test_clip_bounds_follow_the_clip_kind():
+    cfg = LossConfig(clip_low=0.1, clip_high=0.2, gspo_clip_low=1e-3, gspo_clip_high=2e-3)
+    assert clip_bounds("token", cfg) == (0.1, 0.2) and clip_bounds("sequence", cfg) == (1e-3, 2e-3)
 
 
 def test_advantages():
@@ -164,10 +297,17 @@ def test_aggregations_and_exact_accumulation():
         assert torch.isclose(whole, parts)
 
 
-def test_kl_estimators():
-    lp = torch.tensor([-1.0, -2.0])
+def test_kl_estimators_as_losses():
+    lp = torch.tensor([-1.0, -2.0], requires_grad=True)
     ref = torch.tensor([-1.5, -1.0])
-    assert torch.allclose(kl_penalty(lp, ref, "k1"), lp - ref)
-    d = ref - lp
+    d = ref - lp.detach()
+    assert torch.allclose(kl_penalty(lp, ref, "k2"), d.square() / 2)
     assert torch.allclose(kl_penalty(lp, ref, "k3"), torch.exp(d) - d - 1)
-    assert (kl_penalty(lp, lp, "k3") == 0).all()
+    assert (kl_penalty(lp.detach(), lp.detach(), "k3") == 0).all()
+    # Both pull π_θ toward π_ref: the gradient of the penalty has the sign of log π − log π_ref.
+    for est in ("k2", "k3"):
+        lp.grad = None
+        kl_penalty(lp, ref, est).sum().backward()
+        assert (torch.sign(lp.grad) == torch.sign(lp.detach() - ref)).all()
+    with pytest.raises(ValueError, match="unknown KL estimator 'k1'"):
+        kl_penalty(lp, ref, "k1")

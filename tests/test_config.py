@@ -62,3 +62,48 @@ def test_invalid_yaml_names_line(tmp_path):
         config.load(MismatchConfig, f)
     with pytest.raises(ConfigError, match="does not exist"):
         config.load(MismatchConfig, tmp_path / "missing.yaml")
+
+
+def test_estimator_defaults_come_from_the_references():
+    """Unset algorithm keys take the estimator's reference values, and config.yaml records them."""
+    from parity.loop import TrainConfig
+
+    def algo(*keys):
+        return config.load(TrainConfig, None, list(keys)).algorithm
+
+    a = algo()  # pg_seq_is, the paper's recipe: Dr.GRPO, zero reward without EOS, ÷ L_max, no cap
+    assert (a.advantage, a.truncated, a.aggregation, a.cap) == (
+        "drgrpo",
+        "zero_reward",
+        "seq_mean_token_sum_norm",
+        None,
+    )
+    assert algo("algorithm.name=grpo_token_tis").cap == 2.0
+    assert algo("algorithm.name=grpo_seq_mis").cap == 10.0
+    assert algo("algorithm.name=pg_seq_tis").cap == 3.0
+    geo = algo("algorithm.name=grpo_seq_geo_rs")
+    assert (geo.cap_low, geo.cap) == (0.99, 1.01)
+    gspo = algo("algorithm.name=gspo")
+    assert (gspo.aggregation, gspo.advantage) == ("seq_mean_token_mean", "grpo")
+    assert algo("task.name=length").truncated == "keep"  # a zero reward would be the best one there
+    assert algo("algorithm.name=grpo_seq_mis", "algorithm.cap=4").cap == 4.0  # overridable
+    assert "cap: 2.0" in config.dump_yaml(config.load(TrainConfig, None, ["algorithm.name=grpo_token_tis"]))
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (["algorithm.name=gspo", "algorithm.aggregation=seq_mean_token_sum_norm"], "gspo is defined per sequence"),
+        (["algorithm.kl_estimator=k1"], "zero expected gradient"),
+        (["algorithm.cap=2"], "pg_seq_is has no importance-weight cap.*pg_seq_tis"),
+        (["algorithm.name=grpo_seq_tis", "algorithm.cap_low=3", "algorithm.cap=2"], "need 0 <= cap_low < cap"),
+        (["algorithm.token_veto=1.5"], "algorithm.token_veto: must be in"),
+        (["algorithm.clip_high=0"], r"algorithm.clip_high: must be in \(0, 1\)"),
+        (["task.name=length", "algorithm.truncated=zero_reward"], "longest responses"),
+    ],
+)
+def test_algorithm_combinations_refused(keys, message):
+    from parity.loop import TrainConfig
+
+    with pytest.raises(ConfigError, match=message):
+        config.load(TrainConfig, None, keys)

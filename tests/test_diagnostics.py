@@ -34,8 +34,21 @@ def test_identical_engines_give_zero_mismatch():
     mu = torch.log(torch.rand(4, 6) * 0.9 + 0.05)
     mask = torch.ones(4, 6, dtype=torch.bool)
     m = mismatch_metrics(mu.clone(), mu, mask)
-    assert all(abs(v) < 1e-12 for k, v in m.items() if k not in ("training_ppl", "rollout_ppl", "is_ess"))
+    ratios = ("training_ppl", "rollout_ppl", "is_ess", "ppl_ratio")
+    assert all(abs(v) < 1e-12 for k, v in m.items() if k not in ratios)
     assert math.isclose(m["is_ess"], 1.0) and math.isclose(m["training_ppl"], m["rollout_ppl"])
+    assert m["ppl_ratio"] == 1.0
+
+
+def test_signed_log_ppl_diff_and_ppl_ratio():
+    """VeRL's definitions: rollout minus trainer mean log-prob per sequence, and its exp."""
+    mu = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]], dtype=torch.float64)
+    pi = torch.tensor([[-1.5, -2.5], [-0.5, -0.3]], dtype=torch.float64)
+    mask = torch.tensor([[True, True], [True, False]])
+    m = mismatch_metrics(pi, mu, mask)
+    per_seq = [-1.5 - -2.0, -0.5 - -0.5]  # mean_t μ − mean_t π for each row
+    assert math.isclose(m["log_ppl_diff"], sum(per_seq) / 2)
+    assert math.isclose(m["ppl_ratio"], sum(math.exp(x) for x in per_seq) / 2)
 
 
 def test_length_bins():

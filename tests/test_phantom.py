@@ -1,4 +1,4 @@
-"""Keeping the precision gap out of the clip: α/β metrics, phantom clipping, the collapse warning."""
+"""Keeping the mismatch out of the clip: the three policies, g = β + κ, phantom clipping, the collapse warning."""
 
 from __future__ import annotations
 
@@ -9,84 +9,93 @@ import pytest
 import torch
 
 from parity import config
-from parity.diagnostics import beta_metrics, clip_active, mismatch_alarm, phantom_clip_frac
+from parity.algorithms import clip_active
+from parity.diagnostics import gap_metrics, mismatch_alarm, phantom_clip_frac
 from parity.loop import Run, TrainConfig
 
-BASE = [
-    "prompts_per_step=4",
-    "rollout.group_size=4",
-    "rollout.max_new_tokens=48",
-    "tensorboard=false",
-    "algorithm.name=grpo",
-    "precision=fp32",
-    "rollout.precision=bf16",
-    "allow_precision_mismatch=true",
-]
+SMALL = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=48", "tensorboard=false"]
+PAIRS = {
+    "fp32/bf16": ["precision=fp32", "rollout.precision=bf16", "allow_precision_mismatch=true"],
+    "bf16/bf16": ["precision=bf16"],
+    "fp16/fp16": ["precision=fp16"],
+}
+TIGHT_CLIP = ["algorithm.name=grpo", "algorithm.clip_low=0.001", "algorithm.clip_high=0.001"]
+
+
+def _steps(tmp_path, overrides: list[str], steps: int = 2) -> list[dict]:
+    cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path}", *SMALL, *overrides])
+    run = Run.create(cfg, progress=False)
+    try:
+        return [run.step() for _ in range(steps)]
+    finally:
+        run.rewards.close()
 
 
 def test_clip_activity_and_phantom_on_hand_made_tensors():
-    log_r = torch.tensor([[0.25, 0.0, -0.3]])
+    ratio_vs_mu = torch.exp(torch.tensor([[0.25, 0.0, -0.3]]))
     adv = torch.tensor([1.0])
-    active = clip_active(log_r, adv, 0.2, 0.2)
-    assert active.tolist() == [[True, False, False]]  # only r > 1.2 counts when A > 0
-    beta = torch.tensor([[0.1, 0.0, 0.0]])
+    assert clip_active(ratio_vs_mu, adv, 0.2, 0.2).tolist() == [[True, False, False]]  # r > 1.2 with A > 0
     mask = torch.ones(1, 3, dtype=torch.bool)
-    # Without β, log r = 0.15 < log 1.2: the clip of token 0 is phantom.
-    assert math.isclose(phantom_clip_frac(log_r, beta, adv, mask, 0.2, 0.2), 1 / 3, rel_tol=1e-6)
-    assert phantom_clip_frac(log_r, torch.zeros_like(beta), adv, mask, 0.2, 0.2) == 0.0
+    # Against π_old the first token's log-ratio is 0.15 < log 1.2: its clip is the mismatch's doing.
+    ratio_vs_old = torch.exp(torch.tensor([[0.15, 0.0, -0.3]]))
+    assert math.isclose(phantom_clip_frac(ratio_vs_mu, ratio_vs_old, adv, mask, 0.2, 0.2), 1 / 3, rel_tol=1e-6)
+    # A clip the policy change alone causes is not phantom.
+    assert phantom_clip_frac(ratio_vs_mu, ratio_vs_mu, adv, mask, 0.2, 0.2) == 0.0
 
 
-def test_beta_metrics_bins_and_correlation():
+def test_gap_metrics_bins_and_correlation():
     beta = torch.tensor([[-0.2, 0.01], [0.3, -0.02]], dtype=torch.float64)
     mu = torch.log(torch.tensor([[0.05, 0.95], [0.05, 0.95]]))
     adv = torch.tensor([-1.0, 1.0])
-    m = beta_metrics(beta, mu, adv, torch.ones(2, 2, dtype=torch.bool))
-    assert math.isclose(m["beta/abs_mean/p_0-0.1"], 0.25) and math.isclose(m["beta/abs_mean/p_0.9-1"], 0.015)
-    assert m["beta/adv_corr"] > 0.5
+    m = gap_metrics("kappa", beta, mu, adv, torch.ones(2, 2, dtype=torch.bool))
+    assert math.isclose(m["kappa/abs_mean/p_0-0.1"], 0.25) and math.isclose(m["kappa/abs_mean/p_0.9-1"], 0.015)
+    assert math.isclose(m["kappa/abs_max"], 0.3) and m["kappa/adv_corr"] > 0.5
 
 
+@pytest.mark.parametrize("pair", sorted(PAIRS))
 @pytest.mark.parametrize("source", ["recompute", "shadow", "rollout"])
-def test_phantom_clip_frac_by_ratio_source(tmp_path, source):
-    cfg = config.load(
-        TrainConfig,
-        None,
-        [
-            f"run_dir={tmp_path}",
-            f"algorithm.ratio_source={source}",
-            "algorithm.shadow_forward=true",
-            "algorithm.clip_low=0.001",
-            "algorithm.clip_high=0.001",
-            *BASE,
-        ],
-    )
-    run = Run.create(cfg, progress=False)
-    metrics = [run.step() for _ in range(2)]
-    run.rewards.close()
+def test_one_update_clips_only_what_the_ratio_source_lets_in(tmp_path, pair, source):
+    """At one update per rollout the policy has not changed when the ratio is taken (α = 0):
+    against π_old (recompute, shadow) nothing is clipped whatever the precisions; against μ
+    every clipped token is phantom, so the two fractions are equal."""
+    metrics = _steps(tmp_path, [*PAIRS[pair], *TIGHT_CLIP, f"algorithm.ratio_source={source}"])
     for m in metrics:
-        assert m["beta/abs_mean"] > 0 and "time/shadow" in m
+        assert m["alpha/abs_mean"] == 0.0  # the sampler's π_old is bit-identical to the trainer's pass
         if source == "rollout":
-            assert m["phantom/clip_frac"] > 0  # with ε = 0.001 the BF16 gap alone trips the clip
+            assert m["phantom/clip_frac"] == m["clip/frac"]
         else:
-            assert m["phantom/clip_frac"] == 0.0  # β never enters the ratio: zero by construction
+            assert m["clip/frac"] == 0.0
+        if pair != "fp16/fp16":  # ε = 0.001: BF16's gap alone trips the clip, in matched precision too
+            assert m["phantom/clip_frac"] > 0
+        assert m["train/old_logprob_pass"] == 0  # shadow: the sampler scored π_old; otherwise the first pass
+
+
+def test_gap_splits_into_beta_and_kappa(tmp_path):
+    (m,) = _steps(tmp_path, [*PAIRS["fp32/bf16"], "algorithm.shadow_forward=true"], steps=1)
+    assert m["beta/abs_mean"] > 0 and m["kappa/abs_mean"] > 0 and m["time/score"] > 0
+    assert math.isclose(m["gap/mean"], m["beta/mean"] + m["kappa/mean"], rel_tol=1e-5, abs_tol=1e-9)
+    # Without the probe in mismatched precision β and κ are unknown and not logged.
+    (m,) = _steps(tmp_path / "no-probe", PAIRS["fp32/bf16"], steps=1)
+    assert "beta/abs_mean" not in m and "gap/abs_mean" in m
+    # In matched precision β is 0 by definition and κ is the whole gap, with no probe forward.
+    (m,) = _steps(tmp_path / "matched", PAIRS["bf16/bf16"], steps=1)
+    assert m["beta/abs_max"] == 0.0 and m["kappa/abs_mean"] == m["gap/abs_mean"] > 0
+
+
+def test_several_updates_separate_the_policy_change_from_the_gap(tmp_path):
+    """With four updates per rollout α > 0 and the ratio against π_old clips; phantom clipping
+    stays the part the gap adds."""
+    metrics = _steps(tmp_path, [*PAIRS["bf16/bf16"], *TIGHT_CLIP, "algorithm.num_minibatches=4"], steps=1)
+    (m,) = metrics
+    assert m["train/old_logprob_pass"] == 1 and m["alpha/abs_mean"] > 0 and m["clip/frac"] > 0
 
 
 def test_beta_larger_for_bf16_rollout_than_fp16(tmp_path):
     sizes = {}
     for rollout in ("bf16", "fp16"):
-        cfg = config.load(
-            TrainConfig,
-            None,
-            [
-                f"run_dir={tmp_path / rollout}",
-                f"rollout.precision={rollout}",
-                "algorithm.ratio_source=shadow",
-                *BASE[:-2],
-                "allow_precision_mismatch=true",
-            ],
-        )
-        run = Run.create(cfg, progress=False)
-        sizes[rollout] = run.step()["beta/abs_mean"]
-        run.rewards.close()
+        keys = ["precision=fp32", f"rollout.precision={rollout}", "allow_precision_mismatch=true"]
+        (m,) = _steps(tmp_path / rollout, [*keys, "algorithm.shadow_forward=true"], steps=1)
+        sizes[rollout] = m["beta/abs_mean"]
     assert sizes["bf16"] > 3 * sizes["fp16"]
 
 
@@ -108,17 +117,17 @@ def test_on_alarm_stop_ends_the_run(tmp_path):
         None,
         [
             f"run_dir={tmp_path}",
-            "steps=6",
+            "steps=8",
             "health.alarm_window=2",
             "health.alarm_factor=0",
             "health.on_alarm=stop",
             "checkpoint_every=-1",
-            *BASE[:4],
+            *SMALL,
         ],
     )
     run = Run.create(cfg, progress=False)
     history = run.train()
-    assert history[-1]["health/mismatch_alarm"] == 1 and len(history) < 6
+    assert history[-1]["health/mismatch_alarm"] == 1 and len(history) < 8
     assert (tmp_path / "checkpoints").is_dir()  # stop saves a checkpoint first
 
 
@@ -131,11 +140,16 @@ def test_phantom_command_end_to_end(tmp_path):
     out = tmp_path / "phantom"
     assert main(["phantom", "--out", str(out), "--steps", "6", "--eps", "0.001"]) == 0
     summary = json.loads((out / "summary.json").read_text())
+    one = summary["one_update"]
+    assert len(one) == 9
+    for name, row in one.items():
+        if name.endswith("rollout"):
+            assert row["phantom/clip_frac"] == row["clip/frac"] > 0
+        else:
+            assert row["clip/frac"] == 0 and row["phantom/clip_frac"] > 0
     runs = summary["runs"]
-    assert len(runs) == 5
-    assert runs["fp32-train/bf16-roll, ratio vs recompute"]["phantom_clip_frac_mean"] == 0.0
-    assert runs["fp32-train/bf16-roll, ratio vs shadow"]["phantom_clip_frac_mean"] == 0.0
-    assert runs["fp32-train/bf16-roll, ratio vs rollout μ, ε=0.001"]["phantom_clip_frac_mean"] > 0.0
-    assert summary["base_beta"]["beta/abs_mean"] > 0
+    assert len(runs) == 6
+    assert runs["fp32-train/bf16-roll, ratio vs rollout, ε=0.001"]["phantom_clip_frac_mean"] > 0.0
+    assert summary["base_parts_bf16_rollout"]["beta/abs_mean"] > summary["base_parts_fp16_rollout"]["beta/abs_mean"]
     for name in ("report.md", "phantom.png", "beta.png"):
         assert (out / name).stat().st_size > 0

@@ -33,7 +33,7 @@ TINY = ["steps=4", "prompts_per_step=4", "rollout.group_size=4", "rollout.max_ne
         ),
         (["precision=fp8"], "precision: unknown value 'fp8'"),
         (["algorithm.num_minibatches=3"], "num_minibatches=3 must divide prompts_per_step=16"),
-        (["rollout.group_size=1"], "advantage=grpo needs rollout.group_size >= 2"),
+        (["rollout.group_size=1"], "advantage=drgrpo needs rollout.group_size >= 2"),
         (["task.reward_fn=nomodule"], "task.reward_fn: expected 'module:function'"),
         (["rollout.top_p=0"], r"rollout.top_p must be in \(0, 1\]"),
     ],

@@ -1,4 +1,4 @@
-"""RL estimators as pure tensor functions, each registered by name.
+"""RL estimators as pure tensor functions, each registered by name with its reference defaults.
 
 Every policy loss takes a `PolicyInputs` (per-token log-probs of the sampled
 tokens, [B, T], plus advantages and a response mask) and returns per-token
@@ -7,12 +7,17 @@ engine or I/O in this module: a new estimator is one function and one
 `@register` line, testable on hand-made tensors.
 
 Notation (DESIGN.md): π_θ = `logprobs` (with grad), π_old = `old_logprobs` (the
-trainer on the sampling weights), μ = `rollout_logprobs` (the rollout engine at
-sampling time), A = advantage, C = `cap`. Importance weights are detached.
+trainer's code path and precision on the weights that sampled), μ =
+`rollout_logprobs` (the rollout engine at sampling time), A = advantage, C = `cap`,
+C_min = `cap_low`. The PPO ratio is π_θ/π_old; importance weights correct π_old
+against μ (the PG family, which has no π_old, weighs sg(π_θ) against μ). All
+importance weights are detached. Each estimator names the reference code it
+reproduces (repository, file) and the values that code runs with.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +32,9 @@ class LossConfig:
     clip_high: float = 0.2  # ε_high
     gspo_clip_low: float = 3e-4
     gspo_clip_high: float = 4e-4
-    cap: float = 2.0  # C, the truncation / masking level of importance weights
+    cap: float = math.inf  # C: upper truncation / masking level of importance weights
+    cap_low: float = 0.0  # C_min: lower level (two-sided bounds); the band of geometric rejection
+    token_veto: float = 0.0  # reject a sequence if a token's exp(π_old − μ) is below this; 0 = off
 
 
 @dataclass
@@ -40,26 +47,44 @@ class PolicyInputs:
 
 
 LossFn = Callable[[PolicyInputs, LossConfig], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-POLICY_LOSSES: dict[str, LossFn] = {}
-# Estimators whose ratio needs π_old (a forward on the sampling weights).
-NEEDS_OLD_LOGPROBS: set[str] = set()
-# Estimators that clip the token-level ratio exp(π_θ − π_old) (where phantom clipping is measured).
-TOKEN_RATIO_CLIP: set[str] = set()
 
 
-def register(name: str, needs_old: bool = False, token_clip: bool = False) -> Callable[[LossFn], LossFn]:
+@dataclass(frozen=True)
+class Estimator:
+    """A registered estimator: its loss and the values its reference runs it with."""
+
+    loss: LossFn
+    clip: str | None  # the ratio it clips: "token" exp(π_θ − π_old), "sequence" (GSPO), None
+    cap: float | None  # default C; None: the estimator has no cap
+    cap_low: float  # default C_min
+    advantage: str  # default advantage estimator
+    aggregation: str | None  # the only aggregation it is defined with, or None (any)
+    rejects: bool  # drops whole sequences from the loss and its denominator, chosen from π_old and μ
+    source: str  # the reference code: repository, file (and option)
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register(
+    name: str,
+    *,
+    source: str,
+    clip: str | None = None,
+    cap: float | None = None,
+    cap_low: float = 0.0,
+    advantage: str = "drgrpo",
+    aggregation: str | None = None,
+    rejects: bool = False,
+) -> Callable[[LossFn], LossFn]:
     def wrap(fn: LossFn) -> LossFn:
-        POLICY_LOSSES[name] = fn
-        if needs_old:
-            NEEDS_OLD_LOGPROBS.add(name)
-        if token_clip:
-            TOKEN_RATIO_CLIP.add(name)
+        ESTIMATORS[name] = Estimator(fn, clip, cap, cap_low, advantage, aggregation, rejects, source)
         return fn
 
     return wrap
 
 
-def _exp(log_ratio: torch.Tensor) -> torch.Tensor:
+def clamped_exp(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
@@ -67,131 +92,241 @@ def _seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum(-1)
 
 
-# ----------------------------------------------------------------------------- PPO family
+def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return _seq_sum(x, mask) / mask.sum(-1).clamp(min=1)
+
+
+# ----------------------------------------------------------------------------- the PPO clip
+
+
+def clip_ratio(kind: str, logprobs: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The ratio an estimator clips, per token [B, T], taken against `reference`.
+
+    `token`: r_t = exp(π_θ,t − ref_t). `sequence` (GSPO): s = exp(mean_t(π_θ − ref)) applied
+    per token as sg(s)·exp(π_θ,t − sg(π_θ,t)), which equals s and carries π_θ,t's gradient.
+    """
+    if kind == "token":
+        return clamped_exp(logprobs - reference)
+    if kind == "sequence":
+        s = clamped_exp(_seq_mean(logprobs.detach() - reference, mask.to(logprobs.dtype)))[:, None]
+        return s * torch.exp(logprobs - logprobs.detach())
+    raise ValueError(f"unknown clip kind {kind!r}")
+
+
+def clip_bounds(kind: str, cfg: LossConfig) -> tuple[float, float]:
+    """(ε_low, ε_high) of the clip: GSPO's own for sequence ratios."""
+    return (cfg.gspo_clip_low, cfg.gspo_clip_high) if kind == "sequence" else (cfg.clip_low, cfg.clip_high)
+
+
+def clip_active(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+    """Tokens whose clipped branch is active (zero gradient): r > 1+ε_high with A > 0, or
+    r < 1−ε_low with A < 0. `advantages` [B] broadcast over tokens."""
+    a = advantages[:, None]
+    return ((a > 0) & (ratio > 1 + clip_high)) | ((a < 0) & (ratio < 1 - clip_low))
 
 
 def _ppo_clip(
     ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float, mask: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """max(−A·r, −A·clip(r, 1−low, 1+high)) per token, with clip-activity fractions."""
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1 - low, 1 + high)
-    loss = torch.maximum(unclipped, clipped)
+    a = adv[:, None]
+    loss = torch.maximum(-a * ratio, -a * ratio.clamp(1 - low, 1 + high))
     m = mask.to(ratio.dtype)
     n = m.sum().clamp(min=1)
-    # The clipped branch is active (zero gradient) where it is strictly larger.
-    active = (clipped > unclipped).float() * m
+    active = clip_active(ratio.detach(), adv, low, high).to(m.dtype) * m
     stats = {
         "clip_frac": active.sum() / n,
-        "clip_frac_low": (active * (ratio < 1 - low).float()).sum() / n,
-        "clip_frac_high": (active * (ratio > 1 + high).float()).sum() / n,
+        "clip_frac_low": (active * (ratio < 1 - low)).sum() / n,
+        "clip_frac_high": (active * (ratio > 1 + high)).sum() / n,
         "ratio_mean": (ratio.detach() * m).sum() / n,
     }
     return loss, stats
 
 
 def _grpo(inp: PolicyInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    ratio = _exp(inp.logprobs - inp.old_logprobs)
-    return _ppo_clip(ratio, inp.advantages[:, None], cfg.clip_low, cfg.clip_high, inp.mask)
+    ratio = clip_ratio("token", inp.logprobs, inp.old_logprobs, inp.mask)
+    return _ppo_clip(ratio, inp.advantages, cfg.clip_low, cfg.clip_high, inp.mask)
+
+
+# ----------------------------------------------------------------------------- importance weights
+
+
+def _token_weight(current: torch.Tensor, inp: PolicyInputs) -> torch.Tensor:
+    """w_t = exp(current_t − μ_t), detached, [B, T]."""
+    return clamped_exp(current.detach() - inp.rollout_logprobs)
+
+
+def _seq_weight(current: torch.Tensor, inp: PolicyInputs) -> torch.Tensor:
+    """ρ = exp Σ_t(current − μ) per sequence, detached, as [B, 1]."""
+    return clamped_exp(_seq_sum(current.detach() - inp.rollout_logprobs, inp.mask))[:, None]
+
+
+def _truncate(w: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """TIS: clamp to [C_min, C]."""
+    return w.clamp(cfg.cap_low, cfg.cap)
+
+
+def _kept(w: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """MIS: the weights inside [C_min, C]; the others are zeroed (they stay in the denominator)."""
+    return (w >= cfg.cap_low) & (w <= cfg.cap)
 
 
 def _weight_stats(weights: torch.Tensor, mask: torch.Tensor, kept: torch.Tensor | None = None) -> dict:
+    weights = weights.expand(mask.shape)
     m = mask.to(weights.dtype)
     n = m.sum().clamp(min=1)
     stats = {"is_weight_mean": (weights * m).sum() / n, "is_weight_max": (weights * m).max()}
     if kept is not None:
-        stats["is_masked_frac"] = ((~kept).to(m.dtype) * m).sum() / n
+        stats["is_masked_frac"] = ((~kept.expand(mask.shape)).to(m.dtype) * m).sum() / n
     return stats
 
 
-@register("grpo", needs_old=True, token_clip=True)
+# ----------------------------------------------------------------------------- PPO family
+
+OAT = "sail-sg/oat, oat/algorithms/ppo.py + sail-sg/Precision-RL sanity scripts"
+
+
+@register("grpo", clip="token", source=f"{OAT} (bf16_grpo.sh)")
 def grpo(inp: PolicyInputs, cfg: LossConfig):
     """PPO clip on r = exp(π_θ − π_old)."""
     return _grpo(inp, cfg)
 
 
-@register("grpo_token_tis", needs_old=True, token_clip=True)
+@register("grpo_token_tis", clip="token", cap=2.0, source=f"{OAT} (tis_c, bf16_grpo_tis.sh)")
 def grpo_token_tis(inp: PolicyInputs, cfg: LossConfig):
-    """grpo × min(exp(π_old − μ), C) per token (truncated IS)."""
+    """grpo × clamp(exp(π_old − μ), C_min, C) per token (truncated IS)."""
     loss, stats = _grpo(inp, cfg)
-    w = _exp(inp.old_logprobs - inp.rollout_logprobs).detach()
-    truncated = w.clamp(max=cfg.cap)
-    return loss * truncated, {**stats, **_weight_stats(truncated, inp.mask)}
+    w = _truncate(_token_weight(inp.old_logprobs, inp), cfg)
+    return loss * w, {**stats, **_weight_stats(w, inp.mask)}
 
 
-@register("grpo_token_mis", needs_old=True, token_clip=True)
+@register("grpo_token_mis", clip="token", cap=3.0, source="huggingface/trl, trl/trainer/grpo_trainer.py (token_mask)")
 def grpo_token_mis(inp: PolicyInputs, cfg: LossConfig):
-    """grpo × w·1[w ≤ C] per token, w = exp(π_old − μ) (masked IS)."""
+    """grpo × w·1[C_min ≤ w ≤ C] per token, w = exp(π_old − μ) (masked IS)."""
     loss, stats = _grpo(inp, cfg)
-    w = _exp(inp.old_logprobs - inp.rollout_logprobs).detach()
-    kept = w <= cfg.cap
+    w = _token_weight(inp.old_logprobs, inp)
+    kept = _kept(w, cfg)
     return loss * w * kept, {**stats, **_weight_stats(w * kept, inp.mask, kept)}
 
 
-def _seq_weight(inp: PolicyInputs, current: torch.Tensor) -> torch.Tensor:
-    """ρ = exp Σ_t(current − μ) per sequence, detached, as [B, 1]."""
-    return _exp(_seq_sum(current.detach() - inp.rollout_logprobs, inp.mask))[:, None]
-
-
-@register("grpo_seq_tis", needs_old=True, token_clip=True)
+@register(
+    "grpo_seq_tis", clip="token", cap=3.0, source="huggingface/trl, trl/trainer/grpo_trainer.py (sequence_truncate)"
+)
 def grpo_seq_tis(inp: PolicyInputs, cfg: LossConfig):
-    """grpo × min(ρ, C), ρ = exp Σ_t(π_old − μ)."""
+    """grpo × clamp(ρ, C_min, C), ρ = exp Σ_t(π_old − μ)."""
     loss, stats = _grpo(inp, cfg)
-    rho = _seq_weight(inp, inp.old_logprobs).clamp(max=cfg.cap)
-    return loss * rho, {**stats, **_weight_stats(rho.expand_as(loss), inp.mask)}
+    rho = _truncate(_seq_weight(inp.old_logprobs, inp), cfg)
+    return loss * rho, {**stats, **_weight_stats(rho, inp.mask)}
 
 
-@register("grpo_seq_mis", needs_old=True, token_clip=True)
+@register("grpo_seq_mis", clip="token", cap=10.0, source=f"{OAT} (ppo_use_seq_is, bf16_grpo_seq_mis.sh)")
 def grpo_seq_mis(inp: PolicyInputs, cfg: LossConfig):
-    """grpo × ρ·1[ρ ≤ C], ρ = exp Σ_t(π_old − μ)."""
+    """grpo × ρ·1[C_min ≤ ρ ≤ C], ρ = exp Σ_t(π_old − μ)."""
     loss, stats = _grpo(inp, cfg)
-    rho = _seq_weight(inp, inp.old_logprobs)
-    kept = rho <= cfg.cap
-    w = (rho * kept).expand_as(loss)
-    return loss * w, {**stats, **_weight_stats(w, inp.mask, kept.expand_as(loss))}
+    rho = _seq_weight(inp.old_logprobs, inp)
+    kept = _kept(rho, cfg)
+    return loss * rho * kept, {**stats, **_weight_stats(rho * kept, inp.mask, kept)}
 
 
-@register("gspo", needs_old=True)
+@register(
+    "grpo_seq_geo_rs",
+    clip="token",
+    cap=1.01,
+    cap_low=0.99,
+    rejects=True,
+    source="NovaSky-AI/SkyRL, off_policy_correction_utils.py (geo_mask); volcengine/verl, rollout_corr_helper.py",
+)
+def grpo_seq_geo_rs(inp: PolicyInputs, cfg: LossConfig):
+    """grpo on the sequences whose geometric-mean weight exp(mean_t(π_old − μ)) lies in
+    [C_min, C]; the others are removed from the loss and its denominator before the update
+    (`rejected_sequences`), so here it is the PPO clip alone."""
+    return _grpo(inp, cfg)
+
+
+@register(
+    "gspo",
+    clip="sequence",
+    advantage="grpo",
+    aggregation="seq_mean_token_mean",
+    source=f"{OAT} (use_gspo, bf16_gspo.sh); volcengine/verl, core_algos.py (gspo)",
+)
 def gspo(inp: PolicyInputs, cfg: LossConfig):
     """Sequence-level ratio s = exp(mean_t(π_θ − π_old)), applied per token as
-    R_t = sg(s)·exp(π_θ,t − sg(π_θ,t)), clipped to [1 − 3e-4, 1 + 4e-4]."""
-    m = inp.mask.to(inp.logprobs.dtype)
-    n_tok = m.sum(-1).clamp(min=1)
-    s = _exp(_seq_sum(inp.logprobs - inp.old_logprobs, m) / n_tok)[:, None]
-    ratio = s.detach() * torch.exp(inp.logprobs - inp.logprobs.detach())
-    return _ppo_clip(ratio, inp.advantages[:, None], cfg.gspo_clip_low, cfg.gspo_clip_high, inp.mask)
+    R_t = sg(s)·exp(π_θ,t − sg(π_θ,t)), clipped to [1 − 3e-4, 1 + 4e-4]. Defined with
+    seq-mean-token-mean aggregation: any other weighs a sequence by its length."""
+    ratio = clip_ratio("sequence", inp.logprobs, inp.old_logprobs, inp.mask)
+    return _ppo_clip(ratio, inp.advantages, cfg.gspo_clip_low, cfg.gspo_clip_high, inp.mask)
 
 
 # ----------------------------------------------------------------------------- policy gradient family
 
 
-@register("pg_seq_is")
+@register("pg_seq_is", source=f"{OAT} (use_seq_is, bf16_is_pg.sh)")
 def pg_seq_is(inp: PolicyInputs, cfg: LossConfig):
     """−sg(ρ̃)·A·π_θ,t, ρ̃ = exp Σ_t(π_θ − μ)."""
-    rho = _seq_weight(inp, inp.logprobs)
-    return -rho * inp.advantages[:, None] * inp.logprobs, _weight_stats(rho.expand_as(inp.logprobs), inp.mask)
+    rho = _seq_weight(inp.logprobs, inp)
+    return -rho * inp.advantages[:, None] * inp.logprobs, _weight_stats(rho, inp.mask)
 
 
-@register("pg_seq_tis")
+@register("pg_seq_tis", cap=3.0, source=f"{OAT} (use_seq_is + seq_is_clip_max; the scripts named bf16_seq_mis.sh)")
 def pg_seq_tis(inp: PolicyInputs, cfg: LossConfig):
-    """−min(sg(ρ̃), C)·A·π_θ,t."""
-    rho = _seq_weight(inp, inp.logprobs).clamp(max=cfg.cap)
-    return -rho * inp.advantages[:, None] * inp.logprobs, _weight_stats(rho.expand_as(inp.logprobs), inp.mask)
+    """−clamp(sg(ρ̃), C_min, C)·A·π_θ,t."""
+    rho = _truncate(_seq_weight(inp.logprobs, inp), cfg)
+    return -rho * inp.advantages[:, None] * inp.logprobs, _weight_stats(rho, inp.mask)
 
 
-@register("pg_seq_mis")
+@register("pg_seq_mis", cap=3.0, source="huggingface/trl, trl/trainer/grpo_trainer.py (sequence_mask), on PG")
 def pg_seq_mis(inp: PolicyInputs, cfg: LossConfig):
-    """−sg(ρ̃)·1[ρ̃ ≤ C]·A·π_θ,t."""
-    rho = _seq_weight(inp, inp.logprobs)
-    kept = rho <= cfg.cap
-    w = (rho * kept).expand_as(inp.logprobs)
-    return -w * inp.advantages[:, None] * inp.logprobs, _weight_stats(w, inp.mask, kept.expand_as(w))
+    """−sg(ρ̃)·1[C_min ≤ ρ̃ ≤ C]·A·π_θ,t."""
+    rho = _seq_weight(inp.logprobs, inp)
+    kept = _kept(rho, cfg)
+    w = rho * kept
+    return -w * inp.advantages[:, None] * inp.logprobs, _weight_stats(w, inp.mask, kept)
 
 
-@register("reinforce")
+@register("pg_token_is", source=f"{OAT} (use_token_is, bf16_token_is_pg.sh)")
+def pg_token_is(inp: PolicyInputs, cfg: LossConfig):
+    """−sg(w̃_t)·A·π_θ,t, w̃_t = exp(π_θ,t − μ_t)."""
+    w = _token_weight(inp.logprobs, inp)
+    return -w * inp.advantages[:, None] * inp.logprobs, _weight_stats(w, inp.mask)
+
+
+@register("reinforce", source="Williams (1992); no importance weight")
 def reinforce(inp: PolicyInputs, cfg: LossConfig):
     """−A·π_θ,t."""
     return -inp.advantages[:, None] * inp.logprobs, {}
+
+
+# ----------------------------------------------------------------------------- sequence rejection
+
+
+def rejected_sequences(
+    name: str, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
+) -> torch.Tensor | None:
+    """Sequences [B] bool to remove from the loss and from its denominator, or None when
+    neither rule is on. Both rules read π_old − μ, as the references do, and both remove the
+    rejected rows from the response mask (VeRL rollout_corr_helper.py, SkyRL):
+    - geometric rejection (`grpo_seq_geo_rs`): exp(mean_t(π_old − μ)) outside [C_min, C];
+    - the token veto (`token_veto` > 0, VeRL's presets use 1e-4): some token has
+      exp(π_old,t − μ_t) < token_veto.
+    """
+    geometric = ESTIMATORS[name].rejects
+    if not geometric and cfg.token_veto <= 0:
+        return None
+    m = mask.to(old_logprobs.dtype)
+    log_w = (old_logprobs - rollout_logprobs).detach()
+    rejected = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
+    if geometric:
+        geo = clamped_exp(_seq_mean(log_w, m))
+        rejected |= (geo < cfg.cap_low) | (geo > cfg.cap)
+    if cfg.token_veto > 0:
+        rejected |= ((log_w < math.log(cfg.token_veto)) & mask.bool()).any(-1)
+    return rejected
+
+
+def needs_old_before_update(name: str, cfg: LossConfig) -> bool:
+    """Whether π_old must be known before the first update (a rejection shapes the loss mask)."""
+    return ESTIMATORS[name].rejects or cfg.token_veto > 0
 
 
 # ----------------------------------------------------------------------------- advantages, KL, aggregation
@@ -215,17 +350,21 @@ def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, kind: str
 
 
 ADVANTAGES = ("drgrpo", "grpo")
-KL_ESTIMATORS = ("k1", "k3")
+KL_ESTIMATORS = ("k2", "k3")
 AGGREGATIONS = ("seq_mean_token_sum_norm", "token_mean", "seq_mean_token_mean")
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(π_θ‖π_ref) estimate on tokens sampled from the policy."""
-    log_ratio = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    if estimator == "k1":
-        return -log_ratio
+    """Per-token KL(π_θ‖π_ref) as a loss term, on tokens sampled from the policy; d = log π_ref − log π_θ.
+
+    `k2`: d²/2; `k3`: e^d − d − 1 (VeRL's low_var_kl, Oat's k3). k1 (−d) is no loss: its
+    expected gradient is E_π[∇ log π] = 0, so it regularises nothing.
+    """
+    d = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if estimator == "k2":
+        return d.square() / 2
     if estimator == "k3":
-        return torch.exp(log_ratio) - log_ratio - 1
+        return torch.exp(d) - d - 1
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
 
 

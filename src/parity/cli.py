@@ -214,11 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "phantom",
-        help="the phantom-clipping experiment: FP32 trainer / BF16 rollout on the length task, per ratio source",
+        help="the phantom-clipping experiment on the length task: the mismatch's clipping, per ratio source",
         description=(
-            "Train the built-in model on the length task (reward = -length) with PPO clip, FP32 trainer and BF16 "
-            "rollout, with the ratio taken against the rollout's mu, a recomputed pi_old, or a shadow forward; "
-            "and with matched FP16. Then sweep epsilon to find where beta alone trips the clip."
+            "On the length task (reward = -length) with PPO clip: first, one update per rollout at epsilon 0.001 "
+            "for FP32/BF16, BF16/BF16 and FP16/FP16 under each ratio source (rollout mu, recompute, shadow), where "
+            "every clipped token is the mismatch's doing; then training runs per ratio source and matched "
+            "precision, and a sweep of epsilon with the ratio against mu. The mismatch g = pi_old - mu is split "
+            "into beta (precision) and kappa (engine)."
         ),
     )
     p.add_argument("--out", default="parity-phantom", help="output directory (default parity-phantom)")

@@ -14,23 +14,21 @@ With Δ = π − μ over response tokens:
     token_abs_log_ratio_{mean,max}   |Δ|
     prob_abs_diff_{mean,max}         |e^π − e^μ|
     training_ppl, rollout_ppl        exp(mean_i(−mean_t logp))
+    log_ppl_diff       mean_i(mean_t μ − mean_t π)   signed, rollout minus trainer (VeRL's sign)
     log_ppl_abs_diff   mean_i |mean_t π − mean_t μ|
+    ppl_ratio          mean_i exp(mean_t μ − mean_t π)   training ppl / rollout ppl per sequence
     is_ess             (Σ_i w_i)² / (N Σ_i w_i²), w_i = e^{Σ_t Δ}  (1 = no mismatch)
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 
 import torch
 
-LOG_RATIO_CLAMP = 20.0  # every log-ratio is clamped before exp (DESIGN.md)
+from parity.algorithms import clamped_exp, clip_active
+
 LENGTH_BIN_EDGES = (0, 16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
-
-
-def _exp(x: torch.Tensor) -> torch.Tensor:
-    return torch.exp(x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
 def _delta(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -49,16 +47,16 @@ def mismatch_metrics(
     d = delta[m]
     n_tok = m.sum(-1).clamp(min=1)
     seq_delta = delta.sum(-1)
-    seq_w = _exp(seq_delta)
+    seq_w = clamped_exp(seq_delta)
     pi_mean = pi.masked_fill(~m, 0).sum(-1) / n_tok
     mu_mean = mu.masked_fill(~m, 0).sum(-1) / n_tok
     prob_diff = (pi[m].exp() - mu[m].exp()).abs()
     return {
         "k1": float((-d).mean()),
         "k2": float((d.square() / 2).mean()),
-        "k3": float((_exp(d) - d - 1).mean()),
-        "chi2_token": float(_exp(2 * d).mean() - 1),
-        "chi2_seq": float(_exp(2 * seq_delta).mean() - 1),
+        "k3": float((clamped_exp(d) - d - 1).mean()),
+        "chi2_token": float(clamped_exp(2 * d).mean() - 1),
+        "chi2_seq": float(clamped_exp(2 * seq_delta).mean() - 1),
         "seq_abs_log_ratio": float(seq_delta.abs().mean()),
         "token_abs_log_ratio_mean": float(d.abs().mean()),
         "token_abs_log_ratio_max": float(d.abs().max()),
@@ -66,7 +64,9 @@ def mismatch_metrics(
         "prob_abs_diff_max": float(prob_diff.max()),
         "training_ppl": float(torch.exp(-pi_mean).mean()),
         "rollout_ppl": float(torch.exp(-mu_mean).mean()),
+        "log_ppl_diff": float((mu_mean - pi_mean).mean()),
         "log_ppl_abs_diff": float((pi_mean - mu_mean).abs().mean()),
+        "ppl_ratio": float(clamped_exp(mu_mean - pi_mean).mean()),
         "is_ess": float(seq_w.sum().square() / (seq_w.numel() * seq_w.square().sum())),
     }
 
@@ -84,72 +84,64 @@ def mismatch_by_length(
         if not bool(rows.any()):
             continue
         d = delta[rows][m[rows]]
-        out[f"k3/len_{lo + 1}-{hi}"] = float((_exp(d) - d - 1).mean())
+        out[f"k3/len_{lo + 1}-{hi}"] = float((clamped_exp(d) - d - 1).mean())
         out[f"seq_abs_log_ratio/len_{lo + 1}-{hi}"] = float(delta[rows].sum(-1).abs().mean())
     return out
 
 
-# ----------------------------------------------------------------------------- α/β decomposition
+# ----------------------------------------------------------------------------- g = β + κ, phantom clipping
 
 PROB_BIN_EDGES = (0.0, 0.1, 0.5, 0.9, 1.0)
+GAP_PARTS = ("gap", "beta", "kappa")  # g = π_old − μ; β = π_old − probe; κ = probe − μ
 
 
-def clip_active(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
-    """Tokens whose PPO clipped branch is active (zero gradient): r > 1+ε_high with A > 0,
-    or r < 1−ε_low with A < 0. `advantages` [B] broadcast over tokens."""
-    a = advantages[:, None]
-    return ((a > 0) & (log_ratio > math.log1p(clip_high))) | ((a < 0) & (log_ratio < math.log1p(-clip_low)))
-
-
-def phantom_clip_frac(
-    log_ratio: torch.Tensor,
-    beta_in_ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-) -> float:
-    """Fraction of tokens whose clip is active with β in the ratio and inactive without it.
-
-    `beta_in_ratio` is the precision gap the ratio actually contains: β when the ratio is
-    taken against the rollout's μ, zero when it is taken against a recomputed or shadow
-    π_old — so those two give exactly 0 by construction.
-    """
-    with_beta = clip_active(log_ratio, advantages, clip_low, clip_high)
-    without = clip_active(log_ratio - beta_in_ratio, advantages, clip_low, clip_high)
-    m = mask.bool()
-    return float((with_beta & ~without & m).sum() / m.sum().clamp(min=1))
-
-
-def beta_metrics(
-    beta: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+def gap_metrics(
+    name: str, gap: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, float]:
-    """β = π^{P_train} − π^{P_roll} on the sampling weights: size, sign, where it is large,
-    and its correlation with the advantage."""
+    """One part of the mismatch per token (`name` in GAP_PARTS): its size and sign, where it is
+    large (by the token's probability μ and by response length), and its correlation with
+    the advantage. Keys `{name}/mean`, `{name}/abs_mean`, `{name}/abs_max`,
+    `{name}/abs_mean/p_LO-HI`, `{name}/abs_mean/len_LO-HI`, `{name}/adv_corr`."""
     m = mask.bool()
-    b = beta.detach().double()[m]
+    values = gap.detach().double()
+    b = values[m]
     out = {
-        "beta/mean": float(b.mean()),
-        "beta/abs_mean": float(b.abs().mean()),
-        "beta/abs_max": float(b.abs().max()),
+        f"{name}/mean": float(b.mean()),
+        f"{name}/abs_mean": float(b.abs().mean()),
+        f"{name}/abs_max": float(b.abs().max()),
     }
     probs = rollout_logprobs.detach().exp()[m]
     for lo, hi in zip(PROB_BIN_EDGES[:-1], PROB_BIN_EDGES[1:]):
         sel = (probs >= lo) & ((probs < hi) if hi < 1 else (probs <= hi))
         if bool(sel.any()):
-            out[f"beta/abs_mean/p_{lo:g}-{hi:g}"] = float(b[sel].abs().mean())
-    lengths = mask.sum(-1)
-    rows_beta = beta.detach().double().abs() * mask
+            out[f"{name}/abs_mean/p_{lo:g}-{hi:g}"] = float(b[sel].abs().mean())
+    lengths = m.sum(-1)
+    row_abs = values.abs() * m
     for lo, hi in zip(LENGTH_BIN_EDGES[:-1], LENGTH_BIN_EDGES[1:]):
         rows = (lengths > lo) & (lengths <= hi)
         if bool(rows.any()):
-            out[f"beta/abs_mean/len_{lo + 1}-{hi}"] = float(rows_beta[rows].sum() / mask[rows].sum())
-    adv = advantages.double()[:, None].expand_as(beta)[m]
-    if b.numel() > 1 and float(b.std()) > 0 and float(adv.std()) > 0:
-        out["beta/adv_corr"] = float(torch.corrcoef(torch.stack([b, adv]))[0, 1])
-    else:
-        out["beta/adv_corr"] = 0.0
+            out[f"{name}/abs_mean/len_{lo + 1}-{hi}"] = float(row_abs[rows].sum() / m[rows].sum())
+    adv = advantages.double()[:, None].expand_as(values)[m]
+    correlated = b.numel() > 1 and float(b.std()) > 0 and float(adv.std()) > 0
+    out[f"{name}/adv_corr"] = float(torch.corrcoef(torch.stack([b, adv]))[0, 1]) if correlated else 0.0
     return out
+
+
+def phantom_clip_frac(
+    ratio_vs_rollout: torch.Tensor,
+    ratio_vs_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> float:
+    """Fraction of tokens whose clip is active on the ratio against μ and inactive on the
+    ratio against π_old: the clipping that the whole mismatch g = β + κ causes and the
+    real policy change does not. Independent of which ratio the loss uses."""
+    by_gap = clip_active(ratio_vs_rollout, advantages, clip_low, clip_high)
+    by_policy = clip_active(ratio_vs_old, advantages, clip_low, clip_high)
+    m = mask.bool()
+    return float((by_gap & ~by_policy & m).sum() / m.sum().clamp(min=1))
 
 
 # ----------------------------------------------------------------------------- collapse early warning

@@ -1,17 +1,22 @@
 """`parity train`: the synchronous RL loop, its config, and its run directory.
 
-One step, top to bottom (`Run.step`):
+One step, top to bottom (`Run.step`), with the three policies kept apart — μ (the
+sampler's log-probs), π_old (the trainer's code path and precision on the weights
+that sampled), π_θ (being trained):
 
-    prompts ─► RolloutEngine (rollout precision) ─► tokens, μ
+    prompts ─► Sampler: RolloutEngine (rollout precision) ─► tokens, μ
+               [scores its own samples with the trainer's code path: π_old (shadow), the probe]
             ─► rewards ─► group advantages
-            ─► [π_old pass, only if several updates per rollout]
-            ─► for each epoch, mini-batch: π_θ, estimator loss, scaled backward, optimizer step
-            ─► mismatch metrics (μ vs π on the sampling weights) ─► weight sync ─► log, checkpoint
+            ─► π_old: the sampler's, a learner pass (several updates), or the first π_θ pass (free)
+            ─► for each epoch, mini-batch: π_θ, estimator loss (ratio π_θ/π_old, IS weights
+               π_old/μ), scaled backward, optimizer step; α and phantom clipping measured
+            ─► mismatch g = π_old − μ = β + κ ─► weight sync ─► log, checkpoint
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,23 +31,27 @@ from parity import precision as prec
 from parity.algorithms import (
     ADVANTAGES,
     AGGREGATIONS,
+    ESTIMATORS,
     KL_ESTIMATORS,
-    POLICY_LOSSES,
-    TOKEN_RATIO_CLIP,
     LossConfig,
     PolicyInputs,
     aggregate,
+    clip_bounds,
+    clip_ratio,
     group_advantages,
     kl_penalty,
+    needs_old_before_update,
+    rejected_sequences,
 )
 from parity.checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
 from parity.config import ConfigError
-from parity.diagnostics import beta_metrics, mismatch_alarm, mismatch_by_length, mismatch_metrics, phantom_clip_frac
+from parity.diagnostics import gap_metrics, mismatch_alarm, mismatch_by_length, mismatch_metrics, phantom_clip_frac
 from parity.files import atomic_write_text
 from parity.models import load_model, load_tokenizer, resolve_model_dir
 from parity.rewards import RewardRunner, score_rollouts
-from parity.rollout import RolloutEngine, SamplingParams
+from parity.rollout import SamplingParams
 from parity.runtime import reuse_freed_memory
+from parity.sampler import Sampler
 from parity.tasks import REWARDS, TRUSTED_REWARDS, ArithmeticTask, DataOrder, import_reward_fn, load_problems
 from parity.trainer import OptimConfig, Trainer
 
@@ -51,6 +60,11 @@ RATIO_SOURCES = ("recompute", "shadow", "rollout")
 BINARY_REWARDS = {"builtin", "exact", "math"}
 
 # ----------------------------------------------------------------------------- config
+
+
+def _one_of(key: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: unknown value {value!r}; allowed: {', '.join(sorted(allowed))}")
 
 
 @dataclass
@@ -79,24 +93,34 @@ class TrainerSection:
 
 @dataclass
 class AlgorithmSection:
+    """Unset (null) keys take the estimator's reference value (docs/training.md, "Estimators")."""
+
     name: str = "pg_seq_is"
-    advantage: str = "grpo"
-    aggregation: str = "seq_mean_token_sum_norm"
+    advantage: str | None = None  # the estimator's: drgrpo (the paper's recipe), grpo for gspo
+    aggregation: str | None = None  # the estimator's: seq_mean_token_sum_norm (÷ L_max), GSPO's per sequence
     clip_low: float = 0.2
     clip_high: float = 0.2
     gspo_clip_low: float = 3e-4
     gspo_clip_high: float = 4e-4
-    cap: float = 2.0
+    cap: float | None = None  # C; the estimator's (grpo_token_tis 2, grpo_seq_mis 10, ...)
+    cap_low: float | None = None  # C_min; the estimator's (0, or 0.99 for grpo_seq_geo_rs)
+    token_veto: float = 0.0  # reject a sequence if a token's exp(π_old − μ) is below this (VeRL: 1e-4); 0 = off
     ppo_epochs: int = 1
     num_minibatches: int = 1
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    truncated: str = "keep"  # responses without EOS: keep | zero_reward | drop (from the loss)
-    # What the PPO ratio is taken against: recompute (π_old from the trainer on the sampling
-    # weights), shadow (a trainer forward in the rollout precision on those weights), or
-    # rollout (μ itself, as asynchronous trainers do: the precision gap β enters the clip).
+    kl_estimator: str = "k3"  # as a loss: k2 or k3 (k1 has zero expected gradient)
+    # Responses without EOS: zero_reward (the paper's recipe) | keep | drop (from the loss).
+    # Unset: zero_reward, or keep on task.name=length (where a zero reward would be the best one).
+    truncated: str | None = None
+    # What the PPO ratio π_θ/π_old is taken against. recompute: π_old from the learner on the
+    # sampling weights; shadow: π_old scored by the sampler with the trainer's code path and
+    # precision on the weights that sampled (the research's fix; what asynchronous training
+    # needs); rollout: μ itself, as TRL's AsyncGRPO does (the mismatch enters the clip and
+    # importance weights become 1), for ablation.
     ratio_source: str = "recompute"
-    shadow_forward: bool = False  # run the shadow forward for α/β metrics even if the ratio does not use it
+    # The probe: the sampler also scores its samples in the rollout precision, splitting the
+    # mismatch g = π_old − μ into β (precision) and κ (engine). Free when the precisions match.
+    shadow_forward: bool = False
 
 
 @dataclass
@@ -148,33 +172,85 @@ class TrainConfig:
     def trainer_precision(self) -> str:
         return self.trainer.precision or self.precision
 
+    def _resolve_algorithm(self) -> None:
+        """Fill unset algorithm keys from the estimator's reference values, then check them."""
+        a = self.algorithm
+        est = ESTIMATORS[a.name]
+        if est.cap is None:
+            for key in ("cap", "cap_low"):
+                if getattr(a, key) is not None:
+                    raise ConfigError(
+                        f"algorithm.{key}: {a.name} has no importance-weight cap; the truncated and masked "
+                        f"variants take one (for example {a.name.replace('_is', '_tis')})"
+                    )
+        else:
+            a.cap = est.cap if a.cap is None else a.cap
+            a.cap_low = est.cap_low if a.cap_low is None else a.cap_low
+            if not (math.isfinite(a.cap) and 0 <= a.cap_low < a.cap):
+                raise ConfigError(
+                    f"algorithm.cap_low={a.cap_low}, algorithm.cap={a.cap}: need 0 <= cap_low < cap, cap finite"
+                )
+        a.advantage = est.advantage if a.advantage is None else a.advantage
+        a.aggregation = (est.aggregation or "seq_mean_token_sum_norm") if a.aggregation is None else a.aggregation
+        if a.truncated is None:
+            a.truncated = "keep" if self.task.name == "length" else "zero_reward"
+        _one_of("algorithm.advantage", a.advantage, ADVANTAGES)
+        _one_of("algorithm.aggregation", a.aggregation, AGGREGATIONS)
+        _one_of("algorithm.truncated", a.truncated, TRUNCATION_MODES)
+        if est.aggregation is not None and a.aggregation != est.aggregation:
+            raise ConfigError(
+                f"algorithm.aggregation={a.aggregation}: {a.name} is defined per sequence ({est.aggregation}); "
+                "any other aggregation weighs each sequence by its length (VeRL forces it, TRL warns)"
+            )
+        if a.kl_estimator == "k1":
+            raise ConfigError(
+                "algorithm.kl_estimator=k1: as a loss term k1 has zero expected gradient (E[∇ log π] = 0), so it "
+                "regularises nothing; use k2 or k3"
+            )
+        _one_of("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
+        if self.task.name == "length" and a.truncated == "zero_reward":
+            raise ConfigError("algorithm.truncated=zero_reward would reward the longest responses on task.name=length")
+        for key in ("clip_low", "clip_high", "gspo_clip_low", "gspo_clip_high"):
+            value = getattr(a, key)
+            if not 0 < value < 1:
+                raise ConfigError(f"algorithm.{key}: must be in (0, 1), got {value}")
+        if not 0 <= a.token_veto < 1:
+            raise ConfigError(f"algorithm.token_veto: must be in [0, 1) (0 = off; VeRL uses 1e-4), got {a.token_veto}")
+        if not (math.isfinite(a.kl_coef) and a.kl_coef >= 0):
+            raise ConfigError(f"algorithm.kl_coef: must be a finite number >= 0, got {a.kl_coef}")
+
+    def loss_config(self) -> LossConfig:
+        a = self.algorithm
+        return LossConfig(
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            gspo_clip_low=a.gspo_clip_low,
+            gspo_clip_high=a.gspo_clip_high,
+            cap=math.inf if a.cap is None else a.cap,
+            cap_low=a.cap_low or 0.0,
+            token_veto=a.token_veto,
+        )
+
     def validate(self) -> None:
-        def one_of(key: str, value: str, allowed) -> None:
-            if value not in allowed:
-                raise ConfigError(f"{key}: unknown value {value!r}; allowed: {', '.join(sorted(allowed))}")
+        """Check every key and fill the unset algorithm keys (saved resolved in config.yaml)."""
 
         for key, value in (
             ("precision", self.precision),
             ("rollout.precision", self.rollout_precision),
             ("trainer.precision", self.trainer_precision),
         ):
-            one_of(key, value, prec.PRECISIONS)
+            _one_of(key, value, prec.PRECISIONS)
         if self.rollout_precision != self.trainer_precision and not self.allow_precision_mismatch:
             raise ConfigError(
                 f"rollout.precision={self.rollout_precision} and trainer.precision={self.trainer_precision} differ; "
                 "a mismatched pair is an ablation: set allow_precision_mismatch=true to run it on purpose"
             )
-        one_of("algorithm.name", self.algorithm.name, POLICY_LOSSES)
-        one_of("algorithm.advantage", self.algorithm.advantage, ADVANTAGES)
-        one_of("algorithm.aggregation", self.algorithm.aggregation, AGGREGATIONS)
-        one_of("algorithm.kl_estimator", self.algorithm.kl_estimator, KL_ESTIMATORS)
-        one_of("algorithm.truncated", self.algorithm.truncated, TRUNCATION_MODES)
-        one_of("task.name", self.task.name, REWARDS)
-        one_of("reward.isolate", self.reward.isolate, ("auto", "always", "never"))
-        one_of("algorithm.ratio_source", self.algorithm.ratio_source, RATIO_SOURCES)
-        one_of("health.on_alarm", self.health.on_alarm, ("warn", "checkpoint", "stop"))
-        if self.task.name == "length" and self.algorithm.truncated == "zero_reward":
-            raise ConfigError("algorithm.truncated=zero_reward would reward the longest responses on task.name=length")
+        _one_of("algorithm.name", self.algorithm.name, ESTIMATORS)
+        _one_of("task.name", self.task.name, REWARDS)
+        self._resolve_algorithm()
+        _one_of("reward.isolate", self.reward.isolate, ("auto", "always", "never"))
+        _one_of("algorithm.ratio_source", self.algorithm.ratio_source, RATIO_SOURCES)
+        _one_of("health.on_alarm", self.health.on_alarm, ("warn", "checkpoint", "stop"))
         for key, value in (
             ("steps", self.steps),
             ("prompts_per_step", self.prompts_per_step),
@@ -193,8 +269,11 @@ class TrainConfig:
                 f"algorithm.num_minibatches={self.algorithm.num_minibatches} must divide "
                 f"prompts_per_step={self.prompts_per_step} (mini-batches hold whole groups)"
             )
-        if self.algorithm.advantage == "grpo" and self.rollout.group_size < 2:
-            raise ConfigError("algorithm.advantage=grpo needs rollout.group_size >= 2 (a group std)")
+        if self.rollout.group_size < 2:
+            raise ConfigError(
+                f"rollout.group_size={self.rollout.group_size}: the group baseline of algorithm.advantage="
+                f"{self.algorithm.advantage} needs rollout.group_size >= 2 (with one sample every advantage is 0)"
+            )
         if self.task.reward_fn and self.task.reward_fn.count(":") != 1:
             raise ConfigError(f"task.reward_fn: expected 'module:function', got {self.task.reward_fn!r}")
         try:
@@ -252,6 +331,20 @@ class MetricsLog:
 # ----------------------------------------------------------------------------- the run
 
 
+# Estimator statistics (algorithms) under their metric names (docs/metrics.md).
+STAT_NAMES = {
+    "clip_frac": "clip/frac",
+    "clip_frac_low": "clip/frac_low",
+    "clip_frac_high": "clip/frac_high",
+    "ratio_mean": "clip/ratio_mean",
+    "is_weight_mean": "is/weight_mean",
+    "is_weight_max": "is/weight_max",
+    "is_masked_frac": "is/masked_frac",
+    "phantom_clip_frac": "phantom/clip_frac",
+    "alpha_abs_mean": "alpha/abs_mean",
+}
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -277,7 +370,16 @@ class Run:
             loss_scale_growth_interval=t.loss_scale_growth_interval,
         )
         self.trainer = Trainer(model, cfg.trainer_precision, optim)
-        self.engine = RolloutEngine(model.config, cfg.rollout_precision, self.tokenizer.eos_id, self.tokenizer.pad_id)
+        self.sampler = Sampler(
+            model.config,
+            cfg.rollout_precision,
+            cfg.trainer_precision,
+            self.tokenizer.eos_id,
+            self.tokenizer.pad_id,
+            score_old=cfg.algorithm.ratio_source == "shadow",
+            probe=cfg.algorithm.shadow_forward,
+            micro_batch_size=cfg.trainer.micro_batch_size,
+        )
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
             self.reference = Trainer(load_model(self.model_dir), cfg.trainer_precision, optim)
@@ -296,13 +398,12 @@ class Run:
         self.sampling = SamplingParams(
             cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p, cfg.rollout.max_new_tokens
         )
-        a = cfg.algorithm
-        self.loss_cfg = LossConfig(a.clip_low, a.clip_high, a.gspo_clip_low, a.gspo_clip_high, a.cap)
+        self.loss_cfg = cfg.loss_config()
         self.step_count = 0
         self.alarm_series: list[float] = []  # mismatch/k3 per step, for the collapse warning
         self.alarmed = False
         self.log = MetricsLog(run_dir, cfg.tensorboard)
-        self.engine.load_weights(*self.trainer.export_weights())
+        self.sampler.load_weights(*self.trainer.export_weights())
 
     # -- construction ---------------------------------------------------------
 
@@ -331,7 +432,7 @@ class Run:
             state = load_checkpoint(ckpt, run.trainer)
             run.step_count = state.step
             run.data.position = state.data_position
-            run.engine.load_weights(*run.trainer.export_weights())
+            run.sampler.load_weights(*run.trainer.export_weights())
         run.log.truncate_after(run.step_count)
         for line in run.log.path.read_text().splitlines() if run.log.path.is_file() else []:
             logged = json.loads(line)
@@ -341,35 +442,37 @@ class Run:
 
     # -- one step -------------------------------------------------------------
 
-    def _logprobs(self, trainer: Trainer, batch, rows: torch.Tensor, precision: str | None = None) -> torch.Tensor:
+    def _logprobs(self, trainer: Trainer, batch, rows: torch.Tensor) -> torch.Tensor:
         return trainer.logprobs(
             [batch.prompt_ids[i] for i in rows.tolist()],
             batch.response_ids[rows],
             batch.response_mask[rows],
             None if batch.support is None else batch.support[rows],
             self.sampling.temperature,
-            precision=precision,
         )
 
-    def _no_grad_logprobs(self, trainer: Trainer, batch, precision: str | None = None) -> torch.Tensor:
+    def _no_grad_logprobs(self, trainer: Trainer, batch) -> torch.Tensor:
         rows = torch.arange(batch.response_ids.shape[0])
         with torch.no_grad():
-            return torch.cat(
-                [self._logprobs(trainer, batch, r, precision) for r in rows.split(self.cfg.trainer.micro_batch_size)]
-            )
+            return torch.cat([self._logprobs(trainer, batch, r) for r in rows.split(self.cfg.trainer.micro_batch_size)])
 
     def step(self) -> dict[str, float]:
         cfg, a = self.cfg, self.cfg.algorithm
+        estimator = ESTIMATORS[a.name]
         times: dict[str, float] = {}
         t0 = time.perf_counter()
         problems = [self.problems[i] for i in self.data.take(cfg.prompts_per_step)]
-        batch = self.engine.generate(
+        batch = self.sampler.generate(
             [self.tokenizer.encode(p.prompt) for p in problems],
             cfg.rollout.group_size,
             self.sampling,
             seed=cfg.seed * 1_000_003 + self.step_count,
         )
         times["rollout"] = time.perf_counter() - t0
+        t = time.perf_counter()
+        self.sampler.score_samples(batch)  # π_old (shadow) and the probe, on the sampling weights
+        times["score"] = time.perf_counter() - t
+        mu = batch.rollout_logprobs
 
         t = time.perf_counter()
         result = score_rollouts(batch, problems, self.tokenizer, self.rewards)
@@ -387,18 +490,20 @@ class Run:
         trainers = [self.trainer] + ([self.reference] if self.reference is not None else [])
         flops_before = sum(tr.matmul_flops for tr in trainers)
         updates = a.ppo_epochs * a.num_minibatches
-        # π on the sampling weights: a separate pass only when several updates follow.
-        old = self._no_grad_logprobs(self.trainer, batch) if updates > 1 else None
-        sampling_pi = old if old is not None else torch.zeros_like(batch.rollout_logprobs)
+        # π_old, the trainer on the sampling weights: scored by the sampler (shadow), or a
+        # learner pass when it is needed before the first update (several updates, or a
+        # rejection that shapes the loss mask), or else the first π_θ pass itself, free.
+        old = batch.old_logprobs
+        learner_old_pass = old is None and (updates > 1 or needs_old_before_update(a.name, self.loss_cfg))
+        if learner_old_pass:
+            old = self._no_grad_logprobs(self.trainer, batch)
+        sampling_pi = old.clone() if old is not None else torch.zeros_like(mu)
+        # What the loss takes as π_old: μ itself when the ratio is against the rollout.
+        loss_old = mu if a.ratio_source == "rollout" else sampling_pi
+        rejected = rejected_sequences(a.name, loss_old, mu, loss_mask, self.loss_cfg) if old is not None else None
+        if rejected is not None:
+            loss_mask[rejected] = False
         ref = self._no_grad_logprobs(self.reference, batch) if self.reference is not None else None
-        times["train"] = time.perf_counter() - t
-        shadow = None
-        if a.ratio_source == "shadow" or a.shadow_forward:
-            t = time.perf_counter()
-            shadow = self._no_grad_logprobs(self.trainer, batch, precision=self.engine.precision)
-            times["shadow"] = time.perf_counter() - t
-        t = time.perf_counter()
-        ppo_token_clip = a.name in TOKEN_RATIO_CLIP
         n_rows = batch.response_ids.shape[0]
         rows_per_mb = n_rows // a.num_minibatches
         stats: dict[str, list[float]] = {}
@@ -414,53 +519,50 @@ class Run:
             )
             row_order = (groups[:, None] * cfg.rollout.group_size + torch.arange(cfg.rollout.group_size)).flatten()
             for mb in row_order.split(rows_per_mb):
-                n_seq, n_tok = len(mb), int(loss_mask[mb].sum())
+                # Rejected sequences leave the denominators too (VeRL, SkyRL); masked IS weights do not.
+                n_seq = len(mb) - (0 if rejected is None else int(rejected[mb].sum()))
+                n_tok = int(loss_mask[mb].sum())
                 for rows in mb.split(cfg.trainer.micro_batch_size):
                     logp = self._logprobs(self.trainer, batch, rows)
                     if old is None:
                         sampling_pi[rows] = logp.detach()
-                    ratio_ref = {
-                        "recompute": sampling_pi[rows],
-                        "shadow": None if shadow is None else shadow[rows],
-                        "rollout": batch.rollout_logprobs[rows],
-                    }[a.ratio_source]
+                    mask = loss_mask[rows]
                     inputs = PolicyInputs(
                         logprobs=logp,
-                        old_logprobs=ratio_ref,
-                        rollout_logprobs=batch.rollout_logprobs[rows],
+                        old_logprobs=loss_old[rows],
+                        rollout_logprobs=mu[rows],
                         advantages=advantages[rows],
-                        mask=loss_mask[rows],
+                        mask=mask,
                     )
-                    token_loss, loss_stats = POLICY_LOSSES[a.name](inputs, self.loss_cfg)
-                    if shadow is not None and ppo_token_clip:
-                        # β is in the ratio only when the ratio is taken against μ.
-                        beta = sampling_pi[rows] - shadow[rows]
-                        beta_in = beta if a.ratio_source == "rollout" else torch.zeros_like(beta)
-                        log_ratio = logp.detach() - ratio_ref
+                    token_loss, loss_stats = estimator.loss(inputs, self.loss_cfg)
+                    # α, the real policy change, and phantom clipping, on every ratio source.
+                    n = mask.sum().clamp(min=1)
+                    loss_stats["alpha_abs_mean"] = ((logp.detach() - sampling_pi[rows]).abs() * mask).sum() / n
+                    if estimator.clip is not None:
+                        low, high = clip_bounds(estimator.clip, self.loss_cfg)
                         loss_stats["phantom_clip_frac"] = phantom_clip_frac(
-                            log_ratio, beta_in, advantages[rows], loss_mask[rows], a.clip_low, a.clip_high
-                        )
-                        m = loss_mask[rows]
-                        loss_stats["alpha_abs_mean"] = float(
-                            ((log_ratio - beta_in).abs() * m).sum() / m.sum().clamp(min=1)
+                            clip_ratio(estimator.clip, logp.detach(), mu[rows], mask),
+                            clip_ratio(estimator.clip, logp.detach(), sampling_pi[rows], mask),
+                            advantages[rows],
+                            mask,
+                            low,
+                            high,
                         )
                     if ref is not None:
                         kl = kl_penalty(logp, ref[rows], a.kl_estimator)
-                        kls.append(float((kl.detach() * loss_mask[rows]).sum() / loss_mask[rows].sum().clamp(min=1)))
+                        kls.append(float((kl.detach() * mask).sum() / n))
                         token_loss = token_loss + a.kl_coef * kl
-                    loss = aggregate(
-                        token_loss, loss_mask[rows], a.aggregation, n_seq, n_tok, self.sampling.max_new_tokens
-                    )
+                    loss = aggregate(token_loss, mask, a.aggregation, n_seq, n_tok, self.sampling.max_new_tokens)
                     self.trainer.backward(loss)
                     losses.append(float(loss.detach()))
                     for k, v in loss_stats.items():
                         stats.setdefault(k, []).append(float(v))
                 step_stats = self.trainer.step()
                 stats.setdefault("grad_norm", []).append(step_stats.grad_norm)
-        times["train"] += time.perf_counter() - t
+        times["train"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        self.engine.load_weights(*self.trainer.export_weights())
+        self.sampler.load_weights(*self.trainer.export_weights())
         times["sync"] = time.perf_counter() - t
         self.step_count += 1
         times["step"] = time.perf_counter() - t0
@@ -482,32 +584,30 @@ class Run:
             "precision/loss_scale": step_stats.loss_scale,
             "precision/skipped_steps": step_stats.skipped_total,
             "train/updates": updates,
-            "train/old_logprob_pass": int(old is not None),
+            "train/old_logprob_pass": int(learner_old_pass),
             "weights/version": step_stats.weight_version,
         }
+        if rejected is not None:
+            metrics["is/rejected_seq_frac"] = float(rejected.float().mean())
         if cfg.task.name in BINARY_REWARDS and not cfg.task.reward_fn:
             metrics["reward/accuracy"] = float((rewards >= 1.0).float().mean())
         if kls:
             metrics["loss/kl"] = _mean(kls)
-        renames = {
-            "clip_frac": "clip/frac",
-            "clip_frac_low": "clip/frac_low",
-            "clip_frac_high": "clip/frac_high",
-            "ratio_mean": "clip/ratio_mean",
-            "is_weight_mean": "is/weight_mean",
-            "is_weight_max": "is/weight_max",
-            "is_masked_frac": "is/masked_frac",
-            "phantom_clip_frac": "phantom/clip_frac",
-            "alpha_abs_mean": "alpha/abs_mean",
-        }
         for k, v in stats.items():
-            metrics[renames[k]] = max(v) if k == "is_weight_max" else _mean(v)
-        mm = mismatch_metrics(sampling_pi, batch.rollout_logprobs, batch.response_mask)
+            metrics[STAT_NAMES[k]] = max(v) if k == "is_weight_max" else _mean(v)
+        mask = batch.response_mask
+        mm = mismatch_metrics(sampling_pi, mu, mask)
         metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
-        by_len = mismatch_by_length(sampling_pi, batch.rollout_logprobs, batch.response_mask)
-        metrics.update({f"mismatch/{k}": v for k, v in by_len.items()})
-        if shadow is not None:
-            metrics.update(beta_metrics(sampling_pi - shadow, batch.rollout_logprobs, advantages, batch.response_mask))
+        metrics.update({f"mismatch/{k}": v for k, v in mismatch_by_length(sampling_pi, mu, mask).items()})
+        # g = π_old − μ = β + κ. β is known without a probe when the precisions match (it is 0).
+        probe = batch.probe_logprobs
+        if probe is None and self.trainer.precision == self.sampler.precision:
+            probe = sampling_pi
+        parts = {"gap": sampling_pi - mu}
+        if probe is not None:
+            parts.update(beta=sampling_pi - probe, kappa=probe - mu)
+        for name, part in parts.items():
+            metrics.update(gap_metrics(name, part, mu, advantages, mask))
         self.alarm_series.append(metrics["mismatch/k3"])
         metrics["health/mismatch_alarm"] = int(
             mismatch_alarm(self.alarm_series, cfg.health.alarm_window, cfg.health.alarm_factor)
@@ -515,17 +615,17 @@ class Run:
         metrics.update({f"time/{k}": v for k, v in times.items()})
         metrics["perf/tokens_per_s"] = batch.num_tokens / times["step"]
         flops = sum(tr.matmul_flops for tr in trainers) - flops_before
-        metrics["perf/train_gflops"] = flops / 1e9 / (times["train"] + times.get("shadow", 0.0))
+        metrics["perf/train_gflops"] = flops / 1e9 / times["train"]
         return metrics
 
     # -- the loop -------------------------------------------------------------
 
     def train(self) -> list[dict[str, float]]:
         cfg = self.cfg
-        if self.trainer.precision != self.engine.precision:
+        if self.trainer.precision != self.sampler.precision:
             print(
                 f"WARNING: mismatched precisions on purpose: trainer {self.trainer.precision}, "
-                f"rollout {self.engine.precision}",
+                f"rollout {self.sampler.precision}",
                 file=sys.stderr,
             )
         history = []

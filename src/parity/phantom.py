@@ -1,16 +1,22 @@
 """`parity phantom`: the phantom-clipping experiment on the length task.
 
-A trainer in FP32 and a rollout engine in BF16, PPO clip (`grpo`), reward =
-−length (optimum: EOS at once). With the ratio taken against the rollout's μ
-(`ratio_source=rollout`, as asynchronous trainers do) the precision gap β sits
-inside the ratio; `recompute` and `shadow` keep it out; matched FP16 shrinks it.
-Each run logs the mean response length and `phantom/clip_frac`; a final sweep of
-ε with `ratio_source=rollout` finds where β alone starts to trip the clip.
+A PPO clip (`grpo`) on reward = −length (optimum: EOS at once). The mismatch
+g = π_old − μ splits into β (precision: the trainer's code path in the trainer
+precision against the same path in the rollout precision) and κ (engine: that
+probe against the rollout engine's μ). A token is phantom-clipped when its clip
+is active on the ratio against μ and not on the ratio against π_old. Two parts:
+
+- one update per rollout, ε = 0.001, for FP32/BF16, BF16/BF16 and FP16/FP16 under
+  each ratio source: the true policy change α is 0, so every clipped token is the
+  mismatch's doing, and a ratio against π_old (recompute, shadow) clips nothing;
+- training runs to length ≤ 2 under each ratio source, matched precisions, and a
+  sweep of ε with the ratio against μ, to see when the mismatch alone stalls learning.
 """
 
 from __future__ import annotations
 
 import shutil
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,16 +24,25 @@ from pathlib import Path
 import torch
 
 from parity import config as config_mod
-from parity.diagnostics import beta_metrics
+from parity.diagnostics import gap_metrics
 from parity.files import atomic_write_json, atomic_write_text
 from parity.loop import Run, TrainConfig
 from parity.models import load_model, load_tokenizer, resolve_model_dir
 from parity.report import Panel, plot_beta_distribution, plot_curves
-from parity.rollout import RolloutEngine, SamplingParams
+from parity.rollout import SamplingParams
+from parity.sampler import Sampler
 from parity.tasks import ArithmeticTask
 from parity.trainer import OptimConfig, Trainer
 
 TARGET_LENGTH = 2.0
+ONE_UPDATE_EPS = 0.001
+ONE_UPDATE_STEPS = 5
+RATIO_SOURCES = ("rollout", "recompute", "shadow")
+PAIRS = {
+    "fp32/bf16": ("precision=fp32", "rollout.precision=bf16", "allow_precision_mismatch=true"),
+    "bf16/bf16": ("precision=bf16",),
+    "fp16/fp16": ("precision=fp16",),
+}
 
 
 @dataclass(frozen=True)
@@ -36,22 +51,22 @@ class PhantomRun:
     overrides: tuple[str, ...]
 
 
-MISMATCHED = ("precision=fp32", "rollout.precision=bf16", "allow_precision_mismatch=true")
-
-
 def default_runs(eps_sweep: tuple[float, ...]) -> list[PhantomRun]:
+    mismatched = PAIRS["fp32/bf16"]
     runs = [
-        PhantomRun("fp32-train/bf16-roll, ratio vs rollout μ", (*MISMATCHED, "algorithm.ratio_source=rollout")),
-        PhantomRun("fp32-train/bf16-roll, ratio vs recompute", (*MISMATCHED, "algorithm.ratio_source=recompute")),
-        PhantomRun("fp32-train/bf16-roll, ratio vs shadow", (*MISMATCHED, "algorithm.ratio_source=shadow")),
-        PhantomRun("fp16 matched, ratio vs rollout μ", ("precision=fp16", "algorithm.ratio_source=rollout")),
+        PhantomRun(f"fp32-train/bf16-roll, ratio vs {source}", (*mismatched, f"algorithm.ratio_source={source}"))
+        for source in RATIO_SOURCES
+    ]
+    runs += [
+        PhantomRun("bf16 matched, ratio vs rollout", (*PAIRS["bf16/bf16"], "algorithm.ratio_source=rollout")),
+        PhantomRun("fp16 matched, ratio vs rollout", (*PAIRS["fp16/fp16"], "algorithm.ratio_source=rollout")),
     ]
     for eps in eps_sweep:
         runs.append(
             PhantomRun(
-                f"fp32-train/bf16-roll, ratio vs rollout μ, ε={eps:g}",
+                f"fp32-train/bf16-roll, ratio vs rollout, ε={eps:g}",
                 (
-                    *MISMATCHED,
+                    *mismatched,
                     "algorithm.ratio_source=rollout",
                     f"algorithm.clip_low={eps}",
                     f"algorithm.clip_high={eps}",
@@ -65,57 +80,105 @@ def steps_to_length(history: list[dict], target: float = TARGET_LENGTH) -> int |
     return next((m["step"] for m in history if m["response/length_mean"] <= target), None)
 
 
-def beta_distribution(
+def _config(run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...]) -> TrainConfig:
+    return config_mod.load(
+        TrainConfig,
+        None,
+        [
+            "task.name=length",
+            "algorithm.name=grpo",
+            "algorithm.shadow_forward=true",
+            f"steps={steps}",
+            "prompts_per_step=8",
+            "rollout.group_size=8",
+            f"seed={seed}",
+            f"run_dir={run_dir}",
+            "checkpoint_every=-1",
+            "tensorboard=false",
+            *overrides,
+        ],
+    )
+
+
+def _train(run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...], progress: bool = False) -> list[dict]:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return Run.create(_config(run_dir, steps, seed, overrides), progress=progress).train()
+
+
+ONE_UPDATE_KEYS = (
+    "clip/frac",
+    "phantom/clip_frac",
+    "alpha/abs_mean",
+    "gap/abs_mean",
+    "beta/abs_mean",
+    "kappa/abs_mean",
+)
+
+
+def one_update_table(out: Path, seed: int, log=print) -> dict[str, dict[str, float]]:
+    """At one update per rollout (α = 0) and ε = 0.001: each precision pair under each ratio
+    source, the step means of the clip and phantom fractions and of |α|, |g|, |β|, |κ|."""
+    table = {}
+    eps = (f"algorithm.clip_low={ONE_UPDATE_EPS}", f"algorithm.clip_high={ONE_UPDATE_EPS}")
+    for pair, keys in PAIRS.items():
+        for source in RATIO_SOURCES:
+            log(f"one update: {pair}, ratio vs {source}")
+            history = _train(
+                out / "one-update" / f"{pair.replace('/', '-')}-{source}",
+                ONE_UPDATE_STEPS,
+                seed,
+                (*keys, *eps, f"algorithm.ratio_source={source}"),
+            )
+            table[f"{pair} {source}"] = {k: statistics.mean(m[k] for m in history) for k in ONE_UPDATE_KEYS}
+    return table
+
+
+def mismatch_parts(
     model: str, num_prompts: int, seed: int, rollout_precision: str = "bf16"
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Token-level β = π^{FP32} − π^{P_roll} (trainer code path, same weights) on samples
-    drawn by a rollout engine in `rollout_precision`."""
+    """Token-level β (FP32 against `rollout_precision`, the trainer's code path on the same
+    weights) and κ (that probe against the rollout engine's μ), on samples the engine drew."""
     model_dir = resolve_model_dir(model)
     tok = load_tokenizer(model_dir)
-    base = load_model(model_dir)
-    trainer = Trainer(base, "fp32", OptimConfig())
-    engine = RolloutEngine(base.config, rollout_precision, tok.eos_id, tok.pad_id)
-    engine.load_weights(*trainer.export_weights())
+    trainer = Trainer(load_model(model_dir), "fp32", OptimConfig())
+    sampler = Sampler(
+        trainer.model.config,
+        rollout_precision,
+        "fp32",
+        tok.eos_id,
+        tok.pad_id,
+        score_old=True,
+        probe=True,
+        micro_batch_size=64,
+    )
+    sampler.load_weights(*trainer.export_weights())
     prompts = [tok.encode(p.prompt) for p in ArithmeticTask().problems(num_prompts, seed=seed, split="eval")]
-    batch = engine.generate(prompts, 4, SamplingParams(max_new_tokens=96), seed=seed)
-    with torch.no_grad():
-        args = (batch.prompt_ids, batch.response_ids, batch.response_mask)
-        beta = trainer.logprobs(*args) - trainer.logprobs(*args, precision=rollout_precision)
-    stats = beta_metrics(beta, batch.rollout_logprobs, torch.zeros(beta.shape[0]), batch.response_mask)
-    stats.pop("beta/adv_corr")
-    return beta[batch.response_mask], batch.rollout_logprobs[batch.response_mask].exp(), stats
+    batch = sampler.generate(prompts, 4, SamplingParams(max_new_tokens=96), seed=seed)
+    sampler.score_samples(batch)
+    mu, mask = batch.rollout_logprobs, batch.response_mask
+    beta = batch.old_logprobs - batch.probe_logprobs
+    no_adv = torch.zeros(beta.shape[0])
+    stats = {
+        **gap_metrics("beta", beta, mu, no_adv, mask),
+        **gap_metrics("kappa", batch.probe_logprobs - mu, mu, no_adv, mask),
+    }
+    for key in ("beta/adv_corr", "kappa/adv_corr"):
+        stats.pop(key)
+    return beta[mask], mu[mask].exp(), stats
 
 
 def run_phantom(out: Path, steps: int, eps_sweep: tuple[float, ...], seed: int = 0, log=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    beta, probs, beta_stats = beta_distribution("builtin", 64, seed, "bf16")
+    beta, probs, parts_bf16 = mismatch_parts("builtin", 64, seed, "bf16")
     plot_beta_distribution(beta, probs, out / "beta.png")
-    beta_fp16 = beta_distribution("builtin", 64, seed, "fp16")[2]
+    parts_fp16 = mismatch_parts("builtin", 64, seed, "fp16")[2]
+    one_update = one_update_table(out, seed, log)
     histories: dict[str, list[dict]] = {}
     runs = default_runs(eps_sweep)
     for i, run in enumerate(runs, 1):
-        run_dir = out / "runs" / f"run{i}"
-        shutil.rmtree(run_dir, ignore_errors=True)
-        cfg = config_mod.load(
-            TrainConfig,
-            None,
-            [
-                "task.name=length",
-                "algorithm.name=grpo",
-                "algorithm.shadow_forward=true",
-                f"steps={steps}",
-                "prompts_per_step=8",
-                "rollout.group_size=8",
-                f"seed={seed}",
-                f"run_dir={run_dir}",
-                "checkpoint_every=-1",
-                "tensorboard=false",
-                *run.overrides,
-            ],
-        )
         log(f"run {i}/{len(runs)}: {run.name}")
-        histories[run.name] = Run.create(cfg).train()
+        histories[run.name] = _train(out / "runs" / f"run{i}", steps, seed, run.overrides, progress=True)
     plot_curves(
         histories,
         [
@@ -124,18 +187,24 @@ def run_phantom(out: Path, steps: int, eps_sweep: tuple[float, ...], seed: int =
         ],
         out / "phantom.png",
     )
+
+    def mean(h: list[dict], key: str, first: int | None = None) -> float:
+        return statistics.mean(m[key] for m in h[:first])
+
     summary = {
         "steps": steps,
-        "base_beta": beta_stats,
-        "base_beta_fp16_rollout": beta_fp16,
+        "one_update": one_update,
+        "base_parts_bf16_rollout": parts_bf16,
+        "base_parts_fp16_rollout": parts_fp16,
         "runs": {
             name: {
                 "steps_to_length_2": steps_to_length(h),
                 "final_length": h[-1]["response/length_mean"],
-                "phantom_clip_frac_mean": sum(m.get("phantom/clip_frac", 0.0) for m in h) / len(h),
-                "phantom_clip_frac_first10": sum(m.get("phantom/clip_frac", 0.0) for m in h[:10]) / min(10, len(h)),
-                "beta_abs_mean": sum(m["beta/abs_mean"] for m in h) / len(h),
-                "clip_frac_first10": sum(m.get("clip/frac", 0.0) for m in h[:10]) / min(10, len(h)),
+                "clip_frac_first10": mean(h, "clip/frac", 10),
+                "phantom_clip_frac_first10": mean(h, "phantom/clip_frac", 10),
+                "phantom_clip_frac_mean": mean(h, "phantom/clip_frac"),
+                "beta_abs_mean": mean(h, "beta/abs_mean"),
+                "kappa_abs_mean": mean(h, "kappa/abs_mean"),
             }
             for name, h in histories.items()
         },
@@ -147,34 +216,66 @@ def run_phantom(out: Path, steps: int, eps_sweep: tuple[float, ...], seed: int =
 
 
 def render_report(summary: dict) -> str:
-    b, f = summary["base_beta"], summary["base_beta_fp16_rollout"]
+    b, f = summary["base_parts_bf16_rollout"], summary["base_parts_fp16_rollout"]
+    one = [
+        f"| {name.replace(' ', ' | ')} | "
+        + " | ".join(f"{r[k]:.4f}" if "frac" in k else f"{r[k]:.2e}" for k in ONE_UPDATE_KEYS)
+        + " |"
+        for name, r in summary["one_update"].items()
+    ]
     rows = [
         f"| {name} | {'—' if r['steps_to_length_2'] is None else r['steps_to_length_2']} | {r['final_length']:.1f} | "
-        f"{r['phantom_clip_frac_first10']:.4f} | {r['phantom_clip_frac_mean']:.4f} | {r['clip_frac_first10']:.4f} | "
-        f"{r['beta_abs_mean']:.2e} |"
+        f"{r['clip_frac_first10']:.4f} | {r['phantom_clip_frac_first10']:.4f} | {r['phantom_clip_frac_mean']:.4f} | "
+        f"{r['beta_abs_mean']:.2e} | {r['kappa_abs_mean']:.2e} |"
         for name, r in summary["runs"].items()
     ]
-    bins = ", ".join(f"{k.split('/')[-1]}: {v:.2e}" for k, v in b.items() if "/p_" in k)
+
+    def bins(stats: dict, part: str) -> str:
+        return ", ".join(
+            f"{k.split('/')[-1]}: {v:.2e}" for k, v in stats.items() if k.startswith(f"{part}/abs_mean/p_")
+        )
+
     return "\n".join(
         [
             "# Phantom clipping on the length task",
             "",
-            f"`grpo` (PPO clip, ε = 0.2 unless stated), reward = −length, {summary['steps']} steps of 8 prompts × 8 "
-            f"samples per run, {summary['wall_seconds']:.0f} s in all. Steps to length ≤ {TARGET_LENGTH:g}: the "
-            "first step whose mean response length is at most 2 tokens.",
+            "The mismatch g = π_old − μ = β + κ: β = trainer code path in the trainer precision minus the same path "
+            "in the rollout precision (same weights), κ = that probe minus the rollout engine's μ. A token is "
+            "phantom-clipped when its clip is active on log π_θ − μ and not on log π_θ − π_old.",
             "",
-            "| run | steps to length ≤ 2 | final length | phantom clip frac (first 10 steps) | phantom clip frac "
-            "(all) | clip frac (first 10) | mean \\|β\\| |",
-            "|---|---|---|---|---|---|---|",
+            f"## One update per rollout, ε = {ONE_UPDATE_EPS:g}",
+            "",
+            f"`grpo`, reward = −length, {ONE_UPDATE_STEPS} steps of 8 prompts × 8 samples each; the policy has not "
+            "changed when the ratio is taken (α = 0), so every clipped token is the mismatch's doing. Means over "
+            "steps.",
+            "",
+            "| trainer/rollout | ratio vs | clip frac | phantom clip frac | mean \\|α\\| | mean \\|g\\| | "
+            "mean \\|β\\| | mean \\|κ\\| |",
+            "|---|---|---|---|---|---|---|---|",
+            *one,
+            "",
+            "## Training to length ≤ 2",
+            "",
+            f"`grpo` (PPO clip, ε = 0.2 unless stated), {summary['steps']} steps of 8 prompts × 8 samples per run. "
+            f"Steps to length ≤ {TARGET_LENGTH:g}: the first step whose mean response length is at most 2 tokens.",
+            "",
+            "| run | steps to length ≤ 2 | final length | clip frac (first 10) | phantom clip frac (first 10) | "
+            "phantom clip frac (all) | mean \\|β\\| | mean \\|κ\\| |",
+            "|---|---|---|---|---|---|---|---|",
             *rows,
             "",
-            f"β of the base model (FP32 trainer vs BF16, same weights, trainer code path): mean {b['beta/mean']:.2e}, "
-            f"mean |β| {b['beta/abs_mean']:.2e}, max |β| {b['beta/abs_max']:.2e}; mean |β| by token probability "
-            f"({bins}).",
+            "## The base model's mismatch, by part",
             "",
-            f"For comparison, FP32 trainer vs FP16 (same weights): mean |β| {f['beta/abs_mean']:.2e}, max |β| "
-            f"{f['beta/abs_max']:.2e} — BF16's β is {b['beta/abs_mean'] / max(f['beta/abs_mean'], 1e-30):.1f}× "
-            "larger on average.",
+            f"FP32 trainer, BF16 rollout (64 prompts × 4 samples): mean |β| {b['beta/abs_mean']:.2e} "
+            f"(max {b['beta/abs_max']:.2e}, mean β {b['beta/mean']:.2e}), mean |κ| {b['kappa/abs_mean']:.2e} "
+            f"(max {b['kappa/abs_max']:.2e}). Mean |β| by token probability μ: {bins(b, 'beta')}; mean |κ|: "
+            f"{bins(b, 'kappa')}.",
+            "",
+            f"FP32 trainer, FP16 rollout: mean |β| {f['beta/abs_mean']:.2e} (max {f['beta/abs_max']:.2e}), mean |κ| "
+            f"{f['kappa/abs_mean']:.2e} — BF16's β is {b['beta/abs_mean'] / max(f['beta/abs_mean'], 1e-30):.1f}× "
+            "FP16's on average.",
+            "",
+            f"{summary['wall_seconds']:.0f} s in all.",
             "",
             "![length and phantom clip fraction](phantom.png)",
             "",

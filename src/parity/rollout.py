@@ -57,6 +57,9 @@ class RolloutBatch:
     group_index: torch.Tensor  # [B] int64, the prompt each row answers
     weight_version: int
     sampling: SamplingParams
+    # Filled by `Sampler.score_samples` (the trainer's code path on the sampling weights):
+    old_logprobs: torch.Tensor | None = None  # [B, T] π_old, trainer precision
+    probe_logprobs: torch.Tensor | None = None  # [B, T] the same forward in the rollout precision
 
     @property
     def response_lengths(self) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parity import config as config_mod
-from parity.algorithms import POLICY_LOSSES
+from parity.algorithms import ESTIMATORS
 from parity.config import ConfigError
 from parity.files import atomic_write_json, atomic_write_text
 from parity.loop import Run, TrainConfig
@@ -48,6 +48,11 @@ class SanitySettings:
     group_size: int
 
 
+# The paper's recipe (Precision-RL's oat/scripts/sanity/): every estimator with its reference
+# defaults, Dr.GRPO advantages, zero reward without EOS, ÷ L_max — the defaults of `parity train` —
+# and 4 optimizer steps per rollout (512 samples per rollout, 128 per update).
+UPDATES_PER_ROLLOUT = 4
+
 FULL = SanitySettings(steps=120, prompts_per_step=16, group_size=8)
 QUICK = SanitySettings(steps=50, prompts_per_step=8, group_size=8)
 
@@ -56,10 +61,10 @@ def parse_runs(spec: str) -> list[tuple[str, str]]:
     runs = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         parts = item.split("/")
-        if len(parts) != 2 or parts[0] not in PRECISIONS or parts[1] not in POLICY_LOSSES:
+        if len(parts) != 2 or parts[0] not in PRECISIONS or parts[1] not in ESTIMATORS:
             raise ConfigError(
                 f"--runs: {item!r} is not PRECISION/ESTIMATOR (precisions: {', '.join(PRECISIONS)}; "
-                f"estimators: {', '.join(sorted(POLICY_LOSSES))})"
+                f"estimators: {', '.join(sorted(ESTIMATORS))})"
             )
         runs.append((parts[0], parts[1]))
     if not runs:
@@ -111,6 +116,7 @@ def run_sanity(out: Path, runs: list[tuple[str, str]], quick: bool, seed: int = 
                 f"steps={settings.steps}",
                 f"prompts_per_step={settings.prompts_per_step}",
                 f"rollout.group_size={settings.group_size}",
+                f"algorithm.num_minibatches={UPDATES_PER_ROLLOUT}",
                 f"seed={seed}",
                 f"run_dir={run_dir}",
                 "checkpoint_every=-1",
@@ -129,6 +135,7 @@ def run_sanity(out: Path, runs: list[tuple[str, str]], quick: bool, seed: int = 
             "steps": settings.steps,
             "prompts_per_step": settings.prompts_per_step,
             "group_size": settings.group_size,
+            "updates_per_rollout": UPDATES_PER_ROLLOUT,
             "seed": seed,
         },
         "perfectible": {
@@ -198,7 +205,9 @@ def render_report(summary: dict) -> str:
         "# Sanity test",
         "",
         f"{'Quick' if st['quick'] else 'Full'} run: {st['steps']} steps of {st['prompts_per_step']} prompts × "
-        f"{st['group_size']} samples per run, seed {st['seed']}, {summary['wall_seconds']:.0f} s in all.",
+        f"{st['group_size']} samples per run, {st['updates_per_rollout']} optimizer steps per rollout, seed "
+        f"{st['seed']}, {summary['wall_seconds']:.0f} s in all. The paper's recipe: each estimator with its "
+        "reference defaults, Dr.GRPO advantages, zero reward without EOS, ÷ L_max (docs/training.md).",
         "",
         "## Perfectible set",
         "",

@@ -2,8 +2,9 @@
 
 The trainer keeps its parameters and AdamW state in FP32. Each forward casts the
 weights to the trainer precision on the fly (autograd flows back through the cast
-into the FP32 master), so the same code path serves FP32, BF16 and FP16 training
-and, with `precision=` overridden, a shadow forward in another precision.
+into the FP32 master), so one code path, `sequence_logprobs`, serves FP32, BF16 and
+FP16 training, and the sampler runs the same function on the weights that sampled
+(π_old, and the precision probe in the rollout precision).
 """
 
 from __future__ import annotations
@@ -69,6 +70,31 @@ def matmul_flops(cfg: ModelConfig, packed: PackedBatch, scored: int) -> float:
     return layers + 2 * cfg.hidden_size * cfg.vocab_size * scored
 
 
+def sequence_logprobs(
+    model: CausalLM,
+    prompt_ids: list[list[int]],
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    support: torch.Tensor | None,
+    temperature: float,
+    dtype: torch.dtype,
+) -> tuple[PackedBatch, torch.Tensor]:
+    """The trainer's code path: log p of each response token [B, T] FP32 (0 on padding)
+    with the model computed in `dtype`, and the packed batch it ran on."""
+    device = next(model.parameters()).device
+    packed = pack(prompt_ids, response_ids, response_mask, bucket=prec.per_shape_kernels(dtype, device))
+    num_scored = int(response_mask.sum())
+    hidden = gather_rows(model.hidden_states(packed, dtype), packed.score_index)
+    scored = token_logprobs(
+        model.logits(hidden)[:num_scored],
+        response_ids[response_mask],
+        None if support is None else support[response_mask],
+        temperature,
+    )
+    out = torch.zeros(response_ids.shape, dtype=scored.dtype, device=scored.device)
+    return packed, out.masked_scatter(response_mask, scored)
+
+
 class Trainer:
     def __init__(self, model: CausalLM, precision: str, optim: OptimConfig):
         self.model = model.float()
@@ -103,27 +129,15 @@ class Trainer:
         response_mask: torch.Tensor,
         support: torch.Tensor | None = None,
         temperature: float = 1.0,
-        precision: str | None = None,
     ) -> torch.Tensor:
-        """π of each response token [B, T] FP32 (0 on padding); differentiable when grad is on.
-
-        `precision` overrides the trainer precision for this forward (shadow forward).
-        """
-        dtype = self.dtype if precision is None else prec.to_dtype(precision)
-        packed = pack(prompt_ids, response_ids, response_mask, bucket=prec.per_shape_kernels(dtype, self.device))
+        """π of each response token [B, T] FP32 (0 on padding) in the trainer precision;
+        differentiable when grad is on."""
+        packed, scored = sequence_logprobs(
+            self.model, prompt_ids, response_ids, response_mask, support, temperature, self.dtype
+        )
         passes = 3 if torch.is_grad_enabled() else 1
-        num_scored = int(response_mask.sum())
-        self.matmul_flops += passes * matmul_flops(self.model.config, packed, num_scored)
-        hidden = gather_rows(self.model.hidden_states(packed, dtype), packed.score_index)
-        scored = token_logprobs(
-            self.model.logits(hidden)[:num_scored],
-            response_ids[response_mask],
-            None if support is None else support[response_mask],
-            temperature,
-        )
-        return torch.zeros(response_ids.shape, dtype=scored.dtype, device=scored.device).masked_scatter(
-            response_mask, scored
-        )
+        self.matmul_flops += passes * matmul_flops(self.model.config, packed, int(response_mask.sum()))
+        return scored
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` times the current loss scale (1 unless FP16)."""
