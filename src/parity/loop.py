@@ -493,14 +493,16 @@ class Run:
         # π_old, the trainer on the sampling weights: scored by the sampler (shadow), or a
         # learner pass when it is needed before the first update (several updates, or a
         # rejection that shapes the loss mask), or else the first π_θ pass itself, free.
+        # What the loss takes as π_old: μ itself when the ratio is against the rollout (then the
+        # importance weights and the rejection rules see no gap).
+        rejects = a.ratio_source != "rollout" and needs_old_before_update(a.name, self.loss_cfg)
         old = batch.old_logprobs
-        learner_old_pass = old is None and (updates > 1 or needs_old_before_update(a.name, self.loss_cfg))
+        learner_old_pass = old is None and (updates > 1 or rejects)
         if learner_old_pass:
             old = self._no_grad_logprobs(self.trainer, batch)
-        sampling_pi = old.clone() if old is not None else torch.zeros_like(mu)
-        # What the loss takes as π_old: μ itself when the ratio is against the rollout.
+        sampling_pi = old if old is not None else torch.zeros_like(mu)
         loss_old = mu if a.ratio_source == "rollout" else sampling_pi
-        rejected = rejected_sequences(a.name, loss_old, mu, loss_mask, self.loss_cfg) if old is not None else None
+        rejected = rejected_sequences(a.name, loss_old, mu, loss_mask, self.loss_cfg) if rejects else None
         if rejected is not None:
             loss_mask[rejected] = False
         ref = self._no_grad_logprobs(self.reference, batch) if self.reference is not None else None

@@ -27,12 +27,11 @@ from parity import config as config_mod
 from parity.diagnostics import gap_metrics
 from parity.files import atomic_write_json, atomic_write_text
 from parity.loop import Run, TrainConfig
-from parity.models import load_model, load_tokenizer, resolve_model_dir
+from parity.models import export_state, load_model, load_tokenizer, resolve_model_dir
 from parity.report import Panel, plot_beta_distribution, plot_curves
 from parity.rollout import SamplingParams
 from parity.sampler import Sampler
 from parity.tasks import ArithmeticTask
-from parity.trainer import OptimConfig, Trainer
 
 TARGET_LENGTH = 2.0
 ONE_UPDATE_EPS = 0.001
@@ -140,9 +139,9 @@ def mismatch_parts(
     weights) and κ (that probe against the rollout engine's μ), on samples the engine drew."""
     model_dir = resolve_model_dir(model)
     tok = load_tokenizer(model_dir)
-    trainer = Trainer(load_model(model_dir), "fp32", OptimConfig())
+    base = load_model(model_dir)
     sampler = Sampler(
-        trainer.model.config,
+        base.config,
         rollout_precision,
         "fp32",
         tok.eos_id,
@@ -151,7 +150,7 @@ def mismatch_parts(
         probe=True,
         micro_batch_size=64,
     )
-    sampler.load_weights(*trainer.export_weights())
+    sampler.load_weights(export_state(base), version=0)
     prompts = [tok.encode(p.prompt) for p in ArithmeticTask().problems(num_prompts, seed=seed, split="eval")]
     batch = sampler.generate(prompts, 4, SamplingParams(max_new_tokens=96), seed=seed)
     sampler.score_samples(batch)
