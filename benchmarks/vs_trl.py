@@ -103,6 +103,7 @@ def parity_run(work: Work, tmp: Path):
             "algorithm.name=grpo",
             "algorithm.advantage=grpo",
             "algorithm.aggregation=seq_mean_token_sum_norm",
+            "algorithm.truncated=keep",  # TRL keeps a truncated completion's reward (mask_truncated_completions=False)
             f"trainer.lr={LR}",
             f"prompts_per_step={work.prompts}",
             f"rollout.group_size={work.group}",
