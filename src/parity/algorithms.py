@@ -300,6 +300,11 @@ def reinforce(inp: PolicyInputs, cfg: LossConfig):
 # ----------------------------------------------------------------------------- sequence rejection
 
 
+def needs_old_before_update(name: str, cfg: LossConfig) -> bool:
+    """Whether π_old must be known before the first update (a rejection shapes the loss mask)."""
+    return ESTIMATORS[name].rejects or cfg.token_veto > 0
+
+
 def rejected_sequences(
     name: str, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
 ) -> torch.Tensor | None:
@@ -310,23 +315,17 @@ def rejected_sequences(
     - the token veto (`token_veto` > 0, VeRL's presets use 1e-4): some token has
       exp(π_old,t − μ_t) < token_veto.
     """
-    geometric = ESTIMATORS[name].rejects
-    if not geometric and cfg.token_veto <= 0:
+    if not needs_old_before_update(name, cfg):
         return None
     m = mask.to(old_logprobs.dtype)
     log_w = (old_logprobs - rollout_logprobs).detach()
     rejected = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
-    if geometric:
+    if ESTIMATORS[name].rejects:
         geo = clamped_exp(_seq_mean(log_w, m))
         rejected |= (geo < cfg.cap_low) | (geo > cfg.cap)
     if cfg.token_veto > 0:
         rejected |= ((log_w < math.log(cfg.token_veto)) & mask.bool()).any(-1)
     return rejected
-
-
-def needs_old_before_update(name: str, cfg: LossConfig) -> bool:
-    """Whether π_old must be known before the first update (a rejection shapes the loss mask)."""
-    return ESTIMATORS[name].rejects or cfg.token_veto > 0
 
 
 # ----------------------------------------------------------------------------- advantages, KL, aggregation

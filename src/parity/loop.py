@@ -597,10 +597,10 @@ class Run:
             metrics["loss/kl"] = _mean(kls)
         for k, v in stats.items():
             metrics[STAT_NAMES[k]] = max(v) if k == "is_weight_max" else _mean(v)
-        mask = batch.response_mask
-        mm = mismatch_metrics(sampling_pi, mu, mask)
+        response_mask = batch.response_mask
+        mm = mismatch_metrics(sampling_pi, mu, response_mask)
         metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
-        metrics.update({f"mismatch/{k}": v for k, v in mismatch_by_length(sampling_pi, mu, mask).items()})
+        metrics.update({f"mismatch/{k}": v for k, v in mismatch_by_length(sampling_pi, mu, response_mask).items()})
         # g = π_old − μ = β + κ. β is known without a probe when the precisions match (it is 0).
         probe = batch.probe_logprobs
         if probe is None and self.trainer.precision == self.sampler.precision:
@@ -609,7 +609,7 @@ class Run:
         if probe is not None:
             parts.update(beta=sampling_pi - probe, kappa=probe - mu)
         for name, part in parts.items():
-            metrics.update(gap_metrics(name, part, mu, advantages, mask))
+            metrics.update(gap_metrics(name, part, mu, advantages, response_mask))
         self.alarm_series.append(metrics["mismatch/k3"])
         metrics["health/mismatch_alarm"] = int(
             mismatch_alarm(self.alarm_series, cfg.health.alarm_window, cfg.health.alarm_factor)
