@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
-from parity.rewards import RewardError, RewardRunner
+from parity.cli import main
+from parity.config import ConfigError
+from parity.rewards import RewardError, RewardHealth, RewardResult, RewardRunner
 from parity.tasks import (
     DataError,
     DataOrder,
@@ -50,6 +56,22 @@ def test_raising_reward_is_contained(isolate):
     finally:
         runner.close()
     assert out.rewards == [1.0, 0.0, 1.0] and out.errors == 1 and out.timeouts == 0
+    assert out.first_error == "RuntimeError: boom"
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_first_failure_is_shown_once_with_its_traceback(isolate, capfd):
+    runner = RewardRunner(_raises, isolate=isolate)
+    try:
+        runner([(P, "ok", 1), (P, "boom", 1), (P, "boom", 1)])
+        runner([(P, "boom", 1)])
+    finally:
+        runner.close()
+    err = capfd.readouterr().err
+    assert err.count("reward: first failure (sample 1): RuntimeError: boom\n") == 1
+    assert err.count("Traceback (most recent call last)") == 1
+    assert 'raise RuntimeError("boom")' in err  # the reward function's own line
+    assert "reward:" not in err.split("Traceback", 1)[1]  # later failures are only counted
 
 
 def test_hanging_reward_times_out_and_the_rest_still_score():
@@ -63,24 +85,103 @@ def test_hanging_reward_times_out_and_the_rest_still_score():
     assert time.time() - start < 10
 
 
-def test_dying_worker_is_replaced():
+def test_dying_worker_is_replaced(capfd):
     runner = RewardRunner(_dies, isolate=True)
     try:
         out = runner([(P, "die", 1), (P, "x", 1)])
     finally:
         runner.close()
     assert out.rewards == [0.0, 0.25] and out.errors == 1
+    assert out.first_error == "the worker process died (exit code 3)"
+    assert capfd.readouterr().err == "reward: first failure (sample 0): the worker process died (exit code 3)\n"
 
 
 def test_strict_stops_the_run():
     runner = RewardRunner(_raises, isolate=False, strict=True)
-    with pytest.raises(RewardError, match="raised RuntimeError: boom.*strict=true"):
+    with pytest.raises(RewardError, match="failed on sample 0: RuntimeError: boom.*strict=true"):
         runner([(P, "boom", 1)])
 
 
 def test_non_finite_reward_counts_as_error():
     runner = RewardRunner(lambda p, r, n: float("nan"), isolate=False)
     assert runner([(P, "x", 1)]).errors == 1
+
+
+def _step(errors: int, timeouts: int = 0) -> RewardResult:
+    return RewardResult([0.0] * 4, errors, timeouts, "ZeroDivisionError: division by zero" if errors else None)
+
+
+def test_health_warns_when_the_failure_rate_reaches_the_threshold():
+    health = RewardHealth(warn_rate=0.5, max_failed_steps=0)
+    assert health.observe(1, _step(1), 4) is None
+    line = health.observe(2, _step(1, timeouts=1), 4)
+    assert line is not None and "step 2: 50%" in line and "1 errors, 1 timeouts of 4" in line
+    assert "ZeroDivisionError" in line and "reward.warn_error_rate=0.5" in line
+    assert health.observe(3, _step(3), 4) is None  # still above: warned already
+    assert health.observe(4, _step(0), 4) is None
+    assert "step 5: 75%" in health.observe(5, _step(3), 4)  # crossed again
+
+
+def test_health_stops_after_consecutive_all_failed_steps():
+    health = RewardHealth(warn_rate=1.0, max_failed_steps=2)
+    health.observe(1, _step(4), 4)
+    health.observe(2, _step(3), 4)  # one reward scored: the count starts over
+    health.observe(3, _step(2, timeouts=2), 4)
+    with pytest.raises(RewardError, match=r"in 2 consecutive steps.*ZeroDivisionError.*reward\.max_failed_steps=2"):
+        health.observe(4, _step(4), 4)
+
+
+def test_health_max_failed_steps_zero_never_stops():
+    health = RewardHealth(warn_rate=0.1, max_failed_steps=0)
+    for step in range(10):
+        health.observe(step, _step(4), 4)
+
+
+def _gone(pid: int) -> bool:
+    """The process no longer runs; a zombie (exited, not yet reaped by its new parent) counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+@pytest.mark.parametrize(
+    "only",
+    [
+        "rewards._PARENT_CHECK_S = 3600",  # the worker waits an hour between parent checks: the death signal
+        "rewards._die_with_parent = lambda: None",  # no death signal: the worker's parent check
+    ],
+    ids=["death-signal", "parent-check"],
+)
+def test_worker_exits_when_the_run_is_killed(only):
+    # The reward returns the worker's pid, so the run can tell it without reaching into the runner.
+    script = textwrap.dedent(f"""
+        import os, time
+        from parity import rewards
+        from parity.tasks import Problem
+        {only}
+        runner = rewards.RewardRunner(lambda p, r, n: os.getpid(), isolate=True)
+        print(int(runner([(Problem("q", "a"), "r", 1)]).rewards[0]), flush=True)
+        time.sleep(60)
+    """)
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        worker = int(run.stdout.readline())
+        assert not _gone(worker)
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+        deadline = time.monotonic() + 4
+        while not _gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(worker)
+    finally:
+        run.kill()
+        run.wait()
+        if worker is not None and not _gone(worker):
+            os.kill(worker, signal.SIGKILL)
 
 
 def test_math_reward_and_boxed_extraction():
@@ -103,11 +204,47 @@ def test_user_reward_function(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = import_reward_fn("my_rewards:score")
     assert fn(P, "it is 2", 3) == 1.0 and fn(P, "it is 3", 3) == 0.0
-    with pytest.raises(ValueError, match="expected 'module:function'"):
+    with pytest.raises(ConfigError, match="expected 'module:function'"):
         import_reward_fn("my_rewards.score")
-    with pytest.raises(ValueError, match="has no function 'nope'"):
+    with pytest.raises(ConfigError, match="^task.reward_fn: module 'my_rewards' has no function 'nope'$"):
         import_reward_fn("my_rewards:nope")
     sys.modules.pop("my_rewards", None)
+
+
+@pytest.mark.parametrize(
+    "source, problem",
+    [
+        ("def score(p, r, a)\n    return 1.0\n", r"SyntaxError: expected ':' \(broken_reward.py, line 1\)"),
+        ("import no_such_module_here\n", "ModuleNotFoundError: No module named 'no_such_module_here'"),
+        ("1 / 0\n", "ZeroDivisionError: division by zero"),
+    ],
+    ids=["syntax-error", "import-error", "raises-on-import"],
+)
+def test_unimportable_reward_module_is_a_config_error(tmp_path, monkeypatch, source, problem):
+    (tmp_path / "broken_reward.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=f"^task.reward_fn: importing 'broken_reward' failed: {problem}$"):
+        import_reward_fn("broken_reward:score")
+    with pytest.raises(ConfigError, match="^task.reward_fn: importing 'not_a_module_anywhere' failed: ModuleNotFound"):
+        import_reward_fn("not_a_module_anywhere:score")
+
+
+def test_cli_reports_an_unimportable_reward_in_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "broken_reward.py").write_text("def score(p, r, a)\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = [
+        "train",
+        f"run_dir={tmp_path / 'run'}",
+        "task.reward_fn=broken_reward:score",
+        "steps=1",
+        "tensorboard=false",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "parity train: error: task.reward_fn: importing 'broken_reward' failed: "
+        "SyntaxError: expected ':' (broken_reward.py, line 1)"
+    ]
 
 
 def test_dataset_files(tmp_path):

@@ -302,6 +302,10 @@ class Tokenizer:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if self.bos_id is not None else []) + ids
 
+    def longest_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest vocabulary entry (added tokens included)."""
+        return max(len(entry.encode("utf-8")) for entry in self._tok.get_vocab(with_added_tokens=True))
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i != self.eos_id and i != self.pad_id], skip_special_tokens=True)
 
@@ -409,7 +413,10 @@ def load_model(model_dir: str | Path) -> CausalLM:
     cfg = load_config(model_dir)
     state: dict[str, torch.Tensor] = {}
     for f in _weight_files(model_dir):
-        state.update(load_file(str(f)))
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises its own error types for cut or garbled files
+            raise ModelError(f"{f}: not a readable safetensors file ({e})") from None
     model = CausalLM(cfg)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -421,6 +428,13 @@ def load_model(model_dir: str | Path) -> CausalLM:
             f"{model_dir}: weights do not match a {cfg.architecture} model "
             f"(missing {missing[:4]}, unexpected {unexpected[:4]})"
         )
+    wrong_shape = [
+        f"{k} {tuple(state[k].shape)}, expected {tuple(v.shape)}"
+        for k, v in model.state_dict().items()
+        if k in state and state[k].shape != v.shape
+    ]
+    if wrong_shape:
+        raise ModelError(f"{model_dir}: weights do not match config.json ({'; '.join(wrong_shape[:3])})")
     model.load_state_dict({k: v.float() for k, v in state.items() if k in expected}, strict=False)
     return model
 

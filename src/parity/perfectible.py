@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from parity.config import ConfigError
 from parity.files import atomic_write_text
-from parity.models import Tokenizer, load_model, load_tokenizer, resolve_model_dir
+from parity.models import Tokenizer, load_config, load_model, load_tokenizer, resolve_model_dir
 from parity.rewards import RewardRunner, score_rollouts
 from parity.rollout import RolloutEngine, SamplingParams
 from parity.tasks import REWARDS, TRUSTED_REWARDS, ArithmeticTask, Problem, load_problems
@@ -76,7 +76,14 @@ def format_histogram(counts: list[int], lo: float, hi: float, width: int = 40) -
 def candidate_problems(cfg: PerfectibleConfig) -> list[Problem]:
     if cfg.data == "builtin":
         return ArithmeticTask().problems(cfg.num_candidates, seed=cfg.seed, split="eval")
-    return load_problems(cfg.data)
+    model_dir = resolve_model_dir(cfg.model)
+    positions = load_config(model_dir).max_position_embeddings
+    return load_problems(
+        cfg.data,
+        load_tokenizer(model_dir),
+        positions - cfg.max_new_tokens,
+        f"model max_position_embeddings {positions} minus max_new_tokens {cfg.max_new_tokens}",
+    )
 
 
 def problem_accuracies(

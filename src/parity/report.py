@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from parity.files import atomic_write_json, atomic_write_text  # noqa: E402
+from parity.tasks import DataError  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -92,10 +94,36 @@ SMOOTHING = 5  # steps in the moving average that "training accuracy" means
 
 
 def load_history(run_dir: Path) -> list[dict]:
+    """The steps in RUN_DIR/metrics.jsonl. A last line cut short (a run killed mid-write) is left out
+    with a warning on stderr; any other unreadable line, or no complete step, is a DataError."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl; is this a `parity train` run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        started = (Path(run_dir) / "config.yaml").is_file()
+        hint = "the run has logged no step yet" if started else "is this a `parity train` run directory?"
+        raise DataError(f"{run_dir}: no metrics.jsonl; {hint}")
+    lines = path.read_bytes().split(b"\n")  # a complete file ends with a newline, leaving b"" last
+    history = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:  # invalid JSON or UTF-8
+            if lineno == len(lines):  # no newline after it: its write never finished
+                if history:
+                    steps = f"{history[0]['step']}-{history[-1]['step']}"
+                    warning = f"incomplete last line (the run was killed mid-write); reporting steps {steps}"
+                    print(f"{path}:{lineno}: {warning}", file=sys.stderr)
+                continue
+            raise DataError(
+                f"{path}:{lineno}: corrupt line (not valid JSON); only a killed run's last line may be cut short"
+            ) from None
+        if not isinstance(row, dict) or "step" not in row:
+            raise DataError(f"{path}:{lineno}: expected a JSON object of metrics with a 'step'")
+        history.append(row)
+    if not history:
+        raise DataError(f"{path}: no complete step yet")
+    return history
 
 
 def moving_average(values: list[float], n: int = SMOOTHING) -> list[float]:

@@ -2,17 +2,27 @@
 
 A reward call that raises, returns a non-number, or runs past `timeout_s` gives
 that sample reward 0 and is counted; with `strict=True` it stops the run instead.
+The first failure a runner sees is printed on stderr with its traceback, so a
+broken reward function is visible at once; later ones are only counted, and
+`RewardHealth` turns the per-step counts into a warning or a stop.
+
 Untrusted or slow rewards (math-verify, user functions) run one at a time in a
-worker process that is killed and replaced on a timeout; the built-in rewards
-run in-process.
+worker process that is killed and replaced on a timeout, and that exits when the
+run does, even a SIGKILLed run; the built-in rewards run in-process.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from parity.tasks import Problem, RewardFn
 
@@ -20,16 +30,37 @@ if TYPE_CHECKING:
     from parity.models import Tokenizer
     from parity.rollout import RolloutBatch
 
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_PARENT_CHECK_S = 1.0  # how often an idle worker checks that the run is still there
+
 
 class RewardError(RuntimeError):
-    """A reward failure under `reward.strict=true`."""
+    """A reward failure under `reward.strict=true`, or rewards that keep failing (`RewardHealth`)."""
 
 
 @dataclass
 class RewardResult:
     rewards: list[float]
-    errors: int  # raised or returned a non-finite / non-number value
+    errors: int  # raised or returned a non-finite / non-number value; a dead worker counts here too
     timeouts: int
+    first_error: str | None = None  # the first failure of these samples, one line
+
+
+class _Failure(NamedTuple):
+    summary: str  # one line, e.g. "ZeroDivisionError: division by zero"
+    trace: str = ""  # the formatted traceback, when there is an exception
+    timed_out: bool = False
+
+
+def _exception_failure(e: BaseException) -> _Failure:
+    summary = " ".join(f"{type(e).__name__}: {e}".split())  # one line, even for multi-line messages
+    return _Failure(summary, "".join(traceback.format_exception(e)))
+
+
+def _death_failure(exit_code: int | None) -> _Failure:
+    if exit_code is not None and exit_code < 0:  # multiprocessing's way of saying "killed by a signal"
+        return _Failure(f"the worker process died ({signal.Signals(-exit_code).name})")
+    return _Failure(f"the worker process died (exit code {exit_code})")
 
 
 def _check(value: object) -> float:
@@ -39,16 +70,32 @@ def _check(value: object) -> float:
     return reward
 
 
-def _worker(fn: RewardFn, conn) -> None:
-    while True:
+def _die_with_parent() -> None:
+    """Have Linux SIGKILL this process when the thread that forked it exits; elsewhere a no-op."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGKILL))
+    except (OSError, AttributeError):  # no usable libc: the parent check in `_worker` still applies
+        pass
+
+
+def _worker(fn: RewardFn, conn, parent_pid: int, die_with_parent: bool) -> None:
+    if die_with_parent:
+        _die_with_parent()
+    # The worker holds a copy of the parent's end of the pipe (fork), so a dead parent
+    # never shows up as EOF: check who the parent is instead. Checking before the first
+    # wait also covers a parent that died before the death signal was set.
+    while os.getppid() == parent_pid:
+        if not conn.poll(_PARENT_CHECK_S):
+            continue
         item = conn.recv()
         if item is None:
             return
-        index, problem, response, length = item
         try:
-            conn.send((index, _check(fn(problem, response, length)), None))
+            conn.send((_check(fn(*item)), None))
         except BaseException as e:  # noqa: BLE001 - reported to the parent, never raised here
-            conn.send((index, 0.0, f"{type(e).__name__}: {e}"))
+            conn.send((0.0, _exception_failure(e)))
 
 
 class RewardRunner:
@@ -56,20 +103,28 @@ class RewardRunner:
         self.fn, self.isolate, self.timeout_s, self.strict = fn, isolate, timeout_s, strict
         self._proc: mp.process.BaseProcess | None = None
         self._conn = None
+        self._shown_failure = False
 
     def _start(self) -> None:
         ctx = mp.get_context("fork")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker, args=(self.fn, child), daemon=True)
+        # The death signal fires when the forking *thread* exits, so it is only safe to ask
+        # for from the main thread, which lives as long as the run.
+        from_main_thread = threading.current_thread() is threading.main_thread()
+        self._proc = ctx.Process(target=_worker, args=(self.fn, child, os.getpid(), from_main_thread), daemon=True)
         self._proc.start()
         child.close()
         self._conn = parent
 
-    def _kill(self) -> None:
+    def _kill(self) -> int | None:
+        """Stop the worker, if there is one; its exit code."""
+        exit_code = None
         if self._proc is not None:
             self._proc.kill()
             self._proc.join()
+            exit_code = self._proc.exitcode
         self._proc, self._conn = None, None
+        return exit_code
 
     def close(self) -> None:
         if self._conn is not None:
@@ -79,43 +134,87 @@ class RewardRunner:
                 pass
         self._kill()
 
-    def _fail(self, what: str) -> None:
+    def _score_in_process(self, item: tuple[Problem, str, int]) -> tuple[float, _Failure | None]:
+        try:
+            return _check(self.fn(*item)), None
+        except Exception as e:
+            return 0.0, _exception_failure(e)
+
+    def _score_in_worker(self, item: tuple[Problem, str, int]) -> tuple[float, _Failure | None]:
+        if self._proc is None:
+            self._start()
+        try:
+            self._conn.send(item)
+            reply = self._conn.recv() if self._conn.poll(self.timeout_s) else None
+        except (EOFError, OSError):  # the worker died (os._exit, a crash)
+            return 0.0, _death_failure(self._kill())
+        if reply is None:
+            self._kill()  # the next item starts a fresh worker
+            return 0.0, _Failure(f"timed out after {self.timeout_s}s", timed_out=True)
+        return reply  # (reward, _Failure or None), as `_worker` sends it
+
+    def _report(self, index: int, failure: _Failure) -> None:
+        """Show the runner's first failure in full (later ones are only counted); under strict, stop."""
+        if not self._shown_failure:
+            self._shown_failure = True
+            header = f"reward: first failure (sample {index}): {failure.summary}"
+            print(header + (f"\n{failure.trace.rstrip()}" if failure.trace else ""), file=sys.stderr)
         if self.strict:
             self.close()
+            name = getattr(self.fn, "__qualname__", self.fn)
             raise RewardError(
-                f"reward function {getattr(self.fn, '__qualname__', self.fn)} {what} (reward.strict=true)"
+                f"reward function {name} failed on sample {index}: {failure.summary} (reward.strict=true)"
             )
 
     def __call__(self, items: list[tuple[Problem, str, int]]) -> RewardResult:
-        rewards = [0.0] * len(items)
-        errors = timeouts = 0
-        if not self.isolate:
-            for i, (problem, response, length) in enumerate(items):
-                try:
-                    rewards[i] = _check(self.fn(problem, response, length))
-                except Exception as e:
-                    errors += 1
-                    self._fail(f"raised {type(e).__name__}: {e}")
-            return RewardResult(rewards, errors, timeouts)
+        result = RewardResult([0.0] * len(items), errors=0, timeouts=0)
         for i, item in enumerate(items):
-            if self._proc is None:
-                self._start()
-            try:
-                self._conn.send((i, *item))
-                result = self._conn.recv() if self._conn.poll(self.timeout_s) else None
-            except (EOFError, OSError):  # the worker died (os._exit, a crash)
-                result = (i, 0.0, "the worker process died")
-                self._kill()
-            if result is None:
-                timeouts += 1
-                self._kill()  # the next item starts a fresh worker
-                self._fail(f"timed out after {self.timeout_s}s")
+            reward, failure = self._score_in_worker(item) if self.isolate else self._score_in_process(item)
+            if failure is None:
+                result.rewards[i] = reward
                 continue
-            _, rewards[i], error = result
-            if error is not None:
-                errors += 1
-                self._fail(f"raised {error}")
-        return RewardResult(rewards, errors, timeouts)
+            if failure.timed_out:
+                result.timeouts += 1
+            else:
+                result.errors += 1
+            result.first_error = result.first_error or failure.summary
+            self._report(i, failure)
+        return result
+
+
+class RewardHealth:
+    """The training loop's step-by-step watch on reward failures (errors and timeouts together).
+
+    `observe` returns a warning line when a step's failure rate reaches `warn_rate` after a
+    step below it: a run that keeps failing warns once, and again each time it relapses.
+    It raises `RewardError` once every reward failed in `max_failed_steps` consecutive steps,
+    since such steps train on nothing but zero rewards; `max_failed_steps=0` never stops.
+    """
+
+    def __init__(self, warn_rate: float, max_failed_steps: int):
+        self.warn_rate, self.max_failed_steps = warn_rate, max_failed_steps
+        self._above_warn_rate = False  # the last step's rate was at or above warn_rate
+        self._all_failed_steps = 0  # consecutive steps in which every reward failed
+
+    def observe(self, step: int, result: RewardResult, num_samples: int) -> str | None:
+        failed = result.errors + result.timeouts
+        rate = failed / num_samples if num_samples else 0.0
+        self._all_failed_steps = self._all_failed_steps + 1 if num_samples and failed >= num_samples else 0
+        if self.max_failed_steps and self._all_failed_steps >= self.max_failed_steps:
+            raise RewardError(
+                f"every reward failed in {self._all_failed_steps} consecutive steps (up to step {step}); "
+                f"last error: {result.first_error}; reward.max_failed_steps={self.max_failed_steps} "
+                "stops the run (0 never stops)"
+            )
+        crossed = rate >= self.warn_rate and not self._above_warn_rate
+        self._above_warn_rate = rate >= self.warn_rate
+        if not crossed:
+            return None
+        return (
+            f"reward: step {step}: {rate:.0%} of rewards failed ({result.errors} errors, {result.timeouts} timeouts "
+            f"of {num_samples} samples; first: {result.first_error}); "
+            f"this warns at reward.warn_error_rate={self.warn_rate}"
+        )
 
 
 def score_rollouts(
