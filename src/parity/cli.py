@@ -6,7 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from parity.checkpoint import CheckpointError
 from parity.config import ConfigError
+from parity.loop import TrainingError
 from parity.models import ModelError
 from parity.rewards import RewardError
 from parity.runtime import reuse_freed_memory
@@ -50,13 +52,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     from parity.loop import Run, TrainConfig, summary_line
 
     if args.resume:
-        if args.config or args.overrides:
-            raise ConfigError("--resume continues a run with its saved config.yaml; drop the config and overrides")
-        run = Run.resume(args.resume)
+        config, overrides = _split_config(args)
+        if config is not None:
+            raise ConfigError(
+                f"--resume continues a run with its saved config.yaml; drop {config} (only "
+                "steps=, checkpoint_every=, keep_checkpoints=, tensorboard= may be given)"
+            )
+        run = Run.resume(args.resume, overrides, trust_reward_fn=args.trust_reward_fn)
     else:
         config, overrides = _split_config(args)
         run = Run.create(cfg_mod.load(TrainConfig, config, overrides))
     print(f"run directory: {run.run_dir}")
+    if run.step_count >= run.cfg.steps:
+        run.train()  # releases the run directory
+        print(f"the run already completed its {run.cfg.steps} steps; go further with --resume {run.run_dir} steps=N")
+        return 0
     history = run.train()
     print(summary_line(history))
     return 0
@@ -100,10 +110,7 @@ def cmd_sanity(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from parity.report import report_runs, summary_table
 
-    try:
-        summaries = report_runs([Path(d) for d in args.run_dirs], Path(args.out))
-    except FileNotFoundError as e:
-        raise ConfigError(str(e)) from None
+    summaries = report_runs([Path(d) for d in args.run_dirs], Path(args.out))
     print(summary_table(summaries))
     print(f"wrote {args.out}/report.md, summary.json, accuracy.png, mismatch.png")
     return 0
@@ -125,11 +132,11 @@ def cmd_phantom(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from parity.doctor import render, run_doctor
+    from parity.doctor import UNTRAINABLE, render, run_doctor
 
     result = run_doctor(args.model, Path(args.out) if args.out else None, num_prompts=args.prompts)
     print(render(result))
-    return 0
+    return 1 if result["recommendation"] == UNTRAINABLE else 0
 
 
 def cmd_build_model(args: argparse.Namespace) -> int:
@@ -174,7 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _add_config_args(p)
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its newest intact checkpoint, with its saved config "
+        "(only steps=, checkpoint_every=, keep_checkpoints=, tensorboard= may be overridden)",
+    )
+    p.add_argument(
+        "--trust-reward-fn",
+        action="store_true",
+        help="with --resume: allow the run's task.reward_fn, Python code that Parity imports and runs",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
@@ -257,8 +274,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     reuse_freed_memory()  # every command allocates tensors of a few MiB per step
+    # Exit codes: 2 for input that cannot be used (config, model, data, checkpoint files, an
+    # unwritable path), 1 for a run that stopped because going on would train on garbage.
     try:
         return args.func(args)
-    except (ConfigError, ModelError, DataError, RewardError) as e:
+    except (ConfigError, ModelError, DataError, CheckpointError) as e:
         print(f"parity {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"parity {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+    except (TrainingError, RewardError) as e:
+        print(f"parity {args.command}: the run stopped: {e}", file=sys.stderr)
+        return 1

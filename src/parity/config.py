@@ -8,6 +8,7 @@ YAML, the file and line) and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -78,15 +79,21 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             # YAML 1.1 reads `2e-4` (no dot in the mantissa) as a string.
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        # No key means anything by inf or NaN; either would only stall or poison a run.
+        if not math.isfinite(number):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -111,6 +118,12 @@ def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     if check is not None:
         check()
     return obj
+
+
+def check_range(key: str, value: float, ok: bool, expected: str) -> None:
+    """Raise a ConfigError naming `key` unless `ok`; `expected` says what is allowed."""
+    if not ok:
+        raise ConfigError(f"{key}: must be {expected}, got {value!r}")
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

@@ -15,11 +15,13 @@ that sampled), π_θ (being trained):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -43,19 +45,22 @@ from parity.algorithms import (
     needs_old_before_update,
     rejected_sequences,
 )
-from parity.checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
-from parity.config import ConfigError
+from parity.checkpoint import RunState, checkpoints, restore_latest, save_checkpoint
+from parity.config import ConfigError, check_range
 from parity.diagnostics import gap_metrics, mismatch_alarm, mismatch_by_length, mismatch_metrics, phantom_clip_frac
 from parity.files import atomic_write_text
 from parity.models import load_model, load_tokenizer, resolve_model_dir
-from parity.rewards import RewardRunner, score_rollouts
+from parity.rewards import RewardHealth, RewardRunner, score_rollouts
 from parity.rollout import SamplingParams
+from parity.rundir import RunLock, check_run_dir, clean_leftovers
 from parity.runtime import reuse_freed_memory
 from parity.sampler import Sampler
 from parity.tasks import REWARDS, TRUSTED_REWARDS, ArithmeticTask, DataOrder, import_reward_fn, load_problems
 from parity.trainer import OptimConfig, Trainer
 
 TRUNCATION_MODES = ("keep", "zero_reward", "drop")
+# Keys `parity train --resume RUN key=value` may change: how long and how often, never what is trained.
+RESUMABLE_KEYS = ("steps", "checkpoint_every", "keep_checkpoints", "tensorboard")
 RATIO_SOURCES = ("recompute", "shadow", "rollout")
 BINARY_REWARDS = {"builtin", "exact", "math"}
 
@@ -136,6 +141,8 @@ class RewardSection:
     timeout_s: float = 5.0
     strict: bool = False  # a failing reward stops the run instead of scoring 0
     isolate: str = "auto"  # auto (user/math rewards in a worker process) | always | never
+    warn_error_rate: float = 0.1  # warn when this share of a step's rewards failed or timed out
+    max_failed_steps: int = 3  # stop after this many consecutive steps where every reward failed; 0 = never
 
 
 @dataclass
@@ -143,6 +150,37 @@ class HealthSection:
     alarm_window: int = 20  # steps; the rule is in docs/training.md
     alarm_factor: float = 4.0
     on_alarm: str = "warn"  # warn | checkpoint (save, go on) | stop (save, end the run)
+    # FP16: stop after this many consecutive steps whose every update the loss scaler skipped.
+    # (FP32/BF16 have no scaler: a non-finite loss or gradient stops the run at once.)
+    max_skipped_steps: int = 10
+
+
+# Every numeric key and its range (floats are already finite: `config._coerce`).
+NUMERIC_RANGES = (
+    ("trainer.lr", lambda v: v > 0, "> 0"),
+    ("trainer.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("trainer.beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("trainer.beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("trainer.eps", lambda v: v > 0, "> 0"),
+    ("trainer.grad_clip", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("trainer.loss_scale_init", lambda v: v >= 1, ">= 1 (the scaler's floor)"),
+    ("trainer.loss_scale_growth_interval", lambda v: v >= 1, ">= 1"),
+    ("trainer.micro_batch_size", lambda v: v >= 1, ">= 1"),
+    ("reward.timeout_s", lambda v: v > 0, "> 0 seconds"),
+    ("reward.warn_error_rate", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("reward.max_failed_steps", lambda v: v >= 0, ">= 0 (0 = never stop)"),
+    ("health.alarm_window", lambda v: v >= 2, ">= 2"),
+    ("health.alarm_factor", lambda v: v >= 0, ">= 0"),
+    ("health.max_skipped_steps", lambda v: v >= 1, ">= 1"),
+    ("steps", lambda v: v >= 1, ">= 1"),
+    ("prompts_per_step", lambda v: v >= 1, ">= 1"),
+    ("rollout.group_size", lambda v: v >= 1, ">= 1"),
+    ("algorithm.ppo_epochs", lambda v: v >= 1, ">= 1"),
+    ("algorithm.num_minibatches", lambda v: v >= 1, ">= 1"),
+    ("keep_checkpoints", lambda v: v >= 1, ">= 1"),
+    ("checkpoint_every", lambda v: v >= -1, ">= -1 (-1 = never)"),
+    ("task.num_problems", lambda v: v >= 1, ">= 1"),
+)
 
 
 @dataclass
@@ -231,6 +269,11 @@ class TrainConfig:
             token_veto=a.token_veto,
         )
 
+    def _check_ranges(self) -> None:
+        for key, ok, expected in NUMERIC_RANGES:
+            value = attrgetter(key)(self)
+            check_range(key, value, ok(value), expected)
+
     def validate(self) -> None:
         """Check every key and fill the unset algorithm keys (saved resolved in config.yaml)."""
 
@@ -251,19 +294,7 @@ class TrainConfig:
         _one_of("reward.isolate", self.reward.isolate, ("auto", "always", "never"))
         _one_of("algorithm.ratio_source", self.algorithm.ratio_source, RATIO_SOURCES)
         _one_of("health.on_alarm", self.health.on_alarm, ("warn", "checkpoint", "stop"))
-        for key, value in (
-            ("steps", self.steps),
-            ("prompts_per_step", self.prompts_per_step),
-            ("rollout.group_size", self.rollout.group_size),
-            ("algorithm.ppo_epochs", self.algorithm.ppo_epochs),
-            ("algorithm.num_minibatches", self.algorithm.num_minibatches),
-            ("trainer.micro_batch_size", self.trainer.micro_batch_size),
-            ("keep_checkpoints", self.keep_checkpoints),
-        ):
-            if value < 1:
-                raise ConfigError(f"{key}: must be >= 1, got {value}")
-        if self.checkpoint_every < -1:
-            raise ConfigError(f"checkpoint_every: must be >= -1 (-1 = never), got {self.checkpoint_every}")
+        self._check_ranges()
         if self.prompts_per_step % self.algorithm.num_minibatches:
             raise ConfigError(
                 f"algorithm.num_minibatches={self.algorithm.num_minibatches} must divide "
@@ -345,6 +376,29 @@ STAT_NAMES = {
 }
 
 
+class TrainingError(RuntimeError):
+    """The run stopped because going on would train on garbage (non-finite loss or weights)."""
+
+
+def _flatten(obj: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in obj.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _saved_config(run_dir: Path) -> dict[str, Any] | None:
+    """The config stored in the newest checkpoint whose state.json reads, flattened."""
+    for path in reversed(checkpoints(run_dir)):
+        try:
+            saved = json.loads((path / "state.json").read_text()).get("config")
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(saved, dict):
+            return _flatten(saved)
+    return None
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -387,7 +441,13 @@ class Run:
         if cfg.task.data == "builtin":
             self.problems = ArithmeticTask().problems(cfg.task.num_problems, seed=cfg.seed, split="eval")
         else:
-            self.problems = load_problems(cfg.task.data)
+            positions, max_new = model.config.max_position_embeddings, cfg.rollout.max_new_tokens
+            self.problems = load_problems(
+                cfg.task.data,
+                self.tokenizer,
+                positions - max_new,
+                f"model max_position_embeddings {positions} minus rollout.max_new_tokens {max_new}",
+            )
         self.data = DataOrder(len(self.problems), cfg.seed)
         if cfg.task.reward_fn:
             reward_fn, trusted = import_reward_fn(cfg.task.reward_fn), False
@@ -395,6 +455,7 @@ class Run:
             reward_fn, trusted = REWARDS[cfg.task.name], cfg.task.name in TRUSTED_REWARDS
         isolate = {"auto": not trusted, "always": True, "never": False}[cfg.reward.isolate]
         self.rewards = RewardRunner(reward_fn, isolate, cfg.reward.timeout_s, cfg.reward.strict)
+        self.reward_health = RewardHealth(cfg.reward.warn_error_rate, cfg.reward.max_failed_steps)
         self.sampling = SamplingParams(
             cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p, cfg.rollout.max_new_tokens
         )
@@ -402,6 +463,9 @@ class Run:
         self.step_count = 0
         self.alarm_series: list[float] = []  # mismatch/k3 per step, for the collapse warning
         self.alarmed = False
+        self.skipped_streak = 0  # consecutive steps whose every update the FP16 scaler skipped
+        self.zero_variance_warned = False
+        self.lock: RunLock | None = None  # set by create/resume; released when train() ends
         self.log = MetricsLog(run_dir, cfg.tensorboard)
         self.sampler.load_weights(*self.trainer.export_weights())
 
@@ -410,29 +474,94 @@ class Run:
     @classmethod
     def create(cls, cfg: TrainConfig, progress: bool = True) -> Run:
         run_dir = Path(cfg.run_dir or time.strftime("runs/train-%Y%m%d-%H%M%S"))
-        if (run_dir / "metrics.jsonl").exists() or latest_checkpoint(run_dir) is not None:
-            raise ConfigError(
-                f"run_dir: {run_dir} already holds a run; continue it with `parity train --resume {run_dir}` "
-                "or choose another run_dir"
-            )
+        check_run_dir(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        cfg.run_dir = str(run_dir)
-        atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
-        return cls(cfg, run_dir, progress)
+        lock = RunLock(run_dir)  # before looking inside: two runs starting at once cannot both pass
+        try:
+            if (run_dir / "metrics.jsonl").exists() or checkpoints(run_dir) or (run_dir / "config.yaml").exists():
+                raise ConfigError(
+                    f"run_dir: {run_dir} already holds a run; continue it with `parity train --resume {run_dir}` "
+                    "or choose another run_dir"
+                )
+            cfg.run_dir = str(run_dir)
+            atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
+            run = cls(cfg, run_dir, progress)
+        except BaseException:
+            lock.release()
+            raise
+        run.lock = lock
+        return run
 
     @classmethod
-    def resume(cls, run_dir: str | Path, progress: bool = True) -> Run:
+    def resume(
+        cls,
+        run_dir: str | Path,
+        overrides: list[str] | None = None,
+        trust_reward_fn: bool = False,
+        progress: bool = True,
+    ) -> Run:
+        """Continue the run in `run_dir` from its newest intact checkpoint, with exactly its
+        saved config; `overrides` may set only RESUMABLE_KEYS."""
         run_dir = Path(run_dir)
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(f"--resume {run_dir}: no config.yaml there; is this a run directory?")
-        cfg = config_mod.load(TrainConfig, run_dir / "config.yaml")
+        check_run_dir(run_dir)
+        lock = RunLock(run_dir)
+        try:
+            run = cls._resume_locked(run_dir, overrides or [], trust_reward_fn, progress)
+        except BaseException:
+            lock.release()
+            raise
+        run.lock = lock
+        return run
+
+    @classmethod
+    def _resume_locked(cls, run_dir: Path, overrides: list[str], trust_reward_fn: bool, progress: bool) -> Run:
+        def note(line: str) -> None:
+            print(f"resume: {line}", file=sys.stderr)
+
+        for line in clean_leftovers(run_dir):
+            note(line)
+        for item in overrides:
+            key = item.split("=", 1)[0].strip()
+            if key not in RESUMABLE_KEYS:
+                raise ConfigError(
+                    f"--resume {run_dir}: {key} cannot change on resume (a resumed run trains exactly as it "
+                    f"started); only {', '.join(RESUMABLE_KEYS)} can. Start a new run to change {key}"
+                )
+        cfg = config_mod.load(TrainConfig, run_dir / "config.yaml", overrides)
+        cfg.run_dir = str(run_dir)
+        if cfg.task.reward_fn and not trust_reward_fn:
+            raise ConfigError(
+                f"--resume {run_dir}: its config.yaml sets task.reward_fn={cfg.task.reward_fn}, which imports and "
+                "runs that Python code in this process; resume only runs you trust, and confirm with "
+                "--trust-reward-fn"
+            )
+        saved = _saved_config(run_dir)
+        if saved is not None:
+            current = _flatten(dataclasses.asdict(cfg))
+            changed = [k for k in current if k != "run_dir" and saved.get(k) != current[k]]
+            refused = [k for k in changed if k not in RESUMABLE_KEYS]
+            if refused:
+                diffs = "; ".join(f"{k}: {saved.get(k)!r} when saved, {current[k]!r} now" for k in refused[:4])
+                raise ConfigError(
+                    f"--resume {run_dir}: config.yaml differs from the config the run was trained with ({diffs}); "
+                    f"a resumed run trains exactly as it started (only {', '.join(RESUMABLE_KEYS)} may change). "
+                    "Undo the edit, or start a new run"
+                )
+            for k in changed:
+                note(f"{k} {saved.get(k)!r} -> {current[k]!r}")
+        if overrides:
+            atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
         run = cls(cfg, run_dir, progress)
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is not None:
-            state = load_checkpoint(ckpt, run.trainer)
+        state = restore_latest(run_dir, run.trainer, note)
+        if state is not None:
             run.step_count = state.step
             run.data.position = state.data_position
             run.sampler.load_weights(*run.trainer.export_weights())
+            note(f"continuing from step {state.step}")
+        elif checkpoints(run_dir) or run.log.path.is_file():
+            note("no usable checkpoint; starting again from step 0")
         run.log.truncate_after(run.step_count)
         for line in run.log.path.read_text().splitlines() if run.log.path.is_file() else []:
             logged = json.loads(line)
@@ -476,6 +605,9 @@ class Run:
 
         t = time.perf_counter()
         result = score_rollouts(batch, problems, self.tokenizer, self.rewards)
+        warning = self.reward_health.observe(self.step_count + 1, result, len(result.rewards))
+        if warning is not None:
+            tqdm.write(f"WARNING {warning}", file=sys.stderr)
         rewards = torch.tensor(result.rewards)
         scored = rewards.clone()
         if a.truncated == "zero_reward":
@@ -511,6 +643,7 @@ class Run:
         stats: dict[str, list[float]] = {}
         losses, kls = [], []
         step_stats = None
+        skipped_updates = 0
         order_gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.step_count)
         for epoch in range(a.ppo_epochs):
             # Mini-batches hold whole groups, shuffled per epoch.
@@ -560,8 +693,10 @@ class Run:
                     for k, v in loss_stats.items():
                         stats.setdefault(k, []).append(float(v))
                 step_stats = self.trainer.step()
+                skipped_updates += step_stats.skipped
                 stats.setdefault("grad_norm", []).append(step_stats.grad_norm)
         times["train"] = time.perf_counter() - t
+        self._check_finite(sum(losses), skipped_updates, updates)
 
         t = time.perf_counter()
         self.sampler.load_weights(*self.trainer.export_weights())
@@ -620,6 +755,35 @@ class Run:
         metrics["perf/train_gflops"] = flops / 1e9 / times["train"]
         return metrics
 
+    def _check_finite(self, loss: float, skipped_updates: int, updates: int) -> None:
+        """Stop before a non-finite update is synced, logged or saved.
+
+        FP16 skips an update whose gradients overflow and lowers the loss scale; that is
+        routine, so only a long run of fully skipped steps stops it. FP32 and BF16 have no
+        scaler: a non-finite loss or gradient there means the run has diverged."""
+        step = self.step_count + 1
+        last = checkpoints(self.run_dir)
+        where = f"the newest checkpoint is {last[-1].name}" if last else "no checkpoint was written"
+        if not self.trainer.weights_finite():
+            raise TrainingError(
+                f"step {step}: the weights hold inf/NaN after the optimizer step (trainer.lr="
+                f"{self.cfg.trainer.lr:g}); the run stopped without saving them; {where}"
+            )
+        if self.trainer.scaler.enabled:
+            self.skipped_streak = self.skipped_streak + 1 if skipped_updates == updates else 0
+            if self.skipped_streak >= self.cfg.health.max_skipped_steps:
+                raise TrainingError(
+                    f"step {step}: the FP16 loss scaler skipped every update of {self.skipped_streak} steps in a row "
+                    f"(loss {loss:g}, loss scale {self.trainer.scaler.scale:g}; health.max_skipped_steps="
+                    f"{self.cfg.health.max_skipped_steps}): the model overflows FP16; try precision=bf16; {where}"
+                )
+        elif skipped_updates or not math.isfinite(loss):
+            raise TrainingError(
+                f"step {step}: non-finite loss ({loss:g}) or gradients in {self.trainer.precision}, which has no "
+                f"loss scaler to skip them; {skipped_updates} of {updates} updates were not applied and the run "
+                f"stopped; {where}"
+            )
+
     # -- the loop -------------------------------------------------------------
 
     def train(self) -> list[dict[str, float]]:
@@ -646,6 +810,17 @@ class Run:
                 if "reward/accuracy" in metrics:
                     headline["acc"] = f"{metrics['reward/accuracy']:.2f}"
                 bar.set_postfix(headline)
+                if metrics["groups/zero_variance_frac"] == 1.0:
+                    if not self.zero_variance_warned:
+                        tqdm.write(
+                            f"WARNING step {self.step_count}: every group's rewards are equal "
+                            "(groups/zero_variance_frac = 1), so every advantage is 0 and the step trained nothing; "
+                            "if it persists, the task is too hard or too easy for the model, or the reward is constant",
+                            file=sys.stderr,
+                        )
+                    self.zero_variance_warned = True
+                else:
+                    self.zero_variance_warned = False
                 every = cfg.checkpoint_every
                 if every >= 0 and ((every and self.step_count % every == 0) or self.step_count == cfg.steps):
                     self.checkpoint()
@@ -666,10 +841,12 @@ class Run:
             bar.close()
             self.rewards.close()
             self.log.close()
+            if self.lock is not None:
+                self.lock.release()
         return history
 
     def checkpoint(self) -> Path:
-        state = RunState(self.step_count, self.data.position, self.trainer.weight_version)
+        state = RunState(self.step_count, self.data.position, self.trainer.weight_version, dataclasses.asdict(self.cfg))
         return save_checkpoint(self.run_dir, self.trainer, state, self.model_dir, self.cfg.keep_checkpoints)
 
 

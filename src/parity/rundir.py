@@ -1,0 +1,109 @@
+"""The run directory: one process owns it at a time, and it holds nothing but a run.
+
+A run directory holds `config.yaml`, `metrics.jsonl`, `checkpoints/`,
+`tensorboard/` and `.lock`. The owner keeps an exclusive POSIX lock on `.lock`
+for the run's life; the kernel drops it when the process dies, however it dies,
+so a crashed run never leaves a stale lock. POSIX locks belong to a process and
+are not inherited by `fork`, so the reward worker never holds the run's lock.
+
+Parity deletes files in a run directory (pruned checkpoints, a crash's
+half-written ones), so it refuses a directory that holds anything else: `.`, a
+home folder, a source tree.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from pathlib import Path
+
+from parity.config import ConfigError
+
+LOCK_NAME = ".lock"
+RUN_ENTRIES = {"config.yaml", "metrics.jsonl", "checkpoints", "tensorboard", LOCK_NAME}
+# Temporary files of `files.atomic_write_text` that a kill can leave behind.
+TEMP_PATTERNS = (".config.yaml.*.tmp", ".metrics.jsonl.*.tmp")
+
+
+def foreign_entries(run_dir: Path) -> list[str]:
+    """Names in `run_dir` that no run writes."""
+    return sorted(
+        p.name for p in run_dir.iterdir() if p.name not in RUN_ENTRIES and not any(p.match(t) for t in TEMP_PATTERNS)
+    )
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse a directory that is not a run's own: the working directory, or one with other files."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir: {run_dir} is a file, not a directory")
+    if run_dir.resolve() == Path.cwd().resolve():
+        raise ConfigError(
+            f"run_dir={run_dir}: the working directory cannot be a run directory (Parity prunes and cleans files "
+            "there); use a folder of its own, e.g. run_dir=runs/NAME"
+        )
+    if run_dir.is_dir():
+        foreign = foreign_entries(run_dir)
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise ConfigError(
+                f"run_dir: {run_dir} holds files that are not a run's ({shown}); Parity prunes and cleans files "
+                "in its run directory, so it only uses a new or empty folder"
+            )
+
+
+_held: set[Path] = set()  # POSIX locks never conflict within one process: track ours
+
+
+class RunLock:
+    """An exclusive lock on a run directory, held until `release` or the process's end."""
+
+    def __init__(self, run_dir: Path):
+        self.path = (run_dir / LOCK_NAME).resolve()
+        if self.path in _held:
+            raise ConfigError(f"run_dir: {run_dir} is in use by a run in this process (pid {os.getpid()})")
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            self._fd = None
+            raise ConfigError(
+                f"run_dir: {run_dir} is in use by another Parity process (pid {holder}); wait for it to end, "
+                "or choose another run_dir"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        _held.add(self.path)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the lock; the file stays (others may be waiting on it)
+            self._fd = None
+            _held.discard(self.path)
+
+
+def clean_leftovers(run_dir: Path) -> list[str]:
+    """Remove what a killed run left half-written; return what was done, one line each.
+
+    `files.atomic_dir` swaps an existing checkpoint out as `.step_N.old` just before
+    moving the new one in; a kill between the two renames leaves only the old one,
+    which is put back.
+    """
+    done = []
+    ckpts = run_dir / "checkpoints"
+    for tmp in sorted(ckpts.glob(".step_*.tmp")):
+        shutil.rmtree(tmp, ignore_errors=True)
+        done.append(f"removed {tmp.name}, a checkpoint left half-written by a crash")
+    for old in sorted(ckpts.glob(".step_*.old")):
+        target = ckpts / old.name[1 : -len(".old")]
+        if target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, target)
+            done.append(f"restored {target.name}, swapped out by a crash during a save")
+    for pattern in TEMP_PATTERNS:
+        for tmp in run_dir.glob(pattern):
+            tmp.unlink(missing_ok=True)
+    return done

@@ -1,0 +1,400 @@
+"""No run can destroy, fake or silently stall another: locks, non-finite values, exact resume,
+damaged checkpoints, leftovers, clean errors and hostile run directories (issue 13)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parity import config
+from parity.checkpoint import CheckpointError, RunState, save_checkpoint
+from parity.cli import main
+from parity.config import ConfigError
+from parity.loop import Run, TrainConfig, TrainingError
+
+TINY = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
+
+
+def _train(run_dir: Path, *overrides: str) -> int:
+    return main(["train", f"run_dir={run_dir}", *TINY, *overrides])
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _timeless_text(text: str) -> list[dict]:
+    rows = [json.loads(x) for x in text.splitlines()]
+    return [{k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))} for m in rows]
+
+
+def _timeless(path: Path) -> list[dict]:
+    return _timeless_text(path.read_text())
+
+
+def _parity(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "parity", *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+# ----------------------------------------------------------------------------- 1. one run per directory
+
+
+def test_a_locked_run_dir_is_refused_naming_the_holder(tmp_path):
+    """Two real processes: one holds the run directory, `parity train` and `--resume` are refused."""
+    run_dir = tmp_path / "run"
+    assert _train(run_dir, "steps=1") == 0
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from parity.rundir import RunLock; "
+            f"RunLock(Path({str(run_dir)!r})); print('locked', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        resumed = _parity("train", "--resume", str(run_dir), "steps=2")
+        assert resumed.returncode == 2
+        assert f"in use by another Parity process (pid {holder.pid})" in resumed.stderr
+        assert "Traceback" not in resumed.stderr
+        assert _steps(run_dir) == [1]  # untouched
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # The kernel dropped the dead holder's lock: the run continues.
+    assert main(["train", "--resume", str(run_dir), "steps=2"]) == 0
+    assert _steps(run_dir) == [1, 2]
+
+
+def test_two_runs_started_on_one_dir_at_once(tmp_path):
+    """Two real `parity train` processes on one new directory: exactly one runs."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "parity", "train", f"run_dir={run_dir}", "steps=2", *TINY]
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 2], results
+    loser = next(err for code, err in results if code == 2)
+    assert "in use by another Parity process" in loser or "already holds a run" in loser
+    assert _steps(run_dir) == [1, 2]
+
+
+# ----------------------------------------------------------------------------- 2. non-finite weights
+
+
+def test_non_finite_weights_stop_the_run_and_are_never_saved(tmp_path):
+    run = Run.create(config.load(TrainConfig, None, [f"run_dir={tmp_path / 'r'}", "precision=fp32", *TINY]), False)
+    run.step()
+    run.checkpoint()
+    run.trainer.optimizer.param_groups[0]["lr"] = float("inf")  # a divergence, past the config's checks
+    with pytest.raises(TrainingError, match=r"step 2: the weights hold inf/NaN .* newest checkpoint is step_000001"):
+        run.step()
+    assert run.step_count == 1  # the bad step is not counted, synced or logged
+    with pytest.raises(CheckpointError, match="not saving a checkpoint: inf/NaN in "):
+        run.checkpoint()
+    assert [p.name for p in (run.run_dir / "checkpoints").iterdir()] == ["step_000001"]
+    run.rewards.close()
+
+
+def test_a_learning_rate_that_blows_up_stops_before_saving(tmp_path, capsys):
+    assert _train(tmp_path / "r", "precision=fp32", "steps=3", "trainer.lr=1e38", "checkpoint_every=1") == 1
+    err = capsys.readouterr().err
+    assert "the run stopped: step 1: the weights hold inf/NaN after the optimizer step (trainer.lr=1e+38)" in err
+    assert not (tmp_path / "r" / "metrics.jsonl").exists() and not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_non_finite_loss_stops_fp32_at_once(tmp_path, monkeypatch, capsys):
+    # Rewards near FP32's maximum: the Dr.GRPO advantages (not divided by the std) overflow the loss.
+    (tmp_path / "rel_huge_reward.py").write_text(
+        "def score(prompt, response, answer):\n    return 3e38 if len(response) % 2 else 0.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _train(tmp_path / "r", "precision=fp32", "steps=3", "task.reward_fn=rel_huge_reward:score") == 1
+    err = capsys.readouterr().err
+    assert "the run stopped: step 1: non-finite loss (" in err and "no checkpoint was written" in err
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_fp16_stops_after_max_skipped_steps(tmp_path, capsys):
+    # A loss scale that overflows every FP16 backward: the scaler skips and halves, for too long.
+    assert _train(tmp_path / "r", "steps=5", "trainer.loss_scale_init=1e30", "health.max_skipped_steps=2") == 1
+    err = capsys.readouterr().err
+    assert "step 2: the FP16 loss scaler skipped every update of 2 steps in a row" in err
+    assert _steps(tmp_path / "r") == [1]
+
+
+def test_a_nan_checkpoint_is_set_aside_and_the_last_good_one_kept(tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    assert _train(run_dir, "steps=2", "checkpoint_every=1", "keep_checkpoints=2") == 0
+    # A checkpoint whose weights are NaN but whose manifest matches (written by a careless tool).
+    bad = run_dir / "checkpoints" / "step_000002"
+    weights = load_file(str(bad / "model" / "model.safetensors"))
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, str(bad / "model" / "model.safetensors"), metadata={"format": "pt"})
+    from parity.checkpoint import _write_manifest
+
+    (bad / "manifest.json").unlink()
+    _write_manifest(bad)
+    assert main(["train", "--resume", str(run_dir), "steps=4"]) == 0
+    err = capsys.readouterr().err
+    assert "checkpoint step_000002 is unusable (" in err and "inf/NaN in model.norm.weight" in err
+    assert "continuing from step 1" in err
+    assert (run_dir / "checkpoints" / "corrupt" / "step_000002").is_dir()
+    assert _steps(run_dir) == [1, 2, 3, 4]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000003", "step_000004"]
+
+
+def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
+    run = Run.create(config.load(TrainConfig, None, [f"run_dir={tmp_path / 'r'}", *TINY]), False)
+    ckpts = tmp_path / "r" / "checkpoints"
+    for step in (1, 2, 3):
+        run.step_count = step
+        save_checkpoint(run.run_dir, run.trainer, RunState(step, 0, 0), run.model_dir, keep=1)
+        assert [p.name for p in ckpts.glob("step_*")] == [f"step_{step:06d}"]
+    run.rewards.close()
+
+
+# ----------------------------------------------------------------------------- 3. bad values
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.loss_scale_init=inf", "trainer.loss_scale_init: expected a finite number, got 'inf'"),
+        ("trainer.loss_scale_init=nan", "trainer.loss_scale_init: expected a finite number"),
+        ("trainer.loss_scale_init=0.5", r"trainer.loss_scale_init: must be >= 1"),
+        ("reward.timeout_s=0", r"reward.timeout_s: must be > 0 seconds, got 0.0"),
+        ("algorithm.cap=-1", r"algorithm.cap_low=0.0, algorithm.cap=-1.0: need 0 <= cap_low < cap"),
+        ("algorithm.clip_high=nan", "algorithm.clip_high: expected a finite number"),
+        ("trainer.lr=nan", "trainer.lr: expected a finite number"),
+        ("trainer.lr=-1e-4", r"trainer.lr: must be > 0, got -0.0001"),
+        ("trainer.lr=inf", "trainer.lr: expected a finite number"),
+        ("trainer.beta2=1", r"trainer.beta2: must be in \[0, 1\)"),
+        ("trainer.eps=0", r"trainer.eps: must be > 0"),
+        ("trainer.grad_clip=-1", r"trainer.grad_clip: must be >= 0"),
+        ("reward.warn_error_rate=0", r"reward.warn_error_rate: must be in \(0, 1\]"),
+        ("reward.max_failed_steps=-1", r"reward.max_failed_steps: must be >= 0"),
+        ("health.alarm_factor=-1", r"health.alarm_factor: must be >= 0"),
+        ("rollout.temperature=0", "rollout.temperature"),
+        ("algorithm.kl_coef=inf", "algorithm.kl_coef: expected a finite number"),
+    ],
+)
+def test_values_that_would_stall_training_are_refused(override, message):
+    name = "grpo_token_tis" if override.startswith("algorithm.cap") else "pg_seq_is"
+    with pytest.raises(ConfigError, match=message):
+        config.load(TrainConfig, None, [override, f"algorithm.name={name}"])
+
+
+def _numeric_keys(obj, prefix=""):
+    import dataclasses
+
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _numeric_keys(value, f"{prefix}{f.name}.")
+        elif f.type in ("int", "float", "float | None"):
+            yield f"{prefix}{f.name}", f.type
+
+
+def test_every_numeric_key_is_range_checked():
+    """Far out of range, every numeric key but the seed is refused, naming itself."""
+    keys = list(_numeric_keys(TrainConfig()))
+    assert len(keys) > 30
+    for key, kind in keys:
+        if key == "seed":
+            continue
+        name = "grpo_token_tis" if key.startswith("algorithm.cap") else "grpo"
+        for bad in ["-1000000000"] + (["nan", "-inf"] if "float" in kind else []):
+            with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+                config.load(TrainConfig, None, [f"{key}={bad}", f"algorithm.name={name}"])
+
+
+# ----------------------------------------------------------------------------- 4. resume exactly
+
+
+def test_resume_refuses_an_edited_config_and_changes_outside_the_allow_list(tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    assert _train(run_dir, "steps=1") == 0
+    cfg = run_dir / "config.yaml"
+    original = cfg.read_text()
+    cfg.write_text(original.replace("lr: 0.0002", "lr: 0.001"))
+    assert main(["train", "--resume", str(run_dir), "steps=2"]) == 2
+    assert "trainer.lr: 0.0002 when saved, 0.001 now" in capsys.readouterr().err
+    cfg.write_text(original)
+    assert main(["train", "--resume", str(run_dir), "precision=bf16"]) == 2
+    assert "precision cannot change on resume" in capsys.readouterr().err
+    assert _steps(run_dir) == [1]
+    # steps may change: it is logged and recorded.
+    assert main(["train", "--resume", str(run_dir), "steps=2"]) == 0
+    assert "resume: steps 1 -> 2" in capsys.readouterr().err
+    assert config.load(TrainConfig, cfg).steps == 2 and _steps(run_dir) == [1, 2]
+
+
+# ----------------------------------------------------------------------------- 5. silent stalls
+
+
+def test_a_reward_that_always_fails_stops_the_run(tmp_path, monkeypatch, capsys):
+    (tmp_path / "rel_failing_reward.py").write_text("def score(prompt, response, answer):\n    return 1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = _train(tmp_path / "r", "steps=10", "task.reward_fn=rel_failing_reward:score", "reward.max_failed_steps=2")
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.count("ZeroDivisionError: division by zero") >= 2  # the first failure, then the stop
+    assert "every reward failed in 2 consecutive steps" in err
+    assert _steps(tmp_path / "r") == [1]
+
+
+def test_zero_reward_variance_is_warned_with_the_reason(tmp_path, monkeypatch, capsys):
+    (tmp_path / "rel_flat_reward.py").write_text("def score(prompt, response, answer):\n    return 0.5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _train(tmp_path / "r", "steps=2", "task.reward_fn=rel_flat_reward:score") == 0
+    err = capsys.readouterr().err
+    assert err.count("groups/zero_variance_frac = 1") == 1  # once per streak, not every step
+    assert "every advantage is 0" in err
+
+
+# ----------------------------------------------------------------------------- 7, 8. crash leftovers
+
+
+def test_resume_cleans_half_written_checkpoints_and_restores_a_swapped_one(tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    assert _train(run_dir, "steps=2", "checkpoint_every=1") == 0
+    ckpts = run_dir / "checkpoints"
+    (ckpts / ".step_000003.x1y2.tmp" / "model").mkdir(parents=True)
+    (run_dir / ".metrics.jsonl.abc.tmp").write_text("half")
+    # Killed between atomic_dir's two renames: only `.step_000002.old` is left.
+    os.replace(ckpts / "step_000002", ckpts / ".step_000002.old")
+    assert main(["train", "--resume", str(run_dir), "steps=3"]) == 0
+    err = capsys.readouterr().err
+    assert "removed .step_000003.x1y2.tmp" in err and "restored step_000002" in err
+    assert "continuing from step 2" in err
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000003"]
+    assert not list(run_dir.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(tmp_path, capsys, damage):
+    run_dir = tmp_path / "r"
+    assert _train(run_dir, "steps=3", "checkpoint_every=1", "keep_checkpoints=3") == 0
+    reference = (run_dir / "metrics.jsonl").read_text()
+    latest = run_dir / "checkpoints" / "step_000003"
+    target = latest / "optimizer.safetensors"
+    if damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        target.write_bytes(bytes(data))
+    elif damage == "truncate":
+        target.write_bytes(target.read_bytes()[:100])
+    elif damage == "delete":
+        (latest / "model" / "model.safetensors").unlink()
+    else:
+        (latest / "manifest.json").write_text("{")
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    err = capsys.readouterr().err
+    assert "checkpoint step_000003 is unusable" in err and "continuing from step 2" in err
+    assert (run_dir / "checkpoints" / "corrupt" / "step_000003").is_dir()
+    assert _timeless(run_dir / "metrics.jsonl") == _timeless_text(reference)
+
+
+# ----------------------------------------------------------------------------- 10. clean errors
+
+
+def _damaged_model(tmp_path: Path, how: str) -> Path:
+    from parity.models import BUILTIN_DIR
+
+    out = tmp_path / f"model-{how}"
+    shutil.copytree(BUILTIN_DIR, out)
+    weights = out / "model.safetensors"
+    if how == "cut":
+        weights.write_bytes(weights.read_bytes()[:5000])
+    elif how == "shape":
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["intermediate_size"] += 8
+        (out / "config.json").write_text(json.dumps(cfg))
+    else:
+        (out / "config.json").write_text("{not json")
+    return out
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("cut", "model.safetensors: not a readable safetensors file"),
+        ("shape", "weights do not match config.json"),
+        ("json", "config.json:1: invalid JSON"),
+    ],
+)
+def test_damaged_model_files_give_one_line(tmp_path, capsys, how, message):
+    model = _damaged_model(tmp_path, how)
+    assert main(["mismatch", "--model", str(model), "--out", str(tmp_path / "o"), "num_prompts=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_unwritable_output_gives_one_line(tmp_path, capsys):
+    if os.geteuid() == 0:
+        target = Path("/sys/parity-readonly-test")  # root writes anywhere but a kernel filesystem
+        if not Path("/sys").is_dir():
+            pytest.skip("no read-only location for root here")
+    else:
+        (tmp_path / "ro").mkdir(mode=0o555)
+        target = tmp_path / "ro" / "run"
+    assert main(["train", f"run_dir={target}", *TINY, "steps=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"parity train: error: {target}") and len(err.splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- 11. hostile run directories
+
+
+def test_resume_with_a_reward_fn_needs_explicit_trust(tmp_path):
+    """A run directory from someone else must not run code on --resume without consent."""
+    run_dir = tmp_path / "received"
+    run_dir.mkdir()
+    cfg = config.load(TrainConfig, None, [f"run_dir={run_dir}", "task.reward_fn=payload:score", *TINY])
+    (run_dir / "config.yaml").write_text(config.dump_yaml(cfg))
+    (tmp_path / "payload.py").write_text(
+        textwrap.dedent(
+            """
+            from pathlib import Path
+            Path("PWNED").write_text("ran")
+            def score(prompt, response, answer):
+                return 0.0
+            """
+        )
+    )
+    refused = _parity("train", "--resume", str(run_dir), cwd=tmp_path)
+    assert refused.returncode == 2 and "--trust-reward-fn" in refused.stderr
+    assert not (tmp_path / "PWNED").exists()
+    trusted = _parity("train", "--resume", str(run_dir), "steps=1", "--trust-reward-fn", cwd=tmp_path)
+    assert trusted.returncode == 0, trusted.stderr
+    assert (tmp_path / "PWNED").exists()
+
+
+def test_run_dir_must_be_its_own_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "run_dir=.", *TINY, "steps=1"]) == 2
+    assert "the working directory cannot be a run directory" in capsys.readouterr().err
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "notes.txt").write_text("mine")
+    assert main(["train", f"run_dir={project}", *TINY, "steps=1"]) == 2
+    assert "holds files that are not a run's (notes.txt)" in capsys.readouterr().err
+    assert main(["train", "--resume", str(project)]) == 2  # no config.yaml: not a run
+    (project / "config.yaml").write_text("steps: 1\n")
+    assert main(["train", "--resume", str(project)]) == 2
+    assert "notes.txt" in capsys.readouterr().err
+    assert sorted(p.name for p in project.iterdir()) == ["config.yaml", "notes.txt"]
+    assert torch.isfinite(torch.zeros(1)).all()
