@@ -308,6 +308,31 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(tmp_path, c
     assert _timeless(run_dir / "metrics.jsonl") == _timeless_text(reference)
 
 
+def test_a_checkpoint_write_that_fails_for_space_keeps_the_earlier_ones(tmp_path):
+    """A file-size limit (as a full disk would) fails the step-3 save: one line, exit 2, step 2 intact."""
+    import resource
+
+    run_dir = tmp_path / "r"
+    assert _train(run_dir, "steps=2", "checkpoint_every=1") == 0
+    limit = 4 * 2**20  # the model file (3 MB) fits, the optimizer state (6 MB) does not
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    full = subprocess.run(
+        [sys.executable, "-m", "parity", "train", "--resume", str(run_dir), "steps=4"],
+        capture_output=True,
+        text=True,
+        preexec_fn=small_files,
+        timeout=300,
+    )
+    assert full.returncode == 2 and "Traceback" not in full.stderr
+    assert "step_000003: could not be written (" in full.stderr and "earlier checkpoints are intact" in full.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    assert main(["train", "--resume", str(run_dir), "steps=4"]) == 0
+    assert _steps(run_dir) == [1, 2, 3, 4]
+
+
 # ----------------------------------------------------------------------------- 10. clean errors
 
 
@@ -381,6 +406,15 @@ def test_resume_with_a_reward_fn_needs_explicit_trust(tmp_path):
     trusted = _parity("train", "--resume", str(run_dir), "steps=1", "--trust-reward-fn", cwd=tmp_path)
     assert trusted.returncode == 0, trusted.stderr
     assert (tmp_path / "PWNED").exists()
+
+
+def test_a_run_killed_before_it_started_is_started_again(tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / ".lock").write_text("12345\n")  # all a run killed while loading its model leaves
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    assert "stopped before it started" in capsys.readouterr().err
+    assert _train(run_dir, "steps=1") == 0 and _steps(run_dir) == [1]
 
 
 def test_run_dir_must_be_its_own_folder(tmp_path, monkeypatch, capsys):

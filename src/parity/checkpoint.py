@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from parity.files import atomic_dir
@@ -106,6 +107,18 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, state: RunState, tokenizer_
     if bad:
         raise CheckpointError(f"step {state.step}: not saving a checkpoint: inf/NaN in {', '.join(bad[:3])}")
     target = ckpt_root / f"step_{state.step:06d}"
+    try:
+        _write_checkpoint(target, trainer, state, tokenizer_dir)
+    except (OSError, SafetensorError) as e:  # a full disk, a file-size limit: the earlier ones stay intact
+        raise CheckpointError(f"{target}: could not be written ({e}); earlier checkpoints are intact") from None
+    # Older ones go; `target`, just written from finite weights, is always the newest kept.
+    older = [p for p in sorted(ckpt_root.glob("step_*")) if p.name < target.name]
+    for old in older[: max(len(older) - (keep - 1), 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def _write_checkpoint(target: Path, trainer: Trainer, state: RunState, tokenizer_dir: Path) -> None:
     with atomic_dir(target) as tmp:
         save_model(trainer.model, tmp / "model", tokenizer_dir=tokenizer_dir)
         tensors, meta = _optimizer_tensors(trainer.optimizer)
@@ -127,11 +140,6 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, state: RunState, tokenizer_
             + "\n"
         )
         _write_manifest(tmp)
-    # Older ones go; `target`, just written from finite weights, is always the newest kept.
-    older = [p for p in sorted(ckpt_root.glob("step_*")) if p.name < target.name]
-    for old in older[: max(len(older) - (keep - 1), 0)]:
-        shutil.rmtree(old, ignore_errors=True)
-    return target
 
 
 def checkpoints(run_dir: Path) -> list[Path]:

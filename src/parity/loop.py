@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ from parity.files import atomic_write_text
 from parity.models import load_model, load_tokenizer, resolve_model_dir
 from parity.rewards import RewardHealth, RewardRunner, score_rollouts
 from parity.rollout import SamplingParams
-from parity.rundir import RunLock, check_run_dir, clean_leftovers
+from parity.rundir import RunLock, check_run_dir, clean_leftovers, foreign_entries
 from parity.runtime import reuse_freed_memory
 from parity.sampler import Sampler
 from parity.tasks import REWARDS, TRUSTED_REWARDS, ArithmeticTask, DataOrder, import_reward_fn, load_problems
@@ -475,6 +476,7 @@ class Run:
     def create(cls, cfg: TrainConfig, progress: bool = True) -> Run:
         run_dir = Path(cfg.run_dir or time.strftime("runs/train-%Y%m%d-%H%M%S"))
         check_run_dir(run_dir)
+        created = not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = RunLock(run_dir)  # before looking inside: two runs starting at once cannot both pass
         try:
@@ -484,10 +486,12 @@ class Run:
                     "or choose another run_dir"
                 )
             cfg.run_dir = str(run_dir)
+            run = cls(cfg, run_dir, progress)  # model, data and reward are checked before anything is written
             atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
-            run = cls(cfg, run_dir, progress)
         except BaseException:
             lock.release()
+            if created and not (run_dir / "config.yaml").exists():
+                shutil.rmtree(run_dir, ignore_errors=True)  # a refused run leaves nothing behind
             raise
         run.lock = lock
         return run
@@ -504,6 +508,11 @@ class Run:
         saved config; `overrides` may set only RESUMABLE_KEYS."""
         run_dir = Path(run_dir)
         if not (run_dir / "config.yaml").is_file():
+            if run_dir.is_dir() and (run_dir / ".lock").is_file() and not foreign_entries(run_dir):
+                raise ConfigError(
+                    f"--resume {run_dir}: the run there stopped before it started (no config.yaml yet); "
+                    f"start it again with run_dir={run_dir}"
+                )
             raise ConfigError(f"--resume {run_dir}: no config.yaml there; is this a run directory?")
         check_run_dir(run_dir)
         lock = RunLock(run_dir)
