@@ -15,7 +15,6 @@ is active on the ratio against μ and not on the ratio against π_old. Two parts
 
 from __future__ import annotations
 
-import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from parity.loop import Run, TrainConfig
 from parity.models import export_state, load_model, load_tokenizer, resolve_model_dir
 from parity.report import Panel, plot_beta_distribution, plot_curves
 from parity.rollout import SamplingParams
+from parity.rundir import remove_run
 from parity.sampler import Sampler
 from parity.tasks import ArithmeticTask
 
@@ -100,7 +100,7 @@ def _config(run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...]) ->
 
 
 def _train(run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...], progress: bool = False) -> list[dict]:
-    shutil.rmtree(run_dir, ignore_errors=True)
+    remove_run(run_dir)
     return Run.create(_config(run_dir, steps, seed, overrides), progress=progress).train()
 
 

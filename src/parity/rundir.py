@@ -107,3 +107,12 @@ def clean_leftovers(run_dir: Path) -> list[str]:
         for tmp in run_dir.glob(pattern):
             tmp.unlink(missing_ok=True)
     return done
+
+
+def remove_run(run_dir: Path) -> None:
+    """Delete a finished run directory that a command is about to redo (`parity sanity`, `parity
+    phantom`); refused while a run holds it."""
+    if run_dir.exists():
+        lock = RunLock(run_dir)
+        shutil.rmtree(run_dir)  # the lock file goes with it; our descriptor keeps the lock until closed
+        lock.release()

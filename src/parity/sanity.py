@@ -9,7 +9,6 @@ is broken. Writes summary.json, report.md and plots to the output directory.
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from parity.report import (
     summarize,
     summary_table,
 )
+from parity.rundir import remove_run
 
 DEFAULT_RUNS = (
     "fp16/pg_seq_is",
@@ -104,8 +104,7 @@ def run_sanity(out: Path, runs: list[tuple[str, str]], quick: bool, seed: int = 
     for precision, estimator in runs:
         name = f"{precision}/{estimator}"
         run_dir = out / "runs" / name.replace("/", "-")
-        if run_dir.exists():
-            shutil.rmtree(run_dir)  # a previous sanity run's copy of this run
+        remove_run(run_dir)  # a previous sanity run's copy of this run
         cfg = config_mod.load(
             TrainConfig,
             None,
