@@ -51,8 +51,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from parity import config as cfg_mod
     from parity.loop import Run, TrainConfig, summary_line
 
+    config, overrides = _split_config(args)
     if args.resume:
-        config, overrides = _split_config(args)
         if config is not None:
             raise ConfigError(
                 f"--resume continues a run with its saved config.yaml; drop {config} (only "
@@ -60,7 +60,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         run = Run.resume(args.resume, overrides, trust_reward_fn=args.trust_reward_fn)
     else:
-        config, overrides = _split_config(args)
         run = Run.create(cfg_mod.load(TrainConfig, config, overrides))
     print(f"run directory: {run.run_dir}")
     if run.step_count >= run.cfg.steps:

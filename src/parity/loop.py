@@ -46,7 +46,7 @@ from parity.algorithms import (
     needs_old_before_update,
     rejected_sequences,
 )
-from parity.checkpoint import RunState, checkpoints, restore_latest, save_checkpoint
+from parity.checkpoint import RunState, checkpoints, non_finite_tensors, restore_latest, save_checkpoint
 from parity.config import ConfigError, check_range
 from parity.diagnostics import gap_metrics, mismatch_alarm, mismatch_by_length, mismatch_metrics, phantom_clip_frac
 from parity.files import atomic_write_text
@@ -178,6 +178,7 @@ NUMERIC_RANGES = (
     ("rollout.group_size", lambda v: v >= 1, ">= 1"),
     ("algorithm.ppo_epochs", lambda v: v >= 1, ">= 1"),
     ("algorithm.num_minibatches", lambda v: v >= 1, ">= 1"),
+    ("algorithm.kl_coef", lambda v: v >= 0, ">= 0 (0 = no KL loss)"),
     ("keep_checkpoints", lambda v: v >= 1, ">= 1"),
     ("checkpoint_every", lambda v: v >= -1, ">= -1 (-1 = never)"),
     ("task.num_problems", lambda v: v >= 1, ">= 1"),
@@ -225,10 +226,8 @@ class TrainConfig:
         else:
             a.cap = est.cap if a.cap is None else a.cap
             a.cap_low = est.cap_low if a.cap_low is None else a.cap_low
-            if not (math.isfinite(a.cap) and 0 <= a.cap_low < a.cap):
-                raise ConfigError(
-                    f"algorithm.cap_low={a.cap_low}, algorithm.cap={a.cap}: need 0 <= cap_low < cap, cap finite"
-                )
+            if not 0 <= a.cap_low < a.cap:  # both finite: config._coerce refuses inf and NaN
+                raise ConfigError(f"algorithm.cap_low={a.cap_low}, algorithm.cap={a.cap}: need 0 <= cap_low < cap")
         a.advantage = est.advantage if a.advantage is None else a.advantage
         a.aggregation = (est.aggregation or "seq_mean_token_sum_norm") if a.aggregation is None else a.aggregation
         if a.truncated is None:
@@ -255,8 +254,6 @@ class TrainConfig:
                 raise ConfigError(f"algorithm.{key}: must be in (0, 1), got {value}")
         if not 0 <= a.token_veto < 1:
             raise ConfigError(f"algorithm.token_veto: must be in [0, 1) (0 = off; VeRL uses 1e-4), got {a.token_veto}")
-        if not (math.isfinite(a.kl_coef) and a.kl_coef >= 0):
-            raise ConfigError(f"algorithm.kl_coef: must be a finite number >= 0, got {a.kl_coef}")
 
     def loss_config(self) -> LossConfig:
         a = self.algorithm
@@ -771,12 +768,16 @@ class Run:
         routine, so only a long run of fully skipped steps stops it. FP32 and BF16 have no
         scaler: a non-finite loss or gradient there means the run has diverged."""
         step = self.step_count + 1
-        last = checkpoints(self.run_dir)
-        where = f"the newest checkpoint is {last[-1].name}" if last else "no checkpoint was written"
-        if not self.trainer.weights_finite():
+
+        def where() -> str:  # only on the way out: no directory listing on every step
+            last = checkpoints(self.run_dir)
+            return f"the newest checkpoint is {last[-1].name}" if last else "no checkpoint was written"
+
+        bad = non_finite_tensors(dict(self.trainer.model.named_parameters()))
+        if bad:
             raise TrainingError(
                 f"step {step}: the weights hold inf/NaN after the optimizer step (trainer.lr="
-                f"{self.cfg.trainer.lr:g}); the run stopped without saving them; {where}"
+                f"{self.cfg.trainer.lr:g}); the run stopped without saving them ({', '.join(bad[:3])}); {where()}"
             )
         if self.trainer.scaler.enabled:
             self.skipped_streak = self.skipped_streak + 1 if skipped_updates == updates else 0
@@ -784,13 +785,13 @@ class Run:
                 raise TrainingError(
                     f"step {step}: the FP16 loss scaler skipped every update of {self.skipped_streak} steps in a row "
                     f"(loss {loss:g}, loss scale {self.trainer.scaler.scale:g}; health.max_skipped_steps="
-                    f"{self.cfg.health.max_skipped_steps}): the model overflows FP16; try precision=bf16; {where}"
+                    f"{self.cfg.health.max_skipped_steps}): the model overflows FP16; try precision=bf16; {where()}"
                 )
         elif skipped_updates or not math.isfinite(loss):
             raise TrainingError(
                 f"step {step}: non-finite loss ({loss:g}) or gradients in {self.trainer.precision}, which has no "
                 f"loss scaler to skip them; {skipped_updates} of {updates} updates were not applied and the run "
-                f"stopped; {where}"
+                f"stopped; {where()}"
             )
 
     # -- the loop -------------------------------------------------------------

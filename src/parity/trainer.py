@@ -165,9 +165,6 @@ class Trainer:
             weight_version=self.weight_version,
         )
 
-    def weights_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.params)
-
     def export_weights(self) -> tuple[dict[str, torch.Tensor], int]:
         """FP32 weights and their version, for `RolloutEngine.load_weights` (which casts)."""
         return export_state(self.model), self.weight_version
