@@ -40,7 +40,7 @@ MODELS = {
 def make_llama_4m(out: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from parity.models import BUILTIN_DIR
+    from parity.engines.models import BUILTIN_DIR
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -66,8 +66,8 @@ class Workloads:
     """Everything a measurement needs, built once per process."""
 
     def __init__(self, model_dir: str, spec: dict):
-        from parity.models import load_tokenizer
-        from parity.tasks import ArithmeticTask
+        from parity.engines.models import load_tokenizer
+        from parity.rl.tasks import ArithmeticTask
 
         self.model_dir, self.spec = model_dir, spec
         self.tok = load_tokenizer(model_dir)
@@ -76,8 +76,8 @@ class Workloads:
         self.seed = 0
 
     def parity_rollout(self, precision: str, eos: bool):
-        from parity.models import load_model
-        from parity.rollout import RolloutEngine, SamplingParams
+        from parity.engines.models import load_model
+        from parity.engines.rollout import RolloutEngine, SamplingParams
 
         model = load_model(self.model_dir)
         engine = RolloutEngine(model.config, precision, self.tok.eos_id if eos else -1, self.tok.pad_id)
@@ -93,7 +93,7 @@ class Workloads:
     def hf_generate(self, precision: str, eos: bool):
         from transformers import AutoModelForCausalLM
 
-        from parity import precision as prec
+        from parity.engines import precision as prec
 
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=prec.to_dtype(precision)).eval()
         group, new = self.spec["group"], self.spec["new_tokens"]
@@ -127,9 +127,9 @@ class Workloads:
         return run
 
     def train_step(self, precision: str):
-        from parity.models import load_model
-        from parity.rollout import RolloutEngine, SamplingParams
-        from parity.trainer import OptimConfig, Trainer
+        from parity.engines.models import load_model
+        from parity.engines.rollout import RolloutEngine, SamplingParams
+        from parity.engines.trainer import OptimConfig, Trainer
 
         model = load_model(self.model_dir)
         engine = RolloutEngine(model.config, precision, -1, self.tok.pad_id)
@@ -202,7 +202,7 @@ def matmul_job(repeats: int) -> dict:
     """GFLOP/s of x[1408, 256] @ w[256, 1024] (64 sequences x 22 tokens, a 4.4M-Llama MLP)."""
     import torch.nn.functional as F
 
-    from parity import precision as prec
+    from parity.engines import precision as prec
 
     x, w = torch.randn(1408, 256), torch.randn(1024, 256)
     flops = 2 * x.shape[0] * x.shape[1] * w.shape[0]
@@ -234,7 +234,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    from parity.models import resolve_model_dir
+    from parity.engines.models import resolve_model_dir
 
     results: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "models": {}}
     results["matmul_gflops"] = isolated(matmul_job, 20)

@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from parity import config
-from parity.loop import Run, TrainConfig
+from parity.rl.loop import Run, TrainConfig
 
 PAIRS = {
     "fp32/bf16": ["precision=fp32", "rollout.precision=bf16", "allow_precision_mismatch=true"],

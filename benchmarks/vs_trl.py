@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engines import isolated, make_llama_4m, matmul_job  # noqa: E402
-from parity.report import SMOOTHING, TARGET_ACCURACY, moving_average  # noqa: E402
+from parity.commands.report import SMOOTHING, TARGET_ACCURACY, moving_average  # noqa: E402
 
 CONFIGS = {
     # name: (model: "builtin" or "llama-4.4M", prompts per step, group size, max new tokens)
@@ -53,13 +53,13 @@ def _max_rss_mb() -> float:
 
 
 def _eval_problems(n: int) -> list[dict]:
-    from parity.tasks import ArithmeticTask
+    from parity.rl.tasks import ArithmeticTask
 
     return [{"prompt": p.prompt, "answer": p.answer} for p in ArithmeticTask().problems(n, seed=0, split="eval")]
 
 
 def _perfectible_problems() -> list[dict]:
-    from parity.perfectible import PerfectibleConfig, build_or_load
+    from parity.commands.perfectible import PerfectibleConfig, build_or_load
 
     path, _, _ = build_or_load(PerfectibleConfig(seed=0))
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -90,7 +90,7 @@ class Work:
 
 def parity_run(work: Work, tmp: Path):
     from parity import config
-    from parity.loop import Run, TrainConfig
+    from parity.rl.loop import Run, TrainConfig
 
     data = tmp / "data.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in work.problems))
@@ -126,7 +126,7 @@ def trl_trainer(work: Work, callbacks: list, on_accuracy=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from parity.tasks import ArithmeticTask, Problem
+    from parity.rl.tasks import ArithmeticTask, Problem
 
     task = ArithmeticTask()
 
@@ -324,7 +324,7 @@ def step_table(args) -> dict:
 
 
 def _model_dir(model: str, tmp: Path) -> Path:
-    from parity.models import resolve_model_dir
+    from parity.engines.models import resolve_model_dir
 
     return resolve_model_dir("builtin") if model == "builtin" else make_llama_4m(tmp / model)
 
@@ -334,7 +334,7 @@ def _model_dir(model: str, tmp: Path) -> Path:
 
 def solve_work(precision: str, max_steps: int, seed: int) -> Work:
     """The built-in model on its perfectible set, at `parity sanity` settings."""
-    from parity.models import resolve_model_dir
+    from parity.engines.models import resolve_model_dir
 
     _, prompts, group, new_tokens = CONFIGS["builtin (sanity settings)"]
     problems = _perfectible_problems()
@@ -409,7 +409,7 @@ def solve_table(args) -> dict:
 
 
 def plot_solve(runs: list[dict], path: Path) -> None:
-    import matplotlib.pyplot as plt  # parity.report has chosen the Agg backend
+    import matplotlib.pyplot as plt  # parity.commands.report has chosen the Agg backend
 
     fig, ax = plt.subplots(figsize=(7, 4.3), layout="constrained")
     for r in runs:

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from parity.algorithms import (
+from parity.rl.algorithms import (
     ESTIMATORS,
     LossConfig,
     PolicyInputs,

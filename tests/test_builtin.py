@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from parity.builtin.build import BuildConfig, accuracy_spread, build_model
-from parity.models import BUILTIN_DIR, load_model, load_tokenizer
-from parity.tasks import ArithmeticTask, Problem
+from parity.engines.models import BUILTIN_DIR, load_model, load_tokenizer
+from parity.rl.tasks import ArithmeticTask, Problem
 
 
 def test_task_solutions_check_exactly():

@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from parity import tasks
-from parity.models import load_tokenizer
-from parity.perfectible import PerfectibleConfig, candidate_problems
-from parity.tasks import DataError, Problem, load_problems
+from parity.commands.perfectible import PerfectibleConfig, candidate_problems
+from parity.engines.models import load_tokenizer
+from parity.rl import tasks
+from parity.rl.tasks import DataError, Problem, load_problems
 
 REASON = "model max_position_embeddings 128 minus rollout.max_new_tokens 120"
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from parity.diagnostics import mismatch_by_length, mismatch_metrics
+from parity.rl.diagnostics import mismatch_by_length, mismatch_metrics
 
 
 def test_metrics_match_formulas():

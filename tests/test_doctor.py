@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parity.cli import main
-from parity.doctor import FP16Pass, LayerReport, measure_fp16_pass, recommend, run_doctor
-from parity.models import load_model, load_tokenizer
+from parity.commands.doctor import FP16Pass, LayerReport, measure_fp16_pass, recommend, run_doctor
+from parity.engines.models import load_model, load_tokenizer
 
 
 def edited_copy(src: Path, dst: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:

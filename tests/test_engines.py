@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity.diagnostics import mismatch_metrics
-from parity.models import load_model, load_tokenizer
-from parity.rollout import RolloutEngine, SamplingParams, filter_logits
-from parity.trainer import OptimConfig, Trainer
+from parity.engines.models import load_model, load_tokenizer
+from parity.engines.rollout import RolloutEngine, SamplingParams, filter_logits
+from parity.engines.trainer import OptimConfig, Trainer
+from parity.rl.diagnostics import mismatch_metrics
 
 PROMPTS = ["12+34=", "7+8=", "123+4567=", "5+5="]
 
@@ -93,14 +93,14 @@ def test_generation_is_seeded_and_stops_at_eos(llama_dir):
 def test_cache_growth_leaves_samples_unchanged(llama_dir, monkeypatch):
     """Slots added block by block (with compaction in between) give the same tokens and
     μ as one cache sized for the whole response."""
-    import parity.rollout
+    import parity.engines.rollout
 
     tok, _, engine = _setup(llama_dir)
     prompts = [tok.encode(p) for p in PROMPTS]
     sampling = SamplingParams(max_new_tokens=40)
-    monkeypatch.setattr(parity.rollout, "CACHE_BLOCK", 5)
+    monkeypatch.setattr(parity.engines.rollout, "CACHE_BLOCK", 5)
     grown = engine.generate(prompts, 4, sampling, seed=1)
-    monkeypatch.setattr(parity.rollout, "CACHE_BLOCK", 1000)
+    monkeypatch.setattr(parity.engines.rollout, "CACHE_BLOCK", 1000)
     whole = engine.generate(prompts, 4, sampling, seed=1)
     assert grown.response_mask.sum(-1).max() > 5 * 3  # several blocks were added
     assert torch.equal(grown.response_ids, whole.response_ids)
@@ -110,7 +110,7 @@ def test_cache_growth_leaves_samples_unchanged(llama_dir, monkeypatch):
 def test_decode_batch_shrinks_in_row_buckets(llama_dir, monkeypatch):
     """Dropping finished rows keeps the decode batch at multiples of ROW_BUCKET (topped
     up with finished rows), and the finished rows' outputs stay padding."""
-    import parity.rollout
+    import parity.engines.rollout
 
     tok, _, engine = _setup(llama_dir)
     sizes = []
@@ -119,7 +119,7 @@ def test_decode_batch_shrinks_in_row_buckets(llama_dir, monkeypatch):
     batch = engine.generate([tok.encode(p) for p in PROMPTS], 10, SamplingParams(max_new_tokens=40), seed=2)
     assert sizes[0] == 4 and sizes[1] == 40  # prefill of the prompts, then the whole batch
     assert len(set(sizes[1:])) > 1  # rows were dropped
-    assert all(n % parity.rollout.ROW_BUCKET == 0 for n in sizes[2:] if n != 40)
+    assert all(n % parity.engines.rollout.ROW_BUCKET == 0 for n in sizes[2:] if n != 40)
     lengths = batch.response_mask.sum(-1)
     assert ((batch.response_ids == tok.pad_id) | batch.response_mask).all()
     assert (batch.rollout_logprobs[~batch.response_mask] == 0).all() and lengths.min() < lengths.max()
@@ -157,7 +157,7 @@ def test_weights_stored_in_rollout_precision(llama_dir):
 
 
 def test_sampler_matches_the_distribution():
-    from parity.rollout import sample_categorical
+    from parity.engines.rollout import sample_categorical
 
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).expand(20000, 4)
     draws = sample_categorical(probs, torch.Generator().manual_seed(0)).squeeze(-1)

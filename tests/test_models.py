@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from parity.models import ModelError, load_model, load_tokenizer, resolve_model_dir, save_model
-from parity.packing import pack
+from parity.engines.models import ModelError, load_model, load_tokenizer, resolve_model_dir, save_model
+from parity.engines.packing import pack
 
 
 @pytest.mark.parametrize("fixture", ["llama_dir", "qwen2_dir"])

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import parity.precision
-from parity.models import load_model, load_tokenizer
-from parity.packing import ROW_MULTIPLE, STREAM_MULTIPLE, pack
-from parity.trainer import OptimConfig, Trainer, matmul_flops
+import parity.engines.precision
+from parity.engines.models import load_model, load_tokenizer
+from parity.engines.packing import ROW_MULTIPLE, STREAM_MULTIPLE, pack
+from parity.engines.trainer import OptimConfig, Trainer, matmul_flops
 
 
 def _batch(tok):
@@ -79,7 +79,7 @@ def test_bucketed_layout_changes_nothing_but_round_off(llama_dir, monkeypatch):
         return logprobs, grads
 
     plain, plain_grads = logprobs_and_grads()
-    monkeypatch.setattr(parity.precision, "per_shape_kernels", lambda dtype, device: True)
+    monkeypatch.setattr(parity.engines.precision, "per_shape_kernels", lambda dtype, device: True)
     bucketed, bucketed_grads = logprobs_and_grads()
     assert torch.allclose(bucketed, plain, atol=1e-6)
     for got, want in zip(bucketed_grads, plain_grads):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from parity import config
-from parity.algorithms import clip_active
-from parity.diagnostics import gap_metrics, mismatch_alarm, phantom_clip_frac
-from parity.loop import Run, TrainConfig
+from parity.rl.algorithms import clip_active
+from parity.rl.diagnostics import gap_metrics, mismatch_alarm, phantom_clip_frac
+from parity.rl.loop import Run, TrainConfig
 
 SMALL = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=48", "tensorboard=false"]
 PAIRS = {

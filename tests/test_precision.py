@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parity import precision
-from parity.models import load_model, load_tokenizer
-from parity.trainer import OptimConfig, Trainer
+from parity.engines import precision
+from parity.engines.models import load_model, load_tokenizer
+from parity.engines.trainer import OptimConfig, Trainer
 
 
 def test_fp16_fast_path_matches_native_fp16_matmul():

@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parity import config
-from parity.checkpoint import CheckpointError, RunState, save_checkpoint
 from parity.cli import main
 from parity.config import ConfigError
-from parity.loop import Run, TrainConfig, TrainingError
+from parity.rl.checkpoint import CheckpointError, RunState, save_checkpoint
+from parity.rl.loop import Run, TrainConfig, TrainingError
 
 TINY = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
 
@@ -143,7 +143,7 @@ def test_a_nan_checkpoint_is_set_aside_and_the_last_good_one_kept(tmp_path, caps
     weights = load_file(str(bad / "model" / "model.safetensors"))
     weights["model.norm.weight"][0] = float("nan")
     save_file(weights, str(bad / "model" / "model.safetensors"), metadata={"format": "pt"})
-    from parity.checkpoint import _write_manifest
+    from parity.rl.checkpoint import _write_manifest
 
     (bad / "manifest.json").unlink()
     _write_manifest(bad)
@@ -201,11 +201,11 @@ def _numeric_keys(obj, prefix=""):
     import dataclasses
 
     for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
+        value, key = getattr(obj, f.name), f.metadata.get("key", f.name)  # `async` lives in `async_`
         if dataclasses.is_dataclass(value):
-            yield from _numeric_keys(value, f"{prefix}{f.name}.")
+            yield from _numeric_keys(value, f"{prefix}{key}.")
         elif f.type in ("int", "float", "float | None"):
-            yield f"{prefix}{f.name}", f.type
+            yield f"{prefix}{key}", f.type
 
 
 def test_every_numeric_key_is_range_checked():
@@ -337,7 +337,7 @@ def test_a_checkpoint_write_that_fails_for_space_keeps_the_earlier_ones(tmp_path
 
 
 def _damaged_model(tmp_path: Path, how: str) -> Path:
-    from parity.models import BUILTIN_DIR
+    from parity.engines.models import BUILTIN_DIR
 
     out = tmp_path / f"model-{how}"
     shutil.copytree(BUILTIN_DIR, out)

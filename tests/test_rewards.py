@@ -15,8 +15,8 @@ import pytest
 
 from parity.cli import main
 from parity.config import ConfigError
-from parity.rewards import RewardError, RewardHealth, RewardResult, RewardRunner
-from parity.tasks import (
+from parity.rl.rewards import RewardError, RewardHealth, RewardResult, RewardRunner
+from parity.rl.tasks import (
     DataError,
     DataOrder,
     Problem,
@@ -159,8 +159,8 @@ def test_worker_exits_when_the_run_is_killed(only):
     # The reward returns the worker's pid, so the run can tell it without reaching into the runner.
     script = textwrap.dedent(f"""
         import os, time
-        from parity import rewards
-        from parity.tasks import Problem
+        from parity.rl import rewards
+        from parity.rl.tasks import Problem
         {only}
         runner = rewards.RewardRunner(lambda p, r, n: os.getpid(), isolate=True)
         print(int(runner([(Problem("q", "a"), "r", 1)]).rewards[0]), flush=True)

@@ -8,9 +8,9 @@ import pytest
 from PIL import Image
 
 from parity.cli import main
+from parity.commands.perfectible import filter_perfectible, format_histogram, histogram
+from parity.commands.sanity import parse_runs
 from parity.config import ConfigError
-from parity.perfectible import filter_perfectible, format_histogram, histogram
-from parity.sanity import parse_runs
 
 
 def test_filter_on_known_accuracies():

@@ -15,7 +15,7 @@ import pytest
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
-from parity.loop import Run, TrainConfig
+from parity.rl.loop import Run, TrainConfig
 
 TINY = ["steps=4", "prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=48", "tensorboard=false"]
 

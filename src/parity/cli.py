@@ -6,13 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from parity.checkpoint import CheckpointError
 from parity.config import ConfigError
-from parity.loop import TrainingError
-from parity.models import ModelError
-from parity.rewards import RewardError
+from parity.engines.models import ModelError
+from parity.rl.checkpoint import CheckpointError
+from parity.rl.loop import TrainingError
+from parity.rl.rewards import RewardError
+from parity.rl.tasks import DataError
 from parity.runtime import reuse_freed_memory
-from parity.tasks import DataError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -32,7 +32,7 @@ def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 
 def cmd_mismatch(args: argparse.Namespace) -> int:
     from parity import config as cfg_mod
-    from parity.mismatch import MismatchConfig, markdown_table, run_mismatch, write_outputs
+    from parity.commands.mismatch import MismatchConfig, markdown_table, run_mismatch, write_outputs
 
     config, overrides = _split_config(args)
     if args.model:
@@ -49,7 +49,8 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from parity import config as cfg_mod
-    from parity.loop import Run, TrainConfig, summary_line
+    from parity.distributed.driver import resume_class, run_class
+    from parity.rl.loop import TrainConfig, summary_line
 
     config, overrides = _split_config(args)
     if args.resume:
@@ -58,9 +59,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"--resume continues a run with its saved config.yaml; drop {config} (only "
                 "steps=, checkpoint_every=, keep_checkpoints=, tensorboard= may be given)"
             )
-        run = Run.resume(args.resume, overrides, trust_reward_fn=args.trust_reward_fn)
+        run = resume_class(args.resume).resume(args.resume, overrides, trust_reward_fn=args.trust_reward_fn)
     else:
-        run = Run.create(cfg_mod.load(TrainConfig, config, overrides))
+        cfg = cfg_mod.load(TrainConfig, config, overrides)
+        run = run_class(cfg).create(cfg)
     print(f"run directory: {run.run_dir}")
     if run.step_count >= run.cfg.steps:
         run.train()  # releases the run directory
@@ -73,7 +75,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_perfectible(args: argparse.Namespace) -> int:
     from parity import config as cfg_mod
-    from parity.perfectible import (
+    from parity.commands.perfectible import (
         PerfectibleConfig,
         candidate_problems,
         filter_perfectible,
@@ -95,11 +97,11 @@ def cmd_perfectible(args: argparse.Namespace) -> int:
 
 
 def cmd_sanity(args: argparse.Namespace) -> int:
-    from parity.sanity import DEFAULT_RUNS, parse_runs, run_sanity
+    from parity.commands.sanity import DEFAULT_RUNS, parse_runs, run_sanity
 
     runs = parse_runs(args.runs or ",".join(DEFAULT_RUNS))
     summary = run_sanity(Path(args.out), runs, quick=args.quick, seed=args.seed)
-    from parity.report import summary_table
+    from parity.commands.report import summary_table
 
     print(summary_table(summary["runs"]))
     print(f"wrote {args.out}/summary.json, report.md and plots ({summary['wall_seconds']:.0f} s)")
@@ -107,7 +109,7 @@ def cmd_sanity(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from parity.report import report_runs, summary_table
+    from parity.commands.report import report_runs, summary_table
 
     summaries = report_runs([Path(d) for d in args.run_dirs], Path(args.out))
     print(summary_table(summaries))
@@ -116,7 +118,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_phantom(args: argparse.Namespace) -> int:
-    from parity.phantom import run_phantom
+    from parity.commands.phantom import run_phantom
 
     eps = tuple(float(e) for e in args.eps.split(",") if e.strip())
     summary = run_phantom(Path(args.out), steps=args.steps, eps_sweep=eps, seed=args.seed)
@@ -131,7 +133,7 @@ def cmd_phantom(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from parity.doctor import UNTRAINABLE, render, run_doctor
+    from parity.commands.doctor import UNTRAINABLE, render, run_doctor
 
     result = run_doctor(args.model, Path(args.out) if args.out else None, num_prompts=args.prompts)
     print(render(result))
@@ -256,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_doctor)
 
     from parity.builtin.build import BuildConfig
-    from parity.models import BUILTIN_DIR
+    from parity.engines.models import BUILTIN_DIR
 
     p = sub.add_parser(
         "build-model",

@@ -105,14 +105,35 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported config type {tp!r}")
 
 
+def _key(f: dataclasses.Field) -> str:
+    """The config key of a dataclass field: its name, or `metadata["key"]` where the key is a
+    Python keyword (`async`, held in the field `async_`)."""
+    return f.metadata.get("key", f.name)
+
+
+def to_dict(obj: Any) -> Any:
+    """A config dataclass as nested dicts under its config keys (what config.yaml holds)."""
+    if dataclasses.is_dataclass(obj):
+        return {_key(f): to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return obj
+
+
+def get_key(obj: Any, dotted: str) -> Any:
+    """The value of the dotted config key `dotted` (for example `async.max_staleness`)."""
+    for part in dotted.split("."):
+        obj = getattr(obj, next(f.name for f in dataclasses.fields(obj) if _key(f) == part))
+    return obj
+
+
 def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    fields = {_key(f): f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
             raise ConfigError(f"unknown config key {prefix}{key!s}; allowed keys here: {', '.join(sorted(fields))}")
-        kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}")
+        name = fields[key].name
+        kwargs[name] = _coerce(value, hints[name], f"{prefix}{key}")
     obj = cls(**kwargs)
     check = getattr(obj, "validate", None)
     if check is not None:
@@ -196,4 +217,4 @@ def _has_path(data: dict[str, Any], dotted: str) -> bool:
 
 
 def dump_yaml(obj: Any) -> str:
-    return yaml.safe_dump(dataclasses.asdict(obj), sort_keys=False)
+    return yaml.safe_dump(to_dict(obj), sort_keys=False)

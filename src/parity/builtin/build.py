@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from parity.models import CausalLM, ModelConfig, load_tokenizer, save_model
-from parity.perfectible import problem_accuracies
-from parity.rewards import RewardRunner
-from parity.rollout import RolloutEngine
-from parity.tasks import BUILTIN_CHARS, BUILTIN_SPECIALS, ArithmeticTask, Problem, builtin_reward
-from parity.trainer import OptimConfig, Trainer
+from parity.commands.perfectible import problem_accuracies
+from parity.engines.models import CausalLM, ModelConfig, load_tokenizer, save_model
+from parity.engines.rollout import RolloutEngine
+from parity.engines.trainer import OptimConfig, Trainer
+from parity.rl.rewards import RewardRunner
+from parity.rl.tasks import BUILTIN_CHARS, BUILTIN_SPECIALS, ArithmeticTask, Problem, builtin_reward
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import statistics
 
 import torch
 
-from parity.algorithms import clamped_exp, clip_active
+from parity.rl.algorithms import clamped_exp, clip_active
 
 LENGTH_BIN_EDGES = (0, 16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,14 +17,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from parity import precision as prec
 from parity.config import ConfigError
-from parity.diagnostics import mismatch_by_length, mismatch_metrics
+from parity.engines import precision as prec
+from parity.engines.models import load_model, load_tokenizer, resolve_model_dir
+from parity.engines.rollout import RolloutEngine, SamplingParams
+from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text
-from parity.models import load_model, load_tokenizer, resolve_model_dir
-from parity.rollout import RolloutEngine, SamplingParams
-from parity.tasks import ArithmeticTask
-from parity.trainer import OptimConfig, Trainer
+from parity.rl.diagnostics import mismatch_by_length, mismatch_metrics
+from parity.rl.tasks import ArithmeticTask
 
 # Metrics shown in the markdown table, with their ratio to the FP16 run.
 TABLE_METRICS = ("k3", "token_abs_log_ratio_mean", "seq_abs_log_ratio", "prob_abs_diff_mean", "chi2_token")
@@ -201,7 +202,6 @@ def markdown_table(results: list[PairResult]) -> str:
 
 
 def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
-    from parity.report import plot_mismatch_scatter, plot_seq_log_ratio_vs_length
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -220,3 +220,65 @@ def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
     plot_mismatch_scatter(results, out / "mismatch_scatter.png")
     plot_seq_log_ratio_vs_length(results, out / "seq_log_ratio_vs_length.png")
     return out
+
+
+MAX_SCATTER_POINTS = 20000
+
+
+def plot_mismatch_scatter(results: Sequence[PairResult], path: Path) -> None:
+    """Per precision pair: μ vs π probability of each sampled token (top), and the
+    log-ratio π − μ against μ's probability (bottom, where small gaps are visible)."""
+    from parity.commands.report import plt, save_figure  # matplotlib only when plotting
+
+    n = len(results)
+    fig, axes = plt.subplots(2, n, figsize=(3.8 * n, 7.5), squeeze=False, layout="constrained")
+    for col, r in enumerate(results):
+        m = r.mask
+        mu = r.rollout_logprobs[m].exp()[:MAX_SCATTER_POINTS].numpy()
+        pi = r.trainer_logprobs[m].exp()[:MAX_SCATTER_POINTS].numpy()
+        delta = (r.trainer_logprobs[m] - r.rollout_logprobs[m])[:MAX_SCATTER_POINTS].numpy()
+        top, bottom = axes[0][col], axes[1][col]
+        top.scatter(mu, pi, s=3, alpha=0.35)
+        top.plot([0, 1], [0, 1], color="black", lw=0.7)
+        top.set(
+            xlim=(0, 1),
+            ylim=(0, 1),
+            xlabel="rollout probability μ",
+            ylabel="trainer probability π" if col == 0 else None,
+            title=r.label,
+        )
+        bottom.scatter(mu, delta, s=3, alpha=0.35, color="tab:red")
+        bottom.axhline(0, color="black", lw=0.7)
+        bottom.set_yscale("symlog", linthresh=1e-6)
+        bottom.set(xlim=(0, 1), xlabel="rollout probability μ", ylabel="log π − log μ" if col == 0 else None)
+        bottom.text(
+            0.5,
+            0.5,
+            f"k3 = {r.metrics['k3']:.2e}\nmean |Δ| = {r.metrics['token_abs_log_ratio_mean']:.2e}",
+            transform=bottom.transAxes,
+            ha="center",
+            va="center",
+            fontsize=9,
+            bbox=dict(facecolor="white", alpha=0.8, edgecolor="none"),
+        )
+    fig.suptitle("Token-level training–inference mismatch")
+    save_figure(fig, path)
+
+
+def plot_seq_log_ratio_vs_length(results: Sequence[PairResult], path: Path) -> None:
+    """|Σ_t (π − μ)| per sequence against response length, one colour per pair."""
+    from parity.commands.report import plt, save_figure
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        lengths = r.mask.sum(-1).numpy()
+        seq = (r.trainer_logprobs - r.rollout_logprobs).masked_fill(~r.mask, 0).sum(-1).abs().numpy()
+        ax.scatter(lengths, seq, s=8, alpha=0.5, label=f"{r.label} (mean {seq.mean():.2e})")
+    ax.set_yscale("symlog", linthresh=1e-6)
+    ax.set(
+        xlabel="response length (tokens)",
+        ylabel="|sequence log-ratio| = |Σ_t log π − log μ|",
+        title="Sequence-level mismatch against response length",
+    )
+    ax.legend(fontsize=8)
+    save_figure(fig, path)

@@ -1,10 +1,9 @@
-"""Plots. Each function takes measured results and writes one PNG."""
+"""Training-run reports and the plots they share. Each plot function takes measured results and writes one PNG."""
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,76 +14,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from parity.files import atomic_write_json, atomic_write_text  # noqa: E402
-from parity.tasks import DataError  # noqa: E402
+from parity.rl.tasks import DataError  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
 
-    from parity.mismatch import PairResult
 
-MAX_SCATTER_POINTS = 20000
-
-
-def _save(fig, path: Path) -> None:
+def save_figure(fig, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, dpi=110, bbox_inches="tight")
     plt.close(fig)
     tmp.replace(path)
-
-
-def plot_mismatch_scatter(results: Sequence[PairResult], path: Path) -> None:
-    """Per precision pair: μ vs π probability of each sampled token (top), and the
-    log-ratio π − μ against μ's probability (bottom, where small gaps are visible)."""
-    n = len(results)
-    fig, axes = plt.subplots(2, n, figsize=(3.8 * n, 7.5), squeeze=False, layout="constrained")
-    for col, r in enumerate(results):
-        m = r.mask
-        mu = r.rollout_logprobs[m].exp()[:MAX_SCATTER_POINTS].numpy()
-        pi = r.trainer_logprobs[m].exp()[:MAX_SCATTER_POINTS].numpy()
-        delta = (r.trainer_logprobs[m] - r.rollout_logprobs[m])[:MAX_SCATTER_POINTS].numpy()
-        top, bottom = axes[0][col], axes[1][col]
-        top.scatter(mu, pi, s=3, alpha=0.35)
-        top.plot([0, 1], [0, 1], color="black", lw=0.7)
-        top.set(
-            xlim=(0, 1),
-            ylim=(0, 1),
-            xlabel="rollout probability μ",
-            ylabel="trainer probability π" if col == 0 else None,
-            title=r.label,
-        )
-        bottom.scatter(mu, delta, s=3, alpha=0.35, color="tab:red")
-        bottom.axhline(0, color="black", lw=0.7)
-        bottom.set_yscale("symlog", linthresh=1e-6)
-        bottom.set(xlim=(0, 1), xlabel="rollout probability μ", ylabel="log π − log μ" if col == 0 else None)
-        bottom.text(
-            0.5,
-            0.5,
-            f"k3 = {r.metrics['k3']:.2e}\nmean |Δ| = {r.metrics['token_abs_log_ratio_mean']:.2e}",
-            transform=bottom.transAxes,
-            ha="center",
-            va="center",
-            fontsize=9,
-            bbox=dict(facecolor="white", alpha=0.8, edgecolor="none"),
-        )
-    fig.suptitle("Token-level training–inference mismatch")
-    _save(fig, path)
-
-
-def plot_seq_log_ratio_vs_length(results: Sequence[PairResult], path: Path) -> None:
-    """|Σ_t (π − μ)| per sequence against response length, one colour per pair."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results:
-        lengths = r.mask.sum(-1).numpy()
-        seq = (r.trainer_logprobs - r.rollout_logprobs).masked_fill(~r.mask, 0).sum(-1).abs().numpy()
-        ax.scatter(lengths, seq, s=8, alpha=0.5, label=f"{r.label} (mean {seq.mean():.2e})")
-    ax.set_yscale("symlog", linthresh=1e-6)
-    ax.set(
-        xlabel="response length (tokens)",
-        ylabel="|sequence log-ratio| = |Σ_t log π − log μ|",
-        title="Sequence-level mismatch against response length",
-    )
-    ax.legend(fontsize=8)
-    _save(fig, path)
 
 
 # ----------------------------------------------------------------------------- training runs
@@ -189,7 +129,7 @@ def plot_curves(histories: dict[str, list[dict]], panels: list[Panel], path: Pat
             ax.axhline(panel.hline, color="grey", lw=0.7, ls=":")
         ax.set(xlabel="step", ylabel=panel.key, title=panel.title, yscale="log" if panel.log else "linear")
     axes[0][0].legend(fontsize=8)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_accuracy(histories: dict[str, list[dict]], path: Path) -> None:
@@ -224,7 +164,7 @@ def plot_beta_distribution(beta: torch.Tensor, probs: torch.Tensor, path: Path) 
     axes[1].set(
         xscale="log", yscale="symlog", xlabel="token probability μ", ylabel="|β|", title="|β| against token probability"
     )
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_histogram(counts: list[int], lo: float, hi: float, path: Path) -> None:
@@ -237,7 +177,7 @@ def plot_histogram(counts: list[int], lo: float, hi: float, path: Path) -> None:
         ylabel="problems",
         title=f"Base-model accuracy per problem (green: kept, accuracy in [{lo}, {hi}])",
     )
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def report_runs(run_dirs: list[Path], out: Path) -> dict[str, dict]:

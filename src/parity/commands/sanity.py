@@ -14,21 +14,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parity import config as config_mod
-from parity.algorithms import ESTIMATORS
-from parity.config import ConfigError
-from parity.files import atomic_write_json, atomic_write_text
-from parity.loop import Run, TrainConfig
-from parity.mismatch import MismatchConfig, SamplingConfig, run_mismatch
-from parity.perfectible import PerfectibleConfig, build_or_load, filter_perfectible, format_histogram, histogram
-from parity.precision import PRECISIONS
-from parity.report import (
+from parity.commands.mismatch import MismatchConfig, SamplingConfig, plot_mismatch_scatter, run_mismatch
+from parity.commands.perfectible import (
+    PerfectibleConfig,
+    build_or_load,
+    filter_perfectible,
+    format_histogram,
+    histogram,
+)
+from parity.commands.report import (
     plot_accuracy,
     plot_histogram,
     plot_mismatch_curves,
-    plot_mismatch_scatter,
     summarize,
     summary_table,
 )
+from parity.config import ConfigError
+from parity.engines.precision import PRECISIONS
+from parity.files import atomic_write_json, atomic_write_text
+from parity.rl.algorithms import ESTIMATORS
+from parity.rl.loop import Run, TrainConfig
 from parity.rundir import remove_run
 
 DEFAULT_RUNS = (

@@ -18,8 +18,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from parity import precision as prec
-from parity.models import CausalLM, ModelConfig, apply_rope, rope_angles, rope_inv_freq
+from parity.engines import precision as prec
+from parity.engines.models import CausalLM, ModelConfig, apply_rope, rope_angles, rope_inv_freq
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,46 @@ class RolloutBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.response_mask.sum())
+
+
+def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
+    """One batch from several (each worker's share of a step), in order; responses padded to the
+    longest. `weight_version` becomes the oldest of theirs."""
+    width = max(b.response_ids.shape[1] for b in batches)
+
+    def cat(name: str, fill) -> torch.Tensor | None:
+        parts = [getattr(b, name) for b in batches]
+        if parts[0] is None:
+            return None
+        padded = []
+        for t in parts:
+            pad = [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]
+            padded.append(F.pad(t, pad, value=fill) if t.dim() > 1 else t)
+        return torch.cat(padded)
+
+    support = None
+    if batches[0].support is not None:
+        k = max(b.support.shape[2] for b in batches)
+        support = torch.cat(
+            [F.pad(b.support, [0, k - b.support.shape[2], 0, width - b.support.shape[1]], value=-1) for b in batches]
+        )
+    offsets, groups = 0, []
+    for b in batches:
+        groups.append(b.group_index + offsets)
+        offsets += int(b.group_index.max()) + 1
+    return RolloutBatch(
+        prompt_ids=[ids for b in batches for ids in b.prompt_ids],
+        response_ids=cat("response_ids", 0),  # masked out: any id will do
+        response_mask=cat("response_mask", False),
+        rollout_logprobs=cat("rollout_logprobs", 0.0),
+        support=support,
+        truncated=torch.cat([b.truncated for b in batches]),
+        group_index=torch.cat(groups),
+        weight_version=min(b.weight_version for b in batches),
+        sampling=batches[0].sampling,
+        old_logprobs=cat("old_logprobs", 0.0),
+        probe_logprobs=cat("probe_logprobs", 0.0),
+    )
 
 
 def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
@@ -217,6 +257,37 @@ class RolloutEngine:
                 )
             )
         self.weight_version = version
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The weights as loaded, under their Hugging Face names (views into the fused
+        projections), for checking a weight sync against the sender's checksums."""
+        cfg = self.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        out = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            fused = {
+                a + "{}_proj.weight": (layer.qkv, "qkv", (q, kv, kv)),
+                a + "{}_proj.bias": (layer.qkv_bias, "qkv", (q, kv, kv)),
+                m + "{}_proj.weight": (layer.gate_up, ("gate", "up"), None),
+                m + "{}_proj.bias": (layer.gate_up_bias, ("gate", "up"), None),
+            }
+            for pattern, (tensor, parts, sizes) in fused.items():
+                if tensor is None:
+                    continue
+                pieces = tensor.split(sizes) if sizes else tensor.chunk(2)
+                for part, piece in zip(parts, pieces):
+                    out[pattern.format(part)] = piece
+            out[f"model.layers.{i}.input_layernorm.weight"] = layer.input_norm
+            out[f"model.layers.{i}.post_attention_layernorm.weight"] = layer.post_norm
+            out[a + "o_proj.weight"] = layer.o
+            out[m + "down_proj.weight"] = layer.down
+            for name, bias in ((a + "o_proj.bias", layer.o_bias), (m + "down_proj.bias", layer.down_bias)):
+                if bias is not None:
+                    out[name] = bias
+        return out
 
     def _forward(
         self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int, mask: torch.Tensor

@@ -23,15 +23,15 @@ from pathlib import Path
 import torch
 
 from parity import config as config_mod
-from parity.diagnostics import gap_metrics
+from parity.commands.report import Panel, plot_beta_distribution, plot_curves
+from parity.engines.models import export_state, load_model, load_tokenizer, resolve_model_dir
+from parity.engines.rollout import SamplingParams
+from parity.engines.sampler import Sampler
 from parity.files import atomic_write_json, atomic_write_text
-from parity.loop import Run, TrainConfig
-from parity.models import export_state, load_model, load_tokenizer, resolve_model_dir
-from parity.report import Panel, plot_beta_distribution, plot_curves
-from parity.rollout import SamplingParams
+from parity.rl.diagnostics import gap_metrics
+from parity.rl.loop import Run, TrainConfig
+from parity.rl.tasks import ArithmeticTask
 from parity.rundir import remove_run
-from parity.sampler import Sampler
-from parity.tasks import ArithmeticTask
 
 TARGET_LENGTH = 2.0
 ONE_UPDATE_EPS = 0.001

@@ -27,9 +27,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from parity.engines.models import ModelError, load_model, save_model
+from parity.engines.trainer import Trainer
 from parity.files import atomic_dir
-from parity.models import ModelError, load_model, save_model
-from parity.trainer import Trainer
 
 FORMAT_VERSION = 2  # 2: manifest.json with checksums, the config in state.json
 MANIFEST = "manifest.json"

@@ -18,11 +18,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from parity import precision
+from parity.engines import precision
+from parity.engines.packing import PackedBatch, gather_rows
 from parity.files import atomic_dir
-from parity.packing import PackedBatch, gather_rows
 
-BUILTIN_DIR = Path(__file__).parent / "builtin" / "model"
+BUILTIN_DIR = Path(__file__).parent.parent / "builtin" / "model"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
 
@@ -279,6 +279,11 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, packed)
         return self.model.norm(x)
+
+    def forward(self, packed: PackedBatch, dtype: torch.dtype) -> torch.Tensor:
+        """FP32 logits [len(packed.score_index), V] at the stream's scored positions. One module
+        call, so that a sharding wrapper (FSDP2) gathers the weights around all of it."""
+        return self.logits(gather_rows(self.hidden_states(packed, dtype), packed.score_index))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits in FP32 from hidden states (the matmul in the hidden dtype)."""

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from parity import precision as prec
-from parity.models import CausalLM, ModelConfig, export_state
-from parity.packing import PackedBatch, gather_rows, pack
+from parity.engines import precision as prec
+from parity.engines.models import CausalLM, ModelConfig, export_state
+from parity.engines.packing import PackedBatch, pack
 
 
 @dataclass(frozen=True)
@@ -84,15 +84,39 @@ def sequence_logprobs(
     device = next(model.parameters()).device
     packed = pack(prompt_ids, response_ids, response_mask, bucket=prec.per_shape_kernels(dtype, device))
     num_scored = int(response_mask.sum())
-    hidden = gather_rows(model.hidden_states(packed, dtype), packed.score_index)
     scored = token_logprobs(
-        model.logits(hidden)[:num_scored],
+        model(packed, dtype)[:num_scored],
         response_ids[response_mask],
         None if support is None else support[response_mask],
         temperature,
     )
     out = torch.zeros(response_ids.shape, dtype=scored.dtype, device=scored.device)
     return packed, out.masked_scatter(response_mask, scored)
+
+
+@dataclass
+class TrainerState:
+    """A trainer's whole state as full (unsharded) tensors: what moves between a sharded
+    learner group and a checkpoint. Optimizer entries are keyed by parameter position."""
+
+    model: dict[str, torch.Tensor]  # named_parameters (a tied head appears once)
+    optimizer: dict[int, dict[str, torch.Tensor]]
+    scaler: dict[str, float]
+    weight_version: int
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor; on a sharded (DTensor) one, a collective every shard holder must join."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def _like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """`full` laid out like `ref`: this process's shard when `ref` is sharded (no communication)."""
+    if hasattr(ref, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None)
+    return full.to(ref.device).clone()
 
 
 class Trainer:
@@ -116,6 +140,9 @@ class Trainer:
             growth_interval=optim.loss_scale_growth_interval,
         )
         self.weight_version = 0
+        # A sharded learner group averages gradients over its `world` learners; each learner's
+        # loss carries the whole mini-batch's denominators, so the sum is wanted: world, not 1.
+        self.grad_sum_factor = 1.0
         self.matmul_flops = 0.0  # model FLOPs of every pass so far (backward counted as 2x forward)
 
     @property
@@ -141,14 +168,15 @@ class Trainer:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` times the current loss scale (1 unless FP16)."""
-        (loss * self.scaler.scale).backward()
+        (loss * (self.scaler.scale * self.grad_sum_factor)).backward()
 
     def step(self) -> StepStats:
         """Unscale, check, clip, and apply the optimizer step (skipped on inf/NaN)."""
         scale = self.scaler.scale
         # One norm serves the inf/NaN check, the clip and the log.
         norm = self.scaler.unscale(self.params)
-        grad_norm = float(norm)
+        # Sharded (DTensor) gradients give a sharded norm: the global value for the check and the log.
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         finite = math.isfinite(grad_norm)
         if finite:
             if self.optim_config.grad_clip > 0:
@@ -164,6 +192,33 @@ class Trainer:
             skipped_total=self.scaler.skipped_steps,
             weight_version=self.weight_version,
         )
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """FP32 parameters, unsharded, under their names (a tied head once)."""
+        return {n: _full(p) for n, p in self.model.named_parameters()}
+
+    def full_state(self) -> TrainerState:
+        """Weights, AdamW moments, loss scaler and version, unsharded (see `TrainerState`)."""
+        params = [p for _, p in self.model.named_parameters()]
+        optim = {
+            i: {k: _full(v) for k, v in self.optimizer.state[p].items()}
+            for i, p in enumerate(params)
+            if p in self.optimizer.state
+        }
+        return TrainerState(self.full_weights(), optim, self.scaler.state_dict(), self.weight_version)
+
+    @torch.no_grad()
+    def load_full_state(self, state: TrainerState) -> None:
+        """The inverse of `full_state`, into this trainer's layout (each learner keeps its shard)."""
+        params = list(self.model.named_parameters())
+        for name, p in params:
+            p.copy_(_like(state.model[name], p))
+        self.optimizer.state.clear()
+        for i, entry in state.optimizer.items():
+            p = params[i][1]
+            self.optimizer.state[p] = {k: _like(v, p) if v.dim() else v.clone() for k, v in entry.items()}
+        self.scaler.load_state_dict(state.scaler)
+        self.weight_version = state.weight_version
 
     def export_weights(self) -> tuple[dict[str, torch.Tensor], int]:
         """FP32 weights and their version, for `RolloutEngine.load_weights` (which casts)."""

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from parity import precision as prec
-from parity.models import CausalLM, ModelConfig
-from parity.rollout import RolloutBatch, RolloutEngine, SamplingParams
-from parity.trainer import sequence_logprobs
+from parity.engines import precision as prec
+from parity.engines.models import CausalLM, ModelConfig
+from parity.engines.rollout import RolloutBatch, RolloutEngine, SamplingParams
+from parity.engines.trainer import sequence_logprobs
 
 
 class Sampler:

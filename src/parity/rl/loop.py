@@ -15,55 +15,56 @@ that sampled), π_θ (being trained):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import shutil
 import sys
 import time
 from dataclasses import dataclass, field
-from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from parity import config as config_mod
-from parity import precision as prec
-from parity.algorithms import (
-    ADVANTAGES,
-    AGGREGATIONS,
-    ESTIMATORS,
-    KL_ESTIMATORS,
-    LossConfig,
-    PolicyInputs,
-    aggregate,
-    clip_bounds,
-    clip_ratio,
-    group_advantages,
-    kl_penalty,
-    needs_old_before_update,
-    rejected_sequences,
-)
-from parity.checkpoint import RunState, checkpoints, non_finite_tensors, restore_latest, save_checkpoint
 from parity.config import ConfigError, check_range
-from parity.diagnostics import gap_metrics, mismatch_alarm, mismatch_by_length, mismatch_metrics, phantom_clip_frac
+from parity.engines import precision as prec
+from parity.engines.models import load_model, load_tokenizer, resolve_model_dir
+from parity.engines.rollout import RolloutBatch, SamplingParams
+from parity.engines.sampler import Sampler
+from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_text
-from parity.models import load_model, load_tokenizer, resolve_model_dir
-from parity.rewards import RewardHealth, RewardRunner, score_rollouts
-from parity.rollout import SamplingParams
+from parity.rl.algorithms import ADVANTAGES, AGGREGATIONS, ESTIMATORS, KL_ESTIMATORS, LossConfig
+from parity.rl.checkpoint import RunState, checkpoints, non_finite_tensors, restore_latest, save_checkpoint
+from parity.rl.diagnostics import mismatch_alarm
+from parity.rl.rewards import RewardHealth, RewardRunner, score_rollouts
+from parity.rl.step import (
+    BINARY_REWARDS,
+    Prepared,
+    UpdatePlan,
+    UpdateResult,
+    no_grad_logprobs,
+    prepare,
+    reject,
+    step_metrics,
+    train_on_batch,
+)
+from parity.rl.tasks import (
+    REWARDS,
+    TRUSTED_REWARDS,
+    ArithmeticTask,
+    DataOrder,
+    Problem,
+    import_reward_fn,
+    load_problems,
+)
 from parity.rundir import RunLock, check_run_dir, clean_leftovers, foreign_entries
 from parity.runtime import reuse_freed_memory
-from parity.sampler import Sampler
-from parity.tasks import REWARDS, TRUSTED_REWARDS, ArithmeticTask, DataOrder, import_reward_fn, load_problems
-from parity.trainer import OptimConfig, Trainer
 
 TRUNCATION_MODES = ("keep", "zero_reward", "drop")
 # Keys `parity train --resume RUN key=value` may change: how long and how often, never what is trained.
 RESUMABLE_KEYS = ("steps", "checkpoint_every", "keep_checkpoints", "tensorboard")
 RATIO_SOURCES = ("recompute", "shadow", "rollout")
-BINARY_REWARDS = {"builtin", "exact", "math"}
 
 # ----------------------------------------------------------------------------- config
 
@@ -156,6 +157,22 @@ class HealthSection:
     max_skipped_steps: int = 10
 
 
+@dataclass
+class DistributedSection:
+    """Rollout workers (Ray actors) and learners (torch.distributed, FSDP2). Both at their
+    defaults (0 workers, 1 learner): one process, no Ray."""
+
+    rollout_workers: int = 0
+    learners: int = 1
+    address: str = ""  # "" starts a local Ray cluster for the run; "auto" or host:port joins one
+    threads: int = 0  # torch threads per worker and learner process; 0 = cores / processes (at least 1)
+
+
+@dataclass
+class AsyncSection:
+    max_staleness: int = 0  # policy versions a sample may lag the learners; 0 = synchronous, on-policy
+
+
 # Every numeric key and its range (floats are already finite: `config._coerce`).
 NUMERIC_RANGES = (
     ("trainer.lr", lambda v: v > 0, "> 0"),
@@ -182,6 +199,10 @@ NUMERIC_RANGES = (
     ("keep_checkpoints", lambda v: v >= 1, ">= 1"),
     ("checkpoint_every", lambda v: v >= -1, ">= -1 (-1 = never)"),
     ("task.num_problems", lambda v: v >= 1, ">= 1"),
+    ("distributed.rollout_workers", lambda v: v >= 0, ">= 0 (0 = sample in this process)"),
+    ("distributed.learners", lambda v: v >= 1, ">= 1"),
+    ("distributed.threads", lambda v: v >= 0, ">= 0 (0 = share the cores)"),
+    ("async.max_staleness", lambda v: v >= 0, ">= 0 (0 = synchronous)"),
 )
 
 
@@ -203,6 +224,26 @@ class TrainConfig:
     task: TaskSection = field(default_factory=TaskSection)
     reward: RewardSection = field(default_factory=RewardSection)
     health: HealthSection = field(default_factory=HealthSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+    async_: AsyncSection = field(default_factory=AsyncSection, metadata={"key": "async"})
+
+    @property
+    def distributed_mode(self) -> bool:
+        """Rollout workers on Ray and learners under torch.distributed, instead of one process."""
+        return self.distributed.rollout_workers > 0 or self.distributed.learners > 1
+
+    def optim_config(self) -> OptimConfig:
+        t = self.trainer
+        return OptimConfig(
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            beta1=t.beta1,
+            beta2=t.beta2,
+            eps=t.eps,
+            grad_clip=t.grad_clip,
+            loss_scale_init=t.loss_scale_init,
+            loss_scale_growth_interval=t.loss_scale_growth_interval,
+        )
 
     @property
     def rollout_precision(self) -> str:
@@ -269,7 +310,7 @@ class TrainConfig:
 
     def _check_ranges(self) -> None:
         for key, ok, expected in NUMERIC_RANGES:
-            value = attrgetter(key)(self)
+            value = config_mod.get_key(self, key)
             check_range(key, value, ok(value), expected)
 
     def validate(self) -> None:
@@ -311,6 +352,39 @@ class TrainConfig:
             )
         except ValueError as e:
             raise ConfigError(str(e).replace("sampling.", "rollout.")) from None
+        self._check_distributed()
+
+    def _check_distributed(self) -> None:
+        """Combinations the distributed trainer cannot run, refused before any work."""
+        d, staleness = self.distributed, self.async_.max_staleness
+        if not self.distributed_mode:
+            if staleness:
+                raise ConfigError(
+                    f"async.max_staleness={staleness}: asynchronous training needs rollout workers; "
+                    "set distributed.rollout_workers >= 1"
+                )
+            return
+        if d.rollout_workers < 1:
+            raise ConfigError(
+                f"distributed.learners={d.learners} needs distributed.rollout_workers >= 1: in distributed mode "
+                "the samples come from rollout workers"
+            )
+        if self.algorithm.kl_coef > 0:
+            raise ConfigError(
+                "algorithm.kl_coef > 0 is not supported with distributed learners yet (they hold no reference "
+                "model); run it in one process (distributed.rollout_workers=0, distributed.learners=1)"
+            )
+        rows = self.prompts_per_step * self.rollout.group_size // self.algorithm.num_minibatches
+        if rows % d.learners:
+            raise ConfigError(
+                f"distributed.learners={d.learners} must divide the rows of a mini-batch (prompts_per_step x "
+                f"rollout.group_size / algorithm.num_minibatches = {rows}): every learner takes an equal share"
+            )
+        if self.prompts_per_step < d.rollout_workers:
+            raise ConfigError(
+                f"distributed.rollout_workers={d.rollout_workers} is more than prompts_per_step="
+                f"{self.prompts_per_step}: each worker samples whole prompt groups"
+            )
 
 
 # ----------------------------------------------------------------------------- logging
@@ -360,20 +434,6 @@ class MetricsLog:
 # ----------------------------------------------------------------------------- the run
 
 
-# Estimator statistics (algorithms) under their metric names (docs/metrics.md).
-STAT_NAMES = {
-    "clip_frac": "clip/frac",
-    "clip_frac_low": "clip/frac_low",
-    "clip_frac_high": "clip/frac_high",
-    "ratio_mean": "clip/ratio_mean",
-    "is_weight_mean": "is/weight_mean",
-    "is_weight_max": "is/weight_max",
-    "is_masked_frac": "is/masked_frac",
-    "phantom_clip_frac": "phantom/clip_frac",
-    "alpha_abs_mean": "alpha/abs_mean",
-}
-
-
 class TrainingError(RuntimeError):
     """The run stopped because going on would train on garbage (non-finite loss or weights)."""
 
@@ -397,10 +457,6 @@ def _saved_config(run_dir: Path) -> dict[str, Any] | None:
     return None
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
-
-
 class Run:
     """A training run: engines, data, rewards and the step. Build with `Run.create`/`Run.resume`."""
 
@@ -410,28 +466,8 @@ class Run:
         self.model_dir = resolve_model_dir(cfg.model)
         self.tokenizer = load_tokenizer(self.model_dir)
         model = load_model(self.model_dir)
-        t = cfg.trainer
-        optim = OptimConfig(
-            lr=t.lr,
-            weight_decay=t.weight_decay,
-            beta1=t.beta1,
-            beta2=t.beta2,
-            eps=t.eps,
-            grad_clip=t.grad_clip,
-            loss_scale_init=t.loss_scale_init,
-            loss_scale_growth_interval=t.loss_scale_growth_interval,
-        )
+        optim = cfg.optim_config()
         self.trainer = Trainer(model, cfg.trainer_precision, optim)
-        self.sampler = Sampler(
-            model.config,
-            cfg.rollout_precision,
-            cfg.trainer_precision,
-            self.tokenizer.eos_id,
-            self.tokenizer.pad_id,
-            score_old=cfg.algorithm.ratio_source == "shadow",
-            probe=cfg.algorithm.shadow_forward,
-            micro_batch_size=cfg.trainer.micro_batch_size,
-        )
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
             self.reference = Trainer(load_model(self.model_dir), cfg.trainer_precision, optim)
@@ -457,7 +493,7 @@ class Run:
         self.sampling = SamplingParams(
             cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p, cfg.rollout.max_new_tokens
         )
-        self.loss_cfg = cfg.loss_config()
+        self.plan = self._update_plan()
         self.step_count = 0
         self.alarm_series: list[float] = []  # mismatch/k3 per step, for the collapse warning
         self.alarmed = False
@@ -465,7 +501,38 @@ class Run:
         self.zero_variance_warned = False
         self.lock: RunLock | None = None  # set by create/resume; released when train() ends
         self.log = MetricsLog(run_dir, cfg.tensorboard)
+        self._start_engines()
+
+    # -- engines: in this process (here) or on Ray (`parity.distributed.driver.DistributedRun`) --
+
+    def _start_engines(self) -> None:
+        cfg = self.cfg
+        self.sampler = Sampler(
+            self.trainer.model.config,
+            cfg.rollout_precision,
+            cfg.trainer_precision,
+            self.tokenizer.eos_id,
+            self.tokenizer.pad_id,
+            score_old=cfg.algorithm.ratio_source == "shadow",
+            probe=cfg.algorithm.shadow_forward,
+            micro_batch_size=cfg.trainer.micro_batch_size,
+        )
         self.sampler.load_weights(*self.trainer.export_weights())
+
+    def _weights_restored(self) -> None:
+        """`self.trainer` now holds a checkpoint's state: hand the weights on."""
+        self.sampler.load_weights(*self.trainer.export_weights())
+
+    def _gather_state(self) -> None:
+        """Bring the newest trainer state into `self.trainer` before a checkpoint (here it is)."""
+
+    def _stop_engines(self) -> None:
+        """Release what the engines hold beyond this process (nothing here)."""
+
+    @property
+    def data_position(self) -> int:
+        """Where the data order stands after the steps already trained (what a checkpoint records)."""
+        return self.data.position
 
     # -- construction ---------------------------------------------------------
 
@@ -545,7 +612,7 @@ class Run:
             )
         saved = _saved_config(run_dir)
         if saved is not None:
-            current = _flatten(dataclasses.asdict(cfg))
+            current = _flatten(config_mod.to_dict(cfg))
             changed = [k for k in current if k != "run_dir" and saved.get(k) != current[k]]
             refused = [k for k in changed if k not in RESUMABLE_KEYS]
             if refused:
@@ -564,7 +631,7 @@ class Run:
         if state is not None:
             run.step_count = state.step
             run.data.position = state.data_position
-            run.sampler.load_weights(*run.trainer.export_weights())
+            run._weights_restored()
             note(f"continuing from step {state.step}")
         elif checkpoints(run_dir) or run.log.path.is_file():
             note("no usable checkpoint; starting again from step 0")
@@ -577,203 +644,131 @@ class Run:
 
     # -- one step -------------------------------------------------------------
 
-    def _logprobs(self, trainer: Trainer, batch, rows: torch.Tensor) -> torch.Tensor:
-        return trainer.logprobs(
-            [batch.prompt_ids[i] for i in rows.tolist()],
-            batch.response_ids[rows],
-            batch.response_mask[rows],
-            None if batch.support is None else batch.support[rows],
-            self.sampling.temperature,
+    def _update_plan(self) -> UpdatePlan:
+        cfg, a = self.cfg, self.cfg.algorithm
+        return UpdatePlan(
+            estimator=a.name,
+            loss=cfg.loss_config(),
+            ratio_source=a.ratio_source,
+            aggregation=a.aggregation,
+            ppo_epochs=a.ppo_epochs,
+            num_minibatches=a.num_minibatches,
+            micro_batch_size=cfg.trainer.micro_batch_size,
+            prompts=cfg.prompts_per_step,
+            group_size=cfg.rollout.group_size,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            kl_coef=a.kl_coef,
+            kl_estimator=a.kl_estimator,
         )
 
-    def _no_grad_logprobs(self, trainer: Trainer, batch) -> torch.Tensor:
-        rows = torch.arange(batch.response_ids.shape[0])
-        with torch.no_grad():
-            return torch.cat([self._logprobs(trainer, batch, r) for r in rows.split(self.cfg.trainer.micro_batch_size)])
-
-    def step(self) -> dict[str, float]:
-        cfg, a = self.cfg, self.cfg.algorithm
-        estimator = ESTIMATORS[a.name]
-        times: dict[str, float] = {}
-        t0 = time.perf_counter()
+    def _rollouts(self, times: dict[str, float]) -> tuple[list[Problem], RolloutBatch]:
+        """This step's problems and their samples, scored by the sampler (π_old when it is the
+        ratio's source, and the probe) on the weights that sampled."""
+        cfg = self.cfg
         problems = [self.problems[i] for i in self.data.take(cfg.prompts_per_step)]
+        t = time.perf_counter()
         batch = self.sampler.generate(
             [self.tokenizer.encode(p.prompt) for p in problems],
             cfg.rollout.group_size,
             self.sampling,
-            seed=cfg.seed * 1_000_003 + self.step_count,
+            seed=self.rollout_seed(self.step_count),
         )
-        times["rollout"] = time.perf_counter() - t0
+        times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
-        self.sampler.score_samples(batch)  # π_old (shadow) and the probe, on the sampling weights
+        self.sampler.score_samples(batch)
         times["score"] = time.perf_counter() - t
-        mu = batch.rollout_logprobs
+        return problems, batch
+
+    def rollout_seed(self, step: int) -> int:
+        return self.cfg.seed * 1_000_003 + step
+
+    def _update(self, batch: RolloutBatch, prepared: Prepared) -> UpdateResult:
+        """The optimizer updates of this step, on the in-process trainer."""
+        plan = self.plan
+        if prepared.learner_old_pass:
+            prepared.old_logprobs = no_grad_logprobs(self.trainer, batch, plan.micro_batch_size, plan.temperature)
+            reject(prepared, batch, plan)
+        trainers = [self.trainer] + ([self.reference] if self.reference is not None else [])
+        flops_before = sum(tr.matmul_flops for tr in trainers)
+        update = train_on_batch(
+            self.trainer, batch, prepared, plan, self.cfg.seed * 7919 + self.step_count, self.reference
+        )
+        update.flops = sum(tr.matmul_flops for tr in trainers) - flops_before
+        update.non_finite_weights = non_finite_tensors(dict(self.trainer.model.named_parameters()))
+        self._check_finite(update)
+        return update
+
+    def _sync(self, times: dict[str, float]) -> dict[str, float]:
+        """The new weights to the sampler; returns sync metrics (none in one process)."""
+        t = time.perf_counter()
+        self.sampler.load_weights(*self.trainer.export_weights())
+        times["sync"] = time.perf_counter() - t
+        return {}
+
+    def step(self) -> dict[str, float]:
+        cfg, a = self.cfg, self.cfg.algorithm
+        times: dict[str, float] = {}
+        t0 = time.perf_counter()
+        problems, batch = self._rollouts(times)
 
         t = time.perf_counter()
         result = score_rollouts(batch, problems, self.tokenizer, self.rewards)
         warning = self.reward_health.observe(self.step_count + 1, result, len(result.rewards))
         if warning is not None:
             tqdm.write(f"WARNING {warning}", file=sys.stderr)
-        rewards = torch.tensor(result.rewards)
-        scored = rewards.clone()
-        if a.truncated == "zero_reward":
-            scored[batch.truncated] = 0.0
-        advantages = group_advantages(scored, batch.group_index, a.advantage)
-        loss_mask = batch.response_mask.clone()
-        if a.truncated == "drop":
-            loss_mask[batch.truncated] = False
+        prepared = prepare(batch, result, self.plan, a.advantage, a.truncated)
         times["reward"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        trainers = [self.trainer] + ([self.reference] if self.reference is not None else [])
-        flops_before = sum(tr.matmul_flops for tr in trainers)
-        updates = a.ppo_epochs * a.num_minibatches
-        # π_old, the trainer on the sampling weights: scored by the sampler (shadow), or a
-        # learner pass when it is needed before the first update (several updates, or a
-        # rejection that shapes the loss mask), or else the first π_θ pass itself, free.
-        # What the loss takes as π_old: μ itself when the ratio is against the rollout (then the
-        # importance weights and the rejection rules see no gap).
-        rejects = a.ratio_source != "rollout" and needs_old_before_update(a.name, self.loss_cfg)
-        old = batch.old_logprobs
-        learner_old_pass = old is None and (updates > 1 or rejects)
-        if learner_old_pass:
-            old = self._no_grad_logprobs(self.trainer, batch)
-        sampling_pi = old if old is not None else torch.zeros_like(mu)
-        loss_old = mu if a.ratio_source == "rollout" else sampling_pi
-        rejected = rejected_sequences(a.name, loss_old, mu, loss_mask, self.loss_cfg) if rejects else None
-        if rejected is not None:
-            loss_mask[rejected] = False
-        ref = self._no_grad_logprobs(self.reference, batch) if self.reference is not None else None
-        n_rows = batch.response_ids.shape[0]
-        rows_per_mb = n_rows // a.num_minibatches
-        stats: dict[str, list[float]] = {}
-        losses, kls = [], []
-        step_stats = None
-        skipped_updates = 0
-        order_gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.step_count)
-        for epoch in range(a.ppo_epochs):
-            # Mini-batches hold whole groups, shuffled per epoch.
-            groups = (
-                torch.randperm(cfg.prompts_per_step, generator=order_gen)
-                if epoch
-                else torch.arange(cfg.prompts_per_step)
-            )
-            row_order = (groups[:, None] * cfg.rollout.group_size + torch.arange(cfg.rollout.group_size)).flatten()
-            for mb in row_order.split(rows_per_mb):
-                # Rejected sequences leave the denominators too (VeRL, SkyRL); masked IS weights do not.
-                n_seq = len(mb) - (0 if rejected is None else int(rejected[mb].sum()))
-                n_tok = int(loss_mask[mb].sum())
-                for rows in mb.split(cfg.trainer.micro_batch_size):
-                    logp = self._logprobs(self.trainer, batch, rows)
-                    if old is None:
-                        sampling_pi[rows] = logp.detach()
-                    mask = loss_mask[rows]
-                    inputs = PolicyInputs(
-                        logprobs=logp,
-                        old_logprobs=loss_old[rows],
-                        rollout_logprobs=mu[rows],
-                        advantages=advantages[rows],
-                        mask=mask,
-                    )
-                    token_loss, loss_stats = estimator.loss(inputs, self.loss_cfg)
-                    # α, the real policy change, and phantom clipping, on every ratio source.
-                    n = mask.sum().clamp(min=1)
-                    loss_stats["alpha_abs_mean"] = ((logp.detach() - sampling_pi[rows]).abs() * mask).sum() / n
-                    if estimator.clip is not None:
-                        low, high = clip_bounds(estimator.clip, self.loss_cfg)
-                        loss_stats["phantom_clip_frac"] = phantom_clip_frac(
-                            clip_ratio(estimator.clip, logp.detach(), mu[rows], mask),
-                            clip_ratio(estimator.clip, logp.detach(), sampling_pi[rows], mask),
-                            advantages[rows],
-                            mask,
-                            low,
-                            high,
-                        )
-                    if ref is not None:
-                        kl = kl_penalty(logp, ref[rows], a.kl_estimator)
-                        kls.append(float((kl.detach() * mask).sum() / n))
-                        token_loss = token_loss + a.kl_coef * kl
-                    loss = aggregate(token_loss, mask, a.aggregation, n_seq, n_tok, self.sampling.max_new_tokens)
-                    self.trainer.backward(loss)
-                    losses.append(float(loss.detach()))
-                    for k, v in loss_stats.items():
-                        stats.setdefault(k, []).append(float(v))
-                step_stats = self.trainer.step()
-                skipped_updates += step_stats.skipped
-                stats.setdefault("grad_norm", []).append(step_stats.grad_norm)
+        update = self._update(batch, prepared)
         times["train"] = time.perf_counter() - t
-        self._check_finite(sum(losses), skipped_updates, updates)
-
-        t = time.perf_counter()
-        self.sampler.load_weights(*self.trainer.export_weights())
-        times["sync"] = time.perf_counter() - t
+        extra = self._sync(times)
         self.step_count += 1
         times["step"] = time.perf_counter() - t0
 
-        # Rows are grouped contiguously, one group per prompt.
-        group_std = rewards.view(cfg.prompts_per_step, cfg.rollout.group_size).std(-1, correction=0)
-        metrics: dict[str, float] = {
-            "step": self.step_count,
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "reward/errors": result.errors,
-            "reward/timeouts": result.timeouts,
-            "response/length_mean": float(batch.response_lengths.float().mean()),
-            "response/length_max": int(batch.response_lengths.max()),
-            "response/truncated_frac": float(batch.truncated.float().mean()),
-            "groups/zero_variance_frac": float((group_std == 0).float().mean()),
-            "loss/policy": sum(losses),
-            "grad/norm": _mean(stats.pop("grad_norm")),
-            "precision/loss_scale": step_stats.loss_scale,
-            "precision/skipped_steps": step_stats.skipped_total,
-            "train/updates": updates,
-            "train/old_logprob_pass": int(learner_old_pass),
-            "weights/version": step_stats.weight_version,
-        }
-        if rejected is not None:
-            metrics["is/rejected_seq_frac"] = float(rejected.float().mean())
-        if cfg.task.name in BINARY_REWARDS and not cfg.task.reward_fn:
-            metrics["reward/accuracy"] = float((rewards >= 1.0).float().mean())
-        if kls:
-            metrics["loss/kl"] = _mean(kls)
-        for k, v in stats.items():
-            metrics[STAT_NAMES[k]] = max(v) if k == "is_weight_max" else _mean(v)
-        response_mask = batch.response_mask
-        mm = mismatch_metrics(sampling_pi, mu, response_mask)
-        metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
-        metrics.update({f"mismatch/{k}": v for k, v in mismatch_by_length(sampling_pi, mu, response_mask).items()})
-        # g = π_old − μ = β + κ. β is known without a probe when the precisions match (it is 0).
-        probe = batch.probe_logprobs
-        if probe is None and self.trainer.precision == self.sampler.precision:
-            probe = sampling_pi
-        parts = {"gap": sampling_pi - mu}
-        if probe is not None:
-            parts.update(beta=sampling_pi - probe, kappa=probe - mu)
-        for name, part in parts.items():
-            metrics.update(gap_metrics(name, part, mu, advantages, response_mask))
+        sampling_pi = prepared.old_logprobs if prepared.old_logprobs is not None else update.first_pass
+        metrics: dict[str, float] = {"step": self.step_count}
+        metrics.update(
+            step_metrics(
+                batch,
+                prepared,
+                update,
+                result,
+                sampling_pi,
+                self.plan,
+                binary_reward=cfg.task.name in BINARY_REWARDS and not cfg.task.reward_fn,
+                same_precision=cfg.trainer_precision == cfg.rollout_precision,
+            )
+        )
         self.alarm_series.append(metrics["mismatch/k3"])
         metrics["health/mismatch_alarm"] = int(
             mismatch_alarm(self.alarm_series, cfg.health.alarm_window, cfg.health.alarm_factor)
         )
+        metrics.update(extra)
         metrics.update({f"time/{k}": v for k, v in times.items()})
         metrics["perf/tokens_per_s"] = batch.num_tokens / times["step"]
-        flops = sum(tr.matmul_flops for tr in trainers) - flops_before
-        metrics["perf/train_gflops"] = flops / 1e9 / times["train"]
+        metrics["perf/train_gflops"] = update.flops / 1e9 / times["train"]
         return metrics
 
-    def _check_finite(self, loss: float, skipped_updates: int, updates: int) -> None:
+    def _check_finite(self, update: UpdateResult) -> None:
         """Stop before a non-finite update is synced, logged or saved.
 
         FP16 skips an update whose gradients overflow and lowers the loss scale; that is
         routine, so only a long run of fully skipped steps stops it. FP32 and BF16 have no
         scaler: a non-finite loss or gradient there means the run has diverged."""
         step = self.step_count + 1
+        loss, skipped_updates, updates, bad = (
+            sum(update.losses),
+            update.skipped_updates,
+            update.updates,
+            update.non_finite_weights,
+        )
 
         def where() -> str:  # only on the way out: no directory listing on every step
             last = checkpoints(self.run_dir)
             return f"the newest checkpoint is {last[-1].name}" if last else "no checkpoint was written"
 
-        bad = non_finite_tensors(dict(self.trainer.model.named_parameters()))
         if bad:
             raise TrainingError(
                 f"step {step}: the weights hold inf/NaN after the optimizer step (trainer.lr="
@@ -784,7 +779,7 @@ class Run:
             if self.skipped_streak >= self.cfg.health.max_skipped_steps:
                 raise TrainingError(
                     f"step {step}: the FP16 loss scaler skipped every update of {self.skipped_streak} steps in a row "
-                    f"(loss {loss:g}, loss scale {self.trainer.scaler.scale:g}; health.max_skipped_steps="
+                    f"(loss {loss:g}, loss scale {update.step_stats.loss_scale:g}; health.max_skipped_steps="
                     f"{self.cfg.health.max_skipped_steps}): the model overflows FP16; try precision=bf16; {where()}"
                 )
         elif skipped_updates or not math.isfinite(loss):
@@ -798,10 +793,10 @@ class Run:
 
     def train(self) -> list[dict[str, float]]:
         cfg = self.cfg
-        if self.trainer.precision != self.sampler.precision:
+        if cfg.trainer_precision != cfg.rollout_precision:
             print(
-                f"WARNING: mismatched precisions on purpose: trainer {self.trainer.precision}, "
-                f"rollout {self.sampler.precision}",
+                f"WARNING: mismatched precisions on purpose: trainer {cfg.trainer_precision}, "
+                f"rollout {cfg.rollout_precision}",
                 file=sys.stderr,
             )
         history = []
@@ -849,6 +844,7 @@ class Run:
                         break
         finally:
             bar.close()
+            self._stop_engines()
             self.rewards.close()
             self.log.close()
             if self.lock is not None:
@@ -856,7 +852,8 @@ class Run:
         return history
 
     def checkpoint(self) -> Path:
-        state = RunState(self.step_count, self.data.position, self.trainer.weight_version, dataclasses.asdict(self.cfg))
+        self._gather_state()
+        state = RunState(self.step_count, self.data_position, self.trainer.weight_version, config_mod.to_dict(self.cfg))
         return save_checkpoint(self.run_dir, self.trainer, state, self.model_dir, self.cfg.keep_checkpoints)
 
 

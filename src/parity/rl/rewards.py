@@ -24,11 +24,11 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from parity.tasks import Problem, RewardFn
+from parity.rl.tasks import Problem, RewardFn
 
 if TYPE_CHECKING:
-    from parity.models import Tokenizer
-    from parity.rollout import RolloutBatch
+    from parity.engines.models import Tokenizer
+    from parity.engines.rollout import RolloutBatch
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _PARENT_CHECK_S = 1.0  # how often an idle worker checks that the run is still there

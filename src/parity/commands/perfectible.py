@@ -19,11 +19,11 @@ import torch
 from tqdm import tqdm
 
 from parity.config import ConfigError
+from parity.engines.models import Tokenizer, load_config, load_model, load_tokenizer, resolve_model_dir
+from parity.engines.rollout import RolloutEngine, SamplingParams
 from parity.files import atomic_write_text
-from parity.models import Tokenizer, load_config, load_model, load_tokenizer, resolve_model_dir
-from parity.rewards import RewardRunner, score_rollouts
-from parity.rollout import RolloutEngine, SamplingParams
-from parity.tasks import REWARDS, TRUSTED_REWARDS, ArithmeticTask, Problem, load_problems
+from parity.rl.rewards import RewardRunner, score_rollouts
+from parity.rl.tasks import REWARDS, TRUSTED_REWARDS, ArithmeticTask, Problem, load_problems
 
 
 @dataclass

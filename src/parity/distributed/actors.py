@@ -1,0 +1,157 @@
+"""The processes of a distributed run: rollout workers and learners (Ray actors).
+
+`RolloutWorker` runs Parity's `Sampler`: the rollout engine samples (μ), then the same
+worker scores its own samples with the trainer's code path and precision on the weights
+that sampled (π_old), so the learners, who have moved on by the time the samples arrive,
+keep no old weights. `Learner` is one rank of a torch.distributed group whose `Trainer`
+holds an FSDP2-sharded (`fully_shard`) model; every learner runs `train_on_batch` on its
+share of each mini-batch and the sharded optimizer sums their gradients.
+
+These classes are plain Python; `parity.distributed.driver` makes them Ray actors.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+from parity.engines.models import load_config, load_model, load_tokenizer
+from parity.engines.rollout import RolloutBatch, SamplingParams
+from parity.engines.sampler import Sampler
+from parity.engines.trainer import OptimConfig, Trainer, TrainerState
+from parity.rl.checkpoint import non_finite_tensors
+from parity.rl.step import Prepared, UpdatePlan, UpdateResult, train_on_batch
+from parity.runtime import reuse_freed_memory
+
+
+def _quiet_process(threads: int) -> None:
+    torch.set_num_threads(threads)
+    reuse_freed_memory()
+
+
+class RolloutWorker:
+    """Samples with the rollout engine and scores its own samples (π_old, the probe)."""
+
+    def __init__(
+        self,
+        index: int,
+        model_dir: str,
+        rollout_precision: str,
+        trainer_precision: str,
+        probe: bool,
+        micro_batch_size: int,
+        threads: int,
+    ):
+        _quiet_process(threads)
+        self.index = index
+        tokenizer = load_tokenizer(model_dir)
+        self.sampler = Sampler(
+            load_config(model_dir),
+            rollout_precision,
+            trainer_precision,
+            tokenizer.eos_id,
+            tokenizer.pad_id,
+            score_old=True,
+            probe=probe,
+            micro_batch_size=micro_batch_size,
+        )
+        self.idle_since = time.perf_counter()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], manifest) -> dict[str, float]:
+        """Load a weight sync and check both copies against the learners' checksums
+        (raises `SyncError` naming the first tensor that differs)."""
+        from parity.distributed.sync import verify
+
+        t = time.perf_counter()
+        self.sampler.load_weights(tensors, manifest.version)
+        where = f"rollout worker {self.index}"
+        verify(self.sampler.engine.named_weights(), manifest.engine, f"{where} (rollout engine)", manifest.version)
+        wire = getattr(torch, manifest.wire_dtype)
+        scorer = {k: v.to(wire) for k, v in self.sampler.scorer.state_dict().items()}
+        verify(scorer, manifest.scorer, f"{where} (π_old scorer)", manifest.version)
+        return {"version": manifest.version, "seconds": time.perf_counter() - t, "verified": 1.0}
+
+    def generate(
+        self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, seed: int
+    ) -> tuple[RolloutBatch, dict[str, float]]:
+        """Sample `group_size` responses per prompt and score them; also how long this worker
+        sat idle before the call and how long each part took."""
+        start = time.perf_counter()
+        batch = self.sampler.generate(prompts, group_size, sampling, seed)
+        sampled = time.perf_counter()
+        self.sampler.score_samples(batch)
+        self.idle_since, idle = time.perf_counter(), start - self.idle_since
+        return batch, {"idle": idle, "rollout": sampled - start, "score": self.idle_since - sampled}
+
+
+class Learner:
+    """One rank of the learner group: a Trainer over an FSDP2-sharded model."""
+
+    def __init__(self, rank: int, world: int, model_dir: str, precision: str, optim: OptimConfig, threads: int):
+        _quiet_process(threads)
+        self.rank, self.world = rank, world
+        self.model_dir, self.precision, self.optim = model_dir, precision, optim
+        self.trainer: Trainer | None = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def rendezvous(self) -> tuple[str, int]:
+        """An address and free port on this node for the group's TCP rendezvous (rank 0)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, host: str, port: int) -> None:
+        """Join the process group, load the model, shard it, build the trainer."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world)
+        model = load_model(Path(self.model_dir))
+        mesh = init_device_mesh("cpu", (self.world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.trainer = Trainer(model, self.precision, self.optim)
+        self.trainer.grad_sum_factor = float(self.world)  # FSDP averages; the losses want the sum
+
+    def load_state(self, state: TrainerState) -> None:
+        self.trainer.load_full_state(state)
+
+    def full_state(self) -> TrainerState | None:
+        """The unsharded state on rank 0 (every rank joins the gathers), None elsewhere."""
+        state = self.trainer.full_state()
+        return state if self.rank == 0 else None
+
+    def export(self, version: int, rollout_precision: str, trainer_precision: str):
+        """Weights for the workers (rank 0 returns tensors and manifest; every rank joins the gathers)."""
+        from parity.distributed.sync import pack_weights
+
+        t = time.perf_counter()
+        state = self.trainer.full_weights()
+        if self.rank:
+            return None, None
+        tensors, manifest = pack_weights(state, version, rollout_precision, trainer_precision)
+        return tensors, (manifest, time.perf_counter() - t)
+
+    def update(self, batch: RolloutBatch, prepared: Prepared, plan: UpdatePlan, order_seed: int) -> UpdateResult:
+        """This rank's share of the step's updates; non-finite weights are reported, by name."""
+        t = time.perf_counter()
+        flops = self.trainer.matmul_flops
+        result = train_on_batch(self.trainer, batch, prepared, plan, order_seed, rank=self.rank, world=self.world)
+        result.flops = self.trainer.matmul_flops - flops
+        result.seconds = time.perf_counter() - t
+        local = {n: p.to_local() for n, p in self.trainer.model.named_parameters()}
+        result.non_finite_weights = non_finite_tensors(local)
+        return result

@@ -1,0 +1,349 @@
+"""`parity train` across processes: rollout workers on Ray, learners under torch.distributed.
+
+`DistributedRun` is `Run` with its engines elsewhere; the step itself (`Run.step`, the
+pieces in `parity.rl.step`) is unchanged. This process keeps the data, the rewards, the
+metrics, the checkpoints and a pipeline of rollout requests:
+
+    step s:  collect the samples for step s (sampled at version s − staleness, π_old scored
+             by the worker that sampled them) ─► rewards, advantages ─► every learner trains
+             on its share ─► learners export version s+1 (checksummed) ─► workers load and
+             verify it ─► request the samples for step s + 1 + max_staleness
+
+Requests to a worker run in the order they were made, so a request made after the sync of
+version v samples with version ≥ v: samples for step s+1+k come from version ≥ s+1 and are at
+most k versions old when trained on. With k = 0 sampling and training alternate (synchronous,
+on-policy); with k ≥ 1 the workers sample the next steps while the learners train.
+A worker that dies is restarted by Ray, loads the newest weights, and repeats exactly the
+requests it lost (same prompts, same seeds), so no sample is lost or counted twice.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from parity import config as config_mod
+from parity.config import ConfigError
+from parity.distributed.actors import Learner, RolloutWorker
+from parity.engines.rollout import RolloutBatch, concat_batches
+from parity.rl.loop import Run, TrainConfig, TrainingError
+from parity.rl.step import Prepared, UpdateResult
+from parity.rl.tasks import Problem
+
+RESTART_TIMEOUT_S = 120
+
+
+def _worker_gone() -> tuple[type[Exception], ...]:
+    """What Ray raises for a call on an actor that died (or is being restarted)."""
+    import ray
+
+    return (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+@dataclass
+class _Shard:
+    worker: int
+    prompts: list[list[int]]
+    seed: int
+    ref: object = None  # the Ray ObjectRef of (RolloutBatch, timings)
+
+
+@dataclass
+class _Request:
+    """One step's rollouts, split by whole prompt groups over the workers."""
+
+    step: int
+    problems: list[Problem]
+    data_position: int  # the data order's position after taking these problems
+    shards: list[_Shard] = field(default_factory=list)
+
+
+class DistributedRun(Run):
+    """A run whose samples come from Ray rollout workers and whose updates run on FSDP2 learners."""
+
+    # -- engines ----------------------------------------------------------------
+
+    def _start_engines(self) -> None:
+        import ray
+
+        cfg, d = self.cfg, self.cfg.distributed
+        processes = d.rollout_workers + d.learners
+        # Threads: the cores shared among the processes that compute at the same time (the
+        # workers only overlap the learners when they may sample ahead).
+        busy = d.learners + (d.rollout_workers if cfg.async_.max_staleness else 0)
+        threads = d.threads or max(1, (os.cpu_count() or 1) // busy)
+        self.started_ray = False
+        if not ray.is_initialized():
+            if d.address:
+                ray.init(address=d.address, logging_level="ERROR", log_to_driver=True)
+            else:  # a cluster of this machine for this run: `parity train` needs no setup
+                ray.init(
+                    num_cpus=max(os.cpu_count() or 1, processes),
+                    include_dashboard=False,
+                    logging_level="ERROR",
+                    log_to_driver=True,
+                )
+                self.started_ray = True
+        model_dir = str(self.model_dir)
+        worker_cls = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=0)(RolloutWorker)
+        self.workers = [
+            worker_cls.remote(
+                i,
+                model_dir,
+                cfg.rollout_precision,
+                cfg.trainer_precision,
+                cfg.algorithm.shadow_forward,
+                cfg.trainer.micro_batch_size,
+                threads,
+            )
+            for i in range(d.rollout_workers)
+        ]
+        learner_cls = ray.remote(num_cpus=1, max_restarts=0)(Learner)
+        self.learners = [
+            learner_cls.remote(r, d.learners, model_dir, cfg.trainer_precision, cfg.optim_config(), threads)
+            for r in range(d.learners)
+        ]
+        host, port = ray.get(self.learners[0].rendezvous.remote())
+        self._learners_call("setup", host, port)
+        self.worker_pids = ray.get([w.pid.remote() for w in self.workers])
+        self.pending: deque[_Request] = deque()
+        self.load_refs: list[list] = [[] for _ in self.workers]
+        self.last_load: dict[str, float] = {}
+        self.weights = None  # the newest (tensors ref, manifest), for restarted workers
+        self.restarts = 0
+        self.dropped = 0
+        self.consumed_position = self.data.position
+        self.step_end = time.perf_counter()
+        self._learners_call("load_state", self.trainer.full_state())  # all start from the same weights
+        self._push_weights(version=self.step_count)
+
+    def _weights_restored(self) -> None:
+        self._learners_call("load_state", self.trainer.full_state())
+        self.consumed_position = self.data.position
+        self._push_weights(version=self.step_count)
+
+    def _gather_state(self) -> None:
+        self.trainer.load_full_state(self._learners_call("full_state")[0])
+
+    def _stop_engines(self) -> None:
+        import ray
+
+        for actor in getattr(self, "workers", []) + getattr(self, "learners", []):
+            ray.kill(actor)
+        self.workers, self.learners = [], []
+        if getattr(self, "started_ray", False):
+            ray.shutdown()
+            self.started_ray = False
+
+    @property
+    def data_position(self) -> int:
+        return self.consumed_position  # requests made ahead are sampled again after a resume
+
+    # -- learners ---------------------------------------------------------------
+
+    def _learners_call(self, method: str, *args):
+        """Call `method` on every learner and wait for all of them."""
+        return self._wait_learners([getattr(learner, method).remote(*args) for learner in self.learners])
+
+    def _wait_learners(self, refs: list) -> list:
+        """The learners' results; a learner that died or failed stops the run cleanly."""
+        import ray
+
+        try:
+            # One at a time as they finish: when a learner dies the others wait in a collective forever.
+            waiting = list(refs)
+            while waiting:
+                done, waiting = ray.wait(waiting, num_returns=1)
+                ray.get(done[0])
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:
+            raise TrainingError(
+                f"step {self.step_count + 1}: a learner process died ({type(e).__name__}); the run stopped. "
+                f"Continue from the last checkpoint with `parity train --resume {self.run_dir}`"
+            ) from None
+        except ray.exceptions.RayTaskError as e:
+            raise TrainingError(f"step {self.step_count + 1}: a learner failed: {e.cause}") from None
+
+    def _update(self, batch: RolloutBatch, prepared: Prepared) -> UpdateResult:
+        import ray
+
+        cfg = self.cfg
+        batch_ref, prepared_ref = ray.put(batch), ray.put(prepared)
+        parts = self._learners_call("update", batch_ref, prepared_ref, self.plan, cfg.seed * 7919 + self.step_count)
+        update = UpdateResult.merge(parts)
+        self._check_finite(update)
+        return update
+
+    # -- weights to the workers -----------------------------------------------------
+
+    def _push_weights(self, version: int) -> dict[str, float]:
+
+        cfg = self.cfg
+        refs = [
+            learner.export.options(num_returns=2).remote(version, cfg.rollout_precision, cfg.trainer_precision)
+            for learner in self.learners
+        ]
+        manifest, export_seconds = self._wait_learners([r[1] for r in refs])[0]
+        self.weights = (refs[0][0], manifest)
+        for i, worker in enumerate(self.workers):
+            self.load_refs[i].append(worker.load_weights.remote(*self.weights))
+        return {"export_seconds": export_seconds, "bytes": manifest.bytes}
+
+    def _check_loads(self) -> None:
+        """Results of finished weight loads: a failed verification stops the run naming the tensor."""
+        import ray
+
+        for refs in self.load_refs:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+            for ref in done:
+                refs.remove(ref)
+                try:
+                    self.last_load = ray.get(ref)
+                except _worker_gone():
+                    continue  # the worker died; `_recover` reloads it
+                except ray.exceptions.RayTaskError as e:
+                    raise TrainingError(f"step {self.step_count + 1}: {e.cause}") from None
+
+    def _sync(self, times: dict[str, float]) -> dict[str, float]:
+        t = time.perf_counter()
+        pushed = self._push_weights(version=self.step_count + 1)
+        times["sync"] = time.perf_counter() - t
+        self._check_loads()
+        next_step = self.step_count + 1 + self.cfg.async_.max_staleness
+        if next_step < self.cfg.steps:
+            self._request(next_step)
+        return {
+            "sync/verified": self.last_load.get("verified", 0.0),
+            "sync/seconds": pushed["export_seconds"] + self.last_load.get("seconds", 0.0),
+            "sync/bytes": pushed["bytes"],
+            "faults/worker_restarts": self.restarts,
+        }
+
+    # -- rollouts -------------------------------------------------------------------
+
+    def _request(self, step: int) -> None:
+        """Ask the workers for step `step`'s samples, whole prompt groups per worker."""
+        cfg = self.cfg
+        problems = [self.problems[i] for i in self.data.take(cfg.prompts_per_step)]
+        prompts = [self.tokenizer.encode(p.prompt) for p in problems]
+        request = _Request(step, problems, self.data.position)
+        bounds = torch.arange(len(prompts)).tensor_split(len(self.workers))
+        for w, rows in enumerate(bounds):
+            # Worker 0 uses the single-process seed, so one worker samples what one process would.
+            shard = _Shard(w, [prompts[i] for i in rows.tolist()], self.rollout_seed(step) + 7_777_777 * w)
+            self._send(shard)
+            request.shards.append(shard)
+        self.pending.append(request)
+
+    def _send(self, shard: _Shard) -> None:
+        worker = self.workers[shard.worker]
+        shard.ref = worker.generate.remote(shard.prompts, self.cfg.rollout.group_size, self.sampling, shard.seed)
+
+    def _recover(self, worker: int) -> None:
+        """After worker `worker` died: wait for Ray's restart, give it the newest weights and
+        send again everything it had not delivered, in order."""
+        import ray
+
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        while True:
+            try:
+                pid = ray.get(self.workers[worker].pid.remote())  # answers once the actor is back
+                break
+            except _worker_gone() as e:
+                if time.monotonic() > deadline:
+                    raise TrainingError(
+                        f"step {self.step_count + 1}: rollout worker {worker} died and Ray did not restart it "
+                        f"within {RESTART_TIMEOUT_S} s ({type(e).__name__})"
+                    ) from None
+                time.sleep(0.2)
+        if pid == self.worker_pids[worker]:
+            return
+        self.worker_pids[worker] = pid
+        self.restarts += 1
+        print(
+            f"WARNING step {self.step_count + 1}: rollout worker {worker} died and was restarted "
+            f"(faults/worker_restarts = {self.restarts}); its unfinished requests are sampled again",
+            file=sys.stderr,
+        )
+        self.load_refs[worker] = [self.workers[worker].load_weights.remote(*self.weights)]
+        for request in self.pending:
+            for shard in request.shards:
+                if shard.worker == worker and shard.ref is not None:
+                    self._send(shard)
+
+    def _rollouts(self, times: dict[str, float]) -> tuple[list[Problem], RolloutBatch]:
+        import ray
+
+        cfg = self.cfg
+        if not self.pending:  # the first step, or after a resume: fill the pipeline
+            for step in range(self.step_count, min(self.step_count + 1 + cfg.async_.max_staleness, cfg.steps)):
+                self._request(step)
+        # Requests already answered before this step waited for them: how far the workers are ahead.
+        queue_depth = sum(
+            all(ray.wait([s.ref], timeout=0)[0] for s in request.shards) for request in list(self.pending)[1:]
+        )
+        request = self.pending[0]
+        t = time.perf_counter()
+        parts, infos = [], []
+        for shard in request.shards:
+            while True:
+                try:
+                    batch, info = ray.get(shard.ref)
+                except _worker_gone():
+                    self._recover(shard.worker)
+                    continue
+                if self.step_count - batch.weight_version > cfg.async_.max_staleness:
+                    self.dropped += batch.response_ids.shape[0]  # too old (only after a restart): sample again
+                    self._send(shard)
+                    continue
+                break
+            shard.ref = None
+            parts.append(batch)
+            infos.append(info)
+        self.pending.popleft()
+        self.consumed_position = request.data_position
+        times["rollout"] = time.perf_counter() - t  # the learners wait this long for samples
+        times["score"] = max(i["score"] for i in infos)
+        times["worker_rollout"] = max(i["rollout"] for i in infos)
+        times["worker_idle"] = sum(i["idle"] for i in infos)
+        self._check_loads()
+        staleness = torch.tensor(
+            [float(self.step_count - b.weight_version) for b in parts for _ in range(b.response_ids.shape[0])]
+        )
+        self.async_metrics = {
+            "async/staleness_mean": float(staleness.mean()),
+            "async/staleness_max": float(staleness.max()),
+            "async/queue_depth": queue_depth,
+            "async/dropped": self.dropped,
+        }
+        return request.problems, concat_batches(parts) if len(parts) > 1 else parts[0]
+
+    def step(self) -> dict[str, float]:
+        start = self.step_end
+        metrics = super().step()
+        self.step_end = time.perf_counter()
+        metrics.update(self.async_metrics)
+        busy = metrics["time/train"]
+        # Learner idle: the part of this step's wall time (since the previous step ended) the learners did not train.
+        metrics["time/learner_idle"] = max(self.step_end - start - busy, 0.0)
+        return metrics
+
+
+def run_class(cfg: TrainConfig) -> type[Run]:
+    """The run for a config: one process, or distributed."""
+    return DistributedRun if cfg.distributed_mode else Run
+
+
+def resume_class(run_dir: str | Path) -> type[Run]:
+    """The run class a run directory's config.yaml asks for (`Run` when it cannot be read:
+    `Run.resume` then says what is wrong)."""
+    try:
+        return run_class(config_mod.load(TrainConfig, Path(run_dir) / "config.yaml"))
+    except ConfigError:
+        return Run

@@ -1,0 +1,320 @@
+"""One RL step's pieces, shared by the single-process loop and the distributed one.
+
+    rollouts (μ, and π_old scored by the sampler) ─► `prepare`: rewards, group advantages,
+    loss mask, rejections ─► `train_on_batch`: epochs × mini-batches of π_θ, estimator loss,
+    backward, optimizer step (on one learner, or on each learner's rows of every mini-batch)
+    ─► `step_metrics`: rewards, losses, the mismatch g = π_old − μ = β + κ, α, phantom clipping
+
+`train_on_batch` is what a learner runs; the rest runs where the rollouts arrive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from parity.engines.rollout import RolloutBatch
+from parity.engines.trainer import StepStats, Trainer
+from parity.rl.algorithms import (
+    ESTIMATORS,
+    LossConfig,
+    PolicyInputs,
+    aggregate,
+    clip_bounds,
+    clip_ratio,
+    group_advantages,
+    kl_penalty,
+    needs_old_before_update,
+    rejected_sequences,
+)
+from parity.rl.diagnostics import gap_metrics, mismatch_by_length, mismatch_metrics, phantom_clip_frac
+from parity.rl.rewards import RewardResult
+
+# Estimator statistics (algorithms) under their metric names (docs/metrics.md).
+STAT_NAMES = {
+    "clip_frac": "clip/frac",
+    "clip_frac_low": "clip/frac_low",
+    "clip_frac_high": "clip/frac_high",
+    "ratio_mean": "clip/ratio_mean",
+    "is_weight_mean": "is/weight_mean",
+    "is_weight_max": "is/weight_max",
+    "is_masked_frac": "is/masked_frac",
+    "phantom_clip_frac": "phantom/clip_frac",
+    "alpha_abs_mean": "alpha/abs_mean",
+}
+BINARY_REWARDS = {"builtin", "exact", "math"}
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """What `train_on_batch` needs besides the batch: the algorithm's keys, resolved."""
+
+    estimator: str
+    loss: LossConfig
+    ratio_source: str  # recompute | shadow | rollout
+    aggregation: str
+    ppo_epochs: int
+    num_minibatches: int
+    micro_batch_size: int
+    prompts: int
+    group_size: int
+    max_new_tokens: int
+    temperature: float
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+
+@dataclass
+class Prepared:
+    """A scored batch, ready to train on."""
+
+    rewards: torch.Tensor  # [B] as returned by the reward
+    advantages: torch.Tensor  # [B]
+    loss_mask: torch.Tensor  # [B, T]
+    rejected: torch.Tensor | None  # [B] sequences a rejection rule took out of the loss
+    old_logprobs: torch.Tensor | None  # π_old when known before the first update; else filled by the first pass
+    learner_old_pass: bool  # π_old had to come from a no-grad learner pass
+
+
+@dataclass
+class UpdateResult:
+    """What one learner's updates on a batch produced; `merge` joins the learners'."""
+
+    losses: list[float] = field(default_factory=list)  # per micro-batch, with the mini-batch's denominators
+    kls: list[float] = field(default_factory=list)
+    stats: dict[str, list[float]] = field(default_factory=dict)  # estimator statistics per micro-batch
+    grad_norms: list[float] = field(default_factory=list)  # per optimizer update
+    skipped_updates: int = 0
+    updates: int = 0
+    step_stats: StepStats | None = None  # of the last update
+    first_pass: torch.Tensor | None = None  # π_θ before any update [B, T] (π_old when it was free), this learner's rows
+    flops: float = 0.0
+    seconds: float = 0.0
+    non_finite_weights: list[str] = field(default_factory=list)  # parameters holding inf/NaN after the updates
+
+    @staticmethod
+    def merge(parts: list[UpdateResult]) -> UpdateResult:
+        """Join the learners' results: losses and statistics are per micro-batch, so they concatenate;
+        the optimizer's figures (global grad norm, skips, scale) are the same on every learner."""
+        out = UpdateResult(
+            grad_norms=parts[0].grad_norms,
+            skipped_updates=parts[0].skipped_updates,
+            updates=parts[0].updates,
+            step_stats=parts[0].step_stats,
+            flops=sum(p.flops for p in parts),
+            seconds=max(p.seconds for p in parts),
+        )
+        for p in parts:
+            out.losses += p.losses
+            out.non_finite_weights += p.non_finite_weights
+            out.kls += p.kls
+            for k, v in p.stats.items():
+                out.stats.setdefault(k, []).extend(v)
+            if p.first_pass is not None:
+                out.first_pass = p.first_pass if out.first_pass is None else out.first_pass + p.first_pass
+        return out
+
+
+def prepare(
+    batch: RolloutBatch,
+    result: RewardResult,
+    plan: UpdatePlan,
+    advantage: str,
+    truncated: str,
+) -> Prepared:
+    """Rewards to advantages and the loss mask; π_old's source and the rejection rules."""
+    rewards = torch.tensor(result.rewards)
+    scored = rewards.clone()
+    if truncated == "zero_reward":
+        scored[batch.truncated] = 0.0
+    advantages = group_advantages(scored, batch.group_index, advantage)
+    loss_mask = batch.response_mask.clone()
+    if truncated == "drop":
+        loss_mask[batch.truncated] = False
+    # π_old, the trainer on the sampling weights: scored by the sampler, or a learner pass when
+    # it is needed before the first update (several updates, or a rejection that shapes the
+    # loss mask), or else the first π_θ pass itself, free. The loss takes μ as π_old when the
+    # ratio is against the rollout (then importance weights and rejections see no gap).
+    rejects = plan.ratio_source != "rollout" and needs_old_before_update(plan.estimator, plan.loss)
+    updates = plan.ppo_epochs * plan.num_minibatches
+    old = batch.old_logprobs
+    learner_old_pass = old is None and (updates > 1 or rejects)
+    prepared = Prepared(rewards, advantages, loss_mask, None, old, learner_old_pass)
+    if old is not None:
+        reject(prepared, batch, plan)
+    return prepared
+
+
+def reject(prepared: Prepared, batch: RolloutBatch, plan: UpdatePlan) -> None:
+    """Apply the estimator's rejection rule (if any) once π_old is known."""
+    if plan.ratio_source != "rollout" and needs_old_before_update(plan.estimator, plan.loss):
+        prepared.rejected = rejected_sequences(
+            plan.estimator, prepared.old_logprobs, batch.rollout_logprobs, prepared.loss_mask, plan.loss
+        )
+        prepared.loss_mask[prepared.rejected] = False
+
+
+def batch_logprobs(trainer: Trainer, batch: RolloutBatch, rows: torch.Tensor, temperature: float) -> torch.Tensor:
+    """π of `rows` of the batch on the trainer's current weights (differentiable when grad is on)."""
+    return trainer.logprobs(
+        [batch.prompt_ids[i] for i in rows.tolist()],
+        batch.response_ids[rows],
+        batch.response_mask[rows],
+        None if batch.support is None else batch.support[rows],
+        temperature,
+    )
+
+
+def no_grad_logprobs(trainer: Trainer, batch: RolloutBatch, micro_batch_size: int, temperature: float) -> torch.Tensor:
+    rows = torch.arange(batch.response_ids.shape[0])
+    with torch.no_grad():
+        return torch.cat([batch_logprobs(trainer, batch, r, temperature) for r in rows.split(micro_batch_size)])
+
+
+def train_on_batch(
+    trainer: Trainer,
+    batch: RolloutBatch,
+    prepared: Prepared,
+    plan: UpdatePlan,
+    order_seed: int,
+    reference: Trainer | None = None,
+    rank: int = 0,
+    world: int = 1,
+) -> UpdateResult:
+    """Every optimizer update of one step: `ppo_epochs` passes over `num_minibatches`
+    mini-batches of whole groups (shuffled per epoch after the first).
+
+    With `world` learners, each takes its contiguous share (`rank`) of every mini-batch and
+    the losses keep the whole mini-batch's denominators, so the learners' gradients sum to
+    the single-learner gradient (the sharded optimizer sums them)."""
+    estimator = ESTIMATORS[plan.estimator]
+    mu, old, loss_mask, advantages = (
+        batch.rollout_logprobs,
+        prepared.old_logprobs,
+        prepared.loss_mask,
+        prepared.advantages,
+    )
+    rejected = prepared.rejected
+    out = UpdateResult()
+    first_pass = torch.zeros_like(mu) if old is None else None
+    sampling_pi = old if old is not None else first_pass
+    loss_old = mu if plan.ratio_source == "rollout" else sampling_pi
+    ref = None
+    if reference is not None:
+        ref = no_grad_logprobs(reference, batch, plan.micro_batch_size, plan.temperature)
+    rows_per_mb = batch.response_ids.shape[0] // plan.num_minibatches
+    order_gen = torch.Generator().manual_seed(order_seed)
+    for epoch in range(plan.ppo_epochs):
+        # Mini-batches hold whole groups, shuffled per epoch.
+        groups = torch.randperm(plan.prompts, generator=order_gen) if epoch else torch.arange(plan.prompts)
+        row_order = (groups[:, None] * plan.group_size + torch.arange(plan.group_size)).flatten()
+        for mb in row_order.split(rows_per_mb):
+            # Rejected sequences leave the denominators too (VeRL, SkyRL); masked IS weights do not.
+            n_seq = len(mb) - (0 if rejected is None else int(rejected[mb].sum()))
+            n_tok = int(loss_mask[mb].sum())
+            for rows in mb.tensor_split(world)[rank].split(plan.micro_batch_size):
+                logp = batch_logprobs(trainer, batch, rows, plan.temperature)
+                if first_pass is not None and epoch == 0:
+                    first_pass[rows] = logp.detach()
+                mask = loss_mask[rows]
+                inputs = PolicyInputs(
+                    logprobs=logp,
+                    old_logprobs=loss_old[rows],
+                    rollout_logprobs=mu[rows],
+                    advantages=advantages[rows],
+                    mask=mask,
+                )
+                token_loss, loss_stats = estimator.loss(inputs, plan.loss)
+                # α, the real policy change, and phantom clipping, on every ratio source.
+                n = mask.sum().clamp(min=1)
+                loss_stats["alpha_abs_mean"] = ((logp.detach() - sampling_pi[rows]).abs() * mask).sum() / n
+                if estimator.clip is not None:
+                    low, high = clip_bounds(estimator.clip, plan.loss)
+                    loss_stats["phantom_clip_frac"] = phantom_clip_frac(
+                        clip_ratio(estimator.clip, logp.detach(), mu[rows], mask),
+                        clip_ratio(estimator.clip, logp.detach(), sampling_pi[rows], mask),
+                        advantages[rows],
+                        mask,
+                        low,
+                        high,
+                    )
+                if ref is not None:
+                    kl = kl_penalty(logp, ref[rows], plan.kl_estimator)
+                    out.kls.append(float((kl.detach() * mask).sum() / n))
+                    token_loss = token_loss + plan.kl_coef * kl
+                loss = aggregate(token_loss, mask, plan.aggregation, n_seq, n_tok, plan.max_new_tokens)
+                trainer.backward(loss)
+                out.losses.append(float(loss.detach()))
+                for k, v in loss_stats.items():
+                    out.stats.setdefault(k, []).append(float(v))
+            out.step_stats = trainer.step()
+            out.updates += 1
+            out.skipped_updates += out.step_stats.skipped
+            out.grad_norms.append(out.step_stats.grad_norm)
+    out.first_pass = first_pass
+    return out
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def step_metrics(
+    batch: RolloutBatch,
+    prepared: Prepared,
+    update: UpdateResult,
+    result: RewardResult,
+    sampling_pi: torch.Tensor,
+    plan: UpdatePlan,
+    binary_reward: bool,
+    same_precision: bool,
+) -> dict[str, float]:
+    """Everything logged about a step, from tensors the step already computed.
+
+    `sampling_pi` is π_old, the trainer's code path on the sampling weights; `same_precision`:
+    the trainer and the rollout engine share a precision (then β = 0 without a probe)."""
+    rewards, advantages, mu = prepared.rewards, prepared.advantages, batch.rollout_logprobs
+    # Rows are grouped contiguously, one group per prompt.
+    group_std = rewards.view(plan.prompts, plan.group_size).std(-1, correction=0)
+    stats = dict(update.stats)
+    metrics: dict[str, float] = {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "reward/errors": result.errors,
+        "reward/timeouts": result.timeouts,
+        "response/length_mean": float(batch.response_lengths.float().mean()),
+        "response/length_max": int(batch.response_lengths.max()),
+        "response/truncated_frac": float(batch.truncated.float().mean()),
+        "groups/zero_variance_frac": float((group_std == 0).float().mean()),
+        "loss/policy": sum(update.losses),
+        "grad/norm": _mean(update.grad_norms),
+        "precision/loss_scale": update.step_stats.loss_scale,
+        "precision/skipped_steps": update.step_stats.skipped_total,
+        "train/samples": len(rewards),
+        "train/updates": update.updates,
+        "train/old_logprob_pass": int(prepared.learner_old_pass),
+        "weights/version": update.step_stats.weight_version,
+    }
+    if prepared.rejected is not None:
+        metrics["is/rejected_seq_frac"] = float(prepared.rejected.float().mean())
+    if binary_reward:
+        metrics["reward/accuracy"] = float((rewards >= 1.0).float().mean())
+    if update.kls:
+        metrics["loss/kl"] = _mean(update.kls)
+    for k, v in stats.items():
+        metrics[STAT_NAMES[k]] = max(v) if k == "is_weight_max" else _mean(v)
+    response_mask = batch.response_mask
+    mm = mismatch_metrics(sampling_pi, mu, response_mask)
+    metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
+    metrics.update({f"mismatch/{k}": v for k, v in mismatch_by_length(sampling_pi, mu, response_mask).items()})
+    # g = π_old − μ = β + κ. β is known without a probe when the precisions match (it is 0).
+    probe = batch.probe_logprobs
+    if probe is None and same_precision:
+        probe = sampling_pi
+    parts = {"gap": sampling_pi - mu}
+    if probe is not None:
+        parts.update(beta=sampling_pi - probe, kappa=probe - mu)
+    for name, part in parts.items():
+        metrics.update(gap_metrics(name, part, mu, advantages, response_mask))
+    return metrics

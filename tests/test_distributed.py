@@ -1,0 +1,176 @@
+"""Distributed training on real Ray actors and a real torch.distributed (gloo) FSDP2 learner group."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from parity import config
+from parity.cli import main
+from parity.config import ConfigError
+from parity.distributed.actors import RolloutWorker
+from parity.distributed.driver import DistributedRun
+from parity.distributed.sync import SyncError, pack_weights
+from parity.engines.models import load_model, resolve_model_dir
+from parity.engines.rollout import SamplingParams, concat_batches
+from parity.engines.sampler import Sampler
+from parity.rl.loop import TrainConfig, TrainingError
+
+SMALL = ["prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
+UNTIMED = ("time/", "perf/", "async/", "sync/", "faults/")
+ROUND_OFF = ("mismatch/", "gap/", "kappa/", "beta/", "alpha/")  # μ − π in FP32 is itself round-off
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _trained(metrics: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith(UNTIMED)} for m in metrics]
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["distributed.learners=2"], "needs distributed.rollout_workers >= 1"),
+        (["async.max_staleness=1"], "asynchronous training needs rollout workers"),
+        (["distributed.rollout_workers=1", "algorithm.kl_coef=0.1"], "kl_coef"),
+        (["distributed.rollout_workers=1", "distributed.learners=3"], "must divide the rows of a mini-batch"),
+        (["distributed.rollout_workers=9"], "more than prompts_per_step"),
+        (["async.max_staleness=-1"], r"async\.max_staleness"),
+    ],
+)
+def test_bad_distributed_combinations_are_refused_before_any_work(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config.load(TrainConfig, None, SMALL + overrides)
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def test_concat_batches_keeps_rows_and_groups():
+    model_dir = resolve_model_dir("builtin")
+    model = load_model(model_dir)
+    sampler = Sampler(model.config, "fp32", "fp32", 2, 0, score_old=True, probe=False, micro_batch_size=64)
+    sampler.load_weights({k: v for k, v in model.state_dict().items()}, 0)
+    sampling = SamplingParams(max_new_tokens=12, top_k=8)
+    a = sampler.generate([[5, 6, 7]], 2, sampling, seed=1)
+    b = sampler.generate([[5, 6], [9, 9, 9, 9]], 3, sampling, seed=2)
+    for part in (a, b):
+        sampler.score_samples(part)
+    both = concat_batches([a, b])
+    assert both.response_ids.shape[0] == 2 + 6
+    assert both.group_index.tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
+    assert both.num_tokens == a.num_tokens + b.num_tokens
+    assert torch.equal(both.rollout_logprobs[2:, : b.response_ids.shape[1]], b.rollout_logprobs)
+    assert torch.equal(both.old_logprobs[:2, : a.response_ids.shape[1]], a.old_logprobs)
+    assert (both.support[:2, a.support.shape[1] :] == -1).all()
+
+
+def test_weight_sync_verification_names_the_damaged_tensor():
+    """A worker loads a sync, checks both of its copies, and refuses one damaged in transit."""
+    model_dir = resolve_model_dir("builtin")
+    state = {k: v for k, v in load_model(model_dir).named_parameters()}
+    worker = RolloutWorker(0, str(model_dir), "bf16", "bf16", probe=False, micro_batch_size=64, threads=1)
+    tensors, manifest = pack_weights(state, 3, "bf16", "bf16")
+    assert manifest.wire_dtype == "bfloat16" and manifest.engine == manifest.scorer
+    assert worker.load_weights(tensors, manifest)["verified"] == 1.0
+    assert worker.sampler.weight_version == 3
+
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name] = tensors[name].clone()
+    tensors[name][3, 5] += 1.0  # one value damaged after the checksums were taken
+    with pytest.raises(SyncError, match=re.escape(f"v3: {name} in rollout worker 0 (rollout engine)")):
+        worker.load_weights(tensors, manifest)
+
+    # Mixed precisions send FP32 (the π_old scorer needs the master weights) with two checksum sets.
+    tensors, manifest = pack_weights(state, 4, "bf16", "fp32")
+    assert manifest.wire_dtype == "float32" and manifest.engine != manifest.scorer
+    worker = RolloutWorker(1, str(model_dir), "bf16", "fp32", probe=True, micro_batch_size=64, threads=1)
+    assert worker.load_weights(tensors, manifest)["verified"] == 1.0
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_two_fsdp2_learners_match_one_process(tmp_path):
+    """Synchronous, FP32, same seed: 1 worker + 2 FSDP2 learners (gloo) against one process, 10 steps."""
+    common = SMALL + ["precision=fp32", "steps=10", "checkpoint_every=-1", "algorithm.name=grpo"]
+    assert main(["train", f"run_dir={tmp_path / 'one'}", *common]) == 0
+    two = ["distributed.rollout_workers=1", "distributed.learners=2"]
+    assert main(["train", f"run_dir={tmp_path / 'two'}", *common, *two]) == 0
+    one, dist = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert len(one) == len(dist) == 10
+    assert all(m["sync/verified"] == 1 and m["async/staleness_max"] == 0 for m in dist)
+    worst = 0.0
+    for a, b in zip(_trained(one), _trained(dist)):
+        assert a.keys() == b.keys()
+        for key in a:
+            if key == "train/old_logprob_pass" or key.endswith("adv_corr"):
+                continue  # one process scores π_old in its first pass; a correlation of round-off noise
+            if key.startswith(ROUND_OFF):  # differences of FP32 log-probs: round-off on both sides
+                assert abs(a[key] - b[key]) <= 5e-5, (a["step"], key, a[key], b[key])
+                continue
+            worst = max(worst, abs(a[key] - b[key]) / max(abs(a[key]), 1e-6))
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-8), (a["step"], key)
+    print(f"largest relative difference over 10 steps (losses, grad norms, rewards, clip, IS): {worst:.2e}")
+
+
+@pytest.mark.slow
+def test_a_killed_rollout_worker_is_restarted_and_no_sample_is_lost(tmp_path):
+    cfg = config.load(
+        TrainConfig,
+        None,
+        SMALL
+        + [f"run_dir={tmp_path / 'r'}", "steps=5", "checkpoint_every=-1"]
+        + ["distributed.rollout_workers=1", "async.max_staleness=1"],
+    )
+    run = DistributedRun.create(cfg, progress=False)
+    history = []
+    try:
+        for step in range(cfg.steps):
+            if step == 2:
+                os.kill(run.worker_pids[0], signal.SIGKILL)
+                time.sleep(0.5)
+            history.append(run.step())
+    finally:
+        run._stop_engines()
+        run.lock.release()
+    assert [m["step"] for m in history] == [1, 2, 3, 4, 5]
+    assert history[-1]["faults/worker_restarts"] == 1
+    assert all(m["train/samples"] == 8 * 4 for m in history)  # every step trained a whole batch, once
+    assert run.data_position == 5 * 8  # each step's prompts taken once: none repeated, none skipped
+    assert all(m["async/staleness_max"] <= 1 and m["sync/verified"] == 1 for m in history)
+
+
+@pytest.mark.slow
+def test_a_dead_learner_stops_the_run_and_resume_reproduces_it(tmp_path):
+    common = SMALL + ["precision=fp32", "steps=4", "checkpoint_every=2"]
+    common += ["distributed.rollout_workers=1", "distributed.learners=2", "async.max_staleness=0"]
+    assert main(["train", f"run_dir={tmp_path / 'whole'}", *common]) == 0
+
+    run = DistributedRun.create(config.load(TrainConfig, None, [*common, f"run_dir={tmp_path / 'cut'}"]), False)
+    try:
+        for _ in range(2):
+            run.log.log(run.step())
+        run.checkpoint()
+        learner_pid = __import__("ray").get(run.learners[1].pid.remote())
+        os.kill(learner_pid, signal.SIGKILL)
+        with pytest.raises(TrainingError, match=r"a learner process died.*--resume"):
+            run.step()
+    finally:
+        run._stop_engines()
+        run.lock.release()
+    assert main(["train", "--resume", str(tmp_path / "cut")]) == 0
+    assert _trained(_metrics(tmp_path / "cut")) == _trained(_metrics(tmp_path / "whole"))

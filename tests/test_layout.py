@@ -1,0 +1,66 @@
+"""The package's layers import one way: foundations (config, files, rundir, runtime) ← engines ← rl ←
+distributed ← commands ← cli, with no cycles."""
+
+import ast
+from pathlib import Path
+
+import parity
+
+ROOT = Path(parity.__file__).parent
+LAYERS = {"engines": 1, "rl": 2, "distributed": 3, "commands": 4, "builtin": 4}  # builtin: `parity build-model`
+TOP = {"cli": 5, "__main__": 5}  # every other top-level module is a foundation (0)
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")[1:]
+    if not parts:
+        return 0
+    return LAYERS.get(parts[0], TOP.get(parts[0], 0))
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):  # lazy imports inside functions count too
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("parity"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names if node.module == "parity")
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("parity"))
+    return found
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    return ".".join(p for p in rel.parts if p != "__init__")
+
+
+def test_imports_point_down_the_layers():
+    upward = []
+    for path in ROOT.rglob("*.py"):
+        name = _module_name(path)
+        for target in _imports(path):
+            if _layer(target) > _layer(name):
+                upward.append(f"{name} imports {target}")
+    assert not upward, "imports against the layering: " + "; ".join(sorted(upward))
+
+
+def test_no_import_cycles():
+    graph = {_module_name(p): {t for t in _imports(p)} for p in ROOT.rglob("*.py")}
+    modules = set(graph)
+    graph = {m: {t for t in ts if t in modules and t != m} for m, ts in graph.items()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join(stack[stack.index(t) :] + [m, t]) if t in stack else f"{m} -> {t}")
+            elif t not in state:
+                visit(t, stack + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    assert not cycles, "import cycles: " + "; ".join(cycles)
