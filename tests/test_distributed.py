@@ -81,7 +81,7 @@ def test_weight_sync_verification_names_the_damaged_tensor():
     """A worker loads a sync, checks both of its copies, and refuses one damaged in transit."""
     model_dir = resolve_model_dir("builtin")
     state = {k: v for k, v in load_model(model_dir).named_parameters()}
-    worker = RolloutWorker(0, str(model_dir), "bf16", "bf16", probe=False, micro_batch_size=64, threads=1)
+    worker = RolloutWorker(0, str(model_dir), "bf16", "bf16", probe=False, micro_batch_size=64, threads=None)
     tensors, manifest = pack_weights(state, 3, "bf16", "bf16")
     assert manifest.wire_dtype == "bfloat16" and manifest.engine == manifest.scorer
     assert worker.load_weights(tensors, manifest)["verified"] == 1.0
@@ -96,7 +96,7 @@ def test_weight_sync_verification_names_the_damaged_tensor():
     # Mixed precisions send FP32 (the π_old scorer needs the master weights) with two checksum sets.
     tensors, manifest = pack_weights(state, 4, "bf16", "fp32")
     assert manifest.wire_dtype == "float32" and manifest.engine != manifest.scorer
-    worker = RolloutWorker(1, str(model_dir), "bf16", "fp32", probe=True, micro_batch_size=64, threads=1)
+    worker = RolloutWorker(1, str(model_dir), "bf16", "fp32", probe=True, micro_batch_size=64, threads=None)
     assert worker.load_weights(tensors, manifest)["verified"] == 1.0
 
 

@@ -28,9 +28,11 @@ from parity.rl.step import Prepared, UpdatePlan, UpdateResult, train_on_batch
 from parity.runtime import reuse_freed_memory
 
 
-def _quiet_process(threads: int) -> None:
-    torch.set_num_threads(threads)
-    reuse_freed_memory()
+def _quiet_process(threads: int | None) -> None:
+    """Settings for an actor's own process (None: leave them, as when built in a test)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+        reuse_freed_memory()
 
 
 class RolloutWorker:
@@ -44,7 +46,7 @@ class RolloutWorker:
         trainer_precision: str,
         probe: bool,
         micro_batch_size: int,
-        threads: int,
+        threads: int | None,
     ):
         _quiet_process(threads)
         self.index = index
