@@ -120,7 +120,6 @@ class DistributedRun(Run):
         self.dropped = 0
         self.consumed_position = self.data.position
         self.step_end = time.perf_counter()
-        self._learners_call("load_state", self.trainer.full_state())  # all start from the same weights
         self._push_weights(version=self.step_count)
 
     def _weights_restored(self) -> None:

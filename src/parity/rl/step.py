@@ -277,7 +277,6 @@ def step_metrics(
     rewards, advantages, mu = prepared.rewards, prepared.advantages, batch.rollout_logprobs
     # Rows are grouped contiguously, one group per prompt.
     group_std = rewards.view(plan.prompts, plan.group_size).std(-1, correction=0)
-    stats = dict(update.stats)
     metrics: dict[str, float] = {
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
@@ -302,7 +301,7 @@ def step_metrics(
         metrics["reward/accuracy"] = float((rewards >= 1.0).float().mean())
     if update.kls:
         metrics["loss/kl"] = _mean(update.kls)
-    for k, v in stats.items():
+    for k, v in update.stats.items():
         metrics[STAT_NAMES[k]] = max(v) if k == "is_weight_max" else _mean(v)
     response_mask = batch.response_mask
     mm = mismatch_metrics(sampling_pi, mu, response_mask)
