@@ -66,7 +66,7 @@ class Workloads:
     """Everything a measurement needs, built once per process."""
 
     def __init__(self, model_dir: str, spec: dict):
-        from parity.engines.models import load_tokenizer
+        from parity.engines.tokenizer import load_tokenizer
         from parity.rl.tasks import ArithmeticTask
 
         self.model_dir, self.spec = model_dir, spec
@@ -80,7 +80,7 @@ class Workloads:
         from parity.engines.rollout import RolloutEngine, SamplingParams
 
         model = load_model(self.model_dir)
-        engine = RolloutEngine(model.config, precision, self.tok.eos_id if eos else -1, self.tok.pad_id)
+        engine = RolloutEngine(model.config, precision, self.tok.eos_ids if eos else (-1,), self.tok.pad_id)
         engine.load_weights(model.state_dict(), 0)
         sampling = SamplingParams(temperature=1.0, max_new_tokens=self.spec["new_tokens"])
 

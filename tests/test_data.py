@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from parity.commands.perfectible import PerfectibleConfig, candidate_problems
-from parity.engines.models import load_tokenizer
+from parity.engines.tokenizer import load_tokenizer
 from parity.rl import tasks
 from parity.rl.tasks import DataError, Problem, load_problems
 

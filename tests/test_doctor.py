@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from parity.cli import main
 from parity.commands.doctor import FP16Pass, LayerReport, measure_fp16_pass, recommend, run_doctor
-from parity.engines.models import load_model, load_tokenizer
+from parity.engines.models import load_model
+from parity.engines.tokenizer import load_tokenizer
 
 
 def edited_copy(src: Path, dst: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity.engines.models import load_model, load_tokenizer
+from parity.engines.models import load_model
 from parity.engines.rollout import RolloutEngine, SamplingParams, filter_logits
+from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.diagnostics import mismatch_metrics
 
@@ -17,7 +18,7 @@ def _setup(path, precision="fp32"):
     tok = load_tokenizer(path)
     model = load_model(path)
     trainer = Trainer(model, precision, OptimConfig(lr=1e-3))
-    engine = RolloutEngine(model.config, precision, tok.eos_id, tok.pad_id)
+    engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id)
     engine.load_weights(*trainer.export_weights())
     return tok, trainer, engine
 

@@ -8,8 +8,9 @@ import shutil
 import pytest
 import torch
 
-from parity.engines.models import ModelError, load_model, load_tokenizer, resolve_model_dir, save_model
+from parity.engines.models import ModelError, load_model, resolve_model_dir, save_model
 from parity.engines.packing import pack
+from parity.engines.tokenizer import load_tokenizer
 
 
 @pytest.mark.parametrize("fixture", ["llama_dir", "qwen2_dir"])
@@ -57,7 +58,7 @@ def test_save_roundtrip_loads_in_transformers(llama_dir, tmp_path):
 
 def test_tokenizer_special_ids(llama_dir):
     tok = load_tokenizer(llama_dir)
-    assert (tok.eos_id, tok.pad_id, tok.bos_id) == (2, 0, 1)
+    assert (tok.eos_ids, tok.pad_id, tok.bos_id) == ((2,), 0, 1)
     ids = tok.encode("12+3=")
     assert ids[0] == 1 and tok.decode(ids) == "12+3="
 

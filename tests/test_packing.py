@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import parity.engines.precision
-from parity.engines.models import load_model, load_tokenizer
+from parity.engines.models import load_model
 from parity.engines.packing import ROW_MULTIPLE, STREAM_MULTIPLE, pack
+from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer, matmul_flops
 
 

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from parity.engines import precision
-from parity.engines.models import load_model, load_tokenizer
+from parity.engines.models import load_model
+from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 
 

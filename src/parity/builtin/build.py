@@ -19,8 +19,9 @@ import torch
 from tqdm import tqdm
 
 from parity.commands.perfectible import problem_accuracies
-from parity.engines.models import CausalLM, ModelConfig, load_tokenizer, save_model
+from parity.engines.models import CausalLM, ModelConfig, save_model
 from parity.engines.rollout import RolloutEngine
+from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.rewards import RewardRunner
 from parity.rl.tasks import BUILTIN_CHARS, BUILTIN_SPECIALS, ArithmeticTask, Problem, builtin_reward
@@ -91,7 +92,7 @@ def accuracy_spread(model: CausalLM, tokenizer_dir: Path, problems: int, samples
     """Per-problem accuracy over `samples` draws at temperature 1 on held-out problems."""
     tok = load_tokenizer(tokenizer_dir)
     probs = ArithmeticTask().problems(problems, seed=seed, split="eval")
-    engine = RolloutEngine(model.config, "fp32", tok.eos_id, tok.pad_id)
+    engine = RolloutEngine(model.config, "fp32", tok.eos_ids, tok.pad_id)
     engine.load_weights(model.state_dict(), version=0)
     runner = RewardRunner(builtin_reward, isolate=False)
     acc = torch.tensor(problem_accuracies(engine, tok, probs, runner, samples, seed=seed, batch_prompts=problems))

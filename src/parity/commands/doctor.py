@@ -36,9 +36,10 @@ import torch
 from torch import nn
 
 from parity.commands.mismatch import MismatchConfig, SamplingConfig, run_mismatch
-from parity.engines.models import CausalLM, load_model, load_tokenizer, resolve_model_dir
+from parity.engines.models import CausalLM, load_model, resolve_model_dir
 from parity.engines.packing import PackedBatch, pack
 from parity.engines.precision import FP16_MAX, FP16_MIN_NORMAL
+from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.tasks import ArithmeticTask

@@ -19,8 +19,9 @@ from tqdm import tqdm
 
 from parity.config import ConfigError
 from parity.engines import precision as prec
-from parity.engines.models import load_model, load_tokenizer, resolve_model_dir
+from parity.engines.models import load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine, SamplingParams
+from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.diagnostics import mismatch_by_length, mismatch_metrics
@@ -147,7 +148,7 @@ def run_mismatch(cfg: MismatchConfig, progress: bool = True, texts: list[str] | 
         train_p, roll_p = parse_pair(pair)
         start = time.perf_counter()
         trainer = Trainer(model, train_p, OptimConfig())
-        engine = RolloutEngine(model.config, roll_p, tokenizer.eos_id, tokenizer.pad_id)
+        engine = RolloutEngine(model.config, roll_p, tokenizer.eos_ids, tokenizer.pad_id)
         pi, mu, mask = measure_pair(trainer, engine, prompts, cfg)
         results.append(
             PairResult(

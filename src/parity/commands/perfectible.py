@@ -19,8 +19,9 @@ import torch
 from tqdm import tqdm
 
 from parity.config import ConfigError
-from parity.engines.models import Tokenizer, load_config, load_model, load_tokenizer, resolve_model_dir
+from parity.engines.models import load_config, load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine, SamplingParams
+from parity.engines.tokenizer import Tokenizer, load_tokenizer
 from parity.files import atomic_write_text
 from parity.rl.rewards import RewardRunner, score_rollouts
 from parity.rl.tasks import REWARDS, TRUSTED_REWARDS, ArithmeticTask, Problem, load_problems
@@ -112,7 +113,7 @@ def measure_accuracies(cfg: PerfectibleConfig, problems: list[Problem], progress
     model_dir = resolve_model_dir(cfg.model)
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir)
-    engine = RolloutEngine(model.config, cfg.precision, tok.eos_id, tok.pad_id)
+    engine = RolloutEngine(model.config, cfg.precision, tok.eos_ids, tok.pad_id)
     engine.load_weights(model.state_dict(), version=0)
     runner = RewardRunner(REWARDS[cfg.task], isolate=cfg.task not in TRUSTED_REWARDS)
     try:

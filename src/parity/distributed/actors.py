@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from parity.engines.models import load_config, load_model, load_tokenizer
+from parity.engines.models import load_config, load_model
 from parity.engines.rollout import RolloutBatch, SamplingParams
 from parity.engines.sampler import Sampler
+from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer, TrainerState
 from parity.rl.checkpoint import non_finite_tensors
 from parity.rl.step import Prepared, UpdatePlan, UpdateResult, train_on_batch
@@ -55,7 +56,7 @@ class RolloutWorker:
             load_config(model_dir),
             rollout_precision,
             trainer_precision,
-            tokenizer.eos_id,
+            tokenizer.eos_ids,
             tokenizer.pad_id,
             score_old=True,
             probe=probe,

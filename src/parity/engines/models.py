@@ -290,87 +290,11 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-# ----------------------------------------------------------------------------- tokenizer
-
-
-class Tokenizer:
-    """A `tokenizer.json` tokenizer plus the special ids generation needs."""
-
-    def __init__(self, path: Path, eos_id: int, pad_id: int, bos_id: int | None):
-        from tokenizers import Tokenizer as HFTokenizer
-
-        self._tok = HFTokenizer.from_file(str(path))
-        self.eos_id, self.pad_id, self.bos_id = eos_id, pad_id, bos_id
-        self.vocab_size = self._tok.get_vocab_size()
-
-    def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if self.bos_id is not None else []) + ids
-
-    def longest_token_bytes(self) -> int:
-        """UTF-8 bytes of the longest vocabulary entry (added tokens included)."""
-        return max(len(entry.encode("utf-8")) for entry in self._tok.get_vocab(with_added_tokens=True))
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode([i for i in ids if i != self.eos_id and i != self.pad_id], skip_special_tokens=True)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ModelError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
-
-
-def _special_id(tok_cfg: dict[str, Any], key: str, tokenizer_json: Path) -> int | None:
-    """Resolve `tokenizer_config.json`'s `eos_token` etc. (a string or {"content": ...}) to an id."""
-    token = tok_cfg.get(key)
-    if isinstance(token, dict):
-        token = token.get("content")
-    if not token:
-        return None
-    vocab = json.loads(tokenizer_json.read_text())
-    for added in vocab.get("added_tokens", []):
-        if added.get("content") == token:
-            return int(added["id"])
-    return (
-        vocab.get("model", {}).get("vocab", {}).get(token)
-        if isinstance(vocab.get("model", {}).get("vocab"), dict)
-        else None
-    )
-
-
-def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    model_dir = resolve_model_dir(model_dir)
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise ModelError(
-            f"{model_dir}: no tokenizer.json; save the tokenizer beside the weights "
-            "(tokenizer.save_pretrained(DIR) writes it)"
-        )
-    cfg = _read_json(model_dir / "config.json")
-    tok_cfg = _read_json(model_dir / "tokenizer_config.json") if (model_dir / "tokenizer_config.json").is_file() else {}
-    gen_cfg = (
-        _read_json(model_dir / "generation_config.json") if (model_dir / "generation_config.json").is_file() else {}
-    )
-
-    def first(*values):
-        for v in values:
-            if isinstance(v, list):
-                v = v[0] if v else None
-            if v is not None:
-                return int(v)
-        return None
-
-    eos = first(gen_cfg.get("eos_token_id"), _special_id(tok_cfg, "eos_token", path), cfg.get("eos_token_id"))
-    if eos is None:
-        raise ModelError(
-            f"{model_dir}: no EOS token id in generation_config.json, tokenizer_config.json or config.json"
-        )
-    pad = first(gen_cfg.get("pad_token_id"), _special_id(tok_cfg, "pad_token", path), cfg.get("pad_token_id"), eos)
-    add_bos = tok_cfg.get("add_bos_token", cfg.get("model_type") == "llama" and cfg.get("bos_token_id") is not None)
-    bos = first(_special_id(tok_cfg, "bos_token", path), cfg.get("bos_token_id")) if add_bos else None
-    return Tokenizer(path, eos_id=eos, pad_id=pad, bos_id=bos)
 
 
 # ----------------------------------------------------------------------------- load / save
@@ -393,7 +317,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     path = model_dir / "config.json"
     if not path.is_file():
         raise ModelError(f"{model_dir}: no config.json; this is not a Hugging Face model directory")
-    return ModelConfig.from_hf(_read_json(path), source=str(path))
+    return ModelConfig.from_hf(read_json(path), source=str(path))
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -402,7 +326,7 @@ def _weight_files(model_dir: Path) -> list[Path]:
         return [single]
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        shards = sorted(set(read_json(index)["weight_map"].values()))
         return [model_dir / s for s in shards]
     if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")) or any(model_dir.glob("*.pth")):
         raise ModelError(

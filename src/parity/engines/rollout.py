@@ -12,6 +12,7 @@ support so the trainer can score π on the same support.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -209,12 +210,13 @@ class _Layer:
 class RolloutEngine:
     """Samples from a copy of the policy whose weights are stored in the rollout precision."""
 
-    def __init__(self, config: ModelConfig, precision: str, eos_id: int, pad_id: int, device: str = "cpu"):
+    def __init__(self, config: ModelConfig, precision: str, eos_ids: Sequence[int], pad_id: int, device: str = "cpu"):
         self.config = config
         self.precision = precision
         self.dtype = prec.to_dtype(precision)
         self.device = torch.device(device)
-        self.eos_id, self.pad_id = eos_id, pad_id
+        self.pad_id = pad_id
+        self._eos = torch.tensor(sorted(set(eos_ids)), device=self.device)
         with torch.device("meta"):
             names = CausalLM(config).state_dict().keys()
         self._expected = {n for n in names if not (config.tie_word_embeddings and n == "lm_head.weight")}
@@ -381,7 +383,7 @@ class RolloutEngine:
             if sampling.filtered:
                 supports.append((rows[live], support_ids(torch.isfinite(processed[live]))))
             token = token.squeeze(-1)
-            done = done | (token == self.eos_id)
+            done = done | torch.isin(token, self._eos)
             if bool(done.all()) or t == max_new - 1:
                 break
             # Drop finished rows once they are a quarter of the batch (cache copy amortised),
@@ -409,7 +411,7 @@ class RolloutEngine:
             for t, (out_rows, kept) in enumerate(supports):
                 support[out_rows, t, : kept.shape[1]] = kept
         lengths_out = mask_out.sum(-1)
-        ended = tokens.gather(1, (lengths_out - 1).clamp(min=0)[:, None]).squeeze(-1) == self.eos_id
+        ended = torch.isin(tokens.gather(1, (lengths_out - 1).clamp(min=0)[:, None]).squeeze(-1), self._eos)
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
             response_ids=tokens,

@@ -39,14 +39,14 @@ class Sampler:
         config: ModelConfig,
         rollout_precision: str,
         trainer_precision: str,
-        eos_id: int,
+        eos_ids: tuple[int, ...],
         pad_id: int,
         *,
         score_old: bool,
         probe: bool,
         micro_batch_size: int,
     ):
-        self.engine = RolloutEngine(config, rollout_precision, eos_id, pad_id)
+        self.engine = RolloutEngine(config, rollout_precision, eos_ids, pad_id)
         self.trainer_precision = trainer_precision
         self.score_old = score_old
         self.probe = probe and rollout_precision != trainer_precision

@@ -29,9 +29,10 @@ from tqdm import tqdm
 from parity import config as config_mod
 from parity.config import ConfigError, check_range
 from parity.engines import precision as prec
-from parity.engines.models import load_model, load_tokenizer, resolve_model_dir
+from parity.engines.models import load_model, resolve_model_dir
 from parity.engines.rollout import RolloutBatch, SamplingParams
 from parity.engines.sampler import Sampler
+from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_text
 from parity.rl.algorithms import ADVANTAGES, AGGREGATIONS, ESTIMATORS, KL_ESTIMATORS, LossConfig
@@ -511,7 +512,7 @@ class Run:
             self.trainer.model.config,
             cfg.rollout_precision,
             cfg.trainer_precision,
-            self.tokenizer.eos_id,
+            self.tokenizer.eos_ids,
             self.tokenizer.pad_id,
             score_old=cfg.algorithm.ratio_source == "shadow",
             probe=cfg.algorithm.shadow_forward,

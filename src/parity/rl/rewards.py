@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, NamedTuple
 from parity.rl.tasks import Problem, RewardFn
 
 if TYPE_CHECKING:
-    from parity.engines.models import Tokenizer
     from parity.engines.rollout import RolloutBatch
+    from parity.engines.tokenizer import Tokenizer
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _PARENT_CHECK_S = 1.0  # how often an idle worker checks that the run is still there

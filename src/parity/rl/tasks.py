@@ -27,7 +27,7 @@ import torch
 from parity.config import ConfigError
 
 if TYPE_CHECKING:
-    from parity.engines.models import Tokenizer
+    from parity.engines.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
