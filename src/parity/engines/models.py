@@ -1,7 +1,8 @@
-"""Causal language models: config, a Llama/Qwen2 transformer, loading and saving.
+"""Causal language models: config, one decoder transformer for the families Parity runs, loading and saving.
 
-Parity runs its own compact implementation of the Llama family (Llama, Qwen2)
-rather than the `transformers` modelling code, so that every matmul goes through
+Parity runs its own compact implementation of the Llama family and its relatives
+(Llama, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 2/3) rather than the
+`transformers` modelling code, so that every matmul goes through
 `precision.linear` / `precision.attention` and the rollout engine can keep a
 KV cache. Parameter names match Hugging Face's, so checkpoints load and
 save in the Hugging Face format with no conversion.
@@ -10,11 +11,14 @@ save in the Hugging Face format with no conversion.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -23,7 +27,20 @@ from parity.engines.packing import PackedBatch, gather_rows
 from parity.files import atomic_dir
 
 BUILTIN_DIR = Path(__file__).parent.parent / "builtin" / "model"
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# model_type -> the transformers class that loads the same checkpoint
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 class ModelError(ValueError):
@@ -51,58 +68,104 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # RoPE scaling of the full-attention layers, as (key, value) pairs: rope_type, factor, ...
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    local_rope_theta: float | None = None  # RoPE base of sliding-window layers (Gemma 3)
+    sliding_window: int | None = None  # keys a sliding-window layer sees, itself included
+    layer_types: tuple[str, ...] = ()  # FULL or SLIDING per layer; empty = all full
+    qk_norm: bool = False  # RMSNorm on each query and key head before RoPE (Qwen3, Gemma 3)
+    gemma: bool = False  # (1 + w) norms in FP32, norms around attention and MLP, embeddings × √hidden
+    activation: str = "silu"  # or "gelu_tanh"
+    query_scale: float | None = None  # attention score scale; None = head_dim ** -0.5
+    attn_softcap: float | None = None  # scores -> cap · tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the output logits (Gemma 2)
+    num_experts: int = 0  # > 0: a sparse mixture-of-experts MLP on `moe_layers`
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+    # The config.json this came from, written back on save so that nothing Parity does not read is lost.
+    hf_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else FULL
+
+    def window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_type(i) == SLIDING else None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
         arch = hf.get("model_type")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in ARCHITECTURES:
             raise ModelError(
                 f"{source}: unsupported architecture model_type={arch!r}; "
                 f"Parity runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelError(f"{source}: unsupported hidden_act={act!r}; expected 'silu'")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ModelError(
-                f"{source}: unsupported RoPE scaling rope_type={rope_type!r}; only the default RoPE is implemented"
-            )
-        if hf.get("use_sliding_window"):
-            raise ModelError(f"{source}: sliding-window attention is not supported")
+        gemma = arch.startswith("gemma")
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise ModelError(f"{source}: unsupported activation {act!r}; expected one of {', '.join(ACTIVATIONS)}")
+        if hf.get("use_bidirectional_attention"):
+            raise ModelError(f"{source}: bidirectional attention is not a causal LM; Parity runs causal models")
+        full_rope, local_theta = _rope_parameters(hf, source)
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
-        eos = hf.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
+        num_layers = int(hf["num_hidden_layers"])
+        window, layer_types = _attention_layout(hf, arch, num_layers, source)
+        experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0) if arch == "qwen3_moe" else 0
+        moe_layers: tuple[int, ...] = ()
+        if experts:
+            step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or [])
+            moe_layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        bias = bool(hf.get("attention_bias", False))
+        scalar = hf.get("query_pre_attn_scalar")
         return cls(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or hidden // heads),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            rope_theta=float(full_rope.pop("rope_theta")),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
-            o_bias=arch == "llama" and bool(hf.get("attention_bias", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+            qkv_bias=arch == "qwen2" or bias,
+            o_bias=bias and arch != "qwen2",
             mlp_bias=bool(hf.get("mlp_bias", False)),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=eos,
+            eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
+            rope_scaling=tuple(sorted(full_rope.items())) if full_rope["rope_type"] != "default" else (),
+            local_rope_theta=local_theta,
+            sliding_window=window,
+            layer_types=layer_types,
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
+            gemma=gemma,
+            activation=ACTIVATIONS[act],
+            query_scale=float(scalar) ** -0.5 if gemma and scalar else None,
+            attn_softcap=hf.get("attn_logit_softcapping") if arch == "gemma2" else None,
+            final_softcap=hf.get("final_logit_softcapping") if gemma else None,
+            num_experts=experts,
+            experts_per_token=int(hf.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            moe_layers=moe_layers,
+            hf_config=dict(hf),
         )
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json `transformers` needs to load these weights."""
+        if self.hf_config is not None:
+            return {**self.hf_config, "torch_dtype": "float32"}
+        if self.architecture not in ("llama", "qwen2"):
+            raise ModelError(f"a {self.architecture} config needs the config.json it was read from")
         hf: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM" if self.architecture == "llama" else "Qwen2ForCausalLM"],
+            "architectures": [ARCHITECTURES[self.architecture]],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -130,14 +193,82 @@ class ModelConfig:
         return hf
 
 
+def _rope_parameters(hf: dict[str, Any], source: str) -> tuple[dict[str, Any], float | None]:
+    """The full-attention layers' RoPE parameters (rope_type, rope_theta, scaling keys) and the
+    sliding layers' RoPE base, from either config.json layout (transformers 5 `rope_parameters`,
+    per layer type or not, or the older `rope_theta` + `rope_scaling`)."""
+    params = hf.get("rope_parameters")
+    local = None
+    if isinstance(params, dict) and (FULL in params or SLIDING in params):
+        full = dict(params.get(FULL) or {})
+        if params.get(SLIDING):
+            local = params[SLIDING]
+    else:
+        full = dict(params or hf.get("rope_scaling") or {})
+        if hf.get("rope_local_base_freq") is not None:
+            local = {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
+    full.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    full["rope_type"] = full.pop("type", None) or full.get("rope_type", "default")
+    for layers, p in (("", full), ("sliding-window layers' ", local or {})):
+        kind = p.get("rope_type", p.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise ModelError(
+                f"{source}: unsupported {layers}RoPE scaling rope_type={kind!r}; Parity implements "
+                f"{', '.join(ROPE_TYPES)}"
+            )
+    if local is not None and local.get("rope_type", "default") != "default":
+        raise ModelError(f"{source}: sliding-window layers with scaled RoPE are not supported")
+    for key in ("partial_rotary_factor", "attention_factor"):
+        if full.pop(key, 1.0) != 1.0:
+            raise ModelError(f"{source}: RoPE {key} != 1 is not supported")
+    return full, None if local is None else float(local["rope_theta"])
+
+
+def _attention_layout(
+    hf: dict[str, Any], arch: str, num_layers: int, source: str
+) -> tuple[int | None, tuple[str, ...]]:
+    """The sliding window and each layer's attention type, as transformers derives them."""
+    window = hf.get("sliding_window")
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return None, ()
+    types = hf.get("layer_types")
+    if types is None:
+        if arch.startswith("qwen"):
+            first = int(hf.get("max_window_layers", num_layers))
+            types = [SLIDING if i >= first else FULL for i in range(num_layers)]
+        elif arch == "gemma2":
+            types = [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]
+        elif arch == "gemma3_text":
+            pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
+            types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
+        else:
+            types = [SLIDING] * num_layers
+    if len(types) != num_layers or any(t not in (FULL, SLIDING) for t in types):
+        raise ModelError(f"{source}: layer_types must list {FULL!r} or {SLIDING!r} for each of {num_layers} layers")
+    return int(window), tuple(types)
+
+
 # ----------------------------------------------------------------------------- modules
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalise in FP32, round to the compute dtype, then scale (as HF Llama does)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+    """Normalise in FP32, then scale: Llama rounds to the compute dtype and multiplies by w;
+    Gemma multiplies by (1 + w) in FP32 and rounds once."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (xf * (1.0 + weight.float())).to(x.dtype)
     return weight.to(x.dtype) * xf.to(x.dtype)
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    return F.silu(x) if name == "silu" else F.gelu(x, approximate="tanh")
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def rope_angles(
@@ -154,18 +285,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    return 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+def rope_inv_freq(cfg: ModelConfig, layer_type: str = FULL) -> torch.Tensor:
+    """RoPE inverse frequencies of a layer type, with the config's scaling (linear, Llama 3)."""
+    dim = cfg.head_dim
+    theta = cfg.local_rope_theta if layer_type == SLIDING and cfg.local_rope_theta else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = dict(cfg.rope_scaling)
+    if layer_type == SLIDING and cfg.local_rope_theta or not scaling:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # Llama 3: long wavelengths divided by `factor`, short ones kept, a smooth blend between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    context = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_tables(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Inverse frequencies per attention type the model uses."""
+    return {kind: rope_inv_freq(cfg, kind) for kind in sorted(set(cfg.layer_types) or {FULL})}
+
+
+def sliding_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """Causal mask [length, length] (True = attend) keeping the last `window` keys, itself included."""
+    i = torch.arange(length, device=device)
+    distance = i[:, None] - i[None, :]
+    return (distance >= 0) & (distance < window)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+        self.eps, self.gemma = eps, gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.gemma)
 
 
 class Linear(nn.Module):
@@ -181,28 +342,41 @@ class Linear(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: int | None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window, self.scale, self.softcap = window, cfg.query_scale, cfg.attn_softcap
         self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.qkv_bias)
         self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
         """`x` [N, H] is the packed token stream; attention runs on its rows."""
         n, d = x.shape[0], self.head_dim
-        q = apply_rope(self.q_proj(x).view(n, self.num_heads, d), cos, sin).reshape(n, -1)
-        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, d), cos, sin).reshape(n, -1)
+        q, k = self.q_proj(x).view(n, self.num_heads, d), self.k_proj(x).view(n, self.num_kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin).reshape(n, -1)
+        k = apply_rope(k, cos, sin).reshape(n, -1)
         v = self.v_proj(x)
         outputs = []
         for index in packed.attention_rows:
             # Rows are right-padded, so plain causal attention is exact on the real slots.
+            window = None if self.window is None else sliding_mask(index.shape[1], self.window, x.device)
             out = precision.attention(
                 _heads(gather_rows(q, index), self.num_heads),
                 _heads(gather_rows(k, index), self.num_kv_heads),
                 _heads(gather_rows(v, index), self.num_kv_heads),
-                causal=True,
+                mask=window,
+                causal=window is None,
+                scale=self.scale,
+                softcap=self.softcap,
             )
             outputs.append(out.transpose(1, 2).flatten(0, 1).flatten(1))
         return self.o_proj(gather_rows(torch.cat(outputs), packed.from_rows))
@@ -215,41 +389,93 @@ def _heads(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        width = intermediate_size or cfg.intermediate_size
+        self.activation = cfg.activation
+        self.gate_proj = Linear(cfg.hidden_size, width, cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, width, cfg.mlp_bias)
+        self.down_proj = Linear(width, cfg.hidden_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(activation(self.activation, self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, normalise: bool, replay: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k routing: (experts used [N, k], their weights [N, k] FP32, experts chosen [N, k]).
+    Softmax in FP32 over all experts; `replay` (another engine's choice) replaces the chosen
+    experts, and their weights are still this router's probabilities, so the router trains."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    chosen = torch.topk(probs, top_k, dim=-1).indices
+    used = chosen if replay is None else replay
+    weights = probs.gather(-1, used)
+    if normalise:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return used, weights, chosen
+
+
+class SparseMoE(nn.Module):
+    """A mixture of experts MLP (Qwen3-MoE): each token's output is the weighted sum of its
+    top-k experts'. `chosen` keeps the last forward's routing (what this router picked)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.normalise = cfg.experts_per_token, cfg.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.chosen: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> torch.Tensor:
+        used, weights, chosen = route(self.gate(x), self.top_k, self.normalise, replay)
+        self.chosen = chosen.detach()
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = (used == e).nonzero(as_tuple=True)
+            if token.numel():
+                y = expert(gather_rows(x, token)) * weights[token, slot, None]
+                out = out.index_add(0, token, y)
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, cfg.window(index))
+        self.mlp = SparseMoE(cfg) if index in cfg.moe_layers else MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        if cfg.gemma:  # Gemma: norms after attention and around the MLP
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma=True)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma=True)
+        self.gemma = cfg.gemma
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch, replay: torch.Tensor | None
+    ) -> torch.Tensor:
+        mlp = partial(self.mlp, replay=replay) if isinstance(self.mlp, SparseMoE) else self.mlp
+        if self.gemma:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, packed))
+            return x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, packed)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + mlp(self.post_attention_layernorm(x))
 
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
 
 
 class CausalLM(nn.Module):
-    """A Llama-family causal LM, as the trainer runs it. The compute dtype is chosen
-    per call: the FP32 master weights are cast on the fly (autograd flows through the
-    cast). The rollout engine has its own inference path over the same weights."""
+    """A decoder-only causal LM (the Llama family and its relatives), as the trainer runs it.
+    The compute dtype is chosen per call: the FP32 master weights are cast on the fly
+    (autograd flows through the cast). The rollout engine has its own inference path
+    over the same weights."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -258,27 +484,42 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        for kind, inv_freq in rope_tables(cfg).items():
+            self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             with torch.no_grad():
-                if name.endswith("layernorm.weight") or name == "model.norm.weight":
-                    p.fill_(1.0)
+                if name.endswith("norm.weight"):
+                    p.fill_(0.0 if self.config.gemma else 1.0)
                 elif name.endswith(".bias"):
                     p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     def hidden_states(self, packed: PackedBatch, dtype: torch.dtype) -> torch.Tensor:
-        """Final normalised hidden states [N, H] in `dtype` of the packed token stream."""
+        """Final normalised hidden states [N, H] in `dtype` of the packed token stream.
+        A packed batch with `routing` replays those experts in the MoE layers."""
+        cfg = self.config
         x = gather_rows(self.model.embed_tokens.weight.to(dtype), packed.token_ids)
-        cos, sin = rope_angles(packed.positions, self.inv_freq, dtype)
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, packed)
+        if cfg.gemma:
+            x = x * torch.tensor(cfg.hidden_size**0.5, dtype=dtype)
+        angles = {}
+        for kind in set(cfg.layer_types) or {FULL}:
+            cos, sin = rope_angles(packed.positions, getattr(self, f"inv_freq_{kind}"), dtype)
+            angles[kind] = cos[:, None], sin[:, None]  # broadcast over heads
+        for i, layer in enumerate(self.model.layers):
+            replay = None
+            if packed.routing is not None and i in cfg.moe_layers:
+                replay = packed.routing[:, cfg.moe_layers.index(i)]
+            x = layer(x, *angles[cfg.layer_type(i)], packed, replay)
         return self.model.norm(x)
+
+    def routing(self) -> torch.Tensor | None:
+        """The experts each MoE layer chose in the last forward, [N, MoE layers, k]."""
+        moe = [layer.mlp.chosen for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
+        return torch.stack(moe, dim=1) if moe and all(c is not None for c in moe) else None
 
     def forward(self, packed: PackedBatch, dtype: torch.dtype) -> torch.Tensor:
         """FP32 logits [len(packed.score_index), V] at the stream's scored positions. One module
@@ -287,7 +528,10 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits in FP32 from hidden states (the matmul in the hidden dtype)."""
-        return self.lm_head(hidden).float()
+        return softcap(self.lm_head(hidden).float(), self.config.final_softcap)
+
+
+# ----------------------------------------------------------------------------- load / save
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -295,9 +539,6 @@ def read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ModelError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
-
-
-# ----------------------------------------------------------------------------- load / save
 
 
 def resolve_model_dir(model: str | Path) -> Path:
@@ -346,6 +587,7 @@ def load_model(model_dir: str | Path) -> CausalLM:
             state.update(load_file(str(f)))
         except Exception as e:  # safetensors raises its own error types for cut or garbled files
             raise ModelError(f"{f}: not a readable safetensors file ({e})") from None
+    _split_fused_experts(state)
     model = CausalLM(cfg)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -366,6 +608,18 @@ def load_model(model_dir: str | Path) -> CausalLM:
         raise ModelError(f"{model_dir}: weights do not match config.json ({'; '.join(wrong_shape[:3])})")
     model.load_state_dict({k: v.float() for k, v in state.items() if k in expected}, strict=False)
     return model
+
+
+def _split_fused_experts(state: dict[str, torch.Tensor]) -> None:
+    """transformers 5 holds a layer's experts as two stacked tensors; checkpoints on the Hub
+    name each expert's projections. Accept the stacked form too, as per-expert names."""
+    for name in [n for n in state if n.endswith(".mlp.experts.gate_up_proj")]:
+        prefix = name.removesuffix("gate_up_proj")
+        gate_up, down = state.pop(name), state.pop(prefix + "down_proj")
+        for e in range(gate_up.shape[0]):
+            gate, up = gate_up[e].chunk(2)
+            state[f"{prefix}{e}.gate_proj.weight"], state[f"{prefix}{e}.up_proj.weight"] = gate, up
+            state[f"{prefix}{e}.down_proj.weight"] = down[e]
 
 
 def export_state(model: CausalLM, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

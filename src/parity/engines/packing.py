@@ -51,6 +51,20 @@ class PackedBatch:
     from_rows: torch.Tensor  # [N] slot holding each token's attention output (chunks flattened, in order)
     score_index: torch.Tensor  # [M] stream token whose output predicts each response token (row-major), then padding
     num_tokens: int  # real stream tokens; any after them are padding that nothing reads
+    routing: torch.Tensor | None = None  # [N, MoE layers, k] experts to replay per stream token
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The experts a MoE model's rollout engine chose, per row: `prompts[r]` [P_r, layers, k]
+    for row r's prompt tokens, `responses` [B, T, layers, k] for its response tokens (-1 where
+    none: a response's last token is never fed to the model)."""
+
+    prompts: list[torch.Tensor]
+    responses: torch.Tensor
+
+    def rows(self, index: torch.Tensor) -> Routing:
+        return Routing([self.prompts[i] for i in index.tolist()], self.responses[index])
 
 
 def pack(
@@ -58,12 +72,14 @@ def pack(
     response_ids: torch.Tensor | None = None,
     response_mask: torch.Tensor | None = None,
     bucket: bool = False,
+    routing: Routing | None = None,
 ) -> PackedBatch:
     """Pack rows of prompt + response. Identical prompts are stored once.
 
     `response_ids` [B, T] and `response_mask` [B, T] (True on real tokens, a prefix
     of each row) may be None to pack prompts alone. Each response token is scored
     from the stream token just before it. `bucket` pads the shapes to the multiples above.
+    `routing`, the rollout engine's experts for the rows' tokens, is laid out like the stream.
     """
     b = len(prompt_ids)
     if b == 0 or any(len(p) == 0 for p in prompt_ids):
@@ -122,12 +138,18 @@ def pack(
     # Response token j is predicted by token j-1, or by the prompt's last token for j = 0.
     prev = torch.where(slot_t == 0, (p_start + p_len - 1)[:, None], resp_start[:, None] + slot_t - 1)
     num_tokens, score_index = token_ids.numel(), prev[response_mask]
+    stream_routing = None
+    if routing is not None:
+        prompt_routes = [routing.prompts[row][-len(prompt_ids[row]) :] for row in first_row]
+        stream_routing = torch.cat([*prompt_routes, routing.responses[in_stream]])
     if bucket:
         # Padding tokens (id 0 at position 0) are computed but attended by nothing; the
         # padded scored rows read token 0, and the trainer drops their log-probs.
         extra = (0, -num_tokens % STREAM_MULTIPLE)
         token_ids, positions, from_rows = F.pad(token_ids, extra), F.pad(positions, extra), F.pad(from_rows, extra)
         score_index = F.pad(score_index, (0, -score_index.numel() % STREAM_MULTIPLE))
+        if stream_routing is not None:  # padding tokens route to expert 0 (read by nothing)
+            stream_routing = F.pad(stream_routing, (0, 0, 0, 0, *extra))
     return PackedBatch(
         token_ids=token_ids,
         positions=positions,
@@ -136,4 +158,5 @@ def pack(
         from_rows=from_rows,
         score_index=score_index,
         num_tokens=num_tokens,
+        routing=stream_routing,
     )

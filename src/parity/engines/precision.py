@@ -71,13 +71,17 @@ def attention(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
     causal: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads, in the dtype of `q`.
 
     `q` is [B, H, Tq, D]; `k`, `v` are [B, Hkv, Tk, D]; `mask` is a boolean
-    [B, 1, Tq, Tk] (True = attend) or None.
+    [B, 1, Tq, Tk] (True = attend) or None. `scale` defaults to D ** -0.5; `softcap`
+    bounds the scores to (-softcap, softcap) with tanh before the mask (Gemma 2).
     """
-    if q.device.type == "cpu" and q.dtype != torch.float32:
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if softcap is not None or (q.device.type == "cpu" and q.dtype != torch.float32):
         # The CPU has no FP16 attention kernel worth using, and its BF16 one has a ~8x
         # slower backward than FP32's: spell out the flash-attention numerics instead.
         # The query heads sharing a KV head become extra rows of one matmul against it,
@@ -92,13 +96,24 @@ def attention(
             bias = bias.masked_fill(~mask, float("-inf"))
         bias = bias.repeat(*(1,) * (bias.dim() - 2), groups, 1)  # row g * q_len + t is query t
         q_rows = q.reshape(b, kv_heads, groups * q_len, d).float()
-        scores = torch.matmul(q_rows, k.float().transpose(-1, -2)) * d**-0.5 + bias
+        scores = _capped(torch.matmul(q_rows, k.float().transpose(-1, -2)) * scale, softcap) + bias
         return _weighted_values(scores, v, q.dtype).view(b, h, q_len, d)
     gqa = q.shape[1] != k.shape[1]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa, scale=scale)
 
 
-def decode_attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_t: torch.Tensor,
+    v: torch.Tensor,
+    key_bias: torch.Tensor,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Attention of one new token per row over its cache, in the dtype of `q`.
 
     `q` [B, H, 1, D]; `k_t` [B, Hkv, D, S] (keys transposed); `v` [B, Hkv, S, D];
@@ -108,7 +123,8 @@ def decode_attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, key_bi
     b, h, _, d = q.shape
     hkv = k_t.shape[1]
     qg = q.float().view(b, hkv, h // hkv, d)
-    scores = torch.matmul(qg, k_t.float()) * d**-0.5 + key_bias
+    scale = d**-0.5 if scale is None else scale
+    scores = _capped(torch.matmul(qg, k_t.float()) * scale, softcap) + key_bias
     return _weighted_values(scores, v, q.dtype).view(b, h, 1, d)
 
 

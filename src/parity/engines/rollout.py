@@ -14,13 +14,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from parity.engines import precision as prec
-from parity.engines.models import CausalLM, ModelConfig, apply_rope, rope_angles, rope_inv_freq
+from parity.engines.models import (
+    CausalLM,
+    ModelConfig,
+    activation,
+    apply_rope,
+    rms_norm,
+    rope_angles,
+    rope_tables,
+    route,
+    sliding_mask,
+    softcap,
+)
+from parity.engines.packing import Routing
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,7 @@ class RolloutBatch:
     weight_version: int
     sampling: SamplingParams
     # Filled by `Sampler.score_samples` (the trainer's code path on the sampling weights):
+    routing: Routing | None = None  # MoE: the experts the engine chose for every token it fed
     old_logprobs: torch.Tensor | None = None  # [B, T] π_old, trainer precision
     probe_logprobs: torch.Tensor | None = None  # [B, T] the same forward in the rollout precision
 
@@ -92,6 +104,11 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
         support = torch.cat(
             [F.pad(b.support, [0, k - b.support.shape[2], 0, width - b.support.shape[1]], value=-1) for b in batches]
         )
+    routing = None
+    if batches[0].routing is not None:
+        parts = [b.routing.responses for b in batches]
+        responses = torch.cat([F.pad(r, [0, 0, 0, 0, 0, width - r.shape[1]], value=-1) for r in parts])
+        routing = Routing([p for b in batches for p in b.routing.prompts], responses)
     offsets, groups = 0, []
     for b in batches:
         groups.append(b.group_index + offsets)
@@ -106,6 +123,7 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
         group_index=torch.cat(groups),
         weight_version=min(b.weight_version for b in batches),
         sampling=batches[0].sampling,
+        routing=routing,
         old_logprobs=cat("old_logprobs", 0.0),
         probe_logprobs=cat("probe_logprobs", 0.0),
     )
@@ -201,10 +219,17 @@ class _Layer:
     o: torch.Tensor
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
+    gate_up: torch.Tensor | None  # dense MLP
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: torch.Tensor | None
     down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    pre_mlp_norm: torch.Tensor | None = None  # Gemma's norms around the MLP
+    post_mlp_norm: torch.Tensor | None = None
+    router: torch.Tensor | None = None  # MoE: [E, H], and each expert's fused projections
+    experts_gate_up: torch.Tensor | None = None  # [E, 2I, H]
+    experts_down: torch.Tensor | None = None  # [E, H, I]
 
 
 class RolloutEngine:
@@ -220,8 +245,11 @@ class RolloutEngine:
         with torch.device("meta"):
             names = CausalLM(config).state_dict().keys()
         self._expected = {n for n in names if not (config.tie_word_embeddings and n == "lm_head.weight")}
-        cos, sin = rope_angles(torch.arange(config.max_position_embeddings), rope_inv_freq(config), self.dtype)
-        self._cos, self._sin = cos.to(self.device), sin.to(self.device)
+        positions = torch.arange(config.max_position_embeddings)
+        self._angles = {
+            kind: tuple(t.to(self.device) for t in rope_angles(positions, inv_freq, self.dtype))
+            for kind, inv_freq in rope_tables(config).items()
+        }
         self.layers: list[_Layer] = []
         self.weight_version = -1
 
@@ -232,30 +260,46 @@ class RolloutEngine:
         if missing:
             raise ValueError(f"weight sync: missing {missing[:4]}")
 
-        def w(name: str) -> torch.Tensor:
-            return state[name].detach().to(device=self.device, dtype=self.dtype)
+        def w(name: str) -> torch.Tensor | None:
+            return state[name].detach().to(device=self.device, dtype=self.dtype) if name in state else None
 
         def cat(*names: str) -> torch.Tensor | None:
             return torch.cat([w(n) for n in names]) if names[0] in state else None
 
+        cfg = self.config
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if self.config.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
         self.layers = []
-        for i in range(self.config.num_layers):
-            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            experts = range(cfg.num_experts if i in cfg.moe_layers else 0)
             self.layers.append(
                 _Layer(
-                    input_norm=w(f"model.layers.{i}.input_layernorm.weight"),
+                    input_norm=w(p + "input_layernorm.weight"),
                     qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
                     qkv_bias=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
                     o=w(a + "o_proj.weight"),
-                    o_bias=w(a + "o_proj.bias") if a + "o_proj.bias" in state else None,
-                    post_norm=w(f"model.layers.{i}.post_attention_layernorm.weight"),
+                    o_bias=w(a + "o_proj.bias"),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
                     gate_up=cat(m + "gate_proj.weight", m + "up_proj.weight"),
                     gate_up_bias=cat(m + "gate_proj.bias", m + "up_proj.bias"),
                     down=w(m + "down_proj.weight"),
-                    down_bias=w(m + "down_proj.bias") if m + "down_proj.bias" in state else None,
+                    down_bias=w(m + "down_proj.bias"),
+                    q_norm=w(a + "q_norm.weight"),
+                    k_norm=w(a + "k_norm.weight"),
+                    pre_mlp_norm=w(p + "pre_feedforward_layernorm.weight"),
+                    post_mlp_norm=w(p + "post_feedforward_layernorm.weight"),
+                    router=w(m + "gate.weight"),
+                    experts_gate_up=torch.stack(
+                        [cat(f"{m}experts.{e}.gate_proj.weight", f"{m}experts.{e}.up_proj.weight") for e in experts]
+                    )
+                    if experts
+                    else None,
+                    experts_down=torch.stack([w(f"{m}experts.{e}.down_proj.weight") for e in experts])
+                    if experts
+                    else None,
                 )
             )
         self.weight_version = version
@@ -269,60 +313,114 @@ class RolloutEngine:
         if not cfg.tie_word_embeddings:
             out["lm_head.weight"] = self.lm_head
         for i, layer in enumerate(self.layers):
-            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
             fused = {
                 a + "{}_proj.weight": (layer.qkv, "qkv", (q, kv, kv)),
                 a + "{}_proj.bias": (layer.qkv_bias, "qkv", (q, kv, kv)),
                 m + "{}_proj.weight": (layer.gate_up, ("gate", "up"), None),
                 m + "{}_proj.bias": (layer.gate_up_bias, ("gate", "up"), None),
             }
+            if layer.router is not None:
+                for e in range(cfg.num_experts):
+                    fused[f"{m}experts.{e}.{{}}_proj.weight"] = (layer.experts_gate_up[e], ("gate", "up"), None)
+                    out[f"{m}experts.{e}.down_proj.weight"] = layer.experts_down[e]
             for pattern, (tensor, parts, sizes) in fused.items():
                 if tensor is None:
                     continue
                 pieces = tensor.split(sizes) if sizes else tensor.chunk(2)
                 for part, piece in zip(parts, pieces):
                     out[pattern.format(part)] = piece
-            out[f"model.layers.{i}.input_layernorm.weight"] = layer.input_norm
-            out[f"model.layers.{i}.post_attention_layernorm.weight"] = layer.post_norm
-            out[a + "o_proj.weight"] = layer.o
-            out[m + "down_proj.weight"] = layer.down
-            for name, bias in ((a + "o_proj.bias", layer.o_bias), (m + "down_proj.bias", layer.down_bias)):
-                if bias is not None:
-                    out[name] = bias
+            single = {
+                p + "input_layernorm.weight": layer.input_norm,
+                p + "post_attention_layernorm.weight": layer.post_norm,
+                p + "pre_feedforward_layernorm.weight": layer.pre_mlp_norm,
+                p + "post_feedforward_layernorm.weight": layer.post_mlp_norm,
+                a + "q_norm.weight": layer.q_norm,
+                a + "k_norm.weight": layer.k_norm,
+                a + "o_proj.weight": layer.o,
+                a + "o_proj.bias": layer.o_bias,
+                m + "down_proj.weight": layer.down,
+                m + "down_proj.bias": layer.down_bias,
+                m + "gate.weight": layer.router,
+            }
+            out.update({name: t for name, t in single.items() if t is not None})
         return out
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm, the fused kind (FP32 inside, one rounding), as inference engines run it;
+        the trainer follows the Hugging Face form (for Llama, two roundings)."""
+        if self.config.gemma:  # scale by (1 + w), which the fused kernel has no form for
+            return rms_norm(x, weight, self.config.rms_norm_eps, gemma=True)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor, routing: list[torch.Tensor]) -> torch.Tensor:
+        act = self.config.activation
+        if layer.router is None:
+            gate, up = prec.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            return prec.linear(activation(act, gate) * up, layer.down, layer.down_bias)
+        flat = x.reshape(-1, x.shape[-1])
+        cfg = self.config
+        used, weights, _ = route(prec.linear(flat, layer.router), cfg.experts_per_token, cfg.norm_topk_prob)
+        routing.append(used.view(*x.shape[:-1], -1))
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(flat)
+        for e in used.unique().tolist():
+            token, slot = (used == e).nonzero(as_tuple=True)
+            gate, up = prec.linear(flat[token], layer.experts_gate_up[e]).chunk(2, dim=-1)
+            y = prec.linear(activation(act, gate) * up, layer.experts_down[e]) * weights[token, slot, None]
+            out.index_add_(0, token, y)
+        return out.view_as(x)
 
     def _forward(
         self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Logits [B, V] (FP32) of the last position; writes K/V at slots start..start+T.
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B, V] (FP32) of the last position, and the experts each MoE layer chose
+        ([B, T, MoE layers, k], None for a dense model); writes K/V at slots start..start+T.
 
         `mask` is a boolean [B, 1, T, start+T] (prefill) or, for decoding (T = 1), an
         additive FP32 key bias [B, 1, 1, start+1] (0 = attend, -inf = padding).
-        RMSNorm here is the fused kind (FP32 inside, one rounding), as inference engines
-        run it; the trainer follows the Hugging Face form (two roundings).
         """
         cfg = self.config
         b, t = ids.shape
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        norm = partial(F.rms_norm, normalized_shape=(cfg.hidden_size,), eps=cfg.rms_norm_eps)
         x = self.embed[ids]
-        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
+        if cfg.gemma:
+            x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype)
+        angles = {kind: (cos[positions][:, None], sin[positions][:, None]) for kind, (cos, sin) in self._angles.items()}
+        routing: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            qkv = prec.linear(norm(x, weight=layer.input_norm), layer.qkv, layer.qkv_bias)
-            # RoPE on the query and key heads together: one op chain instead of two.
+            cos, sin = angles[cfg.layer_type(i)]
+            qkv = prec.linear(self._norm(x, layer.input_norm), layer.qkv, layer.qkv_bias)
             qk, v = qkv.split([(h + hkv) * d, hkv * d], dim=-1)
-            q, k = apply_rope(qk.view(b, t, h + hkv, d).transpose(1, 2), cos, sin).split([h, hkv], dim=1)
+            qk = qk.view(b, t, h + hkv, d)
+            if layer.q_norm is not None:
+                q, k = qk.split([h, hkv], dim=2)
+                qk = torch.cat([self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)], dim=2)
+            # RoPE on the query and key heads together: one op chain instead of two.
+            q, k = apply_rope(qk.transpose(1, 2), cos, sin).split([h, hkv], dim=1)
             cache.k[i, ..., start : start + t] = k.transpose(-1, -2)
             cache.v[i, :, :, start : start + t] = v.view(b, t, hkv, d).transpose(1, 2)
             k_t, v = cache.k[i, ..., : start + t], cache.v[i, :, :, : start + t]
+            window, scale, cap = cfg.window(i), cfg.query_scale, cfg.attn_softcap
             if t == 1:
-                attn = prec.decode_attention(q, k_t, v, mask)
+                bias = mask
+                if window is not None and start + 1 > window:  # keys that left the window
+                    bias = bias.clone()
+                    bias[..., : start + 1 - window] = float("-inf")
+                attn = prec.decode_attention(q, k_t, v, bias, scale=scale, softcap=cap)
             else:
-                attn = prec.attention(q, k_t.transpose(-1, -2), v, mask=mask)
-            x = x + prec.linear(attn.transpose(1, 2).reshape(b, t, h * d), layer.o, layer.o_bias)
-            gate, up = prec.linear(norm(x, weight=layer.post_norm), layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + prec.linear(F.silu(gate) * up, layer.down, layer.down_bias)
-        return prec.linear(norm(x[:, -1], weight=self.norm), self.lm_head).float()
+                layer_mask = mask if window is None else mask & sliding_mask(t, window, mask.device)
+                attn = prec.attention(q, k_t.transpose(-1, -2), v, mask=layer_mask, scale=scale, softcap=cap)
+            attn = prec.linear(attn.transpose(1, 2).reshape(b, t, h * d), layer.o, layer.o_bias)
+            if cfg.gemma:
+                x = x + self._norm(attn, layer.post_norm)
+                x = x + self._norm(self._mlp(layer, self._norm(x, layer.pre_mlp_norm), routing), layer.post_mlp_norm)
+            else:
+                x = x + attn
+                x = x + self._mlp(layer, self._norm(x, layer.post_norm), routing)
+        logits = softcap(prec.linear(self._norm(x[:, -1], self.norm), self.lm_head).float(), cfg.final_softcap)
+        return logits, torch.stack(routing, dim=2) if routing else None
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
@@ -354,7 +452,8 @@ class RolloutEngine:
         # A pad query attends to itself only, so its (unused) softmax row is not empty.
         mask = (causal & key_valid[:, None, None, :prompt_len]) | torch.eye(prompt_len, dtype=torch.bool, device=dev)
         cache = KVCache(self.config, n_prompts, prompt_len, self.dtype, dev)
-        logits = self._forward(ids, positions, cache, 0, mask).repeat_interleave(group_size, dim=0)
+        logits, prompt_routes = self._forward(ids, positions, cache, 0, mask)
+        logits = logits.repeat_interleave(group_size, dim=0)
 
         # Expand to the groups; from here on `rows` maps active rows to output rows.
         batch = n_prompts * group_size
@@ -370,6 +469,9 @@ class RolloutEngine:
         logprobs = torch.zeros(batch, max_new, dtype=torch.float32, device=dev)
         mask_out = torch.zeros(batch, max_new, dtype=torch.bool, device=dev)
         supports: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, ids) per step
+        moe = prompt_routes is not None
+        if moe:
+            response_routes = torch.full((batch, max_new, *prompt_routes.shape[2:]), -1, dtype=torch.long, device=dev)
 
         for t in range(max_new):
             processed = filter_logits(logits, sampling)
@@ -397,9 +499,11 @@ class RolloutEngine:
             start = prompt_len + t
             if start == cache.slots:
                 cache.take_rows(torch.arange(len(rows), device=dev), start, min(max_len, start + CACHE_BLOCK))
-            logits = self._forward(
+            logits, routes = self._forward(
                 token[:, None], next_pos[:, None], cache, start, key_bias[:, None, None, : start + 1]
             )
+            if moe:  # the experts of the token just fed: response token t
+                response_routes[rows, t] = routes[:, 0]
             next_pos = next_pos + 1
 
         used = int(mask_out.sum(0).nonzero().max()) + 1
@@ -410,6 +514,12 @@ class RolloutEngine:
             support = torch.full((batch, used, width), -1, dtype=torch.long, device=dev)
             for t, (out_rows, kept) in enumerate(supports):
                 support[out_rows, t, : kept.shape[1]] = kept
+        routing = None
+        if moe:
+            per_prompt = [prompt_routes[i, prompt_len - len(p) :] for i, p in enumerate(prompts)]
+            routing = Routing(
+                [per_prompt[i] for i in range(n_prompts) for _ in range(group_size)], response_routes[:, :used]
+            )
         lengths_out = mask_out.sum(-1)
         ended = torch.isin(tokens.gather(1, (lengths_out - 1).clamp(min=0)[:, None]).squeeze(-1), self._eos)
         return RolloutBatch(
@@ -422,4 +532,5 @@ class RolloutEngine:
             group_index=torch.arange(n_prompts, device=dev).repeat_interleave(group_size),
             weight_version=self.weight_version,
             sampling=sampling,
+            routing=routing,
         )
