@@ -48,6 +48,7 @@ class RolloutWorker:
         probe: bool,
         micro_batch_size: int,
         threads: int | None,
+        routing_replay: bool = False,
     ):
         _quiet_process(threads)
         self.index = index
@@ -61,6 +62,7 @@ class RolloutWorker:
             score_old=True,
             probe=probe,
             micro_batch_size=micro_batch_size,
+            routing_replay=routing_replay,
         )
         self.idle_since = time.perf_counter()
 

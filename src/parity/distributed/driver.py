@@ -101,6 +101,7 @@ class DistributedRun(Run):
                 cfg.algorithm.shadow_forward,
                 cfg.trainer.micro_batch_size,
                 threads,
+                cfg.moe.routing_replay,
             )
             for i in range(d.rollout_workers)
         ]

@@ -416,6 +416,11 @@ def route(
     return used, weights, chosen
 
 
+def routing_differs(chosen: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """[N, layers] True where two routings [N, layers, k] picked different expert sets."""
+    return (chosen.sort(-1).values != other.sort(-1).values).any(-1)
+
+
 class SparseMoE(nn.Module):
     """A mixture of experts MLP (Qwen3-MoE): each token's output is the weighted sum of its
     top-k experts'. `chosen` keeps the last forward's routing (what this router picked)."""
@@ -498,9 +503,9 @@ class CausalLM(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def hidden_states(self, packed: PackedBatch, dtype: torch.dtype) -> torch.Tensor:
+    def hidden_states(self, packed: PackedBatch, dtype: torch.dtype, replay: bool = False) -> torch.Tensor:
         """Final normalised hidden states [N, H] in `dtype` of the packed token stream.
-        A packed batch with `routing` replays those experts in the MoE layers."""
+        `replay`: the MoE layers use the experts in `packed.routing` (the rollout engine's)."""
         cfg = self.config
         x = gather_rows(self.model.embed_tokens.weight.to(dtype), packed.token_ids)
         if cfg.gemma:
@@ -510,10 +515,10 @@ class CausalLM(nn.Module):
             cos, sin = rope_angles(packed.positions, getattr(self, f"inv_freq_{kind}"), dtype)
             angles[kind] = cos[:, None], sin[:, None]  # broadcast over heads
         for i, layer in enumerate(self.model.layers):
-            replay = None
-            if packed.routing is not None and i in cfg.moe_layers:
-                replay = packed.routing[:, cfg.moe_layers.index(i)]
-            x = layer(x, *angles[cfg.layer_type(i)], packed, replay)
+            experts = None
+            if replay and packed.routing is not None and i in cfg.moe_layers:
+                experts = packed.routing[:, cfg.moe_layers.index(i)]
+            x = layer(x, *angles[cfg.layer_type(i)], packed, experts)
         return self.model.norm(x)
 
     def routing(self) -> torch.Tensor | None:
@@ -521,10 +526,10 @@ class CausalLM(nn.Module):
         moe = [layer.mlp.chosen for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
         return torch.stack(moe, dim=1) if moe and all(c is not None for c in moe) else None
 
-    def forward(self, packed: PackedBatch, dtype: torch.dtype) -> torch.Tensor:
+    def forward(self, packed: PackedBatch, dtype: torch.dtype, replay: bool = False) -> torch.Tensor:
         """FP32 logits [len(packed.score_index), V] at the stream's scored positions. One module
         call, so that a sharding wrapper (FSDP2) gathers the weights around all of it."""
-        return self.logits(gather_rows(self.hidden_states(packed, dtype), packed.score_index))
+        return self.logits(gather_rows(self.hidden_states(packed, dtype, replay), packed.score_index))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits in FP32 from hidden states (the matmul in the hidden dtype)."""

@@ -73,6 +73,7 @@ class RolloutBatch:
     routing: Routing | None = None  # MoE: the experts the engine chose for every token it fed
     old_logprobs: torch.Tensor | None = None  # [B, T] π_old, trainer precision
     probe_logprobs: torch.Tensor | None = None  # [B, T] the same forward in the rollout precision
+    routing_mismatch: torch.Tensor | None = None  # [MoE layers] tokens whose experts differ, π_old vs μ
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -126,6 +127,9 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
         routing=routing,
         old_logprobs=cat("old_logprobs", 0.0),
         probe_logprobs=cat("probe_logprobs", 0.0),
+        routing_mismatch=None
+        if batches[0].routing_mismatch is None
+        else torch.stack([b.routing_mismatch for b in batches]).mean(0),
     )
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from parity.engines import precision as prec
-from parity.engines.models import CausalLM, ModelConfig
+from parity.engines.models import CausalLM, ModelConfig, routing_differs
 from parity.engines.rollout import RolloutBatch, RolloutEngine, SamplingParams
 from parity.engines.trainer import sequence_logprobs
 
@@ -45,10 +45,13 @@ class Sampler:
         score_old: bool,
         probe: bool,
         micro_batch_size: int,
+        routing_replay: bool = False,
     ):
         self.engine = RolloutEngine(config, rollout_precision, eos_ids, pad_id)
         self.trainer_precision = trainer_precision
-        self.score_old = score_old
+        # A MoE model's routing mismatch is measured where π_old is scored, so it is scored every step.
+        self.score_old = score_old or config.num_experts > 0
+        self.routing_replay = routing_replay
         self.probe = probe and rollout_precision != trainer_precision
         self.micro_batch_size = micro_batch_size
         # The trainer's model at the sampling weights (FP32 master copy), only when scoring.
@@ -71,27 +74,36 @@ class Sampler:
                         tensor.copy_(state[name])
 
     @torch.no_grad()
-    def score(self, batch: RolloutBatch, precision: str) -> torch.Tensor:
+    def score(self, batch: RolloutBatch, precision: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs [B, T] of the batch's tokens from the trainer's code path on the sampling
-        weights, in `precision`, in the micro-batches the trainer uses (same shapes, same bits)."""
+        weights, in `precision`, in the micro-batches the trainer uses (same shapes, same bits);
+        for a MoE model, also the fraction of tokens per MoE layer whose experts differ from the
+        rollout engine's (the routing mismatch: what the trainer's routers pick, even when the
+        experts used are replayed, so a layer's inputs then come from replayed layers below)."""
         if self.scorer is None:
             raise RuntimeError("Sampler.score() needs score_old or probe")
         dtype = prec.to_dtype(precision)
-        rows = torch.arange(batch.response_ids.shape[0]).split(self.micro_batch_size)
-        return torch.cat(
-            [
-                sequence_logprobs(
-                    self.scorer,
-                    [batch.prompt_ids[i] for i in r.tolist()],
-                    batch.response_ids[r],
-                    batch.response_mask[r],
-                    None if batch.support is None else batch.support[r],
-                    batch.sampling.temperature,
-                    dtype,
-                )[1]
-                for r in rows
-            ]
-        )
+        logprobs, differing, tokens = [], 0, 0
+        for r in torch.arange(batch.response_ids.shape[0]).split(self.micro_batch_size):
+            routing = None if batch.routing is None else batch.routing.rows(r)
+            packed, scored = sequence_logprobs(
+                self.scorer,
+                [batch.prompt_ids[i] for i in r.tolist()],
+                batch.response_ids[r],
+                batch.response_mask[r],
+                None if batch.support is None else batch.support[r],
+                batch.sampling.temperature,
+                dtype,
+                routing,
+                self.routing_replay,
+            )
+            logprobs.append(scored)
+            if routing is not None:
+                real = slice(0, packed.num_tokens)
+                differing = differing + routing_differs(self.scorer.routing()[real], packed.routing[real]).sum(0)
+                tokens += packed.num_tokens
+        mismatch = differing / tokens if tokens else None
+        return torch.cat(logprobs), mismatch
 
     def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
         """Sample: tokens and μ, at the current weight version."""
@@ -105,6 +117,6 @@ class Sampler:
                 f"the sampler now holds {self.weight_version}"
             )
         if self.score_old:
-            batch.old_logprobs = self.score(batch, self.trainer_precision)
+            batch.old_logprobs, batch.routing_mismatch = self.score(batch, self.trainer_precision)
         if self.probe:
-            batch.probe_logprobs = self.score(batch, self.engine.precision)
+            batch.probe_logprobs = self.score(batch, self.engine.precision)[0]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from parity.engines import precision as prec
 from parity.engines.models import CausalLM, ModelConfig, export_state
-from parity.engines.packing import PackedBatch, pack
+from parity.engines.packing import PackedBatch, Routing, pack
 
 
 @dataclass(frozen=True)
@@ -78,14 +78,18 @@ def sequence_logprobs(
     support: torch.Tensor | None,
     temperature: float,
     dtype: torch.dtype,
+    routing: Routing | None = None,
+    replay: bool = False,
 ) -> tuple[PackedBatch, torch.Tensor]:
     """The trainer's code path: log p of each response token [B, T] FP32 (0 on padding)
-    with the model computed in `dtype`, and the packed batch it ran on."""
+    with the model computed in `dtype`, and the packed batch it ran on. `routing` (the
+    rollout engine's experts, MoE models) travels in the packed batch; `replay` uses it."""
     device = next(model.parameters()).device
-    packed = pack(prompt_ids, response_ids, response_mask, bucket=prec.per_shape_kernels(dtype, device))
+    bucket = prec.per_shape_kernels(dtype, device)
+    packed = pack(prompt_ids, response_ids, response_mask, bucket=bucket, routing=routing)
     num_scored = int(response_mask.sum())
     scored = token_logprobs(
-        model(packed, dtype)[:num_scored],
+        model(packed, dtype, replay)[:num_scored],
         response_ids[response_mask],
         None if support is None else support[response_mask],
         temperature,
@@ -156,11 +160,12 @@ class Trainer:
         response_mask: torch.Tensor,
         support: torch.Tensor | None = None,
         temperature: float = 1.0,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
         """π of each response token [B, T] FP32 (0 on padding) in the trainer precision;
-        differentiable when grad is on."""
+        differentiable when grad is on. `routing`: MoE experts to replay."""
         packed, scored = sequence_logprobs(
-            self.model, prompt_ids, response_ids, response_mask, support, temperature, self.dtype
+            self.model, prompt_ids, response_ids, response_mask, support, temperature, self.dtype, routing, True
         )
         passes = 3 if torch.is_grad_enabled() else 1
         self.matmul_flops += passes * matmul_flops(self.model.config, packed, int(response_mask.sum()))

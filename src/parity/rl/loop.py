@@ -170,6 +170,13 @@ class DistributedSection:
 
 
 @dataclass
+class MoESection:
+    # The trainer (π_old and π_θ) uses the experts the rollout engine chose for each token, so
+    # the routing mismatch (moe/routing_mismatch) does not enter the log-probabilities.
+    routing_replay: bool = False
+
+
+@dataclass
 class AsyncSection:
     max_staleness: int = 0  # policy versions a sample may lag the learners; 0 = synchronous, on-policy
 
@@ -227,6 +234,7 @@ class TrainConfig:
     health: HealthSection = field(default_factory=HealthSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
     async_: AsyncSection = field(default_factory=AsyncSection, metadata={"key": "async"})
+    moe: MoESection = field(default_factory=MoESection)
 
     @property
     def distributed_mode(self) -> bool:
@@ -467,6 +475,10 @@ class Run:
         self.model_dir = resolve_model_dir(cfg.model)
         self.tokenizer = load_tokenizer(self.model_dir)
         model = load_model(self.model_dir)
+        if cfg.moe.routing_replay and not model.config.num_experts:
+            raise ConfigError(
+                f"moe.routing_replay=true: {cfg.model} is a dense {model.config.architecture} model with no experts"
+            )
         optim = cfg.optim_config()
         self.trainer = Trainer(model, cfg.trainer_precision, optim)
         self.reference = None
@@ -517,6 +529,7 @@ class Run:
             score_old=cfg.algorithm.ratio_source == "shadow",
             probe=cfg.algorithm.shadow_forward,
             micro_batch_size=cfg.trainer.micro_batch_size,
+            routing_replay=cfg.moe.routing_replay,
         )
         self.sampler.load_weights(*self.trainer.export_weights())
 
@@ -661,6 +674,7 @@ class Run:
             temperature=cfg.rollout.temperature,
             kl_coef=a.kl_coef,
             kl_estimator=a.kl_estimator,
+            routing_replay=cfg.moe.routing_replay,
         )
 
     def _rollouts(self, times: dict[str, float]) -> tuple[list[Problem], RolloutBatch]:
@@ -688,7 +702,7 @@ class Run:
         """The optimizer updates of this step, on the in-process trainer."""
         plan = self.plan
         if prepared.learner_old_pass:
-            prepared.old_logprobs = no_grad_logprobs(self.trainer, batch, plan.micro_batch_size, plan.temperature)
+            prepared.old_logprobs = no_grad_logprobs(self.trainer, batch, plan)
             reject(prepared, batch, plan)
         trainers = [self.trainer] + ([self.reference] if self.reference is not None else [])
         flops_before = sum(tr.matmul_flops for tr in trainers)

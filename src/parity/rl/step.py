@@ -63,6 +63,7 @@ class UpdatePlan:
     temperature: float
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    routing_replay: bool = False  # MoE: π_θ uses the experts the rollout engine chose
 
 
 @dataclass
@@ -155,21 +156,30 @@ def reject(prepared: Prepared, batch: RolloutBatch, plan: UpdatePlan) -> None:
         prepared.loss_mask[prepared.rejected] = False
 
 
-def batch_logprobs(trainer: Trainer, batch: RolloutBatch, rows: torch.Tensor, temperature: float) -> torch.Tensor:
-    """π of `rows` of the batch on the trainer's current weights (differentiable when grad is on)."""
+def batch_logprobs(
+    trainer: Trainer, batch: RolloutBatch, rows: torch.Tensor, temperature: float, replay: bool = False
+) -> torch.Tensor:
+    """π of `rows` of the batch on the trainer's current weights (differentiable when grad is on);
+    `replay`: a MoE model uses the experts the rollout engine chose."""
     return trainer.logprobs(
         [batch.prompt_ids[i] for i in rows.tolist()],
         batch.response_ids[rows],
         batch.response_mask[rows],
         None if batch.support is None else batch.support[rows],
         temperature,
+        batch.routing.rows(rows) if replay and batch.routing is not None else None,
     )
 
 
-def no_grad_logprobs(trainer: Trainer, batch: RolloutBatch, micro_batch_size: int, temperature: float) -> torch.Tensor:
+def no_grad_logprobs(trainer: Trainer, batch: RolloutBatch, plan: UpdatePlan) -> torch.Tensor:
     rows = torch.arange(batch.response_ids.shape[0])
     with torch.no_grad():
-        return torch.cat([batch_logprobs(trainer, batch, r, temperature) for r in rows.split(micro_batch_size)])
+        return torch.cat(
+            [
+                batch_logprobs(trainer, batch, r, plan.temperature, plan.routing_replay)
+                for r in rows.split(plan.micro_batch_size)
+            ]
+        )
 
 
 def train_on_batch(
@@ -202,7 +212,7 @@ def train_on_batch(
     loss_old = mu if plan.ratio_source == "rollout" else sampling_pi
     ref = None
     if reference is not None:
-        ref = no_grad_logprobs(reference, batch, plan.micro_batch_size, plan.temperature)
+        ref = no_grad_logprobs(reference, batch, plan)
     rows_per_mb = batch.response_ids.shape[0] // plan.num_minibatches
     order_gen = torch.Generator().manual_seed(order_seed)
     for epoch in range(plan.ppo_epochs):
@@ -214,7 +224,7 @@ def train_on_batch(
             n_seq = len(mb) - (0 if rejected is None else int(rejected[mb].sum()))
             n_tok = int(loss_mask[mb].sum())
             for rows in mb.tensor_split(world)[rank].split(plan.micro_batch_size):
-                logp = batch_logprobs(trainer, batch, rows, plan.temperature)
+                logp = batch_logprobs(trainer, batch, rows, plan.temperature, plan.routing_replay)
                 if first_pass is not None and epoch == 0:
                     first_pass[rows] = logp.detach()
                 mask = loss_mask[rows]
@@ -295,6 +305,10 @@ def step_metrics(
         "train/old_logprob_pass": int(prepared.learner_old_pass),
         "weights/version": update.step_stats.weight_version,
     }
+    if batch.routing_mismatch is not None:
+        metrics["moe/routing_mismatch"] = float(batch.routing_mismatch.mean())
+        for layer, frac in enumerate(batch.routing_mismatch.tolist()):  # numbered among the MoE layers
+            metrics[f"moe/routing_mismatch_layer{layer}"] = frac
     if prepared.rejected is not None:
         metrics["is/rejected_seq_frac"] = float(prepared.rejected.float().mean())
     if binary_reward:
