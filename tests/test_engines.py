@@ -165,3 +165,43 @@ def test_sampler_matches_the_distribution():
     freq = torch.bincount(draws, minlength=4).float() / draws.numel()
     assert freq[1] == 0  # a zero-probability token is never drawn
     assert torch.allclose(freq, probs[0], atol=0.015)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_activation_checkpointing_gives_the_same_gradients(arch, llama_dir, tmp_path):
+    """Recomputing each layer in the backward changes memory, not numbers: identical bits."""
+    from architectures import save_random_model
+    from parity.engines.packing import pack
+
+    path = llama_dir if arch == "llama" else save_random_model(tmp_path / arch, arch)
+    grads = []
+    for checkpointing in (False, True):
+        model = load_model(path)
+        model.activation_checkpointing = checkpointing
+        packed = pack(
+            [[3, 4, 5, 6], [7, 8]],
+            torch.tensor([[9, 10, 11], [12, 13, 0]]),
+            torch.tensor([[1, 1, 1], [1, 1, 0]]).bool(),
+        )
+        model(packed, torch.bfloat16).logsumexp(-1).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_refused_without_a_gpu():
+    from parity.config import ConfigError
+    from parity.rl.loop import TrainConfig
+
+    with pytest.raises(ConfigError, match="device=cuda: PyTorch sees no CUDA device"):
+        TrainConfig(device="cuda").validate()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_train_on_cuda(tmp_path):
+    from parity.cli import main
+
+    args = ["train", f"run_dir={tmp_path / 'r'}", "device=cuda", "precision=bf16", "steps=2", "prompts_per_step=4"]
+    assert main([*args, "rollout.group_size=4", "tensorboard=false"]) == 0

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from parity.engines import precision
 from parity.engines.packing import PackedBatch, gather_rows
@@ -491,6 +492,8 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         for kind, inv_freq in rope_tables(cfg).items():
             self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
+        # Recompute each decoder layer in the backward instead of keeping its activations.
+        self.activation_checkpointing = False
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -518,7 +521,10 @@ class CausalLM(nn.Module):
             experts = None
             if replay and packed.routing is not None and i in cfg.moe_layers:
                 experts = packed.routing[:, cfg.moe_layers.index(i)]
-            x = layer(x, *angles[cfg.layer_type(i)], packed, experts)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, *angles[cfg.layer_type(i)], packed, experts, use_reentrant=False)
+            else:
+                x = layer(x, *angles[cfg.layer_type(i)], packed, experts)
         return self.model.norm(x)
 
     def routing(self) -> torch.Tensor | None:
@@ -630,7 +636,7 @@ def _split_fused_experts(state: dict[str, torch.Tensor]) -> None:
 def export_state(model: CausalLM, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Parameters under their Hugging Face names, cast to `dtype` (tied head omitted)."""
     return {
-        k: v.detach().to(dtype).contiguous()
+        k: v.detach().to(device="cpu", dtype=dtype).contiguous()
         for k, v in model.state_dict().items()
         if not (model.config.tie_word_embeddings and k == "lm_head.weight")
     }

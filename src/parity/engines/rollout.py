@@ -526,14 +526,17 @@ class RolloutEngine:
             )
         lengths_out = mask_out.sum(-1)
         ended = torch.isin(tokens.gather(1, (lengths_out - 1).clamp(min=0)[:, None]).squeeze(-1), self._eos)
+        # The batch goes to the CPU, where rewards and the RL arithmetic run, whatever the engine's device.
+        if routing is not None:
+            routing = Routing([p.cpu() for p in routing.prompts], routing.responses.cpu())
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
-            response_ids=tokens,
-            response_mask=mask_out,
-            rollout_logprobs=logprobs,
-            support=support,
-            truncated=~ended,
-            group_index=torch.arange(n_prompts, device=dev).repeat_interleave(group_size),
+            response_ids=tokens.cpu(),
+            response_mask=mask_out.cpu(),
+            rollout_logprobs=logprobs.cpu(),
+            support=None if support is None else support.cpu(),
+            truncated=(~ended).cpu(),
+            group_index=torch.arange(n_prompts).repeat_interleave(group_size),
             weight_version=self.weight_version,
             sampling=sampling,
             routing=routing,

@@ -46,8 +46,9 @@ class Sampler:
         probe: bool,
         micro_batch_size: int,
         routing_replay: bool = False,
+        device: str = "cpu",
     ):
-        self.engine = RolloutEngine(config, rollout_precision, eos_ids, pad_id)
+        self.engine = RolloutEngine(config, rollout_precision, eos_ids, pad_id, device)
         self.trainer_precision = trainer_precision
         # A MoE model's routing mismatch is measured where π_old is scored, so it is scored every step.
         self.score_old = score_old or config.num_experts > 0
@@ -55,7 +56,7 @@ class Sampler:
         self.probe = probe and rollout_precision != trainer_precision
         self.micro_batch_size = micro_batch_size
         # The trainer's model at the sampling weights (FP32 master copy), only when scoring.
-        self.scorer = CausalLM(config).requires_grad_(False) if (self.score_old or self.probe) else None
+        self.scorer = CausalLM(config).requires_grad_(False).to(device) if (self.score_old or self.probe) else None
 
     @property
     def precision(self) -> str:

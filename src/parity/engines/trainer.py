@@ -83,8 +83,13 @@ def sequence_logprobs(
 ) -> tuple[PackedBatch, torch.Tensor]:
     """The trainer's code path: log p of each response token [B, T] FP32 (0 on padding)
     with the model computed in `dtype`, and the packed batch it ran on. `routing` (the
-    rollout engine's experts, MoE models) travels in the packed batch; `replay` uses it."""
+    rollout engine's experts, MoE models) travels in the packed batch; `replay` uses it.
+    The batch may live on the CPU and the model on a GPU: the log-probs come back on the CPU."""
     device = next(model.parameters()).device
+    response_ids, response_mask = response_ids.to(device), response_mask.to(device)
+    support = None if support is None else support.to(device)
+    if routing is not None:
+        routing = Routing([p.to(device) for p in routing.prompts], routing.responses.to(device))
     bucket = prec.per_shape_kernels(dtype, device)
     packed = pack(prompt_ids, response_ids, response_mask, bucket=bucket, routing=routing)
     num_scored = int(response_mask.sum())
@@ -95,7 +100,7 @@ def sequence_logprobs(
         temperature,
     )
     out = torch.zeros(response_ids.shape, dtype=scored.dtype, device=scored.device)
-    return packed, out.masked_scatter(response_mask, scored)
+    return packed, out.masked_scatter(response_mask, scored).cpu()
 
 
 @dataclass

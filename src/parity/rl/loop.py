@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from parity import config as config_mod
@@ -97,6 +98,9 @@ class TrainerSection:
     loss_scale_init: float = 65536.0
     loss_scale_growth_interval: int = 200
     micro_batch_size: int = 64  # sequences per forward/backward
+    # Keep only each decoder layer's input through the forward and recompute the layer in the
+    # backward: activation memory of one layer instead of all, for about one more forward.
+    activation_checkpointing: bool = False
 
 
 @dataclass
@@ -218,6 +222,7 @@ NUMERIC_RANGES = (
 class TrainConfig:
     model: str = "builtin"
     precision: str = "fp16"  # both engines; rollout.precision / trainer.precision override one side
+    device: str = "cpu"  # cpu | cuda: where both engines run (the batch and the RL arithmetic stay on the CPU)
     allow_precision_mismatch: bool = False
     steps: int = 50
     prompts_per_step: int = 16
@@ -361,6 +366,9 @@ class TrainConfig:
             )
         except ValueError as e:
             raise ConfigError(str(e).replace("sampling.", "rollout.")) from None
+        _one_of("device", self.device, ("cpu", "cuda"))
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device=cuda: PyTorch sees no CUDA device (torch.cuda.is_available() is False)")
         self._check_distributed()
 
     def _check_distributed(self) -> None:
@@ -373,6 +381,11 @@ class TrainConfig:
                     "set distributed.rollout_workers >= 1"
                 )
             return
+        if self.device != "cpu":
+            raise ConfigError(
+                f"device={self.device}: distributed training runs on the CPU only so far (gloo learners; "
+                "the NCCL placement in docs/scaling.md is not built)"
+            )
         if d.rollout_workers < 1:
             raise ConfigError(
                 f"distributed.learners={d.learners} needs distributed.rollout_workers >= 1: in distributed mode "
@@ -474,7 +487,8 @@ class Run:
         self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
         self.model_dir = resolve_model_dir(cfg.model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        model = load_model(self.model_dir)
+        model = load_model(self.model_dir).to(cfg.device)
+        model.activation_checkpointing = cfg.trainer.activation_checkpointing
         if cfg.moe.routing_replay and not model.config.num_experts:
             raise ConfigError(
                 f"moe.routing_replay=true: {cfg.model} is a dense {model.config.architecture} model with no experts"
@@ -483,7 +497,7 @@ class Run:
         self.trainer = Trainer(model, cfg.trainer_precision, optim)
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
-            self.reference = Trainer(load_model(self.model_dir), cfg.trainer_precision, optim)
+            self.reference = Trainer(load_model(self.model_dir).to(cfg.device), cfg.trainer_precision, optim)
             self.reference.model.requires_grad_(False)
         if cfg.task.data == "builtin":
             self.problems = ArithmeticTask().problems(cfg.task.num_problems, seed=cfg.seed, split="eval")
@@ -530,6 +544,7 @@ class Run:
             probe=cfg.algorithm.shadow_forward,
             micro_batch_size=cfg.trainer.micro_batch_size,
             routing_replay=cfg.moe.routing_replay,
+            device=cfg.device,
         )
         self.sampler.load_weights(*self.trainer.export_weights())
 
