@@ -12,10 +12,15 @@ VOCAB_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +=,.>?"
 
 
 def write_char_tokenizer(out: Path) -> None:
-    """A character-level tokenizer.json with <pad>=0, <bos>=1, <eos>=2."""
+    """A character-level tokenizer.json with <pad>=0, <bos>=1, <eos>=2; its post-processor puts <bos> first,
+    as Llama checkpoints' do (transformers takes BOS from there, not from tokenizer_config.json)."""
+    from tokenizers import processors
+
     from parity.builtin.build import char_tokenizer
 
-    char_tokenizer(VOCAB_CHARS, ("<pad>", "<bos>", "<eos>")).save(str(out / "tokenizer.json"))
+    tok = char_tokenizer(VOCAB_CHARS, ("<pad>", "<bos>", "<eos>"))
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps({"eos_token": "<eos>", "pad_token": "<pad>", "bos_token": "<bos>"})
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from architectures import ARCHITECTURES, reference, save_random_model
 from parity.engines.models import load_model
 from parity.engines.packing import pack
 from parity.engines.rollout import RolloutEngine, SamplingParams
-from parity.engines.tokenizer import load_tokenizer
+from parity.engines.tokenizer import copy_tokenizer_files, load_tokenizer
 from parity.engines.trainer import sequence_logprobs
 
 PROMPTS = ["12+34=", "7+8=", "123+4567+89=", "5+5="]
@@ -75,7 +77,7 @@ def test_saved_checkpoint_loads_in_transformers(arch_dir, tmp_path):
 
     _, path = arch_dir
     ours = load_model(path)
-    out = save_model(ours, tmp_path / "copy", tokenizer_dir=path)
+    out = save_model(ours, tmp_path / "copy", partial(copy_tokenizer_files, path))
     ref = reference(out)
     ids = torch.tensor([load_tokenizer(path).encode("123+45=67")])
     with torch.no_grad():

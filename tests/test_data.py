@@ -10,10 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from families import write_config, write_tokenizer
 from parity.commands.perfectible import PerfectibleConfig, candidate_problems
 from parity.engines.tokenizer import load_tokenizer
 from parity.rl import tasks
-from parity.rl.tasks import DataError, Problem, load_problems
+from parity.rl.tasks import DataError, NumberTask, Problem, load_problems
 
 REASON = "model max_position_embeddings 128 minus rollout.max_new_tokens 120"
 
@@ -130,6 +131,13 @@ def test_not_utf8_names_line_and_column(tmp_path):
         ('{"prompt": "1+1=", "answer": null}', "'answer' is null"),
         ('{"prompt": "1+1=", "answer": true}', "'answer' is a boolean"),
         ('{"prompt": "1+1=", "answer": {"value": 2}}', "'answer' is an object"),
+        ('{"prompt": [], "answer": 1}', "'prompt' is an empty list"),
+        ('{"prompt": ["hi"], "answer": 1}', "'prompt' message 0 is a string"),
+        ('{"prompt": [{"role": "user"}], "answer": 1}', "'prompt' message 0: 'content' is missing, not a string"),
+        (
+            '{"prompt": [{"role": "user", "content": "a"}, {"role": 1, "content": "b"}], "answer": 1}',
+            "'prompt' message 1: 'role' is a number, not a string",
+        ),
     ],
 )
 def test_bad_row_names_line_and_field(tmp_path, line, problem):
@@ -182,3 +190,56 @@ def test_perfectible_checks_prompts_against_the_model(tmp_path):
     message = r"d.jsonl:2: prompt is 43 tokens; at most 32 fit \(model max_position_embeddings 128 minus"
     with pytest.raises(DataError, match=message):
         candidate_problems(cfg)
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    """A Qwen2-style tokenizer with its ChatML template."""
+    path = tmp_path_factory.mktemp("qwen2")
+    write_config(path, write_tokenizer(path, "qwen2"))
+    return load_tokenizer(path)
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?", "name": "x"}]
+
+
+def test_prompts_as_messages_load_and_count_the_template(tmp_path, chat_tokenizer):
+    jl = tmp_path / "d.jsonl"
+    write_jsonl(jl, [{"prompt": MESSAGES, "answer": 4}, {"prompt": "What is 3+3?", "answer": 6}])
+    expected = [Problem(MESSAGES, "4"), Problem("What is 3+3?", "6")]
+    assert load_problems(jl) == expected
+    pq.write_table(pa.table({"prompt": [MESSAGES], "answer": ["4"]}), tmp_path / "d.parquet")
+    assert load_problems(tmp_path / "d.parquet", chat_tokenizer, 100) == expected[:1]
+    # The limit counts the prompt as training encodes it: the whole chat template (system turn included).
+    longest = max(len(chat_tokenizer.encode_prompt(p.prompt, "auto")) for p in expected)
+    assert longest > len(chat_tokenizer.encode("What is 3+3?")) + 10
+    assert load_problems(jl, chat_tokenizer, longest, REASON) == expected
+    with pytest.raises(DataError, match=rf"d.jsonl:\d: prompt is {longest} tokens; at most {longest - 1} fit"):
+        load_problems(jl, chat_tokenizer, longest - 1, REASON)
+    # Raw text (chat_template=none) counts the prompt alone.
+    write_jsonl(jl, [{"prompt": "What is 3+3?", "answer": 6}])
+    raw = len(chat_tokenizer.encode("What is 3+3?"))
+    assert load_problems(jl, chat_tokenizer, raw, REASON, chat_template="none") == expected[1:]
+
+
+def test_messages_need_a_chat_template(tmp_path, tokenizer, chat_tokenizer):
+    jl = tmp_path / "d.jsonl"
+    write_jsonl(jl, [{"prompt": "1+1=", "answer": 2}, {"prompt": MESSAGES, "answer": 4}])
+    message = r"d.jsonl:2: 'prompt' is a list of messages, which needs a chat template, and the model .* has none"
+    with pytest.raises(DataError, match=message + r" \(task.chat_template=auto\)$"):
+        load_problems(jl, tokenizer, 100, REASON)
+    with pytest.raises(DataError, match=r"d.jsonl:2: .* needs a chat template, and task.chat_template=none$"):
+        load_problems(jl, chat_tokenizer, 100, REASON, chat_template="none")
+    with pytest.raises(DataError, match=r"and chat_template=none$"):
+        load_problems(jl, chat_tokenizer, 100, REASON, chat_template="none", chat_template_key="chat_template")
+
+
+def test_number_task_data_is_generated_and_held_out():
+    cfg = PerfectibleConfig(task="number", num_candidates=40, seed=3)
+    problems = candidate_problems(cfg)
+    assert problems == NumberTask().problems(40, seed=3, split="train")
+    assert all(p.prompt.endswith("?") and p.answer.isdigit() for p in problems)
+    train = {p.prompt for p in NumberTask().problems(2000, seed=0)}
+    held_out = {p.prompt for p in NumberTask().problems(200, seed=0, split="eval")}
+    assert len(train) > 1900 and not train & held_out
+    assert NumberTask().problems(5, seed=1) == NumberTask().problems(5, seed=1) != NumberTask().problems(5, seed=2)

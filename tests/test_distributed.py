@@ -61,7 +61,7 @@ def test_bad_distributed_combinations_are_refused_before_any_work(overrides, mes
 def test_concat_batches_keeps_rows_and_groups():
     model_dir = resolve_model_dir("builtin")
     model = load_model(model_dir)
-    sampler = Sampler(model.config, "fp32", "fp32", 2, 0, score_old=True, probe=False, micro_batch_size=64)
+    sampler = Sampler(model.config, "fp32", "fp32", (2,), 0, score_old=True, probe=False, micro_batch_size=64)
     sampler.load_weights({k: v for k, v in model.state_dict().items()}, 0)
     sampling = SamplingParams(max_new_tokens=12, top_k=8)
     a = sampler.generate([[5, 6, 7]], 2, sampling, seed=1)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 
 import pytest
 import torch
 
 from parity.engines.models import ModelError, load_model, resolve_model_dir, save_model
 from parity.engines.packing import pack
-from parity.engines.tokenizer import load_tokenizer
+from parity.engines.tokenizer import copy_tokenizer_files, load_tokenizer
 
 
 @pytest.mark.parametrize("fixture", ["llama_dir", "qwen2_dir"])
@@ -49,7 +50,7 @@ def test_save_roundtrip_loads_in_transformers(llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     ours = load_model(llama_dir)
-    out = save_model(ours, tmp_path / "copy", tokenizer_dir=llama_dir)
+    out = save_model(ours, tmp_path / "copy", partial(copy_tokenizer_files, llama_dir))
     ref = AutoModelForCausalLM.from_pretrained(out)
     for name, p in ref.state_dict().items():
         assert torch.equal(p, ours.state_dict()[name]), name

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,12 @@ from parity.rl.tasks import (
     DataOrder,
     Problem,
     extract_boxed,
+    extract_number,
     import_reward_fn,
     length_reward,
     load_problems,
     math_reward,
+    number_reward,
 )
 
 P = Problem("1+1=", "2")
@@ -191,6 +194,44 @@ def test_math_reward_and_boxed_extraction():
     assert math_reward(half, r"so \boxed{\frac{1}{2}}", 5) == 1.0
     assert math_reward(half, r"\boxed{1/3}", 5) == 0.0
     assert math_reward(half, "0.5 without a box", 5) == 0.0
+
+
+@pytest.mark.parametrize(
+    "response, number",
+    [
+        ("19", "19"),
+        ("Sam has 12 + 7 = 19 apples.", "19"),
+        ("The total is $1,234.", "1234"),
+        ("It costs $25.00 in all", "25.00"),
+        ("so -5 is left", "-5"),
+        ("12-7 leaves 5", "5"),  # a minus after a digit is subtraction
+        ("The train covers 360km.", "360"),  # units after the number
+        ("First 3, then 4, then 12", "12"),  # a list is not a thousands group
+        ("It is 1,2345", "2345"),
+        (r"So the result is \boxed{48} (checked with 6 x 8)", "48"),  # \boxed{} wins over later numbers
+        (r"\boxed{\$1,250}", "1250"),
+        ("The answer is 19. Sam started with 12 and got 7.", "19"),  # "answer is" wins over later numbers
+        ("Final answer: **42**, from 6 x 7", "42"),
+        ("The answer is that all 3 remain, so 9", "9"),  # no number right after "answer is": the last one
+        ("H2O and version v1.2", None),  # digits inside words are not numbers
+        (r"\boxed{x}", None),
+        ("no numbers here", None),
+    ],
+)
+def test_number_extraction(response, number):
+    assert extract_number(response) == (None if number is None else Decimal(number))
+
+
+def test_number_reward():
+    problem = Problem("Sam has 12 apples and buys 7 more. How many apples does Sam have now?", "19")
+    assert number_reward(problem, "Sam has 12 + 7 = 19 apples.", 9) == 1.0
+    assert number_reward(problem, "19.0", 2) == 1.0  # equal as numbers
+    assert number_reward(problem, "He has 20 now.", 4) == 0.0
+    assert number_reward(problem, "I do not know.", 4) == 0.0
+    assert number_reward(Problem("q", "1,234"), "$1234", 2) == 1.0
+    assert number_reward(Problem("q", "2.5"), "it is 2.50.", 2) == 1.0
+    with pytest.raises(ValueError, match="task.name=number: the answer 'nineteen' is not a number"):
+        number_reward(Problem("q", "nineteen"), "19", 1)
 
 
 def test_length_reward():

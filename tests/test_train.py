@@ -16,6 +16,7 @@ from parity import config
 from parity.cli import main
 from parity.config import ConfigError
 from parity.rl.loop import Run, TrainConfig
+from parity.rl.tasks import DataError
 
 TINY = ["steps=4", "prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=48", "tensorboard=false"]
 
@@ -24,7 +25,8 @@ TINY = ["steps=4", "prompts_per_step=4", "rollout.group_size=4", "rollout.max_ne
     "override, message",
     [
         (["algorithm.name=ppo2"], "algorithm.name: unknown value 'ppo2'; allowed: .*grpo.*pg_seq_is"),
-        (["task.name=chess"], "task.name: unknown value 'chess'; allowed: builtin, exact, length, math"),
+        (["task.name=chess"], "task.name: unknown value 'chess'; allowed: builtin, exact, length, math, number"),
+        (["task.chat_template=chatml"], "task.chat_template: unknown value 'chatml'; allowed: auto, none"),
         (["algorithm.clip_hi=0.3"], "unknown config key algorithm.clip_hi; allowed keys here: .*clip_high"),
         (["steps=ten"], "steps: expected an integer, got 'ten'"),
         (
@@ -171,6 +173,29 @@ def test_loop_contains_a_hanging_user_reward_and_runs_math(tmp_path, monkeypatch
     m = run.step()
     run.rewards.close()
     assert m["reward/errors"] == 0 and m["reward/timeouts"] == 0 and "reward/accuracy" in m
+
+
+def test_math_without_boxed_answers_warns_once(tmp_path, capsys):
+    """The built-in model never writes \\boxed{}: task.name=math says so once instead of scoring 0 in silence."""
+    run = Run.create(config.load(TrainConfig, None, [f"run_dir={tmp_path}", "task.name=math", *TINY]), progress=False)
+    first, second = run.step(), run.step()
+    run.rewards.close()
+    assert first["reward/mean"] == second["reward/mean"] == 0.0
+    err = capsys.readouterr().err
+    assert err.count("task.name=math found no \\boxed{...} answer in any of the step's 16 responses") == 1
+    assert "use task.name=number" in err
+
+
+def test_generated_problems_must_fit_the_model(tmp_path):
+    """task.name=number's word problems are longer than the built-in model's 128 positions allow."""
+    cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path / 'r'}", "task.name=number", *TINY])
+    message = (
+        r"task.data=builtin: generated problem 0: prompt is \d+ tokens; at most 80 fit "
+        r"\(model max_position_embeddings 128 minus rollout.max_new_tokens 48\)"
+    )
+    with pytest.raises(DataError, match=message):
+        Run.create(cfg, progress=False)
+    assert not (tmp_path / "r").exists()
 
 
 def test_kl_penalty_to_reference(tmp_path):

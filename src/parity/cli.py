@@ -135,7 +135,9 @@ def cmd_phantom(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from parity.commands.doctor import UNTRAINABLE, render, run_doctor
 
-    result = run_doctor(args.model, Path(args.out) if args.out else None, num_prompts=args.prompts)
+    result = run_doctor(
+        args.model, Path(args.out) if args.out else None, num_prompts=args.prompts, chat_template=args.chat_template
+    )
     print(render(result))
     return 1 if result["recommendation"] == UNTRAINABLE else 0
 
@@ -152,6 +154,8 @@ def cmd_build_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from parity.engines.tokenizer import CHAT_TEMPLATE_MODES
+
     parser = argparse.ArgumentParser(
         prog="parity",
         description="RL fine-tuning of language models where the trained policy is the sampling policy.",
@@ -208,8 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
         "perfectible",
         help="problems the base model solves sometimes: sample K per problem, keep accuracy in [lo, hi]",
         description=(
-            "Config keys: model, task (builtin|exact|math), data (builtin or JSONL/Parquet with prompt, answer), "
-            "num_candidates, samples, lo, hi, max_new_tokens, precision, seed, out (JSONL)."
+            "Config keys: model, task (builtin|exact|math|number), data (builtin or JSONL/Parquet with prompt, "
+            "answer), chat_template (auto|none), num_candidates, samples, lo, hi, max_new_tokens, precision, seed, "
+            "out (JSONL)."
         ),
     )
     _add_config_args(p)
@@ -221,8 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Sample with the rollout engine and score the same tokens with the trainer, on the same "
             "weights, for each TRAINER/ROLLOUT precision pair; report every mismatch metric. "
-            "Config keys: model, prompts, num_prompts, group_size, pairs, sampling.{temperature,top_k,"
-            "top_p,max_new_tokens}, seed, out."
+            "Config keys: model, prompts, chat_template, num_prompts, group_size, pairs, "
+            "sampling.{temperature,top_k,top_p,max_new_tokens}, seed, out. "
+            "prompts=builtin (default) uses arithmetic problems on the built-in model and short chat questions "
+            "shipped with Parity on any other; prompts=FILE.jsonl reads one JSON object per line whose "
+            '"prompt" is a string or a list of {"role", "content"} messages (other fields ignored, blank lines '
+            "skipped, the first num_prompts used). chat_template=auto (default) encodes each prompt with the "
+            "model's chat template when it has one (a string as one user message); chat_template=none encodes "
+            "raw text."
         ),
     )
     _add_config_args(p)
@@ -255,6 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="builtin", help="model directory, or 'builtin' (default)")
     p.add_argument("--out", help="also write doctor.json and doctor.md here")
     p.add_argument("--prompts", type=int, default=8, help="how many prompts to probe with (default 8)")
+    p.add_argument(
+        "--chat-template",
+        choices=CHAT_TEMPLATE_MODES,
+        default="auto",
+        help="auto (default): encode the probe prompts with the model's chat template when it has one; none: raw text",
+    )
     p.set_defaults(func=cmd_doctor)
 
     from parity.builtin.build import BuildConfig

@@ -13,6 +13,7 @@ import json
 import random
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from tqdm import tqdm
 from parity.commands.perfectible import problem_accuracies
 from parity.engines.models import CausalLM, ModelConfig, save_model
 from parity.engines.rollout import RolloutEngine
-from parity.engines.tokenizer import load_tokenizer
+from parity.engines.tokenizer import copy_tokenizer_files, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.rewards import RewardRunner
 from parity.rl.tasks import BUILTIN_CHARS, BUILTIN_SPECIALS, ArithmeticTask, Problem, builtin_reward
@@ -156,7 +157,7 @@ def build_model(out_dir: str | Path, cfg: BuildConfig = BuildConfig(), log=print
     log(f"pretrained {cfg.steps} steps in {time.time() - start:.0f}s")
     spread = accuracy_spread(model, tok_dir, cfg.eval_problems, cfg.eval_samples, cfg.seed)
     log("held-out accuracy: " + ", ".join(f"{k}={v:.3f}" for k, v in spread.items()))
-    save_model(model, out_dir, tokenizer_dir=tok_dir)
+    save_model(model, out_dir, partial(copy_tokenizer_files, tok_dir))
     for f in tok_dir.iterdir():
         f.unlink()
     tok_dir.rmdir()

@@ -35,25 +35,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from parity.commands.mismatch import MismatchConfig, SamplingConfig, run_mismatch
+from parity.commands.mismatch import MismatchConfig, SamplingConfig, load_prompts, run_mismatch
 from parity.engines.models import CausalLM, load_model, resolve_model_dir
 from parity.engines.packing import PackedBatch, pack
 from parity.engines.precision import FP16_MAX, FP16_MIN_NORMAL
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text
-from parity.rl.tasks import ArithmeticTask
 
-GENERIC_PROMPTS = (
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time",
-    "12 + 35 =",
-    "Water boils at",
-    "The quick brown fox",
-    "In 1969, the first",
-    "Translate to French: good morning",
-)
 # Below this headroom the reason cautions that training may grow activations into overflow.
 MIN_HEADROOM = 16.0
 # The verdict for weights that hold NaN/inf: no precision will train them.
@@ -233,15 +222,14 @@ def recommend(reports: list[LayerReport], fp16_pass: FP16Pass, mismatch: dict[st
     return "fp16", reason
 
 
-def run_doctor(model: str, out: Path | None, num_prompts: int = 8, seed: int = 0) -> dict:
+def run_doctor(model: str, out: Path | None, num_prompts: int = 8, seed: int = 0, chat_template: str = "auto") -> dict:
+    """Probe with `parity mismatch`'s default prompts (arithmetic for the built-in model, chat questions for
+    any other), encoded under `chat_template` (one of CHAT_TEMPLATE_MODES), as training would encode them."""
     model_dir = resolve_model_dir(model)
     tok = load_tokenizer(model_dir)
     net = load_model(model_dir)
-    if str(model) == "builtin":
-        texts = [p.prompt for p in ArithmeticTask().problems(num_prompts, seed=seed, split="eval")]
-    else:
-        texts = list(GENERIC_PROMPTS[:num_prompts])
-    prompts = [tok.encode(t) for t in texts]
+    texts = load_prompts("builtin", num_prompts, seed, str(model))
+    prompts = [tok.encode_prompt(t, chat_template) for t in texts]
 
     bad = non_finite_weights(net)
     reports = layer_reports(net, prompts)
@@ -258,6 +246,7 @@ def run_doctor(model: str, out: Path | None, num_prompts: int = 8, seed: int = 0
                 pairs=["fp32/fp32", "bf16/bf16", "fp16/fp16"],
                 sampling=SamplingConfig(max_new_tokens=48),
                 seed=seed,
+                chat_template=chat_template,
             ),
             progress=False,
             texts=texts,

@@ -8,6 +8,7 @@ the same tokens with the trainer (π), and report every mismatch metric.
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,11 +22,64 @@ from parity.config import ConfigError
 from parity.engines import precision as prec
 from parity.engines.models import load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine, SamplingParams
-from parity.engines.tokenizer import load_tokenizer
+from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Prompt, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.diagnostics import mismatch_by_length, mismatch_metrics
-from parity.rl.tasks import ArithmeticTask
+from parity.rl.tasks import PROMPT_FORM, ArithmeticTask, DataError, check_prompt
+
+# The default prompts for a model other than the built-in one: short questions of the kinds people ask chat
+# models (facts, explanations, arithmetic, code, writing, advice), encoded with the model's chat template.
+QUESTIONS = (
+    "What is the capital of Australia?",
+    "Why is the sky blue?",
+    "Explain photosynthesis in two sentences.",
+    "How many legs does a spider have?",
+    "What is 17 times 23?",
+    "A shirt costs $25 and is on sale for 20% off. What is the sale price?",
+    "If a train leaves at 3:15 pm and the trip takes 2 hours 50 minutes, when does it arrive?",
+    "Is 91 a prime number? Explain briefly.",
+    "Write a Python function that reverses a string.",
+    "What does the 'git rebase' command do?",
+    "How do I read a CSV file in Python?",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a haiku about autumn leaves.",
+    "Give me three ideas for a birthday party for a ten-year-old.",
+    "Summarize the plot of Romeo and Juliet in one paragraph.",
+    "Translate 'Where is the train station?' into Spanish.",
+    "What causes the seasons on Earth?",
+    "How does a vaccine train the immune system?",
+    "Who wrote 'Pride and Prejudice'?",
+    "What is the boiling point of water in Fahrenheit?",
+    "Suggest a name for a small coffee shop by the sea.",
+    "How can I improve my sleep?",
+    "What are the main differences between a virus and a bacterium?",
+    "Explain what a black hole is to a child.",
+    "Write a short, polite email asking to reschedule a meeting.",
+    "What is the Pythagorean theorem?",
+    "Solve for x: 3x + 7 = 22.",
+    "How many minutes are there in a week?",
+    "What is the largest planet in the solar system?",
+    "Give me a simple recipe for pancakes.",
+    "What is machine learning, in one sentence?",
+    "List four renewable sources of energy.",
+    "Why do cats purr?",
+    "What is the difference between weather and climate?",
+    "Tell me a fun fact about octopuses.",
+    "How do I convert Celsius to Fahrenheit?",
+    "What is an API?",
+    "Write a limerick about a forgetful robot.",
+    "What should I pack for a three-day hiking trip?",
+    "Explain the rules of tic-tac-toe.",
+    "Which is heavier, a kilogram of feathers or a kilogram of iron?",
+    "What year did the first person walk on the moon?",
+    "Describe the water cycle.",
+    "How do I make a good first impression at a job interview?",
+    "What is the square root of 144?",
+    "Write a SQL query that counts the rows in a table named orders.",
+    "What is inflation, and why does it happen?",
+    "Recommend a classic novel and say why it is worth reading.",
+)
 
 # Metrics shown in the markdown table, with their ratio to the FP16 run.
 TABLE_METRICS = ("k3", "token_abs_log_ratio_mean", "seq_abs_log_ratio", "prob_abs_diff_mean", "chi2_token")
@@ -51,7 +105,10 @@ class SamplingConfig:
 @dataclass
 class MismatchConfig:
     model: str = "builtin"
-    prompts: str = "builtin"  # "builtin" (the arithmetic task) or a JSONL file with a "prompt" field
+    # builtin: the arithmetic task's prompts for the built-in model, the shipped chat questions
+    # (`QUESTIONS`) for any other; or a JSONL file, one {"prompt": ...} per line (`load_prompts`)
+    prompts: str = "builtin"
+    chat_template: str = "auto"  # auto (the model's chat template, when it has one) | none (raw text)
     num_prompts: int = 128
     group_size: int = 4
     # Each entry is TRAINER/ROLLOUT precision, e.g. "bf16/fp32" = BF16 trainer, FP32 rollout.
@@ -65,6 +122,10 @@ class MismatchConfig:
             parse_pair(p)
         if self.num_prompts < 1 or self.group_size < 1:
             raise ConfigError("num_prompts and group_size must be >= 1")
+        if self.chat_template not in CHAT_TEMPLATE_MODES:
+            raise ConfigError(
+                f"chat_template: unknown value {self.chat_template!r}; allowed: {', '.join(CHAT_TEMPLATE_MODES)}"
+            )
 
 
 def parse_pair(pair: str) -> tuple[str, str]:
@@ -77,25 +138,43 @@ def parse_pair(pair: str) -> tuple[str, str]:
     return parts[0], parts[1]
 
 
-def load_prompts(source: str, n: int, seed: int) -> list[str]:
+def load_prompts(source: str, n: int, seed: int, model: str = "builtin") -> list[Prompt]:
+    """At most `n` prompts. `builtin`: `n` arithmetic problems for the built-in model, `n` of the shipped chat
+    questions (drawn with `seed`; all of them when `n` is more) for any other model. Otherwise a JSONL file
+    (UTF-8): each non-blank line an object whose "prompt" is a non-empty string or a list of chat messages
+    ({"role": ..., "content": ...}, for the model's chat template); other fields are ignored and the first
+    `n` prompts are used."""
     if source == "builtin":
-        return [p.prompt for p in ArithmeticTask().problems(n, seed=seed, split="eval")]
+        if str(model) == "builtin":
+            return [p.prompt for p in ArithmeticTask().problems(n, seed=seed, split="eval")]
+        return random.Random(seed).sample(QUESTIONS, min(n, len(QUESTIONS)))
     path = Path(source)
     if not path.is_file():
         raise ConfigError(f"prompts: file {source!r} does not exist (use 'builtin' or a JSONL file)")
-    prompts: list[str] = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ConfigError(f"{path}:{lineno}: expected an object with a string field 'prompt'")
-        prompts.append(row["prompt"])
-        if len(prompts) == n:
-            break
+    prompts: list[Prompt] = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                byte = f"0x{raw[e.start]:02x}"
+                raise ConfigError(f"{where}: not valid UTF-8 (byte {byte} at column {e.start + 1})") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: invalid JSON ({e.msg})") from None
+            expected = f"{where}: expected an object with a {PROMPT_FORM} 'prompt'"
+            if not isinstance(row, dict) or "prompt" not in row:
+                raise ConfigError(expected)
+            try:
+                prompts.append(check_prompt(where, expected, row["prompt"]))
+            except DataError as e:
+                raise ConfigError(str(e)) from None
+            if len(prompts) == n:
+                break
     if not prompts:
         raise ConfigError(f"{path}: no prompts found")
     return prompts
@@ -136,12 +215,12 @@ def measure_pair(
     return pi, batch.rollout_logprobs, batch.response_mask
 
 
-def run_mismatch(cfg: MismatchConfig, progress: bool = True, texts: list[str] | None = None) -> list[PairResult]:
+def run_mismatch(cfg: MismatchConfig, progress: bool = True, texts: list[Prompt] | None = None) -> list[PairResult]:
     """Measure every pair of `cfg.pairs`; `texts` replaces the prompts `cfg.prompts` names."""
     model_dir = resolve_model_dir(cfg.model)
     tokenizer = load_tokenizer(model_dir)
-    texts = load_prompts(cfg.prompts, cfg.num_prompts, cfg.seed) if texts is None else texts
-    prompts = [tokenizer.encode(p) for p in texts]
+    texts = load_prompts(cfg.prompts, cfg.num_prompts, cfg.seed, cfg.model) if texts is None else texts
+    prompts = [tokenizer.encode_prompt(p, cfg.chat_template) for p in texts]
     model = load_model(model_dir)
     results: list[PairResult] = []
     for pair in tqdm(cfg.pairs, desc="mismatch", unit="pair", disable=not progress):
@@ -207,9 +286,10 @@ def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "mismatch.json", results_json(cfg.model, results))
+    num_prompts = results[0].num_sequences // cfg.group_size if results else 0
     md = (
         f"# Training-inference mismatch: {cfg.model}\n\n"
-        f"{cfg.num_prompts} prompts × {cfg.group_size} samples, temperature {cfg.sampling.temperature}, "
+        f"{num_prompts} prompts × {cfg.group_size} samples, temperature {cfg.sampling.temperature}, "
         f"top_k {cfg.sampling.top_k}, top_p {cfg.sampling.top_p}, max_new_tokens {cfg.sampling.max_new_tokens}, "
         f"seed {cfg.seed}. Δ = π (trainer) − μ (rollout) over response tokens; "
         "metric definitions in docs/metrics.md.\n\n"

@@ -21,17 +21,17 @@ from tqdm import tqdm
 from parity.config import ConfigError
 from parity.engines.models import load_config, load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine, SamplingParams
-from parity.engines.tokenizer import Tokenizer, load_tokenizer
+from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, load_tokenizer
 from parity.files import atomic_write_text
 from parity.rl.rewards import RewardRunner, score_rollouts
-from parity.rl.tasks import REWARDS, TRUSTED_REWARDS, ArithmeticTask, Problem, load_problems
+from parity.rl.tasks import REWARDS, TRUSTED_REWARDS, Problem, builtin_problems, load_problems
 
 
 @dataclass
 class PerfectibleConfig:
     model: str = "builtin"
-    task: str = "builtin"  # the checker: builtin | exact | math
-    data: str = "builtin"  # builtin (generated problems) or a JSONL/Parquet file
+    task: str = "builtin"  # the checker: builtin | exact | math | number
+    data: str = "builtin"  # builtin (generated problems: word problems for task=number) or a JSONL/Parquet file
     num_candidates: int = 256  # builtin data: how many problems to try
     samples: int = 16  # K
     lo: float = 0.2
@@ -41,10 +41,15 @@ class PerfectibleConfig:
     seed: int = 0
     batch_prompts: int = 32  # prompts per generate() call
     out: str = "perfectible.jsonl"
+    chat_template: str = "auto"  # auto (the model's chat template, when it has one) | none (raw text)
 
     def validate(self) -> None:
         if self.task not in REWARDS or self.task == "length":
-            raise ConfigError(f"task: {self.task!r} has no right answer; use builtin, exact or math")
+            raise ConfigError(f"task: {self.task!r} has no right answer; use builtin, exact, math or number")
+        if self.chat_template not in CHAT_TEMPLATE_MODES:
+            raise ConfigError(
+                f"chat_template: unknown value {self.chat_template!r}; allowed: {', '.join(CHAT_TEMPLATE_MODES)}"
+            )
         if not 0 <= self.lo <= self.hi <= 1:
             raise ConfigError(f"lo, hi: need 0 <= lo <= hi <= 1, got {self.lo}, {self.hi}")
         if self.samples < 1 or self.num_candidates < 1:
@@ -76,7 +81,7 @@ def format_histogram(counts: list[int], lo: float, hi: float, width: int = 40) -
 
 def candidate_problems(cfg: PerfectibleConfig) -> list[Problem]:
     if cfg.data == "builtin":
-        return ArithmeticTask().problems(cfg.num_candidates, seed=cfg.seed, split="eval")
+        return builtin_problems(cfg.task, cfg.num_candidates, cfg.seed)
     model_dir = resolve_model_dir(cfg.model)
     positions = load_config(model_dir).max_position_embeddings
     return load_problems(
@@ -84,6 +89,8 @@ def candidate_problems(cfg: PerfectibleConfig) -> list[Problem]:
         load_tokenizer(model_dir),
         positions - cfg.max_new_tokens,
         f"model max_position_embeddings {positions} minus max_new_tokens {cfg.max_new_tokens}",
+        cfg.chat_template,
+        "chat_template",
     )
 
 
@@ -97,13 +104,16 @@ def problem_accuracies(
     seed: int = 0,
     batch_prompts: int = 32,
     progress: bool = False,
+    chat_template: str = "auto",
 ) -> list[float]:
-    """Fraction of `samples` responses at temperature 1 that score 1, per problem."""
+    """Fraction of `samples` responses at temperature 1 that score 1, per problem (prompts encoded under
+    `chat_template`, one of CHAT_TEMPLATE_MODES)."""
     sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
     accuracies: list[float] = []
     for start in tqdm(range(0, len(problems), batch_prompts), desc="perfectible", unit="batch", disable=not progress):
         chunk = problems[start : start + batch_prompts]
-        batch = engine.generate([tokenizer.encode(p.prompt) for p in chunk], samples, sampling, seed=seed + start)
+        prompts = [tokenizer.encode_prompt(p.prompt, chat_template) for p in chunk]
+        batch = engine.generate(prompts, samples, sampling, seed=seed + start)
         scores = torch.tensor(score_rollouts(batch, chunk, tokenizer, runner).rewards).view(len(chunk), samples)
         accuracies.extend((scores >= 1.0).float().mean(-1).tolist())
     return accuracies
@@ -118,7 +128,16 @@ def measure_accuracies(cfg: PerfectibleConfig, problems: list[Problem], progress
     runner = RewardRunner(REWARDS[cfg.task], isolate=cfg.task not in TRUSTED_REWARDS)
     try:
         return problem_accuracies(
-            engine, tok, problems, runner, cfg.samples, cfg.max_new_tokens, cfg.seed, cfg.batch_prompts, progress
+            engine,
+            tok,
+            problems,
+            runner,
+            cfg.samples,
+            cfg.max_new_tokens,
+            cfg.seed,
+            cfg.batch_prompts,
+            progress,
+            cfg.chat_template,
         )
     finally:
         runner.close()

@@ -152,7 +152,8 @@ def mismatch_parts(
         micro_batch_size=64,
     )
     sampler.load_weights(export_state(base), version=0)
-    prompts = [tok.encode(p.prompt) for p in ArithmeticTask().problems(num_prompts, seed=seed, split="eval")]
+    problems = ArithmeticTask().problems(num_prompts, seed=seed, split="eval")
+    prompts = [tok.encode_prompt(p.prompt) for p in problems]
     batch = sampler.generate(prompts, 4, SamplingParams(max_new_tokens=96), seed=seed)
     sampler.score_samples(batch)
     mu, mask = batch.rollout_logprobs, batch.response_mask

@@ -231,7 +231,7 @@ class DistributedRun(Run):
         """Ask the workers for step `step`'s samples, whole prompt groups per worker."""
         cfg = self.cfg
         problems = [self.problems[i] for i in self.data.take(cfg.prompts_per_step)]
-        prompts = [self.tokenizer.encode(p.prompt) for p in problems]
+        prompts = [self.tokenizer.encode_prompt(p.prompt, cfg.task.chat_template) for p in problems]
         request = _Request(step, problems, self.data.position)
         bounds = torch.arange(len(prompts)).tensor_split(len(self.workers))
         for w, rows in enumerate(bounds):

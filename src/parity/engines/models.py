@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -642,20 +643,13 @@ def export_state(model: CausalLM, dtype: torch.dtype = torch.float32) -> dict[st
     }
 
 
-def save_model(model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
-    """Write config.json + model.safetensors (+ tokenizer files) atomically."""
+def save_model(model: CausalLM, out_dir: str | Path, add_files: Callable[[Path], object] | None = None) -> Path:
+    """Write config.json + model.safetensors atomically; `add_files(folder)` puts more files
+    (the tokenizer's: `tokenizer.copy_tokenizer_files`) in before the folder appears."""
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
         save_file(export_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if tokenizer_dir is not None:
-            src = resolve_model_dir(tokenizer_dir)
-            for name in (
-                "tokenizer.json",
-                "tokenizer_config.json",
-                "generation_config.json",
-                "special_tokens_map.json",
-            ):
-                if (src / name).is_file():
-                    (tmp / name).write_bytes((src / name).read_bytes())
+        if add_files is not None:
+            add_files(tmp)
     return out_dir

@@ -1,34 +1,270 @@
-"""Tokenizers: a model directory's `tokenizer.json` plus the special ids generation needs.
+"""Tokenizers: a model directory's tokenizer files, read as `transformers` 5 reads them.
 
-Every id a step sees comes from here, so it must tokenize exactly as `transformers`
-does for the same directory (DESIGN.md: a different prompt is a different policy).
+Every id a step sees comes from here, so it must tokenize exactly as `transformers` does for the same
+directory (DESIGN.md: a different prompt is a different policy): `encode(text)` is
+`AutoTokenizer.from_pretrained(DIR)(text)["input_ids"]`, and `encode_chat(messages)` is
+`apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`. What transformers (5.x)
+does, and so what this module does:
+
+- BOS and EOS come from tokenizer.json's post-processor alone: a TemplateProcessing that writes
+  `<s> $A`, `<|begin_of_text|> $A` or `<bos> $A` adds that token, a ByteLevel post-processor or none adds
+  nothing. When tokenizer.json exists AutoTokenizer drops tokenizer_config.json's `add_bos_token` and
+  `add_eos_token` before it builds the tokenizer, so they change nothing (SmolLM2 names `<|im_start|>`
+  as its bos_token, and it is never added).
+- The pipeline: AutoTokenizer picks a tokenizer class (`tokenizer_class_name`). LlamaTokenizer,
+  GemmaTokenizer, Qwen2Tokenizer and GPT2Tokenizer rebuild the normalizer, pre-tokenizer, decoder and BPE
+  options in code, keeping only tokenizer.json's vocabulary, merges, added tokens and post-processor;
+  `_rebuild` does what each does. Any other class reads tokenizer.json as written.
+- Special tokens (bos_token, eos_token, ...: also the chat template's variables): the class's defaults,
+  then tokenizer_config.json, then special_tokens_map.json when tokenizer_config.json has no
+  `added_tokens_decoder`; one that tokenizer.json lacks is added as a special token.
+- The chat template: chat_template.jinja (or additional_chat_templates/default.jinja), else
+  tokenizer_config.json's `chat_template` (a string, or a list of named templates: "default"), else
+  chat_template.json, where processors keep it. It is rendered in a sandbox set up as transformers sets
+  up its own (`_environment`) and encoded without special tokens, since the template writes them.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+from datetime import datetime
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 from parity.engines.models import ModelError, read_json, resolve_model_dir
 
+# task.chat_template (and mismatch/perfectible `chat_template`, doctor --chat-template): `auto` applies the
+# model's chat template when it has one, `none` encodes prompts as raw text.
+CHAT_TEMPLATE_MODES = ("auto", "none")
+
+# Every file a model directory may hold for its tokenizer and chat template: a checkpoint copies them all
+# (`copy_tokenizer_files`), so that it tokenizes and templates exactly as the model it was trained from.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # named templates, one NAME.jinja each
+
+# A prompt is a string or a list of chat messages ({"role": ..., "content": ...}).
+Message = dict[str, Any]
+Prompt = str | list[Message]
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+# The special tokens each rebuilt class defaults to when tokenizer_config.json does not name them.
+_CLASS_SPECIALS: dict[str, dict[str, str]] = {
+    "LlamaTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
+    "GemmaTokenizer": {
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "mask_token": "<mask>",
+    },
+    "Qwen2Tokenizer": {"eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
+    "GPT2Tokenizer": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"},
+}
+# transformers' tokenizer class per config.json model_type, for the architectures Parity runs (llama has
+# none). Mistral's is MistralCommonBackend when mistral-common is installed, which also falls back to
+# tokenizer.json as written unless the directory holds Mistral's own tekken.json.
+_REGISTERED_CLASS = {
+    "mistral": "TokenizersBackend",
+    "qwen2": "Qwen2Tokenizer",
+    "qwen3": "Qwen2Tokenizer",
+    "qwen3_moe": "Qwen2Tokenizer",
+    "gemma2": "GemmaTokenizer",
+    "gemma3": "GemmaTokenizer",
+    "gemma3_text": "GemmaTokenizer",
+}
+# Model types whose declared tokenizer_class transformers replaces with the registered one (known to be wrong).
+_DECLARED_CLASS_IGNORED = {"qwen2"}
+_GENERIC_CLASSES = {"TokenizersBackend", "PreTrainedTokenizer", "PythonBackend"}  # "Fast" suffix removed
+# Qwen2Tokenizer's pre-tokenizer split: contractions, letter runs, single digits, punctuation, newlines, spaces.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class ChatTemplateError(ModelError):
+    """A chat template that cannot render these messages (a syntax error, or the template's raise_exception)."""
+
+
+def tokenizer_class_name(model_type: str | None, declared: str | None, byte_level: bool) -> str:
+    """The class AutoTokenizer (transformers 5) loads a directory with: `declared` is tokenizer_config.json's
+    (or config.json's) `tokenizer_class`, `byte_level` whether tokenizer.json mentions "ByteLevel"."""
+    declared = declared.removesuffix("Fast") if declared else None
+    registered = _REGISTERED_CLASS.get(model_type or "")
+    if declared == "LlamaTokenizer" and byte_level and model_type not in _DECLARED_CLASS_IGNORED:
+        return "TokenizersBackend"  # a Llama 3 style byte-level tokenizer declared as LlamaTokenizer
+    if declared and registered and declared != registered:
+        if registered in _GENERIC_CLASSES:
+            return "TokenizersBackend"
+        return registered if model_type in _DECLARED_CLASS_IGNORED else declared
+    return declared or registered or "TokenizersBackend"
+
+
+def _rebuild(backend, model: dict[str, Any], cls: str, tok_cfg: dict[str, Any], unk: str | None) -> None:
+    """Give `backend` the normalizer, pre-tokenizer, decoder and BPE options that transformers' `cls`
+    builds in its constructor (only the vocabulary and merges come from tokenizer.json)."""
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+
+    if cls not in _CLASS_SPECIALS or model.get("type") != "BPE":
+        return  # tokenizer.json as written; these four classes are BPE tokenizers
+    vocab = model.get("vocab") or {}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
+    sentencepiece_decoder = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if cls == "LlamaTokenizer":
+        prefix = tok_cfg.get("add_prefix_space")
+        prefix = True if prefix is None else bool(prefix)
+        scheme = ("always" if tok_cfg.get("legacy") else "first") if prefix else "never"
+        backend.model = models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True)
+        backend.normalizer = None
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+        strip = [decoders.Strip(" ", 1, 0)] if prefix else []
+        backend.decoder = decoders.Sequence(sentencepiece_decoder + strip)
+    elif cls == "GemmaTokenizer":
+        backend.model = models.BPE(vocab, merges, fuse_unk=True, unk_token=unk, byte_fallback=True)
+        backend.normalizer = normalizers.Replace(" ", "▁")
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+        backend.decoder = decoders.Sequence(sentencepiece_decoder)
+    else:  # the byte-level classes
+        backend.model = models.BPE(vocab, merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+        backend.decoder = decoders.ByteLevel()
+        prefix = bool(tok_cfg.get("add_prefix_space") or False)
+        if cls == "Qwen2Tokenizer":
+            backend.normalizer = normalizers.NFC()
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(_QWEN2_SPLIT), "isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=prefix, use_regex=False),
+                ]
+            )
+        else:
+            backend.normalizer = None
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix)
+
+
+def _content(token: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _special_tokens(cls: str, tok_cfg: dict[str, Any], tokens_map: dict[str, Any]) -> tuple[dict[str, str], list]:
+    """(named special tokens {key: string}, the extra special tokens as written) as transformers resolves them."""
+    merged = {**_CLASS_SPECIALS.get(cls, {}), **tok_cfg}
+    if "added_tokens_decoder" not in tok_cfg:  # older checkpoints keep them in special_tokens_map.json
+        merged.update(tokens_map)
+    named: dict[str, str] = {}
+    for key, value in merged.items():
+        # The standard names, and any other "*_token" string a model defines (Gemma 3's image_token...).
+        if key in SPECIAL_TOKEN_KEYS or (key.endswith("_token") and isinstance(value, str)):
+            content = _content(value)
+            if content is not None:
+                named[key] = content
+    extra = merged.get("extra_special_tokens") or merged.get("additional_special_tokens") or []
+    if isinstance(extra, dict):  # named extras, e.g. {"image_token": "<image>"}
+        named.update({k: c for k, v in extra.items() if (c := _content(v)) is not None})
+        extra = []
+    return named, list(extra)
+
+
+def _added_token(value: str | dict[str, Any], special: bool):
+    """An AddedToken from its string, or from its fields as tokenizer_config.json writes them."""
+    from tokenizers import AddedToken
+
+    if isinstance(value, dict):
+        fields = {k: bool(value[k]) for k in ("single_word", "lstrip", "rstrip", "normalized") if k in value}
+        return AddedToken(value["content"], special=special, **fields)
+    return AddedToken(value, special=special, normalized=False)
+
+
+def _listed_tokens(tok_cfg: dict[str, Any], where: Path) -> list[dict[str, Any]]:
+    """tokenizer_config.json's `added_tokens_decoder` entries, by id."""
+    listed = tok_cfg.get("added_tokens_decoder") or {}
+    if not isinstance(listed, dict) or not all(
+        str(k).isdigit() and isinstance(v, dict) and isinstance(v.get("content"), str) for k, v in listed.items()
+    ):
+        raise ModelError(f'{where}: added_tokens_decoder: expected {{"ID": {{"content": TOKEN, ...}}, ...}}')
+    return [v for _, v in sorted(listed.items(), key=lambda kv: int(kv[0]))]
+
 
 class Tokenizer:
-    """A `tokenizer.json` tokenizer plus the special ids generation needs. `eos_ids` holds
-    every id that ends a response (instruct models often have several, e.g. end of turn and
-    end of text); `eos_id` is the first of them."""
+    """A model directory's tokenizer (`load_tokenizer` builds it), plus the ids generation needs. `eos_ids`
+    holds every id that ends a response (instruct models often have several, e.g. end of turn and end of
+    text); `eos_id` is the first of them. `bos_id` is the id `encode` puts before the text, or None."""
 
-    def __init__(self, path: Path, eos_ids: tuple[int, ...], pad_id: int, bos_id: int | None):
-        from tokenizers import Tokenizer as HFTokenizer
-
-        self._tok = HFTokenizer.from_file(str(path))
-        self.eos_ids, self.pad_id, self.bos_id = eos_ids, pad_id, bos_id
+    def __init__(
+        self,
+        backend,
+        eos_ids: tuple[int, ...],
+        pad_id: int,
+        special_tokens: dict[str, str],
+        chat_template: str | None,
+        source: str,
+    ):
+        self._tok = backend
+        self.eos_ids, self.pad_id = eos_ids, pad_id
         self.eos_id = eos_ids[0]
-        self.vocab_size = self._tok.get_vocab_size()
+        self.special_tokens = special_tokens  # the chat template's variables: bos_token, eos_token, ...
+        self.chat_template = chat_template
+        self.source = source  # the model directory, for error messages
+        self.vocab_size = backend.get_vocab_size()
+        probe = backend.encode("a")
+        self.bos_id = probe.ids[0] if probe.special_tokens_mask[:1] == [1] else None
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if self.bos_id is not None else []) + ids
+        """`text` as plain text, with the BOS/EOS tokenizer.json's post-processor adds (as `tokenizer(text)`)."""
+        return self._tok.encode(text).ids
+
+    def render_chat(self, messages: list[Message]) -> str:
+        """The chat template applied to `messages`, with the prompt for the assistant's turn."""
+        if self.chat_template is None:
+            raise ChatTemplateError(f"{self.source}: the model has no chat template")
+        import jinja2
+
+        # As transformers does: a key whose value is null is dropped (templates test for missing keys).
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        try:
+            return _compile(self.chat_template).render(
+                messages=messages, tools=None, documents=None, add_generation_prompt=True, **self.special_tokens
+            )
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"{self.source}: chat template: {e}") from None
+        except Exception as e:  # a template is code from the checkpoint: its failures are the model's
+            raise ChatTemplateError(f"{self.source}: chat template failed: {type(e).__name__}: {e}") from None
+
+    def encode_chat(self, messages: list[Message]) -> list[int]:
+        """The chat template's text, encoded without added BOS/EOS: the template writes its own."""
+        return self._tok.encode(self.render_chat(messages), add_special_tokens=False).ids
+
+    def uses_chat_template(self, mode: str) -> bool:
+        """Whether prompts go through the chat template under `mode` (one of CHAT_TEMPLATE_MODES)."""
+        if mode not in CHAT_TEMPLATE_MODES:
+            raise ValueError(f"chat template mode must be one of {', '.join(CHAT_TEMPLATE_MODES)}, got {mode!r}")
+        return mode == "auto" and self.chat_template is not None
+
+    def encode_prompt(self, prompt: Prompt, chat_template: str = "auto") -> list[int]:
+        """The ids of a prompt, the one way every command encodes prompts. With the chat template (`auto` and
+        the model has one) a string is one user message; a list of messages needs the template; otherwise
+        a string is encoded as plain text."""
+        if self.uses_chat_template(chat_template):
+            return self.encode_chat([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
+        if not isinstance(prompt, str):
+            why = "the model has none" if chat_template == "auto" else "chat templates are off (none)"
+            raise ChatTemplateError(f"{self.source}: a prompt given as a list of messages needs a chat template; {why}")
+        return self.encode(prompt)
 
     def longest_token_bytes(self) -> int:
         """UTF-8 bytes of the longest vocabulary entry (added tokens included)."""
@@ -39,25 +275,113 @@ class Tokenizer:
         return self._tok.decode([i for i in ids if i not in stop], skip_special_tokens=True)
 
 
-def _special_id(tok_cfg: dict[str, Any], key: str, tokenizer_json: Path) -> int | None:
-    """Resolve `tokenizer_config.json`'s `eos_token` etc. (a string or {"content": ...}) to an id."""
-    token = tok_cfg.get(key)
-    if isinstance(token, dict):
-        token = token.get("content")
-    if not token:
-        return None
-    vocab = json.loads(tokenizer_json.read_text())
-    for added in vocab.get("added_tokens", []):
-        if added.get("content") == token:
-            return int(added["id"])
-    return (
-        vocab.get("model", {}).get("vocab", {}).get(token)
-        if isinstance(vocab.get("model", {}).get("vocab"), dict)
-        else None
+@cache
+def _compile(template: str):
+    return _environment().from_string(template)
+
+
+@cache
+def _environment():
+    """A Jinja environment set up as transformers sets up the one it renders chat templates in: sandboxed
+    and immutable, blocks trimmed, loop controls, {% generation %} blocks (rendered as their body), and the
+    helpers templates call (raise_exception, strftime_now, tojson without HTML escaping, dict, namespace)."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(Extension):
+        # transformers uses the block to find the assistant's tokens; here its body is all that matters.
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def public(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a chat template may not set the attribute {name!r}")
+
+    class Namespace(jinja2.utils.Namespace):
+        # Underscore attributes could reach the interpreter's internals: refused on creation and assignment.
+        def __init__(self, *args, **kwargs):
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                public(name)
+            super().__init__(attrs)
+
+        def __setitem__(self, name, value):
+            public(name)
+            super().__setitem__(name, value)
+
+    class Dict:
+        # `dict(...)` and `dict.fromkeys(...)`, without handing templates the dict type itself.
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols]
     )
+    env.filters["tojson"] = tojson
+    env.globals.update(
+        raise_exception=raise_exception,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        dict=Dict(),
+        namespace=Namespace,
+    )
+    return env
+
+
+def _read_chat_template(model_dir: Path, tok_cfg: dict[str, Any]) -> str | None:
+    """The template transformers applies by default (module doc), or None when the model has none."""
+    named: dict[str, str] = {}
+    if (model_dir / "chat_template.jinja").is_file():
+        named["default"] = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    for path in sorted((model_dir / CHAT_TEMPLATE_DIR).glob("*.jinja")):
+        named.setdefault(path.stem, path.read_text(encoding="utf-8"))
+    where = str(model_dir / CHAT_TEMPLATE_DIR)
+    if not named:
+        value = tok_cfg.get("chat_template")
+        where = f"{model_dir / 'tokenizer_config.json'}: chat_template"
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(
+            isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("template"), str) for e in value
+        ):
+            named = {e["name"]: e["template"] for e in value}
+        elif value is not None:
+            raise ModelError(f'{where}: expected a template, or a list of {{"name": NAME, "template": TEMPLATE}}')
+        elif (model_dir / "chat_template.json").is_file():
+            value = read_json(model_dir / "chat_template.json").get("chat_template")
+            if not isinstance(value, str):
+                raise ModelError(f'{model_dir / "chat_template.json"}: expected {{"chat_template": TEMPLATE}}')
+            return value
+    if not named:
+        return None
+    if "default" not in named:
+        raise ModelError(
+            f"{where}: named chat templates {', '.join(sorted(named))}, none of them 'default', which is the one "
+            "transformers applies; name one of them 'default'"
+        )
+    return named["default"]
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    from tokenizers import Tokenizer as Backend
+
     model_dir = resolve_model_dir(model_dir)
     path = model_dir / "tokenizer.json"
     if not path.is_file():
@@ -65,36 +389,70 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
             f"{model_dir}: no tokenizer.json; save the tokenizer beside the weights "
             "(tokenizer.save_pretrained(DIR) writes it)"
         )
+
+    def optional(name: str) -> dict[str, Any]:
+        return read_json(model_dir / name) if (model_dir / name).is_file() else {}
+
     cfg = read_json(model_dir / "config.json")
-    tok_cfg = read_json(model_dir / "tokenizer_config.json") if (model_dir / "tokenizer_config.json").is_file() else {}
-    gen_cfg = (
-        read_json(model_dir / "generation_config.json") if (model_dir / "generation_config.json").is_file() else {}
+    tok_cfg, gen_cfg = optional("tokenizer_config.json"), optional("generation_config.json")
+    text = path.read_text(encoding="utf-8")
+    try:
+        spec = json.loads(text)
+        backend = Backend.from_str(text)
+    except Exception as e:  # JSON or the tokenizers library refusing the file
+        raise ModelError(f"{path}: not a readable tokenizer.json ({e})") from None
+    cls = tokenizer_class_name(
+        cfg.get("model_type"), tok_cfg.get("tokenizer_class") or cfg.get("tokenizer_class"), '"ByteLevel"' in text
     )
+    special, extra = _special_tokens(cls, tok_cfg, optional("special_tokens_map.json"))
+    _rebuild(backend, spec.get("model") or {}, cls, tok_cfg, special.get("unk_token"))
+    # Padding and truncation saved in tokenizer.json are off unless a call asks for them.
+    backend.no_padding()
+    backend.no_truncation()
+    backend.encode_special_tokens = bool(tok_cfg.get("split_special_tokens", False))
+    present = {t.content for t in backend.get_added_tokens_decoder().values()}
+    # Tokens the config lists or names that tokenizer.json lacks are added, as transformers adds them.
+    listed = [
+        _added_token(v, bool(v.get("special"))) for v in _listed_tokens(tok_cfg, model_dir / "tokenizer_config.json")
+    ]
+    specials = [_added_token(v, True) for v in [*special.values(), *extra] if _content(v) is not None]
+    missing = [t for t in listed + specials if t.content not in present]
+    for token in missing:
+        present.add(token.content)
+        (backend.add_special_tokens if token.special else backend.add_tokens)([token])
 
     def ids(value) -> list[int]:
         return [int(v) for v in (value if isinstance(value, list) else [value]) if v is not None]
 
+    def token_id(key: str) -> int | None:
+        return backend.token_to_id(special[key]) if key in special else None
+
     # generation_config.json decides when generation stops (transformers' generate reads it);
     # the tokenizer's own EOS token is added so that a model whose generation config forgets it still stops.
     eos: list[int] = []
-    for value in (gen_cfg.get("eos_token_id"), _special_id(tok_cfg, "eos_token", path), cfg.get("eos_token_id")):
+    for value in (gen_cfg.get("eos_token_id"), token_id("eos_token"), cfg.get("eos_token_id")):
         eos += [i for i in ids(value) if i not in eos]
     if not eos:
         raise ModelError(
             f"{model_dir}: no EOS token id in generation_config.json, tokenizer_config.json or config.json"
         )
     pad = next(
-        (
-            i
-            for v in (gen_cfg.get("pad_token_id"), _special_id(tok_cfg, "pad_token", path), cfg.get("pad_token_id"))
-            for i in ids(v)
-        ),
+        (i for v in (gen_cfg.get("pad_token_id"), token_id("pad_token"), cfg.get("pad_token_id")) for i in ids(v)),
         eos[0],
     )
-    add_bos = tok_cfg.get("add_bos_token", cfg.get("model_type") == "llama" and cfg.get("bos_token_id") is not None)
-    bos = (
-        next(iter(ids(_special_id(tok_cfg, "bos_token", path)) + ids(cfg.get("bos_token_id"))), None)
-        if add_bos
-        else None
-    )
-    return Tokenizer(path, eos_ids=tuple(eos), pad_id=pad, bos_id=bos)
+    return Tokenizer(backend, tuple(eos), pad, special, _read_chat_template(model_dir, tok_cfg), str(model_dir))
+
+
+def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
+    """Copy every tokenizer and chat-template file `src_dir` holds (TOKENIZER_FILES and the named
+    templates' folder) into `dst_dir`; returns the names copied."""
+    src, dst = resolve_model_dir(src_dir), Path(dst_dir)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    if (src / CHAT_TEMPLATE_DIR).is_dir():
+        shutil.copytree(src / CHAT_TEMPLATE_DIR, dst / CHAT_TEMPLATE_DIR, dirs_exist_ok=True)
+        copied.append(CHAT_TEMPLATE_DIR)
+    return copied

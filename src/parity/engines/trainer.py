@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from parity.engines import precision as prec
+from parity.engines.lora import LoRAConfig, apply_lora, merged_state
 from parity.engines.models import CausalLM, ModelConfig, export_state
 from parity.engines.packing import PackedBatch, Routing, pack
 
@@ -129,11 +130,19 @@ def _like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, model: CausalLM, precision: str, optim: OptimConfig):
+    """`lora`: train low-rank adapters (FP32 master) on a base frozen in the trainer precision;
+    the optimizer, loss scaler and clip then see only the adapters. `seed` draws their start."""
+
+    def __init__(
+        self, model: CausalLM, precision: str, optim: OptimConfig, lora: LoRAConfig | None = None, seed: int = 0
+    ):
         self.model = model.float()
         self.precision = precision
         self.dtype = prec.to_dtype(precision)
         self.optim_config = optim
+        self.lora = lora
+        if lora is not None:
+            apply_lora(self.model, lora, self.dtype, seed)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -152,7 +161,7 @@ class Trainer:
         # A sharded learner group averages gradients over its `world` learners; each learner's
         # loss carries the whole mini-batch's denominators, so the sum is wanted: world, not 1.
         self.grad_sum_factor = 1.0
-        self.matmul_flops = 0.0  # model FLOPs of every pass so far (backward counted as 2x forward)
+        self.matmul_flops = 0.0  # model FLOPs of every pass so far (backward counted as 2x forward, 1x with LoRA)
 
     @property
     def device(self) -> torch.device:
@@ -172,7 +181,8 @@ class Trainer:
         packed, scored = sequence_logprobs(
             self.model, prompt_ids, response_ids, response_mask, support, temperature, self.dtype, routing, True
         )
-        passes = 3 if torch.is_grad_enabled() else 1
+        # Backward costs 2x forward (input and weight gradients); a frozen base needs input gradients only.
+        passes = (2 if self.lora is not None else 3) if torch.is_grad_enabled() else 1
         self.matmul_flops += passes * matmul_flops(self.model.config, packed, int(response_mask.sum()))
         return scored
 
@@ -231,5 +241,7 @@ class Trainer:
         self.weight_version = state.weight_version
 
     def export_weights(self) -> tuple[dict[str, torch.Tensor], int]:
-        """FP32 weights and their version, for `RolloutEngine.load_weights` (which casts)."""
-        return export_state(self.model), self.weight_version
+        """FP32 weights (LoRA adapters merged in) and their version, for `RolloutEngine.load_weights`
+        (which casts)."""
+        state = export_state(self.model) if self.lora is None else merged_state(self.model)
+        return state, self.weight_version

@@ -1,7 +1,9 @@
 """Checkpoints: everything a run needs to continue bit-for-bit, written atomically.
 
 `RUN_DIR/checkpoints/step_NNNNNN/` holds the model in the Hugging Face format
-(`config.json`, `model.safetensors`, tokenizer files: `transformers` loads it),
+(`config.json`, `model.safetensors`, tokenizer files: `transformers` loads it) or, when
+the run trains LoRA adapters, only the adapters in PEFT's format (`adapter/`: PEFT loads
+them onto the base model, which the run's `model` names and `state.json` fingerprints),
 the AdamW state as `optimizer.safetensors` plus JSON, `state.json` (step, data
 position, weight version, loss scaler, the run's config) and `manifest.json`
 (the SHA-256 and size of every other file). Nothing is pickled.
@@ -15,6 +17,7 @@ match its manifest, or whose weights are not finite, is moved to
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -27,12 +30,16 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from parity.config import ConfigError
+from parity.engines.lora import AdapterError, load_adapter_state, read_adapter, save_adapter
 from parity.engines.models import ModelError, load_model, save_model
+from parity.engines.tokenizer import copy_tokenizer_files
 from parity.engines.trainer import Trainer
 from parity.files import atomic_dir
 
 FORMAT_VERSION = 2  # 2: manifest.json with checksums, the config in state.json
 MANIFEST = "manifest.json"
+ADAPTER_DIR = "adapter"
 
 
 class CheckpointError(ValueError):
@@ -81,6 +88,25 @@ def _write_manifest(folder: Path) -> None:
     (folder / MANIFEST).write_text(json.dumps({"format": FORMAT_VERSION, "files": entries}, indent=2) + "\n")
 
 
+def base_sha256(model_dir: Path) -> str:
+    """SHA-256 of a model directory's config.json and weight files. A LoRA checkpoint holds only
+    adapters: resuming them on a changed base would silently train another model. Hashed once
+    per process while the files are unchanged."""
+    files = sorted(p for p in Path(model_dir).iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
+    return _files_sha256(tuple((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
+@functools.lru_cache(maxsize=4)
+def _files_sha256(files: tuple[tuple[str, int, int], ...]) -> str:
+    digest = hashlib.sha256()
+    for path, _, _ in files:
+        digest.update(Path(path).name.encode() + b"\0")
+        with open(path, "rb") as f:
+            while chunk := f.read(2**24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def verify_checkpoint(path: Path) -> str | None:
     """What is wrong with the checkpoint at `path` (a missing, changed or cut file), or None."""
     try:
@@ -101,14 +127,15 @@ def verify_checkpoint(path: Path) -> str | None:
     return None
 
 
-def save_checkpoint(run_dir: Path, trainer: Trainer, state: RunState, tokenizer_dir: Path, keep: int) -> Path:
+def save_checkpoint(run_dir: Path, trainer: Trainer, state: RunState, model_dir: Path, keep: int) -> Path:
+    """`model_dir`: the run's model (its tokenizer files are copied; with LoRA, the adapters' base)."""
     ckpt_root = run_dir / "checkpoints"
-    bad = non_finite_tensors(dict(trainer.model.named_parameters()))
+    bad = non_finite_tensors({n: p for n, p in trainer.model.named_parameters() if p.requires_grad})
     if bad:
         raise CheckpointError(f"step {state.step}: not saving a checkpoint: inf/NaN in {', '.join(bad[:3])}")
     target = ckpt_root / f"step_{state.step:06d}"
     try:
-        _write_checkpoint(target, trainer, state, tokenizer_dir)
+        _write_checkpoint(target, trainer, state, model_dir)
     except (OSError, SafetensorError) as e:  # a full disk, a file-size limit: the earlier ones stay intact
         raise CheckpointError(f"{target}: could not be written ({e}); earlier checkpoints are intact") from None
     # Older ones go; `target`, just written from finite weights, is always the newest kept.
@@ -118,27 +145,26 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, state: RunState, tokenizer_
     return target
 
 
-def _write_checkpoint(target: Path, trainer: Trainer, state: RunState, tokenizer_dir: Path) -> None:
+def _write_checkpoint(target: Path, trainer: Trainer, state: RunState, model_dir: Path) -> None:
     with atomic_dir(target) as tmp:
-        save_model(trainer.model, tmp / "model", tokenizer_dir=tokenizer_dir)
-        tensors, meta = _optimizer_tensors(trainer.optimizer)
+        meta: dict[str, Any] = {"format": FORMAT_VERSION}
+        if trainer.lora is None:
+            save_model(trainer.model, tmp / "model", functools.partial(copy_tokenizer_files, model_dir))
+        else:
+            base = Path(model_dir).resolve()
+            save_adapter(trainer.model, trainer.lora, tmp / ADAPTER_DIR, base_model=str(base))
+            meta["base_model"] = {"path": str(base), "sha256": base_sha256(base)}
+        tensors, meta["optimizer"] = _optimizer_tensors(trainer.optimizer)
         tensors["rng.torch"] = torch.get_rng_state()
         save_file(tensors, str(tmp / "optimizer.safetensors"))
-        (tmp / "state.json").write_text(
-            json.dumps(
-                {
-                    "format": FORMAT_VERSION,
-                    "step": state.step,
-                    "data_position": state.data_position,
-                    "weight_version": state.weight_version,
-                    "scaler": trainer.scaler.state_dict(),
-                    "optimizer": meta,
-                    "config": state.config,
-                },
-                indent=2,
-            )
-            + "\n"
+        meta.update(
+            step=state.step,
+            data_position=state.data_position,
+            weight_version=state.weight_version,
+            scaler=trainer.scaler.state_dict(),
+            config=state.config,
         )
+        (tmp / "state.json").write_text(json.dumps(meta, indent=2) + "\n")
         _write_manifest(tmp)
 
 
@@ -147,10 +173,31 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
 
 
-def load_checkpoint(path: Path, trainer: Trainer) -> RunState:
-    """Restore weights, optimizer, scaler and RNG into `trainer`; return the run state.
+def _check_kind(path: Path, trainer: Trainer, meta: dict[str, Any], base_dir: Path | None) -> None:
+    """A LoRA checkpoint goes to a LoRA trainer on the same base, a full one to a full trainer.
+    ConfigError, not CheckpointError: the checkpoint is sound, so it must not be set aside."""
+    lora = (path / ADAPTER_DIR).is_dir()
+    if lora != (trainer.lora is not None):
+        held, wanted = ("LoRA adapters", "full weights") if lora else ("full weights", "LoRA adapters")
+        raise ConfigError(f"{path}: holds {held}, but this trainer trains {wanted} (lora.rank)")
+    if not lora:
+        return
+    if base_dir is None:
+        raise ValueError(f"{path}: loading LoRA adapters needs base_dir, the base model they were trained on")
+    saved = meta.get("base_model", {}).get("sha256")
+    if saved != base_sha256(base_dir):
+        raise ConfigError(
+            f"model: the base model in {base_dir} is not the one this run's LoRA adapters were trained on "
+            f"({meta.get('base_model', {}).get('path')}, sha256 {str(saved)[:12]}); restore that base to resume"
+        )
 
-    Raises CheckpointError when the checkpoint is damaged or holds non-finite values."""
+
+def load_checkpoint(path: Path, trainer: Trainer, base_dir: Path | None = None) -> RunState:
+    """Restore weights (or LoRA adapters, whose base is `base_dir`), optimizer, scaler and RNG
+    into `trainer`; return the run state.
+
+    Raises CheckpointError when the checkpoint is damaged or holds non-finite values, and
+    ConfigError when it does not fit this trainer (LoRA or not, another base model)."""
     problem = verify_checkpoint(path)
     if problem is not None:
         raise CheckpointError(f"{path}: {problem}")
@@ -158,14 +205,24 @@ def load_checkpoint(path: Path, trainer: Trainer) -> RunState:
         meta = json.loads((path / "state.json").read_text())
         if meta.get("format") != FORMAT_VERSION:
             raise CheckpointError(f"{path}/state.json: unsupported checkpoint format {meta.get('format')!r}")
-        weights = load_model(path / "model").state_dict()
+        _check_kind(path, trainer, meta, base_dir)
+        if trainer.lora is None:
+            weights = load_model(path / "model").state_dict()
+        else:
+            weights = read_adapter(path / ADAPTER_DIR, trainer.lora)
         tensors = load_file(str(path / "optimizer.safetensors"))
-    except (ModelError, json.JSONDecodeError, OSError) as e:
+    except (ModelError, AdapterError, json.JSONDecodeError, OSError) as e:
         raise CheckpointError(f"{path}: {e}") from None
     bad = non_finite_tensors(weights) + non_finite_tensors(tensors)
     if bad:
         raise CheckpointError(f"{path}: inf/NaN in {', '.join(bad[:3])}")
-    trainer.model.load_state_dict(weights)
+    try:
+        if trainer.lora is None:
+            trainer.model.load_state_dict(weights)
+        else:
+            load_adapter_state(trainer.model, weights)
+    except AdapterError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     torch.set_rng_state(tensors.pop("rng.torch"))
     _load_optimizer(trainer.optimizer, tensors, meta["optimizer"])
     trainer.scaler.load_state_dict(meta["scaler"])
@@ -173,12 +230,12 @@ def load_checkpoint(path: Path, trainer: Trainer) -> RunState:
     return RunState(meta["step"], meta["data_position"], meta["weight_version"], meta.get("config"))
 
 
-def restore_latest(run_dir: Path, trainer: Trainer, log) -> RunState | None:
-    """Load the newest usable checkpoint into `trainer`; set damaged ones aside in
-    `checkpoints/corrupt/`, saying so through `log`. None when there is none."""
+def restore_latest(run_dir: Path, trainer: Trainer, log, base_dir: Path | None = None) -> RunState | None:
+    """Load the newest usable checkpoint into `trainer` (`base_dir`: LoRA adapters' base model);
+    set damaged ones aside in `checkpoints/corrupt/`, saying so through `log`. None when there is none."""
     for path in reversed(checkpoints(run_dir)):
         try:
-            return load_checkpoint(path, trainer)
+            return load_checkpoint(path, trainer, base_dir)
         except CheckpointError as e:
             aside = run_dir / "checkpoints" / "corrupt" / path.name
             aside.parent.mkdir(exist_ok=True)

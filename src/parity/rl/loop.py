@@ -30,10 +30,11 @@ from tqdm import tqdm
 from parity import config as config_mod
 from parity.config import ConfigError, check_range
 from parity.engines import precision as prec
+from parity.engines.lora import TARGETS, AdapterError, LoRAConfig
 from parity.engines.models import load_model, resolve_model_dir
 from parity.engines.rollout import RolloutBatch, SamplingParams
 from parity.engines.sampler import Sampler
-from parity.engines.tokenizer import load_tokenizer
+from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_text
 from parity.rl.algorithms import ADVANTAGES, AGGREGATIONS, ESTIMATORS, KL_ESTIMATORS, LossConfig
@@ -54,9 +55,11 @@ from parity.rl.step import (
 from parity.rl.tasks import (
     REWARDS,
     TRUSTED_REWARDS,
-    ArithmeticTask,
     DataOrder,
     Problem,
+    PromptLimit,
+    builtin_problems,
+    extract_boxed,
     import_reward_fn,
     load_problems,
 )
@@ -137,10 +140,12 @@ class AlgorithmSection:
 
 @dataclass
 class TaskSection:
-    name: str = "builtin"  # the reward: builtin | length | exact | math
-    data: str = "builtin"  # builtin (generated arithmetic problems) or a JSONL/Parquet file
+    name: str = "builtin"  # the reward: builtin | length | exact | math | number
+    # builtin (generated problems: word problems for name=number, else arithmetic) or a JSONL/Parquet file
+    data: str = "builtin"
     num_problems: int = 1024  # size of the generated builtin dataset
     reward_fn: str = ""  # module:function, called as fn(prompt, response, answer); overrides `name`
+    chat_template: str = "auto"  # auto (the model's chat template, when it has one) | none (raw text)
 
 
 @dataclass
@@ -181,6 +186,15 @@ class MoESection:
 
 
 @dataclass
+class LoRASection:
+    """Low-rank adapters on a frozen base (docs/training.md, "LoRA"). rank 0: full fine-tuning."""
+
+    rank: int = 0
+    alpha: float | None = None  # unset: 2 x rank (each adapter's update is scaled by alpha / rank)
+    targets: list[str] = field(default_factory=lambda: list(TARGETS))  # the projections adapted
+
+
+@dataclass
 class AsyncSection:
     max_staleness: int = 0  # policy versions a sample may lag the learners; 0 = synchronous, on-policy
 
@@ -215,6 +229,7 @@ NUMERIC_RANGES = (
     ("distributed.learners", lambda v: v >= 1, ">= 1"),
     ("distributed.threads", lambda v: v >= 0, ">= 0 (0 = share the cores)"),
     ("async.max_staleness", lambda v: v >= 0, ">= 0 (0 = synchronous)"),
+    ("lora.rank", lambda v: v >= 0, ">= 0 (0 = off: full fine-tuning)"),
 )
 
 
@@ -240,11 +255,45 @@ class TrainConfig:
     distributed: DistributedSection = field(default_factory=DistributedSection)
     async_: AsyncSection = field(default_factory=AsyncSection, metadata={"key": "async"})
     moe: MoESection = field(default_factory=MoESection)
+    lora: LoRASection = field(default_factory=LoRASection)
 
     @property
     def distributed_mode(self) -> bool:
         """Rollout workers on Ray and learners under torch.distributed, instead of one process."""
         return self.distributed.rollout_workers > 0 or self.distributed.learners > 1
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The resolved LoRA settings, None for full fine-tuning."""
+        r = self.lora
+        return LoRAConfig(r.rank, r.alpha, tuple(r.targets)) if r.rank else None
+
+    def _check_lora(self) -> None:
+        """Check the lora keys and fill the unset alpha (saved resolved in config.yaml)."""
+        r = self.lora
+        if r.alpha is not None and not r.alpha > 0:
+            raise ConfigError(f"lora.alpha: must be > 0, got {r.alpha!r}")
+        unknown = [t for t in r.targets if t not in TARGETS]
+        if unknown or not r.targets or len(set(r.targets)) != len(r.targets):
+            raise ConfigError(
+                f"lora.targets: expected distinct names from {', '.join(TARGETS)} (a list or a comma-separated "
+                f"string), got {','.join(r.targets) or 'none'}"
+            )
+        if not r.rank:
+            if r.alpha is not None:
+                raise ConfigError(f"lora.alpha={r.alpha:g} has no effect with lora.rank=0 (LoRA off); set lora.rank")
+            return
+        r.alpha = 2.0 * r.rank if r.alpha is None else r.alpha
+        if self.algorithm.ratio_source == "shadow":
+            raise ConfigError(
+                "algorithm.ratio_source=shadow with lora.rank > 0: the sampler scores π_old on the merged weights, "
+                "not the trainer's code path (base and adapters apart), so the merge's rounding would enter the "
+                "clip; use algorithm.ratio_source=recompute"
+            )
+        if self.distributed_mode:
+            raise ConfigError(
+                "lora.rank > 0 runs in one process only so far (distributed learners shard a full model); "
+                "set distributed.rollout_workers=0 and distributed.learners=1"
+            )
 
     def optim_config(self) -> OptimConfig:
         t = self.trainer
@@ -343,6 +392,7 @@ class TrainConfig:
             )
         _one_of("algorithm.name", self.algorithm.name, ESTIMATORS)
         _one_of("task.name", self.task.name, REWARDS)
+        _one_of("task.chat_template", self.task.chat_template, CHAT_TEMPLATE_MODES)
         self._resolve_algorithm()
         _one_of("reward.isolate", self.reward.isolate, ("auto", "always", "never"))
         _one_of("algorithm.ratio_source", self.algorithm.ratio_source, RATIO_SOURCES)
@@ -370,6 +420,7 @@ class TrainConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device=cuda: PyTorch sees no CUDA device (torch.cuda.is_available() is False)")
         self._check_distributed()
+        self._check_lora()
 
     def _check_distributed(self) -> None:
         """Combinations the distributed trainer cannot run, refused before any work."""
@@ -494,20 +545,24 @@ class Run:
                 f"moe.routing_replay=true: {cfg.model} is a dense {model.config.architecture} model with no experts"
             )
         optim = cfg.optim_config()
-        self.trainer = Trainer(model, cfg.trainer_precision, optim)
+        try:
+            self.trainer = Trainer(model, cfg.trainer_precision, optim, cfg.lora_config(), cfg.seed)
+        except AdapterError as e:
+            raise ConfigError(str(e)) from None
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
             self.reference = Trainer(load_model(self.model_dir).to(cfg.device), cfg.trainer_precision, optim)
             self.reference.model.requires_grad_(False)
+        positions, max_new = model.config.max_position_embeddings, cfg.rollout.max_new_tokens
+        room = f"model max_position_embeddings {positions} minus rollout.max_new_tokens {max_new}"
         if cfg.task.data == "builtin":
-            self.problems = ArithmeticTask().problems(cfg.task.num_problems, seed=cfg.seed, split="eval")
+            self.problems = builtin_problems(cfg.task.name, cfg.task.num_problems, cfg.seed)
+            limit = PromptLimit(self.tokenizer, positions - max_new, room, cfg.task.chat_template)
+            for i, problem in enumerate(self.problems):
+                limit.check(f"task.data=builtin: generated problem {i}", problem.prompt)
         else:
-            positions, max_new = model.config.max_position_embeddings, cfg.rollout.max_new_tokens
             self.problems = load_problems(
-                cfg.task.data,
-                self.tokenizer,
-                positions - max_new,
-                f"model max_position_embeddings {positions} minus rollout.max_new_tokens {max_new}",
+                cfg.task.data, self.tokenizer, positions - max_new, room, cfg.task.chat_template
             )
         self.data = DataOrder(len(self.problems), cfg.seed)
         if cfg.task.reward_fn:
@@ -526,6 +581,8 @@ class Run:
         self.alarmed = False
         self.skipped_streak = 0  # consecutive steps whose every update the FP16 scaler skipped
         self.zero_variance_warned = False
+        # task.name=math scores only \boxed{} answers: warn (once) if a whole step holds none.
+        self.watch_boxed = cfg.task.name == "math" and not cfg.task.reward_fn
         self.lock: RunLock | None = None  # set by create/resume; released when train() ends
         self.log = MetricsLog(run_dir, cfg.tensorboard)
         self._start_engines()
@@ -656,7 +713,7 @@ class Run:
         if overrides:
             atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
         run = cls(cfg, run_dir, progress)
-        state = restore_latest(run_dir, run.trainer, note)
+        state = restore_latest(run_dir, run.trainer, note, base_dir=run.model_dir)
         if state is not None:
             run.step_count = state.step
             run.data.position = state.data_position
@@ -699,7 +756,7 @@ class Run:
         problems = [self.problems[i] for i in self.data.take(cfg.prompts_per_step)]
         t = time.perf_counter()
         batch = self.sampler.generate(
-            [self.tokenizer.encode(p.prompt) for p in problems],
+            [self.tokenizer.encode_prompt(p.prompt, cfg.task.chat_template) for p in problems],
             cfg.rollout.group_size,
             self.sampling,
             seed=self.rollout_seed(self.step_count),
@@ -725,7 +782,9 @@ class Run:
             self.trainer, batch, prepared, plan, self.cfg.seed * 7919 + self.step_count, self.reference
         )
         update.flops = sum(tr.matmul_flops for tr in trainers) - flops_before
-        update.non_finite_weights = non_finite_tensors(dict(self.trainer.model.named_parameters()))
+        # Only trained weights can turn non-finite: a LoRA run's frozen base is not scanned every step.
+        trained = {n: p for n, p in self.trainer.model.named_parameters() if p.requires_grad}
+        update.non_finite_weights = non_finite_tensors(trained)
         self._check_finite(update)
         return update
 
@@ -747,6 +806,14 @@ class Run:
         warning = self.reward_health.observe(self.step_count + 1, result, len(result.rewards))
         if warning is not None:
             tqdm.write(f"WARNING {warning}", file=sys.stderr)
+        if self.watch_boxed and not any(extract_boxed(r) is not None for r in result.responses):
+            self.watch_boxed = False
+            tqdm.write(
+                f"WARNING step {self.step_count + 1}: task.name=math found no \\boxed{{...}} answer in any of the "
+                f"step's {len(result.responses)} responses, so every reward is 0; for a model that does not box "
+                "its answers use task.name=number (the last number in the response) or a task.reward_fn",
+                file=sys.stderr,
+            )
         prepared = prepare(batch, result, self.plan, a.advantage, a.truncated)
         times["reward"] = time.perf_counter() - t
 

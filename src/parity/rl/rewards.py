@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from parity.rl.tasks import Problem, RewardFn
@@ -44,6 +44,7 @@ class RewardResult:
     errors: int  # raised or returned a non-finite / non-number value; a dead worker counts here too
     timeouts: int
     first_error: str | None = None  # the first failure of these samples, one line
+    responses: list[str] = field(default_factory=list)  # the decoded responses scored (`score_rollouts`)
 
 
 class _Failure(NamedTuple):
@@ -226,4 +227,6 @@ def score_rollouts(
         (problems[g], tokenizer.decode(batch.response_ids[i, :n].tolist()), n)
         for i, (g, n) in enumerate(zip(batch.group_index.tolist(), lengths))
     ]
-    return runner(items)
+    result = runner(items)
+    result.responses = [response for _, response, _ in items]
+    return result

@@ -43,7 +43,7 @@ STAT_NAMES = {
     "phantom_clip_frac": "phantom/clip_frac",
     "alpha_abs_mean": "alpha/abs_mean",
 }
-BINARY_REWARDS = {"builtin", "exact", "math"}
+BINARY_REWARDS = {"builtin", "exact", "math", "number"}
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,17 @@ import itertools
 import json
 import random
 import re
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
 from parity.config import ConfigError
+from parity.engines.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
     from parity.engines.tokenizer import Tokenizer
@@ -32,7 +35,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str
+    """`prompt` is text, or a list of chat messages ({"role": ..., "content": ...}) for the chat template."""
+
+    prompt: str | list[dict[str, Any]]
     answer: str
 
 
@@ -108,6 +113,101 @@ class ArithmeticTask:
         return 1.0 if self.extract_answer(response) == problem.answer else 0.0
 
 
+_NAMES = ("Sam", "Maria", "Tom", "Aisha", "Ken", "Lena", "Omar", "Priya", "Jack", "Mei")
+_ITEMS = ("apple", "marble", "card", "stamp", "shell", "cookie", "book", "sticker")
+
+
+def _word_problem(rng: random.Random) -> tuple[str, int]:
+    """One arithmetic word problem, drawn with `rng`, and its answer (a whole number)."""
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    kind = rng.randrange(12)
+    if kind == 0:
+        a, b = rng.randint(5, 90), rng.randint(2, 60)
+        return f"{name} has {a} {item}s and buys {b} more. How many {item}s does {name} have now?", a + b
+    if kind == 1:
+        a = rng.randint(20, 150)
+        b = rng.randint(1, a - 1)
+        return f"{name} had {a} {item}s and gave {b} of them to a friend. How many {item}s are left?", a - b
+    if kind == 2:
+        a, b = rng.randint(6, 48), rng.randint(3, 25)
+        return f"A box holds {a} {item}s. How many {item}s are in {b} boxes?", a * b
+    if kind == 3:
+        b, q = rng.randint(2, 12), rng.randint(3, 30)
+        return f"{b * q} {item}s are shared equally among {b} children. How many {item}s does each child get?", q
+    if kind == 4:
+        a, b = rng.randint(30, 120), rng.randint(2, 9)
+        return f"A train travels at {a} miles per hour for {b} hours. How many miles does it travel?", a * b
+    if kind == 5:
+        a, b = rng.randint(5, 60), rng.randint(3, 30)
+        return f"{name} reads {a} pages a day. How many pages does {name} read in {b} days?", a * b
+    if kind == 6:
+        a, b = rng.randint(2, 95), rng.randint(3, 40)
+        return f"A shop sells notebooks at ${a} each. How many dollars do {b} notebooks cost?", a * b
+    if kind == 7:
+        a, b = rng.randint(10, 250), rng.randint(4, 52)
+        c = rng.randint(1, a * b - 1)
+        return (
+            f"{name} saves ${a} every week. After {b} weeks, {name} spends ${c}. How many dollars are left?",
+            a * b - c,
+        )
+    if kind == 8:
+        a, b = rng.randint(5, 40), rng.randint(6, 30)
+        c = rng.randint(1, a * b - 1)
+        return (
+            f"A hall has {a} rows of {b} chairs, and {c} chairs are empty. How many chairs are taken?",
+            a * b - c,
+        )
+    if kind == 9:
+        a, b = rng.randint(3, 20), rng.randint(4, 25)
+        c = rng.randint(1, a * b - 1)
+        return (
+            f"{name} buys {a} packs of {b} {item}s and gives away {c} {item}s. How many {item}s does {name} keep?",
+            a * b - c,
+        )
+    if kind == 10:
+        a, b = rng.randint(3, 400), rng.randint(2, 300)
+        return f"A rectangle is {a} cm long and {b} cm wide. What is its perimeter in centimeters?", 2 * (a + b)
+    b, q = rng.randint(2, 25), rng.randint(4, 60)
+    return (
+        f"A tank holds {b * q} liters and fills at {b} liters per minute. How many minutes does it take to fill it?",
+        q,
+    )
+
+
+class NumberTask:
+    """Arithmetic word problems whose answer is a whole number, for instruct models: `task.name=number`.
+
+    `split="eval"` draws from a held-out eighth of the problems (by their text) that `split="train"`
+    never produces. The reward (`number_reward`) reads the answer wherever an instruct model writes it.
+    """
+
+    name = "number"
+
+    @staticmethod
+    def _held_out(prompt: str) -> bool:
+        return zlib.crc32(prompt.encode("utf-8")) % 8 == 0
+
+    def problems(self, n: int, seed: int, split: str = "train") -> list[Problem]:
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        rng = random.Random(f"{self.name}:{split}:{seed}")
+        out: list[Problem] = []
+        while len(out) < n:
+            prompt, answer = _word_problem(rng)
+            if self._held_out(prompt) == (split == "eval"):
+                out.append(Problem(prompt=prompt, answer=str(answer)))
+        return out
+
+
+def builtin_problems(task_name: str, n: int, seed: int) -> list[Problem]:
+    """The generated problems `task.data=builtin` stands for: word problems for `task.name=number` (its
+    training split), else the built-in arithmetic task's held-out split, which the built-in model was not
+    pretrained on."""
+    if task_name == "number":
+        return NumberTask().problems(n, seed=seed, split="train")
+    return ArithmeticTask().problems(n, seed=seed, split="eval")
+
+
 class DataError(ValueError):
     """A dataset file that cannot be used; the message names the file and line."""
 
@@ -122,7 +222,8 @@ PARQUET_BATCH_ROWS = 1024
 
 
 class PromptLimit:
-    """At most `max_tokens` tokens per prompt, as `tokenizer.encode` counts them (BOS included).
+    """At most `max_tokens` tokens per prompt, as `tokenizer.encode_prompt` counts them under `chat_template`
+    (BOS and the chat template's tokens included).
 
     Tokenizing costs some hundreds of bytes of memory per byte of text, so a prompt is tokenized only
     when its length could fit: no token spans more UTF-8 bytes of the prompt than its vocabulary
@@ -133,20 +234,24 @@ class PromptLimit:
     lowercasing) or whose unknown token spans whole words (WordPiece, WordLevel over words).
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_tokens: int, reason: str | None = None):
-        self.tokenizer, self.max_tokens = tokenizer, max_tokens
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int, reason: str | None = None, chat_template: str = "auto"):
+        self.tokenizer, self.max_tokens, self.chat_template = tokenizer, max_tokens, chat_template
         self.reason = f" ({reason})" if reason else ""
         self.token_bytes = tokenizer.longest_token_bytes()
         self.max_bytes = self.token_bytes * max_tokens
 
-    def check(self, where: str, prompt: str) -> None:
-        num_bytes = len(prompt.encode("utf-8"))
+    def check(self, where: str, prompt: str | list[dict[str, Any]]) -> None:
+        # A chat template adds text around the messages, so their contents alone bound the tokens from below.
+        num_bytes = sum(len(text.encode("utf-8")) for text in _prompt_texts(prompt))
         if num_bytes > self.max_bytes:
             raise DataError(
                 f"{where}: prompt is {num_bytes} bytes, so at least {-(-num_bytes // self.token_bytes)} tokens "
                 f"(no token spans more than {self.token_bytes} bytes); at most {self.max_tokens} fit{self.reason}"
             )
-        num_tokens = len(self.tokenizer.encode(prompt))
+        try:
+            num_tokens = len(self.tokenizer.encode_prompt(prompt, self.chat_template))
+        except ChatTemplateError as e:
+            raise DataError(f"{where}: {e}") from None
         if num_tokens > self.max_tokens:
             raise DataError(f"{where}: prompt is {num_tokens} tokens; at most {self.max_tokens} fit{self.reason}")
 
@@ -156,12 +261,17 @@ def load_problems(
     tokenizer: Tokenizer | None = None,
     max_prompt_tokens: int | None = None,
     limit_reason: str | None = None,
+    chat_template: str = "auto",
+    chat_template_key: str = "task.chat_template",
 ) -> list[Problem]:
-    """Problems from a JSONL or Parquet file whose rows have a non-empty string `prompt` and a string
-    or number `answer`, every row checked now, so that a bad one stops the run before it starts.
+    """Problems from a JSONL or Parquet file whose rows have a `prompt` (a non-empty string, or a list of
+    chat messages {"role": ..., "content": ...}) and a string or number `answer`, every row checked now, so
+    that a bad one stops the run before it starts.
 
-    With `tokenizer` and `max_prompt_tokens`, every prompt must fit in `max_prompt_tokens` tokens
-    (`limit_reason` says why that many, e.g. "model max_position_embeddings 2048 minus
+    With `tokenizer` and `max_prompt_tokens`, every prompt is encoded as training will encode it
+    (`tokenizer.encode_prompt` under `chat_template`, the value of the config key `chat_template_key`): a
+    list of messages needs the model's chat template, and every prompt must fit in `max_prompt_tokens`
+    tokens (`limit_reason` says why that many, e.g. "model max_position_embeddings 2048 minus
     rollout.max_new_tokens 512"). The file is read a row at a time, and every error is a `DataError`
     naming the file and line (JSONL) or row (Parquet, counted from 0).
     """
@@ -170,7 +280,7 @@ def load_problems(
         raise DataError(f"task.data: file {str(path)!r} does not exist")
     if (tokenizer is None) != (max_prompt_tokens is None):
         raise ValueError("load_problems: pass tokenizer and max_prompt_tokens together")
-    limit = PromptLimit(tokenizer, max_prompt_tokens, limit_reason) if tokenizer is not None else None
+    limit = PromptLimit(tokenizer, max_prompt_tokens, limit_reason, chat_template) if tokenizer is not None else None
     if limit is not None and limit.max_tokens < 1:
         raise DataError(f"{path}: no prompt can fit in {limit.max_tokens} tokens{limit.reason}")
     if path.suffix == ".parquet":
@@ -182,6 +292,13 @@ def load_problems(
     for where, row in rows:
         problem = _problem(where, row)
         if limit is not None:
+            if not isinstance(problem.prompt, str) and not tokenizer.uses_chat_template(chat_template):
+                why = (
+                    f"{chat_template_key}=none"
+                    if chat_template == "none"
+                    else f"the model {tokenizer.source} has none ({chat_template_key}=auto)"
+                )
+                raise DataError(f"{where}: 'prompt' is a list of messages, which needs a chat template, and {why}")
             limit.check(where, problem.prompt)
         problems.append(problem)
     if not problems:
@@ -240,29 +357,61 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
         raise DataError(f"{path}: cannot read as Parquet ({e})") from None
 
 
+PROMPT_FORM = "non-empty string (or list of {role, content} messages)"  # what a row's prompt may be
+
+
 def _problem(where: str, row: object) -> Problem:
     """The row as a Problem, or a DataError naming what is wrong with it."""
-    expected = f"{where}: expected an object with a non-empty string 'prompt' and a string or number 'answer'"
+    expected = f"{where}: expected an object with a {PROMPT_FORM} 'prompt' and a string or number 'answer'"
     if not isinstance(row, dict):
         raise DataError(f"{expected}; got {_kind(row)}")
     for field in ("prompt", "answer"):
         if field not in row:
             raise DataError(f"{expected}; '{field}' is missing")
-    prompt, answer = row["prompt"], row["answer"]
+    prompt = check_prompt(where, expected, row["prompt"])
+    answer = row["answer"]
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise DataError(f"{expected}; 'answer' is {_kind(answer)}")
+    return Problem(prompt=prompt, answer=str(answer))
+
+
+def check_prompt(where: str, expected: str, prompt: object) -> str | list[dict[str, Any]]:
+    """`prompt` if it is a non-empty string or a non-empty list of messages, each an object with a string
+    'role' and a string 'content' (other keys are kept for the chat template, null ones dropped); else a
+    DataError that starts with `expected`."""
+    if isinstance(prompt, list):
+        if not prompt:
+            raise DataError(f"{expected}; 'prompt' is an empty list")
+        for i, message in enumerate(prompt):
+            if not isinstance(message, dict):
+                raise DataError(f"{expected}; 'prompt' message {i} is {_kind(message)}")
+            for key in ("role", "content"):
+                if not isinstance(message.get(key), str):
+                    got = "missing" if key not in message else _kind(message[key])
+                    raise DataError(f"{expected}; 'prompt' message {i}: '{key}' is {got}, not a string")
+                _check_unicode(where, f"'prompt' message {i} '{key}'", message[key])
+        # A null field is no field (chat templates test for missing keys; Parquet structs fill them with null).
+        return [{k: v for k, v in m.items() if v is not None} for m in prompt]
     if not isinstance(prompt, str):
         raise DataError(f"{expected}; 'prompt' is {_kind(prompt)}")
     if not prompt.strip():
         raise DataError(f"{expected}; 'prompt' is {'empty' if not prompt else 'only whitespace'}")
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise DataError(f"{expected}; 'answer' is {_kind(answer)}")
+    _check_unicode(where, "'prompt'", prompt)
+    return prompt
+
+
+def _check_unicode(where: str, what: str, text: str) -> None:
     try:
-        prompt.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError as e:  # JSON can spell a lone surrogate, which no tokenizer takes
         raise DataError(
-            f"{where}: 'prompt' is not valid Unicode (lone surrogate {ascii(prompt[e.start])} at character "
-            f"{e.start + 1})"
+            f"{where}: {what} is not valid Unicode (lone surrogate {ascii(text[e.start])} at character {e.start + 1})"
         ) from None
-    return Problem(prompt=prompt, answer=str(answer))
+
+
+def _prompt_texts(prompt: str | list[dict[str, Any]]) -> list[str]:
+    """The text a prompt holds: itself, or its messages' contents."""
+    return [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
 
 
 def _kind(value: object) -> str:
@@ -351,13 +500,49 @@ def math_reward(problem: Problem, response: str, length: int) -> float:
     return 1.0 if verify(gold, guess, timeout_seconds=None) else 0.0
 
 
+# A number as models write it: an optional sign or "$", digits with optional thousands commas, an optional
+# decimal part ("1,234.50"; the period ending a sentence is not one), units allowed after it ("360km").
+# Digits inside a word ("H2O", "v1.2") are not numbers, and a "-" after a digit or a letter is an operator
+# or a hyphen ("12-7"), not a sign.
+_NUMBER = re.compile(r"(?<![\w.])(-?)\$?(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(?!\d)")
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:|=)[\s:]*(?:\*\*)?\s*", re.IGNORECASE)
+
+
+def _to_number(match: re.Match) -> Decimal:
+    sign, whole, fraction = match.groups()
+    return Decimal(sign + whole.replace(",", "") + (fraction or ""))
+
+
+def extract_number(text: str) -> Decimal | None:
+    """The answer a response gives as a number: inside its last \\boxed{} if it has one, else after its last
+    "answer is" (or "answer:"), else its last number; None when there is none there."""
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        text = boxed
+    else:
+        stated = [m.end() for m in _ANSWER_IS.finditer(text)]
+        if stated and (match := _NUMBER.match(text, stated[-1])):
+            return _to_number(match)
+    numbers = list(_NUMBER.finditer(text))
+    return _to_number(numbers[-1]) if numbers else None
+
+
+def number_reward(problem: Problem, response: str, length: int) -> float:
+    """1 if the response's answer (`extract_number`) equals the reference answer as a number, else 0."""
+    expected = _NUMBER.fullmatch(problem.answer.strip().rstrip("."))
+    if expected is None:
+        raise ValueError(f"task.name=number: the answer {problem.answer!r} is not a number")
+    return 1.0 if extract_number(response) == _to_number(expected) else 0.0
+
+
 REWARDS: dict[str, RewardFn] = {
     "builtin": builtin_reward,
     "length": length_reward,
     "exact": exact_reward,
     "math": math_reward,
+    "number": number_reward,
 }
-TRUSTED_REWARDS = {"builtin", "length", "exact"}  # fast, pure: run in-process
+TRUSTED_REWARDS = {"builtin", "length", "exact", "number"}  # fast, pure: run in-process
 
 
 def import_reward_fn(spec: str) -> RewardFn:

@@ -1,0 +1,224 @@
+"""LoRA: low-rank adapters trained on a frozen base, saved in PEFT's format.
+
+`apply_lora` freezes every parameter of a `CausalLM`, stores the frozen base in the
+trainer precision (a BF16/FP16 base takes half the memory of FP32 and needs no cast on
+each forward), and replaces each targeted projection by a `LoRALinear`: the base matmul
+plus scale · (x·Aᵀ)·Bᵀ, both in the compute dtype through `precision.linear`, where A
+(rank × in) and B (out × rank) are FP32 master parameters and scale = alpha / rank.
+`models.py` needs no change: a `LoRALinear` is a `Linear`.
+
+The rollout engine is sent merged weights, W + scale·B·A computed in FP32
+(`merged_state`), which it casts to the rollout precision like any other sync.
+Adapters are saved under PEFT's names (`adapter_config.json`,
+`adapter_model.safetensors`), so `peft.PeftModel.from_pretrained(base, adapter_dir)`
+loads them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from parity.engines import precision
+from parity.engines.models import CausalLM, Linear
+from parity.files import atomic_dir
+
+# The attention and MLP projections LoRA may adapt (PEFT's usual `target_modules` for the Llama family).
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+TARGETS = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
+PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+class AdapterError(ValueError):
+    """Adapters that do not fit the model or the LoRA config; the message says what differs."""
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = TARGETS
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+# ----------------------------------------------------------------------------- tensor functions
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """(x·Aᵀ)·(scale·B)ᵀ in the dtype of `x`, each matmul under the precision policy. Scaling B
+    (rank columns) rather than the output (one more pass over every token's activations) is
+    bit-identical to PEFT's order when scale is a power of two, as at the default alpha = 2 x rank."""
+    return precision.linear(precision.linear(x, a), b * scale)
+
+
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale · B·A in FP32, as PEFT merges."""
+    return weight.float() + (b.float() @ a.float()) * scale
+
+
+def init_a(rank: int, fan_in: int, generator: torch.Generator) -> torch.Tensor:
+    """A's start: PEFT's Kaiming-uniform with a = √5, which is U(−1/√fan_in, 1/√fan_in). With B = 0
+    the adapted model starts as the base exactly."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return (torch.rand(rank, fan_in, generator=generator) * 2 - 1) * bound
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class LoRALinear(Linear):
+    """A frozen `Linear` plus a trainable low-rank update. Takes over the base layer's own
+    (already frozen) parameters, so nothing is copied."""
+
+    def __init__(self, base: Linear, rank: int, scale: float, generator: torch.Generator):
+        nn.Module.__init__(self)  # not Linear.__init__: that would allocate a new weight
+        self.weight, self.bias = base.weight, base.bias
+        d_out, d_in = base.weight.shape
+        device = base.weight.device
+        self.lora_A = nn.Parameter(init_a(rank, d_in, generator).to(device))
+        self.lora_B = nn.Parameter(torch.zeros(d_out, rank, device=device))
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + lora_delta(x, self.lora_A, self.lora_B, self.scale)
+
+
+def targeted(model: CausalLM, targets: tuple[str, ...]) -> list[str]:
+    """Names of the projections `targets` selects."""
+    return [n for n, m in model.named_modules() if isinstance(m, Linear) and n.rpartition(".")[2] in targets]
+
+
+def adapted(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def apply_lora(model: CausalLM, cfg: LoRAConfig, base_dtype: torch.dtype, seed: int) -> None:
+    """Freeze `model` in `base_dtype` and put adapters on the projections `cfg.targets` names.
+    A is drawn from its own generator seeded with `seed`, so the start is reproducible and the
+    global RNG is untouched."""
+    mlp = [t for t in cfg.targets if t not in ATTENTION]
+    if model.config.num_experts and mlp:
+        # PEFT on transformers 5 reads these names on a MoE model as the stacked expert tensors,
+        # so adapters Parity put on the projections of the same names would not load there.
+        raise AdapterError(
+            f"lora.targets: {', '.join(mlp)} on a {model.config.architecture} (MoE) model: PEFT maps these names "
+            f"onto the experts, which Parity does not adapt; set lora.targets={','.join(ATTENTION)}"
+        )
+    names = targeted(model, cfg.targets)
+    model.requires_grad_(False)
+    for p in model.parameters():  # a tied head shares its Parameter with the embedding: cast once
+        p.data = p.data.to(base_dtype)
+    generator = torch.Generator().manual_seed(seed)
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        adapter = LoRALinear(model.get_submodule(name), cfg.rank, cfg.scale, generator)
+        setattr(model.get_submodule(parent), child, adapter)
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT's tensor names, FP32 copies."""
+    out = {}
+    for name, m in adapted(model):
+        out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().float().clone()
+        out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().float().clone()
+    return out
+
+
+@torch.no_grad()
+def load_adapter_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy adapters saved under PEFT's names into `model`'s adapters (all of them, shapes checked)."""
+    params = {}
+    for name, m in adapted(model):
+        params[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A
+        params[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B
+    missing, unexpected = sorted(params.keys() - tensors.keys()), sorted(tensors.keys() - params.keys())
+    if missing or unexpected:
+        raise AdapterError(f"adapters do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    wrong = [
+        f"{k} {tuple(tensors[k].shape)}, expected {tuple(p.shape)}"
+        for k, p in params.items()
+        if tensors[k].shape != p.shape
+    ]
+    if wrong:
+        raise AdapterError(f"adapter shapes do not match lora.rank and the model ({'; '.join(wrong[:3])})")
+    for k, p in params.items():
+        p.copy_(tensors[k])
+
+
+def merged_state(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under their Hugging Face names in FP32 on the CPU, adapters merged into
+    their projections (the tied head omitted): what the rollout engine loads."""
+    lora = dict(adapted(model))
+    tied = model.config.tie_word_embeddings
+    out = {}
+    for name, tensor in model.state_dict().items():
+        module, _, leaf = name.rpartition(".")
+        if leaf in ("lora_A", "lora_B") or (tied and name == "lm_head.weight"):
+            continue
+        m = lora.get(module)
+        if m is not None and leaf == "weight":
+            out[name] = merged_weight(m.weight, m.lora_A, m.lora_B, m.scale).detach().cpu()
+        else:
+            out[name] = tensor.to(device="cpu", dtype=torch.float32).contiguous()
+    return out
+
+
+# ----------------------------------------------------------------------------- PEFT files
+
+
+def peft_config(cfg: LoRAConfig, base_model: str) -> dict[str, Any]:
+    """adapter_config.json for PEFT."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "target_modules": list(cfg.targets),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+
+
+def save_adapter(model: CausalLM, cfg: LoRAConfig, out_dir: str | Path, base_model: str) -> Path:
+    """Write adapter_config.json + adapter_model.safetensors atomically."""
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        config = peft_config(cfg, base_model)
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(adapter_state(model), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    return out_dir
+
+
+def read_adapter(adapter_dir: Path, cfg: LoRAConfig) -> dict[str, torch.Tensor]:
+    """The adapter tensors of `adapter_dir`, after checking that its config is `cfg`'s."""
+    try:
+        saved = json.loads((adapter_dir / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"{adapter_dir / CONFIG_FILE}:{e.lineno}: invalid JSON ({e.msg})") from None
+    expected = peft_config(cfg, "")
+    keys = ("peft_type", "r", "lora_alpha", "target_modules")
+    differ = [f"{k}={saved.get(k)!r}, expected {expected[k]!r}" for k in keys if saved.get(k) != expected[k]]
+    if differ:
+        raise AdapterError(f"{adapter_dir / CONFIG_FILE}: not this run's adapters ({'; '.join(differ)})")
+    return load_file(str(adapter_dir / WEIGHTS_FILE))

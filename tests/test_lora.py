@@ -1,0 +1,224 @@
+"""LoRA: PEFT loads Parity's adapters and computes the same logits, only adapters train, merged
+weights give the rollout engine the trainer's π, resume is exact, and bad keys are named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parity import config
+from parity.cli import main
+from parity.config import ConfigError
+from parity.engines.lora import ATTENTION, PEFT_PREFIX, AdapterError, LoRAConfig, LoRALinear, adapted, save_adapter
+from parity.engines.models import BUILTIN_DIR, load_model
+from parity.engines.packing import pack
+from parity.engines.rollout import RolloutEngine, SamplingParams
+from parity.engines.tokenizer import load_tokenizer
+from parity.engines.trainer import OptimConfig, Trainer
+from parity.rl.checkpoint import RunState, checkpoints, load_checkpoint, save_checkpoint
+from parity.rl.loop import Run, TrainConfig
+
+TINY = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
+LORA = LoRAConfig(rank=4, alpha=8.0)
+
+
+def _random_adapters(trainer: Trainer, seed: int) -> None:
+    """Non-zero B everywhere, so the adapters change every projection's output."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, m in adapted(trainer.model):
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=gen) * 0.2)
+
+
+def _stream_logits(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parity's FP32 logits over `ids[:-1]` (one packed row) and the tokens they were computed on."""
+    response = torch.tensor([ids[4:]])
+    packed = pack([ids[:4]], response, torch.ones_like(response, dtype=torch.bool))
+    with torch.no_grad():
+        return model.logits(model.hidden_states(packed, torch.float32)), packed.token_ids
+
+
+def _peft_logits(base_dir, adapter_dir, tokens: torch.Tensor) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
+    model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    with torch.no_grad():
+        return model(tokens[None]).logits[0]
+
+
+def _ids(seed: int, n: int = 20) -> list[int]:
+    return torch.randint(3, 40, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["lora.rank=4", "lora.targets=q_proj,qkv_proj"], r"lora.targets: expected distinct names from q_proj, k_proj"),
+        (["lora.rank=4", "lora.targets=q_proj,q_proj"], "lora.targets: expected distinct names"),
+        (["lora.rank=4", "lora.targets=[]"], "lora.targets: .* got none"),
+        (["lora.rank=-1"], r"lora.rank: must be >= 0"),
+        (["lora.rank=4", "lora.alpha=0"], r"lora.alpha: must be > 0"),
+        (["lora.alpha=16"], "lora.alpha=16 has no effect with lora.rank=0"),
+        (["lora.rank=4", "algorithm.ratio_source=shadow"], "ratio_source=shadow with lora.rank > 0"),
+        (["lora.rank=4", "distributed.rollout_workers=1"], "lora.rank > 0 runs in one process only"),
+    ],
+)
+def test_bad_lora_keys_are_refused_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        config.load(TrainConfig, None, override)
+
+
+def test_lora_keys_resolve():
+    cfg = config.load(TrainConfig, None, ["lora.rank=8", "lora.targets=q_proj, v_proj"])
+    assert cfg.lora_config() == LoRAConfig(8, 16.0, ("q_proj", "v_proj"))  # alpha: 2 x rank
+    assert config.load(TrainConfig, None, []).lora_config() is None
+    assert config.load(TrainConfig, None, ["lora.rank=4", "lora.alpha=4"]).lora_config().scale == 1.0
+
+
+# ----------------------------------------------------------------------------- PEFT compatibility
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from architectures import save_random_model
+
+    return save_random_model(tmp_path_factory.mktemp("moe"), "qwen3_moe")
+
+
+@pytest.mark.parametrize("fixture", ["llama_dir", "qwen2_dir", "moe_dir"])
+def test_peft_computes_the_trainer_logits_from_saved_adapters(fixture, request, tmp_path):
+    """Untied and tied heads, Q/K/V biases, a MoE model (attention adapted): PEFT's FP32 logits
+    with Parity's adapters are the trainer's."""
+    path = request.getfixturevalue(fixture)
+    lora = LoRAConfig(4, 8.0, ATTENTION) if fixture == "moe_dir" else LORA
+    trainer = Trainer(load_model(path), "fp32", OptimConfig(), lora, seed=1)
+    _random_adapters(trainer, seed=2)
+    adapter = save_adapter(trainer.model, lora, tmp_path / "adapter", base_model=str(path))
+    ours, tokens = _stream_logits(trainer.model, _ids(0))
+    theirs = _peft_logits(path, adapter, tokens)
+    assert (ours - theirs).abs().max() < 2e-5
+    base, _ = _stream_logits(load_model(path), _ids(0))
+    assert (ours - base).abs().max() > 1e-2  # the adapters matter at this tolerance
+
+
+def test_mlp_targets_are_refused_on_a_moe_model(moe_dir):
+    """PEFT (transformers 5) reads gate/up/down_proj on a MoE model as the stacked experts."""
+    with pytest.raises(AdapterError, match="lora.targets: gate_proj, up_proj, down_proj on a qwen3_moe"):
+        Trainer(load_model(moe_dir), "fp32", OptimConfig(), LORA)
+
+
+def test_a_parity_train_checkpoint_loads_in_peft(llama_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [f"model={llama_dir}", "task.name=length", "precision=fp32", "lora.rank=4", "trainer.lr=0.01"]
+    assert main(["train", f"run_dir={run_dir}", "steps=2", *TINY, *args]) == 0
+    ckpt = checkpoints(run_dir)[-1]
+    assert not (ckpt / "model").exists()
+    saved = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())
+    assert (saved["peft_type"], saved["r"], saved["lora_alpha"], saved["task_type"]) == ("LORA", 4, 8.0, "CAUSAL_LM")
+    keys = load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
+    assert f"{PEFT_PREFIX}model.layers.0.self_attn.q_proj.lora_A.weight" in keys and len(keys) == 2 * 7 * 2
+    trainer = Trainer(load_model(llama_dir), "fp32", OptimConfig(), LoRAConfig(4, 8.0), seed=0)
+    load_checkpoint(ckpt, trainer, base_dir=llama_dir)
+    assert any(m.lora_B.abs().max() > 0 for _, m in adapted(trainer.model))  # it trained
+    ours, tokens = _stream_logits(trainer.model, _ids(1))
+    assert (ours - _peft_logits(llama_dir, ckpt / "adapter", tokens)).abs().max() < 2e-5
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def test_only_the_adapters_train_and_the_base_stays_bit_identical(tmp_path):
+    run = Run.create(
+        config.load(TrainConfig, None, [f"run_dir={tmp_path}", "precision=bf16", "lora.rank=4", "steps=2", *TINY]),
+        progress=False,
+    )
+    model = run.trainer.model
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not n.endswith(("lora_A", "lora_B"))}
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(("lora_A", "lora_B"))}
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for n, p in model.named_parameters() if n in base)
+    assert all(p.dtype == torch.float32 and p.requires_grad for n, p in model.named_parameters() if n in start)
+    assert {id(p) for p in run.trainer.params} == {id(p) for n, p in model.named_parameters() if n in start}
+    assert len(start) == 2 * 7 * model.config.num_layers
+    run.step()
+    run.step()
+    run.rewards.close()
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], t) for n, t in base.items())
+    assert all(not torch.equal(after[n], t) for n, t in start.items() if n.endswith("lora_B"))
+    # The sync sent the merged weights: the engine's projection is W + scale·B·A rounded to BF16.
+    q = model.model.layers[0].self_attn.q_proj
+    merged = (q.weight.float() + (q.lora_B @ q.lora_A) * q.scale).to(torch.bfloat16)
+    assert torch.equal(run.sampler.engine.named_weights()["model.layers.0.self_attn.q_proj.weight"], merged)
+
+
+def test_merged_weights_give_the_rollout_engine_the_trainers_pi(llama_dir):
+    tok = load_tokenizer(llama_dir)
+    trainer = Trainer(load_model(llama_dir), "fp32", OptimConfig(), LORA, seed=0)
+    _random_adapters(trainer, seed=3)
+    state, version = trainer.export_weights()
+    assert not any(k.endswith(("lora_A", "lora_B")) for k in state) and "lm_head.weight" in state
+    assert isinstance(trainer.model.model.layers[0].mlp.down_proj, LoRALinear)
+    engine = RolloutEngine(trainer.model.config, "fp32", tok.eos_ids, tok.pad_id)
+    engine.load_weights(state, version)
+    batch = engine.generate([tok.encode(p) for p in ("12+34=", "7+8=")], 4, SamplingParams(max_new_tokens=24), 0)
+    with torch.no_grad():
+        pi = trainer.logprobs(batch.prompt_ids, batch.response_ids, batch.response_mask)
+    assert (pi - batch.rollout_logprobs).abs().max() < 2e-5
+    base = load_model(llama_dir).state_dict()["model.layers.0.mlp.down_proj.weight"]
+    assert (state["model.layers.0.mlp.down_proj.weight"] - base).abs().max() > 1e-2
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _timeless(run_dir) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))} for m in rows]
+
+
+def test_resume_with_lora_is_exact_and_refuses_a_changed_base(tmp_path, capsys):
+    base_dir = tmp_path / "base"
+    shutil.copytree(BUILTIN_DIR, base_dir)
+    args = [f"model={base_dir}", "precision=fp16", "lora.rank=4", "lora.targets=q_proj,v_proj,down_proj", *TINY]
+    args += ["checkpoint_every=1", "algorithm.name=grpo", "algorithm.ppo_epochs=2"]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    assert main(["train", f"run_dir={reference}", "steps=3", *args]) == 0
+    assert main(["train", f"run_dir={resumed}", "steps=1", *args]) == 0
+    assert main(["train", "--resume", str(resumed), "steps=3"]) == 0
+    assert "continuing from step 1" in capsys.readouterr().err
+    assert _timeless(resumed) == _timeless(reference)
+    for name in ("adapter/adapter_model.safetensors", "optimizer.safetensors"):
+        a, b = (load_file(str(checkpoints(r)[-1] / name)) for r in (reference, resumed))
+        for saved in (a, b):  # the global RNG state differs after any resume; sampling has its own seeds
+            saved.pop("rng.torch", None)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+    weights = load_file(str(base_dir / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.01
+    save_file(weights, str(base_dir / "model.safetensors"), metadata={"format": "pt"})
+    assert main(["train", "--resume", str(resumed), "steps=4"]) == 2
+    assert "is not the one this run's LoRA adapters were trained on" in capsys.readouterr().err
+    assert [p.name for p in checkpoints(resumed)] == ["step_000002", "step_000003"]  # nothing set aside
+    assert not (resumed / "checkpoints" / "corrupt").exists()
+
+
+def test_lora_and_full_checkpoints_do_not_cross(tmp_path):
+    def trainer(lora):
+        return Trainer(load_model("builtin"), "fp16", OptimConfig(), lora)
+
+    lora_ckpt = save_checkpoint(tmp_path / "a", trainer(LORA), RunState(1, 0, 0), BUILTIN_DIR, keep=1)
+    full_ckpt = save_checkpoint(tmp_path / "b", trainer(None), RunState(1, 0, 0), BUILTIN_DIR, keep=1)
+    with pytest.raises(ConfigError, match="holds LoRA adapters, but this trainer trains full weights"):
+        load_checkpoint(lora_ckpt, trainer(None), base_dir=BUILTIN_DIR)
+    with pytest.raises(ConfigError, match="holds full weights, but this trainer trains LoRA adapters"):
+        load_checkpoint(full_ckpt, trainer(LORA), base_dir=BUILTIN_DIR)
+    assert load_checkpoint(lora_ckpt, trainer(LORA), base_dir=BUILTIN_DIR).step == 1
