@@ -21,6 +21,11 @@ CPU (BF16; TRL has no FP16 on CPU). Writes accuracy-against-wall-time curves.
     pip install -e '.[bench]'
     python benchmarks/vs_trl.py [--steps 12] [--warmup 2] [--rounds 2] [--json out.json]
         [--models builtin,llama-4.4M] [--precisions fp32,bf16] [--trl-checkpointing]
+    python benchmarks/vs_trl.py --model DIR [...]     # a real model: its chat template on both sides
+
+With `--model DIR` (any Hugging Face directory Parity runs, e.g. SmolLM2-135M-Instruct as
+docs/real-models.md converts it) the prompts are chat messages, which both sides put through the
+model's chat template, and the reward is `task.name=number`'s: the number the model answers.
     python benchmarks/vs_trl.py --solve [--budget-s 300] [--json out.json] [--plot solve.png]
 """
 
@@ -45,6 +50,7 @@ CONFIGS = {
     "builtin (sanity settings)": ("builtin", 16, 8, 96),
     "llama-4.4M": ("llama-4.4M", 8, 8, 16),
 }
+MODEL_DIR_SHAPE = (4, 4, 64)  # --model DIR: prompts per step, group size, max new tokens
 LR = 2e-4
 
 
@@ -52,9 +58,13 @@ def _max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _eval_problems(n: int) -> list[dict]:
-    from parity.rl.tasks import ArithmeticTask
+def _eval_problems(n: int, chat: bool = False) -> list[dict]:
+    """Arithmetic problems; `chat`: the word problems of `task.name=number`, as one user message each."""
+    from parity.rl.tasks import ArithmeticTask, NumberTask
 
+    if chat:
+        problems = NumberTask().problems(n, seed=0, split="eval")
+        return [{"prompt": [{"role": "user", "content": p.prompt}], "answer": p.answer} for p in problems]
     return [{"prompt": p.prompt, "answer": p.answer} for p in ArithmeticTask().problems(n, seed=0, split="eval")]
 
 
@@ -86,6 +96,7 @@ class Work:
     steps: int
     seed: int = 0
     trl_checkpointing: bool = False  # TRL only: recompute activations in the backward (its default)
+    chat: bool = False  # prompts are chat messages, rewarded as task.name=number
 
 
 def parity_run(work: Work, tmp: Path):
@@ -104,6 +115,7 @@ def parity_run(work: Work, tmp: Path):
             "algorithm.advantage=grpo",
             "algorithm.aggregation=seq_mean_token_sum_norm",
             "algorithm.truncated=keep",  # TRL keeps a truncated completion's reward (mask_truncated_completions=False)
+            f"task.name={'number' if work.chat else 'builtin'}",
             f"trainer.lr={LR}",
             f"prompts_per_step={work.prompts}",
             f"rollout.group_size={work.group}",
@@ -126,12 +138,16 @@ def trl_trainer(work: Work, callbacks: list, on_accuracy=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from parity.rl.tasks import ArithmeticTask, Problem
+    from parity.rl.tasks import ArithmeticTask, Problem, number_reward
 
     task = ArithmeticTask()
 
     def reward(prompts, completions, answer, **_):
-        scores = [task.reward(Problem(p, a), c) for p, c, a in zip(prompts, completions, answer)]
+        if work.chat:  # conversational: a completion is a list with the assistant's message
+            texts = [c[-1]["content"] for c in completions]
+            scores = [number_reward(Problem(str(p), a), t, 0) for p, t, a in zip(prompts, texts, answer)]
+        else:
+            scores = [task.reward(Problem(p, a), c) for p, c, a in zip(prompts, completions, answer)]
         if on_accuracy is not None:
             on_accuracy(sum(s >= 1.0 for s in scores) / len(scores))
         return scores
@@ -272,22 +288,26 @@ def step_table(args) -> dict:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     out = {"matmul_gflops": {"fp32": peak["fp32"], "bf16": peak["bf16_native"]}, "configs": []}
+    configs = CONFIGS
+    if args.model is not None:
+        configs = {f"{args.model.name} (--model)": (str(args.model), *MODEL_DIR_SHAPE)}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (model, prompts, group, new_tokens) in CONFIGS.items():
-            if model not in args.models.split(","):
+        for name, (model, prompts, group, new_tokens) in configs.items():
+            if args.model is None and model not in args.models.split(","):
                 continue
             model_dir = str(_model_dir(model, Path(tmp)))
             for precision in args.precisions.split(","):
                 steps = args.steps + args.warmup
                 work = Work(
                     model_dir,
-                    _eval_problems(256),
+                    _eval_problems(256, chat=args.model is not None),
                     prompts,
                     group,
                     new_tokens,
                     precision,
                     steps,
                     trl_checkpointing=args.trl_checkpointing,
+                    chat=args.model is not None,
                 )
                 rounds = [
                     (isolated(trl_steps, work, args.warmup), isolated(parity_steps, work, args.warmup))
@@ -326,7 +346,9 @@ def step_table(args) -> dict:
 def _model_dir(model: str, tmp: Path) -> Path:
     from parity.engines.models import resolve_model_dir
 
-    return resolve_model_dir("builtin") if model == "builtin" else make_llama_4m(tmp / model)
+    if model == "llama-4.4M":
+        return make_llama_4m(tmp / model)
+    return resolve_model_dir(model)
 
 
 # ----------------------------------------------------------------------------- time to solve
@@ -444,7 +466,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="--solve: seed of both sides")
     parser.add_argument("--plot", type=Path, help="--solve: write the accuracy-vs-time plot here")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--model", type=Path, help="a model directory to compare on instead of --models (chat prompts)")
     args = parser.parse_args()
+    if args.model is not None and args.solve:
+        parser.error("--model: time to solve runs on the built-in model only")
     known = {model for model, *_ in CONFIGS.values()}
     if unknown := set(args.models.split(",")) - known:
         parser.error(f"--models: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(sorted(known))}")
