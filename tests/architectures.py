@@ -12,18 +12,9 @@ from pathlib import Path
 
 import torch
 
-COMMON = dict(
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+from conftest import TINY_CONFIG, randomize_weights, write_char_tokenizer
+
+COMMON = {**TINY_CONFIG, "num_hidden_layers": 3}
 ARCHITECTURES = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3")
 
 
@@ -85,22 +76,12 @@ def save_random_model(out: Path, arch: str, seed: int = 0) -> Path:
     """A random checkpoint of `arch` with the character tokenizer of conftest, saved by transformers."""
     from transformers import AutoModelForCausalLM
 
-    from conftest import write_char_tokenizer
-
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     config = hf_config(arch)
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config)
-    gemma = arch.startswith("gemma")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.15)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.1)
-            elif name.endswith("norm.weight"):  # gains away from 1, as in any trained model
-                p.uniform_(-0.5, 0.5) if gemma else p.uniform_(0.5, 1.5)
+    randomize_weights(model, gemma=arch.startswith("gemma"))
     model.save_pretrained(out)
     write_char_tokenizer(out)
     if isinstance(config.eos_token_id, list):

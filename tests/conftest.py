@@ -26,39 +26,46 @@ def write_char_tokenizer(out: Path) -> None:
     )
 
 
+# The shape of every tiny test checkpoint (tests/architectures.py adds each family's own keys).
+TINY_CONFIG = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def randomize_weights(model: torch.nn.Module, gemma: bool = False) -> None:
+    """Larger-than-default weights so the random model has a non-trivial distribution, and norm
+    gains away from 1 (Gemma's (1 + w) gains: w away from 0), as in any trained model."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5) if gemma else p.uniform_(0.5, 1.5)
+
+
 def save_hf_model(out: Path, arch: str, seed: int = 0, vocab_size: int = 64, tie: bool = False) -> Path:
     """Build a tiny random Llama or Qwen2 with `transformers` and `save_pretrained` it."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=tie,
-    )
+    common = {**TINY_CONFIG, "vocab_size": vocab_size, "tie_word_embeddings": tie}
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
-    # Larger-than-default weights so the random model has a non-trivial distribution,
-    # and norm gains away from 1, as in any trained model.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.1)
-            elif name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
+    randomize_weights(model)
     model.save_pretrained(out)
     write_char_tokenizer(out)
     return out

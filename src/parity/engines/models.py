@@ -293,7 +293,7 @@ def rope_inv_freq(cfg: ModelConfig, layer_type: str = FULL) -> torch.Tensor:
     theta = cfg.local_rope_theta if layer_type == SLIDING and cfg.local_rope_theta else cfg.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = dict(cfg.rope_scaling)
-    if layer_type == SLIDING and cfg.local_rope_theta or not scaling:
+    if not scaling or (layer_type == SLIDING and cfg.local_rope_theta):  # local layers are never scaled
         return inv_freq
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":

@@ -66,6 +66,9 @@ class Routing:
     def rows(self, index: torch.Tensor) -> Routing:
         return Routing([self.prompts[i] for i in index.tolist()], self.responses[index])
 
+    def to(self, device: torch.device | str) -> Routing:
+        return Routing([p.to(device) for p in self.prompts], self.responses.to(device))
+
 
 def pack(
     prompt_ids: list[list[int]],

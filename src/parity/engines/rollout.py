@@ -20,6 +20,8 @@ import torch.nn.functional as F
 
 from parity.engines import precision as prec
 from parity.engines.models import (
+    FULL,
+    SLIDING,
     CausalLM,
     ModelConfig,
     activation,
@@ -392,9 +394,21 @@ class RolloutEngine:
         if cfg.gemma:
             x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype)
         angles = {kind: (cos[positions][:, None], sin[positions][:, None]) for kind, (cos, sin) in self._angles.items()}
+        # One mask per attention type, for every layer of that type.
+        masks = {FULL: mask}
+        if cfg.sliding_window is not None:
+            window = cfg.sliding_window
+            if t > 1:
+                masks[SLIDING] = mask & sliding_mask(t, window, mask.device)
+            elif start + 1 > window:  # keys that left the window
+                masks[SLIDING] = mask.clone()
+                masks[SLIDING][..., : start + 1 - window] = float("-inf")
+            else:
+                masks[SLIDING] = mask
         routing: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            cos, sin = angles[cfg.layer_type(i)]
+            kind = cfg.layer_type(i)
+            cos, sin = angles[kind]
             qkv = prec.linear(self._norm(x, layer.input_norm), layer.qkv, layer.qkv_bias)
             qk, v = qkv.split([(h + hkv) * d, hkv * d], dim=-1)
             qk = qk.view(b, t, h + hkv, d)
@@ -406,16 +420,11 @@ class RolloutEngine:
             cache.k[i, ..., start : start + t] = k.transpose(-1, -2)
             cache.v[i, :, :, start : start + t] = v.view(b, t, hkv, d).transpose(1, 2)
             k_t, v = cache.k[i, ..., : start + t], cache.v[i, :, :, : start + t]
-            window, scale, cap = cfg.window(i), cfg.query_scale, cfg.attn_softcap
+            scale, cap = cfg.query_scale, cfg.attn_softcap
             if t == 1:
-                bias = mask
-                if window is not None and start + 1 > window:  # keys that left the window
-                    bias = bias.clone()
-                    bias[..., : start + 1 - window] = float("-inf")
-                attn = prec.decode_attention(q, k_t, v, bias, scale=scale, softcap=cap)
+                attn = prec.decode_attention(q, k_t, v, masks[kind], scale=scale, softcap=cap)
             else:
-                layer_mask = mask if window is None else mask & sliding_mask(t, window, mask.device)
-                attn = prec.attention(q, k_t.transpose(-1, -2), v, mask=layer_mask, scale=scale, softcap=cap)
+                attn = prec.attention(q, k_t.transpose(-1, -2), v, mask=masks[kind], scale=scale, softcap=cap)
             attn = prec.linear(attn.transpose(1, 2).reshape(b, t, h * d), layer.o, layer.o_bias)
             if cfg.gemma:
                 x = x + self._norm(attn, layer.post_norm)
@@ -527,8 +536,6 @@ class RolloutEngine:
         lengths_out = mask_out.sum(-1)
         ended = torch.isin(tokens.gather(1, (lengths_out - 1).clamp(min=0)[:, None]).squeeze(-1), self._eos)
         # The batch goes to the CPU, where rewards and the RL arithmetic run, whatever the engine's device.
-        if routing is not None:
-            routing = Routing([p.cpu() for p in routing.prompts], routing.responses.cpu())
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
             response_ids=tokens.cpu(),
@@ -539,5 +546,5 @@ class RolloutEngine:
             group_index=torch.arange(n_prompts).repeat_interleave(group_size),
             weight_version=self.weight_version,
             sampling=sampling,
-            routing=routing,
+            routing=None if routing is None else routing.to("cpu"),
         )

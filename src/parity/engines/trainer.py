@@ -89,8 +89,7 @@ def sequence_logprobs(
     device = next(model.parameters()).device
     response_ids, response_mask = response_ids.to(device), response_mask.to(device)
     support = None if support is None else support.to(device)
-    if routing is not None:
-        routing = Routing([p.to(device) for p in routing.prompts], routing.responses.to(device))
+    routing = None if routing is None else routing.to(device)
     bucket = prec.per_shape_kernels(dtype, device)
     packed = pack(prompt_ids, response_ids, response_mask, bucket=bucket, routing=routing)
     num_scored = int(response_mask.sum())
