@@ -82,3 +82,16 @@ def test_saved_checkpoint_loads_in_transformers(arch_dir, tmp_path):
     ids = torch.tensor([load_tokenizer(path).encode("123+45=67")])
     with torch.no_grad():
         assert torch.allclose(ref(ids).logits, reference(path)(ids).logits)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_exact_mode_gives_the_trainers_bits(arch_dir, precision):
+    """exact=true on every family (sliding windows, q/k norms, MoE routing, soft-caps, Gemma's
+    (1 + w) norms): μ equals the trainer's π bit for bit on 48 rows with top-k/top-p."""
+    from test_exact import FILTERED, engines, random_prompts, trainer_logprobs
+
+    _, path = arch_dir
+    model, engine = engines(path, precision)
+    batch = engine.generate(random_prompts(12, model.config.vocab_size, seed=5), 4, FILTERED, seed=0)
+    pi = trainer_logprobs(model, batch, precision, micro_batch=16)
+    assert torch.equal(pi[batch.response_mask], batch.rollout_logprobs[batch.response_mask])

@@ -34,10 +34,13 @@ def test_identical_engines_give_zero_mismatch():
     mu = torch.log(torch.rand(4, 6) * 0.9 + 0.05)
     mask = torch.ones(4, 6, dtype=torch.bool)
     m = mismatch_metrics(mu.clone(), mu, mask)
-    ratios = ("training_ppl", "rollout_ppl", "is_ess", "ppl_ratio")
+    ratios = ("training_ppl", "rollout_ppl", "is_ess", "ppl_ratio", "exact_tokens_frac")
     assert all(abs(v) < 1e-12 for k, v in m.items() if k not in ratios)
     assert math.isclose(m["is_ess"], 1.0) and math.isclose(m["training_ppl"], m["rollout_ppl"])
-    assert m["ppl_ratio"] == 1.0
+    assert m["ppl_ratio"] == 1.0 and m["exact_tokens_frac"] == 1.0
+    one_ulp_off = mu.clone()
+    one_ulp_off[0, 0] = torch.nextafter(mu[0, 0], torch.tensor(0.0))
+    assert mismatch_metrics(one_ulp_off, mu, mask)["exact_tokens_frac"] == 23 / 24
 
 
 def test_signed_log_ppl_diff_and_ppl_ratio():

@@ -116,7 +116,7 @@ def test_decode_batch_shrinks_in_row_buckets(llama_dir, monkeypatch):
     tok, _, engine = _setup(llama_dir)
     sizes = []
     forward = engine._forward
-    monkeypatch.setattr(engine, "_forward", lambda ids, *a: sizes.append(ids.shape[0]) or forward(ids, *a))
+    monkeypatch.setattr(engine, "_forward", lambda ids, *a, **kw: sizes.append(ids.shape[0]) or forward(ids, *a, **kw))
     batch = engine.generate([tok.encode(p) for p in PROMPTS], 10, SamplingParams(max_new_tokens=40), seed=2)
     assert sizes[0] == 4 and sizes[1] == 40  # prefill of the prompts, then the whole batch
     assert len(set(sizes[1:])) > 1  # rows were dropped

@@ -15,6 +15,7 @@ def metrics_line(step: int) -> str:
             "time/step": 1.5,
             "mismatch/k3": 1e-4,
             "mismatch/seq_abs_log_ratio": 1e-3,
+            "mismatch/token_abs_log_ratio_max": 2e-3,
             "precision/skipped_steps": 0,
         }
     )

@@ -32,7 +32,7 @@ def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 
 def cmd_mismatch(args: argparse.Namespace) -> int:
     from parity import config as cfg_mod
-    from parity.commands.mismatch import MismatchConfig, markdown_table, run_mismatch, write_outputs
+    from parity.commands.mismatch import MismatchConfig, located_text, markdown_table, run_mismatch, write_outputs
 
     config, overrides = _split_config(args)
     if args.model:
@@ -40,9 +40,12 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
     if args.out:
         overrides.append(f"out={args.out}")
     cfg = cfg_mod.load(MismatchConfig, config, overrides)
-    results = run_mismatch(cfg)
+    results = run_mismatch(cfg, locate_rows=args.locate)
     out = write_outputs(cfg, results)
     print(markdown_table(results))
+    for r in results:
+        if r.located is not None:
+            print(located_text(r))
     print(f"wrote {out}/mismatch.json, mismatch.md, mismatch_scatter.png, seq_log_ratio_vs_length.png")
     return 0
 
@@ -227,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Sample with the rollout engine and score the same tokens with the trainer, on the same "
             "weights, for each TRAINER/ROLLOUT precision pair; report every mismatch metric. "
             "Config keys: model, prompts, chat_template, num_prompts, group_size, pairs, "
-            "sampling.{temperature,top_k,top_p,max_new_tokens}, seed, out. "
+            "sampling.{temperature,top_k,top_p,max_new_tokens}, seed, out, exact (both engines in exact mode: "
+            "bit-identical log-probs, docs/exact.md). "
             "prompts=builtin (default) uses arithmetic problems on the built-in model and short chat questions "
             "shipped with Parity on any other; prompts=FILE.jsonl reads one JSON object per line whose "
             '"prompt" is a string or a list of {"role", "content"} messages (other fields ignored, blank lines '
@@ -239,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--model", help="model directory, or 'builtin' (default); same as model=DIR")
     p.add_argument("--out", help="output directory (default parity-mismatch); same as out=DIR")
+    p.add_argument(
+        "--locate",
+        action="store_true",
+        help="re-score each pair's worst row stage by stage in both engines and print where they first differ",
+    )
     p.set_defaults(func=cmd_mismatch)
 
     p = sub.add_parser(

@@ -20,8 +20,9 @@ from tqdm import tqdm
 
 from parity.config import ConfigError
 from parity.engines import precision as prec
+from parity.engines.locate import StageDiff, first_divergence, format_table, locate
 from parity.engines.models import load_model, resolve_model_dir
-from parity.engines.rollout import RolloutEngine, SamplingParams
+from parity.engines.rollout import RolloutBatch, RolloutEngine, SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Prompt, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text
@@ -116,10 +117,16 @@ class MismatchConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
     out: str = "parity-mismatch"
+    exact: bool = False  # both engines in exact mode (docs/exact.md): pairs must match precisions
 
     def validate(self) -> None:
         for p in self.pairs:
-            parse_pair(p)
+            train_p, roll_p = parse_pair(p)
+            if self.exact and train_p != roll_p:
+                raise ConfigError(
+                    f"pairs: {p!r} mixes precisions, and exact=true makes the two engines compute the same bits "
+                    "in one precision; use pairs like fp16/fp16"
+                )
         if self.num_prompts < 1 or self.group_size < 1:
             raise ConfigError("num_prompts and group_size must be >= 1")
         if self.chat_template not in CHAT_TEMPLATE_MODES:
@@ -193,18 +200,20 @@ class PairResult:
     trainer_logprobs: torch.Tensor
     rollout_logprobs: torch.Tensor
     mask: torch.Tensor
+    located: list[StageDiff] | None = None  # with --locate: the worst row re-scored stage by stage
+    exact: bool = False  # measured in exact mode
 
     @property
     def label(self) -> str:
         if self.trainer_precision == self.rollout_precision:
-            return self.trainer_precision
+            return self.trainer_precision + ("-exact" if self.exact else "")
         return f"{self.trainer_precision}-train/{self.rollout_precision}-roll"
 
 
 def measure_pair(
     trainer: Trainer, engine: RolloutEngine, prompts: list[list[int]], cfg: MismatchConfig
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample with `engine`, score with `trainer`; returns (π, μ, mask)."""
+) -> tuple[torch.Tensor, RolloutBatch]:
+    """Sample with `engine`, score with `trainer`; returns (π, the batch with μ)."""
     engine.load_weights(*trainer.export_weights())
     sampling = cfg.sampling.params()
     batch = engine.generate(prompts, cfg.group_size, sampling, seed=cfg.seed)
@@ -212,23 +221,39 @@ def measure_pair(
         pi = trainer.logprobs(
             batch.prompt_ids, batch.response_ids, batch.response_mask, batch.support, sampling.temperature
         )
-    return pi, batch.rollout_logprobs, batch.response_mask
+    return pi, batch
 
 
-def run_mismatch(cfg: MismatchConfig, progress: bool = True, texts: list[Prompt] | None = None) -> list[PairResult]:
-    """Measure every pair of `cfg.pairs`; `texts` replaces the prompts `cfg.prompts` names."""
+def locate_worst(trainer: Trainer, engine: RolloutEngine, batch: RolloutBatch, pi: torch.Tensor) -> list[StageDiff]:
+    """Re-score, stage by stage in both engines, the row holding the token with the largest |π − μ|."""
+    gap = ((pi - batch.rollout_logprobs).abs() * batch.response_mask).flatten()
+    row = int(gap.argmax()) // batch.response_mask.shape[1]
+    n = int(batch.response_mask[row].sum())
+    support = None if batch.support is None else batch.support[row, :n]
+    response = batch.response_ids[row, :n].tolist()
+    return locate(trainer.model, engine, batch.prompt_ids[row], response, batch.sampling, trainer.dtype, support)
+
+
+def run_mismatch(
+    cfg: MismatchConfig, progress: bool = True, texts: list[Prompt] | None = None, locate_rows: bool = False
+) -> list[PairResult]:
+    """Measure every pair of `cfg.pairs`; `texts` replaces the prompts `cfg.prompts` names.
+    `locate_rows`: also re-score each pair's worst row stage by stage (`PairResult.located`)."""
     model_dir = resolve_model_dir(cfg.model)
     tokenizer = load_tokenizer(model_dir)
     texts = load_prompts(cfg.prompts, cfg.num_prompts, cfg.seed, cfg.model) if texts is None else texts
     prompts = [tokenizer.encode_prompt(p, cfg.chat_template) for p in texts]
     model = load_model(model_dir)
+    model.exact = cfg.exact
     results: list[PairResult] = []
     for pair in tqdm(cfg.pairs, desc="mismatch", unit="pair", disable=not progress):
         train_p, roll_p = parse_pair(pair)
         start = time.perf_counter()
         trainer = Trainer(model, train_p, OptimConfig())
-        engine = RolloutEngine(model.config, roll_p, tokenizer.eos_ids, tokenizer.pad_id)
-        pi, mu, mask = measure_pair(trainer, engine, prompts, cfg)
+        engine = RolloutEngine(model.config, roll_p, tokenizer.eos_ids, tokenizer.pad_id, exact=cfg.exact)
+        pi, batch = measure_pair(trainer, engine, prompts, cfg)
+        mu, mask = batch.rollout_logprobs, batch.response_mask
+        seconds = time.perf_counter() - start
         results.append(
             PairResult(
                 trainer_precision=train_p,
@@ -237,10 +262,12 @@ def run_mismatch(cfg: MismatchConfig, progress: bool = True, texts: list[Prompt]
                 by_length=mismatch_by_length(pi, mu, mask),
                 num_sequences=int(mask.shape[0]),
                 num_tokens=int(mask.sum()),
-                seconds=time.perf_counter() - start,
+                seconds=seconds,
                 trainer_logprobs=pi,
                 rollout_logprobs=mu,
                 mask=mask,
+                located=locate_worst(trainer, engine, batch, pi) if locate_rows else None,
+                exact=cfg.exact,
             )
         )
     return results
@@ -255,9 +282,11 @@ def results_json(model: str, results: list[PairResult]) -> dict[str, Any]:
                 "trainer_precision": r.trainer_precision,
                 "num_sequences": r.num_sequences,
                 "num_tokens": r.num_tokens,
+                "exact": r.exact,
                 "seconds": r.seconds,
                 "metrics": r.metrics,
                 "by_length": r.by_length,
+                **({"located": [vars(d) for d in r.located]} if r.located is not None else {}),
             }
             for r in results
         ],
@@ -296,11 +325,26 @@ def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
         + markdown_table(results)
         + "\n![token-level μ vs π](mismatch_scatter.png)\n\n"
         + "![sequence log-ratio vs length](seq_log_ratio_vs_length.png)\n"
+        + "".join(f"\n{located_text(r)}" for r in results if r.located is not None)
     )
     atomic_write_text(out / "mismatch.md", md)
     plot_mismatch_scatter(results, out / "mismatch_scatter.png")
     plot_seq_log_ratio_vs_length(results, out / "seq_log_ratio_vs_length.png")
     return out
+
+
+def located_text(r: PairResult) -> str:
+    """Where the pair's two engines first differ, and the stage-by-stage table (markdown-friendly)."""
+    first = first_divergence(r.located)
+    verdict = (
+        f"first differ at **{first.stage}** (position {first.first_position}, max |Δ| {first.max_abs:.3g})"
+        if first is not None
+        else "give the same bits at every stage"
+    )
+    return (
+        f"## Where the engines part: {r.label}\n\nOn the row with the largest |π − μ|, the two engines "
+        f"{verdict}.\n\n```\n{format_table(r.located)}\n```\n"
+    )
 
 
 MAX_SCATTER_POINTS = 20000

@@ -88,6 +88,7 @@ def summarize(history: list[dict]) -> dict:
         "wall_seconds": round(elapsed[-1], 1),
         "final_mismatch_k3": sum(m["mismatch/k3"] for m in last) / len(last),
         "final_seq_abs_log_ratio": sum(m["mismatch/seq_abs_log_ratio"] for m in last) / len(last),
+        "max_token_abs_log_ratio": max(m["mismatch/token_abs_log_ratio_max"] for m in history),
         "skipped_fp16_steps": history[-1]["precision/skipped_steps"],
     }
 
@@ -95,7 +96,7 @@ def summarize(history: list[dict]) -> dict:
 def summary_table(summaries: dict[str, dict]) -> str:
     head = (
         "| run | accuracy start → final (best) | steps to 95% | seconds to 95% | mismatch k3 | "
-        "seq \\|log-ratio\\| | skipped FP16 steps |\n|---|---|---|---|---|---|---|\n"
+        "seq \\|log-ratio\\| | max token \\|Δ\\|, whole run | skipped FP16 steps |\n|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for name, s in summaries.items():
@@ -103,7 +104,8 @@ def summary_table(summaries: dict[str, dict]) -> str:
         sec = "—" if s["seconds_to_95"] is None else f"{s['seconds_to_95']:.0f}"
         rows.append(
             f"| {name} | {s['initial_accuracy']:.2f} → {s['final_accuracy']:.2f} ({s['best_accuracy']:.2f}) | {to95} | "
-            f"{sec} | {s['final_mismatch_k3']:.2e} | {s['final_seq_abs_log_ratio']:.2e} | {s['skipped_fp16_steps']} |"
+            f"{sec} | {s['final_mismatch_k3']:.2e} | {s['final_seq_abs_log_ratio']:.2e} | "
+            f"{s['max_token_abs_log_ratio']:.2e} | {s['skipped_fp16_steps']} |"
         )
     return head + "\n".join(rows) + "\n"
 

@@ -39,11 +39,14 @@ from parity.rundir import remove_run
 DEFAULT_RUNS = (
     "fp16/pg_seq_is",
     "bf16/pg_seq_is",
+    "fp16-exact/pg_seq_is",
     "fp16/grpo",
     "bf16/grpo",
+    "fp16-exact/grpo",
     "bf16/grpo_token_tis",
     "bf16/grpo_seq_mis",
 )
+EXACT_SUFFIX = "-exact"  # PRECISION-exact: exact mode in that precision (docs/exact.md)
 
 
 @dataclass(frozen=True)
@@ -63,13 +66,14 @@ QUICK = SanitySettings(steps=50, prompts_per_step=8, group_size=8)
 
 
 def parse_runs(spec: str) -> list[tuple[str, str]]:
+    """`PRECISION/ESTIMATOR,...` -> [(precision, estimator)]; a precision may carry `-exact`."""
     runs = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         parts = item.split("/")
-        if len(parts) != 2 or parts[0] not in PRECISIONS or parts[1] not in ESTIMATORS:
+        if len(parts) != 2 or parts[0].removesuffix(EXACT_SUFFIX) not in PRECISIONS or parts[1] not in ESTIMATORS:
             raise ConfigError(
-                f"--runs: {item!r} is not PRECISION/ESTIMATOR (precisions: {', '.join(PRECISIONS)}; "
-                f"estimators: {', '.join(sorted(ESTIMATORS))})"
+                f"--runs: {item!r} is not PRECISION/ESTIMATOR (precisions: {', '.join(PRECISIONS)}, each also "
+                f"as PRECISION{EXACT_SUFFIX} for exact mode; estimators: {', '.join(sorted(ESTIMATORS))})"
             )
         runs.append((parts[0], parts[1]))
     if not runs:
@@ -93,16 +97,21 @@ def run_sanity(out: Path, runs: list[tuple[str, str]], quick: bool, seed: int = 
     (out / "perfectible.jsonl").write_text(set_path.read_text())
     plot_histogram(counts, pcfg.lo, pcfg.hi, out / "perfectible_histogram.png")
 
-    # Token-level μ vs π on the base model, per precision, over the perfectible prompts.
-    mcfg = MismatchConfig(
-        prompts=str(out / "perfectible.jsonl"),
-        num_prompts=32,
-        group_size=4,
-        pairs=[f"{p}/{p}" for p in sorted({p for p, _ in runs})],
-        sampling=SamplingConfig(max_new_tokens=96),
-        seed=seed,
-    )
-    pairs = run_mismatch(mcfg, progress=False)
+    # Token-level μ vs π on the base model, per precision (exact mode apart), over the perfectible prompts.
+    pairs = []
+    for exact in (False, True):
+        precisions = sorted({p for p, _ in runs if p.endswith(EXACT_SUFFIX) == exact})
+        if precisions:
+            mcfg = MismatchConfig(
+                prompts=str(out / "perfectible.jsonl"),
+                num_prompts=32,
+                group_size=4,
+                pairs=[f"{p}/{p}" for p in (p.removesuffix(EXACT_SUFFIX) for p in precisions)],
+                sampling=SamplingConfig(max_new_tokens=96),
+                seed=seed,
+                exact=exact,
+            )
+            pairs += run_mismatch(mcfg, progress=False)
     plot_mismatch_scatter(pairs, out / "mismatch_scatter.png")
 
     histories: dict[str, list[dict]] = {}
@@ -114,7 +123,8 @@ def run_sanity(out: Path, runs: list[tuple[str, str]], quick: bool, seed: int = 
             TrainConfig,
             None,
             [
-                f"precision={precision}",
+                f"precision={precision.removesuffix(EXACT_SUFFIX)}",
+                f"exact={str(precision.endswith(EXACT_SUFFIX)).lower()}",
                 f"algorithm.name={estimator}",
                 f"task.data={out / 'perfectible.jsonl'}",
                 f"steps={settings.steps}",

@@ -257,11 +257,12 @@ def _attention_layout(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
     """Normalise in FP32, then scale: Llama rounds to the compute dtype and multiplies by w;
-    Gemma multiplies by (1 + w) in FP32 and rounds once."""
+    Gemma multiplies by (1 + w) in FP32 and rounds once. Either way w is the weight as the
+    compute dtype holds it."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if gemma:
-        return (xf * (1.0 + weight.float())).to(x.dtype)
+        return (xf * (1.0 + weight.to(x.dtype).float())).to(x.dtype)
     return weight.to(x.dtype) * xf.to(x.dtype)
 
 
@@ -348,6 +349,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window, self.scale, self.softcap = window, cfg.query_scale, cfg.attn_softcap
+        self.exact = False  # exact mode's attention numerics (set through CausalLM.exact)
         self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.qkv_bias)
         self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
@@ -379,6 +381,7 @@ class Attention(nn.Module):
                 causal=window is None,
                 scale=self.scale,
                 softcap=self.softcap,
+                exact=self.exact,
             )
             outputs.append(out.transpose(1, 2).flatten(0, 1).flatten(1))
         return self.o_proj(gather_rows(torch.cat(outputs), packed.from_rows))
@@ -495,6 +498,17 @@ class CausalLM(nn.Module):
             self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
         # Recompute each decoder layer in the backward instead of keeping its activations.
         self.activation_checkpointing = False
+
+    @property
+    def exact(self) -> bool:
+        """Exact mode: attention and log-probs computed as the rollout engine computes them
+        with `exact=True`, so that both give the same bits (docs/exact.md)."""
+        return self.model.layers[0].self_attn.exact if len(self.model.layers) else False
+
+    @exact.setter
+    def exact(self, value: bool) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.exact = value
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         gen = torch.Generator().manual_seed(seed)

@@ -55,14 +55,39 @@ def _emulate(t: torch.Tensor) -> bool:
     return t.dtype == torch.float16 and t.device.type == "cpu"
 
 
+# Matmuls get at least this many rows, columns and terms per dot product. The CPU's FP32
+# GEMM picks other kernels for small shapes (on this machine: 1-3, 5-7 and 9-11 rows;
+# 8 or fewer columns; fewer than 16 terms), so an output element would depend on how many
+# rows and columns share its matmul and on how many zero terms follow its own (a causal
+# query's masked keys); from there on it does not (BF16: never). Padding with zeros makes
+# every output element independent of the rest of the batch, which exact mode needs, for the
+# cost of a few zero rows on tiny matmuls (whose time is the weight read anyway).
+MIN_ROWS = 16
+
+
+def _pad(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """`x` padded with zeros along `dim` (negative) to MIN_ROWS entries."""
+    short = MIN_ROWS - x.shape[dim]
+    return F.pad(x, (0, 0) * (-dim - 1) + (0, short)) if short > 0 else x
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` whose elements do not depend on the other rows and columns, nor on trailing
+    zero terms (see MIN_ROWS)."""
+    return torch.matmul(_pad(_pad(a, -1), -2), _pad(_pad(b, -2), -1))[..., : a.shape[-2], : b.shape[-1]]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T + bias` in the dtype of `x`, accumulating in FP32."""
-    weight = weight.to(x.dtype)
-    bias = None if bias is None else bias.to(x.dtype)
+    """`x @ weight.T + bias` in the dtype of `x`, accumulating in FP32; each output element
+    is independent of the other rows and columns (see MIN_ROWS)."""
+    rows, cols = x.shape[:-1], weight.shape[0]
+    x2, weight = _pad(x.reshape(-1, x.shape[-1]), -2), _pad(weight.to(x.dtype), -2)
+    bias = None if bias is None else _pad(bias.to(x.dtype)[:, None], -2)[:, 0]
     if _emulate(x):
-        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-        return out.to(x.dtype)
-    return F.linear(x, weight, bias)
+        out = F.linear(x2.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    else:
+        out = F.linear(x2, weight, bias)
+    return out[: rows.numel(), :cols].reshape(*rows, cols)
 
 
 def attention(
@@ -73,15 +98,19 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    exact: bool = False,
 ) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads, in the dtype of `q`.
 
     `q` is [B, H, Tq, D]; `k`, `v` are [B, Hkv, Tk, D]; `mask` is a boolean
     [B, 1, Tq, Tk] (True = attend) or None. `scale` defaults to D ** -0.5; `softcap`
     bounds the scores to (-softcap, softcap) with tanh before the mask (Gemma 2).
+    `exact`: the spelled-out form in every precision, with the FP32 kernel for the
+    probability-weighted values, so that each query's output is the bits
+    `decode_attention(..., exact=True)` gives for it over a KV cache (exact mode).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if softcap is not None or (q.device.type == "cpu" and q.dtype != torch.float32):
+    if exact or softcap is not None or (q.device.type == "cpu" and q.dtype != torch.float32):
         # The CPU has no FP16 attention kernel worth using, and its BF16 one has a ~8x
         # slower backward than FP32's: spell out the flash-attention numerics instead.
         # The query heads sharing a KV head become extra rows of one matmul against it,
@@ -96,8 +125,8 @@ def attention(
             bias = bias.masked_fill(~mask, float("-inf"))
         bias = bias.repeat(*(1,) * (bias.dim() - 2), groups, 1)  # row g * q_len + t is query t
         q_rows = q.reshape(b, kv_heads, groups * q_len, d).float()
-        scores = _capped(torch.matmul(q_rows, k.float().transpose(-1, -2)) * scale, softcap) + bias
-        return _weighted_values(scores, v, q.dtype).view(b, h, q_len, d)
+        scores = _capped(matmul(q_rows, k.float().transpose(-1, -2)) * scale, softcap) + bias
+        return _weighted_values(scores, v, q.dtype, exact).reshape(b, h, q_len, d)
     gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa, scale=scale)
 
@@ -113,30 +142,37 @@ def decode_attention(
     key_bias: torch.Tensor,
     scale: float | None = None,
     softcap: float | None = None,
+    exact: bool = False,
 ) -> torch.Tensor:
     """Attention of one new token per row over its cache, in the dtype of `q`.
 
     `q` [B, H, 1, D]; `k_t` [B, Hkv, D, S] (keys transposed); `v` [B, Hkv, S, D];
     `key_bias` [B, 1, 1, S] FP32 (0 = attend, -inf = masked). Grouped query heads
-    share their KV head without copying it.
+    share their KV head without copying it. `exact`: as in `attention`.
     """
     b, h, _, d = q.shape
     hkv = k_t.shape[1]
     qg = q.float().view(b, hkv, h // hkv, d)
     scale = d**-0.5 if scale is None else scale
-    scores = _capped(torch.matmul(qg, k_t.float()) * scale, softcap) + key_bias
-    return _weighted_values(scores, v, q.dtype).view(b, h, 1, d)
+    scores = _capped(matmul(qg, k_t.float()) * scale, softcap) + key_bias
+    return _weighted_values(scores, v, q.dtype, exact).reshape(b, h, 1, d)
 
 
-def _weighted_values(scores: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _weighted_values(scores: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, exact: bool) -> torch.Tensor:
     """softmax(scores) @ v with flash-attention numerics: FP32 scores and softmax, the
-    probabilities rounded to `dtype`, FP32 accumulation, the output rounded to `dtype`."""
+    probabilities rounded to `dtype`, FP32 accumulation, the output rounded to `dtype`.
+    Softmax and the weighted sum give a query the same bits however many masked keys
+    follow its last visible one, which is what lets a cache and a full sequence agree."""
+    short = MIN_ROWS - scores.shape[-1]
+    if short > 0:  # the CPU softmax takes a scalar path on rows shorter than a vector register
+        scores = F.pad(scores, (0, short), value=float("-inf"))
+        v = F.pad(v, (0, 0, 0, short))
     probs = torch.softmax(scores, dim=-1).to(dtype)
-    if _emulate(probs) or v.dtype == torch.float32:
+    if exact or _emulate(probs) or v.dtype == torch.float32:
         # FP32 kernels on rounded inputs: exact products, FP32 sums. (A CPU KV cache
         # holds FP32 values, rounded to the precision when written.)
-        return torch.matmul(probs.float(), v.float()).to(dtype)
-    return torch.matmul(probs, v)  # the BF16 kernel accumulates in FP32
+        return matmul(probs.float(), v.float()).to(dtype)
+    return matmul(probs, v)  # the BF16 kernel accumulates in FP32
 
 
 @dataclass

@@ -12,7 +12,7 @@ support so the trainer can score π on the same support.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -181,8 +181,10 @@ ROW_BUCKET = 16
 
 class KVCache:
     """Key/value storage. Keys are kept transposed, [layers, batch, kv_heads,
-    head_dim, slots], so the decode-time q·kᵀ reads contiguous memory. Slots past the
-    current position are never read before they are written, so they start empty.
+    head_dim, slots], so the decode-time q·kᵀ reads contiguous memory. Slot p of a row
+    holds its token at position p (prompts are right-padded), so rows of different
+    prompt lengths write different slots at each step; a slot no row has written yet
+    holds zeros, read only under a -inf mask.
 
     Decoding adds slots a block at a time rather than reserving `max_new_tokens` up
     front: rows stay short, so each step's reads are dense (the decode step's small
@@ -215,6 +217,8 @@ class KVCache:
         self.v = v.new_empty((v.shape[0], len(rows), v.shape[2], slots, v.shape[4]))
         self.k[..., :filled] = k[:, rows, ..., :filled]
         self.v[..., :filled, :] = v[:, rows, ..., :filled, :]
+        self.k[..., filled:] = 0
+        self.v[..., filled:, :] = 0
 
 
 @dataclass
@@ -241,9 +245,19 @@ class _Layer:
 class RolloutEngine:
     """Samples from a copy of the policy whose weights are stored in the rollout precision."""
 
-    def __init__(self, config: ModelConfig, precision: str, eos_ids: Sequence[int], pad_id: int, device: str = "cpu"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        precision: str,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        device: str = "cpu",
+        exact: bool = False,
+    ):
         self.config = config
         self.precision = precision
+        # Exact mode: the trainer's norm and attention numerics, so that μ is the trainer's π bit for bit.
+        self.exact = exact
         self.dtype = prec.to_dtype(precision)
         self.device = torch.device(device)
         self.pad_id = pad_id
@@ -258,6 +272,8 @@ class RolloutEngine:
         }
         self.layers: list[_Layer] = []
         self.weight_version = -1
+        # `trace` sets this to record each stage's output (stage name, tensor) as `_forward` runs.
+        self._tap: Callable[[str, torch.Tensor], None] | None = None
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Copy weights in (Hugging Face names), cast to the rollout precision, fuse, and
@@ -355,9 +371,10 @@ class RolloutEngine:
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm, the fused kind (FP32 inside, one rounding), as inference engines run it;
-        the trainer follows the Hugging Face form (for Llama, two roundings)."""
-        if self.config.gemma:  # scale by (1 + w), which the fused kernel has no form for
-            return rms_norm(x, weight, self.config.rms_norm_eps, gemma=True)
+        the trainer follows the Hugging Face form (for Llama, two roundings), and so does
+        exact mode."""
+        if self.exact or self.config.gemma:  # Gemma scales by (1 + w), which the fused kernel has no form for
+            return rms_norm(x, weight, self.config.rms_norm_eps, self.config.gemma)
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
 
     def _mlp(self, layer: _Layer, x: torch.Tensor, routing: list[torch.Tensor]) -> torch.Tensor:
@@ -379,13 +396,20 @@ class RolloutEngine:
         return out.view_as(x)
 
     def _forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int, mask: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        keys: int | None = None,
+        last: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [B, V] (FP32) of the last position, and the experts each MoE layer chose
-        ([B, T, MoE layers, k], None for a dense model); writes K/V at slots start..start+T.
+        """Logits [B, V] (FP32) at index `last` of each row (default: its only token), and the
+        experts each MoE layer chose ([B, T, MoE layers, k], None for a dense model).
 
-        `mask` is a boolean [B, 1, T, start+T] (prefill) or, for decoding (T = 1), an
-        additive FP32 key bias [B, 1, 1, start+1] (0 = attend, -inf = padding).
+        Prefill (`keys` None): the rows are right-padded prompts in slots 0..T-1, attending
+        causally (a pad attends to the real tokens before it; nothing attends to a pad).
+        Decode (T = 1): each row's token is written to the slot of its position, and attends
+        over the cache's first `keys` slots up to that one.
         """
         cfg = self.config
         b, t = ids.shape
@@ -394,22 +418,27 @@ class RolloutEngine:
         if cfg.gemma:
             x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype)
         angles = {kind: (cos[positions][:, None], sin[positions][:, None]) for kind, (cos, sin) in self._angles.items()}
-        # One mask per attention type, for every layer of that type.
-        masks = {FULL: mask}
-        if cfg.sliding_window is not None:
-            window = cfg.sliding_window
-            if t > 1:
-                masks[SLIDING] = mask & sliding_mask(t, window, mask.device)
-            elif start + 1 > window:  # keys that left the window
-                masks[SLIDING] = mask.clone()
-                masks[SLIDING][..., : start + 1 - window] = float("-inf")
-            else:
-                masks[SLIDING] = mask
+        rows = torch.arange(b, device=ids.device)
+        # One mask per attention type, for every layer of that type: a boolean mask (None = causal)
+        # for prefill, an additive FP32 key bias [B, 1, 1, keys] for decoding.
+        window = cfg.sliding_window
+        if keys is None:
+            masks = {FULL: None, SLIDING: None if window is None else sliding_mask(t, window, ids.device)}
+        else:
+            pos, slots = positions[:, :1], torch.arange(keys, device=ids.device)
+            visible = {FULL: slots <= pos}
+            if window is not None:
+                visible[SLIDING] = visible[FULL] & (slots > pos - window)
+            masks = {
+                kind: torch.zeros(v.shape, device=ids.device).masked_fill(~v, float("-inf"))[:, None, None]
+                for kind, v in visible.items()
+            }
         routing: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             kind = cfg.layer_type(i)
             cos, sin = angles[kind]
-            qkv = prec.linear(self._norm(x, layer.input_norm), layer.qkv, layer.qkv_bias)
+            normed = self._norm(x, layer.input_norm)
+            qkv = prec.linear(normed, layer.qkv, layer.qkv_bias)
             qk, v = qkv.split([(h + hkv) * d, hkv * d], dim=-1)
             qk = qk.view(b, t, h + hkv, d)
             if layer.q_norm is not None:
@@ -417,23 +446,67 @@ class RolloutEngine:
                 qk = torch.cat([self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)], dim=2)
             # RoPE on the query and key heads together: one op chain instead of two.
             q, k = apply_rope(qk.transpose(1, 2), cos, sin).split([h, hkv], dim=1)
-            cache.k[i, ..., start : start + t] = k.transpose(-1, -2)
-            cache.v[i, :, :, start : start + t] = v.view(b, t, hkv, d).transpose(1, 2)
-            k_t, v = cache.k[i, ..., : start + t], cache.v[i, :, :, : start + t]
             scale, cap = cfg.query_scale, cfg.attn_softcap
-            if t == 1:
-                attn = prec.decode_attention(q, k_t, v, masks[kind], scale=scale, softcap=cap)
+            if keys is None:
+                cache.k[i, ..., :t] = k.transpose(-1, -2)
+                cache.v[i, :, :, :t] = v.view(b, t, hkv, d).transpose(1, 2)
+                attn = prec.attention(
+                    q,
+                    cache.k[i, ..., :t].transpose(-1, -2),
+                    cache.v[i, :, :, :t],
+                    mask=masks[kind],
+                    causal=masks[kind] is None,
+                    scale=scale,
+                    softcap=cap,
+                    exact=self.exact,
+                )
             else:
-                attn = prec.attention(q, k_t.transpose(-1, -2), v, mask=masks[kind], scale=scale, softcap=cap)
-            attn = prec.linear(attn.transpose(1, 2).reshape(b, t, h * d), layer.o, layer.o_bias)
+                cache.k[i, rows, :, :, positions[:, 0]] = k[:, :, 0].to(cache.k.dtype)
+                cache.v[i, rows, :, positions[:, 0]] = v.view(b, hkv, d).to(cache.v.dtype)
+                k_t, v_all = cache.k[i, ..., :keys], cache.v[i, :, :, :keys]
+                attn = prec.decode_attention(q, k_t, v_all, masks[kind], scale=scale, softcap=cap, exact=self.exact)
+            core = attn.transpose(1, 2).reshape(b, t, h * d)
+            attn = prec.linear(core, layer.o, layer.o_bias)
             if cfg.gemma:
                 x = x + self._norm(attn, layer.post_norm)
-                x = x + self._norm(self._mlp(layer, self._norm(x, layer.pre_mlp_norm), routing), layer.post_mlp_norm)
+                mlp = self._mlp(layer, self._norm(x, layer.pre_mlp_norm), routing)
+                x = x + self._norm(mlp, layer.post_mlp_norm)
             else:
                 x = x + attn
-                x = x + self._mlp(layer, self._norm(x, layer.post_norm), routing)
-        logits = softcap(prec.linear(self._norm(x[:, -1], self.norm), self.lm_head).float(), cfg.final_softcap)
+                mlp = self._mlp(layer, self._norm(x, layer.post_norm), routing)
+                x = x + mlp
+            if self._tap is not None:
+                for part, value in (("input_norm", normed), ("attention_core", core), ("attention", attn)):
+                    self._tap(f"layer{i}.{part}", value)
+                self._tap(f"layer{i}.mlp", mlp)
+                self._tap(f"layer{i}.output", x)
+        final = self._norm(x[:, 0] if last is None else x[rows, last], self.norm)
+        logits = softcap(prec.linear(final, self.lm_head).float(), cfg.final_softcap)
+        if self._tap is not None:
+            self._tap("norm", final)
+            self._tap("logits", logits)
         return logits, torch.stack(routing, dim=2) if routing else None
+
+    @torch.no_grad()
+    def trace(self, prompt: list[int], response: list[int], sampling: SamplingParams) -> dict[str, torch.Tensor]:
+        """Replay one sequence as sampling ran it (prefill the prompt, then feed each response
+        token but the last) and return every stage's output, FP32, one row per position fed
+        (`norm`, `logits` and `logprob`: one per response token): what `locate` compares."""
+        stages: dict[str, list[torch.Tensor]] = {}
+        self._tap = lambda name, value: stages.setdefault(name, []).append(value.float().reshape(-1, value.shape[-1]))
+        try:
+            dev, n = self.device, len(prompt)
+            ids = torch.tensor([prompt], device=dev)
+            cache = KVCache(self.config, 1, n + len(response), self.dtype, dev)
+            logits = [self._forward(ids, torch.arange(n, device=dev)[None], cache, last=torch.tensor([n - 1]))[0]]
+            for j, token in enumerate(response[:-1]):
+                position = torch.tensor([[n + j]], device=dev)
+                logits.append(self._forward(torch.tensor([[token]], device=dev), position, cache, keys=n + j + 1)[0])
+        finally:
+            self._tap = None
+        logp = torch.log_softmax(filter_logits(torch.cat(logits), sampling), dim=-1)
+        stages["logprob"] = [logp.gather(-1, torch.tensor(response, device=dev)[:, None])]
+        return {name: torch.cat(values).cpu() for name, values in stages.items()}
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
@@ -452,28 +525,20 @@ class RolloutEngine:
                 f"max_position_embeddings ({self.config.max_position_embeddings})"
             )
 
-        # Prefill each prompt once, left-padded to a common length.
+        # Prefill each prompt once, right-padded to a common length: slot = position, as in the trainer.
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        pad = prompt_len - lengths
         ids = torch.full((n_prompts, prompt_len), self.pad_id, dtype=torch.long, device=dev)
         for i, p in enumerate(prompts):
-            ids[i, prompt_len - len(p) :] = torch.tensor(p, device=dev)
-        slots = torch.arange(max_len, device=dev)
-        key_valid = slots[None, :] >= pad[:, None]  # [P, max_len]: pads are never attended
-        positions = (slots[None, :prompt_len] - pad[:, None]).clamp(min=0)
-        causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=dev).tril()
-        # A pad query attends to itself only, so its (unused) softmax row is not empty.
-        mask = (causal & key_valid[:, None, None, :prompt_len]) | torch.eye(prompt_len, dtype=torch.bool, device=dev)
+            ids[i, : len(p)] = torch.tensor(p, device=dev)
+        positions = torch.arange(prompt_len, device=dev).expand(n_prompts, prompt_len)
         cache = KVCache(self.config, n_prompts, prompt_len, self.dtype, dev)
-        logits, prompt_routes = self._forward(ids, positions, cache, 0, mask)
+        logits, prompt_routes = self._forward(ids, positions, cache, last=lengths - 1)
         logits = logits.repeat_interleave(group_size, dim=0)
 
         # Expand to the groups; from here on `rows` maps active rows to output rows.
         batch = n_prompts * group_size
         expand = torch.arange(n_prompts, device=dev).repeat_interleave(group_size)
         cache.take_rows(expand, prompt_len, min(max_len, prompt_len + CACHE_BLOCK))
-        key_bias = torch.zeros(key_valid.shape, device=dev).masked_fill(~key_valid, float("-inf"))
-        key_bias = key_bias.repeat_interleave(group_size, dim=0)
         next_pos = lengths.repeat_interleave(group_size)
         rows = torch.arange(batch, device=dev)
         done = torch.zeros(batch, dtype=torch.bool, device=dev)
@@ -507,14 +572,11 @@ class RolloutEngine:
             if int(done.sum()) * 4 >= done.numel() and size < done.numel():
                 keep = torch.cat([(~done).nonzero(), done.nonzero()]).squeeze(-1)[:size]
                 cache.take_rows(keep, filled=prompt_len + t)
-                rows, token, done = rows[keep], token[keep], done[keep]
-                key_bias, next_pos = key_bias[keep], next_pos[keep]
-            start = prompt_len + t
+                rows, token, done, next_pos = rows[keep], token[keep], done[keep], next_pos[keep]
+            start = prompt_len + t  # the highest slot a row writes now (a row with the longest prompt)
             if start == cache.slots:
                 cache.take_rows(torch.arange(len(rows), device=dev), start, min(max_len, start + CACHE_BLOCK))
-            logits, routes = self._forward(
-                token[:, None], next_pos[:, None], cache, start, key_bias[:, None, None, : start + 1]
-            )
+            logits, routes = self._forward(token[:, None], next_pos[:, None], cache, keys=start + 1)
             if moe:  # the experts of the token just fed: response token t
                 response_routes[rows, t] = routes[:, 0]
             next_pos = next_pos + 1
@@ -529,7 +591,7 @@ class RolloutEngine:
                 support[out_rows, t, : kept.shape[1]] = kept
         routing = None
         if moe:
-            per_prompt = [prompt_routes[i, prompt_len - len(p) :] for i, p in enumerate(prompts)]
+            per_prompt = [prompt_routes[i, : len(p)] for i, p in enumerate(prompts)]
             routing = Routing(
                 [per_prompt[i] for i in range(n_prompts) for _ in range(group_size)], response_routes[:, :used]
             )

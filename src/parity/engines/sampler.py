@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from parity.engines import precision as prec
+from parity.engines.locate import StageDiff, locate
 from parity.engines.models import CausalLM, ModelConfig, routing_differs
 from parity.engines.rollout import RolloutBatch, RolloutEngine, SamplingParams
 from parity.engines.trainer import sequence_logprobs
@@ -47,8 +48,9 @@ class Sampler:
         micro_batch_size: int,
         routing_replay: bool = False,
         device: str = "cpu",
+        exact: bool = False,
     ):
-        self.engine = RolloutEngine(config, rollout_precision, eos_ids, pad_id, device)
+        self.engine = RolloutEngine(config, rollout_precision, eos_ids, pad_id, device, exact)
         self.trainer_precision = trainer_precision
         # A MoE model's routing mismatch is measured where π_old is scored, so it is scored every step.
         self.score_old = score_old or config.num_experts > 0
@@ -57,6 +59,8 @@ class Sampler:
         self.micro_batch_size = micro_batch_size
         # The trainer's model at the sampling weights (FP32 master copy), only when scoring.
         self.scorer = CausalLM(config).requires_grad_(False).to(device) if (self.score_old or self.probe) else None
+        if self.scorer is not None:
+            self.scorer.exact = exact
 
     @property
     def precision(self) -> str:
@@ -121,3 +125,23 @@ class Sampler:
             batch.old_logprobs, batch.routing_mismatch = self.score(batch, self.trainer_precision)
         if self.probe:
             batch.probe_logprobs = self.score(batch, self.engine.precision)[0]
+
+    def locate(self, batch: RolloutBatch, row: int) -> list[StageDiff]:
+        """Where the rollout engine and the trainer's code path (in the rollout precision, on the
+        weights that sampled) first differ on one row of `batch`, stage by stage (`engines.locate`).
+        The trainer's model is rebuilt from the engine's own weights: in the engine's precision
+        they are the trainer's FP32 weights cast as the trainer casts them."""
+        model = CausalLM(self.engine.config).requires_grad_(False).to(self.engine.device)
+        model.load_state_dict({k: v.float() for k, v in self.engine.named_weights().items()}, strict=False)
+        model.exact = self.engine.exact
+        n = int(batch.response_mask[row].sum())
+        support = None if batch.support is None else batch.support[row, :n]
+        return locate(
+            model,
+            self.engine,
+            batch.prompt_ids[row],
+            batch.response_ids[row, :n].tolist(),
+            batch.sampling,
+            self.engine.dtype,
+            support,
+        )

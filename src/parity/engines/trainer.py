@@ -43,15 +43,27 @@ class StepStats:
 
 
 def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, support: torch.Tensor | None, temperature: float
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    support: torch.Tensor | None,
+    temperature: float,
+    exact: bool = False,
 ) -> torch.Tensor:
     """log p(token) under softmax(logits / temperature) restricted to `support`.
 
     `logits` [M, V] FP32, `tokens` [M]; `support` [M, K] token ids (-1 = padding) or
-    None for the full vocabulary.
+    None for the full vocabulary. `exact`: the rollout engine's arithmetic (a log-softmax
+    over the whole vocabulary with the tokens outside the support at -inf), for the same bits.
     """
     if temperature != 1.0:
         logits = logits / temperature
+    if exact:
+        if support is not None:
+            vocab = logits.shape[-1]
+            columns = support.masked_fill(support < 0, vocab)  # padding goes to a column dropped below
+            kept = torch.zeros((logits.shape[0], vocab + 1), dtype=torch.bool, device=logits.device)
+            logits = logits.masked_fill(~kept.scatter_(-1, columns, True)[:, :vocab], float("-inf"))
+        return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     if support is None:
         # One fused log-softmax + pick, forward and backward (no [M, V] temporaries).
         return -F.cross_entropy(logits, tokens, reduction="none")
@@ -98,6 +110,7 @@ def sequence_logprobs(
         response_ids[response_mask],
         None if support is None else support[response_mask],
         temperature,
+        model.exact,
     )
     out = torch.zeros(response_ids.shape, dtype=scored.dtype, device=scored.device)
     return packed, out.masked_scatter(response_mask, scored).cpu()

@@ -12,6 +12,7 @@ With Δ = π − μ over response tokens:
     chi2_seq           mean_i(e^{2 Σ_t Δ}) − 1
     seq_abs_log_ratio  mean_i |Σ_t Δ|
     token_abs_log_ratio_{mean,max}   |Δ|
+    exact_tokens_frac  fraction of tokens with π = μ bit for bit (1 in exact mode)
     prob_abs_diff_{mean,max}         |e^π − e^μ|
     training_ppl, rollout_ppl        exp(mean_i(−mean_t logp))
     log_ppl_diff       mean_i(mean_t μ − mean_t π)   signed, rollout minus trainer (VeRL's sign)
@@ -60,6 +61,7 @@ def mismatch_metrics(
         "seq_abs_log_ratio": float(seq_delta.abs().mean()),
         "token_abs_log_ratio_mean": float(d.abs().mean()),
         "token_abs_log_ratio_max": float(d.abs().max()),
+        "exact_tokens_frac": int((trainer_logprobs.detach() == rollout_logprobs.detach())[m].sum()) / d.numel(),
         "prob_abs_diff_mean": float(prob_diff.mean()),
         "prob_abs_diff_max": float(prob_diff.max()),
         "training_ppl": float(torch.exp(-pi_mean).mean()),

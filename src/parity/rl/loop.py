@@ -30,6 +30,7 @@ from tqdm import tqdm
 from parity import config as config_mod
 from parity.config import ConfigError, check_range
 from parity.engines import precision as prec
+from parity.engines.locate import first_divergence, format_table
 from parity.engines.lora import TARGETS, AdapterError, LoRAConfig
 from parity.engines.models import load_model, resolve_model_dir
 from parity.engines.rollout import RolloutBatch, SamplingParams
@@ -238,6 +239,9 @@ class TrainConfig:
     model: str = "builtin"
     precision: str = "fp16"  # both engines; rollout.precision / trainer.precision override one side
     device: str = "cpu"  # cpu | cuda: where both engines run (the batch and the RL arithmetic stay on the CPU)
+    # Exact mode: the rollout engine and the trainer compute the same bits for every sampled token
+    # (μ = π_old), checked every step (docs/exact.md).
+    exact: bool = False
     allow_precision_mismatch: bool = False
     steps: int = 50
     prompts_per_step: int = 16
@@ -421,6 +425,26 @@ class TrainConfig:
             raise ConfigError("device=cuda: PyTorch sees no CUDA device (torch.cuda.is_available() is False)")
         self._check_distributed()
         self._check_lora()
+        self._check_exact()
+
+    def _check_exact(self) -> None:
+        if not self.exact:
+            return
+        if self.rollout_precision != self.trainer_precision:
+            raise ConfigError(
+                f"exact=true with rollout.precision={self.rollout_precision} and trainer.precision="
+                f"{self.trainer_precision}: exact mode makes both engines compute the same bits in one precision"
+            )
+        if self.lora.rank:
+            raise ConfigError(
+                "exact=true with lora.rank > 0: the rollout engine runs the adapters merged into the weights and "
+                "the trainer runs them beside the frozen base, which rounds differently; use one or the other"
+            )
+        if self.distributed_mode:
+            raise ConfigError(
+                "exact=true runs in one process only so far (distributed.rollout_workers=0, distributed.learners=1); "
+                "docs/exact.md says what the distributed trainer needs to keep it"
+            )
 
     def _check_distributed(self) -> None:
         """Combinations the distributed trainer cannot run, refused before any work."""
@@ -540,6 +564,7 @@ class Run:
         self.tokenizer = load_tokenizer(self.model_dir)
         model = load_model(self.model_dir).to(cfg.device)
         model.activation_checkpointing = cfg.trainer.activation_checkpointing
+        model.exact = cfg.exact
         if cfg.moe.routing_replay and not model.config.num_experts:
             raise ConfigError(
                 f"moe.routing_replay=true: {cfg.model} is a dense {model.config.architecture} model with no experts"
@@ -602,6 +627,7 @@ class Run:
             micro_batch_size=cfg.trainer.micro_batch_size,
             routing_replay=cfg.moe.routing_replay,
             device=cfg.device,
+            exact=cfg.exact,
         )
         self.sampler.load_weights(*self.trainer.export_weights())
 
@@ -820,11 +846,13 @@ class Run:
         t = time.perf_counter()
         update = self._update(batch, prepared)
         times["train"] = time.perf_counter() - t
+        sampling_pi = prepared.old_logprobs if prepared.old_logprobs is not None else update.first_pass
+        if cfg.exact:
+            self._verify_exact(batch, sampling_pi)
         extra = self._sync(times)
         self.step_count += 1
         times["step"] = time.perf_counter() - t0
 
-        sampling_pi = prepared.old_logprobs if prepared.old_logprobs is not None else update.first_pass
         metrics: dict[str, float] = {"step": self.step_count}
         metrics.update(
             step_metrics(
@@ -847,6 +875,30 @@ class Run:
         metrics["perf/tokens_per_s"] = batch.num_tokens / times["step"]
         metrics["perf/train_gflops"] = update.flops / 1e9 / times["train"]
         return metrics
+
+    def _verify_exact(self, batch: RolloutBatch, sampling_pi: torch.Tensor) -> None:
+        """exact=true: stop at the first step where a token's μ and π_old differ, naming the stage of
+        the forward pass where the two engines first part (re-scored on the row holding the worst
+        token, before the sampler's weights move on)."""
+        mask = batch.response_mask
+        differs = (sampling_pi != batch.rollout_logprobs) & mask
+        if not bool(differs.any()):
+            return
+        gap = ((sampling_pi - batch.rollout_logprobs).abs() * mask).flatten()
+        row = int(gap.argmax()) // mask.shape[1]
+        diffs = self.sampler.locate(batch, row)
+        first = first_divergence(diffs)
+        where = (
+            f"the engines first part at {first.stage} (position {first.first_position}, max |Δ| {first.max_abs:.3g})"
+            if first is not None
+            else "replayed alone, that row gives the same bits in both engines, so the difference depends on the "
+            "batch it was computed in"
+        )
+        raise TrainingError(
+            f"step {self.step_count + 1}: exact=true, but {int(differs.sum())} of {int(mask.sum())} sampled tokens "
+            f"have μ != π_old (max |Δ| {float(gap.max()):.3g}); re-scoring row {row}, {where}. "
+            f"Stage by stage:\n{format_table(diffs)}"
+        )
 
     def _check_finite(self, update: UpdateResult) -> None:
         """Stop before a non-finite update is synced, logged or saved.

@@ -1,0 +1,125 @@
+"""Where the rollout engine and the trainer first compute different bits.
+
+`locate` replays one sampled sequence through both engines on the same weights,
+records every stage of the forward pass for every position (each layer's input
+norm, attention before and after its output projection, MLP and residual
+output; then the final norm, the logits and the log-probability), and compares
+them in forward order. The first stage that differs is where the two code paths
+part; everything after it inherits the difference. Exact mode's runtime check
+names that stage when a token's μ and π_old differ; `parity mismatch --locate`
+prints the whole table for any model and precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parity.engines.models import CausalLM
+from parity.engines.packing import pack
+from parity.engines.rollout import RolloutEngine, SamplingParams
+from parity.engines.trainer import token_logprobs
+
+LAYER_PARTS = ("input_norm", "attention_core", "attention", "mlp", "output")
+
+
+@dataclass(frozen=True)
+class StageDiff:
+    stage: str  # e.g. "layer3.attention" or "logits"
+    max_abs: float  # largest |rollout − trainer| over the stage's elements
+    differing_positions: int  # positions where any element differs
+    first_position: int | None  # the first such position (in the sequence; None if none)
+
+
+def trainer_trace(
+    model: CausalLM,
+    prompt: list[int],
+    response: list[int],
+    dtype: torch.dtype,
+    support: torch.Tensor | None,
+    temperature: float,
+) -> dict[str, torch.Tensor]:
+    """The trainer's code path on one sequence, every stage as `RolloutEngine.trace` records it."""
+    stages: dict[str, torch.Tensor] = {}
+
+    def keep(name: str):
+        def hook(module, inputs, output):
+            stages[name] = output.detach().float()
+
+        return hook
+
+    def keep_input(name: str):
+        def hook(module, inputs):
+            stages[name] = inputs[0].detach().float()
+
+        return hook
+
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        handles += [
+            layer.input_layernorm.register_forward_hook(keep(f"layer{i}.input_norm")),
+            layer.self_attn.o_proj.register_forward_pre_hook(keep_input(f"layer{i}.attention_core")),
+            layer.self_attn.register_forward_hook(keep(f"layer{i}.attention")),
+            layer.mlp.register_forward_hook(keep(f"layer{i}.mlp")),
+            layer.register_forward_hook(keep(f"layer{i}.output")),
+        ]
+    handles.append(model.model.norm.register_forward_hook(keep("norm")))
+    device = next(model.parameters()).device
+    tokens = torch.tensor([response], device=device)
+    packed = pack([prompt], tokens, torch.ones_like(tokens, dtype=torch.bool))
+    try:
+        with torch.no_grad():
+            logits = model(packed, dtype)
+    finally:
+        for h in handles:
+            h.remove()
+    stages["norm"] = stages["norm"][packed.score_index]
+    stages["logits"] = logits
+    stages["logprob"] = token_logprobs(logits, tokens[0], support, temperature, model.exact)[:, None]
+    return {name: value.cpu() for name, value in stages.items()}
+
+
+def compare(rollout: dict[str, torch.Tensor], trainer: dict[str, torch.Tensor], prompt_len: int) -> list[StageDiff]:
+    """Per stage in forward order: how far apart the two traces are. Positions count from the
+    sequence start for layer stages and from the first response token's prediction (the last
+    prompt token, position prompt_len − 1) for norm, logits and log-prob."""
+    layers = sorted({int(name.split(".")[0].removeprefix("layer")) for name in trainer if name.startswith("layer")})
+    order = [f"layer{i}.{part}" for i in layers for part in LAYER_PARTS] + ["norm", "logits", "logprob"]
+    out = []
+    for name in order:
+        a, b = rollout[name], trainer[name]
+        differs = (a != b).any(-1) & ~(a.isnan() & b.isnan()).all(-1)
+        offset = 0 if name.startswith("layer") else prompt_len - 1
+        first = int(differs.nonzero()[0]) + offset if bool(differs.any()) else None
+        out.append(StageDiff(name, float((a - b).abs().nan_to_num(nan=float("inf")).max()), int(differs.sum()), first))
+    return out
+
+
+def locate(
+    model: CausalLM,
+    engine: RolloutEngine,
+    prompt: list[int],
+    response: list[int],
+    sampling: SamplingParams,
+    dtype: torch.dtype,
+    support: torch.Tensor | None = None,
+) -> list[StageDiff]:
+    """Replay one sequence through both engines (the engine in its precision, the trainer's
+    model in `dtype`, on the same weights) and compare every stage; `support` [T, K] is the
+    row's sampling support when top-k/top-p filtered it."""
+    rollout = engine.trace(prompt, response, sampling)
+    trainer = trainer_trace(model, prompt, response, dtype, support, sampling.temperature)
+    return compare(rollout, trainer, len(prompt))
+
+
+def first_divergence(diffs: list[StageDiff]) -> StageDiff | None:
+    return next((d for d in diffs if d.differing_positions), None)
+
+
+def format_table(diffs: list[StageDiff]) -> str:
+    lines = [f"{'stage':<24} {'max |Δ|':>10} {'positions differing':>20} {'first at':>9}"]
+    for d in diffs:
+        first = "" if d.first_position is None else str(d.first_position)
+        lines.append(f"{d.stage:<24} {d.max_abs:>10.3g} {d.differing_positions:>20} {first:>9}")
+    return "\n".join(lines)

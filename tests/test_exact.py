@@ -1,0 +1,174 @@
+"""Exact mode: the rollout engine's μ and the trainer's π are the same bits for every sampled token."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from parity import config
+from parity.cli import main
+from parity.config import ConfigError
+from parity.engines import precision as prec
+from parity.engines.locate import first_divergence, locate
+from parity.engines.models import export_state, load_model, resolve_model_dir
+from parity.engines.rollout import RolloutEngine, SamplingParams
+from parity.engines.tokenizer import load_tokenizer
+from parity.engines.trainer import sequence_logprobs
+from parity.rl.loop import Run, TrainConfig, TrainingError
+
+PLAIN = SamplingParams(max_new_tokens=20)
+FILTERED = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_new_tokens=20)
+
+
+def engines(model_dir, precision: str, exact: bool = True):
+    model = load_model(model_dir)
+    model.exact = exact
+    tok = load_tokenizer(resolve_model_dir(model_dir))
+    engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, exact=exact)
+    engine.load_weights(export_state(model), version=0)
+    return model, engine
+
+
+def random_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    """`n` prompts of 1 to 12 tokens (ids above the special ones)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 13, (n,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (length,), generator=gen).tolist() for length in lengths]
+
+
+def trainer_logprobs(model, batch, precision: str, micro_batch: int) -> torch.Tensor:
+    """π of the batch's tokens from the trainer's code path, in micro-batches of `micro_batch` rows."""
+    parts = []
+    with torch.no_grad():
+        for rows in torch.arange(len(batch.prompt_ids)).split(micro_batch):
+            support = None if batch.support is None else batch.support[rows]
+            parts.append(
+                sequence_logprobs(
+                    model,
+                    [batch.prompt_ids[i] for i in rows.tolist()],
+                    batch.response_ids[rows],
+                    batch.response_mask[rows],
+                    support,
+                    batch.sampling.temperature,
+                    prec.to_dtype(precision),
+                )[1]
+            )
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    ("prompts", "group_size", "sampling", "micro_batch"),
+    [(1, 1, PLAIN, 1), (3, 1, FILTERED, 2), (7, 3, PLAIN, 5), (16, 4, FILTERED, 64), (8, 8, PLAIN, 13)],
+    ids=["1-row", "3-rows-topk-topp", "21-rows", "64-rows-topk-topp", "64-rows"],
+)
+def test_rollout_and_trainer_agree_bit_for_bit(precision, prompts, group_size, sampling, micro_batch):
+    """The built-in model (grouped-query attention, tied embeddings): batches of 1 to 64 rows,
+    prompts of 1 to 12 tokens, responses of 1 to 20 with rows finishing and compacted, top-k and
+    top-p, scored in micro-batches of other sizes."""
+    model, engine = engines("builtin", precision)
+    batch = engine.generate(random_prompts(prompts, model.config.vocab_size, seed=prompts), group_size, sampling, 3)
+    mask = batch.response_mask
+    assert batch.response_lengths.min() < batch.response_lengths.max() or len(mask) == 1  # mixed lengths
+    pi = trainer_logprobs(model, batch, precision, micro_batch)
+    assert torch.equal(pi[mask], batch.rollout_logprobs[mask])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hf_checkpoints_agree_bit_for_bit(precision, arch, llama_dir, qwen2_dir):
+    """Random Llama (untied head) and Qwen2 (Q/K/V biases, tied) checkpoints saved by transformers."""
+    model, engine = engines(llama_dir if arch == "llama" else qwen2_dir, precision)
+    batch = engine.generate(random_prompts(12, model.config.vocab_size, seed=5), 4, FILTERED, seed=0)
+    pi = trainer_logprobs(model, batch, precision, micro_batch=16)
+    assert torch.equal(pi[batch.response_mask], batch.rollout_logprobs[batch.response_mask])
+
+
+def test_without_exact_mode_the_engines_differ_and_locate_says_where():
+    """The default engines differ (the rollout engine's fused RMSNorm rounds once, the trainer's
+    twice), and `locate` names the first stage where they part; in exact mode no stage differs."""
+    model, engine = engines("builtin", "bf16", exact=False)
+    batch = engine.generate(random_prompts(8, model.config.vocab_size, seed=1), 4, PLAIN, seed=0)
+    pi = trainer_logprobs(model, batch, "bf16", micro_batch=32)
+    assert not torch.equal(pi[batch.response_mask], batch.rollout_logprobs[batch.response_mask])
+    response = batch.response_ids[0, : int(batch.response_mask[0].sum())].tolist()
+    diffs = locate(model, engine, batch.prompt_ids[0], response, PLAIN, torch.bfloat16)
+    assert first_divergence(diffs).stage == "layer0.input_norm"
+    assert diffs[-1].stage == "logprob"
+
+    model, engine = engines("builtin", "bf16")
+    diffs = locate(model, engine, batch.prompt_ids[0], response, PLAIN, torch.bfloat16)
+    assert first_divergence(diffs) is None and all(d.max_abs == 0 for d in diffs)
+
+
+TINY_RUN = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=24", "checkpoint_every=-1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_training_with_exact_mode_has_zero_mismatch_on_every_step(tmp_path, precision):
+    """10 steps, 4 optimizer updates each (π_old from a learner pass), top-k/top-p sampling."""
+    cfg = config.load(
+        TrainConfig,
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            f"precision={precision}",
+            "exact=true",
+            "steps=10",
+            "algorithm.num_minibatches=4",
+            "rollout.top_k=8",
+            "rollout.top_p=0.95",
+            *TINY_RUN,
+        ],
+    )
+    history = Run.create(cfg, progress=False).train()
+    assert len(history) == 10
+    assert all(m["mismatch/token_abs_log_ratio_max"] == 0.0 for m in history)
+    assert all(m["mismatch/exact_tokens_frac"] == 1.0 for m in history)
+    assert all(m["mismatch/k3"] == 0.0 for m in history)
+    assert history[-1]["weights/version"] == 40
+
+
+def test_the_runtime_check_stops_the_run_and_names_the_stage(tmp_path):
+    """A rollout engine that leaves exact mode (here: its fused RMSNorm) stops the run at the first
+    step, with the stage where the engines part."""
+    cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path / 'run'}", "exact=true", "steps=3", *TINY_RUN])
+    run = Run.create(cfg, progress=False)
+    run.sampler.engine.exact = False
+    with pytest.raises(TrainingError, match=r"step 1: exact=true, but .* engines first part at layer0\.input_norm"):
+        run.train()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.precision=bf16", "allow_precision_mismatch=true"], "exact mode makes both engines"),
+        (["lora.rank=4"], "adapters merged"),
+        (["distributed.rollout_workers=1"], "one process only"),
+    ],
+)
+def test_exact_mode_refuses_what_it_cannot_keep(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config.load(TrainConfig, None, [f"run_dir={tmp_path}", "exact=true", *overrides])
+
+
+def test_mismatch_command_exact_and_locate(tmp_path, capsys):
+    out = tmp_path / "mm"
+
+    def mismatch(*overrides: str) -> int:
+        small = ["num_prompts=8", "group_size=4", "sampling.max_new_tokens=16"]
+        flags = [o for o in overrides if o.startswith("--")]
+        return main(["mismatch", *small, *(o for o in overrides if o not in flags), "--out", str(out), *flags])
+
+    assert mismatch("exact=true", "pairs=[fp16/fp16]") == 0
+    result = json.loads((out / "mismatch.json").read_text())
+    assert result["runs"][0]["exact"] and result["runs"][0]["metrics"]["token_abs_log_ratio_max"] == 0.0
+    assert mismatch("pairs=[bf16/bf16]", "--locate") == 0
+    printed = capsys.readouterr().out
+    assert "first differ at **layer0.input_norm**" in printed
+    assert "## Where the engines part: bf16" in (out / "mismatch.md").read_text()
+    assert mismatch("exact=true", "pairs=[bf16/fp32]") == 2
+    assert "mixes precisions" in capsys.readouterr().err
