@@ -266,7 +266,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = Fa
     return weight.to(x.dtype) * xf.to(x.dtype)
 
 
+# Elementwise kernels with an exp or tanh run vector code on most elements and scalar code on
+# the tail of each contiguous run (the last `width % 32` elements of a row, on AVX-512), and
+# the two can round differently: a token's activations would depend on the tensor's shape.
+# Rows padded to a multiple of this many elements keep every element on the vector path.
+ACTIVATION_ROW_MULTIPLE = 64
+
+
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    width = x.shape[-1]
+    if width % ACTIVATION_ROW_MULTIPLE:
+        return activation(name, F.pad(x, (0, -width % ACTIVATION_ROW_MULTIPLE)))[..., :width]
     return F.silu(x) if name == "silu" else F.gelu(x, approximate="tanh")
 
 
