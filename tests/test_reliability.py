@@ -242,6 +242,25 @@ def test_resume_refuses_an_edited_config_and_changes_outside_the_allow_list(tmp_
     assert config.load(TrainConfig, cfg).steps == 2 and _steps(run_dir) == [1, 2]
 
 
+def test_resume_accepts_a_run_saved_before_a_key_existed(tmp_path, capsys):
+    """A run saved by an earlier version has no entry for a key added since (here `exact`): at its
+    default the key changes nothing, so the run resumes."""
+    import json
+
+    from parity.rl.checkpoint import checkpoints
+
+    run_dir = tmp_path / "r"
+    assert _train(run_dir, "steps=1") == 0
+    cfg = run_dir / "config.yaml"
+    cfg.write_text("".join(line for line in cfg.read_text().splitlines(True) if not line.startswith("exact:")))
+    state_file = checkpoints(run_dir)[-1] / "state.json"
+    state = json.loads(state_file.read_text())
+    del state["config"]["exact"]
+    state_file.write_text(json.dumps(state))
+    assert main(["train", "--resume", str(run_dir), "steps=2"]) == 0
+    assert _steps(run_dir) == [1, 2]
+
+
 # ----------------------------------------------------------------------------- 5. silent stalls
 
 

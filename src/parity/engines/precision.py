@@ -125,7 +125,8 @@ def attention(
             bias = bias.masked_fill(~mask, float("-inf"))
         bias = bias.repeat(*(1,) * (bias.dim() - 2), groups, 1)  # row g * q_len + t is query t
         q_rows = q.reshape(b, kv_heads, groups * q_len, d).float()
-        scores = _capped(matmul(q_rows, k.float().transpose(-1, -2)) * scale, softcap) + bias
+        product = matmul if exact else torch.matmul
+        scores = _capped(product(q_rows, k.float().transpose(-1, -2)) * scale, softcap) + bias
         return _weighted_values(scores, v, q.dtype, exact).reshape(b, h, q_len, d)
     gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa, scale=scale)
@@ -154,7 +155,8 @@ def decode_attention(
     hkv = k_t.shape[1]
     qg = q.float().view(b, hkv, h // hkv, d)
     scale = d**-0.5 if scale is None else scale
-    scores = _capped(matmul(qg, k_t.float()) * scale, softcap) + key_bias
+    product = matmul if exact else torch.matmul  # exact: a decode step's few query rows padded to MIN_ROWS
+    scores = _capped(product(qg, k_t.float()) * scale, softcap) + key_bias
     return _weighted_values(scores, v, q.dtype, exact).reshape(b, h, 1, d)
 
 
@@ -162,17 +164,19 @@ def _weighted_values(scores: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, 
     """softmax(scores) @ v with flash-attention numerics: FP32 scores and softmax, the
     probabilities rounded to `dtype`, FP32 accumulation, the output rounded to `dtype`.
     Softmax and the weighted sum give a query the same bits however many masked keys
-    follow its last visible one, which is what lets a cache and a full sequence agree."""
+    follow its last visible one, which is what lets a cache and a full sequence agree;
+    `exact` pads what would otherwise depend on the shapes (see MIN_ROWS)."""
     short = MIN_ROWS - scores.shape[-1]
-    if short > 0:  # the CPU softmax takes a scalar path on rows shorter than a vector register
+    if exact and short > 0:  # the CPU softmax takes a scalar path on rows shorter than a vector register
         scores = F.pad(scores, (0, short), value=float("-inf"))
         v = F.pad(v, (0, 0, 0, short))
     probs = torch.softmax(scores, dim=-1).to(dtype)
+    product = matmul if exact else torch.matmul
     if exact or _emulate(probs) or v.dtype == torch.float32:
         # FP32 kernels on rounded inputs: exact products, FP32 sums. (A CPU KV cache
         # holds FP32 values, rounded to the precision when written.)
-        return matmul(probs.float(), v.float()).to(dtype)
-    return matmul(probs, v)  # the BF16 kernel accumulates in FP32
+        return product(probs.float(), v.float()).to(dtype)
+    return product(probs, v)  # the BF16 kernel accumulates in FP32
 
 
 @dataclass

@@ -725,7 +725,10 @@ class Run:
         saved = _saved_config(run_dir)
         if saved is not None:
             current = _flatten(config_mod.to_dict(cfg))
-            changed = [k for k in current if k != "run_dir" and saved.get(k) != current[k]]
+            # A key this version added after the run was saved trains as before at its default.
+            defaults = _flatten(config_mod.to_dict(TrainConfig()))
+            saved = {k: saved.get(k, defaults.get(k)) for k in current}
+            changed = [k for k in current if k != "run_dir" and saved[k] != current[k]]
             refused = [k for k in changed if k not in RESUMABLE_KEYS]
             if refused:
                 diffs = "; ".join(f"{k}: {saved.get(k)!r} when saved, {current[k]!r} now" for k in refused[:4])
