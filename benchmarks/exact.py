@@ -1,11 +1,11 @@
 """What exact mode costs: step time with `exact=true` against without, rollout and train apart.
 
-For each model and precision, training runs with and without exact mode alternate (`--rounds`
-pairs, the order swapped every round so that drift on the machine falls on both), each
-`--steps` steps after one warm-up step. Reported per run kind: median seconds per step of the
-rollout (sampling) and of the train phase (π_old pass if any, forward, backward, optimizer),
-and the exact/plain ratio of each. Exact runs must log zero mismatch on every step (the run
-stops otherwise), which the benchmark also checks.
+For each model and precision, `--rounds` pairs of training runs, one with and one without
+exact mode, step in turn (`--steps` steps each after one warm-up step, the first of each pair
+alternating), so that the machine's slow spells fall on both kinds alike. Reported per kind:
+median seconds per step of the rollout (sampling) and of the train phase (π_old pass if any,
+forward, backward, optimizer), and the exact/plain ratio of each. Exact runs must log zero
+mismatch on every step (the run stops otherwise), which the benchmark also checks.
 
 - the built-in model on its arithmetic task (16 prompts × 8 samples, up to 32 new tokens);
 - the 4.4M Llama of DESIGN.md (random weights) on the same prompts, 8 prompts × 8 samples,
@@ -41,7 +41,7 @@ WORKLOADS = {
 }
 
 
-def run_steps(model: str, precision: str, exact: bool, steps: int, workload: list[str], tmp: Path) -> dict:
+def create(model: str, precision: str, exact: bool, steps: int, workload: list[str], run_dir: Path) -> Run:
     cfg = config.load(
         TrainConfig,
         None,
@@ -50,44 +50,51 @@ def run_steps(model: str, precision: str, exact: bool, steps: int, workload: lis
             f"precision={precision}",
             f"exact={str(exact).lower()}",
             f"steps={steps + 1}",
-            f"run_dir={tmp / f'{precision}-{exact}'}",
+            f"run_dir={run_dir}",
             "checkpoint_every=-1",
             "tensorboard=false",
             *workload,
         ],
     )
-    run = Run.create(cfg, progress=False)
-    try:
-        history = [run.step() for _ in range(steps + 1)][1:]  # the first step builds kernels
-    finally:
-        run.rewards.close()
-        run.lock.release()
-    if exact and any(m["mismatch/token_abs_log_ratio_max"] != 0.0 for m in history):
-        raise SystemExit(f"{model} {precision}: exact mode logged a non-zero mismatch")
-    tokens = [m["train/samples"] * m["response/length_mean"] for m in history]
-    return {
-        "rollout_s": [m["time/rollout"] for m in history],
-        "train_s": [m["time/train"] for m in history],
-        "rollout_s_per_1k_tokens": [1000 * m["time/rollout"] / n for m, n in zip(history, tokens)],
-        "train_s_per_1k_tokens": [1000 * m["time/train"] / n for m, n in zip(history, tokens)],
-        "max_token_abs_log_ratio": max(m["mismatch/token_abs_log_ratio_max"] for m in history),
-    }
+    return Run.create(cfg, progress=False)
 
 
 def measure(model: str, precision: str, rounds: int, steps: int, workload: list[str], tmp: Path) -> dict:
-    samples: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
-    mismatch = {False: 0.0, True: 0.0}
+    """`rounds` pairs of runs, one plain and one exact, stepping in turn (the first of each pair
+    alternating), so that the machine's slow spells fall on both kinds alike."""
+    history: dict[bool, list[dict]] = {False: [], True: []}
     for r in range(rounds):
-        for exact in (False, True) if r % 2 == 0 else (True, False):
-            result = run_steps(model, precision, exact, steps, workload, tmp / f"round{r}")
-            mismatch[exact] = max(mismatch[exact], result.pop("max_token_abs_log_ratio"))
-            for key, values in result.items():
-                samples[exact].setdefault(key, []).extend(values)
+        runs = {
+            exact: create(model, precision, exact, steps, workload, tmp / f"{precision}-{r}-{exact}")
+            for exact in (False, True)
+        }
+        try:
+            for exact in (False, True):
+                runs[exact].step()  # the first step builds kernels
+            for s in range(steps):
+                for exact in (False, True) if (r + s) % 2 == 0 else (True, False):
+                    history[exact].append(runs[exact].step())
+        finally:
+            for run in runs.values():
+                run.rewards.close()
+                run.lock.release()
+    if any(m["mismatch/token_abs_log_ratio_max"] != 0.0 for m in history[True]):
+        raise SystemExit(f"{model} {precision}: exact mode logged a non-zero mismatch")
     out = {"model": model, "precision": precision}
-    for key in samples[False]:
-        plain, exact = statistics.median(samples[False][key]), statistics.median(samples[True][key])
-        out[key] = {"plain": plain, "exact": exact, "ratio": exact / plain}
-    out["max_token_abs_log_ratio"] = {"plain": mismatch[False], "exact": mismatch[True]}
+    for key, per_token in (("rollout", False), ("train", False), ("rollout", True), ("train", True)):
+        medians = {}
+        for exact, h in history.items():
+            values = [
+                m[f"time/{key}"] * (1000 / (m["train/samples"] * m["response/length_mean"]) if per_token else 1)
+                for m in h
+            ]
+            medians[exact] = statistics.median(values)
+        name = f"{key}_s_per_1k_tokens" if per_token else f"{key}_s"
+        out[name] = {"plain": medians[False], "exact": medians[True], "ratio": medians[True] / medians[False]}
+    out["max_token_abs_log_ratio"] = {
+        exact: max(m["mismatch/token_abs_log_ratio_max"] for m in h)
+        for exact, h in (("plain", history[False]), ("exact", history[True]))
+    }
     return out
 
 

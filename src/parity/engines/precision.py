@@ -63,18 +63,22 @@ def _emulate(t: torch.Tensor) -> bool:
 # every output element independent of the rest of the batch, which exact mode needs, for the
 # cost of a few zero rows on tiny matmuls (whose time is the weight read anyway).
 MIN_ROWS = 16
+# Batched matmuls (attention) take another path, whose results vary only below 4 rows: a
+# decode step's few query rows per KV head need less padding than MIN_ROWS.
+MIN_BATCHED_ROWS = 4
 
 
-def _pad(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """`x` padded with zeros along `dim` (negative) to MIN_ROWS entries."""
-    short = MIN_ROWS - x.shape[dim]
+def _pad(x: torch.Tensor, dim: int, size: int = MIN_ROWS) -> torch.Tensor:
+    """`x` padded with zeros along `dim` (negative) to `size` entries."""
+    short = size - x.shape[dim]
     return F.pad(x, (0, 0) * (-dim - 1) + (0, short)) if short > 0 else x
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`a @ b` whose elements do not depend on the other rows and columns, nor on trailing
-    zero terms (see MIN_ROWS)."""
-    return torch.matmul(_pad(_pad(a, -1), -2), _pad(_pad(b, -2), -1))[..., : a.shape[-2], : b.shape[-1]]
+    """Batched `a @ b` whose elements do not depend on the other rows and columns, nor on
+    trailing zero terms (see MIN_ROWS)."""
+    rows, cols = a.shape[-2], b.shape[-1]
+    return torch.matmul(_pad(_pad(a, -1), -2, MIN_BATCHED_ROWS), _pad(_pad(b, -2), -1))[..., :rows, :cols]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
