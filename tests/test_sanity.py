@@ -11,6 +11,7 @@ from parity.cli import main
 from parity.commands.perfectible import filter_perfectible, format_histogram, histogram
 from parity.commands.sanity import parse_runs
 from parity.config import ConfigError
+from parity.engines.models import BUILTIN_DIR
 
 
 def test_filter_on_known_accuracies():
@@ -37,6 +38,15 @@ def test_perfectible_command_on_user_data(tmp_path, capsys):
     assert "kept 24 of 24" in capsys.readouterr().out
 
 
+def test_sanity_of_a_model_that_solves_nothing_says_so(tmp_path, monkeypatch, llama_dir, capsys):
+    """A random model solves none of the word problems: no perfectible set, and the error says why."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    args = ["sanity", "--out", str(tmp_path / "s"), "--model", str(llama_dir), "--max-new-tokens", "8"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"--model {llama_dir} --task number: no perfectible problem" in err and "--max-new-tokens" in err
+
+
 def test_bad_runs_are_rejected():
     assert parse_runs("fp16/pg_seq_is, bf16/grpo") == [("fp16", "pg_seq_is"), ("bf16", "grpo")]
     with pytest.raises(ConfigError, match="'fp16-grpo' is not PRECISION/ESTIMATOR"):
@@ -49,8 +59,11 @@ def test_bad_runs_are_rejected():
 def test_sanity_quick_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "sanity"
-    assert main(["sanity", "--quick", "--out", str(out), "--runs", "fp16/pg_seq_is,bf16/grpo"]) == 0
+    # The built-in model named as a directory, and its task named: what `--model DIR` runs.
+    model = ["--model", str(BUILTIN_DIR), "--task", "builtin"]
+    assert main(["sanity", "--quick", "--out", str(out), "--runs", "fp16/pg_seq_is,bf16/grpo", *model]) == 0
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["settings"]["model"] == str(BUILTIN_DIR) and summary["settings"]["task"] == "builtin"
     assert summary["perfectible"]["num_problems"] >= 64
     assert set(summary["runs"]) == {"fp16/pg_seq_is", "bf16/grpo"}
     for s in summary["runs"].values():

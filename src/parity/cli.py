@@ -103,7 +103,15 @@ def cmd_sanity(args: argparse.Namespace) -> int:
     from parity.commands.sanity import DEFAULT_RUNS, parse_runs, run_sanity
 
     runs = parse_runs(args.runs or ",".join(DEFAULT_RUNS))
-    summary = run_sanity(Path(args.out), runs, quick=args.quick, seed=args.seed)
+    summary = run_sanity(
+        Path(args.out),
+        runs,
+        quick=args.quick,
+        seed=args.seed,
+        model=args.model,
+        task=args.task,
+        max_new_tokens=args.max_new_tokens,
+    )
     from parity.commands.report import summary_table
 
     print(summary_table(summary["runs"]))
@@ -169,14 +177,21 @@ def build_parser() -> argparse.ArgumentParser:
         "sanity",
         help="the sanity test: BF16 vs FP16 and estimators on the perfectible set (the main job)",
         description=(
-            "Build (or reuse) the perfectible set of the built-in model and task, train the model on it under a "
-            "matrix of precisions and estimators, and write summary.json, report.md and plots."
+            "Build (or reuse) the perfectible set of a model (the built-in one by default) and task, train the model "
+            "on it under a matrix of precisions and estimators, and write summary.json, report.md and plots."
         ),
     )
     p.add_argument("--out", default="parity-sanity", help="output directory (default parity-sanity)")
     p.add_argument("--quick", action="store_true", help="fewer, smaller steps: a first look in about a minute")
     p.add_argument("--runs", help="comma-separated PRECISION/ESTIMATOR, e.g. fp16/pg_seq_is,bf16/grpo")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="builtin", help="model directory, or 'builtin' (default)")
+    p.add_argument(
+        "--task",
+        choices=("builtin", "exact", "math", "number"),
+        help="the checker and its generated problems (default: builtin for the built-in model, number otherwise)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=96, help="longest response, everywhere (default 96)")
     p.set_defaults(func=cmd_sanity)
 
     p = sub.add_parser(

@@ -81,14 +81,34 @@ def parse_runs(spec: str) -> list[tuple[str, str]]:
     return runs
 
 
-def run_sanity(out: Path, runs: list[tuple[str, str]], quick: bool, seed: int = 0, log=print) -> dict:
+def run_sanity(
+    out: Path,
+    runs: list[tuple[str, str]],
+    quick: bool,
+    seed: int = 0,
+    log=print,
+    model: str = "builtin",
+    task: str | None = None,
+    max_new_tokens: int = 96,
+) -> dict:
+    """The sanity test of `model` (default: the built-in one) on `task`'s generated problems (default:
+    the built-in task for the built-in model, word problems with `task.name=number` for any other),
+    sampling at most `max_new_tokens` per response everywhere."""
     settings = QUICK if quick else FULL
+    task = task or ("builtin" if model == "builtin" else "number")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 
-    pcfg = PerfectibleConfig(seed=seed)
+    pcfg = PerfectibleConfig(model=model, task=task, seed=seed, max_new_tokens=max_new_tokens)
+    pcfg.validate()
     set_path, accuracies, cached = build_or_load(pcfg)
     keep = filter_perfectible(accuracies, pcfg.lo, pcfg.hi)
+    if not keep:
+        raise ConfigError(
+            f"--model {model} --task {task}: no perfectible problem (accuracy in [{pcfg.lo}, {pcfg.hi}] over "
+            f"{pcfg.samples} samples) among {len(accuracies)}, so there is nothing to train on; the accuracies "
+            f"are in {set_path.with_suffix('.json')}. A larger --max-new-tokens helps when answers are cut off"
+        )
     counts = histogram(accuracies, pcfg.samples)
     log(
         f"perfectible set: {len(keep)} of {len(accuracies)} problems ({'cached' if cached else 'measured'}): {set_path}"
@@ -103,11 +123,12 @@ def run_sanity(out: Path, runs: list[tuple[str, str]], quick: bool, seed: int = 
         precisions = sorted({p for p, _ in runs if p.endswith(EXACT_SUFFIX) == exact})
         if precisions:
             mcfg = MismatchConfig(
+                model=model,
                 prompts=str(out / "perfectible.jsonl"),
                 num_prompts=32,
                 group_size=4,
                 pairs=[f"{p}/{p}" for p in (p.removesuffix(EXACT_SUFFIX) for p in precisions)],
-                sampling=SamplingConfig(max_new_tokens=96),
+                sampling=SamplingConfig(max_new_tokens=max_new_tokens),
                 seed=seed,
                 exact=exact,
             )
@@ -123,6 +144,9 @@ def run_sanity(out: Path, runs: list[tuple[str, str]], quick: bool, seed: int = 
             TrainConfig,
             None,
             [
+                f"model={model}",
+                f"task.name={task}",
+                f"rollout.max_new_tokens={max_new_tokens}",
                 f"precision={precision.removesuffix(EXACT_SUFFIX)}",
                 f"exact={str(precision.endswith(EXACT_SUFFIX)).lower()}",
                 f"algorithm.name={estimator}",
@@ -145,6 +169,9 @@ def run_sanity(out: Path, runs: list[tuple[str, str]], quick: bool, seed: int = 
     plot_mismatch_curves(histories, out / "mismatch.png")
     summary = {
         "settings": {
+            "model": model,
+            "task": task,
+            "max_new_tokens": max_new_tokens,
             "quick": quick,
             "steps": settings.steps,
             "prompts_per_step": settings.prompts_per_step,
@@ -218,6 +245,7 @@ def render_report(summary: dict) -> str:
     lines = [
         "# Sanity test",
         "",
+        f"Model {st['model']}, task {st['task']}, at most {st['max_new_tokens']} new tokens per response. "
         f"{'Quick' if st['quick'] else 'Full'} run: {st['steps']} steps of {st['prompts_per_step']} prompts × "
         f"{st['group_size']} samples per run, {st['updates_per_rollout']} optimizer steps per rollout, seed "
         f"{st['seed']}, {summary['wall_seconds']:.0f} s in all. The paper's recipe: each estimator with its "
