@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from parity.config import ConfigError
 from parity.engines import precision as prec
-from parity.engines.locate import StageDiff, first_divergence, format_table, locate
+from parity.engines.locate import StageDiff, first_divergence, format_table, locate_row, worst_row
 from parity.engines.models import load_model, resolve_model_dir
 from parity.engines.rollout import RolloutBatch, RolloutEngine, SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Prompt, load_tokenizer
@@ -224,16 +224,6 @@ def measure_pair(
     return pi, batch
 
 
-def locate_worst(trainer: Trainer, engine: RolloutEngine, batch: RolloutBatch, pi: torch.Tensor) -> list[StageDiff]:
-    """Re-score, stage by stage in both engines, the row holding the token with the largest |π − μ|."""
-    gap = ((pi - batch.rollout_logprobs).abs() * batch.response_mask).flatten()
-    row = int(gap.argmax()) // batch.response_mask.shape[1]
-    n = int(batch.response_mask[row].sum())
-    support = None if batch.support is None else batch.support[row, :n]
-    response = batch.response_ids[row, :n].tolist()
-    return locate(trainer.model, engine, batch.prompt_ids[row], response, batch.sampling, trainer.dtype, support)
-
-
 def run_mismatch(
     cfg: MismatchConfig, progress: bool = True, texts: list[Prompt] | None = None, locate_rows: bool = False
 ) -> list[PairResult]:
@@ -266,7 +256,9 @@ def run_mismatch(
                 trainer_logprobs=pi,
                 rollout_logprobs=mu,
                 mask=mask,
-                located=locate_worst(trainer, engine, batch, pi) if locate_rows else None,
+                located=locate_row(trainer.model, engine, batch, worst_row(pi, batch), trainer.dtype)
+                if locate_rows
+                else None,
                 exact=cfg.exact,
             )
         )

@@ -18,7 +18,7 @@ import torch
 
 from parity.engines.models import CausalLM
 from parity.engines.packing import pack
-from parity.engines.rollout import RolloutEngine, SamplingParams
+from parity.engines.rollout import RolloutBatch, RolloutEngine, SamplingParams
 from parity.engines.trainer import token_logprobs
 
 LAYER_PARTS = ("input_norm", "attention_core", "attention", "mlp", "output")
@@ -111,6 +111,22 @@ def locate(
     rollout = engine.trace(prompt, response, sampling)
     trainer = trainer_trace(model, prompt, response, dtype, support, sampling.temperature)
     return compare(rollout, trainer, len(prompt))
+
+
+def locate_row(
+    model: CausalLM, engine: RolloutEngine, batch: RolloutBatch, row: int, dtype: torch.dtype
+) -> list[StageDiff]:
+    """`locate` on row `row` of a sampled batch: its prompt, response and sampling support."""
+    n = int(batch.response_mask[row].sum())
+    support = None if batch.support is None else batch.support[row, :n]
+    response = batch.response_ids[row, :n].tolist()
+    return locate(model, engine, batch.prompt_ids[row], response, batch.sampling, dtype, support)
+
+
+def worst_row(logprobs: torch.Tensor, batch: RolloutBatch) -> int:
+    """The row holding the token whose `logprobs` lie furthest from the batch's μ."""
+    gap = ((logprobs - batch.rollout_logprobs).abs() * batch.response_mask).flatten()
+    return int(gap.argmax()) // batch.response_mask.shape[1]
 
 
 def first_divergence(diffs: list[StageDiff]) -> StageDiff | None:

@@ -74,9 +74,11 @@ def _pad(x: torch.Tensor, dim: int, size: int = MIN_ROWS) -> torch.Tensor:
     return F.pad(x, (0, 0) * (-dim - 1) + (0, short)) if short > 0 else x
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def matmul(a: torch.Tensor, b: torch.Tensor, pad: bool = True) -> torch.Tensor:
     """Batched `a @ b` whose elements do not depend on the other rows and columns, nor on
-    trailing zero terms (see MIN_ROWS)."""
+    trailing zero terms (see MIN_ROWS); `pad=False`: the kernel as the shapes come."""
+    if not pad:
+        return torch.matmul(a, b)
     rows, cols = a.shape[-2], b.shape[-1]
     return torch.matmul(_pad(_pad(a, -1), -2, MIN_BATCHED_ROWS), _pad(_pad(b, -2), -1))[..., :rows, :cols]
 
@@ -129,8 +131,7 @@ def attention(
             bias = bias.masked_fill(~mask, float("-inf"))
         bias = bias.repeat(*(1,) * (bias.dim() - 2), groups, 1)  # row g * q_len + t is query t
         q_rows = q.reshape(b, kv_heads, groups * q_len, d).float()
-        product = matmul if exact else torch.matmul
-        scores = _capped(product(q_rows, k.float().transpose(-1, -2)) * scale, softcap) + bias
+        scores = _capped(matmul(q_rows, k.float().transpose(-1, -2), exact) * scale, softcap) + bias
         return _weighted_values(scores, v, q.dtype, exact).reshape(b, h, q_len, d)
     gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa, scale=scale)
@@ -159,8 +160,8 @@ def decode_attention(
     hkv = k_t.shape[1]
     qg = q.float().view(b, hkv, h // hkv, d)
     scale = d**-0.5 if scale is None else scale
-    product = matmul if exact else torch.matmul  # exact: a decode step's few query rows padded to MIN_ROWS
-    scores = _capped(product(qg, k_t.float()) * scale, softcap) + key_bias
+    # exact: a decode step's few query rows per KV head are padded (see MIN_BATCHED_ROWS)
+    scores = _capped(matmul(qg, k_t.float(), exact) * scale, softcap) + key_bias
     return _weighted_values(scores, v, q.dtype, exact).reshape(b, h, 1, d)
 
 
@@ -175,12 +176,11 @@ def _weighted_values(scores: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, 
         scores = F.pad(scores, (0, short), value=float("-inf"))
         v = F.pad(v, (0, 0, 0, short))
     probs = torch.softmax(scores, dim=-1).to(dtype)
-    product = matmul if exact else torch.matmul
     if exact or _emulate(probs) or v.dtype == torch.float32:
         # FP32 kernels on rounded inputs: exact products, FP32 sums. (A CPU KV cache
         # holds FP32 values, rounded to the precision when written.)
-        return product(probs.float(), v.float()).to(dtype)
-    return product(probs, v)  # the BF16 kernel accumulates in FP32
+        return matmul(probs.float(), v.float(), exact).to(dtype)
+    return matmul(probs, v, exact)  # the BF16 kernel accumulates in FP32
 
 
 @dataclass

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from parity.engines import precision as prec
-from parity.engines.locate import StageDiff, locate
+from parity.engines.locate import StageDiff, locate_row
 from parity.engines.models import CausalLM, ModelConfig, routing_differs
 from parity.engines.rollout import RolloutBatch, RolloutEngine, SamplingParams
 from parity.engines.trainer import sequence_logprobs
@@ -134,14 +134,4 @@ class Sampler:
         model = CausalLM(self.engine.config).requires_grad_(False).to(self.engine.device)
         model.load_state_dict({k: v.float() for k, v in self.engine.named_weights().items()}, strict=False)
         model.exact = self.engine.exact
-        n = int(batch.response_mask[row].sum())
-        support = None if batch.support is None else batch.support[row, :n]
-        return locate(
-            model,
-            self.engine,
-            batch.prompt_ids[row],
-            batch.response_ids[row, :n].tolist(),
-            batch.sampling,
-            self.engine.dtype,
-            support,
-        )
+        return locate_row(model, self.engine, batch, row, self.engine.dtype)

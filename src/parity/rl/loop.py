@@ -30,7 +30,7 @@ from tqdm import tqdm
 from parity import config as config_mod
 from parity.config import ConfigError, check_range
 from parity.engines import precision as prec
-from parity.engines.locate import first_divergence, format_table
+from parity.engines.locate import first_divergence, format_table, worst_row
 from parity.engines.lora import TARGETS, AdapterError, LoRAConfig
 from parity.engines.models import load_model, resolve_model_dir
 from parity.engines.rollout import RolloutBatch, SamplingParams
@@ -887,8 +887,8 @@ class Run:
         differs = (sampling_pi != batch.rollout_logprobs) & mask
         if not bool(differs.any()):
             return
-        gap = ((sampling_pi - batch.rollout_logprobs).abs() * mask).flatten()
-        row = int(gap.argmax()) // mask.shape[1]
+        row = worst_row(sampling_pi, batch)
+        largest = float(((sampling_pi - batch.rollout_logprobs) * mask).abs().max())
         diffs = self.sampler.locate(batch, row)
         first = first_divergence(diffs)
         where = (
@@ -899,7 +899,7 @@ class Run:
         )
         raise TrainingError(
             f"step {self.step_count + 1}: exact=true, but {int(differs.sum())} of {int(mask.sum())} sampled tokens "
-            f"have μ != π_old (max |Δ| {float(gap.max()):.3g}); re-scoring row {row}, {where}. "
+            f"have μ != π_old (max |Δ| {largest:.3g}); re-scoring row {row}, {where}. "
             f"Stage by stage:\n{format_table(diffs)}"
         )
 
