@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from architectures import ARCHITECTURES, reference, save_random_model
-from parity.engines.models import load_model
+from parity.engines.models import final_logits, load_model
 from parity.engines.packing import pack
 from parity.engines.rollout import RolloutEngine, SamplingParams
 from parity.engines.tokenizer import copy_tokenizer_files, load_tokenizer
@@ -33,7 +33,7 @@ def test_trainer_logits_match_transformers(arch_dir):
     mask = torch.arange(12) < torch.tensor([12, 4, 9])[:, None]
     packed = pack(prompts, responses, mask)
     with torch.no_grad():
-        got = ours(packed, torch.float32)
+        got = final_logits(ours(packed, torch.float32), ours.config.final_softcap)
         expected = []
         for row, prompt in enumerate(prompts):
             n = int(mask[row].sum())

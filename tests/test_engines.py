@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parity.engines import trainer as trainer_mod
 from parity.engines.models import load_model
 from parity.engines.rollout import RolloutEngine, SamplingParams, filter_logits
 from parity.engines.tokenizer import load_tokenizer
@@ -188,6 +189,25 @@ def test_activation_checkpointing_gives_the_same_gradients(arch, llama_dir, tmp_
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature, cap", [(1.0, None), (0.7, None), (0.8, 3.0)])
+def test_chunked_head_logprobs_equal_autograds_log_softmax(dtype, temperature, cap, monkeypatch):
+    monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", 64)  # 37 rows of 50: 29 chunks, the last short
+    gen = torch.Generator().manual_seed(0)
+    head = (torch.randn(37, 50, generator=gen) * 3).to(dtype)
+    tokens, g = torch.randint(0, 50, (37,), generator=gen), torch.randn(37, generator=gen)
+    fused = head.clone().requires_grad_()
+    logprobs = trainer_mod.token_logprobs(fused, tokens, None, temperature, cap=cap)
+    (logprobs * g).sum().backward()
+    plain = head.clone().requires_grad_()
+    logits = plain.float() if cap is None else torch.tanh(plain.float() / cap) * cap
+    expected = torch.log_softmax(logits / temperature, -1).gather(-1, tokens[:, None])[:, 0]
+    (expected * g).sum().backward()
+    assert logprobs.dtype == torch.float32 and fused.grad.dtype == dtype
+    assert (logprobs - expected).abs().max() < 4e-6
+    assert (fused.grad.float() - plain.grad.float()).abs().max() < (4e-6 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parity.engines.models import CausalLM
+from parity.engines.models import CausalLM, final_logits
 from parity.engines.packing import pack
 from parity.engines.rollout import RolloutBatch, RolloutEngine, SamplingParams
 from parity.engines.trainer import token_logprobs
@@ -75,8 +75,9 @@ def trainer_trace(
         for h in handles:
             h.remove()
     stages["norm"] = stages["norm"][packed.score_index]
-    stages["logits"] = logits
-    stages["logprob"] = token_logprobs(logits, tokens[0], support, temperature, model.exact)[:, None]
+    cap = model.config.final_softcap
+    stages["logits"] = final_logits(logits, cap)
+    stages["logprob"] = token_logprobs(logits, tokens[0], support, temperature, model.exact, cap)[:, None]
     return {name: value.cpu() for name, value in stages.items()}
 
 

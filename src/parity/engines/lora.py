@@ -7,8 +7,10 @@ plus scale · (x·Aᵀ)·Bᵀ, both in the compute dtype through `precision.line
 (rank × in) and B (out × rank) are FP32 master parameters and scale = alpha / rank.
 `models.py` needs no change: a `LoRALinear` is a `Linear`.
 
-The rollout engine is sent merged weights, W + scale·B·A computed in FP32
-(`merged_state`), which it casts to the rollout precision like any other sync.
+The rollout engine is sent either merged weights, W + scale·B·A computed in FP32
+(`merged_state`), which it casts to the rollout precision like any other sync, or
+(`lora.merge=false`) the base once (`base_state`) and then only the adapters
+(`adapter_pairs`), which it applies unmerged as the trainer does.
 Adapters are saved under PEFT's names (`adapter_config.json`,
 `adapter_model.safetensors`), so `peft.PeftModel.from_pretrained(base, adapter_dir)`
 loads them.
@@ -159,22 +161,34 @@ def load_adapter_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> No
         p.copy_(tensors[k])
 
 
-def merged_state(model: CausalLM) -> dict[str, torch.Tensor]:
-    """The model's weights under their Hugging Face names in FP32 on the CPU, adapters merged into
-    their projections (the tied head omitted): what the rollout engine loads."""
-    lora = dict(adapted(model))
+def base_state(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The frozen base under its Hugging Face names, as held (no copy; the tied head omitted)."""
     tied = model.config.tie_word_embeddings
-    out = {}
-    for name, tensor in model.state_dict().items():
+    return {
+        name: tensor
+        for name, tensor in model.state_dict().items()
+        if name.rpartition(".")[2] not in ("lora_A", "lora_B") and not (tied and name == "lm_head.weight")
+    }
+
+
+def merged_state(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under their Hugging Face names, adapters merged into their projections in
+    FP32 (the rest as held, which the rollout engine casts like any weight): what it loads."""
+    lora = dict(adapted(model))
+    out = base_state(model)
+    for name in out:
         module, _, leaf = name.rpartition(".")
-        if leaf in ("lora_A", "lora_B") or (tied and name == "lm_head.weight"):
-            continue
         m = lora.get(module)
         if m is not None and leaf == "weight":
-            out[name] = merged_weight(m.weight, m.lora_A, m.lora_B, m.scale).detach().cpu()
-        else:
-            out[name] = tensor.to(device="cpu", dtype=torch.float32).contiguous()
+            out[name] = merged_weight(m.weight, m.lora_A, m.lora_B, m.scale).detach()
     return out
+
+
+@torch.no_grad()
+def adapter_pairs(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each adapted projection's (A, scale·B), FP32, under its module name: what the rollout engine
+    applies unmerged (`RolloutEngine.load_adapters`), with B scaled as `lora_delta` scales it."""
+    return {name: (m.lora_A.detach().clone(), m.lora_B * m.scale) for name, m in adapted(model)}
 
 
 # ----------------------------------------------------------------------------- PEFT files

@@ -558,13 +558,19 @@ class CausalLM(nn.Module):
         return torch.stack(moe, dim=1) if moe and all(c is not None for c in moe) else None
 
     def forward(self, packed: PackedBatch, dtype: torch.dtype, replay: bool = False) -> torch.Tensor:
-        """FP32 logits [len(packed.score_index), V] at the stream's scored positions. One module
-        call, so that a sharding wrapper (FSDP2) gathers the weights around all of it."""
-        return self.logits(gather_rows(self.hidden_states(packed, dtype, replay), packed.score_index))
+        """The LM head's output [len(packed.score_index), V] at the stream's scored positions, in
+        `dtype`, before the final soft-cap (`final_logits` makes logits of it). One module call, so
+        that a sharding wrapper (FSDP2) gathers the weights around all of it."""
+        return self.lm_head(gather_rows(self.hidden_states(packed, dtype, replay), packed.score_index))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits in FP32 from hidden states (the matmul in the hidden dtype)."""
-        return softcap(self.lm_head(hidden).float(), self.config.final_softcap)
+        return final_logits(self.lm_head(hidden), self.config.final_softcap)
+
+
+def final_logits(head: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """FP32 logits from the LM head's output: upcast, then the final soft-cap (Gemma 2) if any."""
+    return softcap(head.float(), cap)
 
 
 # ----------------------------------------------------------------------------- load / save

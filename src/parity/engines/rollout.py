@@ -13,7 +13,7 @@ support so the trainer can score π on the same support.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -240,6 +240,10 @@ class _Layer:
     router: torch.Tensor | None = None  # MoE: [E, H], and each expert's fused projections
     experts_gate_up: torch.Tensor | None = None  # [E, 2I, H]
     experts_down: torch.Tensor | None = None  # [E, H, I]
+    # Unmerged LoRA (`load_adapters`): per projection ("qkv", "o", "gate_up", "down") the pair (A, B)
+    # whose x·Aᵀ·Bᵀ is added to the base projection; a fused projection's A stacks its members' and
+    # its B is block-diagonal, so one pair serves Q, K and V (or gate and up) together.
+    lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 class RolloutEngine:
@@ -326,6 +330,40 @@ class RolloutEngine:
             )
         self.weight_version = version
 
+    def load_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], version: int) -> None:
+        """Apply LoRA unmerged on the loaded base: `adapters` maps a projection's Hugging Face module
+        name (`model.layers.0.self_attn.q_proj`) to (A [r, in], scale·B [out, r]); projections not
+        named keep no adapter. Replaces the previous adapters and records the version."""
+        cfg = self.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        groups = {  # fused projection -> its members and their output widths
+            "qkv": (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
+            "o": (("self_attn.o_proj", cfg.hidden_size),),
+            "gate_up": (("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)),
+            "down": (("mlp.down_proj", cfg.hidden_size),),
+        }
+        unknown = set(adapters)
+        for i, layer in enumerate(self.layers):
+            layer.lora = {}
+            for part, members in groups.items():
+                pairs = [adapters.get(f"model.layers.{i}.{name}") for name, _ in members]
+                unknown -= {f"model.layers.{i}.{name}" for name, _ in members}
+                if all(p is None for p in pairs):
+                    continue
+                ranks = [0 if p is None else p[0].shape[0] for p in pairs]
+                a = torch.cat([p[0] for p in pairs if p is not None])
+                b = torch.zeros(sum(w for _, w in members), sum(ranks), dtype=a.dtype, device=a.device)
+                row = col = 0
+                for p, (_, width), rank in zip(pairs, members, ranks):
+                    if p is not None:
+                        b[row : row + width, col : col + rank] = p[1]
+                    row, col = row + width, col + rank
+                to = {"device": self.device, "dtype": self.dtype}
+                layer.lora[part] = (a.to(**to), b.to(**to))
+        if unknown:
+            raise ValueError(f"adapter sync: no projection named {sorted(unknown)[:3]}")
+        self.weight_version = version
+
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The weights as loaded, under their Hugging Face names (views into the fused
         projections), for checking a weight sync against the sender's checksums."""
@@ -377,11 +415,20 @@ class RolloutEngine:
             return rms_norm(x, weight, self.config.rms_norm_eps, self.config.gemma)
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
 
+    @staticmethod
+    def _project(layer: _Layer, part: str, x: torch.Tensor) -> torch.Tensor:
+        """The projection `part` of `layer` (qkv, o, gate_up, down), with its unmerged adapter."""
+        out = prec.linear(x, getattr(layer, part), getattr(layer, part + "_bias"))
+        if part in layer.lora:
+            a, b = layer.lora[part]
+            out = out + prec.linear(prec.linear(x, a), b)
+        return out
+
     def _mlp(self, layer: _Layer, x: torch.Tensor, routing: list[torch.Tensor]) -> torch.Tensor:
         act = self.config.activation
         if layer.router is None:
-            gate, up = prec.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            return prec.linear(activation(act, gate) * up, layer.down, layer.down_bias)
+            gate, up = self._project(layer, "gate_up", x).chunk(2, dim=-1)
+            return self._project(layer, "down", activation(act, gate) * up)
         flat = x.reshape(-1, x.shape[-1])
         cfg = self.config
         used, weights, _ = route(prec.linear(flat, layer.router), cfg.experts_per_token, cfg.norm_topk_prob)
@@ -438,7 +485,7 @@ class RolloutEngine:
             kind = cfg.layer_type(i)
             cos, sin = angles[kind]
             normed = self._norm(x, layer.input_norm)
-            qkv = prec.linear(normed, layer.qkv, layer.qkv_bias)
+            qkv = self._project(layer, "qkv", normed)
             qk, v = qkv.split([(h + hkv) * d, hkv * d], dim=-1)
             qk = qk.view(b, t, h + hkv, d)
             if layer.q_norm is not None:
@@ -466,7 +513,7 @@ class RolloutEngine:
                 k_t, v_all = cache.k[i, ..., :keys], cache.v[i, :, :, :keys]
                 attn = prec.decode_attention(q, k_t, v_all, masks[kind], scale=scale, softcap=cap, exact=self.exact)
             core = attn.transpose(1, 2).reshape(b, t, h * d)
-            attn = prec.linear(core, layer.o, layer.o_bias)
+            attn = self._project(layer, "o", core)
             if cfg.gemma:
                 x = x + self._norm(attn, layer.post_norm)
                 mlp = self._mlp(layer, self._norm(x, layer.pre_mlp_norm), routing)

@@ -78,6 +78,12 @@ class Sampler:
                     if name in state:  # a tied head shares the embedding
                         tensor.copy_(state[name])
 
+    def load_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], version: int) -> None:
+        """LoRA applied unmerged on the engine's base (`RolloutEngine.load_adapters`)."""
+        if self.scorer is not None:
+            raise RuntimeError("Sampler.load_adapters: the trainer's code path here holds merged weights only")
+        self.engine.load_adapters(adapters, version)
+
     @torch.no_grad()
     def score(self, batch: RolloutBatch, precision: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs [B, T] of the batch's tokens from the trainer's code path on the sampling

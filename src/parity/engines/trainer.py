@@ -13,11 +13,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from parity.engines import precision as prec
-from parity.engines.lora import LoRAConfig, apply_lora, merged_state
-from parity.engines.models import CausalLM, ModelConfig, export_state
+from parity.engines.lora import LoRAConfig, adapter_pairs, apply_lora, base_state, merged_state
+from parity.engines.models import CausalLM, ModelConfig, export_state, final_logits
 from parity.engines.packing import PackedBatch, Routing, pack
 
 
@@ -42,21 +41,75 @@ class StepStats:
     weight_version: int
 
 
+# Rows of [rows, V] FP32 worked on at once by `HeadLogProbs`: 32 MiB, whatever the vocabulary.
+LOGPROB_CHUNK_ELEMENTS = 2**23
+
+
+class HeadLogProbs(torch.autograd.Function):
+    """log p(token) over the whole vocabulary from the LM head's output `head` [M, V] (any dtype),
+    with the soft-cap `cap` and `temperature` applied in FP32: [M] FP32.
+
+    Autograd's log-softmax would hold [M, V] FP32 tensors three times over (the upcast logits,
+    the saved output, the gradient; 300 MB each for 1,536 tokens of a 49k vocabulary). This keeps
+    only `head` itself (what the matmul wrote, in its dtype) and the log-normaliser, and works in
+    row chunks of LOGPROB_CHUNK_ELEMENTS, forward and backward: the same function and gradient."""
+
+    @staticmethod
+    def forward(ctx, head: torch.Tensor, tokens: torch.Tensor, temperature: float, cap: float | None):
+        rows = max(1, LOGPROB_CHUNK_ELEMENTS // head.shape[-1])
+        picked = torch.empty(head.shape[0], device=head.device)
+        lse = torch.empty_like(picked)
+        for start in range(0, head.shape[0], rows):
+            chunk = slice(start, start + rows)
+            z = _scaled(head[chunk], temperature, cap)
+            lse[chunk] = torch.logsumexp(z, dim=-1)
+            picked[chunk] = z.gather(-1, tokens[chunk, None]).squeeze(-1)
+        ctx.save_for_backward(head, tokens, lse)
+        ctx.temperature, ctx.cap = temperature, cap
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        head, tokens, lse = ctx.saved_tensors
+        rows = max(1, LOGPROB_CHUNK_ELEMENTS // head.shape[-1])
+        out = torch.empty_like(head)
+        for start in range(0, head.shape[0], rows):
+            chunk = slice(start, start + rows)
+            g = grad[chunk, None]
+            # d log p(t) / dz = onehot(t) - softmax(z), times the incoming gradient
+            dz = torch.exp(_scaled(head[chunk], ctx.temperature, ctx.cap) - lse[chunk, None]).mul_(-g)
+            dz.scatter_add_(-1, tokens[chunk, None], g)
+            if ctx.temperature != 1.0:
+                dz /= ctx.temperature
+            if ctx.cap is not None:  # d cap·tanh(x / cap) / dx = 1 - tanh²
+                dz *= 1 - torch.tanh(head[chunk].float() / ctx.cap).square()
+            out[chunk] = dz
+        return out, None, None, None
+
+
+def _scaled(head: torch.Tensor, temperature: float, cap: float | None) -> torch.Tensor:
+    z = final_logits(head, cap)
+    return z / temperature if temperature != 1.0 else z
+
+
 def token_logprobs(
-    logits: torch.Tensor,
+    head: torch.Tensor,
     tokens: torch.Tensor,
     support: torch.Tensor | None,
     temperature: float,
     exact: bool = False,
+    cap: float | None = None,
 ) -> torch.Tensor:
-    """log p(token) under softmax(logits / temperature) restricted to `support`.
+    """log p(token) under softmax(logits / temperature) restricted to `support`, [M] FP32.
 
-    `logits` [M, V] FP32, `tokens` [M]; `support` [M, K] token ids (-1 = padding) or
-    None for the full vocabulary. `exact`: the rollout engine's arithmetic (a log-softmax
-    over the whole vocabulary with the tokens outside the support at -inf), for the same bits.
+    `head` [M, V] is the LM head's output (`CausalLM.forward`; its final soft-cap `cap` not yet
+    applied), `tokens` [M]; `support` [M, K] token ids (-1 = padding) or None for the full
+    vocabulary. `exact`: the rollout engine's arithmetic (a log-softmax over the whole vocabulary
+    with the tokens outside the support at -inf), for the same bits.
     """
-    if temperature != 1.0:
-        logits = logits / temperature
+    if support is None and not exact:
+        return HeadLogProbs.apply(head, tokens, temperature, cap)
+    logits = _scaled(head, temperature, cap)
     if exact:
         if support is not None:
             vocab = logits.shape[-1]
@@ -64,9 +117,6 @@ def token_logprobs(
             kept = torch.zeros((logits.shape[0], vocab + 1), dtype=torch.bool, device=logits.device)
             logits = logits.masked_fill(~kept.scatter_(-1, columns, True)[:, :vocab], float("-inf"))
         return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    if support is None:
-        # One fused log-softmax + pick, forward and backward (no [M, V] temporaries).
-        return -F.cross_entropy(logits, tokens, reduction="none")
     kept = logits.gather(-1, support.clamp(min=0)).masked_fill(support < 0, float("-inf"))
     return logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(kept, dim=-1)
 
@@ -111,6 +161,7 @@ def sequence_logprobs(
         None if support is None else support[response_mask],
         temperature,
         model.exact,
+        model.config.final_softcap,
     )
     out = torch.zeros(response_ids.shape, dtype=scored.dtype, device=scored.device)
     return packed, out.masked_scatter(response_mask, scored).cpu()
@@ -252,8 +303,14 @@ class Trainer:
         self.scaler.load_state_dict(state.scaler)
         self.weight_version = state.weight_version
 
-    def export_weights(self) -> tuple[dict[str, torch.Tensor], int]:
-        """FP32 weights (LoRA adapters merged in) and their version, for `RolloutEngine.load_weights`
-        (which casts)."""
-        state = export_state(self.model) if self.lora is None else merged_state(self.model)
-        return state, self.weight_version
+    def export_weights(self, merge: bool = True) -> tuple[dict[str, torch.Tensor], int]:
+        """The weights and their version, for `RolloutEngine.load_weights` (which casts): FP32, with
+        LoRA adapters merged in, or with `merge=False` the frozen base alone, as held (the adapters
+        then travel by `export_adapters`)."""
+        if self.lora is None:
+            return export_state(self.model), self.weight_version
+        return (merged_state if merge else base_state)(self.model), self.weight_version
+
+    def export_adapters(self) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], int]:
+        """LoRA's (A, scale·B) per projection and the version, for `RolloutEngine.load_adapters`."""
+        return adapter_pairs(self.model), self.weight_version
