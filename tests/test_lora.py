@@ -13,7 +13,16 @@ from safetensors.torch import load_file, save_file
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
-from parity.engines.lora import ATTENTION, PEFT_PREFIX, AdapterError, LoRAConfig, LoRALinear, adapted, save_adapter
+from parity.engines.lora import (
+    ATTENTION,
+    PEFT_PREFIX,
+    TARGETS,
+    AdapterError,
+    LoRAConfig,
+    LoRALinear,
+    adapted,
+    save_adapter,
+)
 from parity.engines.models import BUILTIN_DIR, load_model
 from parity.engines.packing import pack
 from parity.engines.rollout import RolloutEngine, SamplingParams
@@ -70,6 +79,8 @@ def _ids(seed: int, n: int = 20) -> list[int]:
         (["lora.alpha=16"], "lora.alpha=16 has no effect with lora.rank=0"),
         (["lora.rank=4", "algorithm.ratio_source=shadow"], "ratio_source=shadow with lora.rank > 0"),
         (["lora.rank=4", "distributed.rollout_workers=1"], "lora.rank > 0 runs in one process only"),
+        (["lora.merge=false"], "lora.merge=false has no effect with lora.rank=0"),
+        (["lora.rank=4", "lora.merge=false", "algorithm.shadow_forward=true"], "the probe scores merged weights"),
     ],
 )
 def test_bad_lora_keys_are_refused_naming_the_key(override, message):
@@ -175,6 +186,46 @@ def test_merged_weights_give_the_rollout_engine_the_trainers_pi(llama_dir):
     assert (pi - batch.rollout_logprobs).abs().max() < 2e-5
     base = load_model(llama_dir).state_dict()["model.layers.0.mlp.down_proj.weight"]
     assert (state["model.layers.0.mlp.down_proj.weight"] - base).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("targets", [TARGETS, ("q_proj", "v_proj", "down_proj")])
+def test_unmerged_adapters_give_the_rollout_engine_the_trainers_pi(llama_dir, targets):
+    tok = load_tokenizer(llama_dir)
+    trainer = Trainer(load_model(llama_dir), "fp32", OptimConfig(), LoRAConfig(4, 8.0, targets), seed=0)
+    _random_adapters(trainer, seed=3)
+    engine = RolloutEngine(trainer.model.config, "fp32", tok.eos_ids, tok.pad_id)
+    engine.load_weights(*trainer.export_weights(merge=False))
+    engine.load_adapters(*trainer.export_adapters())
+    parts = {"q_proj": "qkv", "v_proj": "qkv", "k_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up"}
+    assert set(engine.layers[0].lora) == {parts.get(t, "down" if t == "down_proj" else "gate_up") for t in targets}
+    batch = engine.generate([tok.encode(p) for p in ("12+34=", "7+8=")], 4, SamplingParams(max_new_tokens=24), 0)
+    with torch.no_grad():
+        pi = trainer.logprobs(batch.prompt_ids, batch.response_ids, batch.response_mask)
+    assert (pi - batch.rollout_logprobs).abs().max() < 2e-5
+    with pytest.raises(ValueError, match="no projection named"):
+        engine.load_adapters({"model.layers.0.self_attn.x_proj": (torch.zeros(4, 8), torch.zeros(8, 4))}, 1)
+
+
+def test_unmerged_lora_shares_the_base_and_syncs_only_adapters(tmp_path):
+    run = Run.create(
+        config.load(
+            TrainConfig,
+            None,
+            [f"run_dir={tmp_path}", "precision=bf16", "lora.rank=4", "lora.merge=false", "steps=2", *TINY],
+        ),
+        progress=False,
+    )
+    model, engine = run.trainer.model, run.sampler.engine
+    o_proj = model.model.layers[0].self_attn.o_proj
+    # A projection the engine does not fuse is the trainer's own BF16 base tensor, not a copy.
+    assert engine.layers[0].o.data_ptr() == o_proj.weight.data_ptr()
+    run.step()
+    run.step()
+    run.rewards.close()
+    a, b = engine.layers[0].lora["o"]
+    assert torch.equal(a, o_proj.lora_A.to(torch.bfloat16))
+    assert torch.equal(b, (o_proj.lora_B * o_proj.scale).to(torch.bfloat16)) and b.abs().max() > 0
+    assert engine.weight_version == run.trainer.weight_version == 2
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -111,6 +111,9 @@ def cmd_sanity(args: argparse.Namespace) -> int:
         model=args.model,
         task=args.task,
         max_new_tokens=args.max_new_tokens,
+        difficulty=args.difficulty,
+        candidates=args.candidates,
+        overrides=args.overrides,
     )
     from parity.commands.report import summary_table
 
@@ -192,6 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="the checker and its generated problems (default: builtin for the built-in model, number otherwise)",
     )
     p.add_argument("--max-new-tokens", type=int, default=96, help="longest response, everywhere (default 96)")
+    p.add_argument(
+        "--difficulty",
+        choices=("standard", "easy"),
+        default="standard",
+        help="--task number: the generated word problems' level (easy: one step, numbers below 16)",
+    )
+    p.add_argument("--candidates", type=int, help="problems the perfectible search tries (default 256)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="`parity train` keys for every run, after the test's own (e.g. trainer.lr=1e-5 steps=30)",
+    )
     p.set_defaults(func=cmd_sanity)
 
     p = sub.add_parser(

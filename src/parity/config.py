@@ -45,8 +45,11 @@ def _yaml_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
     return data, lines
 
 
+_PLAIN_NAMES = {float: "a number", int: "an integer", str: "a string", bool: "true or false", type(None): "null"}
+
+
 def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+    return _PLAIN_NAMES.get(tp) or getattr(tp, "__name__", str(tp)).replace("typing.", "")
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
@@ -55,6 +58,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         options = typing.get_args(tp)
         if value is None and type(None) in options:
             return None
+        given = [o for o in options if o is not type(None)]
+        if len(given) == 1:  # an optional key: the type's own message ("expected a finite number")
+            return _coerce(value, given[0], key)
         for opt in options:
             if opt is type(None):
                 continue

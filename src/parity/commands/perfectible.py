@@ -24,7 +24,7 @@ from parity.engines.rollout import RolloutEngine, SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, load_tokenizer
 from parity.files import atomic_write_text
 from parity.rl.rewards import RewardRunner, score_rollouts
-from parity.rl.tasks import REWARDS, TRUSTED_REWARDS, Problem, builtin_problems, load_problems
+from parity.rl.tasks import DIFFICULTIES, REWARDS, TRUSTED_REWARDS, Problem, builtin_problems, load_problems
 
 
 @dataclass
@@ -32,6 +32,7 @@ class PerfectibleConfig:
     model: str = "builtin"
     task: str = "builtin"  # the checker: builtin | exact | math | number
     data: str = "builtin"  # builtin (generated problems: word problems for task=number) or a JSONL/Parquet file
+    difficulty: str = "standard"  # task=number's generated word problems: standard | easy
     num_candidates: int = 256  # builtin data: how many problems to try
     samples: int = 16  # K
     lo: float = 0.2
@@ -46,6 +47,10 @@ class PerfectibleConfig:
     def validate(self) -> None:
         if self.task not in REWARDS or self.task == "length":
             raise ConfigError(f"task: {self.task!r} has no right answer; use builtin, exact, math or number")
+        if self.difficulty not in DIFFICULTIES:
+            raise ConfigError(f"difficulty: unknown value {self.difficulty!r}; allowed: {', '.join(DIFFICULTIES)}")
+        if self.difficulty != "standard" and (self.task != "number" or self.data != "builtin"):
+            raise ConfigError("difficulty: only the generated word problems of task=number (data=builtin) have levels")
         if self.chat_template not in CHAT_TEMPLATE_MODES:
             raise ConfigError(
                 f"chat_template: unknown value {self.chat_template!r}; allowed: {', '.join(CHAT_TEMPLATE_MODES)}"
@@ -81,7 +86,7 @@ def format_histogram(counts: list[int], lo: float, hi: float, width: int = 40) -
 
 def candidate_problems(cfg: PerfectibleConfig) -> list[Problem]:
     if cfg.data == "builtin":
-        return builtin_problems(cfg.task, cfg.num_candidates, cfg.seed)
+        return builtin_problems(cfg.task, cfg.num_candidates, cfg.seed, cfg.difficulty)
     model_dir = resolve_model_dir(cfg.model)
     positions = load_config(model_dir).max_position_embeddings
     return load_problems(

@@ -90,17 +90,47 @@ def run_sanity(
     model: str = "builtin",
     task: str | None = None,
     max_new_tokens: int = 96,
+    difficulty: str = "standard",
+    candidates: int | None = None,
+    overrides: list[str] = (),
 ) -> dict:
     """The sanity test of `model` (default: the built-in one) on `task`'s generated problems (default:
-    the built-in task for the built-in model, word problems with `task.name=number` for any other),
-    sampling at most `max_new_tokens` per response everywhere."""
+    the built-in task for the built-in model, word problems of `difficulty` with `task.name=number` for
+    any other), sampling at most `max_new_tokens` per response everywhere. `candidates`: how many
+    problems the perfectible search tries (its default when None); `overrides`: `parity train` keys
+    (KEY=VALUE) applied to every run after the test's own, e.g. trainer.lr or steps."""
     settings = QUICK if quick else FULL
     task = task or ("builtin" if model == "builtin" else "number")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 
-    pcfg = PerfectibleConfig(model=model, task=task, seed=seed, max_new_tokens=max_new_tokens)
+    pcfg = PerfectibleConfig(model=model, task=task, seed=seed, max_new_tokens=max_new_tokens, difficulty=difficulty)
+    if candidates is not None:
+        pcfg.num_candidates = candidates
     pcfg.validate()
+
+    def run_config(precision: str, estimator: str, run_dir: Path) -> TrainConfig:
+        keys = [
+            f"model={model}",
+            f"task.name={task}",
+            f"rollout.max_new_tokens={max_new_tokens}",
+            f"precision={precision.removesuffix(EXACT_SUFFIX)}",
+            f"exact={str(precision.endswith(EXACT_SUFFIX)).lower()}",
+            f"algorithm.name={estimator}",
+            f"task.data={out / 'perfectible.jsonl'}",
+            f"steps={settings.steps}",
+            f"prompts_per_step={settings.prompts_per_step}",
+            f"rollout.group_size={settings.group_size}",
+            f"algorithm.num_minibatches={UPDATES_PER_ROLLOUT}",
+            f"seed={seed}",
+            f"run_dir={run_dir}",
+            "checkpoint_every=-1",
+            "tensorboard=false",
+        ]
+        return config_mod.load(TrainConfig, None, [*keys, *overrides])
+
+    # Every run's config is checked before the first one starts: a bad override fails in a second.
+    configs = {f"{p}/{e}": run_config(p, e, out / "runs" / f"{p}-{e}") for p, e in runs}
     set_path, accuracies, cached = build_or_load(pcfg)
     keep = filter_perfectible(accuracies, pcfg.lo, pcfg.hi)
     if not keep:
@@ -136,47 +166,28 @@ def run_sanity(
     plot_mismatch_scatter(pairs, out / "mismatch_scatter.png")
 
     histories: dict[str, list[dict]] = {}
-    for precision, estimator in runs:
-        name = f"{precision}/{estimator}"
-        run_dir = out / "runs" / name.replace("/", "-")
-        remove_run(run_dir)  # a previous sanity run's copy of this run
-        cfg = config_mod.load(
-            TrainConfig,
-            None,
-            [
-                f"model={model}",
-                f"task.name={task}",
-                f"rollout.max_new_tokens={max_new_tokens}",
-                f"precision={precision.removesuffix(EXACT_SUFFIX)}",
-                f"exact={str(precision.endswith(EXACT_SUFFIX)).lower()}",
-                f"algorithm.name={estimator}",
-                f"task.data={out / 'perfectible.jsonl'}",
-                f"steps={settings.steps}",
-                f"prompts_per_step={settings.prompts_per_step}",
-                f"rollout.group_size={settings.group_size}",
-                f"algorithm.num_minibatches={UPDATES_PER_ROLLOUT}",
-                f"seed={seed}",
-                f"run_dir={run_dir}",
-                "checkpoint_every=-1",
-                "tensorboard=false",
-            ],
-        )
+    for name, cfg in configs.items():
+        remove_run(Path(cfg.run_dir))  # a previous sanity run's copy of this run
         log(f"run {len(histories) + 1}/{len(runs)}: {name}")
         histories[name] = Run.create(cfg).train()
 
     summaries = {name: summarize(h) for name, h in histories.items()}
     plot_accuracy(histories, out / "accuracy.png")
     plot_mismatch_curves(histories, out / "mismatch.png")
+    first = next(iter(configs.values()))  # the settings every run shares
     summary = {
         "settings": {
             "model": model,
             "task": task,
-            "max_new_tokens": max_new_tokens,
+            "difficulty": difficulty,
+            "max_new_tokens": first.rollout.max_new_tokens,
             "quick": quick,
-            "steps": settings.steps,
-            "prompts_per_step": settings.prompts_per_step,
-            "group_size": settings.group_size,
-            "updates_per_rollout": UPDATES_PER_ROLLOUT,
+            "steps": first.steps,
+            "prompts_per_step": first.prompts_per_step,
+            "group_size": first.rollout.group_size,
+            "updates_per_rollout": first.algorithm.num_minibatches,
+            "lr": first.trainer.lr,
+            "overrides": list(overrides),
             "seed": seed,
         },
         "perfectible": {
@@ -247,8 +258,10 @@ def render_report(summary: dict) -> str:
         "",
         f"Model {st['model']}, task {st['task']}, at most {st['max_new_tokens']} new tokens per response. "
         f"{'Quick' if st['quick'] else 'Full'} run: {st['steps']} steps of {st['prompts_per_step']} prompts × "
-        f"{st['group_size']} samples per run, {st['updates_per_rollout']} optimizer steps per rollout, seed "
-        f"{st['seed']}, {summary['wall_seconds']:.0f} s in all. The paper's recipe: each estimator with its "
+        f"{st['group_size']} samples per run, {st['updates_per_rollout']} optimizer steps per rollout, learning "
+        f"rate {st['lr']:g}, seed {st['seed']}, {summary['wall_seconds']:.0f} s in all"
+        f"{' (overrides: ' + ' '.join(st['overrides']) + ')' if st['overrides'] else ''}. "
+        "The paper's recipe: each estimator with its "
         "reference defaults, Dr.GRPO advantages, zero reward without EOS, ÷ L_max (docs/training.md).",
         "",
         "## Perfectible set",

@@ -32,7 +32,7 @@ from parity.config import ConfigError, check_range
 from parity.engines import precision as prec
 from parity.engines.locate import first_divergence, format_table, worst_row
 from parity.engines.lora import TARGETS, AdapterError, LoRAConfig
-from parity.engines.models import load_model, resolve_model_dir
+from parity.engines.models import BUILTIN_DIR, load_model, resolve_model_dir
 from parity.engines.rollout import RolloutBatch, SamplingParams
 from parity.engines.sampler import Sampler
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, load_tokenizer
@@ -54,6 +54,7 @@ from parity.rl.step import (
     train_on_batch,
 )
 from parity.rl.tasks import (
+    DIFFICULTIES,
     REWARDS,
     TRUSTED_REWARDS,
     DataOrder,
@@ -93,7 +94,7 @@ class RolloutSection:
 @dataclass
 class TrainerSection:
     precision: str | None = None  # overrides `precision` for the trainer
-    lr: float = 2e-4
+    lr: float | None = None  # unset: 2e-4 on the built-in model; on any other 1e-6, or 1e-5 with LoRA
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.999
@@ -145,6 +146,7 @@ class TaskSection:
     # builtin (generated problems: word problems for name=number, else arithmetic) or a JSONL/Parquet file
     data: str = "builtin"
     num_problems: int = 1024  # size of the generated builtin dataset
+    difficulty: str = "standard"  # name=number's generated word problems: standard | easy
     reward_fn: str = ""  # module:function, called as fn(prompt, response, answer); overrides `name`
     chat_template: str = "auto"  # auto (the model's chat template, when it has one) | none (raw text)
 
@@ -193,11 +195,23 @@ class LoRASection:
     rank: int = 0
     alpha: float | None = None  # unset: 2 x rank (each adapter's update is scaled by alpha / rank)
     targets: list[str] = field(default_factory=lambda: list(TARGETS))  # the projections adapted
+    # true: the rollout engine gets W + scale·B·A each sync; false: it keeps the base and applies the
+    # adapters unmerged, as the trainer does (docs/real-models.md measures both)
+    merge: bool = True
 
 
 @dataclass
 class AsyncSection:
     max_staleness: int = 0  # policy versions a sample may lag the learners; 0 = synchronous, on-policy
+
+
+def default_lr(model: str, lora: bool) -> float:
+    """`trainer.lr` when unset. The built-in 4M model learns its task at 2e-4; a pretrained model
+    takes the RL fine-tuning norm (TRL's GRPO default, the research's scripts) of 1e-6, and ten times
+    that with LoRA, whose low-rank updates need a larger step for the same change."""
+    if model == "builtin" or Path(model).expanduser().resolve() == BUILTIN_DIR.resolve():
+        return 2e-4
+    return 1e-5 if lora else 1e-6
 
 
 # Every numeric key and its range (floats are already finite: `config._coerce`).
@@ -285,8 +299,15 @@ class TrainConfig:
         if not r.rank:
             if r.alpha is not None:
                 raise ConfigError(f"lora.alpha={r.alpha:g} has no effect with lora.rank=0 (LoRA off); set lora.rank")
+            if not r.merge:
+                raise ConfigError("lora.merge=false has no effect with lora.rank=0 (LoRA off); set lora.rank")
             return
         r.alpha = 2.0 * r.rank if r.alpha is None else r.alpha
+        if not r.merge and self.algorithm.shadow_forward:
+            raise ConfigError(
+                "lora.merge=false with algorithm.shadow_forward=true: the probe scores merged weights; "
+                "set lora.merge=true or drop the probe"
+            )
         if self.algorithm.ratio_source == "shadow":
             raise ConfigError(
                 "algorithm.ratio_source=shadow with lora.rank > 0: the sampler scores π_old on the merged weights, "
@@ -397,7 +418,15 @@ class TrainConfig:
         _one_of("algorithm.name", self.algorithm.name, ESTIMATORS)
         _one_of("task.name", self.task.name, REWARDS)
         _one_of("task.chat_template", self.task.chat_template, CHAT_TEMPLATE_MODES)
+        _one_of("task.difficulty", self.task.difficulty, DIFFICULTIES)
+        if self.task.difficulty != "standard" and (self.task.name != "number" or self.task.data != "builtin"):
+            raise ConfigError(
+                f"task.difficulty={self.task.difficulty}: only the generated word problems of task.name=number "
+                "(task.data=builtin) have levels"
+            )
         self._resolve_algorithm()
+        if self.trainer.lr is None:
+            self.trainer.lr = default_lr(self.model, self.lora.rank > 0)
         _one_of("reward.isolate", self.reward.isolate, ("auto", "always", "never"))
         _one_of("algorithm.ratio_source", self.algorithm.ratio_source, RATIO_SOURCES)
         _one_of("health.on_alarm", self.health.on_alarm, ("warn", "checkpoint", "stop"))
@@ -581,7 +610,7 @@ class Run:
         positions, max_new = model.config.max_position_embeddings, cfg.rollout.max_new_tokens
         room = f"model max_position_embeddings {positions} minus rollout.max_new_tokens {max_new}"
         if cfg.task.data == "builtin":
-            self.problems = builtin_problems(cfg.task.name, cfg.task.num_problems, cfg.seed)
+            self.problems = builtin_problems(cfg.task.name, cfg.task.num_problems, cfg.seed, cfg.task.difficulty)
             limit = PromptLimit(self.tokenizer, positions - max_new, room, cfg.task.chat_template)
             for i, problem in enumerate(self.problems):
                 limit.check(f"task.data=builtin: generated problem {i}", problem.prompt)
@@ -629,11 +658,20 @@ class Run:
             device=cfg.device,
             exact=cfg.exact,
         )
-        self.sampler.load_weights(*self.trainer.export_weights())
+        self._push_weights(base=True)
+
+    def _push_weights(self, base: bool) -> None:
+        """The trainer's weights to the sampler. Unmerged LoRA sends the frozen base only when `base`
+        (at the start), then the adapters alone; otherwise every sync sends every weight."""
+        unmerged = self.cfg.lora.rank > 0 and not self.cfg.lora.merge
+        if base or not unmerged:
+            self.sampler.load_weights(*self.trainer.export_weights(merge=not unmerged))
+        if unmerged:
+            self.sampler.load_adapters(*self.trainer.export_adapters())
 
     def _weights_restored(self) -> None:
         """`self.trainer` now holds a checkpoint's state: hand the weights on."""
-        self.sampler.load_weights(*self.trainer.export_weights())
+        self._push_weights(base=False)
 
     def _gather_state(self) -> None:
         """Bring the newest trainer state into `self.trainer` before a checkpoint (here it is)."""
@@ -820,7 +858,7 @@ class Run:
     def _sync(self, times: dict[str, float]) -> dict[str, float]:
         """The new weights to the sampler; returns sync metrics (none in one process)."""
         t = time.perf_counter()
-        self.sampler.load_weights(*self.trainer.export_weights())
+        self._push_weights(base=False)
         times["sync"] = time.perf_counter() - t
         return {}
 

@@ -174,14 +174,39 @@ def _word_problem(rng: random.Random) -> tuple[str, int]:
     )
 
 
+def _easy_word_problem(rng: random.Random) -> tuple[str, int]:
+    """One single-step word problem on numbers below 16 (adding, taking away, equal groups): a
+    level a 135M instruct model solves some of the time."""
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    kind = rng.randrange(3)
+    if kind == 0:
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        return f"{name} has {a} {item}s and buys {b} more. How many {item}s does {name} have now?", a + b
+    if kind == 1:
+        a = rng.randint(5, 15)
+        b = rng.randint(1, a - 1)
+        return f"{name} had {a} {item}s and gave {b} of them to a friend. How many {item}s are left?", a - b
+    a, b = rng.randint(2, 5), rng.randint(2, 5)
+    return f"{name} has {a} bags with {b} {item}s in each bag. How many {item}s does {name} have?", a * b
+
+
+DIFFICULTIES = {"standard": _word_problem, "easy": _easy_word_problem}
+
+
 class NumberTask:
     """Arithmetic word problems whose answer is a whole number, for instruct models: `task.name=number`.
 
     `split="eval"` draws from a held-out eighth of the problems (by their text) that `split="train"`
     never produces. The reward (`number_reward`) reads the answer wherever an instruct model writes it.
+    `difficulty`: standard (one or two steps, numbers into the hundreds) or easy (`_easy_word_problem`).
     """
 
     name = "number"
+
+    def __init__(self, difficulty: str = "standard"):
+        if difficulty not in DIFFICULTIES:
+            raise ValueError(f"difficulty must be one of {', '.join(DIFFICULTIES)}, got {difficulty!r}")
+        self.draw = DIFFICULTIES[difficulty]
 
     @staticmethod
     def _held_out(prompt: str) -> bool:
@@ -193,18 +218,18 @@ class NumberTask:
         rng = random.Random(f"{self.name}:{split}:{seed}")
         out: list[Problem] = []
         while len(out) < n:
-            prompt, answer = _word_problem(rng)
+            prompt, answer = self.draw(rng)
             if self._held_out(prompt) == (split == "eval"):
                 out.append(Problem(prompt=prompt, answer=str(answer)))
         return out
 
 
-def builtin_problems(task_name: str, n: int, seed: int) -> list[Problem]:
-    """The generated problems `task.data=builtin` stands for: word problems for `task.name=number` (its
-    training split), else the built-in arithmetic task's held-out split, which the built-in model was not
-    pretrained on."""
+def builtin_problems(task_name: str, n: int, seed: int, difficulty: str = "standard") -> list[Problem]:
+    """The generated problems `task.data=builtin` stands for: word problems of `difficulty` for
+    `task.name=number` (its training split), else the built-in arithmetic task's held-out split, which the
+    built-in model was not pretrained on."""
     if task_name == "number":
-        return NumberTask().problems(n, seed=seed, split="train")
+        return NumberTask(difficulty).problems(n, seed=seed, split="train")
     return ArithmeticTask().problems(n, seed=seed, split="eval")
 
 
