@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import tracemalloc
 
@@ -11,9 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from families import write_config, write_tokenizer
+from parity import config
 from parity.commands.perfectible import PerfectibleConfig, candidate_problems
+from parity.config import ConfigError
 from parity.engines.tokenizer import load_tokenizer
 from parity.rl import tasks
+from parity.rl.loop import TrainConfig
 from parity.rl.tasks import DataError, NumberTask, Problem, load_problems
 
 REASON = "model max_position_embeddings 128 minus rollout.max_new_tokens 120"
@@ -243,3 +247,18 @@ def test_number_task_data_is_generated_and_held_out():
     held_out = {p.prompt for p in NumberTask().problems(200, seed=0, split="eval")}
     assert len(train) > 1900 and not train & held_out
     assert NumberTask().problems(5, seed=1) == NumberTask().problems(5, seed=1) != NumberTask().problems(5, seed=2)
+
+
+def test_easy_word_problems_are_one_step_on_small_numbers():
+    problems = NumberTask("easy").problems(300, seed=0)
+    for p in problems:
+        a, b = (int(n) for n in re.findall(r"\d+", p.prompt))
+        assert max(a, b) < 16 and int(p.answer) in (a + b, a - b, a * b)
+    held_out = {p.prompt for p in NumberTask("easy").problems(100, seed=0, split="eval")}
+    assert not {p.prompt for p in problems} & held_out
+    assert candidate_problems(PerfectibleConfig(task="number", difficulty="easy", num_candidates=5)) == problems[:5]
+    with pytest.raises(ValueError, match="difficulty must be one of standard, easy"):
+        NumberTask("hard")
+    with pytest.raises(ConfigError, match="task.difficulty=easy: only the generated word problems"):
+        config.load(TrainConfig, None, ["task.difficulty=easy"])
+    assert config.load(TrainConfig, None, ["task.name=number", "task.difficulty=easy"]).task.difficulty == "easy"

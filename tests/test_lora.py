@@ -95,6 +95,15 @@ def test_lora_keys_resolve():
     assert config.load(TrainConfig, None, ["lora.rank=4", "lora.alpha=4"]).lora_config().scale == 1.0
 
 
+def test_the_learning_rate_default_follows_the_model(llama_dir):
+    def lr(*keys):
+        return config.load(TrainConfig, None, list(keys)).trainer.lr
+
+    assert lr() == lr(f"model={BUILTIN_DIR}") == 2e-4  # the built-in model, by name or directory
+    assert lr(f"model={llama_dir}") == 1e-6 and lr(f"model={llama_dir}", "lora.rank=4") == 1e-5
+    assert lr(f"model={llama_dir}", "trainer.lr=3e-6") == 3e-6
+
+
 # ----------------------------------------------------------------------------- PEFT compatibility
 
 

@@ -9,7 +9,7 @@ from PIL import Image
 
 from parity.cli import main
 from parity.commands.perfectible import filter_perfectible, format_histogram, histogram
-from parity.commands.sanity import parse_runs
+from parity.commands.sanity import parse_runs, run_sanity
 from parity.config import ConfigError
 from parity.engines.models import BUILTIN_DIR
 
@@ -47,6 +47,15 @@ def test_sanity_of_a_model_that_solves_nothing_says_so(tmp_path, monkeypatch, ll
     assert f"--model {llama_dir} --task number: no perfectible problem" in err and "--max-new-tokens" in err
 
 
+def test_a_bad_override_fails_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert main(["sanity", "--out", str(tmp_path / "s"), "--runs", "fp16/grpo", "trainer.lr=fast"]) == 2
+    assert "trainer.lr: expected a number, got 'fast'" in capsys.readouterr().err
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "s" / "perfectible.jsonl").exists()
+    with pytest.raises(ConfigError, match="only the generated word problems of task=number"):
+        run_sanity(tmp_path / "s", [("fp16", "grpo")], quick=True, difficulty="easy")
+
+
 def test_bad_runs_are_rejected():
     assert parse_runs("fp16/pg_seq_is, bf16/grpo") == [("fp16", "pg_seq_is"), ("bf16", "grpo")]
     with pytest.raises(ConfigError, match="'fp16-grpo' is not PRECISION/ESTIMATOR"):
@@ -61,9 +70,12 @@ def test_sanity_quick_end_to_end(tmp_path, monkeypatch):
     out = tmp_path / "sanity"
     # The built-in model named as a directory, and its task named: what `--model DIR` runs.
     model = ["--model", str(BUILTIN_DIR), "--task", "builtin"]
-    assert main(["sanity", "--quick", "--out", str(out), "--runs", "fp16/pg_seq_is,bf16/grpo", *model]) == 0
+    runs = ["--runs", "fp16/pg_seq_is,bf16/grpo"]
+    assert main(["sanity", "--quick", "--out", str(out), *runs, *model, "steps=40"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["settings"]["model"] == str(BUILTIN_DIR) and summary["settings"]["task"] == "builtin"
+    # The override reached every run; the built-in model named as a directory keeps its learning rate.
+    assert summary["settings"]["steps"] == 40 and summary["settings"]["lr"] == 2e-4
     assert summary["perfectible"]["num_problems"] >= 64
     assert set(summary["runs"]) == {"fp16/pg_seq_is", "bf16/grpo"}
     for s in summary["runs"].values():
