@@ -21,7 +21,7 @@ CPU (BF16; TRL has no FP16 on CPU). Writes accuracy-against-wall-time curves.
     pip install -e '.[bench]'
     python benchmarks/vs_trl.py [--steps 12] [--warmup 2] [--rounds 2] [--json out.json]
         [--models builtin,llama-4.4M] [--precisions fp32,bf16] [--trl-checkpointing]
-    python benchmarks/vs_trl.py --model DIR [...]     # a real model: its chat template on both sides
+    python benchmarks/vs_trl.py --model DIR [--lora 8 [--lora-unmerged]] [...]   # a real model: chat prompts
 
 With `--model DIR` (any Hugging Face directory Parity runs, e.g. SmolLM2-135M-Instruct as
 docs/real-models.md converts it) the prompts are chat messages, which both sides put through the
@@ -97,6 +97,8 @@ class Work:
     seed: int = 0
     trl_checkpointing: bool = False  # TRL only: recompute activations in the backward (its default)
     chat: bool = False  # prompts are chat messages, rewarded as task.name=number
+    lora_rank: int = 0  # > 0: both sides train LoRA adapters of this rank on every projection (alpha 2 x rank)
+    lora_merge: bool = True  # Parity: the rollout engine gets merged weights (true) or applies adapters unmerged
 
 
 def parity_run(work: Work, tmp: Path):
@@ -127,6 +129,7 @@ def parity_run(work: Work, tmp: Path):
             "tensorboard=false",
             f"trainer.micro_batch_size={work.prompts * work.group}",
             f"seed={work.seed}",
+            *([f"lora.rank={work.lora_rank}", f"lora.merge={str(work.lora_merge).lower()}"] if work.lora_rank else []),
         ],
     )
     return Run.create(cfg, progress=False)
@@ -175,8 +178,18 @@ def trl_trainer(work: Work, callbacks: list, on_accuracy=None):
         bf16=work.precision == "bf16",
         seed=work.seed,
     )
+    peft_config = None
+    if work.lora_rank:
+        from peft import LoraConfig
+
+        from parity.engines.lora import TARGETS
+
+        peft_config = LoraConfig(
+            r=work.lora_rank, lora_alpha=2 * work.lora_rank, target_modules=list(TARGETS), task_type="CAUSAL_LM"
+        )
     return GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(work.model_dir, dtype=torch.float32),
+        peft_config=peft_config,
         reward_funcs=reward,
         args=args,
         train_dataset=Dataset.from_list(work.problems),
@@ -204,7 +217,8 @@ def parity_matmul_floor(work: Work, warmup: int, repeats: int = 7) -> dict:
 
     Every `F.linear` of a real step (after `warmup` steps) is recorded with its shapes,
     then each is run alone on random inputs of those shapes: its forward, plus for the
-    trainer's the two backward matmuls (input and weight gradients). The sum is what
+    trainer's the backward matmuls it needs (the input gradient, and the weight gradient
+    unless the weight is frozen, as a LoRA base is). The sum is what
     the projections, MLP and LM head cost on this CPU at the shapes the step uses, with
     nothing else running (hot caches: an optimistic floor). Attention, norms, sampling
     and the optimizer are not in it.
@@ -217,10 +231,13 @@ def parity_matmul_floor(work: Work, warmup: int, repeats: int = 7) -> dict:
 
     class RecordLinear(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is F.linear:
+            if func is F.linear:  # the trainer's run with grad enabled; the rollout's without
                 x, w = args[0], args[1]
-                calls.append((tuple(x.shape), tuple(w.shape), x.dtype, w.requires_grad))
+                calls.append((tuple(x.shape), tuple(w.shape), x.dtype, torch.is_grad_enabled(), *needs_grad(x, w)))
             return func(*args, **(kwargs or {}))
+
+    def needs_grad(x, w) -> tuple[bool, bool]:
+        return (torch.is_grad_enabled() and x.requires_grad, torch.is_grad_enabled() and w.requires_grad)
 
     def seconds(fn, *args) -> float:
         fn(*args)  # first call: BF16 kernels are built per shape
@@ -231,8 +248,8 @@ def parity_matmul_floor(work: Work, warmup: int, repeats: int = 7) -> dict:
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    def backward(x, w, grad_out):  # the input and the weight gradient
-        return grad_out @ w, grad_out.t() @ x
+    def backward(x, w, grad_out, input_grad, weight_grad):  # what the backward computes (LoRA: no weight grad)
+        return (grad_out @ w if input_grad else None), (grad_out.t() @ x if weight_grad else None)
 
     with tempfile.TemporaryDirectory() as tmp:
         run = parity_run(work, Path(tmp))
@@ -243,13 +260,14 @@ def parity_matmul_floor(work: Work, warmup: int, repeats: int = 7) -> dict:
     cost: dict[tuple, float] = {}
     floor = {"rollout_s": 0.0, "trainer_s": 0.0}
     for call in calls:
-        x_shape, w_shape, dtype, grad = call
+        x_shape, w_shape, dtype, trainer, input_grad, weight_grad = call
         if call not in cost:
             x = torch.randn(x_shape, dtype=dtype).reshape(-1, x_shape[-1])
             w = torch.randn(w_shape, dtype=dtype)
             g = torch.randn(x.shape[0], w_shape[0], dtype=dtype)
-            cost[call] = seconds(F.linear, x, w) + (seconds(backward, x, w, g) if grad else 0.0)
-        floor["trainer_s" if grad else "rollout_s"] += cost[call]
+            grads = input_grad or weight_grad
+            cost[call] = seconds(F.linear, x, w) + (seconds(backward, x, w, g, input_grad, weight_grad) if grads else 0)
+        floor["trainer_s" if trainer else "rollout_s"] += cost[call]
     return floor
 
 
@@ -308,6 +326,8 @@ def step_table(args) -> dict:
                     steps,
                     trl_checkpointing=args.trl_checkpointing,
                     chat=args.model is not None,
+                    lora_rank=args.lora,
+                    lora_merge=not args.lora_unmerged,
                 )
                 rounds = [
                     (isolated(trl_steps, work, args.warmup), isolated(parity_steps, work, args.warmup))
@@ -467,6 +487,8 @@ def main() -> int:
     parser.add_argument("--plot", type=Path, help="--solve: write the accuracy-vs-time plot here")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--model", type=Path, help="a model directory to compare on instead of --models (chat prompts)")
+    parser.add_argument("--lora", type=int, default=0, help="LoRA of this rank on both sides (TRL through PEFT)")
+    parser.add_argument("--lora-unmerged", action="store_true", help="--lora: Parity with lora.merge=false")
     args = parser.parse_args()
     if args.model is not None and args.solve:
         parser.error("--model: time to solve runs on the built-in model only")

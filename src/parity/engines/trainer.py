@@ -311,6 +311,19 @@ class Trainer:
             return export_state(self.model), self.weight_version
         return (merged_state if merge else base_state)(self.model), self.weight_version
 
+    @torch.no_grad()
+    def share_frozen(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Point each frozen parameter at the tensor of its name in `tensors` where dtype, shape and
+        device agree (the values must be equal): with unmerged LoRA the rollout engine's weights,
+        views into its fused projections, so that the frozen base is held once. Returns how many."""
+        shared = 0
+        for name, p in self.model.named_parameters():
+            t = tensors.get(name)
+            if not p.requires_grad and t is not None and (t.dtype, t.shape, t.device) == (p.dtype, p.shape, p.device):
+                p.data = t
+                shared += 1
+        return shared
+
     def export_adapters(self) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], int]:
         """LoRA's (A, scale·B) per projection and the version, for `RolloutEngine.load_adapters`."""
         return adapter_pairs(self.model), self.weight_version

@@ -666,6 +666,8 @@ class Run:
         unmerged = self.cfg.lora.rank > 0 and not self.cfg.lora.merge
         if base or not unmerged:
             self.sampler.load_weights(*self.trainer.export_weights(merge=not unmerged))
+        if unmerged and base:  # the frozen base once: the trainer takes the engine's (fused) copy
+            self.trainer.share_frozen(self.sampler.engine.named_weights())
         if unmerged:
             self.sampler.load_adapters(*self.trainer.export_adapters())
 
