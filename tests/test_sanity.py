@@ -9,7 +9,7 @@ from PIL import Image
 
 from parity.cli import main
 from parity.commands.perfectible import filter_perfectible, format_histogram, histogram
-from parity.commands.sanity import parse_runs, run_sanity
+from parity.commands.sanity import parse_runs, reading, run_sanity
 from parity.config import ConfigError
 from parity.engines.models import BUILTIN_DIR
 
@@ -103,3 +103,24 @@ def test_sanity_quick_end_to_end(tmp_path, monkeypatch):
 def test_report_rejects_a_non_run(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_the_reading_follows_the_measured_gap():
+    def summary(seq):
+        runs = {"fp16/grpo": {"steps_to_95": 30}, "bf16/grpo": {"steps_to_95": None}}
+        base = {
+            "fp16": {"k3": 1e-5, "token_abs_log_ratio_mean": 5e-3, "seq_abs_log_ratio": 0.01, "is_ess": 0.99},
+            "bf16": {
+                "k3": 7e-4,
+                "token_abs_log_ratio_mean": 4e-2,
+                "seq_abs_log_ratio": seq,
+                "is_ess": 0.7,
+            },
+        }
+        return "\n".join(reading({"runs": runs, "base_mismatch": base}))
+
+    small, large = summary(0.016), summary(0.47)
+    assert "Runs that did not reach 95%: bf16/grpo." in small and "No BF16 run reached 95%." in small
+    assert "70× FP16's in k3" in small and "within 1.6% of 1" in small and "barely biases" in small
+    assert "within 60.0% of 1" in large and "A gap that large biases the gradient" in large
+    assert "barely" not in large
