@@ -236,9 +236,10 @@ def test_unmerged_lora_shares_the_base_and_syncs_only_adapters(tmp_path):
     run.step()
     run.step()
     run.rewards.close()
-    a, b = engine.layers[0].lora["o"]
-    assert torch.equal(a, o_proj.lora_A.to(torch.bfloat16))
-    assert torch.equal(b, (o_proj.lora_B * o_proj.scale).to(torch.bfloat16)) and b.abs().max() > 0
+    a, b = engine.layers[0].lora["o"]  # BF16 values, held in FP32 on the CPU (RolloutEngine._project)
+    assert a.dtype == b.dtype == torch.float32
+    assert torch.equal(a, o_proj.lora_A.to(torch.bfloat16).float())
+    assert torch.equal(b, (o_proj.lora_B * o_proj.scale).to(torch.bfloat16).float()) and b.abs().max() > 0
     assert engine.weight_version == run.trainer.weight_version == 2
 
 
