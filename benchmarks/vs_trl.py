@@ -232,12 +232,18 @@ def parity_matmul_floor(work: Work, warmup: int, repeats: int = 7) -> dict:
     class RecordLinear(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if func is F.linear:  # the trainer's run with grad enabled; the rollout's without
-                x, w = args[0], args[1]
-                calls.append((tuple(x.shape), tuple(w.shape), x.dtype, torch.is_grad_enabled(), *needs_grad(x, w)))
+                x, w, trainer = args[0], args[1], torch.is_grad_enabled()
+                calls.append(
+                    (
+                        tuple(x.shape),
+                        tuple(w.shape),
+                        x.dtype,
+                        trainer,
+                        trainer and x.requires_grad,
+                        trainer and w.requires_grad,
+                    )
+                )
             return func(*args, **(kwargs or {}))
-
-    def needs_grad(x, w) -> tuple[bool, bool]:
-        return (torch.is_grad_enabled() and x.requires_grad, torch.is_grad_enabled() and w.requires_grad)
 
     def seconds(fn, *args) -> float:
         fn(*args)  # first call: BF16 kernels are built per shape

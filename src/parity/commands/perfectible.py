@@ -24,7 +24,15 @@ from parity.engines.rollout import RolloutEngine, SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, load_tokenizer
 from parity.files import atomic_write_text
 from parity.rl.rewards import RewardRunner, score_rollouts
-from parity.rl.tasks import DIFFICULTIES, REWARDS, TRUSTED_REWARDS, Problem, builtin_problems, load_problems
+from parity.rl.tasks import (
+    DIFFICULTIES,
+    REWARDS,
+    TRUSTED_REWARDS,
+    Problem,
+    builtin_problems,
+    difficulty_has_no_effect,
+    load_problems,
+)
 
 
 @dataclass
@@ -49,7 +57,7 @@ class PerfectibleConfig:
             raise ConfigError(f"task: {self.task!r} has no right answer; use builtin, exact, math or number")
         if self.difficulty not in DIFFICULTIES:
             raise ConfigError(f"difficulty: unknown value {self.difficulty!r}; allowed: {', '.join(DIFFICULTIES)}")
-        if self.difficulty != "standard" and (self.task != "number" or self.data != "builtin"):
+        if difficulty_has_no_effect(self.difficulty, self.task, self.data):
             raise ConfigError("difficulty: only the generated word problems of task=number (data=builtin) have levels")
         if self.chat_template not in CHAT_TEMPLATE_MODES:
             raise ConfigError(

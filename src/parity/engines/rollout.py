@@ -246,6 +246,19 @@ class _Layer:
     lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
+def projections(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    """A dense layer's projections as the engine holds them (`_Layer` fields), each with its Hugging
+    Face members (module names under the layer) and their output widths, in the order they are
+    stacked: Q, K and V fused, gate and up fused."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {
+        "qkv": (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
+        "o": (("self_attn.o_proj", cfg.hidden_size),),
+        "gate_up": (("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)),
+        "down": (("mlp.down_proj", cfg.hidden_size),),
+    }
+
+
 class RolloutEngine:
     """Samples from a copy of the policy whose weights are stored in the rollout precision."""
 
@@ -334,18 +347,10 @@ class RolloutEngine:
         """Apply LoRA unmerged on the loaded base: `adapters` maps a projection's Hugging Face module
         name (`model.layers.0.self_attn.q_proj`) to (A [r, in], scale·B [out, r]); projections not
         named keep no adapter. Replaces the previous adapters and records the version."""
-        cfg = self.config
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        groups = {  # fused projection -> its members and their output widths
-            "qkv": (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
-            "o": (("self_attn.o_proj", cfg.hidden_size),),
-            "gate_up": (("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)),
-            "down": (("mlp.down_proj", cfg.hidden_size),),
-        }
         unknown = set(adapters)
         for i, layer in enumerate(self.layers):
             layer.lora = {}
-            for part, members in groups.items():
+            for part, members in projections(self.config).items():
                 pairs = [adapters.get(f"model.layers.{i}.{name}") for name, _ in members]
                 unknown -= {f"model.layers.{i}.{name}" for name, _ in members}
                 if all(p is None for p in pairs):
@@ -371,29 +376,22 @@ class RolloutEngine:
         """The weights as loaded, under their Hugging Face names (views into the fused
         projections), for checking a weight sync against the sender's checksums."""
         cfg = self.config
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         out = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
         if not cfg.tie_word_embeddings:
             out["lm_head.weight"] = self.lm_head
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            fused = {
-                a + "{}_proj.weight": (layer.qkv, "qkv", (q, kv, kv)),
-                a + "{}_proj.bias": (layer.qkv_bias, "qkv", (q, kv, kv)),
-                m + "{}_proj.weight": (layer.gate_up, ("gate", "up"), None),
-                m + "{}_proj.bias": (layer.gate_up_bias, ("gate", "up"), None),
-            }
+            for part, members in projections(cfg).items():
+                for suffix, tensor in (("weight", getattr(layer, part)), ("bias", getattr(layer, part + "_bias"))):
+                    if tensor is not None:
+                        for (name, _), piece in zip(members, tensor.split([w for _, w in members])):
+                            out[f"{p}{name}.{suffix}"] = piece
             if layer.router is not None:
                 for e in range(cfg.num_experts):
-                    fused[f"{m}experts.{e}.{{}}_proj.weight"] = (layer.experts_gate_up[e], ("gate", "up"), None)
+                    gate, up = layer.experts_gate_up[e].chunk(2)
+                    out[f"{m}experts.{e}.gate_proj.weight"], out[f"{m}experts.{e}.up_proj.weight"] = gate, up
                     out[f"{m}experts.{e}.down_proj.weight"] = layer.experts_down[e]
-            for pattern, (tensor, parts, sizes) in fused.items():
-                if tensor is None:
-                    continue
-                pieces = tensor.split(sizes) if sizes else tensor.chunk(2)
-                for part, piece in zip(parts, pieces):
-                    out[pattern.format(part)] = piece
             single = {
                 p + "input_layernorm.weight": layer.input_norm,
                 p + "post_attention_layernorm.weight": layer.post_norm,
@@ -401,10 +399,6 @@ class RolloutEngine:
                 p + "post_feedforward_layernorm.weight": layer.post_mlp_norm,
                 a + "q_norm.weight": layer.q_norm,
                 a + "k_norm.weight": layer.k_norm,
-                a + "o_proj.weight": layer.o,
-                a + "o_proj.bias": layer.o_bias,
-                m + "down_proj.weight": layer.down,
-                m + "down_proj.bias": layer.down_bias,
                 m + "gate.weight": layer.router,
             }
             out.update({name: t for name, t in single.items() if t is not None})

@@ -56,11 +56,9 @@ class HeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, head: torch.Tensor, tokens: torch.Tensor, temperature: float, cap: float | None):
-        rows = max(1, LOGPROB_CHUNK_ELEMENTS // head.shape[-1])
         picked = torch.empty(head.shape[0], device=head.device)
         lse = torch.empty_like(picked)
-        for start in range(0, head.shape[0], rows):
-            chunk = slice(start, start + rows)
+        for chunk in _row_chunks(head):
             z = _scaled(head[chunk], temperature, cap)
             lse[chunk] = torch.logsumexp(z, dim=-1)
             picked[chunk] = z.gather(-1, tokens[chunk, None]).squeeze(-1)
@@ -71,10 +69,8 @@ class HeadLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         head, tokens, lse = ctx.saved_tensors
-        rows = max(1, LOGPROB_CHUNK_ELEMENTS // head.shape[-1])
         out = torch.empty_like(head)
-        for start in range(0, head.shape[0], rows):
-            chunk = slice(start, start + rows)
+        for chunk in _row_chunks(head):
             g = grad[chunk, None]
             # d log p(t) / dz = onehot(t) - softmax(z), times the incoming gradient
             dz = torch.exp(_scaled(head[chunk], ctx.temperature, ctx.cap) - lse[chunk, None]).mul_(-g)
@@ -85,6 +81,11 @@ class HeadLogProbs(torch.autograd.Function):
                 dz *= 1 - torch.tanh(head[chunk].float() / ctx.cap).square()
             out[chunk] = dz
         return out, None, None, None
+
+
+def _row_chunks(head: torch.Tensor) -> list[slice]:
+    rows = max(1, LOGPROB_CHUNK_ELEMENTS // head.shape[-1])
+    return [slice(start, start + rows) for start in range(0, head.shape[0], rows)]
 
 
 def _scaled(head: torch.Tensor, temperature: float, cap: float | None) -> torch.Tensor:

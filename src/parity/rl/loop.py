@@ -61,6 +61,7 @@ from parity.rl.tasks import (
     Problem,
     PromptLimit,
     builtin_problems,
+    difficulty_has_no_effect,
     extract_boxed,
     import_reward_fn,
     load_problems,
@@ -419,7 +420,7 @@ class TrainConfig:
         _one_of("task.name", self.task.name, REWARDS)
         _one_of("task.chat_template", self.task.chat_template, CHAT_TEMPLATE_MODES)
         _one_of("task.difficulty", self.task.difficulty, DIFFICULTIES)
-        if self.task.difficulty != "standard" and (self.task.name != "number" or self.task.data != "builtin"):
+        if difficulty_has_no_effect(self.task.difficulty, self.task.name, self.task.data):
             raise ConfigError(
                 f"task.difficulty={self.task.difficulty}: only the generated word problems of task.name=number "
                 "(task.data=builtin) have levels"

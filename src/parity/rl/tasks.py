@@ -117,17 +117,23 @@ _NAMES = ("Sam", "Maria", "Tom", "Aisha", "Ken", "Lena", "Omar", "Priya", "Jack"
 _ITEMS = ("apple", "marble", "card", "stamp", "shell", "cookie", "book", "sticker")
 
 
+def _buys(name: str, item: str, a: int, b: int) -> tuple[str, int]:
+    return f"{name} has {a} {item}s and buys {b} more. How many {item}s does {name} have now?", a + b
+
+
+def _gives(name: str, item: str, a: int, b: int) -> tuple[str, int]:
+    return f"{name} had {a} {item}s and gave {b} of them to a friend. How many {item}s are left?", a - b
+
+
 def _word_problem(rng: random.Random) -> tuple[str, int]:
     """One arithmetic word problem, drawn with `rng`, and its answer (a whole number)."""
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
     kind = rng.randrange(12)
     if kind == 0:
-        a, b = rng.randint(5, 90), rng.randint(2, 60)
-        return f"{name} has {a} {item}s and buys {b} more. How many {item}s does {name} have now?", a + b
+        return _buys(name, item, rng.randint(5, 90), rng.randint(2, 60))
     if kind == 1:
         a = rng.randint(20, 150)
-        b = rng.randint(1, a - 1)
-        return f"{name} had {a} {item}s and gave {b} of them to a friend. How many {item}s are left?", a - b
+        return _gives(name, item, a, rng.randint(1, a - 1))
     if kind == 2:
         a, b = rng.randint(6, 48), rng.randint(3, 25)
         return f"A box holds {a} {item}s. How many {item}s are in {b} boxes?", a * b
@@ -180,17 +186,20 @@ def _easy_word_problem(rng: random.Random) -> tuple[str, int]:
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
     kind = rng.randrange(3)
     if kind == 0:
-        a, b = rng.randint(2, 9), rng.randint(2, 9)
-        return f"{name} has {a} {item}s and buys {b} more. How many {item}s does {name} have now?", a + b
+        return _buys(name, item, rng.randint(2, 9), rng.randint(2, 9))
     if kind == 1:
         a = rng.randint(5, 15)
-        b = rng.randint(1, a - 1)
-        return f"{name} had {a} {item}s and gave {b} of them to a friend. How many {item}s are left?", a - b
+        return _gives(name, item, a, rng.randint(1, a - 1))
     a, b = rng.randint(2, 5), rng.randint(2, 5)
     return f"{name} has {a} bags with {b} {item}s in each bag. How many {item}s does {name} have?", a * b
 
 
 DIFFICULTIES = {"standard": _word_problem, "easy": _easy_word_problem}
+
+
+def difficulty_has_no_effect(difficulty: str, task_name: str, data: str) -> bool:
+    """A level other than standard applies only to task number's generated problems."""
+    return difficulty != "standard" and (task_name != "number" or data != "builtin")
 
 
 class NumberTask:
