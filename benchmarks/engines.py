@@ -77,7 +77,8 @@ class Workloads:
 
     def parity_rollout(self, precision: str, eos: bool):
         from parity.engines.models import load_model
-        from parity.engines.rollout import RolloutEngine, SamplingParams
+        from parity.engines.rollout import RolloutEngine
+        from parity.engines.sampling import SamplingParams
 
         model = load_model(self.model_dir)
         engine = RolloutEngine(model.config, precision, self.tok.eos_ids if eos else (-1,), self.tok.pad_id)
@@ -128,7 +129,8 @@ class Workloads:
 
     def train_step(self, precision: str):
         from parity.engines.models import load_model
-        from parity.engines.rollout import RolloutEngine, SamplingParams
+        from parity.engines.rollout import RolloutEngine
+        from parity.engines.sampling import SamplingParams
         from parity.engines.trainer import OptimConfig, Trainer
 
         model = load_model(self.model_dir)
@@ -202,7 +204,7 @@ def matmul_job(repeats: int) -> dict:
     """GFLOP/s of x[1408, 256] @ w[256, 1024] (64 sequences x 22 tokens, a 4.4M-Llama MLP)."""
     import torch.nn.functional as F
 
-    from parity.engines import precision as prec
+    from parity.engines import kernels
 
     x, w = torch.randn(1408, 256), torch.randn(1024, 256)
     flops = 2 * x.shape[0] * x.shape[1] * w.shape[0]
@@ -210,7 +212,7 @@ def matmul_job(repeats: int) -> dict:
         "fp32": lambda: F.linear(x, w),
         "bf16_native": (lambda xb, wb: lambda: F.linear(xb, wb))(x.bfloat16(), w.bfloat16()),
         "fp16_native": (lambda xh, wh: lambda: F.linear(xh, wh))(x.half(), w.half()),
-        "fp16_fast_path": (lambda xh, wh: lambda: prec.linear(xh, wh))(x.half(), w.half()),
+        "fp16_fast_path": (lambda xh, wh: lambda: kernels.linear(xh, wh))(x.half(), w.half()),
     }
     out = {}
     for name, fn in paths.items():

@@ -34,7 +34,8 @@ class Setup:
     def __init__(self, model_dir: str, spec: dict, precision: str, rank: int):
         from parity.engines.lora import LoRAConfig
         from parity.engines.models import load_model
-        from parity.engines.rollout import RolloutEngine, SamplingParams
+        from parity.engines.rollout import RolloutEngine
+        from parity.engines.sampling import SamplingParams
         from parity.engines.tokenizer import load_tokenizer
         from parity.engines.trainer import OptimConfig, Trainer
         from parity.rl.tasks import ArithmeticTask

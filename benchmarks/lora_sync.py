@@ -27,7 +27,8 @@ import torch
 from parity.commands.mismatch import load_prompts
 from parity.engines.lora import LoRAConfig, adapted
 from parity.engines.models import load_model, resolve_model_dir
-from parity.engines.rollout import RolloutEngine, SamplingParams
+from parity.engines.rollout import RolloutEngine
+from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.diagnostics import mismatch_metrics

@@ -8,6 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` need a GPU: skipped, and said so, where PyTorch sees none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
 VOCAB_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +=,.>?"
 
 

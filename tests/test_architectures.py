@@ -10,7 +10,8 @@ import torch
 from architectures import ARCHITECTURES, reference, save_random_model
 from parity.engines.models import final_logits, load_model
 from parity.engines.packing import pack
-from parity.engines.rollout import RolloutEngine, SamplingParams
+from parity.engines.rollout import RolloutEngine
+from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import copy_tokenizer_files, load_tokenizer
 from parity.engines.trainer import sequence_logprobs
 

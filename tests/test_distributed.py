@@ -18,9 +18,10 @@ from parity.config import ConfigError
 from parity.distributed.actors import RolloutWorker
 from parity.distributed.driver import DistributedRun
 from parity.distributed.sync import SyncError, pack_weights
+from parity.engines.batch import concat_batches
 from parity.engines.models import load_model, resolve_model_dir
-from parity.engines.rollout import SamplingParams, concat_batches
 from parity.engines.sampler import Sampler
+from parity.engines.sampling import SamplingParams
 from parity.rl.loop import TrainConfig, TrainingError
 
 SMALL = ["prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]

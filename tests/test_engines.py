@@ -7,7 +7,8 @@ import torch
 
 from parity.engines import trainer as trainer_mod
 from parity.engines.models import load_model
-from parity.engines.rollout import RolloutEngine, SamplingParams, filter_logits
+from parity.engines.rollout import RolloutEngine
+from parity.engines.sampling import SamplingParams, filter_logits
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.diagnostics import mismatch_metrics
@@ -159,7 +160,7 @@ def test_weights_stored_in_rollout_precision(llama_dir):
 
 
 def test_sampler_matches_the_distribution():
-    from parity.engines.rollout import sample_categorical
+    from parity.engines.sampling import sample_categorical
 
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).expand(20000, 4)
     draws = sample_categorical(probs, torch.Generator().manual_seed(0)).squeeze(-1)
@@ -219,9 +220,10 @@ def test_cuda_refused_without_a_gpu():
         TrainConfig(device="cuda").validate()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_train_on_cuda(tmp_path):
+@pytest.mark.cuda
+@pytest.mark.parametrize("arm", ["precision=bf16", "precision=fp16", "precision=fp32", "exact=true"])
+def test_train_on_cuda(tmp_path, arm):
     from parity.cli import main
 
-    args = ["train", f"run_dir={tmp_path / 'r'}", "device=cuda", "precision=bf16", "steps=2", "prompts_per_step=4"]
+    args = ["train", f"run_dir={tmp_path / 'r'}", "device=cuda", arm, "steps=2", "prompts_per_step=4"]
     assert main([*args, "rollout.group_size=4", "tensorboard=false"]) == 0

@@ -10,10 +10,12 @@ import torch
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
+from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.locate import first_divergence, locate
 from parity.engines.models import export_state, load_model, resolve_model_dir
-from parity.engines.rollout import RolloutEngine, SamplingParams
+from parity.engines.rollout import RolloutEngine
+from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import sequence_logprobs
 from parity.rl.loop import Run, TrainConfig, TrainingError
@@ -24,9 +26,9 @@ FILTERED = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_new_tokens=20
 
 def engines(model_dir, precision: str, exact: bool = True):
     model = load_model(model_dir)
-    model.exact = exact
+    model.numerics = kernels.numerics(exact=exact)
     tok = load_tokenizer(resolve_model_dir(model_dir))
-    engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, exact=exact)
+    engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, model.numerics)
     engine.load_weights(export_state(model), version=0)
     return model, engine
 
@@ -137,7 +139,7 @@ def test_the_runtime_check_stops_the_run_and_names_the_stage(tmp_path):
     step, with the stage where the engines part."""
     cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path / 'run'}", "exact=true", "steps=3", *TINY_RUN])
     run = Run.create(cfg, progress=False)
-    run.sampler.engine.exact = False
+    run.sampler.engine.numerics = kernels.numerics(exact=False)
     with pytest.raises(TrainingError, match=r"step 1: exact=true, but .* engines first part at layer0\.input_norm"):
         run.train()
 

@@ -25,7 +25,8 @@ from parity.engines.lora import (
 )
 from parity.engines.models import BUILTIN_DIR, load_model
 from parity.engines.packing import pack
-from parity.engines.rollout import RolloutEngine, SamplingParams
+from parity.engines.rollout import RolloutEngine
+from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.checkpoint import RunState, checkpoints, load_checkpoint, save_checkpoint

@@ -7,8 +7,8 @@ import torch
 
 from architectures import save_random_model
 from parity.engines.models import load_model
-from parity.engines.rollout import SamplingParams
 from parity.engines.sampler import Sampler
+from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 
 PROMPTS = ["12+34=", "7+8=", "123+4567+89=", "5+5=", "99+1=", "3+4+5="]

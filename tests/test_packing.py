@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import parity.engines.precision
+import parity.engines.kernels
 from parity.engines.models import load_model
 from parity.engines.packing import ROW_MULTIPLE, STREAM_MULTIPLE, pack
 from parity.engines.tokenizer import load_tokenizer
@@ -80,7 +80,7 @@ def test_bucketed_layout_changes_nothing_but_round_off(llama_dir, monkeypatch):
         return logprobs, grads
 
     plain, plain_grads = logprobs_and_grads()
-    monkeypatch.setattr(parity.engines.precision, "per_shape_kernels", lambda dtype, device: True)
+    monkeypatch.setattr(parity.engines.kernels, "per_shape_kernels", lambda dtype, device: True)
     bucketed, bucketed_grads = logprobs_and_grads()
     assert torch.allclose(bucketed, plain, atol=1e-6)
     for got, want in zip(bucketed_grads, plain_grads):

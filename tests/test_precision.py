@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parity.engines import precision
+from parity.engines import kernels, precision
 from parity.engines.models import load_model
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
@@ -17,7 +17,7 @@ def test_fp16_fast_path_matches_native_fp16_matmul():
     x = torch.randn(16, 64, generator=g).half()
     w = torch.randn(32, 64, generator=g).half()
     b = torch.randn(32, generator=g).half()
-    fast = precision.linear(x, w, b)
+    fast = kernels.linear(x, w, b)
     native = F.linear(x, w, b)  # PyTorch's own (slow) CPU FP16 kernel
     assert fast.dtype == torch.float16
     # Both accumulate in FP32 and round once; summation order may differ by one ulp.
@@ -39,9 +39,9 @@ def test_low_precision_attention_has_flash_numerics(dtype):
     ref = torch.einsum("bhqk,bhkd->bhqd", probs, vf).to(dtype)
     ulp = ref.float().abs() * torch.finfo(dtype).eps + 1e-6
 
-    full = precision.attention(q, k, v, causal=True)
+    full = kernels.numerics().attention(q, k, v, causal=True)
     assert full.dtype == dtype and ((full.float() - ref.float()).abs() <= ulp).all()
-    last = precision.decode_attention(q[:, :, -1:], k.transpose(-1, -2), v, torch.zeros(2, 1, 1, 5))
+    last = kernels.numerics().decode_attention(q[:, :, -1:], k.transpose(-1, -2), v, torch.zeros(2, 1, 1, 5))
     assert ((last.float() - ref[:, :, -1:].float()).abs() <= ulp[:, :, -1:]).all()
 
 

@@ -1,6 +1,6 @@
 """The run directory: one process owns it at a time, and it holds nothing but a run.
 
-A run directory holds `config.yaml`, `metrics.jsonl`, `checkpoints/`,
+A run directory holds `config.yaml`, `numerics.json`, `metrics.jsonl`, `checkpoints/`,
 `tensorboard/` and `.lock`. The owner keeps an exclusive POSIX lock on `.lock`
 for the run's life; the kernel drops it when the process dies, however it dies,
 so a crashed run never leaves a stale lock. POSIX locks belong to a process and
@@ -21,9 +21,9 @@ from pathlib import Path
 from parity.config import ConfigError
 
 LOCK_NAME = ".lock"
-RUN_ENTRIES = {"config.yaml", "metrics.jsonl", "checkpoints", "tensorboard", LOCK_NAME}
+RUN_ENTRIES = {"config.yaml", "numerics.json", "metrics.jsonl", "checkpoints", "tensorboard", LOCK_NAME}
 # Temporary files of `files.atomic_write_text` that a kill can leave behind.
-TEMP_PATTERNS = (".config.yaml.*.tmp", ".metrics.jsonl.*.tmp")
+TEMP_PATTERNS = (".config.yaml.*.tmp", ".numerics.json.*.tmp", ".metrics.jsonl.*.tmp")
 
 
 def foreign_entries(run_dir: Path) -> list[str]:

@@ -19,10 +19,13 @@ import torch
 from tqdm import tqdm
 
 from parity.config import ConfigError
+from parity.engines import kernels
 from parity.engines import precision as prec
+from parity.engines.batch import RolloutBatch
 from parity.engines.locate import StageDiff, first_divergence, format_table, locate_row, worst_row
 from parity.engines.models import load_model, resolve_model_dir
-from parity.engines.rollout import RolloutBatch, RolloutEngine, SamplingParams
+from parity.engines.rollout import RolloutEngine
+from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Prompt, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text
@@ -118,8 +121,10 @@ class MismatchConfig:
     seed: int = 0
     out: str = "parity-mismatch"
     exact: bool = False  # both engines in exact mode (docs/exact.md): pairs must match precisions
+    device: str = "cpu"  # cpu | cuda: where both engines run
 
     def validate(self) -> None:
+        kernels.check_device(self.device)
         for p in self.pairs:
             train_p, roll_p = parse_pair(p)
             if self.exact and train_p != roll_p:
@@ -233,14 +238,15 @@ def run_mismatch(
     tokenizer = load_tokenizer(model_dir)
     texts = load_prompts(cfg.prompts, cfg.num_prompts, cfg.seed, cfg.model) if texts is None else texts
     prompts = [tokenizer.encode_prompt(p, cfg.chat_template) for p in texts]
-    model = load_model(model_dir)
-    model.exact = cfg.exact
+    numerics = kernels.numerics(cfg.device, cfg.exact)
+    model = load_model(model_dir).to(numerics.device)
+    model.numerics = numerics
     results: list[PairResult] = []
     for pair in tqdm(cfg.pairs, desc="mismatch", unit="pair", disable=not progress):
         train_p, roll_p = parse_pair(pair)
         start = time.perf_counter()
         trainer = Trainer(model, train_p, OptimConfig())
-        engine = RolloutEngine(model.config, roll_p, tokenizer.eos_ids, tokenizer.pad_id, exact=cfg.exact)
+        engine = RolloutEngine(model.config, roll_p, tokenizer.eos_ids, tokenizer.pad_id, numerics)
         pi, batch = measure_pair(trainer, engine, prompts, cfg)
         mu, mask = batch.rollout_logprobs, batch.response_mask
         seconds = time.perf_counter() - start

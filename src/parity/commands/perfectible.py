@@ -19,8 +19,10 @@ import torch
 from tqdm import tqdm
 
 from parity.config import ConfigError
+from parity.engines import kernels
 from parity.engines.models import load_config, load_model, resolve_model_dir
-from parity.engines.rollout import RolloutEngine, SamplingParams
+from parity.engines.rollout import RolloutEngine
+from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, load_tokenizer
 from parity.files import atomic_write_text
 from parity.rl.rewards import RewardRunner, score_rollouts
@@ -51,8 +53,10 @@ class PerfectibleConfig:
     batch_prompts: int = 32  # prompts per generate() call
     out: str = "perfectible.jsonl"
     chat_template: str = "auto"  # auto (the model's chat template, when it has one) | none (raw text)
+    device: str = "cpu"  # cpu | cuda: where the rollout engine runs
 
     def validate(self) -> None:
+        kernels.check_device(self.device)
         if self.task not in REWARDS or self.task == "length":
             raise ConfigError(f"task: {self.task!r} has no right answer; use builtin, exact, math or number")
         if self.difficulty not in DIFFICULTIES:
@@ -136,7 +140,7 @@ def measure_accuracies(cfg: PerfectibleConfig, problems: list[Problem], progress
     model_dir = resolve_model_dir(cfg.model)
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir)
-    engine = RolloutEngine(model.config, cfg.precision, tok.eos_ids, tok.pad_id)
+    engine = RolloutEngine(model.config, cfg.precision, tok.eos_ids, tok.pad_id, kernels.numerics(cfg.device))
     engine.load_weights(model.state_dict(), version=0)
     runner = RewardRunner(REWARDS[cfg.task], isolate=cfg.task not in TRUSTED_REWARDS)
     try:

@@ -25,8 +25,8 @@ import torch
 from parity import config as config_mod
 from parity.commands.report import Panel, plot_beta_distribution, plot_curves
 from parity.engines.models import export_state, load_model, resolve_model_dir
-from parity.engines.rollout import SamplingParams
 from parity.engines.sampler import Sampler
+from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.diagnostics import gap_metrics

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
+from parity.engines.batch import RolloutBatch
 from parity.engines.models import load_config, load_model
-from parity.engines.rollout import RolloutBatch, SamplingParams
 from parity.engines.sampler import Sampler
+from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer, TrainerState
 from parity.rl.checkpoint import non_finite_tensors

@@ -31,7 +31,7 @@ import torch
 from parity import config as config_mod
 from parity.config import ConfigError
 from parity.distributed.actors import Learner, RolloutWorker
-from parity.engines.rollout import RolloutBatch, concat_batches
+from parity.engines.batch import RolloutBatch, concat_batches
 from parity.rl.loop import Run, TrainConfig, TrainingError
 from parity.rl.step import Prepared, UpdateResult
 from parity.rl.tasks import Problem

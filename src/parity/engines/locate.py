@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from parity.engines.batch import RolloutBatch
 from parity.engines.models import CausalLM, final_logits
 from parity.engines.packing import pack
-from parity.engines.rollout import RolloutBatch, RolloutEngine, SamplingParams
+from parity.engines.rollout import RolloutEngine
+from parity.engines.sampling import SamplingParams
 from parity.engines.trainer import token_logprobs
 
 LAYER_PARTS = ("input_norm", "attention_core", "attention", "mlp", "output")
@@ -77,7 +79,7 @@ def trainer_trace(
     stages["norm"] = stages["norm"][packed.score_index]
     cap = model.config.final_softcap
     stages["logits"] = final_logits(logits, cap)
-    stages["logprob"] = token_logprobs(logits, tokens[0], support, temperature, model.exact, cap)[:, None]
+    stages["logprob"] = token_logprobs(logits, tokens[0], support, temperature, cap, model.numerics.exact)[:, None]
     return {name: value.cpu() for name, value in stages.items()}
 
 

@@ -3,7 +3,7 @@
 `apply_lora` freezes every parameter of a `CausalLM`, stores the frozen base in the
 trainer precision (a BF16/FP16 base takes half the memory of FP32 and needs no cast on
 each forward), and replaces each targeted projection by a `LoRALinear`: the base matmul
-plus scale · (x·Aᵀ)·Bᵀ, both in the compute dtype through `precision.linear`, where A
+plus scale · (x·Aᵀ)·Bᵀ, both in the compute dtype through `kernels.linear`, where A
 (rank × in) and B (out × rank) are FP32 master parameters and scale = alpha / rank.
 `models.py` needs no change: a `LoRALinear` is a `Linear`.
 
@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from parity.engines import precision
+from parity.engines import kernels
 from parity.engines.models import CausalLM, Linear
 from parity.files import atomic_dir
 
@@ -61,7 +61,7 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) 
     """(x·Aᵀ)·(scale·B)ᵀ in the dtype of `x`, each matmul under the precision policy. Scaling B
     (rank columns) rather than the output (one more pass over every token's activations) is
     bit-identical to PEFT's order when scale is a power of two, as at the default alpha = 2 x rank."""
-    return precision.linear(precision.linear(x, a), b * scale)
+    return kernels.linear(kernels.linear(x, a), b * scale)
 
 
 def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 Parity runs its own compact implementation of the Llama family and its relatives
 (Llama, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 2/3) rather than the
-`transformers` modelling code, so that every matmul goes through
-`precision.linear` / `precision.attention` and the rollout engine can keep a
+`transformers` modelling code, so that every matmul goes through the kernels of
+`engines.kernels` (`linear`, `Numerics.attention`) and the rollout engine can keep a
 KV cache. Parameter names match Hugging Face's, so checkpoints load and
 save in the Hugging Face format with no conversion.
 """
@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from parity.engines import precision
+from parity.engines import kernels
 from parity.engines.packing import PackedBatch, gather_rows
 from parity.files import atomic_dir
 
@@ -351,7 +351,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return precision.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
@@ -359,7 +359,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window, self.scale, self.softcap = window, cfg.query_scale, cfg.attn_softcap
-        self.exact = False  # exact mode's attention numerics (set through CausalLM.exact)
+        self.numerics = kernels.numerics()  # set through CausalLM.numerics
         self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.qkv_bias)
         self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
@@ -383,7 +383,7 @@ class Attention(nn.Module):
         for index in packed.attention_rows:
             # Rows are right-padded, so plain causal attention is exact on the real slots.
             window = None if self.window is None else sliding_mask(index.shape[1], self.window, x.device)
-            out = precision.attention(
+            out = self.numerics.attention(
                 _heads(gather_rows(q, index), self.num_heads),
                 _heads(gather_rows(k, index), self.num_kv_heads),
                 _heads(gather_rows(v, index), self.num_kv_heads),
@@ -391,7 +391,6 @@ class Attention(nn.Module):
                 causal=window is None,
                 scale=self.scale,
                 softcap=self.softcap,
-                exact=self.exact,
             )
             outputs.append(out.transpose(1, 2).flatten(0, 1).flatten(1))
         return self.o_proj(gather_rows(torch.cat(outputs), packed.from_rows))
@@ -508,17 +507,20 @@ class CausalLM(nn.Module):
             self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
         # Recompute each decoder layer in the backward instead of keeping its activations.
         self.activation_checkpointing = False
+        self.numerics = kernels.numerics()
 
     @property
-    def exact(self) -> bool:
-        """Exact mode: attention and log-probs computed as the rollout engine computes them
-        with `exact=True`, so that both give the same bits (docs/exact.md)."""
-        return self.model.layers[0].self_attn.exact if len(self.model.layers) else False
+    def numerics(self) -> kernels.Numerics:
+        """How the model computes (device, exact mode); set it when the model is placed. In exact
+        mode attention and log-probs are computed as the rollout engine computes them, so that
+        both give the same bits (docs/exact.md)."""
+        return self._numerics
 
-    @exact.setter
-    def exact(self, value: bool) -> None:
+    @numerics.setter
+    def numerics(self, value: kernels.Numerics) -> None:
+        self._numerics = value
         for layer in self.model.layers:
-            layer.self_attn.exact = value
+            layer.self_attn.numerics = value
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         gen = torch.Generator().manual_seed(seed)

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from parity.engines import kernels
 from parity.engines import precision as prec
+from parity.engines.batch import RolloutBatch
 from parity.engines.models import (
     FULL,
     SLIDING,
@@ -34,143 +36,7 @@ from parity.engines.models import (
     softcap,
 )
 from parity.engines.packing import Routing
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
-    max_new_tokens: int = 64
-
-    def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"sampling.temperature must be > 0 (use top_k=1 for greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-    @property
-    def filtered(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1.0
-
-
-@dataclass
-class RolloutBatch:
-    """B = num_prompts × group_size sampled sequences, rows grouped by prompt."""
-
-    prompt_ids: list[list[int]]
-    response_ids: torch.Tensor  # [B, T] int64, pad after the end
-    response_mask: torch.Tensor  # [B, T] bool, True on generated tokens (EOS included)
-    rollout_logprobs: torch.Tensor  # [B, T] float32 μ, 0 on padding
-    support: torch.Tensor | None  # [B, T, K] int64 token ids (-1 = none), None = full vocabulary
-    truncated: torch.Tensor  # [B] bool, True if the response hit max_new_tokens without EOS
-    group_index: torch.Tensor  # [B] int64, the prompt each row answers
-    weight_version: int
-    sampling: SamplingParams
-    # Filled by `Sampler.score_samples` (the trainer's code path on the sampling weights):
-    routing: Routing | None = None  # MoE: the experts the engine chose for every token it fed
-    old_logprobs: torch.Tensor | None = None  # [B, T] π_old, trainer precision
-    probe_logprobs: torch.Tensor | None = None  # [B, T] the same forward in the rollout precision
-    routing_mismatch: torch.Tensor | None = None  # [MoE layers] tokens whose experts differ, π_old vs μ
-
-    @property
-    def response_lengths(self) -> torch.Tensor:
-        return self.response_mask.sum(-1)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.response_mask.sum())
-
-
-def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
-    """One batch from several (each worker's share of a step), in order; responses padded to the
-    longest. `weight_version` becomes the oldest of theirs."""
-    width = max(b.response_ids.shape[1] for b in batches)
-
-    def cat(name: str, fill) -> torch.Tensor | None:
-        parts = [getattr(b, name) for b in batches]
-        if parts[0] is None:
-            return None
-        padded = []
-        for t in parts:
-            pad = [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]
-            padded.append(F.pad(t, pad, value=fill) if t.dim() > 1 else t)
-        return torch.cat(padded)
-
-    support = None
-    if batches[0].support is not None:
-        k = max(b.support.shape[2] for b in batches)
-        support = torch.cat(
-            [F.pad(b.support, [0, k - b.support.shape[2], 0, width - b.support.shape[1]], value=-1) for b in batches]
-        )
-    routing = None
-    if batches[0].routing is not None:
-        parts = [b.routing.responses for b in batches]
-        responses = torch.cat([F.pad(r, [0, 0, 0, 0, 0, width - r.shape[1]], value=-1) for r in parts])
-        routing = Routing([p for b in batches for p in b.routing.prompts], responses)
-    offsets, groups = 0, []
-    for b in batches:
-        groups.append(b.group_index + offsets)
-        offsets += int(b.group_index.max()) + 1
-    return RolloutBatch(
-        prompt_ids=[ids for b in batches for ids in b.prompt_ids],
-        response_ids=cat("response_ids", 0),  # masked out: any id will do
-        response_mask=cat("response_mask", False),
-        rollout_logprobs=cat("rollout_logprobs", 0.0),
-        support=support,
-        truncated=torch.cat([b.truncated for b in batches]),
-        group_index=torch.cat(groups),
-        weight_version=min(b.weight_version for b in batches),
-        sampling=batches[0].sampling,
-        routing=routing,
-        old_logprobs=cat("old_logprobs", 0.0),
-        probe_logprobs=cat("probe_logprobs", 0.0),
-        routing_mismatch=None
-        if batches[0].routing_mismatch is None
-        else torch.stack([b.routing_mismatch for b in batches]).mean(0),
-    )
-
-
-def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """Apply temperature, top-k and top-p to FP32 logits [N, V]; dropped tokens get -inf."""
-    if sampling.temperature != 1.0:
-        logits = logits / sampling.temperature
-    if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the mass before it already reaches top_p (the first always stays).
-        drop_sorted = (probs.cumsum(-1) - probs) >= sampling.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample_categorical(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One draw per row of probs [N, V] by inverse CDF: [N, 1] token ids.
-
-    One uniform number per row instead of `torch.multinomial`'s one per vocabulary
-    entry, which dominates a decode step at real vocabulary sizes. `right=True`
-    never returns a zero-probability token.
-    """
-    cdf = probs.cumsum(dim=-1)
-    u = torch.rand(probs.shape[0], 1, generator=gen, device=probs.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1)
-
-
-def support_ids(kept: torch.Tensor) -> torch.Tensor:
-    """Token ids where `kept` [N, V] is True, as [N, K] padded with -1 (K = max count)."""
-    counts = kept.sum(-1)
-    k = int(counts.max())
-    ids = torch.sort(kept.to(torch.int8), dim=-1, descending=True, stable=True).indices[:, :k]
-    return ids.masked_fill(torch.arange(k, device=kept.device) >= counts[:, None], -1)
-
+from parity.engines.sampling import SamplingParams, filter_logits, sample_categorical, support_ids
 
 CACHE_BLOCK = 32  # decode-time KV slots are added this many at a time
 # Decode batch sizes stay multiples of this. On the CPU, BF16 matmuls run oneDNN kernels
@@ -268,15 +134,15 @@ class RolloutEngine:
         precision: str,
         eos_ids: Sequence[int],
         pad_id: int,
-        device: str = "cpu",
-        exact: bool = False,
+        numerics: kernels.Numerics | None = None,
     ):
         self.config = config
         self.precision = precision
-        # Exact mode: the trainer's norm and attention numerics, so that μ is the trainer's π bit for bit.
-        self.exact = exact
+        # The device, and exact mode: the trainer's norm and attention numerics, so that μ is the
+        # trainer's π bit for bit.
+        self.numerics = numerics or kernels.numerics()
         self.dtype = prec.to_dtype(precision)
-        self.device = torch.device(device)
+        self.device = self.numerics.device
         self.pad_id = pad_id
         self._eos = torch.tensor(sorted(set(eos_ids)), device=self.device)
         with torch.device("meta"):
@@ -365,7 +231,7 @@ class RolloutEngine:
                     row, col = row + width, col + rank
                 # BF16 on the CPU: held as BF16-rounded values in FP32 (see `_project`).
                 a, b = (t.to(device=self.device, dtype=self.dtype) for t in (a, b))
-                if prec.per_shape_kernels(self.dtype, self.device):
+                if kernels.per_shape_kernels(self.dtype, self.device):
                     a, b = a.float(), b.float()
                 layer.lora[part] = (a, b)
         if unknown:
@@ -408,23 +274,23 @@ class RolloutEngine:
         """RMSNorm, the fused kind (FP32 inside, one rounding), as inference engines run it;
         the trainer follows the Hugging Face form (for Llama, two roundings), and so does
         exact mode."""
-        if self.exact or self.config.gemma:  # Gemma scales by (1 + w), which the fused kernel has no form for
+        if self.numerics.exact or self.config.gemma:  # Gemma scales by (1 + w), which the fused kernel has no form for
             return rms_norm(x, weight, self.config.rms_norm_eps, self.config.gemma)
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
 
     @staticmethod
     def _project(layer: _Layer, part: str, x: torch.Tensor) -> torch.Tensor:
         """The projection `part` of `layer` (qkv, o, gate_up, down), with its unmerged adapter."""
-        out = prec.linear(x, getattr(layer, part), getattr(layer, part + "_bias"))
+        out = kernels.linear(x, getattr(layer, part), getattr(layer, part + "_bias"))
         if part in layer.lora:
             a, b = layer.lora[part]
             if a.dtype == x.dtype:
-                return out + prec.linear(prec.linear(x, a), b)
+                return out + kernels.linear(kernels.linear(x, a), b)
             # BF16 on the CPU would build a oneDNN kernel for each of these rank-wide matmuls at every
             # decode batch size (1.5x the rollout's time, measured); FP32 on the BF16 values, each
             # product rounded to BF16, computes what the BF16 kernel does, to the order of its sums.
-            low = prec.linear(x.float(), a).to(x.dtype)
-            out = out + prec.linear(low.float(), b).to(x.dtype)
+            low = kernels.linear(x.float(), a).to(x.dtype)
+            out = out + kernels.linear(low.float(), b).to(x.dtype)
         return out
 
     def _mlp(self, layer: _Layer, x: torch.Tensor, routing: list[torch.Tensor]) -> torch.Tensor:
@@ -434,14 +300,14 @@ class RolloutEngine:
             return self._project(layer, "down", activation(act, gate) * up)
         flat = x.reshape(-1, x.shape[-1])
         cfg = self.config
-        used, weights, _ = route(prec.linear(flat, layer.router), cfg.experts_per_token, cfg.norm_topk_prob)
+        used, weights, _ = route(kernels.linear(flat, layer.router), cfg.experts_per_token, cfg.norm_topk_prob)
         routing.append(used.view(*x.shape[:-1], -1))
         weights = weights.to(x.dtype)
         out = torch.zeros_like(flat)
         for e in used.unique().tolist():
             token, slot = (used == e).nonzero(as_tuple=True)
-            gate, up = prec.linear(flat[token], layer.experts_gate_up[e]).chunk(2, dim=-1)
-            y = prec.linear(activation(act, gate) * up, layer.experts_down[e]) * weights[token, slot, None]
+            gate, up = kernels.linear(flat[token], layer.experts_gate_up[e]).chunk(2, dim=-1)
+            y = kernels.linear(activation(act, gate) * up, layer.experts_down[e]) * weights[token, slot, None]
             out.index_add_(0, token, y)
         return out.view_as(x)
 
@@ -500,7 +366,7 @@ class RolloutEngine:
             if keys is None:
                 cache.k[i, ..., :t] = k.transpose(-1, -2)
                 cache.v[i, :, :, :t] = v.view(b, t, hkv, d).transpose(1, 2)
-                attn = prec.attention(
+                attn = self.numerics.attention(
                     q,
                     cache.k[i, ..., :t].transpose(-1, -2),
                     cache.v[i, :, :, :t],
@@ -508,13 +374,12 @@ class RolloutEngine:
                     causal=masks[kind] is None,
                     scale=scale,
                     softcap=cap,
-                    exact=self.exact,
                 )
             else:
                 cache.k[i, rows, :, :, positions[:, 0]] = k[:, :, 0].to(cache.k.dtype)
                 cache.v[i, rows, :, positions[:, 0]] = v.view(b, hkv, d).to(cache.v.dtype)
                 k_t, v_all = cache.k[i, ..., :keys], cache.v[i, :, :, :keys]
-                attn = prec.decode_attention(q, k_t, v_all, masks[kind], scale=scale, softcap=cap, exact=self.exact)
+                attn = self.numerics.decode_attention(q, k_t, v_all, masks[kind], scale=scale, softcap=cap)
             core = attn.transpose(1, 2).reshape(b, t, h * d)
             attn = self._project(layer, "o", core)
             if cfg.gemma:
@@ -531,7 +396,7 @@ class RolloutEngine:
                 self._tap(f"layer{i}.mlp", mlp)
                 self._tap(f"layer{i}.output", x)
         final = self._norm(x[:, 0] if last is None else x[rows, last], self.norm)
-        logits = softcap(prec.linear(final, self.lm_head).float(), cfg.final_softcap)
+        logits = softcap(kernels.linear(final, self.lm_head).float(), cfg.final_softcap)
         if self._tap is not None:
             self._tap("norm", final)
             self._tap("logits", logits)

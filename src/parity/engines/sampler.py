@@ -21,9 +21,12 @@ from __future__ import annotations
 import torch
 
 from parity.engines import precision as prec
+from parity.engines.batch import RolloutBatch
+from parity.engines.kernels import Numerics
 from parity.engines.locate import StageDiff, locate_row
 from parity.engines.models import CausalLM, ModelConfig, routing_differs
-from parity.engines.rollout import RolloutBatch, RolloutEngine, SamplingParams
+from parity.engines.rollout import RolloutEngine
+from parity.engines.sampling import SamplingParams
 from parity.engines.trainer import sequence_logprobs
 
 
@@ -47,10 +50,9 @@ class Sampler:
         probe: bool,
         micro_batch_size: int,
         routing_replay: bool = False,
-        device: str = "cpu",
-        exact: bool = False,
+        numerics: Numerics | None = None,
     ):
-        self.engine = RolloutEngine(config, rollout_precision, eos_ids, pad_id, device, exact)
+        self.engine = RolloutEngine(config, rollout_precision, eos_ids, pad_id, numerics)
         self.trainer_precision = trainer_precision
         # A MoE model's routing mismatch is measured where π_old is scored, so it is scored every step.
         self.score_old = score_old or config.num_experts > 0
@@ -58,9 +60,10 @@ class Sampler:
         self.probe = probe and rollout_precision != trainer_precision
         self.micro_batch_size = micro_batch_size
         # The trainer's model at the sampling weights (FP32 master copy), only when scoring.
-        self.scorer = CausalLM(config).requires_grad_(False).to(device) if (self.score_old or self.probe) else None
-        if self.scorer is not None:
-            self.scorer.exact = exact
+        self.scorer = None
+        if self.score_old or self.probe:
+            self.scorer = CausalLM(config).requires_grad_(False).to(self.engine.device)
+            self.scorer.numerics = self.engine.numerics
 
     @property
     def precision(self) -> str:
@@ -139,5 +142,5 @@ class Sampler:
         they are the trainer's FP32 weights cast as the trainer casts them."""
         model = CausalLM(self.engine.config).requires_grad_(False).to(self.engine.device)
         model.load_state_dict({k: v.float() for k, v in self.engine.named_weights().items()}, strict=False)
-        model.exact = self.engine.exact
+        model.numerics = self.engine.numerics
         return locate_row(model, self.engine, batch, row, self.engine.dtype)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.lora import LoRAConfig, adapter_pairs, apply_lora, base_state, merged_state
 from parity.engines.models import CausalLM, ModelConfig, export_state, final_logits
@@ -98,8 +99,8 @@ def token_logprobs(
     tokens: torch.Tensor,
     support: torch.Tensor | None,
     temperature: float,
-    exact: bool = False,
     cap: float | None = None,
+    exact: bool = False,
 ) -> torch.Tensor:
     """log p(token) under softmax(logits / temperature) restricted to `support`, [M] FP32.
 
@@ -153,7 +154,7 @@ def sequence_logprobs(
     response_ids, response_mask = response_ids.to(device), response_mask.to(device)
     support = None if support is None else support.to(device)
     routing = None if routing is None else routing.to(device)
-    bucket = prec.per_shape_kernels(dtype, device)
+    bucket = kernels.per_shape_kernels(dtype, device)
     packed = pack(prompt_ids, response_ids, response_mask, bucket=bucket, routing=routing)
     num_scored = int(response_mask.sum())
     scored = token_logprobs(
@@ -161,8 +162,8 @@ def sequence_logprobs(
         response_ids[response_mask],
         None if support is None else support[response_mask],
         temperature,
-        model.exact,
         model.config.final_softcap,
+        model.numerics.exact,
     )
     out = torch.zeros(response_ids.shape, dtype=scored.dtype, device=scored.device)
     return packed, out.masked_scatter(response_mask, scored).cpu()

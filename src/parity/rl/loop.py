@@ -29,15 +29,17 @@ from tqdm import tqdm
 
 from parity import config as config_mod
 from parity.config import ConfigError, check_range
+from parity.engines import kernels
 from parity.engines import precision as prec
+from parity.engines.batch import RolloutBatch
 from parity.engines.locate import first_divergence, format_table, worst_row
 from parity.engines.lora import TARGETS, AdapterError, LoRAConfig
 from parity.engines.models import BUILTIN_DIR, load_model, resolve_model_dir
-from parity.engines.rollout import RolloutBatch, SamplingParams
 from parity.engines.sampler import Sampler
+from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
-from parity.files import atomic_write_text
+from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.algorithms import ADVANTAGES, AGGREGATIONS, ESTIMATORS, KL_ESTIMATORS, LossConfig
 from parity.rl.checkpoint import RunState, checkpoints, non_finite_tensors, restore_latest, save_checkpoint
 from parity.rl.diagnostics import mismatch_alarm
@@ -450,9 +452,7 @@ class TrainConfig:
             )
         except ValueError as e:
             raise ConfigError(str(e).replace("sampling.", "rollout.")) from None
-        _one_of("device", self.device, ("cpu", "cuda"))
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device=cuda: PyTorch sees no CUDA device (torch.cuda.is_available() is False)")
+        kernels.check_device(self.device)
         self._check_distributed()
         self._check_lora()
         self._check_exact()
@@ -592,9 +592,11 @@ class Run:
         self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
         self.model_dir = resolve_model_dir(cfg.model)
         self.tokenizer = load_tokenizer(self.model_dir)
+        # The kernels every engine of this run computes with, decided once (numerics.json records them).
+        self.numerics = kernels.numerics(cfg.device, cfg.exact)
         model = load_model(self.model_dir).to(cfg.device)
         model.activation_checkpointing = cfg.trainer.activation_checkpointing
-        model.exact = cfg.exact
+        model.numerics = self.numerics
         if cfg.moe.routing_replay and not model.config.num_experts:
             raise ConfigError(
                 f"moe.routing_replay=true: {cfg.model} is a dense {model.config.architecture} model with no experts"
@@ -606,7 +608,9 @@ class Run:
             raise ConfigError(str(e)) from None
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
-            self.reference = Trainer(load_model(self.model_dir).to(cfg.device), cfg.trainer_precision, optim)
+            reference = load_model(self.model_dir).to(cfg.device)
+            reference.numerics = self.numerics
+            self.reference = Trainer(reference, cfg.trainer_precision, optim)
             self.reference.model.requires_grad_(False)
         positions, max_new = model.config.max_position_embeddings, cfg.rollout.max_new_tokens
         room = f"model max_position_embeddings {positions} minus rollout.max_new_tokens {max_new}"
@@ -656,8 +660,7 @@ class Run:
             probe=cfg.algorithm.shadow_forward,
             micro_batch_size=cfg.trainer.micro_batch_size,
             routing_replay=cfg.moe.routing_replay,
-            device=cfg.device,
-            exact=cfg.exact,
+            numerics=self.numerics,
         )
         self._push_weights(base=True)
 
@@ -682,6 +685,11 @@ class Run:
     def _stop_engines(self) -> None:
         """Release what the engines hold beyond this process (nothing here)."""
 
+    def record_numerics(self) -> None:
+        """numerics.json: the device, processor and kernel path per precision this process runs
+        (a resumed run on another machine records its own)."""
+        atomic_write_json(self.run_dir / "numerics.json", self.numerics.describe())
+
     @property
     def data_position(self) -> int:
         """Where the data order stands after the steps already trained (what a checkpoint records)."""
@@ -705,6 +713,7 @@ class Run:
             cfg.run_dir = str(run_dir)
             run = cls(cfg, run_dir, progress)  # model, data and reward are checked before anything is written
             atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
+            run.record_numerics()
         except BaseException:
             lock.release()
             if created and not (run_dir / "config.yaml").exists():
@@ -783,6 +792,7 @@ class Run:
         if overrides:
             atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
         run = cls(cfg, run_dir, progress)
+        run.record_numerics()
         state = restore_latest(run_dir, run.trainer, note, base_dir=run.model_dir)
         if state is not None:
             run.step_count = state.step

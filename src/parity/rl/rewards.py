@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from parity.rl.tasks import Problem, RewardFn
 
 if TYPE_CHECKING:
-    from parity.engines.rollout import RolloutBatch
+    from parity.engines.batch import RolloutBatch
     from parity.engines.tokenizer import Tokenizer
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parity.engines.rollout import RolloutBatch
+from parity.engines.batch import RolloutBatch
 from parity.engines.trainer import StepStats, Trainer
 from parity.rl.algorithms import (
     ESTIMATORS,

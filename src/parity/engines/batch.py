@@ -1,0 +1,88 @@
+"""The rollout batch: what a sampler hands the trainer, and joining several (one per worker)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from parity.engines.packing import Routing
+from parity.engines.sampling import SamplingParams
+
+
+@dataclass
+class RolloutBatch:
+    """B = num_prompts × group_size sampled sequences, rows grouped by prompt."""
+
+    prompt_ids: list[list[int]]
+    response_ids: torch.Tensor  # [B, T] int64, pad after the end
+    response_mask: torch.Tensor  # [B, T] bool, True on generated tokens (EOS included)
+    rollout_logprobs: torch.Tensor  # [B, T] float32 μ, 0 on padding
+    support: torch.Tensor | None  # [B, T, K] int64 token ids (-1 = none), None = full vocabulary
+    truncated: torch.Tensor  # [B] bool, True if the response hit max_new_tokens without EOS
+    group_index: torch.Tensor  # [B] int64, the prompt each row answers
+    weight_version: int
+    sampling: SamplingParams
+    # Filled by `Sampler.score_samples` (the trainer's code path on the sampling weights):
+    routing: Routing | None = None  # MoE: the experts the engine chose for every token it fed
+    old_logprobs: torch.Tensor | None = None  # [B, T] π_old, trainer precision
+    probe_logprobs: torch.Tensor | None = None  # [B, T] the same forward in the rollout precision
+    routing_mismatch: torch.Tensor | None = None  # [MoE layers] tokens whose experts differ, π_old vs μ
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+
+def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
+    """One batch from several (each worker's share of a step), in order; responses padded to the
+    longest. `weight_version` becomes the oldest of theirs."""
+    width = max(b.response_ids.shape[1] for b in batches)
+
+    def cat(name: str, fill) -> torch.Tensor | None:
+        parts = [getattr(b, name) for b in batches]
+        if parts[0] is None:
+            return None
+        padded = []
+        for t in parts:
+            pad = [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]
+            padded.append(F.pad(t, pad, value=fill) if t.dim() > 1 else t)
+        return torch.cat(padded)
+
+    support = None
+    if batches[0].support is not None:
+        k = max(b.support.shape[2] for b in batches)
+        support = torch.cat(
+            [F.pad(b.support, [0, k - b.support.shape[2], 0, width - b.support.shape[1]], value=-1) for b in batches]
+        )
+    routing = None
+    if batches[0].routing is not None:
+        parts = [b.routing.responses for b in batches]
+        responses = torch.cat([F.pad(r, [0, 0, 0, 0, 0, width - r.shape[1]], value=-1) for r in parts])
+        routing = Routing([p for b in batches for p in b.routing.prompts], responses)
+    offsets, groups = 0, []
+    for b in batches:
+        groups.append(b.group_index + offsets)
+        offsets += int(b.group_index.max()) + 1
+    return RolloutBatch(
+        prompt_ids=[ids for b in batches for ids in b.prompt_ids],
+        response_ids=cat("response_ids", 0),  # masked out: any id will do
+        response_mask=cat("response_mask", False),
+        rollout_logprobs=cat("rollout_logprobs", 0.0),
+        support=support,
+        truncated=torch.cat([b.truncated for b in batches]),
+        group_index=torch.cat(groups),
+        weight_version=min(b.weight_version for b in batches),
+        sampling=batches[0].sampling,
+        routing=routing,
+        old_logprobs=cat("old_logprobs", 0.0),
+        probe_logprobs=cat("probe_logprobs", 0.0),
+        routing_mismatch=None
+        if batches[0].routing_mismatch is None
+        else torch.stack([b.routing_mismatch for b in batches]).mean(0),
+    )

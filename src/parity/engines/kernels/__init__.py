@@ -1,0 +1,213 @@
+"""Kernels: every matmul-class op of both engines, chosen per device and processor.
+
+Every matmul in the models goes through `linear` and `Numerics.attention` /
+`Numerics.decode_attention` here, so the numerics of each precision are defined in one place:
+
+* inputs and weights are rounded to the compute dtype,
+* products are accumulated in FP32 (as GPU tensor cores do),
+* outputs are rounded back to the compute dtype.
+
+On CUDA (with reduced-precision reductions and TF32 off, `cuda.configure`) and for a precision the
+CPU has dot-product instructions for, PyTorch's native kernels do exactly that. For a precision
+the CPU lacks them for (FP16 on most CPUs; BF16 on AVX2-only ones), the FP32 kernel runs on the
+rounded inputs and the result is rounded (`cpu.py`): the same numbers at FP32 speed. Attention in
+FP16/BF16 on the CPU follows flash-attention's numerics with FP32 kernels: scores and softmax in
+FP32, probabilities rounded to the compute dtype, products accumulated in FP32, output rounded.
+
+`Numerics` is the one object an engine holds: its device, and exact mode (docs/exact.md), the
+switch under which both engines compute the same bits for a token whatever its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+from parity.config import ConfigError
+from parity.engines.kernels import cpu, cuda
+
+# Matmuls get at least this many rows, columns and terms per dot product. The CPU's FP32
+# GEMM picks other kernels for small shapes (on this machine: 1-3, 5-7 and 9-11 rows;
+# 8 or fewer columns; fewer than 16 terms), so an output element would depend on how many
+# rows and columns share its matmul and on how many zero terms follow its own (a causal
+# query's masked keys); from there on it does not (BF16: never). Padding with zeros makes
+# every output element independent of the rest of the batch, which exact mode needs, for the
+# cost of a few zero rows on tiny matmuls (whose time is the weight read anyway).
+MIN_ROWS = 16
+# Batched matmuls (attention) take another path, whose results vary only below 4 rows: a
+# decode step's few query rows per KV head need less padding than MIN_ROWS.
+MIN_BATCHED_ROWS = 4
+
+
+def emulated(t: torch.Tensor) -> bool:
+    """True when `t`'s matmuls run the FP32 kernel on its rounded values (a CPU without dot
+    products for its dtype)."""
+    return t.device.type == "cpu" and t.dtype in cpu.emulated_dtypes()
+
+
+def per_shape_kernels(dtype: torch.dtype, device: torch.device) -> bool:
+    """True where this dtype's matmuls run kernels generated for each input shape: native BF16
+    on the CPU goes to oneDNN, which builds (and caches) a kernel per shape, at the cost of a
+    few hundred microseconds each. Callers then keep their shapes to a few sizes."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and dtype not in cpu.emulated_dtypes()
+
+
+def _pad(x: torch.Tensor, dim: int, size: int = MIN_ROWS) -> torch.Tensor:
+    """`x` padded with zeros along `dim` (negative) to `size` entries."""
+    short = size - x.shape[dim]
+    return F.pad(x, (0, 0) * (-dim - 1) + (0, short)) if short > 0 else x
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias` in the dtype of `x`, accumulating in FP32; each output element
+    is independent of the other rows and columns (see MIN_ROWS)."""
+    rows, cols = x.shape[:-1], weight.shape[0]
+    x2, weight = _pad(x.reshape(-1, x.shape[-1]), -2), _pad(weight.to(x.dtype), -2)
+    bias = None if bias is None else _pad(bias.to(x.dtype)[:, None], -2)[:, 0]
+    if emulated(x):
+        out = F.linear(x2.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    else:
+        out = F.linear(x2, weight, bias)
+    return out[: rows.numel(), :cols].reshape(*rows, cols)
+
+
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How an engine computes: on `device`, and in exact mode or not. Build with `numerics()`."""
+
+    device: torch.device
+    exact: bool = False
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Batched `a @ b`; in exact mode its elements depend neither on the other rows and
+        columns nor on trailing zero terms (see MIN_ROWS)."""
+        if not self.exact:
+            return torch.matmul(a, b)
+        rows, cols = a.shape[-2], b.shape[-1]
+        return torch.matmul(_pad(_pad(a, -1), -2, MIN_BATCHED_ROWS), _pad(_pad(b, -2), -1))[..., :rows, :cols]
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        causal: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Scaled dot-product attention with grouped KV heads, in the dtype of `q`.
+
+        `q` is [B, H, Tq, D]; `k`, `v` are [B, Hkv, Tk, D]; `mask` is a boolean
+        [B, 1, Tq, Tk] (True = attend) or None. `scale` defaults to D ** -0.5; `softcap`
+        bounds the scores to (-softcap, softcap) with tanh before the mask (Gemma 2).
+        In exact mode: the spelled-out form in every precision, with the FP32 kernel for the
+        probability-weighted values, so that each query's output is the bits `decode_attention`
+        gives for it over a KV cache.
+        """
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if self.exact or softcap is not None or (q.device.type == "cpu" and q.dtype != torch.float32):
+            # The CPU has no FP16 attention kernel worth using, and its BF16 one has a ~8x
+            # slower backward than FP32's: spell out the flash-attention numerics instead.
+            # The query heads sharing a KV head become extra rows of one matmul against it,
+            # so K and V are never copied per query head.
+            b, h, q_len, d = q.shape
+            kv_heads, k_len = k.shape[1], k.shape[2]
+            groups = h // kv_heads
+            bias = torch.zeros((q_len, k_len), device=q.device)
+            if causal:
+                bias = bias.masked_fill(torch.ones_like(bias, dtype=torch.bool).triu(1), float("-inf"))
+            if mask is not None:
+                bias = bias.masked_fill(~mask, float("-inf"))
+            bias = bias.repeat(*(1,) * (bias.dim() - 2), groups, 1)  # row g * q_len + t is query t
+            q_rows = q.reshape(b, kv_heads, groups * q_len, d).float()
+            scores = _capped(self.matmul(q_rows, k.float().transpose(-1, -2)) * scale, softcap) + bias
+            return self._weighted_values(scores, v, q.dtype).reshape(b, h, q_len, d)
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa, scale=scale)
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_t: torch.Tensor,
+        v: torch.Tensor,
+        key_bias: torch.Tensor,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Attention of one new token per row over its cache, in the dtype of `q`.
+
+        `q` [B, H, 1, D]; `k_t` [B, Hkv, D, S] (keys transposed); `v` [B, Hkv, S, D];
+        `key_bias` [B, 1, 1, S] FP32 (0 = attend, -inf = masked). Grouped query heads
+        share their KV head without copying it.
+        """
+        b, h, _, d = q.shape
+        hkv = k_t.shape[1]
+        qg = q.view(b, hkv, h // hkv, d)
+        scale = d**-0.5 if scale is None else scale
+        # exact: a decode step's few query rows per KV head are padded (see MIN_BATCHED_ROWS).
+        # A CPU cache holds FP32 already; a GPU cache in the precision is read once, upcast.
+        scores = _capped(self.matmul(qg.float(), k_t.float()) * scale, softcap) + key_bias
+        return self._weighted_values(scores, v, q.dtype).reshape(b, h, 1, d)
+
+    def _weighted_values(self, scores: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """softmax(scores) @ v with flash-attention numerics: FP32 scores and softmax, the
+        probabilities rounded to `dtype`, FP32 accumulation, the output rounded to `dtype`.
+        Softmax and the weighted sum give a query the same bits however many masked keys
+        follow its last visible one, which is what lets a cache and a full sequence agree;
+        exact mode pads what would otherwise depend on the shapes (see MIN_ROWS)."""
+        short = MIN_ROWS - scores.shape[-1]
+        if self.exact and short > 0:  # the CPU softmax takes a scalar path on rows shorter than a vector register
+            scores = F.pad(scores, (0, short), value=float("-inf"))
+            v = F.pad(v, (0, 0, 0, short))
+        probs = torch.softmax(scores, dim=-1).to(dtype)
+        if self.exact or emulated(probs) or v.dtype == torch.float32:
+            # FP32 kernels on rounded inputs: exact products, FP32 sums. (A CPU KV cache
+            # holds FP32 values, rounded to the precision when written.)
+            return self.matmul(probs.float(), v.float()).to(dtype)
+        return self.matmul(probs, v)  # the native 16-bit kernel accumulates in FP32
+
+    def describe(self) -> dict[str, str]:
+        """What this process computes with, for config records and benchmark tables: the device,
+        exact mode, the processor's features, and each precision's matmul path."""
+        out = {"device": str(self.device), "exact": str(self.exact).lower(), "torch": torch.__version__}
+        if self.device.type == "cuda":
+            out.update(cuda.describe(self.device))
+            out.update({f"matmul_{n}": cpu.NATIVE for n in ("fp32", "bf16", "fp16")})
+            return out
+        features = cpu.features()
+        out.update(features.describe())
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            out[f"matmul_{name}"] = cpu.NATIVE if features.native(dtype) else cpu.EMULATED
+        return out
+
+
+DEVICES = ("cpu", "cuda")
+
+
+def check_device(device: str, key: str = "device") -> None:
+    """Refuse a `device` config value this process cannot run on, naming the key."""
+    if device not in DEVICES:
+        raise ConfigError(f"{key}: unknown value {device!r}; allowed: {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{key}=cuda: PyTorch sees no CUDA device (torch.cuda.is_available() is False)")
+
+
+def numerics(device: str | torch.device = "cpu", exact: bool = False) -> Numerics:
+    """The numerics for `device`, decided once per process (one object per device and mode): on
+    CUDA this also sets the matmul flags (`cuda.configure`)."""
+    return _numerics(str(torch.device(device)), bool(exact))
+
+
+@cache
+def _numerics(device: str, exact: bool) -> Numerics:
+    if device.startswith("cuda"):
+        cuda.configure(exact)
+    return Numerics(torch.device(device), exact)

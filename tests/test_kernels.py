@@ -1,0 +1,191 @@
+"""The numerics layer: the matmul path each precision takes per processor, its agreement with the
+native kernel, exact mode under either path, and the record a run keeps of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parity import config
+from parity.config import ConfigError
+from parity.engines import kernels
+from parity.engines.kernels import cpu
+from parity.rl.loop import Run, TrainConfig
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+def features(capability="AVX512", isa=None, bf16_dot=False, fp16_dot=False) -> cpu.CpuFeatures:
+    return cpu.CpuFeatures(capability, isa, bf16_dot, fp16_dot)
+
+
+@pytest.mark.parametrize(
+    ("cpu_features", "bf16", "fp16"),
+    [
+        (features("AVX2"), False, False),  # AVX2-only EPYC / laptop: no 16-bit dot products
+        (features(bf16_dot=True), True, False),  # Zen 4 / Cooper Lake: AVX512-BF16
+        (features(isa="AVX2", bf16_dot=True), False, False),  # the same, oneDNN held to AVX2
+        (features(isa="AVX512_CORE", bf16_dot=True), False, False),
+        (features(isa="AVX512_CORE_BF16", bf16_dot=True), True, False),
+        (features(isa="ALL", bf16_dot=True), True, False),
+        (features(bf16_dot=True, fp16_dot=True), True, True),  # Granite Rapids: AMX-FP16
+        (features(isa="AVX512_CORE_BF16", bf16_dot=True, fp16_dot=True), True, False),
+    ],
+)
+def test_kernel_choice_per_processor(cpu_features, bf16, fp16):
+    assert cpu_features.native(torch.float32)
+    assert cpu_features.native(BF16) is bf16
+    assert cpu_features.native(FP16) is fp16
+
+
+def test_onednn_isa_limit_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    assert cpu.CpuFeatures.read().onednn_isa == "AVX2"
+    assert not cpu.CpuFeatures.read().native(BF16)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "avx512_core")  # oneDNN's former name
+    assert cpu.CpuFeatures.read().onednn_isa == "AVX512_CORE"
+
+
+def test_a_process_under_the_avx2_emulation_takes_the_fp32_path():
+    """The environment a BF16-less CPU is emulated with turns both 16-bit precisions to the FP32
+    kernel, and `describe` (numerics.json) says so."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    code = "import json; from parity.engines import kernels; print(json.dumps(kernels.numerics().describe()))"
+    described = json.loads(
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True).stdout
+    )
+    assert described["cpu_capability"] == "AVX2" and described["onednn_max_cpu_isa"] == "AVX2"
+    assert described["matmul_bf16"] == described["matmul_fp16"] == cpu.EMULATED
+    assert described["matmul_fp32"] == cpu.NATIVE
+
+
+@pytest.fixture
+def force_path(monkeypatch):
+    """Force the 16-bit matmul path: `force_path(emulated=True)` runs BF16 and FP16 on the FP32 kernel."""
+
+    def force(emulated: bool) -> None:
+        monkeypatch.setattr(cpu, "emulated_dtypes", lambda: frozenset({BF16, FP16}) if emulated else frozenset())
+
+    return force
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_emulated_and_native_matmuls_agree_within_rounding(dtype, force_path):
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(40, 96, generator=g), torch.randn(48, 96, generator=g), torch.randn(48, generator=g)
+    x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
+    force_path(True)
+    emulated = kernels.linear(x, w, b)
+    assert torch.equal(emulated, F.linear(x.float(), w.float(), b.float()).to(dtype))  # rounded in, FP32, rounded out
+    force_path(False)
+    native = kernels.linear(x, w, b)
+    assert native.dtype == emulated.dtype == dtype
+    # Both accumulate in FP32 and round once; only the order of the sums may differ: one ulp at most.
+    ulp = torch.finfo(dtype).eps * native.float().abs().clamp(min=1)
+    assert ((emulated.float() - native.float()).abs() <= ulp).all()
+
+
+def test_per_shape_kernels_only_for_native_bf16(force_path):
+    cpu_device = torch.device("cpu")
+    force_path(False)
+    assert kernels.per_shape_kernels(BF16, cpu_device) and not kernels.per_shape_kernels(FP16, cpu_device)
+    force_path(True)
+    assert not kernels.per_shape_kernels(BF16, cpu_device)
+    assert not kernels.per_shape_kernels(BF16, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_exact_mode_holds_on_the_emulated_path(precision, force_path):
+    """A CPU without 16-bit dot products: the engines still compute the same bits."""
+    from test_exact import FILTERED, engines, random_prompts, trainer_logprobs
+
+    force_path(True)
+    model, engine = engines("builtin", precision)
+    batch = engine.generate(random_prompts(9, model.config.vocab_size, seed=2), 3, FILTERED, seed=1)
+    pi = trainer_logprobs(model, batch, precision, micro_batch=7)
+    assert torch.equal(pi[batch.response_mask], batch.rollout_logprobs[batch.response_mask])
+
+
+def test_numerics_is_one_object_per_device_and_mode():
+    assert kernels.numerics() is kernels.numerics("cpu", False)
+    exact = kernels.numerics("cpu", exact=True)
+    assert exact.exact and exact is not kernels.numerics() and exact.device == torch.device("cpu")
+
+
+def test_device_values_are_checked():
+    with pytest.raises(ConfigError, match="device: unknown value 'tpu'; allowed: cpu, cuda"):
+        kernels.check_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="device=cuda: PyTorch sees no CUDA device"):
+            kernels.check_device("cuda")
+
+
+def test_a_run_records_its_numerics(tmp_path):
+    cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path / 'run'}", "steps=1", "exact=true"])
+    run = Run.create(cfg, progress=False)
+    run.lock.release()
+    recorded = json.loads((tmp_path / "run" / "numerics.json").read_text())
+    assert recorded == kernels.numerics("cpu", True).describe()
+    assert recorded["exact"] == "true" and recorded["matmul_fp32"] == cpu.NATIVE
+    assert run.trainer.model.numerics is run.sampler.engine.numerics is run.numerics
+
+
+@pytest.mark.cuda
+def test_cuda_numerics_accumulate_in_fp32():
+    """On CUDA the numerics turn off TF32 and reduced-precision reductions (FP32 accumulation)."""
+    n = kernels.numerics("cuda")
+    matmul = torch.backends.cuda.matmul
+    assert not matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    assert not matmul.allow_fp16_reduced_precision_reduction and not matmul.allow_bf16_reduced_precision_reduction
+    assert n.describe()["gpu"] == torch.cuda.get_device_name()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_exact_mode_on_cuda(precision):
+    """The rollout engine and the trainer compute the same bits on a GPU too."""
+    from parity.engines.models import BUILTIN_DIR, export_state, load_model
+    from parity.engines.rollout import RolloutEngine
+    from parity.engines.tokenizer import load_tokenizer
+    from test_exact import FILTERED, random_prompts, trainer_logprobs
+
+    model = load_model("builtin").to("cuda")
+    model.numerics = kernels.numerics("cuda", exact=True)
+    tok = load_tokenizer(BUILTIN_DIR)
+    engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, model.numerics)
+    engine.load_weights(export_state(model), version=0)
+    batch = engine.generate(random_prompts(24, model.config.vocab_size, seed=4), 4, FILTERED, seed=0)
+    pi = trainer_logprobs(model, batch, precision, micro_batch=40)
+    assert torch.equal(pi[batch.response_mask], batch.rollout_logprobs[batch.response_mask])
+
+
+@pytest.mark.slow
+def test_the_acceptance_run_works_on_the_cpu(tmp_path):
+    """benchmarks/gpu.py at small sizes on the CPU: every arm trains, exact mode logs no mismatch,
+    and the decode figures and the numerics record come out."""
+    script = Path(__file__).parent.parent / "benchmarks" / "gpu.py"
+    out = tmp_path / "gpu.json"
+    args = ["--device", "cpu", "--models", "builtin", "--arms", "fp32,bf16,fp16-exact", "--rounds", "1"]
+    subprocess.run(
+        [sys.executable, str(script), *args, "--steps", "1", "--small", "--json", str(out)],
+        check=True,
+        capture_output=True,
+    )
+    record = json.loads(out.read_text())
+    assert record["numerics"]["device"] == "cpu" and record["bandwidth_gb_s"] > 0
+    arms = record["models"]["builtin"]["arms"]
+    assert set(arms) == {"fp32", "bf16", "fp16-exact"}
+    assert arms["fp32"]["rollout_vs_fp32"] == 1.0 and arms["bf16"]["train_tokens_per_s"] > 0
+    assert arms["fp16-exact"]["max_token_abs_log_ratio"] == 0.0
+    decode = record["models"]["builtin"]["decode"]
+    assert set(decode) == {"fp32", "bf16", "fp16"} and all(
+        d["step_ms"] > 0 and d["floor_ms"] > 0 for d in decode.values()
+    )
