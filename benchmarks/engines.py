@@ -37,13 +37,28 @@ MODELS = {
 }
 
 
-def make_llama_4m(out: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def save_random_model(model_class: str, out: Path, **config) -> Path:
+    """A transformers model of `model_class` (e.g. "Llama") with random weights (seed 0), saved to
+    `out` with the built-in model's tokenizer (its ids are a subset of any vocabulary here)."""
+    import transformers
 
     from parity.engines.models import BUILTIN_DIR
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
+    hf_config = getattr(transformers, f"{model_class}Config")(
+        bos_token_id=None, eos_token_id=1, pad_token_id=0, **config
+    )
+    getattr(transformers, f"{model_class}ForCausalLM")(hf_config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (out / name).write_bytes((BUILTIN_DIR / name).read_bytes())
+    return out
+
+
+def make_llama_4m(out: Path) -> Path:
+    """The 4.4M-parameter Llama of DESIGN.md (6 layers, hidden 256), random weights."""
+    return save_random_model(
+        "Llama",
+        out,
         vocab_size=2048,
         hidden_size=256,
         intermediate_size=688,
@@ -51,15 +66,8 @@ def make_llama_4m(out: Path) -> Path:
         num_attention_heads=8,
         num_key_value_heads=8,
         max_position_embeddings=512,
-        bos_token_id=None,
-        eos_token_id=1,
-        pad_token_id=0,
         tie_word_embeddings=True,
     )
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        (out / name).write_bytes((BUILTIN_DIR / name).read_bytes())
-    return out
 
 
 class Workloads:

@@ -39,10 +39,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engines import make_llama_4m  # noqa: E402
+from engines import make_llama_4m, save_random_model  # noqa: E402
 from parity import config  # noqa: E402
 from parity.engines import kernels  # noqa: E402
-from parity.engines.models import BUILTIN_DIR, load_model, resolve_model_dir  # noqa: E402
+from parity.engines.models import load_model, resolve_model_dir  # noqa: E402
 from parity.engines.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from parity.engines.tokenizer import load_tokenizer  # noqa: E402
 from parity.rl.loop import Run, TrainConfig  # noqa: E402
@@ -53,12 +53,10 @@ DECODE_BATCH = {"full": 128, "small": 16}
 
 
 def make_qwen_shape(out: Path) -> Path:
-    """A Qwen2.5-0.5B-shaped model (24 layers, hidden 896, vocabulary 151,936) with random weights
-    and the built-in tokenizer (its ids are a subset of the vocabulary)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
+    """A Qwen2.5-0.5B-shaped model (24 layers, hidden 896, vocabulary 151,936), random weights."""
+    return save_random_model(
+        "Qwen2",
+        out,
         vocab_size=151_936,
         hidden_size=896,
         intermediate_size=4864,
@@ -67,14 +65,7 @@ def make_qwen_shape(out: Path) -> Path:
         num_key_value_heads=2,
         max_position_embeddings=4096,
         tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=1,
-        pad_token_id=0,
     )
-    Qwen2ForCausalLM(cfg).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        (out / name).write_bytes((BUILTIN_DIR / name).read_bytes())
-    return out
 
 
 def model_dir(name: str, tmp: Path) -> str:

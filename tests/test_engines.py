@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from parity.engines import trainer as trainer_mod
+from parity.engines.kernels import cpu
 from parity.engines.models import load_model
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams, filter_logits
@@ -155,7 +156,11 @@ def test_weights_stored_in_rollout_precision(llama_dir):
     for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         _, trainer, engine = _setup(llama_dir, precision)
         layer = engine.layers[0]
-        assert engine.embed.dtype == dtype and layer.qkv.dtype == dtype and layer.gate_up.dtype == dtype
+        # Matmul weights are held in FP32 where the precision's matmuls run the FP32 kernel (`kernels.hold`).
+        held = torch.float32 if dtype in cpu.emulated_dtypes() else dtype
+        for weight in (engine.embed, layer.qkv, layer.gate_up):
+            assert weight.dtype == held and torch.equal(weight, weight.to(dtype).to(held))
+        assert layer.input_norm.dtype == dtype and engine.named_weights()["model.embed_tokens.weight"].dtype == dtype
         assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
 
 

@@ -189,3 +189,16 @@ def test_the_acceptance_run_works_on_the_cpu(tmp_path):
     assert set(decode) == {"fp32", "bf16", "fp16"} and all(
         d["step_ms"] > 0 and d["floor_ms"] > 0 for d in decode.values()
     )
+
+
+def test_the_choice_can_be_overridden(monkeypatch):
+    for value, expected in (("native", frozenset()), ("emulated", frozenset({BF16, FP16}))):
+        monkeypatch.setenv(cpu.OVERRIDE_ENV, value)
+        cpu.emulated_dtypes.cache_clear()
+        assert cpu.emulated_dtypes() == expected
+    monkeypatch.setenv(cpu.OVERRIDE_ENV, "fast")
+    cpu.emulated_dtypes.cache_clear()
+    with pytest.raises(ValueError, match="PARITY_CPU_KERNELS='fast': expected auto, native or emulated"):
+        cpu.emulated_dtypes()
+    monkeypatch.delenv(cpu.OVERRIDE_ENV)
+    cpu.emulated_dtypes.cache_clear()

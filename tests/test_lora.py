@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
+from parity.engines.kernels import cpu
 from parity.engines.lora import (
     ATTENTION,
     PEFT_PREFIX,
@@ -216,7 +217,10 @@ def test_unmerged_adapters_give_the_rollout_engine_the_trainers_pi(llama_dir, ta
         engine.load_adapters({"model.layers.0.self_attn.x_proj": (torch.zeros(4, 8), torch.zeros(8, 4))}, 1)
 
 
-def test_unmerged_lora_shares_the_base_and_syncs_only_adapters(tmp_path):
+def test_unmerged_lora_shares_the_base_and_syncs_only_adapters(tmp_path, monkeypatch):
+    # The base is shared where the engine holds it in BF16 (native BF16 matmuls; a CPU without them
+    # holds it in FP32 and cannot share it): force that path whatever this processor has.
+    monkeypatch.setattr(cpu, "emulated_dtypes", lambda: frozenset({torch.float16}))
     run = Run.create(
         config.load(
             TrainConfig,

@@ -165,16 +165,20 @@ class RolloutEngine:
         if missing:
             raise ValueError(f"weight sync: missing {missing[:4]}")
 
-        def w(name: str) -> torch.Tensor | None:
-            return state[name].detach().to(device=self.device, dtype=self.dtype) if name in state else None
+        def w(name: str, matrix: bool = False) -> torch.Tensor | None:
+            """The tensor in the rollout precision; a matmul weight as `kernels.hold` keeps it."""
+            if name not in state:
+                return None
+            t = state[name].detach().to(self.device)
+            return kernels.hold(t, self.dtype) if matrix else t.to(self.dtype)
 
-        def cat(*names: str) -> torch.Tensor | None:
-            return torch.cat([w(n) for n in names]) if names[0] in state else None
+        def cat(*names: str, matrix: bool = True) -> torch.Tensor | None:
+            return torch.cat([w(n, matrix) for n in names]) if names[0] in state else None
 
         cfg = self.config
-        self.embed = w("model.embed_tokens.weight")
+        self.embed = w("model.embed_tokens.weight", matrix=True)
         self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight", matrix=True)
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -184,25 +188,25 @@ class RolloutEngine:
                 _Layer(
                     input_norm=w(p + "input_layernorm.weight"),
                     qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                    qkv_bias=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
-                    o=w(a + "o_proj.weight"),
+                    qkv_bias=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias", matrix=False),
+                    o=w(a + "o_proj.weight", matrix=True),
                     o_bias=w(a + "o_proj.bias"),
                     post_norm=w(p + "post_attention_layernorm.weight"),
                     gate_up=cat(m + "gate_proj.weight", m + "up_proj.weight"),
-                    gate_up_bias=cat(m + "gate_proj.bias", m + "up_proj.bias"),
-                    down=w(m + "down_proj.weight"),
+                    gate_up_bias=cat(m + "gate_proj.bias", m + "up_proj.bias", matrix=False),
+                    down=w(m + "down_proj.weight", matrix=True),
                     down_bias=w(m + "down_proj.bias"),
                     q_norm=w(a + "q_norm.weight"),
                     k_norm=w(a + "k_norm.weight"),
                     pre_mlp_norm=w(p + "pre_feedforward_layernorm.weight"),
                     post_mlp_norm=w(p + "post_feedforward_layernorm.weight"),
-                    router=w(m + "gate.weight"),
+                    router=w(m + "gate.weight", matrix=True),
                     experts_gate_up=torch.stack(
                         [cat(f"{m}experts.{e}.gate_proj.weight", f"{m}experts.{e}.up_proj.weight") for e in experts]
                     )
                     if experts
                     else None,
-                    experts_down=torch.stack([w(f"{m}experts.{e}.down_proj.weight") for e in experts])
+                    experts_down=torch.stack([w(f"{m}experts.{e}.down_proj.weight", matrix=True) for e in experts])
                     if experts
                     else None,
                 )
@@ -239,8 +243,8 @@ class RolloutEngine:
         self.weight_version = version
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """The weights as loaded, under their Hugging Face names (views into the fused
-        projections), for checking a weight sync against the sender's checksums."""
+        """The weights as loaded, in the rollout precision, under their Hugging Face names (views
+        into the fused projections), for checking a weight sync against the sender's checksums."""
         cfg = self.config
         out = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
         if not cfg.tie_word_embeddings:
@@ -268,7 +272,8 @@ class RolloutEngine:
                 m + "gate.weight": layer.router,
             }
             out.update({name: t for name, t in single.items() if t is not None})
-        return out
+        # Weights held in FP32 (`kernels.hold`) are given in the rollout precision (copies), as sent.
+        return {name: t if t.dtype == self.dtype else t.to(self.dtype) for name, t in out.items()}
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm, the fused kind (FP32 inside, one rounding), as inference engines run it;
@@ -281,7 +286,7 @@ class RolloutEngine:
     @staticmethod
     def _project(layer: _Layer, part: str, x: torch.Tensor) -> torch.Tensor:
         """The projection `part` of `layer` (qkv, o, gate_up, down), with its unmerged adapter."""
-        out = kernels.linear(x, getattr(layer, part), getattr(layer, part + "_bias"))
+        out = kernels.linear(x, getattr(layer, part), getattr(layer, part + "_bias"), held=True)
         if part in layer.lora:
             a, b = layer.lora[part]
             if a.dtype == x.dtype:
@@ -300,14 +305,19 @@ class RolloutEngine:
             return self._project(layer, "down", activation(act, gate) * up)
         flat = x.reshape(-1, x.shape[-1])
         cfg = self.config
-        used, weights, _ = route(kernels.linear(flat, layer.router), cfg.experts_per_token, cfg.norm_topk_prob)
+        used, weights, _ = route(
+            kernels.linear(flat, layer.router, held=True), cfg.experts_per_token, cfg.norm_topk_prob
+        )
         routing.append(used.view(*x.shape[:-1], -1))
         weights = weights.to(x.dtype)
         out = torch.zeros_like(flat)
         for e in used.unique().tolist():
             token, slot = (used == e).nonzero(as_tuple=True)
-            gate, up = kernels.linear(flat[token], layer.experts_gate_up[e]).chunk(2, dim=-1)
-            y = kernels.linear(activation(act, gate) * up, layer.experts_down[e]) * weights[token, slot, None]
+            gate, up = kernels.linear(flat[token], layer.experts_gate_up[e], held=True).chunk(2, dim=-1)
+            y = (
+                kernels.linear(activation(act, gate) * up, layer.experts_down[e], held=True)
+                * weights[token, slot, None]
+            )
             out.index_add_(0, token, y)
         return out.view_as(x)
 
@@ -330,7 +340,7 @@ class RolloutEngine:
         cfg = self.config
         b, t = ids.shape
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = self.embed[ids]
+        x = self.embed[ids].to(self.dtype)
         if cfg.gemma:
             x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype)
         angles = {kind: (cos[positions][:, None], sin[positions][:, None]) for kind, (cos, sin) in self._angles.items()}
@@ -396,7 +406,7 @@ class RolloutEngine:
                 self._tap(f"layer{i}.mlp", mlp)
                 self._tap(f"layer{i}.output", x)
         final = self._norm(x[:, 0] if last is None else x[rows, last], self.norm)
-        logits = softcap(kernels.linear(final, self.lm_head).float(), cfg.final_softcap)
+        logits = softcap(kernels.linear(final, self.lm_head, held=True).float(), cfg.final_softcap)
         if self._tap is not None:
             self._tap("norm", final)
             self._tap("logits", logits)

@@ -61,11 +61,20 @@ def _pad(x: torch.Tensor, dim: int, size: int = MIN_ROWS) -> torch.Tensor:
     return F.pad(x, (0, 0) * (-dim - 1) + (0, short)) if short > 0 else x
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def hold(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A matmul weight as an inference engine stores it for `linear(..., held=True)`: rounded to
+    `dtype`, and kept in FP32 where `dtype`'s matmuls run the FP32 kernel, so that no call upcasts
+    it again (that upcast read and wrote every weight twice per decode step)."""
+    w = weight.to(dtype)
+    return w.float() if emulated(w) else w
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, held: bool = False) -> torch.Tensor:
     """`x @ weight.T + bias` in the dtype of `x`, accumulating in FP32; each output element
-    is independent of the other rows and columns (see MIN_ROWS)."""
+    is independent of the other rows and columns (see MIN_ROWS). `held`: `weight` is as `hold`
+    stores it (already rounded to the dtype of `x`)."""
     rows, cols = x.shape[:-1], weight.shape[0]
-    x2, weight = _pad(x.reshape(-1, x.shape[-1]), -2), _pad(weight.to(x.dtype), -2)
+    x2, weight = _pad(x.reshape(-1, x.shape[-1]), -2), _pad(weight if held else weight.to(x.dtype), -2)
     bias = None if bias is None else _pad(bias.to(x.dtype)[:, None], -2)[:, 0]
     if emulated(x):
         out = F.linear(x2.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
@@ -184,8 +193,9 @@ class Numerics:
             return out
         features = cpu.features()
         out.update(features.describe())
+        emulated_dtypes = cpu.emulated_dtypes()
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
-            out[f"matmul_{name}"] = cpu.NATIVE if features.native(dtype) else cpu.EMULATED
+            out[f"matmul_{name}"] = cpu.EMULATED if dtype in emulated_dtypes else cpu.NATIVE
         return out
 
 

@@ -89,7 +89,16 @@ def features() -> CpuFeatures:
     return CpuFeatures.read()
 
 
+# PARITY_CPU_KERNELS=native|emulated overrides the choice for both 16-bit precisions (auto: by features).
+OVERRIDE_ENV = "PARITY_CPU_KERNELS"
+
+
 @cache
 def emulated_dtypes() -> frozenset[torch.dtype]:
     """The 16-bit dtypes whose matmuls run the FP32 kernel on rounded inputs on this CPU."""
+    override = os.environ.get(OVERRIDE_ENV, "auto")
+    if override not in ("auto", "native", "emulated"):
+        raise ValueError(f"{OVERRIDE_ENV}={override!r}: expected auto, native or emulated")
+    if override != "auto":
+        return frozenset() if override == "native" else frozenset({torch.bfloat16, torch.float16})
     return frozenset(d for d in (torch.bfloat16, torch.float16) if not features().native(d))
