@@ -164,11 +164,31 @@ def test_weights_stored_in_rollout_precision(llama_dir):
         assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_later_sync_fills_the_buffers_of_the_first(llama_dir, precision):
+    """The second and later weight syncs copy into the buffers the first built (no new model on the
+    device): the same bits as loading those weights into a fresh engine."""
+    _, trainer, engine = _setup(llama_dir, precision)
+    buffers = {name: t.data_ptr() for name, t in engine._held_views().items()}
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    engine.load_weights(*trainer.export_weights())
+    assert {name: t.data_ptr() for name, t in engine._held_views().items()} == buffers
+    fresh = RolloutEngine(engine.config, precision, [engine.pad_id], engine.pad_id)
+    fresh.load_weights(*trainer.export_weights())
+    moved, expected = engine.named_weights(), fresh.named_weights()
+    assert moved.keys() == expected.keys()
+    assert all(torch.equal(moved[name], expected[name]) for name in expected)
+    with pytest.raises(ValueError, match="model.norm.weight has shape"):
+        engine.load_weights({**trainer.export_weights()[0], "model.norm.weight": torch.ones(3)}, 2)
+
+
 def test_sampler_matches_the_distribution():
     from parity.engines.sampling import sample_categorical
 
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).expand(20000, 4)
-    draws = sample_categorical(probs, torch.Generator().manual_seed(0)).squeeze(-1)
+    draws = sample_categorical(probs, torch.rand(20000, 1, generator=torch.Generator().manual_seed(0))).squeeze(-1)
     freq = torch.bincount(draws, minlength=4).float() / draws.numel()
     assert freq[1] == 0  # a zero-probability token is never drawn
     assert torch.allclose(freq, probs[0], atol=0.015)

@@ -88,6 +88,26 @@ def test_hf_checkpoints_agree_bit_for_bit(precision, arch, llama_dir, qwen2_dir)
     assert torch.equal(pi[batch.response_mask], batch.rollout_logprobs[batch.response_mask])
 
 
+@pytest.mark.parametrize("sampling", [PLAIN, FILTERED], ids=["plain", "top-k-top-p"])
+def test_reading_the_batch_state_less_often_samples_the_same(sampling):
+    """On a GPU the decode loop reads finished rows and supports back every CHECK_EVERY tokens; finished
+    rows then stay in the batch longer. In exact mode the samples, μ and supports are the same bits as
+    reading every token (each row has its own random number per step, and exact mode makes a row's
+    numbers independent of its batch)."""
+    model, engine = engines("builtin", "bf16")
+    prompts = random_prompts(6, model.config.vocab_size, seed=3)
+    batches = []
+    for check_every in (1, 5, 64):
+        engine.check_every = check_every
+        batches.append(engine.generate(prompts, 4, sampling, seed=11))
+    first = batches[0]
+    assert not first.response_mask.all(), "some rows must finish early for the test to mean anything"
+    for other in batches[1:]:
+        for name in ("response_ids", "response_mask", "rollout_logprobs", "support", "truncated"):
+            a, b = getattr(first, name), getattr(other, name)
+            assert (a is None and b is None) or torch.equal(a, b), name
+
+
 def test_without_exact_mode_the_engines_differ_and_locate_says_where():
     """The default engines differ (the rollout engine's fused RMSNorm rounds once, the trainer's
     twice), and `locate` names the first stage where they part; in exact mode no stage differs."""

@@ -114,6 +114,8 @@ def cmd_sanity(args: argparse.Namespace) -> int:
         difficulty=args.difficulty,
         candidates=args.candidates,
         overrides=args.overrides,
+        jobs=args.jobs,
+        device=args.device,
     )
     from parity.commands.report import summary_table
 
@@ -135,7 +137,7 @@ def cmd_phantom(args: argparse.Namespace) -> int:
     from parity.commands.phantom import run_phantom
 
     eps = tuple(float(e) for e in args.eps.split(",") if e.strip())
-    summary = run_phantom(Path(args.out), steps=args.steps, eps_sweep=eps, seed=args.seed)
+    summary = run_phantom(Path(args.out), steps=args.steps, eps_sweep=eps, seed=args.seed, device=args.device)
     for name, r in summary["runs"].items():
         to2 = r["steps_to_length_2"]
         print(
@@ -150,7 +152,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from parity.commands.doctor import UNTRAINABLE, render, run_doctor
 
     result = run_doctor(
-        args.model, Path(args.out) if args.out else None, num_prompts=args.prompts, chat_template=args.chat_template
+        args.model,
+        Path(args.out) if args.out else None,
+        num_prompts=args.prompts,
+        chat_template=args.chat_template,
+        device=args.device,
     )
     print(render(result))
     return 1 if result["recommendation"] == UNTRAINABLE else 0
@@ -202,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="--task number: the generated word problems' level (easy: one step, numbers below 16)",
     )
     p.add_argument("--candidates", type=int, help="problems the perfectible search tries (default 256)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        help="training runs at once, each in its own process (default: one per core, at most 4; 1 on a GPU)",
+    )
+    p.add_argument("--device", default="cpu", help="where every model runs: cpu (default) or cuda")
     p.add_argument(
         "overrides",
         nargs="*",
@@ -296,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--eps", default="0.02,0.005,0.001,0.0002", help="clip epsilons for the sweep (comma-separated)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where every model runs: cpu (default) or cuda")
     p.set_defaults(func=cmd_phantom)
 
     p = sub.add_parser(
@@ -312,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto (default): encode the probe prompts with the model's chat template when it has one; none: raw text",
     )
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu (default) or cuda")
     p.set_defaults(func=cmd_doctor)
 
     from parity.builtin.build import BuildConfig

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from parity.commands.mismatch import MismatchConfig, SamplingConfig, load_prompts, run_mismatch
+from parity.engines import kernels
 from parity.engines.models import CausalLM, load_model, resolve_model_dir
 from parity.engines.packing import PackedBatch, pack
 from parity.engines.precision import FP16_MAX, FP16_MIN_NORMAL
@@ -96,7 +97,7 @@ def activation_peaks(model: CausalLM, packed: PackedBatch, dtype: torch.dtype) -
     """Largest |output| of any module in each layer group over one forward in `dtype`
     (inf or NaN where the group overflowed; NaN propagates)."""
     groups = layer_groups(model)
-    peaks = dict.fromkeys(groups, torch.zeros(()))
+    peaks = dict.fromkeys(groups, torch.zeros((), device=packed.token_ids.device))
     hooks = []
     for name, module in groups.items():
         for sub in module.modules():
@@ -116,7 +117,8 @@ def activation_peaks(model: CausalLM, packed: PackedBatch, dtype: torch.dtype) -
 
 def layer_reports(model: CausalLM, prompts: list[list[int]]) -> list[LayerReport]:
     """Weight and activation magnitudes per layer group, in FP32."""
-    activation_max = activation_peaks(model, pack(prompts), torch.float32)
+    device = next(model.parameters()).device
+    activation_max = activation_peaks(model, pack(prompts, device=device), torch.float32)
     reports = []
     for name, module in layer_groups(model).items():
         weights = torch.cat([p.detach().abs().flatten() for p in module.parameters()])
@@ -222,12 +224,22 @@ def recommend(reports: list[LayerReport], fp16_pass: FP16Pass, mismatch: dict[st
     return "fp16", reason
 
 
-def run_doctor(model: str, out: Path | None, num_prompts: int = 8, seed: int = 0, chat_template: str = "auto") -> dict:
+def run_doctor(
+    model: str,
+    out: Path | None,
+    num_prompts: int = 8,
+    seed: int = 0,
+    chat_template: str = "auto",
+    device: str = "cpu",
+) -> dict:
     """Probe with `parity mismatch`'s default prompts (arithmetic for the built-in model, chat questions for
-    any other), encoded under `chat_template` (one of CHAT_TEMPLATE_MODES), as training would encode them."""
+    any other), encoded under `chat_template` (one of CHAT_TEMPLATE_MODES), as training would encode them;
+    every model runs on `device`."""
+    kernels.check_device(device, "--device")
     model_dir = resolve_model_dir(model)
     tok = load_tokenizer(model_dir)
-    net = load_model(model_dir)
+    net = load_model(model_dir).to(device)
+    net.numerics = kernels.numerics(device)
     texts = load_prompts("builtin", num_prompts, seed, str(model))
     prompts = [tok.encode_prompt(t, chat_template) for t in texts]
 
@@ -247,6 +259,7 @@ def run_doctor(model: str, out: Path | None, num_prompts: int = 8, seed: int = 0
                 sampling=SamplingConfig(max_new_tokens=48),
                 seed=seed,
                 chat_template=chat_template,
+                device=device,
             ),
             progress=False,
             texts=texts,

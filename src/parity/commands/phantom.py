@@ -24,6 +24,7 @@ import torch
 
 from parity import config as config_mod
 from parity.commands.report import Panel, plot_beta_distribution, plot_curves
+from parity.engines import kernels
 from parity.engines.models import export_state, load_model, resolve_model_dir
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
@@ -115,7 +116,7 @@ ONE_UPDATE_KEYS = (
 )
 
 
-def one_update_table(out: Path, seed: int, log=print) -> dict[str, dict[str, float]]:
+def one_update_table(out: Path, seed: int, log=print, overrides: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
     """At one update per rollout (α = 0) and ε = 0.001: each precision pair under each ratio
     source, the step means of the clip and phantom fractions and of |α|, |g|, |β|, |κ|."""
     table = {}
@@ -127,20 +128,20 @@ def one_update_table(out: Path, seed: int, log=print) -> dict[str, dict[str, flo
                 out / "one-update" / f"{pair.replace('/', '-')}-{source}",
                 ONE_UPDATE_STEPS,
                 seed,
-                (*keys, *eps, f"algorithm.ratio_source={source}"),
+                (*keys, *eps, f"algorithm.ratio_source={source}", *overrides),
             )
             table[f"{pair} {source}"] = {k: statistics.mean(m[k] for m in history) for k in ONE_UPDATE_KEYS}
     return table
 
 
 def mismatch_parts(
-    model: str, num_prompts: int, seed: int, rollout_precision: str = "bf16"
+    model: str, num_prompts: int, seed: int, rollout_precision: str = "bf16", device: str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Token-level β (FP32 against `rollout_precision`, the trainer's code path on the same
     weights) and κ (that probe against the rollout engine's μ), on samples the engine drew."""
     model_dir = resolve_model_dir(model)
     tok = load_tokenizer(model_dir)
-    base = load_model(model_dir)
+    base = load_model(model_dir).to(device)
     sampler = Sampler(
         base.config,
         rollout_precision,
@@ -150,6 +151,7 @@ def mismatch_parts(
         score_old=True,
         probe=True,
         micro_batch_size=64,
+        numerics=kernels.numerics(device),
     )
     sampler.load_weights(export_state(base), version=0)
     problems = ArithmeticTask().problems(num_prompts, seed=seed, split="eval")
@@ -158,7 +160,7 @@ def mismatch_parts(
     sampler.score_samples(batch)
     mu, mask = batch.rollout_logprobs, batch.response_mask
     beta = batch.old_logprobs - batch.probe_logprobs
-    no_adv = torch.zeros(beta.shape[0])
+    no_adv = torch.zeros(beta.shape[0], device=beta.device)
     stats = {
         **gap_metrics("beta", beta, mu, no_adv, mask),
         **gap_metrics("kappa", batch.probe_logprobs - mu, mu, no_adv, mask),
@@ -168,18 +170,23 @@ def mismatch_parts(
     return beta[mask], mu[mask].exp(), stats
 
 
-def run_phantom(out: Path, steps: int, eps_sweep: tuple[float, ...], seed: int = 0, log=print) -> dict:
+def run_phantom(
+    out: Path, steps: int, eps_sweep: tuple[float, ...], seed: int = 0, log=print, device: str = "cpu"
+) -> dict:
+    """The experiment (see the module's docstring); every model runs on `device`."""
+    kernels.check_device(device, "--device")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    beta, probs, parts_bf16 = mismatch_parts("builtin", 64, seed, "bf16")
-    plot_beta_distribution(beta, probs, out / "beta.png")
-    parts_fp16 = mismatch_parts("builtin", 64, seed, "fp16")[2]
-    one_update = one_update_table(out, seed, log)
+    beta, probs, parts_bf16 = mismatch_parts("builtin", 64, seed, "bf16", device)
+    plot_beta_distribution(beta.cpu(), probs.cpu(), out / "beta.png")
+    parts_fp16 = mismatch_parts("builtin", 64, seed, "fp16", device)[2]
+    device_key = (f"device={device}",)
+    one_update = one_update_table(out, seed, log, device_key)
     histories: dict[str, list[dict]] = {}
     runs = default_runs(eps_sweep)
     for i, run in enumerate(runs, 1):
         log(f"run {i}/{len(runs)}: {run.name}")
-        histories[run.name] = _train(out / "runs" / f"run{i}", steps, seed, run.overrides, progress=True)
+        histories[run.name] = _train(out / "runs" / f"run{i}", steps, seed, (*run.overrides, *device_key), True)
     plot_curves(
         histories,
         [

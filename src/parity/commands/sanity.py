@@ -9,9 +9,14 @@ is broken. Writes summary.json, report.md and plots to the output directory.
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from parity import config as config_mod
 from parity.commands.mismatch import MismatchConfig, SamplingConfig, plot_mismatch_scatter, run_mismatch
@@ -93,18 +98,24 @@ def run_sanity(
     difficulty: str = "standard",
     candidates: int | None = None,
     overrides: list[str] = (),
+    jobs: int | None = None,
+    device: str = "cpu",
 ) -> dict:
     """The sanity test of `model` (default: the built-in one) on `task`'s generated problems (default:
     the built-in task for the built-in model, word problems of `difficulty` with `task.name=number` for
     any other), sampling at most `max_new_tokens` per response everywhere. `candidates`: how many
     problems the perfectible search tries (its default when None); `overrides`: `parity train` keys
-    (KEY=VALUE) applied to every run after the test's own, e.g. trainer.lr or steps."""
+    (KEY=VALUE) applied to every run after the test's own, e.g. trainer.lr or steps. `jobs`: training runs
+    at once (default `default_jobs`); `device`: where every model runs (perfectible search, base mismatch,
+    training)."""
     settings = QUICK if quick else FULL
     task = task or ("builtin" if model == "builtin" else "number")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 
-    pcfg = PerfectibleConfig(model=model, task=task, seed=seed, max_new_tokens=max_new_tokens, difficulty=difficulty)
+    pcfg = PerfectibleConfig(
+        model=model, task=task, seed=seed, max_new_tokens=max_new_tokens, difficulty=difficulty, device=device
+    )
     if candidates is not None:
         pcfg.num_candidates = candidates
     pcfg.validate()
@@ -126,6 +137,7 @@ def run_sanity(
             f"run_dir={run_dir}",
             "checkpoint_every=-1",
             "tensorboard=false",
+            f"device={device}",
         ]
         return config_mod.load(TrainConfig, None, [*keys, *overrides])
 
@@ -161,15 +173,15 @@ def run_sanity(
                 sampling=SamplingConfig(max_new_tokens=max_new_tokens),
                 seed=seed,
                 exact=exact,
+                device=device,
             )
             pairs += run_mismatch(mcfg, progress=False)
     plot_mismatch_scatter(pairs, out / "mismatch_scatter.png")
 
-    histories: dict[str, list[dict]] = {}
-    for name, cfg in configs.items():
-        remove_run(Path(cfg.run_dir))  # a previous sanity run's copy of this run
-        log(f"run {len(histories) + 1}/{len(runs)}: {name}")
-        histories[name] = Run.create(cfg).train()
+    jobs = default_jobs(len(configs), device) if jobs is None else jobs
+    if jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {jobs}")
+    histories = train_runs(configs, jobs, log)
 
     summaries = {name: summarize(h) for name, h in histories.items()}
     plot_accuracy(histories, out / "accuracy.png")
@@ -189,6 +201,8 @@ def run_sanity(
             "lr": first.trainer.lr,
             "overrides": list(overrides),
             "seed": seed,
+            "jobs": jobs,
+            "device": device,
         },
         "perfectible": {
             "num_problems": len(keep),
@@ -205,6 +219,52 @@ def run_sanity(
     atomic_write_json(out / "summary.json", summary)
     atomic_write_text(out / "report.md", render_report(summary))
     return summary
+
+
+def default_jobs(runs: int, device: str) -> int:
+    """Training runs at once: one per core on the CPU, at most 4 (each holds its own model and optimizer).
+    The sanity runs' models are small, and a small model's ops gain little from a second thread: on 2 cores
+    two runs of one thread each finish the set 1.2x sooner than one run of two threads at a time
+    (docs/benchmarks.md). One at a time on a GPU."""
+    if device != "cpu":
+        return 1
+    return max(1, min(runs, os.cpu_count() or 1, 4))
+
+
+def _train_in_worker(cfg: TrainConfig, threads: int) -> list[dict]:
+    torch.set_num_threads(threads)
+    return Run.create(cfg, progress=False).train()
+
+
+def train_runs(configs: dict[str, TrainConfig], jobs: int, log=print) -> dict[str, list[dict]]:
+    """Train every run, `jobs` at a time (each in its own process, with its share of the threads),
+    and return their metric histories in the order of `configs`."""
+    for cfg in configs.values():
+        remove_run(Path(cfg.run_dir))  # a previous sanity run's copy of this run
+    if jobs == 1:
+        histories = {}
+        for i, (name, cfg) in enumerate(configs.items()):
+            log(f"run {i + 1}/{len(configs)}: {name}")
+            histories[name] = Run.create(cfg).train()
+        return histories
+    threads = max(1, torch.get_num_threads() // jobs)
+    log(f"training {len(configs)} runs, {jobs} at a time ({threads} thread{'s' * (threads > 1)} each)")
+    done: dict[str, list[dict]] = {}
+    # spawn: a forked child would inherit this process's thread pools and locks.
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_train_in_worker, cfg, threads): name for name, cfg in configs.items()}
+        try:
+            for future in as_completed(futures):
+                name = futures[future]
+                done[name] = future.result()
+                last = done[name][-1] if done[name] else {}
+                accuracy = f", training accuracy {last['reward/accuracy']:.2f}" if "reward/accuracy" in last else ""
+                log(f"run {len(done)}/{len(configs)} done: {name} ({len(done[name])} steps{accuracy})")
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+    return {name: done[name] for name in configs}
 
 
 def _verdict(name: str, s: dict) -> str:
@@ -264,13 +324,14 @@ def render_report(summary: dict) -> str:
     # Summaries written before these settings were recorded have neither.
     lr = "" if st.get("lr") is None else f"learning rate {st['lr']:g}, "
     overrides = f" (overrides: {' '.join(st['overrides'])})" if st.get("overrides") else ""
+    jobs = f" ({st['jobs']} runs at a time on {st.get('device', 'cpu')})" if st.get("jobs", 1) > 1 else ""
     lines = [
         "# Sanity test",
         "",
         f"Model {st['model']}, task {st['task']}, at most {st['max_new_tokens']} new tokens per response. "
         f"{'Quick' if st['quick'] else 'Full'} run: {st['steps']} steps of {st['prompts_per_step']} prompts × "
         f"{st['group_size']} samples per run, {st['updates_per_rollout']} optimizer steps per rollout, "
-        f"{lr}seed {st['seed']}, {summary['wall_seconds']:.0f} s in all{overrides}. "
+        f"{lr}seed {st['seed']}, {summary['wall_seconds']:.0f} s in all{jobs}{overrides}. "
         "The paper's recipe: each estimator with its "
         "reference defaults, Dr.GRPO advantages, zero reward without EOS, ÷ L_max (docs/training.md).",
         "",

@@ -666,10 +666,13 @@ def _split_fused_experts(state: dict[str, torch.Tensor]) -> None:
             state[f"{prefix}{e}.down_proj.weight"] = down[e]
 
 
-def export_state(model: CausalLM, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Parameters under their Hugging Face names, cast to `dtype` (tied head omitted)."""
+def export_state(
+    model: CausalLM, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> dict[str, torch.Tensor]:
+    """Parameters under their Hugging Face names, cast to `dtype` (tied head omitted), on `device`
+    (default: where the model is, so that a weight sync on one GPU never passes through the host)."""
     return {
-        k: v.detach().to(device="cpu", dtype=dtype).contiguous()
+        k: v.detach().to(device=device or v.device, dtype=dtype).contiguous()
         for k, v in model.state_dict().items()
         if not (model.config.tie_word_embeddings and k == "lm_head.weight")
     }
@@ -681,7 +684,7 @@ def save_model(model: CausalLM, out_dir: str | Path, add_files: Callable[[Path],
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
-        save_file(export_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(export_state(model, device="cpu"), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if add_files is not None:
             add_files(tmp)
     return out_dir

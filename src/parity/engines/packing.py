@@ -76,6 +76,7 @@ def pack(
     response_mask: torch.Tensor | None = None,
     bucket: bool = False,
     routing: Routing | None = None,
+    device: torch.device | str = "cpu",
 ) -> PackedBatch:
     """Pack rows of prompt + response. Identical prompts are stored once.
 
@@ -83,11 +84,12 @@ def pack(
     of each row) may be None to pack prompts alone. Each response token is scored
     from the stream token just before it. `bucket` pads the shapes to the multiples above.
     `routing`, the rollout engine's experts for the rows' tokens, is laid out like the stream.
+    The batch is built where `response_ids` is, or on `device` for prompts alone.
     """
     b = len(prompt_ids)
     if b == 0 or any(len(p) == 0 for p in prompt_ids):
         raise ValueError("pack() needs at least one row, each with a prompt of at least one token")
-    device = response_ids.device if response_ids is not None else torch.device("cpu")
+    device = response_ids.device if response_ids is not None else torch.device(device)
     if response_ids is None:
         response_ids = torch.zeros((b, 0), dtype=torch.long, device=device)
         response_mask = torch.zeros((b, 0), dtype=torch.bool, device=device)

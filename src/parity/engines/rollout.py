@@ -43,6 +43,8 @@ CACHE_BLOCK = 32  # decode-time KV slots are added this many at a time
 # generated for each shape; a handful of batch sizes, reused by every rollout, costs
 # nothing after the first, where every new size cost a kernel build per layer.
 ROW_BUCKET = 16
+# On a GPU the decode loop reads finished rows and sampling supports back every this many tokens.
+CHECK_EVERY = 16
 
 
 class KVCache:
@@ -125,6 +127,13 @@ def projections(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
     }
 
 
+def _support_ids(
+    pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(output rows, support ids) of each decode step's live rows, from (rows, live, kept mask) per step."""
+    return [(rows[live], support_ids(kept[live])) for rows, live, kept in pending]
+
+
 class RolloutEngine:
     """Samples from a copy of the policy whose weights are stored in the rollout precision."""
 
@@ -144,6 +153,8 @@ class RolloutEngine:
         self.dtype = prec.to_dtype(precision)
         self.device = self.numerics.device
         self.pad_id = pad_id
+        # Decode tokens between host reads of the batch's state (`generate`): free on the CPU, a wait on a GPU.
+        self.check_every = 1 if self.device.type == "cpu" else CHECK_EVERY
         self._eos = torch.tensor(sorted(set(eos_ids)), device=self.device)
         with torch.device("meta"):
             names = CausalLM(config).state_dict().keys()
@@ -164,6 +175,10 @@ class RolloutEngine:
         missing = sorted(self._expected - state.keys())
         if missing:
             raise ValueError(f"weight sync: missing {missing[:4]}")
+        if self.layers and not any(layer.lora for layer in self.layers):
+            self._copy_into_held(state)
+            self.weight_version = version
+            return
 
         def w(name: str, matrix: bool = False) -> torch.Tensor | None:
             """The tensor in the rollout precision; a matmul weight as `kernels.hold` keeps it."""
@@ -213,6 +228,17 @@ class RolloutEngine:
             )
         self.weight_version = version
 
+    @torch.no_grad()
+    def _copy_into_held(self, state: dict[str, torch.Tensor]) -> None:
+        """A later sync: each weight rounded to the rollout precision into the buffers the first load
+        built, on their device (the same bits as a fresh load, without allocating the model again)."""
+        for name, held in self._held_views().items():
+            new = state[name].detach()
+            if new.shape != held.shape:
+                raise ValueError(f"weight sync: {name} has shape {tuple(new.shape)}, expected {tuple(held.shape)}")
+            # copy_ rounds to a 16-bit buffer's dtype itself; an FP32-held weight takes the rounded values.
+            held.copy_(new.to(device=held.device, dtype=self.dtype) if held.dtype != self.dtype else new)
+
     def load_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], version: int) -> None:
         """Apply LoRA unmerged on the loaded base: `adapters` maps a projection's Hugging Face module
         name (`model.layers.0.self_attn.q_proj`) to (A [r, in], scale·B [out, r]); projections not
@@ -245,6 +271,12 @@ class RolloutEngine:
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The weights as loaded, in the rollout precision, under their Hugging Face names (views
         into the fused projections), for checking a weight sync against the sender's checksums."""
+        # Weights held in FP32 (`kernels.hold`) are given in the rollout precision (copies), as sent.
+        return {name: t if t.dtype == self.dtype else t.to(self.dtype) for name, t in self._held_views().items()}
+
+    def _held_views(self) -> dict[str, torch.Tensor]:
+        """Every stored weight as held (a matmul weight possibly in FP32), under its Hugging Face name:
+        views into the fused projections."""
         cfg = self.config
         out = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
         if not cfg.tie_word_embeddings:
@@ -272,8 +304,7 @@ class RolloutEngine:
                 m + "gate.weight": layer.router,
             }
             out.update({name: t for name, t in single.items() if t is not None})
-        # Weights held in FP32 (`kernels.hold`) are given in the rollout precision (copies), as sent.
-        return {name: t if t.dtype == self.dtype else t.to(self.dtype) for name, t in out.items()}
+        return out
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm, the fused kind (FP32 inside, one rounding), as inference engines run it;
@@ -452,9 +483,10 @@ class RolloutEngine:
 
         # Prefill each prompt once, right-padded to a common length: slot = position, as in the trainer.
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        ids = torch.full((n_prompts, prompt_len), self.pad_id, dtype=torch.long, device=dev)
+        ids = torch.full((n_prompts, prompt_len), self.pad_id, dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p, device=dev)
+            ids[i, : len(p)] = torch.tensor(p)
+        ids = ids.to(dev)  # one copy to the device, not one per prompt
         positions = torch.arange(prompt_len, device=dev).expand(n_prompts, prompt_len)
         cache = KVCache(self.config, n_prompts, prompt_len, self.dtype, dev)
         logits, prompt_routes = self._forward(ids, positions, cache, last=lengths - 1)
@@ -471,7 +503,8 @@ class RolloutEngine:
         tokens = torch.full((batch, max_new), self.pad_id, dtype=torch.long, device=dev)
         logprobs = torch.zeros(batch, max_new, dtype=torch.float32, device=dev)
         mask_out = torch.zeros(batch, max_new, dtype=torch.bool, device=dev)
-        supports: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, ids) per step
+        supports: list[tuple[torch.Tensor, torch.Tensor]] = []  # (output rows, support ids) per step
+        pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, live, kept) since the last check
         moe = prompt_routes is not None
         if moe:
             response_routes = torch.full((batch, max_new, *prompt_routes.shape[2:]), -1, dtype=torch.long, device=dev)
@@ -479,25 +512,35 @@ class RolloutEngine:
         for t in range(max_new):
             processed = filter_logits(logits, sampling)
             logp = torch.log_softmax(processed, dim=-1)
-            token = sample_categorical(logp.exp(), gen)
+            # Every output row has its own number at every step, whichever rows are still in the batch:
+            # the samples do not depend on when finished rows leave it.
+            uniforms = torch.rand(batch, 1, generator=gen, device=dev)[rows]
+            token = sample_categorical(logp.exp(), uniforms)
             live = ~done
             # Rows that finished earlier keep their (pad) outputs.
             tokens[rows, t] = torch.where(live, token.squeeze(-1), self.pad_id)
             logprobs[rows, t] = logp.gather(-1, token).squeeze(-1).masked_fill(done, 0.0)
             mask_out[rows, t] = live
             if sampling.filtered:
-                supports.append((rows[live], support_ids(torch.isfinite(processed[live]))))
+                pending.append((rows, live, torch.isfinite(processed)))
             token = token.squeeze(-1)
             done = done | torch.isin(token, self._eos)
-            if bool(done.all()) or t == max_new - 1:
+            if t == max_new - 1:
                 break
-            # Drop finished rows once they are a quarter of the batch (cache copy amortised),
-            # down to a multiple of ROW_BUCKET rows, topped up with finished ones.
-            size = -(-int((~done).sum()) // ROW_BUCKET) * ROW_BUCKET
-            if int(done.sum()) * 4 >= done.numel() and size < done.numel():
-                keep = torch.cat([(~done).nonzero(), done.nonzero()]).squeeze(-1)[:size]
-                cache.take_rows(keep, filled=prompt_len + t)
-                rows, token, done, next_pos = rows[keep], token[keep], done[keep], next_pos[keep]
+            # The host reads the batch's state (finished rows, supports) only every `check_every` tokens:
+            # on a GPU every read waits for the queued kernels. Between reads finished rows keep decoding.
+            if (t + 1) % self.check_every == 0:
+                supports += _support_ids(pending)
+                pending = []
+                if bool(done.all()):
+                    break
+                # Drop finished rows once they are a quarter of the batch (cache copy amortised),
+                # down to a multiple of ROW_BUCKET rows, topped up with finished ones.
+                size = -(-int((~done).sum()) // ROW_BUCKET) * ROW_BUCKET
+                if int(done.sum()) * 4 >= done.numel() and size < done.numel():
+                    keep = torch.cat([(~done).nonzero(), done.nonzero()]).squeeze(-1)[:size]
+                    cache.take_rows(keep, filled=prompt_len + t)
+                    rows, token, done, next_pos = rows[keep], token[keep], done[keep], next_pos[keep]
             start = prompt_len + t  # the highest slot a row writes now (a row with the longest prompt)
             if start == cache.slots:
                 cache.take_rows(torch.arange(len(rows), device=dev), start, min(max_len, start + CACHE_BLOCK))
@@ -505,6 +548,7 @@ class RolloutEngine:
             if moe:  # the experts of the token just fed: response token t
                 response_routes[rows, t] = routes[:, 0]
             next_pos = next_pos + 1
+        supports += _support_ids(pending)
 
         used = int(mask_out.sum(0).nonzero().max()) + 1
         tokens, logprobs, mask_out = tokens[:, :used], logprobs[:, :used], mask_out[:, :used]
@@ -512,7 +556,7 @@ class RolloutEngine:
         if sampling.filtered:
             width = max(kept.shape[1] for _, kept in supports)
             support = torch.full((batch, used, width), -1, dtype=torch.long, device=dev)
-            for t, (out_rows, kept) in enumerate(supports):
+            for t, (out_rows, kept) in enumerate(supports[:used]):
                 support[out_rows, t, : kept.shape[1]] = kept
         routing = None
         if moe:
@@ -522,16 +566,16 @@ class RolloutEngine:
             )
         lengths_out = mask_out.sum(-1)
         ended = torch.isin(tokens.gather(1, (lengths_out - 1).clamp(min=0)[:, None]).squeeze(-1), self._eos)
-        # The batch goes to the CPU, where rewards and the RL arithmetic run, whatever the engine's device.
+        # The batch stays on the engine's device; rewards read its tokens, the RL arithmetic runs there.
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
-            response_ids=tokens.cpu(),
-            response_mask=mask_out.cpu(),
-            rollout_logprobs=logprobs.cpu(),
-            support=None if support is None else support.cpu(),
-            truncated=(~ended).cpu(),
-            group_index=torch.arange(n_prompts).repeat_interleave(group_size),
+            response_ids=tokens,
+            response_mask=mask_out,
+            rollout_logprobs=logprobs,
+            support=support,
+            truncated=~ended,
+            group_index=torch.arange(n_prompts, device=dev).repeat_interleave(group_size),
             weight_version=self.weight_version,
             sampling=sampling,
-            routing=None if routing is None else routing.to("cpu"),
+            routing=routing,
         )

@@ -50,21 +50,21 @@ def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tenso
     return logits
 
 
-def sample_categorical(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One draw per row of probs [N, V] by inverse CDF: [N, 1] token ids.
+def sample_categorical(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row of probs [N, V] by inverse CDF, from `uniforms` [N, 1] in [0, 1): [N, 1] token ids.
 
     One uniform number per row instead of `torch.multinomial`'s one per vocabulary
-    entry, which dominates a decode step at real vocabulary sizes. `right=True`
-    never returns a zero-probability token.
+    entry, which dominates a decode step at real vocabulary sizes. The caller draws the
+    numbers, so a row's draw need not depend on which other rows share its batch.
+    `right=True` never returns a zero-probability token.
     """
     cdf = probs.cumsum(dim=-1)
-    u = torch.rand(probs.shape[0], 1, generator=gen, device=probs.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1)
+    return torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).clamp(max=probs.shape[-1] - 1)
 
 
 def support_ids(kept: torch.Tensor) -> torch.Tensor:
     """Token ids where `kept` [N, V] is True, as [N, K] padded with -1 (K = max count)."""
     counts = kept.sum(-1)
-    k = int(counts.max())
+    k = int(counts.max()) if counts.numel() else 0
     ids = torch.sort(kept.to(torch.int8), dim=-1, descending=True, stable=True).indices[:, :k]
     return ids.masked_fill(torch.arange(k, device=kept.device) >= counts[:, None], -1)

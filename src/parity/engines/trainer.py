@@ -149,7 +149,7 @@ def sequence_logprobs(
     """The trainer's code path: log p of each response token [B, T] FP32 (0 on padding)
     with the model computed in `dtype`, and the packed batch it ran on. `routing` (the
     rollout engine's experts, MoE models) travels in the packed batch; `replay` uses it.
-    The batch may live on the CPU and the model on a GPU: the log-probs come back on the CPU."""
+    The log-probs are on the model's device, wherever the batch is."""
     device = next(model.parameters()).device
     response_ids, response_mask = response_ids.to(device), response_mask.to(device)
     support = None if support is None else support.to(device)
@@ -166,7 +166,7 @@ def sequence_logprobs(
         model.numerics.exact,
     )
     out = torch.zeros(response_ids.shape, dtype=scored.dtype, device=scored.device)
-    return packed, out.masked_scatter(response_mask, scored).cpu()
+    return packed, out.masked_scatter(response_mask, scored)
 
 
 @dataclass

@@ -73,8 +73,12 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.T
 
 
 def non_finite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Names of the floating-point tensors holding inf or NaN."""
-    return [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    """Names of the floating-point tensors holding inf or NaN: one read from the device for all of them."""
+    names = [k for k, v in tensors.items() if v.is_floating_point()]
+    if not names:
+        return []
+    finite = torch.stack([torch.isfinite(tensors[k]).all().to(tensors[names[0]].device) for k in names]).tolist()
+    return [k for k, ok in zip(names, finite) if not ok]
 
 
 def _sha256(path: Path) -> str:

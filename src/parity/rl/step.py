@@ -125,7 +125,7 @@ def prepare(
     truncated: str,
 ) -> Prepared:
     """Rewards to advantages and the loss mask; π_old's source and the rejection rules."""
-    rewards = torch.tensor(result.rewards)
+    rewards = torch.tensor(result.rewards, device=batch.response_mask.device)
     scored = rewards.clone()
     if truncated == "zero_reward":
         scored[batch.truncated] = 0.0
@@ -215,6 +215,7 @@ def train_on_batch(
         ref = no_grad_logprobs(reference, batch, plan)
     rows_per_mb = batch.response_ids.shape[0] // plan.num_minibatches
     order_gen = torch.Generator().manual_seed(order_seed)
+    pending: list[tuple[list[float], torch.Tensor | float]] = []  # (where it goes, scalar) until the update ends
     for epoch in range(plan.ppo_epochs):
         # Mini-batches hold whole groups, shuffled per epoch.
         groups = torch.randperm(plan.prompts, generator=order_gen) if epoch else torch.arange(plan.prompts)
@@ -251,19 +252,29 @@ def train_on_batch(
                     )
                 if ref is not None:
                     kl = kl_penalty(logp, ref[rows], plan.kl_estimator)
-                    out.kls.append(float((kl.detach() * mask).sum() / n))
+                    pending.append((out.kls, (kl.detach() * mask).sum() / n))
                     token_loss = token_loss + plan.kl_coef * kl
                 loss = aggregate(token_loss, mask, plan.aggregation, n_seq, n_tok, plan.max_new_tokens)
                 trainer.backward(loss)
-                out.losses.append(float(loss.detach()))
-                for k, v in loss_stats.items():
-                    out.stats.setdefault(k, []).append(float(v))
+                pending.append((out.losses, loss.detach()))
+                pending += [(out.stats.setdefault(k, []), v) for k, v in loss_stats.items()]
             out.step_stats = trainer.step()
+            # The micro-batches' figures reach the host once per update, after the step has waited for them.
+            for (target, _), value in zip(pending, host_floats([v for _, v in pending], trainer.device)):
+                target.append(value)
+            pending.clear()
             out.updates += 1
             out.skipped_updates += out.step_stats.skipped
             out.grad_norms.append(out.step_stats.grad_norm)
     out.first_pass = first_pass
     return out
+
+
+def host_floats(values: list[torch.Tensor | float], device: torch.device) -> list[float]:
+    """Scalars (0-d tensors or numbers) as floats, brought to the host in one transfer."""
+    if not values:
+        return []
+    return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values]).tolist()
 
 
 def _mean(values: list[float]) -> float:
