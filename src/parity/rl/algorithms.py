@@ -337,15 +337,14 @@ def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, kind: str
     `drgrpo`: R − mean of the group; `grpo`: (R − mean) / (std + eps), std unbiased.
     """
     groups = int(group_index.max()) + 1
-    count = torch.zeros(groups, device=rewards.device).index_add_(0, group_index, torch.ones_like(rewards))
-    mean = torch.zeros(groups, device=rewards.device).index_add_(0, group_index, rewards) / count
+    zeros = torch.zeros(groups, device=rewards.device)
+    count = zeros.index_add(0, group_index, torch.ones_like(rewards))
+    mean = zeros.index_add(0, group_index, rewards) / count
     centred = rewards - mean[group_index]
     if kind == "drgrpo":
         return centred
     if kind == "grpo":
-        var = torch.zeros(groups, device=rewards.device).index_add_(0, group_index, centred**2) / (count - 1).clamp(
-            min=1
-        )
+        var = zeros.index_add(0, group_index, centred**2) / (count - 1).clamp(min=1)
         return centred / (var.sqrt()[group_index] + eps)
     raise ValueError(f"unknown advantage estimator {kind!r}; expected one of {', '.join(ADVANTAGES)}")
 
