@@ -180,6 +180,10 @@ def test_a_later_sync_fills_the_buffers_of_the_first(llama_dir, precision):
     moved, expected = engine.named_weights(), fresh.named_weights()
     assert moved.keys() == expected.keys()
     assert all(torch.equal(moved[name], expected[name]) for name in expected)
+    before = engine.named_weights()["model.norm.weight"].clone()
+    with torch.no_grad():  # the engine holds copies, not the sender's tensors
+        trainer.model.model.norm.weight.add_(1.0)
+    assert torch.equal(engine.named_weights()["model.norm.weight"], before)
     with pytest.raises(ValueError, match="model.norm.weight has shape"):
         engine.load_weights({**trainer.export_weights()[0], "model.norm.weight": torch.ones(3)}, 2)
 

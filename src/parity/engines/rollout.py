@@ -184,8 +184,11 @@ class RolloutEngine:
             """The tensor in the rollout precision; a matmul weight as `kernels.hold` keeps it."""
             if name not in state:
                 return None
-            t = state[name].detach().to(self.device)
-            return kernels.hold(t, self.dtype) if matrix else t.to(self.dtype)
+            source = state[name].detach()
+            t = source.to(self.device)
+            t = kernels.hold(t, self.dtype) if matrix else t.to(self.dtype)
+            # The engine owns its buffers (later syncs copy into them), never the sender's tensor.
+            return t.clone() if t.data_ptr() == source.data_ptr() else t
 
         def cat(*names: str, matrix: bool = True) -> torch.Tensor | None:
             return torch.cat([w(n, matrix) for n in names]) if names[0] in state else None
