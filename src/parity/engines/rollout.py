@@ -457,7 +457,8 @@ class RolloutEngine:
             dev, n = self.device, len(prompt)
             ids = torch.tensor([prompt], device=dev)
             cache = KVCache(self.config, 1, n + len(response), self.dtype, dev)
-            logits = [self._forward(ids, torch.arange(n, device=dev)[None], cache, last=torch.tensor([n - 1]))[0]]
+            last = torch.tensor([n - 1], device=dev)
+            logits = [self._forward(ids, torch.arange(n, device=dev)[None], cache, last=last)[0]]
             for j, token in enumerate(response[:-1]):
                 position = torch.tensor([[n + j]], device=dev)
                 logits.append(self._forward(torch.tensor([[token]], device=dev), position, cache, keys=n + j + 1)[0])
