@@ -224,7 +224,7 @@ def run_sanity(
 def default_jobs(runs: int, device: str) -> int:
     """Training runs at once: one per core on the CPU, at most 4 (each holds its own model and optimizer).
     The sanity runs' models are small, and a small model's ops gain little from a second thread: on 2 cores
-    two runs of one thread each finish the set 1.2x sooner than one run of two threads at a time
+    two runs of one thread each finish the set 1.56x sooner than one run of two threads at a time
     (docs/benchmarks.md). One at a time on a GPU."""
     if device != "cpu":
         return 1
