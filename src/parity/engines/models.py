@@ -49,6 +49,49 @@ class ModelError(ValueError):
     """A model directory that cannot be loaded; the message says why and what to do."""
 
 
+# The longest context a config may declare: the rollout engine holds RoPE cos/sin tables for every position.
+MAX_POSITIONS = 2**21
+_REQUIRED = object()
+
+
+def _int(hf: dict[str, Any], key: str, source: str, default: Any = _REQUIRED, lo: int = 1, hi: int | None = None):
+    """config.json's integer `key`, in [lo, hi]; `default` when absent or null (required without one)."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ModelError(f"{source}: {key} is missing; expected an integer")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
+        raise ModelError(f"{source}: {key}: expected an integer, got {value!r}")
+    value = int(value)
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise ModelError(f"{source}: {key}: expected an integer {bound}, got {value}")
+    return value
+
+
+def _positive(hf: dict[str, Any], key: str, source: str, default: float | None) -> float | None:
+    """config.json's number `key`, > 0 and finite; `default` when absent or null."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ModelError(f"{source}: {key}: expected a positive number, got {value!r}")
+    return float(value)
+
+
+def config_token_ids(hf: dict[str, Any], key: str, source: str, vocab: int, many: bool = False) -> Any:
+    """A token id (or, with `many`, an id or a list of ids) of the vocabulary, or None: `key` of a config
+    file's `hf`, named `source` in the error."""
+    value = hf.get(key)
+    if value is None:
+        return None
+    items = value if many and isinstance(value, list) else [value]
+    for item in items:
+        _int({key: item}, key, source, lo=0, hi=vocab - 1)
+    return [int(i) for i in items] if isinstance(value, list) else int(value)
+
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -112,36 +155,49 @@ class ModelConfig:
         if hf.get("use_bidirectional_attention"):
             raise ModelError(f"{source}: bidirectional attention is not a causal LM; Parity runs causal models")
         full_rope, local_theta = _rope_parameters(hf, source)
-        heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        num_layers = int(hf["num_hidden_layers"])
+        heads = _int(hf, "num_attention_heads", source)
+        hidden = _int(hf, "hidden_size", source)
+        num_layers = _int(hf, "num_hidden_layers", source)
+        vocab = _int(hf, "vocab_size", source)
+        kv_heads = _int(hf, "num_key_value_heads", source, default=heads, hi=heads)
+        if heads % kv_heads:
+            raise ModelError(f"{source}: num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
+        head_dim = _int(hf, "head_dim", source, default=hidden // heads)
+        if head_dim < 1:
+            raise ModelError(f"{source}: hidden_size {hidden} / num_attention_heads {heads} leaves no head_dim")
         window, layer_types = _attention_layout(hf, arch, num_layers, source)
-        experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0) if arch == "qwen3_moe" else 0
+        experts = 0
+        if arch == "qwen3_moe":
+            experts = _int(hf, "num_experts", source, default=None, lo=0)
+            experts = experts if experts is not None else _int(hf, "num_local_experts", source, default=0, lo=0)
         moe_layers: tuple[int, ...] = ()
         if experts:
-            step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or [])
-            moe_layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+            step = _int(hf, "decoder_sparse_step", source, default=1)
+            dense = hf.get("mlp_only_layers") or []
+            if not isinstance(dense, list):
+                raise ModelError(f"{source}: mlp_only_layers: expected a list of layer numbers, got {dense!r}")
+            moe_layers = tuple(i for i in range(num_layers) if i not in set(dense) and (i + 1) % step == 0)
         bias = bool(hf.get("attention_bias", False))
-        scalar = hf.get("query_pre_attn_scalar")
+        scalar = _positive(hf, "query_pre_attn_scalar", source, None)
         return cls(
             architecture=arch,
-            vocab_size=int(hf["vocab_size"]),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
+            intermediate_size=_int(hf, "intermediate_size", source),
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=_positive(hf, "rms_norm_eps", source, 1e-6),
             rope_theta=float(full_rope.pop("rope_theta")),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_int(hf, "max_position_embeddings", source, default=2048, hi=MAX_POSITIONS),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
             qkv_bias=arch == "qwen2" or bias,
             o_bias=bias and arch != "qwen2",
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-            pad_token_id=hf.get("pad_token_id"),
+            bos_token_id=config_token_ids(hf, "bos_token_id", source, vocab),
+            eos_token_id=config_token_ids(hf, "eos_token_id", source, vocab, many=True),
+            pad_token_id=config_token_ids(hf, "pad_token_id", source, vocab),
             rope_scaling=tuple(sorted(full_rope.items())) if full_rope["rope_type"] != "default" else (),
             local_rope_theta=local_theta,
             sliding_window=window,
@@ -149,12 +205,12 @@ class ModelConfig:
             qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
             gemma=gemma,
             activation=ACTIVATIONS[act],
-            query_scale=float(scalar) ** -0.5 if gemma and scalar else None,
-            attn_softcap=hf.get("attn_logit_softcapping") if arch == "gemma2" else None,
-            final_softcap=hf.get("final_logit_softcapping") if gemma else None,
+            query_scale=scalar**-0.5 if gemma and scalar else None,
+            attn_softcap=_positive(hf, "attn_logit_softcapping", source, None) if arch == "gemma2" else None,
+            final_softcap=_positive(hf, "final_logit_softcapping", source, None) if gemma else None,
             num_experts=experts,
-            experts_per_token=int(hf.get("num_experts_per_tok") or 0),
-            moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
+            experts_per_token=_int(hf, "num_experts_per_tok", source, lo=1, hi=experts) if experts else 0,
+            moe_intermediate_size=_int(hf, "moe_intermediate_size", source) if experts else 0,
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             moe_layers=moe_layers,
             hf_config=dict(hf),
@@ -200,6 +256,9 @@ def _rope_parameters(hf: dict[str, Any], source: str) -> tuple[dict[str, Any], f
     sliding layers' RoPE base, from either config.json layout (transformers 5 `rope_parameters`,
     per layer type or not, or the older `rope_theta` + `rope_scaling`)."""
     params = hf.get("rope_parameters")
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise ModelError(f'{source}: {key}: expected an object such as {{"rope_type": "linear", "factor": 2.0}}')
     local = None
     if isinstance(params, dict) and (FULL in params or SLIDING in params):
         full = dict(params.get(FULL) or {})
@@ -223,6 +282,14 @@ def _rope_parameters(hf: dict[str, Any], source: str) -> tuple[dict[str, Any], f
     for key in ("partial_rotary_factor", "attention_factor"):
         if full.pop(key, 1.0) != 1.0:
             raise ModelError(f"{source}: RoPE {key} != 1 is not supported")
+    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+    for key in ("rope_theta", *needed.get(full["rope_type"], ())):
+        if _positive(full, key, f"{source}: RoPE", None) is None:
+            raise ModelError(f"{source}: RoPE {key} is missing; {full['rope_type']} scaling needs it")
+    if full["rope_type"] == "llama3":
+        _int(full, "original_max_position_embeddings", f"{source}: RoPE")
+    if local is not None and _positive(local, "rope_theta", f"{source}: sliding-window layers' RoPE", None) is None:
+        raise ModelError(f"{source}: sliding-window layers' RoPE rope_theta is missing")
     return full, None if local is None else float(local["rope_theta"])
 
 
@@ -247,9 +314,9 @@ def _attention_layout(
             types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
         else:
             types = [SLIDING] * num_layers
-    if len(types) != num_layers or any(t not in (FULL, SLIDING) for t in types):
+    if not isinstance(types, list) or len(types) != num_layers or any(t not in (FULL, SLIDING) for t in types):
         raise ModelError(f"{source}: layer_types must list {FULL!r} or {SLIDING!r} for each of {num_layers} layers")
-    return int(window), tuple(types)
+    return _int(hf, "sliding_window", source), tuple(types)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -578,11 +645,42 @@ def final_logits(head: torch.Tensor, cap: float | None) -> torch.Tensor:
 # ----------------------------------------------------------------------------- load / save
 
 
-def read_json(path: Path) -> dict[str, Any]:
+def model_file(model_dir: Path, name: str) -> Path:
+    """`model_dir / name`, refused when it resolves outside the model directory (a symlink to a file
+    elsewhere: a template linked to /etc/passwd would be read into every prompt). A snapshot in the
+    Hugging Face cache links its files to the cached repository's blobs, which stay allowed."""
+    path = model_dir / name
+    if not path.is_symlink() and not any(p.is_symlink() for p in path.parents if p != model_dir):
+        return path
+    real, root = path.resolve(), model_dir.resolve()
+    if root.parent.name == "snapshots":
+        root = root.parent.parent
+    if not real.is_relative_to(root):
+        raise ModelError(
+            f"{path}: links to {real}, outside the model directory; Parity reads only files inside it "
+            "(copy the file in instead of linking it)"
+        )
+    return path
+
+
+def read_text(path: Path) -> str:
     try:
-        return json.loads(path.read_text())
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ModelError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a model directory's file; anything else is a one-line ModelError."""
+    try:
+        value = json.loads(read_text(path))
     except json.JSONDecodeError as e:
         raise ModelError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    except RecursionError:
+        raise ModelError(f"{path}: JSON nested too deeply to read") from None
+    if not isinstance(value, dict):
+        raise ModelError(f"{path}: expected a JSON object {{...}} at the top level, got a {type(value).__name__}")
+    return value
 
 
 def resolve_model_dir(model: str | Path) -> Path:
@@ -599,20 +697,22 @@ def resolve_model_dir(model: str | Path) -> Path:
 
 def load_config(model_dir: str | Path) -> ModelConfig:
     model_dir = resolve_model_dir(model_dir)
-    path = model_dir / "config.json"
+    path = model_file(model_dir, "config.json")
     if not path.is_file():
         raise ModelError(f"{model_dir}: no config.json; this is not a Hugging Face model directory")
     return ModelConfig.from_hf(read_json(path), source=str(path))
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
-    single = model_dir / "model.safetensors"
+    single = model_file(model_dir, "model.safetensors")
     if single.is_file():
         return [single]
-    index = model_dir / "model.safetensors.index.json"
+    index = model_file(model_dir, "model.safetensors.index.json")
     if index.is_file():
-        shards = sorted(set(read_json(index)["weight_map"].values()))
-        return [model_dir / s for s in shards]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelError(f'{index}: expected {{"weight_map": {{"TENSOR NAME": "SHARD FILE", ...}}}}')
+        return [model_file(model_dir, s) for s in sorted(set(weight_map.values()))]
     if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")) or any(model_dir.glob("*.pth")):
         raise ModelError(
             f"{model_dir}: weights are pickle files (.bin/.pt), which Parity never unpickles; "
@@ -625,8 +725,10 @@ def load_model(model_dir: str | Path) -> CausalLM:
     """Load FP32 weights from a Hugging Face directory. `trust_remote_code` is never used."""
     model_dir = resolve_model_dir(model_dir)
     cfg = load_config(model_dir)
+    files = _weight_files(model_dir)
+    _check_sizes(cfg, files, model_dir)
     state: dict[str, torch.Tensor] = {}
-    for f in _weight_files(model_dir):
+    for f in files:
         try:
             state.update(load_file(str(f)))
         except Exception as e:  # safetensors raises its own error types for cut or garbled files
@@ -652,6 +754,48 @@ def load_model(model_dir: str | Path) -> CausalLM:
         raise ModelError(f"{model_dir}: weights do not match config.json ({'; '.join(wrong_shape[:3])})")
     model.load_state_dict({k: v.float() for k, v in state.items() if k in expected}, strict=False)
     return model
+
+
+def _check_sizes(cfg: ModelConfig, files: list[Path], model_dir: Path) -> None:
+    """Refuse a config.json whose sizes the weight files do not hold, from the files' headers, before
+    anything is allocated (a vocab_size of 10**12 would otherwise reach the allocator)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        if not f.is_file():
+            raise ModelError(f"{f}: missing (a shard the index names)")
+        try:
+            with safe_open(str(f), "pt") as opened:
+                shapes.update({k: tuple(opened.get_slice(k).get_shape()) for k in opened.keys()})
+        except Exception as e:  # safetensors raises its own error types for cut or garbled files
+            raise ModelError(f"{f}: not a readable safetensors file ({e})") from None
+    differ = f"{model_dir}: weights do not match config.json:"
+    embed = shapes.get("model.embed_tokens.weight")
+    if embed != (cfg.vocab_size, cfg.hidden_size):
+        raise ModelError(
+            f"{differ} vocab_size {cfg.vocab_size} x hidden_size {cfg.hidden_size}, "
+            f"but model.embed_tokens.weight is {embed}"
+        )
+    layers = {int(k.split(".")[2]) for k in shapes if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
+    if layers != set(range(cfg.num_layers)):
+        raise ModelError(f"{differ} num_hidden_layers {cfg.num_layers}, but the weights hold {len(layers)} layers")
+    q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    expected = {
+        "self_attn.q_proj.weight": ((q_width, cfg.hidden_size), "num_attention_heads x head_dim"),
+        "self_attn.k_proj.weight": ((kv_width, cfg.hidden_size), "num_key_value_heads x head_dim"),
+        "mlp.gate_proj.weight": ((cfg.intermediate_size, cfg.hidden_size), "intermediate_size"),
+    }
+    for name, (shape, keys) in expected.items():
+        found = shapes.get(f"model.layers.0.{name}")
+        if found is not None and found != shape:
+            raise ModelError(f"{differ} {keys} make model.layers.0.{name} {shape}, but the weights hold {found}")
+    if cfg.num_experts and cfg.moe_layers:
+        first = f"model.layers.{cfg.moe_layers[0]}.mlp.experts."
+        stacked = shapes.get(first + "gate_up_proj")
+        held = stacked[0] if stacked else len({k[len(first) :].split(".")[0] for k in shapes if k.startswith(first)})
+        if held != cfg.num_experts:
+            raise ModelError(f"{differ} num_experts {cfg.num_experts}, but the weights hold {held}")
 
 
 def _split_fused_experts(state: dict[str, torch.Tensor]) -> None:

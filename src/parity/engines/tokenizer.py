@@ -27,13 +27,22 @@ does, and so what this module does:
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import time
 from datetime import datetime
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-from parity.engines.models import ModelError, read_json, resolve_model_dir
+from parity.engines.models import (
+    ModelError,
+    config_token_ids,
+    model_file,
+    read_json,
+    read_text,
+    resolve_model_dir,
+)
 
 # task.chat_template (and mismatch/perfectible `chat_template`, doctor --chat-template): `auto` applies the
 # model's chat template when it has one, `none` encodes prompts as raw text.
@@ -237,9 +246,16 @@ class Tokenizer:
         # As transformers does: a key whose value is null is dropped (templates test for missing keys).
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
-            return _compile(self.chat_template).render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=True, **self.special_tokens
-            )
+            template = _compile(self.chat_template)
+            template.environment.deadline = time.monotonic() + TEMPLATE_SECONDS
+            parts, size = [], 0
+            variables = dict(messages=messages, tools=None, documents=None, add_generation_prompt=True)
+            for part in template.generate(**variables, **self.special_tokens):
+                size += len(part)
+                if size > TEMPLATE_CHARS:
+                    raise jinja2.TemplateError(f"it wrote more than {TEMPLATE_CHARS:,} characters")
+                parts.append(part)
+            return "".join(parts)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"{self.source}: chat template: {e}") from None
         except Exception as e:  # a template is code from the checkpoint: its failures are the model's
@@ -273,6 +289,11 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         stop = {*self.eos_ids, self.pad_id}
         return self._tok.decode([i for i in ids if i not in stop], skip_special_tokens=True)
+
+
+# A chat template's budget per rendering: time, and characters of output (or of any string it builds).
+TEMPLATE_SECONDS = 5.0
+TEMPLATE_CHARS = 1_000_000
 
 
 @cache
@@ -322,6 +343,9 @@ def _environment():
 
         def __setitem__(self, name, value):
             public(name)
+            env.tick()  # a loop that grows a namespace value (ns.s = ns.s ~ ns.s) meets the limits here
+            if isinstance(value, (str, list, tuple)) and len(value) > TEMPLATE_CHARS:
+                raise jinja2.exceptions.TemplateError(f"it built a value of more than {TEMPLATE_CHARS:,} items")
             super().__setitem__(name, value)
 
     class Dict:
@@ -332,11 +356,42 @@ def _environment():
         def fromkeys(self, *args, **kwargs):
             return dict.fromkeys(*args, **kwargs)
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols]
-    )
+    class Bounded(ImmutableSandboxedEnvironment):
+        """A template is code from the checkpoint: it gets TEMPLATE_SECONDS (checked at every call, loop
+        step over a range and operator) and strings and lists of TEMPLATE_CHARS, refused before they are built."""
+
+        intercepted_binops = frozenset({"*", "**", "+"})
+        deadline = math.inf  # set before each render
+
+        def tick(self) -> None:
+            if time.monotonic() > self.deadline:
+                raise jinja2.exceptions.TemplateError(f"it ran longer than {TEMPLATE_SECONDS:g} s")
+
+        def call(self, __context, __obj, *args, **kwargs):
+            self.tick()
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def call_binop(self, context, operator, left, right):
+            self.tick()
+            sized = [x for x in (left, right) if isinstance(x, (str, list, tuple))]
+            counts = [x for x in (left, right) if isinstance(x, int) and not isinstance(x, bool)]
+            too_big = (operator == "*" and sized and counts and len(sized[0]) * counts[0] > TEMPLATE_CHARS) or (
+                operator == "**" and len(counts) == 2 and abs(counts[1]) > 64
+            )
+            if too_big:
+                raise jinja2.exceptions.TemplateError(f"{operator!r} would build a value beyond the template's limits")
+            return super().call_binop(context, operator, left, right)
+
+    def bounded_range(*args):
+        env.tick()
+        for i in range(*args):
+            env.tick()
+            yield i
+
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(
+        range=bounded_range,
         raise_exception=raise_exception,
         strftime_now=lambda fmt: datetime.now().strftime(fmt),
         dict=Dict(),
@@ -348,10 +403,10 @@ def _environment():
 def _read_chat_template(model_dir: Path, tok_cfg: dict[str, Any]) -> str | None:
     """The template transformers applies by default (module doc), or None when the model has none."""
     named: dict[str, str] = {}
-    if (model_dir / "chat_template.jinja").is_file():
-        named["default"] = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    if model_file(model_dir, "chat_template.jinja").is_file():
+        named["default"] = read_text(model_dir / "chat_template.jinja")
     for path in sorted((model_dir / CHAT_TEMPLATE_DIR).glob("*.jinja")):
-        named.setdefault(path.stem, path.read_text(encoding="utf-8"))
+        named.setdefault(path.stem, read_text(model_file(model_dir, f"{CHAT_TEMPLATE_DIR}/{path.name}")))
     where = str(model_dir / CHAT_TEMPLATE_DIR)
     if not named:
         value = tok_cfg.get("chat_template")
@@ -364,7 +419,7 @@ def _read_chat_template(model_dir: Path, tok_cfg: dict[str, Any]) -> str | None:
             named = {e["name"]: e["template"] for e in value}
         elif value is not None:
             raise ModelError(f'{where}: expected a template, or a list of {{"name": NAME, "template": TEMPLATE}}')
-        elif (model_dir / "chat_template.json").is_file():
+        elif model_file(model_dir, "chat_template.json").is_file():
             value = read_json(model_dir / "chat_template.json").get("chat_template")
             if not isinstance(value, str):
                 raise ModelError(f'{model_dir / "chat_template.json"}: expected {{"chat_template": TEMPLATE}}')
@@ -383,7 +438,7 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     from tokenizers import Tokenizer as Backend
 
     model_dir = resolve_model_dir(model_dir)
-    path = model_dir / "tokenizer.json"
+    path = model_file(model_dir, "tokenizer.json")
     if not path.is_file():
         raise ModelError(
             f"{model_dir}: no tokenizer.json; save the tokenizer beside the weights "
@@ -391,11 +446,11 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
         )
 
     def optional(name: str) -> dict[str, Any]:
-        return read_json(model_dir / name) if (model_dir / name).is_file() else {}
+        return read_json(model_dir / name) if model_file(model_dir, name).is_file() else {}
 
-    cfg = read_json(model_dir / "config.json")
+    cfg = read_json(model_file(model_dir, "config.json"))
     tok_cfg, gen_cfg = optional("tokenizer_config.json"), optional("generation_config.json")
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)
     try:
         spec = json.loads(text)
         backend = Backend.from_str(text)
@@ -421,25 +476,32 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
         present.add(token.content)
         (backend.add_special_tokens if token.special else backend.add_tokens)([token])
 
-    def ids(value) -> list[int]:
-        return [int(v) for v in (value if isinstance(value, list) else [value]) if v is not None]
+    # Ids index the model's embedding: config.json's vocab_size bounds them (load_config checks that value).
+    declared = cfg.get("vocab_size")
+    vocab_size = declared if isinstance(declared, int) and declared > 0 else backend.get_vocab_size()
 
-    def token_id(key: str) -> int | None:
-        return backend.token_to_id(special[key]) if key in special else None
+    def ids(config: dict[str, Any], key: str, name: str) -> list[int]:
+        """The id (or ids) under `key` of config file `name`, each checked against the model's vocabulary."""
+        value = config_token_ids(config, key, str(model_dir / name), vocab_size, many=True)
+        return [] if value is None else value if isinstance(value, list) else [value]
+
+    def named(key: str) -> list[int]:
+        """The id of the special token named `key`, when the tokenizer has it."""
+        token = backend.token_to_id(special[key]) if key in special else None
+        return [] if token is None else [token]
 
     # generation_config.json decides when generation stops (transformers' generate reads it);
     # the tokenizer's own EOS token is added so that a model whose generation config forgets it still stops.
     eos: list[int] = []
-    for value in (gen_cfg.get("eos_token_id"), token_id("eos_token"), cfg.get("eos_token_id")):
-        eos += [i for i in ids(value) if i not in eos]
+    generation, config = "generation_config.json", "config.json"
+    for found in (ids(gen_cfg, "eos_token_id", generation), named("eos_token"), ids(cfg, "eos_token_id", config)):
+        eos += [i for i in found if i not in eos]
     if not eos:
         raise ModelError(
             f"{model_dir}: no EOS token id in generation_config.json, tokenizer_config.json or config.json"
         )
-    pad = next(
-        (i for v in (gen_cfg.get("pad_token_id"), token_id("pad_token"), cfg.get("pad_token_id")) for i in ids(v)),
-        eos[0],
-    )
+    pads = ids(gen_cfg, "pad_token_id", generation) + named("pad_token") + ids(cfg, "pad_token_id", config)
+    pad = pads[0] if pads else eos[0]
     return Tokenizer(backend, tuple(eos), pad, special, _read_chat_template(model_dir, tok_cfg), str(model_dir))
 
 
