@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -128,8 +131,21 @@ def test_two_fsdp2_learners_match_one_process(tmp_path):
     print(f"largest relative difference over 10 steps (losses, grad norms, rewards, clip, IS): {worst:.2e}")
 
 
+@contextlib.contextmanager
+def _cpu_hog(processes: int):
+    """Busy processes beside the run, as on a loaded machine."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
 @pytest.mark.slow
-def test_a_killed_rollout_worker_is_restarted_and_no_sample_is_lost(tmp_path):
+@pytest.mark.parametrize("hogs", [0, 2], ids=["idle", "beside-2-busy-processes"])
+def test_a_killed_rollout_worker_is_restarted_and_no_sample_is_lost(tmp_path, hogs):
     cfg = config.load(
         TrainConfig,
         None,
@@ -140,19 +156,38 @@ def test_a_killed_rollout_worker_is_restarted_and_no_sample_is_lost(tmp_path):
     run = DistributedRun.create(cfg, progress=False)
     history = []
     try:
-        for step in range(cfg.steps):
-            if step == 2:
-                os.kill(run.worker_pids[0], signal.SIGKILL)
-                time.sleep(0.5)
-            history.append(run.step())
+        with _cpu_hog(hogs):
+            for step in range(cfg.steps):
+                if step == 2:
+                    os.kill(run.worker_pids[0], signal.SIGKILL)
+                    time.sleep(0.5)
+                history.append(run.step())
     finally:
-        run._stop_engines()
-        run.lock.release()
+        run.close()
     assert [m["step"] for m in history] == [1, 2, 3, 4, 5]
     assert history[-1]["faults/worker_restarts"] == 1
     assert all(m["train/samples"] == 8 * 4 for m in history)  # every step trained a whole batch, once
     assert run.data_position == 5 * 8  # each step's prompts taken once: none repeated, none skipped
     assert all(m["async/staleness_max"] <= 1 and m["sync/verified"] == 1 for m in history)
+
+
+@pytest.mark.slow
+def test_a_worker_still_restarting_after_the_limit_stops_the_run_and_names_the_key(tmp_path):
+    cfg = config.load(
+        TrainConfig,
+        None,
+        SMALL
+        + [f"run_dir={tmp_path / 'r'}", "steps=3", "checkpoint_every=-1", "distributed.restart_timeout_s=0.001"]
+        + ["distributed.rollout_workers=1", "async.max_staleness=0"],
+    )
+    run = DistributedRun.create(cfg, progress=False)
+    try:
+        run.step()
+        os.kill(run.worker_pids[0], signal.SIGKILL)
+        with pytest.raises(TrainingError, match=r"still restarting it after \d+ s .*distributed.restart_timeout_s"):
+            run.step()
+    finally:
+        run.close()
 
 
 @pytest.mark.slow
@@ -171,7 +206,79 @@ def test_a_dead_learner_stops_the_run_and_resume_reproduces_it(tmp_path):
         with pytest.raises(TrainingError, match=r"a learner process died.*--resume"):
             run.step()
     finally:
-        run._stop_engines()
-        run.lock.release()
+        run.close()
     assert main(["train", "--resume", str(tmp_path / "cut")]) == 0
     assert _trained(_metrics(tmp_path / "cut")) == _trained(_metrics(tmp_path / "whole"))
+
+
+# ----------------------------------------------------------------------------- a user's own cluster
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_run_joins_a_users_cluster_and_leaves_it_running(tmp_path):
+    """`ray start --head` as a user runs it (token authentication on, Ray's default since 2.59), then
+    `parity train distributed.address=HOST:PORT`: the run trains on that cluster, takes nothing of it
+    along when it ends, and the cluster keeps running, with all its CPUs free again."""
+    import secrets
+
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    env.pop("RAY_ADDRESS", None)
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    start = [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=3", "--include-dashboard=false"]
+    started = subprocess.run([*start, "--disable-usage-stats"], env=env, capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr
+    try:
+        head = subprocess.run(["pgrep", "-f", f"gcs_server.*--gcs_server_port={port}"], capture_output=True, text=True)
+        gcs_pids = set(head.stdout.split())
+        assert gcs_pids
+        run_dir = tmp_path / "run"
+        train = [sys.executable, "-m", "parity", "train", f"run_dir={run_dir}", *SMALL, "steps=2"]
+        train += ["distributed.rollout_workers=1", "distributed.learners=1", f"distributed.address={address}"]
+        done = subprocess.run(train, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+        # Without the token setting the join is refused in one line that says what to set.
+        refused = subprocess.run(
+            [*train[:4], f"run_dir={tmp_path / 'refused'}", *train[5:]],
+            env={k: v for k, v in env.items() if not k.startswith("RAY_AUTH")},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+        assert "RAY_AUTH_MODE=token" in refused.stderr.strip().splitlines()[-1]
+        assert not (tmp_path / "refused").exists()
+        # The user's cluster: the same head, still answering, and every CPU free once the run's actors are gone.
+        deadline = time.monotonic() + 30
+        while True:
+            status = subprocess.run(
+                [ray_cli, "status", f"--address={address}"], env=env, capture_output=True, text=True
+            )
+            assert status.returncode == 0, status.stderr
+            if re.search(r"\b0\.0/3\.0 CPU", status.stdout) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert re.search(r"\b0\.0/3\.0 CPU", status.stdout), status.stdout
+        head = subprocess.run(["pgrep", "-f", f"gcs_server.*--gcs_server_port={port}"], capture_output=True, text=True)
+        assert set(head.stdout.split()) == gcs_pids
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_stray_ray_address_does_not_redirect_a_local_run(tmp_path, monkeypatch):
+    """RAY_ADDRESS left in the environment (here: nothing listens there) does not change where a run
+    without distributed.address computes: it starts its own cluster as always."""
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_free_port()}")
+    args = [f"run_dir={tmp_path / 'run'}", *SMALL, "steps=1", "distributed.rollout_workers=1"]
+    assert main(["train", *args]) == 0

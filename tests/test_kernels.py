@@ -131,7 +131,7 @@ def test_device_values_are_checked():
 def test_a_run_records_its_numerics(tmp_path):
     cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path / 'run'}", "steps=1", "exact=true"])
     run = Run.create(cfg, progress=False)
-    run.lock.release()
+    run.close()
     recorded = json.loads((tmp_path / "run" / "numerics.json").read_text())
     assert recorded == kernels.numerics("cpu", True).describe()
     assert recorded["exact"] == "true" and recorded["matmul_fp32"] == cpu.NATIVE

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
-from parity.rl.checkpoint import CheckpointError, RunState, save_checkpoint
+from parity.rl.checkpoint import CheckpointError, RunState, checkpoints, save_checkpoint
 from parity.rl.loop import Run, TrainConfig, TrainingError
 
 TINY = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
@@ -451,3 +453,107 @@ def test_run_dir_must_be_its_own_folder(tmp_path, monkeypatch, capsys):
     assert "notes.txt" in capsys.readouterr().err
     assert sorted(p.name for p in project.iterdir()) == ["config.yaml", "notes.txt"]
     assert torch.isfinite(torch.zeros(1)).all()
+
+
+# ----------------------------------------------------------------------------- stopping a run
+
+
+def _ray_processes() -> set[int]:
+    """Pids of this machine's Ray processes (raylet, GCS, workers and agents)."""
+    out = subprocess.run(
+        ["pgrep", "-f", "ray::|raylet|gcs_server|dashboard/agent|runtime_env/agent"], text=True, capture_output=True
+    ).stdout
+    return {int(p) for p in out.split()}
+
+
+def _start_and_wait_for_steps(run_dir: Path, extra: list[str], steps: int = 2) -> subprocess.Popen:
+    """`parity train` in its own process group (as a terminal runs it), once `steps` steps are logged."""
+    args = [sys.executable, "-m", "parity", "train", f"run_dir={run_dir}", "steps=500", "checkpoint_every=0", *TINY]
+    proc = subprocess.Popen(
+        [*args, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    deadline = time.monotonic() + 240
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= steps):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no {steps} steps in 240 s: {proc.stderr.read()}")
+        time.sleep(0.2)
+    return proc
+
+
+def _gone_within(before: set[int], seconds: float) -> set[int]:
+    """Ray processes that appeared after `before` and are still running `seconds` later (at most)."""
+    deadline = time.monotonic() + seconds
+    while (left := _ray_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+RAY = ["distributed.rollout_workers=1", "distributed.learners=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sig, how, extra",
+    [
+        (signal.SIGINT, "pid", []),
+        (signal.SIGTERM, "pid", []),
+        (signal.SIGINT, "group", RAY),  # Ctrl-C in a terminal: the whole process group, Ray's processes too
+        (signal.SIGTERM, "pid", [*RAY, "async.max_staleness=1"]),
+    ],
+    ids=["sigint", "sigterm", "ctrl-c-ray", "sigterm-ray-async"],
+)
+def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path, sig, how, extra):
+    """SIGINT (Ctrl-C) and SIGTERM: the step under way ends, a checkpoint of it is written (here
+    checkpoint_every=0 writes none otherwise), one line names it and the resume command, the exit is
+    128 + the signal, no Ray process of the run is left, and `--resume` continues from it."""
+    run_dir = tmp_path / "run"
+    before = _ray_processes()
+    proc = _start_and_wait_for_steps(run_dir, extra)
+    try:
+        os.killpg(proc.pid, sig) if how == "group" else proc.send_signal(sig)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    last = err.strip().splitlines()[-1]
+    assert code == 128 + sig, err
+    assert "Traceback" not in err, err
+    stopped_at = _steps(run_dir)[-1]
+    assert last == (
+        f"parity train: stopped by {signal.Signals(sig).name} after step {stopped_at}; the newest checkpoint is "
+        f"step_{stopped_at:06d}; continue with `parity train --resume {run_dir}`"
+    ), err
+    assert [c.name for c in checkpoints(run_dir)] == [f"step_{stopped_at:06d}"]
+    assert _gone_within(before, 10) == set()
+    assert main(["train", "--resume", str(run_dir), f"steps={stopped_at + 1}"]) == 0
+    assert _steps(run_dir) == list(range(1, stopped_at + 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["twice", "sigkill"])
+def test_a_run_stopped_at_once_leaves_no_ray_process_and_resumes(tmp_path, how):
+    """A second signal stops the driver at once, and SIGKILL gives it no say at all: the run's reaper
+    ends its Ray processes (agents included), and the newest intact checkpoint resumes."""
+    run_dir = tmp_path / "run"
+    before = _ray_processes()
+    proc = _start_and_wait_for_steps(run_dir, [*RAY, "async.max_staleness=1", "checkpoint_every=1"], steps=3)
+    if how == "twice":
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # two signals at once would arrive as one
+        proc.send_signal(signal.SIGTERM)
+    else:
+        proc.kill()
+    code = proc.wait(timeout=60)
+    err = proc.stderr.read()
+    if how == "twice":
+        assert code == 128 + signal.SIGTERM and "Traceback" not in err, err
+        assert re.search(r"stopped by SIGTERM (during|after) step \d+; the newest checkpoint is step_", err), err
+    else:
+        assert code == -signal.SIGKILL
+    assert _gone_within(before, 15) == set()
+    target = max(_steps(run_dir)) + 2
+    assert main(["train", "--resume", str(run_dir), f"steps={target}"]) == 0
+    assert _steps(run_dir) == list(range(1, target + 1))  # none missing, none twice

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
 from pathlib import Path
 
 from parity.config import ConfigError
 from parity.engines.models import ModelError
-from parity.rl.checkpoint import CheckpointError
+from parity.rl.checkpoint import CheckpointError, checkpoints
 from parity.rl.loop import TrainingError
 from parity.rl.rewards import RewardError
 from parity.rl.tasks import DataError
@@ -56,24 +59,76 @@ def cmd_train(args: argparse.Namespace) -> int:
     from parity.rl.loop import TrainConfig, summary_line
 
     config, overrides = _split_config(args)
-    if args.resume:
-        if config is not None:
-            raise ConfigError(
-                f"--resume continues a run with its saved config.yaml; drop {config} (only "
-                "steps=, checkpoint_every=, keep_checkpoints=, tensorboard= may be given)"
-            )
-        run = resume_class(args.resume).resume(args.resume, overrides, trust_reward_fn=args.trust_reward_fn)
-    else:
-        cfg = cfg_mod.load(TrainConfig, config, overrides)
-        run = run_class(cfg).create(cfg)
-    print(f"run directory: {run.run_dir}")
-    if run.step_count >= run.cfg.steps:
-        run.train()  # releases the run directory
-        print(f"the run already completed its {run.cfg.steps} steps; go further with --resume {run.run_dir} steps=N")
-        return 0
-    history = run.train()
+    if args.resume and config is not None:
+        raise ConfigError(
+            f"--resume continues a run with its saved config.yaml; drop {config} (only "
+            "steps=, checkpoint_every=, keep_checkpoints=, tensorboard= may be given)"
+        )
+    stop = StopRequests()
+    with stop.installed():
+        if args.resume:
+            run = resume_class(args.resume).resume(args.resume, overrides, trust_reward_fn=args.trust_reward_fn)
+        else:
+            cfg = cfg_mod.load(TrainConfig, config, overrides)
+            run = run_class(cfg).create(cfg)
+        stop.run = run
+        if stop.signum is not None:  # the signal came while the run started
+            run.close()
+            print(f"parity train: {stop.stopped_line()}", file=sys.stderr)
+            return 128 + stop.signum
+        print(f"run directory: {run.run_dir}")
+        if run.step_count >= run.cfg.steps:
+            run.close()
+            done = run.cfg.steps
+            print(f"the run already completed its {done} steps; go further with --resume {run.run_dir} steps=N")
+            return 0
+        history = run.train(should_stop=lambda: stop.signum is not None)
+        if stop.signum is not None:
+            print(f"parity train: {stop.stopped_line()}", file=sys.stderr)
+            return 128 + stop.signum
     print(summary_line(history))
     return 0
+
+
+class StopRequests:
+    """SIGINT (Ctrl-C) and SIGTERM for `parity train`. The first asks the run to stop after the step under
+    way, with a checkpoint; a second stops the process at once (the newest checkpoint stays intact, and the
+    run's Ray processes are reaped by `parity.distributed.cluster`). A signal is only noted where it lands:
+    raising into Ray's or torch's native code is what left runs going on, or ending in tracebacks."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.run = None  # the run once started: the stop line names its newest checkpoint
+
+    def __call__(self, signum: int, _frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is None:
+            self.signum = signum
+            when = "after the step under way, with a checkpoint" if self.run else "before the first step"
+            print(f"\nparity train: {name}: stopping {when}; send it again to stop at once", file=sys.stderr)
+            return
+        self.signum = signum
+        print(f"\nparity train: {self.stopped_line(at_once=True)}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    @contextlib.contextmanager
+    def installed(self):
+        previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def stopped_line(self, at_once: bool = False) -> str:
+        """Where the stopped run stands and how to continue it."""
+        name = signal.Signals(self.signum).name
+        if self.run is None:
+            return f"stopped by {name} before the run started"
+        saved = checkpoints(self.run.run_dir)
+        newest = f"the newest checkpoint is {saved[-1].name}" if saved else "no checkpoint was written"
+        when = f"during step {self.run.step_count + 1}" if at_once else f"after step {self.run.step_count}"
+        return f"stopped by {name} {when}; {newest}; continue with `parity train --resume {self.run.run_dir}`"
 
 
 def cmd_perfectible(args: argparse.Namespace) -> int:

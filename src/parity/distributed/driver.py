@@ -31,12 +31,14 @@ import torch
 from parity import config as config_mod
 from parity.config import ConfigError
 from parity.distributed.actors import Learner, RolloutWorker
+from parity.distributed.cluster import LocalCluster, import_ray, join
 from parity.engines.batch import RolloutBatch, concat_batches
 from parity.rl.loop import Run, TrainConfig, TrainingError
 from parity.rl.step import Prepared, UpdateResult
 from parity.rl.tasks import Problem
 
-RESTART_TIMEOUT_S = 120
+RESTART_POLL_S = 1.0  # how long one wait for a restarting worker's answer lasts
+RESTART_NOTE_EVERY_S = 30.0  # how often a long wait says so
 
 
 def _worker_gone() -> tuple[type[Exception], ...]:
@@ -44,6 +46,18 @@ def _worker_gone() -> tuple[type[Exception], ...]:
     import ray
 
     return (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+def _actor_state(actor) -> str | None:
+    """Ray's state of an actor as its control store (GCS) holds it: ALIVE, RESTARTING, DEAD, ...;
+    None where this Ray cannot say (the call is Ray's internal one: its public state API needs the
+    dashboard, which a run's own cluster does not start)."""
+    try:
+        from ray._private import state
+
+        return state.actors(actor_id=actor._actor_id.hex())["State"]
+    except Exception:  # noqa: BLE001 - a Ray without this call: the wait is bounded by the timeout alone
+        return None
 
 
 @dataclass
@@ -70,7 +84,7 @@ class DistributedRun(Run):
     # -- engines ----------------------------------------------------------------
 
     def _start_engines(self) -> None:
-        import ray
+        ray = import_ray()
 
         cfg, d = self.cfg, self.cfg.distributed
         processes = d.rollout_workers + d.learners
@@ -78,18 +92,12 @@ class DistributedRun(Run):
         # workers only overlap the learners when they may sample ahead).
         busy = d.learners + (d.rollout_workers if cfg.async_.max_staleness else 0)
         threads = d.threads or max(1, (os.cpu_count() or 1) // busy)
-        self.started_ray = False
+        self.cluster = None  # set when this run starts (and so ends) its own cluster
         if not ray.is_initialized():
             if d.address:
-                ray.init(address=d.address, logging_level="ERROR", log_to_driver=True)
+                join(d.address)
             else:  # a cluster of this machine for this run: `parity train` needs no setup
-                ray.init(
-                    num_cpus=max(os.cpu_count() or 1, processes),
-                    include_dashboard=False,
-                    logging_level="ERROR",
-                    log_to_driver=True,
-                )
-                self.started_ray = True
+                self.cluster = LocalCluster(num_cpus=max(os.cpu_count() or 1, processes))
         model_dir = str(self.model_dir)
         worker_cls = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=0)(RolloutWorker)
         self.workers = [
@@ -137,9 +145,9 @@ class DistributedRun(Run):
         for actor in getattr(self, "workers", []) + getattr(self, "learners", []):
             ray.kill(actor)
         self.workers, self.learners = [], []
-        if getattr(self, "started_ray", False):
-            ray.shutdown()
-            self.started_ray = False
+        if getattr(self, "cluster", None) is not None:
+            self.cluster.stop()
+            self.cluster = None
 
     @property
     def data_position(self) -> int:
@@ -247,21 +255,44 @@ class DistributedRun(Run):
 
     def _recover(self, worker: int) -> None:
         """After worker `worker` died: wait for Ray's restart, give it the newest weights and
-        send again everything it had not delivered, in order."""
+        send again everything it had not delivered, in order. The wait follows Ray's view of the
+        actor: while it is restarting (unavailable), up to `distributed.restart_timeout_s`; once
+        Ray has given up on it (dead), not at all."""
         import ray
 
-        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        limit = self.cfg.distributed.restart_timeout_s
+        actor = self.workers[worker]
+        started = time.monotonic()
+        next_note = started + RESTART_NOTE_EVERY_S
+        ref = actor.pid.remote()  # answered once the actor is back
         while True:
             try:
-                pid = ray.get(self.workers[worker].pid.remote())  # answers once the actor is back
+                pid = ray.get(ref, timeout=RESTART_POLL_S)
                 break
-            except _worker_gone() as e:
-                if time.monotonic() > deadline:
-                    raise TrainingError(
-                        f"step {self.step_count + 1}: rollout worker {worker} died and Ray did not restart it "
-                        f"within {RESTART_TIMEOUT_S} s ({type(e).__name__})"
-                    ) from None
-                time.sleep(0.2)
+            except ray.exceptions.GetTimeoutError:
+                pass
+            except ray.exceptions.RayActorError:  # sent before Ray knew the actor was down: ask again
+                time.sleep(RESTART_POLL_S)
+                ref = actor.pid.remote()
+            if _actor_state(actor) == "DEAD":
+                raise TrainingError(
+                    f"step {self.step_count + 1}: rollout worker {worker} died and Ray gave up restarting it "
+                    "(its actor is DEAD); the Ray logs (/tmp/ray/session_latest/logs) say why"
+                )
+            waited = time.monotonic() - started
+            if waited > limit:
+                raise TrainingError(
+                    f"step {self.step_count + 1}: rollout worker {worker} died and Ray was still restarting it "
+                    f"after {waited:.0f} s (its actor is {_actor_state(actor) or 'in an unknown state'}); on a "
+                    f"machine this busy, raise distributed.restart_timeout_s (now {limit:g})"
+                )
+            if time.monotonic() > next_note:
+                next_note += RESTART_NOTE_EVERY_S
+                print(
+                    f"step {self.step_count + 1}: waiting for Ray to restart rollout worker {worker} "
+                    f"({waited:.0f} s of distributed.restart_timeout_s={limit:g})",
+                    file=sys.stderr,
+                )
         if pid == self.worker_pids[worker]:
             return
         self.worker_pids[worker] = pid

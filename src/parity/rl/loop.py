@@ -15,11 +15,13 @@ that sampled), π_θ (being trained):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,6 +184,9 @@ class DistributedSection:
     learners: int = 1
     address: str = ""  # "" starts a local Ray cluster for the run; "auto" or host:port joins one
     threads: int = 0  # torch threads per worker and learner process; 0 = cores / processes (at least 1)
+    # How long a dead rollout worker may take to come back while Ray reports it restarting (a
+    # busy machine is slow to start one); a worker Ray gives up on stops the run at once.
+    restart_timeout_s: float = 900.0
 
 
 @dataclass
@@ -246,6 +251,7 @@ NUMERIC_RANGES = (
     ("distributed.rollout_workers", lambda v: v >= 0, ">= 0 (0 = sample in this process)"),
     ("distributed.learners", lambda v: v >= 1, ">= 1"),
     ("distributed.threads", lambda v: v >= 0, ">= 0 (0 = share the cores)"),
+    ("distributed.restart_timeout_s", lambda v: v > 0, "> 0 seconds"),
     ("async.max_staleness", lambda v: v >= 0, ">= 0 (0 = synchronous)"),
     ("lora.rank", lambda v: v >= 0, ">= 0 (0 = off: full fine-tuning)"),
 )
@@ -644,7 +650,27 @@ class Run:
         self.watch_boxed = cfg.task.name == "math" and not cfg.task.reward_fn
         self.lock: RunLock | None = None  # set by create/resume; released when train() ends
         self.log = MetricsLog(run_dir, cfg.tensorboard)
-        self._start_engines()
+        with self._closed_on_failure():
+            self._start_engines()
+
+    def close(self) -> None:
+        """Stop the engines (and a Ray cluster this run started), the reward runner and the log, and
+        release the run directory."""
+        self._stop_engines()
+        self.rewards.close()
+        self.log.close()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    @contextlib.contextmanager
+    def _closed_on_failure(self):
+        """A start that fails or is interrupted (SIGINT, SIGTERM) leaves no engine or Ray process running."""
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
 
     # -- engines: in this process (here) or on Ray (`parity.distributed.driver.DistributedRun`) --
 
@@ -712,8 +738,9 @@ class Run:
                 )
             cfg.run_dir = str(run_dir)
             run = cls(cfg, run_dir, progress)  # model, data and reward are checked before anything is written
-            atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
-            run.record_numerics()
+            with run._closed_on_failure():
+                atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
+                run.record_numerics()
         except BaseException:
             lock.release()
             if created and not (run_dir / "config.yaml").exists():
@@ -792,20 +819,21 @@ class Run:
         if overrides:
             atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
         run = cls(cfg, run_dir, progress)
-        run.record_numerics()
-        state = restore_latest(run_dir, run.trainer, note, base_dir=run.model_dir)
-        if state is not None:
-            run.step_count = state.step
-            run.data.position = state.data_position
-            run._weights_restored()
-            note(f"continuing from step {state.step}")
-        elif checkpoints(run_dir) or run.log.path.is_file():
-            note("no usable checkpoint; starting again from step 0")
-        run.log.truncate_after(run.step_count)
-        for line in run.log.path.read_text().splitlines() if run.log.path.is_file() else []:
-            logged = json.loads(line)
-            run.alarm_series.append(logged["mismatch/k3"])
-            run.alarmed = run.alarmed or bool(logged.get("health/mismatch_alarm"))
+        with run._closed_on_failure():
+            run.record_numerics()
+            state = restore_latest(run_dir, run.trainer, note, base_dir=run.model_dir)
+            if state is not None:
+                run.step_count = state.step
+                run.data.position = state.data_position
+                run._weights_restored()
+                note(f"continuing from step {state.step}")
+            elif checkpoints(run_dir) or run.log.path.is_file():
+                note("no usable checkpoint; starting again from step 0")
+            run.log.truncate_after(run.step_count)
+            for line in run.log.path.read_text().splitlines() if run.log.path.is_file() else []:
+                logged = json.loads(line)
+                run.alarm_series.append(logged["mismatch/k3"])
+                run.alarmed = run.alarmed or bool(logged.get("health/mismatch_alarm"))
         return run
 
     # -- one step -------------------------------------------------------------
@@ -994,7 +1022,9 @@ class Run:
 
     # -- the loop -------------------------------------------------------------
 
-    def train(self) -> list[dict[str, float]]:
+    def train(self, should_stop: Callable[[], bool] | None = None) -> list[dict[str, float]]:
+        """Train up to `cfg.steps`; `should_stop` (asked after every step) ends the run early, with a
+        checkpoint of the last step."""
         cfg = self.cfg
         if cfg.trainer_precision != cfg.rollout_precision:
             print(
@@ -1030,7 +1060,10 @@ class Run:
                 else:
                     self.zero_variance_warned = False
                 every = cfg.checkpoint_every
-                if every >= 0 and ((every and self.step_count % every == 0) or self.step_count == cfg.steps):
+                stopping = should_stop is not None and should_stop()
+                if every >= 0 and (
+                    (every and self.step_count % every == 0) or self.step_count == cfg.steps or stopping
+                ):
                     self.checkpoint()
                 if metrics["health/mismatch_alarm"] and not self.alarmed:
                     self.alarmed = True
@@ -1045,13 +1078,11 @@ class Run:
                         self.checkpoint()
                     if action == "stop":
                         break
+                if stopping:
+                    break
         finally:
             bar.close()
-            self._stop_engines()
-            self.rewards.close()
-            self.log.close()
-            if self.lock is not None:
-                self.lock.release()
+            self.close()
         return history
 
     def checkpoint(self) -> Path:
