@@ -14,7 +14,18 @@ on 2 cores at the defaults):
   run is going; exactly one may write;
 - bad input: values, files and directories that used to stall, fake or crash a
   run; each must end with one line on stderr, no traceback, exit code 1 or 2, and
-  no file of the user's touched.
+  no file of the user's touched;
+- hostile model directories: every case of tests/test_model_dirs.py, a chat
+  template linked to /etc/passwd, and templates that loop or grow without end,
+  applied to a copy of the built-in model; each must end in one line and exit 2
+  with no run directory written;
+- distributed runs (one Ray rollout worker, one learner): a rollout worker
+  SIGKILLed (restarted, run completes), a learner SIGKILLed (clean stop, exact
+  resume), the driver SIGKILLed, sent SIGINT as a terminal's Ctrl-C does (to its
+  whole process group), SIGTERM, and SIGTERM twice; each resumed and compared with
+  an uninterrupted Ray run, and Ray processes still running 15 s after the driver
+  ended counted as orphans; and a run that joins a cluster started with
+  `ray start --head`, which must be left running with every CPU free.
 
 "Data lost" counts a completed step missing or duplicated after the final resume,
 a user's file changed, or a refused run that wrote anything.
@@ -25,7 +36,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
+import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -229,6 +243,7 @@ def bad_input_cases(root: Path) -> list[tuple[str, list[str], Path | None]]:
         return ["train", "run_dir=RUN", *fast, *overrides]
 
     return [
+        *hostile_model_dir_cases(root, train),
         ("trainer.lr=inf", train("trainer.lr=inf"), None),
         ("trainer.lr=nan", train("trainer.lr=nan"), None),
         ("trainer.lr=-1e-4", train("trainer.lr=-1e-4"), None),
@@ -249,6 +264,42 @@ def bad_input_cases(root: Path) -> list[tuple[str, list[str], Path | None]]:
         ("unwritable output", ["mismatch", "--out", "/sys/parity-fault", "num_prompts=2"], None),
         ("report on a corrupt run", ["report", str(root / "corrupt-run"), "--out", str(root / "rep")], None),
     ]
+
+
+def hostile_model_dir_cases(root: Path, train) -> list[tuple[str, list[str], Path | None]]:
+    """The cases of tests/test_model_dirs.py on the tests' tiny Llama, plus links out of the
+    directory and chat templates that never end, each tried by `parity train`."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from conftest import save_hf_model
+    from test_model_dirs import CASES
+
+    base = save_hf_model(root / "llama", "llama")
+    (root / "secret.txt").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    extra = [
+        (
+            "chat template linked to a file outside",
+            lambda d: (d / "chat_template.jinja").symlink_to(root / "secret.txt"),
+        ),
+        ("chat template looping 10^9 times", _template("{% for i in range(10**9) %}{% endfor %}")),
+        ("chat template building 1 GB", _template("{{ 'x' * 10**9 }}")),
+        (
+            "chat template doubling a string",
+            _template(
+                "{% set ns = namespace(s='xx') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+            ),
+        ),
+    ]
+    cases = []
+    for i, (name, change, *_) in enumerate([*CASES, *extra]):
+        model = root / f"hostile-{i}"
+        shutil.copytree(base, model)
+        change(model)
+        cases.append((f"model dir: {name}", train(f"model={model}", "task.name=number"), None))
+    return cases
+
+
+def _template(text: str):
+    return lambda d: (d / "chat_template.jinja").write_text(text)
 
 
 # Cases that fail at run time, after the run directory legitimately exists.
@@ -279,11 +330,164 @@ def bad_input_trials(root: Path) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- distributed runs
+
+RAY_RUN = [
+    "steps=8",
+    "prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=32",
+    "precision=fp32",  # every step reproducible, so a resumed run can be compared number for number
+    "checkpoint_every=1",
+    "tensorboard=false",
+    "distributed.rollout_workers=1",
+    "distributed.learners=1",
+]
+RAY_PROCESSES = "ray::|raylet|gcs_server|dashboard/agent|runtime_env/agent|default_worker"
+UNTIMED = ("async/", "sync/", "faults/")  # scheduling, not training: differs from run to run
+
+
+def ray_processes() -> dict[int, str]:
+    out = subprocess.run(["pgrep", "-af", RAY_PROCESSES], capture_output=True, text=True).stdout
+    return {int(line.split()[0]): line.split(None, 1)[1][:60] for line in out.splitlines()}
+
+
+def trained(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith(UNTIMED)} for m in rows]
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> bool:
+    while proc.poll() is None:
+        if len(metrics(run_dir)) >= step:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def distributed_trials(root: Path, rng: random.Random) -> dict:
+    """Faults of a Ray run, each compared with an uninterrupted Ray run of the same config."""
+    before = ray_processes()
+    assert parity("train", f"run_dir={root / 'ray-reference'}", *RAY_RUN).returncode == 0
+    reference = trained(metrics(root / "ray-reference"))
+    out: dict = {"trials": 0, "exact_expected": 0, "resumes_exact": 0, "completed": 0, "steps_lost": 0}
+    out.update({"tracebacks": 0, "orphans": 0, "unexpected_exits": 0, "cases": []})
+
+    def spawn(run_dir: Path, *extra: str) -> subprocess.Popen:
+        args = [sys.executable, "-m", "parity", "train", f"run_dir={run_dir}", *RAY_RUN, *extra]
+        return subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+
+    def settle(name: str, run_dir: Path, proc: subprocess.Popen, expect_exit: set[int], resume: bool) -> None:
+        # A run sampling ahead (async) resumes from the checkpoint's weights: complete, not bit for bit.
+        exact_expected = "async" not in name
+        code = proc.wait(timeout=300)
+        err = proc.stderr.read()
+        time.sleep(15)  # what the run left behind after this is an orphan
+        orphans = {pid: what for pid, what in ray_processes().items() if pid not in before}
+        for pid in orphans:
+            os.kill(pid, signal.SIGKILL)
+        final_code = parity("train", "--resume", str(run_dir)).returncode if resume else 0
+        got = trained(metrics(run_dir))
+        exact = final_code == 0 and got == reference
+        traceback = "Traceback (most recent call last)" in err
+        lost = lost_or_duplicated(got, reference)
+        out["trials"] += 1
+        out["exact_expected"] += exact_expected
+        out["resumes_exact"] += exact_expected and exact
+        out["completed"] += final_code == 0 and lost == 0
+        out["steps_lost"] += lost
+        out["unexpected_exits"] += code not in expect_exit
+        out["tracebacks"] += traceback
+        out["orphans"] += len(orphans)
+        last = err.strip().splitlines()[-1] if err.strip() else ""
+        row = {"case": name, "exit": code, "exit_expected": code in expect_exit, "exact": exact, "orphans": orphans}
+        row["completed_without_loss"] = final_code == 0 and lost == 0
+        out["cases"].append({**row, "last_line": last[:200]})
+        print(f"  ray {name}: exit {code}, {'exact' if exact else 'DIFFERENT'}, orphans {len(orphans)}: {last[:120]}")
+
+    for t in range(2):  # a rollout worker: Ray restarts it and the run goes on
+        run_dir = root / f"ray-worker-{t}"
+        proc = spawn(run_dir)
+        if wait_for_step(proc, run_dir, rng.randint(1, 5)):
+            workers = [pid for pid, what in ray_processes().items() if "RolloutWorker" in what and pid not in before]
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)
+        settle("rollout worker SIGKILLed", run_dir, proc, {0}, resume=False)
+
+    run_dir = root / "ray-learner"  # a learner: the run stops (exit 1) and resumes
+    proc = spawn(run_dir)
+    if wait_for_step(proc, run_dir, rng.randint(2, 5)):
+        for pid, what in ray_processes().items():
+            if "Learner" in what and pid not in before:
+                os.kill(pid, signal.SIGKILL)
+    settle("learner SIGKILLed", run_dir, proc, {1}, resume=True)
+
+    driver_cases = [
+        ("driver SIGKILLed", [signal.SIGKILL], False, {-signal.SIGKILL}),
+        ("driver SIGKILLed (async)", [signal.SIGKILL], False, {-signal.SIGKILL}),
+        ("Ctrl-C (SIGINT to the process group)", [signal.SIGINT], True, {130}),
+        ("SIGTERM", [signal.SIGTERM], False, {143}),
+        ("SIGTERM twice", [signal.SIGTERM, signal.SIGTERM], False, {143}),
+    ]
+    for i, (name, signals, group, expect) in enumerate(driver_cases):
+        run_dir = root / f"ray-driver-{i}"
+        proc = spawn(run_dir, *(["async.max_staleness=1"] if "async" in name else []))
+        if wait_for_step(proc, run_dir, rng.randint(1, 5)):
+            for sig in signals:
+                os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+                time.sleep(0.3)
+        settle(name, run_dir, proc, expect, resume=True)
+
+    out["joined_cluster"] = joined_cluster_trial(root, reference)
+    return out
+
+
+def joined_cluster_trial(root: Path, reference: list[dict]) -> dict:
+    """`ray start --head` as a user runs it, a run joining it by address, and the cluster after."""
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    port = 6390 + random.Random().randint(0, 99)
+    address = f"127.0.0.1:{port}"
+    start = [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=3", "--include-dashboard=false"]
+    subprocess.run([*start, "--disable-usage-stats"], env=env, capture_output=True, check=True)
+    try:
+        run_dir = root / "ray-joined"
+        args = [
+            sys.executable,
+            "-m",
+            "parity",
+            "train",
+            f"run_dir={run_dir}",
+            *RAY_RUN,
+            f"distributed.address={address}",
+        ]
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+        time.sleep(5)
+        status = subprocess.run([ray_cli, "status", f"--address={address}"], env=env, capture_output=True, text=True)
+        result = {
+            "exit": done.returncode,
+            "exact": trained(metrics(run_dir)) == reference,
+            "cluster_running": status.returncode == 0,
+            "cpus_free": bool(re.search(r"\b0\.0/3\.0 CPU", status.stdout)),
+        }
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True)
+    print(f"  ray joined cluster: {result}")
+    return result
+
+
+SECTIONS = ("kills", "damaged_checkpoints", "disk_full", "concurrency", "bad_inputs", "distributed")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=16, help="kill trials")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="also write the summary here (JSON)")
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="which groups of faults to try"
+    )
     args = parser.parse_args()
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="parity-faults-") as tmp:
@@ -293,21 +497,21 @@ def main() -> None:
         wall_s = time.perf_counter() - t0
         reference = metrics(root / "reference")
         print(f"reference run: {len(reference)} steps in {wall_s:.1f} s", flush=True)
-        summary = {
-            "kills": kill_trials(root, reference, wall_s, args.trials, rng),
-            "damaged_checkpoints": corruption_trials(root, reference),
-            "disk_full": disk_full_trial(root, reference),
-            "concurrency": concurrency_trials(root, reference),
-            "bad_inputs": bad_input_trials(root),
+        trials = {
+            "kills": lambda: kill_trials(root, reference, wall_s, args.trials, rng),
+            "damaged_checkpoints": lambda: corruption_trials(root, reference),
+            "disk_full": lambda: disk_full_trial(root, reference),
+            "concurrency": lambda: concurrency_trials(root, reference),
+            "bad_inputs": lambda: bad_input_trials(root),
+            "distributed": lambda: distributed_trials(root, rng),
         }
-    summary["data_lost"] = (
-        summary["kills"]["steps_lost"]
-        + summary["damaged_checkpoints"]["steps_lost"]
-        + summary["concurrency"]["steps_lost"]
-        + summary["disk_full"]["steps_lost"]
-        + summary["bad_inputs"]["user_files_changed"]
-        + summary["bad_inputs"]["refused_runs_that_wrote"]
+        summary = {name: trials[name]() for name in args.sections}
+    parts = list(summary.values())
+    summary["data_lost"] = sum(
+        p.get("steps_lost", 0) + p.get("user_files_changed", 0) + p.get("refused_runs_that_wrote", 0) for p in parts
     )
+    summary["tracebacks"] = sum(p.get("tracebacks", 0) for p in parts)
+    summary["orphan_processes"] = sum(p.get("orphans", 0) for p in parts)
     summary["wall_seconds"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(summary, indent=2)
     print(text)

@@ -126,11 +126,16 @@ def test_a_bad_model_directory_is_one_line_and_exit_2(case, change, message, mod
     assert not out.exists()
 
 
-def test_a_bad_model_stops_training_before_anything_is_written(model_copy, tmp_path, capsys):
-    config(pad_token_id=64)(model_copy)
+@pytest.mark.parametrize(
+    "change, message",
+    [(config(pad_token_id=64), "pad_token_id"), (nan_weight, "weights hold inf/NaN (model.norm.weight)")],
+    ids=["pad id beyond the vocabulary", "NaN weights"],
+)
+def test_a_bad_model_stops_training_before_anything_is_written(change, message, model_copy, tmp_path, capsys):
+    change(model_copy)
     run_dir = tmp_path / "run"
     assert main(["train", f"model={model_copy}", f"run_dir={run_dir}", "task.name=number", "steps=1"]) == 2
-    assert "pad_token_id" in capsys.readouterr().err and not run_dir.exists()
+    assert message in capsys.readouterr().err and not run_dir.exists()
 
 
 def test_files_linked_from_outside_the_directory_are_refused(model_copy, tmp_path):

@@ -23,13 +23,13 @@ from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.batch import RolloutBatch
 from parity.engines.locate import StageDiff, first_divergence, format_table, locate_row, worst_row
-from parity.engines.models import ModelError, load_model, resolve_model_dir
+from parity.engines.models import load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Prompt, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text
-from parity.rl.checkpoint import non_finite_tensors
+from parity.rl.checkpoint import require_finite_weights
 from parity.rl.diagnostics import mismatch_by_length, mismatch_metrics
 from parity.rl.tasks import PROMPT_FORM, ArithmeticTask, DataError, check_prompt
 
@@ -242,9 +242,7 @@ def run_mismatch(
     numerics = kernels.numerics(cfg.device, cfg.exact)
     model = load_model(model_dir).to(numerics.device)
     model.numerics = numerics
-    bad = non_finite_tensors(dict(model.named_parameters()))
-    if bad:  # every log-prob would be NaN: nothing to measure (`parity doctor` shows where)
-        raise ModelError(f"{model_dir}: weights hold inf/NaN ({', '.join(bad[:3])}); no mismatch can be measured")
+    require_finite_weights(model, model_dir, "no mismatch can be measured (`parity doctor` shows where)")
     results: list[PairResult] = []
     for pair in tqdm(cfg.pairs, desc="mismatch", unit="pair", disable=not progress):
         train_p, roll_p = parse_pair(pair)

@@ -81,6 +81,13 @@ def non_finite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [k for k, ok in zip(names, finite) if not ok]
 
 
+def require_finite_weights(model: torch.nn.Module, model_dir: Path, consequence: str) -> None:
+    """Refuse a model whose weights hold inf or NaN, before anything is computed or written."""
+    bad = non_finite_tensors(dict(model.named_parameters()))
+    if bad:
+        raise ModelError(f"{model_dir}: weights hold inf/NaN ({', '.join(bad[:3])}); {consequence}")
+
+
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()

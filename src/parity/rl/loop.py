@@ -43,7 +43,14 @@ from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.algorithms import ADVANTAGES, AGGREGATIONS, ESTIMATORS, KL_ESTIMATORS, LossConfig
-from parity.rl.checkpoint import RunState, checkpoints, non_finite_tensors, restore_latest, save_checkpoint
+from parity.rl.checkpoint import (
+    RunState,
+    checkpoints,
+    non_finite_tensors,
+    require_finite_weights,
+    restore_latest,
+    save_checkpoint,
+)
 from parity.rl.diagnostics import mismatch_alarm
 from parity.rl.rewards import RewardHealth, RewardRunner, score_rollouts
 from parity.rl.step import (
@@ -601,6 +608,7 @@ class Run:
         # The kernels every engine of this run computes with, decided once (numerics.json records them).
         self.numerics = kernels.numerics(cfg.device, cfg.exact)
         model = load_model(self.model_dir).to(cfg.device)
+        require_finite_weights(model, self.model_dir, "nothing can be trained from them (`parity doctor` shows where)")
         model.activation_checkpointing = cfg.trainer.activation_checkpointing
         model.numerics = self.numerics
         if cfg.moe.routing_replay and not model.config.num_experts:
