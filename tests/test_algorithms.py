@@ -21,10 +21,12 @@ import torch
 
 from parity.rl.algorithms import (
     ESTIMATORS,
+    Denominators,
     LossConfig,
     PolicyInputs,
     aggregate,
     clip_bounds,
+    denominators,
     group_advantages,
     kl_penalty,
     rejected_sequences,
@@ -53,12 +55,10 @@ def _parity_loss(name: str, theta, old, mu, adv, mask, cfg: LossConfig, aggregat
     """The loss as `Run.step` computes it for one mini-batch: rejection, estimator, aggregation."""
     loss_mask = mask.clone()
     rejected = rejected_sequences(name, old, mu, loss_mask, cfg)
-    n_seq = len(mask)
     if rejected is not None:
         loss_mask[rejected] = False
-        n_seq -= int(rejected.sum())
     token_loss, _ = ESTIMATORS[name].loss(PolicyInputs(theta, old, mu, adv, loss_mask), cfg)
-    return aggregate(token_loss, loss_mask, aggregation, n_seq, int(loss_mask.sum()), L_MAX)
+    return aggregate(token_loss, loss_mask, aggregation, denominators(loss_mask, L_MAX))
 
 
 # ----------------------------------------------------------------------------- the references
@@ -109,11 +109,11 @@ def _reference(name: str, theta, old, mu, adv, mask, c: LossConfig) -> torch.Ten
         return _ref_drgrpo_aggregate(_ref_ppo(theta, old, adv, eps_lo, eps_hi) * keep * seq_is, m)
     if name == "grpo_seq_geo_rs":
         # SKYRL 217-236: geo = exp(Σ (old − rollout)·mask / num_tokens); keep iff low ≤ geo ≤ high,
-        # applied to the loss mask (l.345), so rejected sequences leave the denominators
+        # applied to the loss mask (l.345); its seq_mean_token_sum_norm reduction (ppo_utils.py
+        # reduce_loss) is torch.mean over every row of Σ_t loss / max_seq_len: rejected rows count
         geo = torch.exp(((old - mu) * m).sum(-1) / m.sum(-1).clamp(min=1))
         kept = m * ((geo >= c.cap_low) & (geo <= c.cap)).double()[:, None]
-        per_seq = (_ref_ppo(theta, old, adv, eps_lo, eps_hi) * kept).sum(1) / L_MAX
-        return per_seq.sum() / (kept.sum(1) > 0).sum()
+        return ((_ref_ppo(theta, old, adv, eps_lo, eps_hi) * kept).sum(1) / L_MAX).mean()
     if name == "gspo":
         # OAT 649-667: s = exp(Σ (new.detach() − old)·mask / Σ mask); ratio = s·p/p.detach();
         # clamp to [1 − 3e-4, 1 + 4e-4]; VERL 1311-1314 aggregates it seq-mean-token-mean
@@ -164,8 +164,8 @@ def _compare(name: str, cfg: LossConfig, seed: int = 0):
     ref_mask = mask.clone()
     if cfg.token_veto > 0:
         ref_mask[_ref_veto(old, mu, mask, cfg.token_veto)] = False
-    kept = ref_mask.any(-1)  # vetoed rows leave the mask and the sequence count
-    ref = _reference(name, ref_theta[kept], old[kept], mu[kept], adv[kept], ref_mask[kept], cfg)
+    # Vetoed rows leave the mask; the reference's own reduction decides whether they still count.
+    ref = _reference(name, ref_theta, old, mu, adv, ref_mask, cfg)
     ref.backward()
     assert abs(loss.item() - ref.item()) < 1e-12, (name, loss.item(), ref.item())
     assert torch.allclose(mine.grad, ref_theta.grad, rtol=0, atol=1e-12), (name, mine.grad - ref_theta.grad)
@@ -257,13 +257,13 @@ def test_gspo_gradient_mass_per_sequence_does_not_depend_on_length():
     mask = torch.arange(64)[None, :] < torch.tensor(lengths)[:, None]
     adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
     loss, _ = ESTIMATORS["gspo"].loss(PolicyInputs(theta, theta.detach(), theta.detach(), adv, mask), LossConfig())
-    aggregate(loss, mask, ESTIMATORS["gspo"].aggregation, 2, int(mask.sum()), 64).backward()
+    aggregate(loss, mask, ESTIMATORS["gspo"].aggregation, denominators(mask, 64)).backward()
     mass = theta.grad.abs().sum(-1)
     assert math.isclose(float(mass[0]), float(mass[1]), rel_tol=1e-12)
     # Under the L_max normaliser the long response would carry 16x the mass: why GSPO refuses it.
     theta.grad = None
     loss, _ = ESTIMATORS["gspo"].loss(PolicyInputs(theta, theta.detach(), theta.detach(), adv, mask), LossConfig())
-    aggregate(loss, mask, "seq_mean_token_sum_norm", 2, int(mask.sum()), 64).backward()
+    aggregate(loss, mask, "seq_mean_token_sum_norm", denominators(mask, 64)).backward()
     mass = theta.grad.abs().sum(-1)
     assert math.isclose(float(mass[1] / mass[0]), 16.0, rel_tol=1e-12)
 
@@ -288,13 +288,39 @@ def test_advantages():
 def test_aggregations_and_exact_accumulation():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0]])
     mask = torch.tensor([[True, True, True], [True, True, False]])
-    assert math.isclose(float(aggregate(loss, mask, "token_mean", 2, 5, 4)), 15 / 5)
-    assert math.isclose(float(aggregate(loss, mask, "seq_mean_token_mean", 2, 5, 4)), (2 + 4.5) / 2)
-    assert math.isclose(float(aggregate(loss, mask, "seq_mean_token_sum_norm", 2, 5, 4)), (6 / 4 + 9 / 4) / 2)
+    norm = denominators(mask, 4)
+    assert norm == Denominators(sequences=2, sequences_with_tokens=2, tokens=5, max_length=4)
+    assert math.isclose(float(aggregate(loss, mask, "token_mean", norm)), 15 / 5)
+    assert math.isclose(float(aggregate(loss, mask, "seq_mean_token_mean", norm)), (2 + 4.5) / 2)
+    assert math.isclose(float(aggregate(loss, mask, "seq_mean_token_sum_norm", norm)), (6 / 4 + 9 / 4) / 2)
     for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
-        whole = aggregate(loss, mask, mode, 2, 5, 4)
-        parts = aggregate(loss[:1], mask[:1], mode, 2, 5, 4) + aggregate(loss[1:], mask[1:], mode, 2, 5, 4)
+        whole = aggregate(loss, mask, mode, norm)
+        parts = aggregate(loss[:1], mask[:1], mode, norm) + aggregate(loss[1:], mask[1:], mode, norm)
         assert torch.isclose(whole, parts)
+
+
+def test_rejected_sequences_stay_in_the_dr_grpo_denominator():
+    """The audit's case: one group of 4 sequences x 3 tokens, 2 rejected by grpo_seq_geo_rs. Under
+    seq_mean_token_sum_norm every Dr.GRPO reference (verl, SkyRL, Oat) gives a kept token
+    d loss / d log π = -A / (max_length x 4) = -0.0417 at A = 0.5, however many were rejected;
+    under seq_mean_token_mean (verl's sequence mask) the rejected leave the mean."""
+    old = torch.full((4, 3), -1.0, dtype=torch.float64)
+    mu = old.clone()
+    mu[2:] -= 5.0  # π_old/μ = e^5 per token: the geometric mean is far outside the band
+    adv = torch.full((4,), 0.5, dtype=torch.float64)
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    cfg = _config("grpo_seq_geo_rs")
+    loss_mask = mask.clone()
+    rejected = rejected_sequences("grpo_seq_geo_rs", old, mu, loss_mask, cfg)
+    assert rejected.tolist() == [False, False, True, True]
+    loss_mask[rejected] = False
+    for mode, per_kept_token in (("seq_mean_token_sum_norm", -0.5 / (3 * 4)), ("seq_mean_token_mean", -0.5 / (3 * 2))):
+        theta = old.clone().requires_grad_(True)
+        token_loss, _ = ESTIMATORS["grpo_seq_geo_rs"].loss(PolicyInputs(theta, old, mu, adv, loss_mask), cfg)
+        aggregate(token_loss, loss_mask, mode, denominators(loss_mask, 3)).backward()
+        assert torch.allclose(theta.grad[:2], torch.full((2, 3), per_kept_token, dtype=torch.float64), atol=1e-15)
+        assert (theta.grad[2:] == 0).all()
+    assert math.isclose(-0.5 / 12, -0.0417, abs_tol=5e-5)
 
 
 def test_kl_estimators_as_losses():

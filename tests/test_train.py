@@ -38,6 +38,14 @@ TINY = ["steps=4", "prompts_per_step=4", "rollout.group_size=4", "rollout.max_ne
         (["rollout.group_size=1"], "advantage=drgrpo needs rollout.group_size >= 2"),
         (["task.reward_fn=nomodule"], "task.reward_fn: expected 'module:function'"),
         (["rollout.top_p=0"], r"rollout.top_p must be in \(0, 1\]"),
+        (
+            ["algorithm.name=grpo_seq_geo_rs", "algorithm.ratio_source=rollout"],
+            "algorithm.name=grpo_seq_geo_rs rejects sequences by π_old/μ, which .*ratio_source=rollout makes 1",
+        ),
+        (
+            ["algorithm.token_veto=1e-4", "algorithm.ratio_source=rollout"],
+            "algorithm.token_veto=0.0001 rejects sequences .* would never reject anything",
+        ),
     ],
 )
 def test_bad_config_is_rejected_naming_the_key(override, message):

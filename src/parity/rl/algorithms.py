@@ -308,9 +308,9 @@ def needs_old_before_update(name: str, cfg: LossConfig) -> bool:
 def rejected_sequences(
     name: str, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
 ) -> torch.Tensor | None:
-    """Sequences [B] bool to remove from the loss and from its denominator, or None when
-    neither rule is on. Both rules read π_old − μ, as the references do, and both remove the
-    rejected rows from the response mask (VeRL rollout_corr_helper.py, SkyRL):
+    """Sequences [B] bool to remove from the loss (their rows of the loss mask are cleared;
+    which denominators still count them is `aggregate`'s rule), or None when neither rule is
+    on. Both rules read π_old − μ, as the references do (VeRL rollout_corr_helper.py, SkyRL):
     - geometric rejection (`grpo_seq_geo_rs`): exp(mean_t(π_old − μ)) outside [C_min, C];
     - the token veto (`token_veto` > 0, VeRL's presets use 1e-4): some token has
       exp(π_old,t − μ_t) < token_veto.
@@ -358,7 +358,9 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     """Per-token KL(π_θ‖π_ref) as a loss term, on tokens sampled from the policy; d = log π_ref − log π_θ.
 
     `k2`: d²/2; `k3`: e^d − d − 1 (VeRL's low_var_kl, Oat's k3). k1 (−d) is no loss: its
-    expected gradient is E_π[∇ log π] = 0, so it regularises nothing.
+    expected gradient is E_π[∇ log π] = 0, so it regularises nothing. d is clamped to
+    ±LOG_RATIO_CLAMP (VeRL: ±20); VeRL also clamps the k3 value to [−10, 10] (no gradient beyond
+    10), which Parity does not: a token that far from π_ref keeps pulling back.
     """
     d = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if estimator == "k2":
@@ -368,23 +370,40 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
 
 
-def aggregate(
-    token_loss: torch.Tensor, mask: torch.Tensor, mode: str, num_sequences: int, num_tokens: int, max_length: int
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class Denominators:
+    """A mini-batch's normalisers, shared by its micro-batches so that accumulation is exact."""
+
+    sequences: int  # every sequence of the mini-batch, rejected ones included
+    sequences_with_tokens: int  # those with a token left in the loss
+    tokens: int  # tokens left in the loss
+    max_length: int  # the generation budget (Dr.GRPO's constant)
+
+
+def denominators(loss_mask: torch.Tensor, max_length: int) -> Denominators:
+    """The normalisers of the mini-batch whose loss mask (rejected rows already cleared) is `loss_mask`."""
+    return Denominators(loss_mask.shape[0], int(loss_mask.any(-1).sum()), int(loss_mask.sum()), max_length)
+
+
+def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, d: Denominators) -> torch.Tensor:
     """Reduce per-token losses of a micro-batch to its share of the mini-batch loss.
 
     The normalisers are the mini-batch's, so summing micro-batch results gives the
-    mini-batch loss (gradient accumulation is exact).
-    - `token_mean`: Σ loss / tokens in the mini-batch
-    - `seq_mean_token_mean`: mean over sequences of each sequence's token mean
-    - `seq_mean_token_sum_norm`: mean over sequences of Σ_t loss / max_length
+    mini-batch loss (gradient accumulation is exact). A sequence a rejection rule removed
+    has no token in `mask`; whether it still counts follows each mode's reference:
+    - `token_mean`: Σ loss / tokens left (verl token-mean, Oat, TRL): it does not;
+    - `seq_mean_token_mean`: mean over the sequences with tokens left of each one's token
+      mean (verl seq-mean-token-mean, whose sequence mask excludes fully masked rows): it does not;
+    - `seq_mean_token_sum_norm`: Σ loss / (max_length · every sequence) (Dr.GRPO: verl divides
+      by the mini-batch's size, SkyRL averages over every row): it does, so the gradient of
+      a kept token does not grow as others are rejected.
     """
     m = mask.to(token_loss.dtype)
     summed = token_loss * m
     if mode == "token_mean":
-        return summed.sum() / max(num_tokens, 1)
+        return summed.sum() / max(d.tokens, 1)
     if mode == "seq_mean_token_mean":
-        return (summed.sum(-1) / m.sum(-1).clamp(min=1)).sum() / max(num_sequences, 1)
+        return (summed.sum(-1) / m.sum(-1).clamp(min=1)).sum() / max(d.sequences_with_tokens, 1)
     if mode == "seq_mean_token_sum_norm":
-        return summed.sum() / (max_length * max(num_sequences, 1))
+        return summed.sum() / (d.max_length * max(d.sequences, 1))
     raise ValueError(f"unknown aggregation {mode!r}; expected one of {', '.join(AGGREGATIONS)}")

@@ -445,6 +445,15 @@ class TrainConfig:
             self.trainer.lr = default_lr(self.model, self.lora.rank > 0)
         _one_of("reward.isolate", self.reward.isolate, ("auto", "always", "never"))
         _one_of("algorithm.ratio_source", self.algorithm.ratio_source, RATIO_SOURCES)
+        a = self.algorithm
+        if a.ratio_source == "rollout" and (ESTIMATORS[a.name].rejects or a.token_veto > 0):
+            rule = f"algorithm.name={a.name}"
+            if not ESTIMATORS[a.name].rejects:
+                rule = f"algorithm.token_veto={a.token_veto:g}"
+            raise ConfigError(
+                f"{rule} rejects sequences by π_old/μ, which algorithm.ratio_source=rollout makes 1 (π_old is μ "
+                "there), so it would never reject anything; use ratio_source=recompute or shadow"
+            )
         _one_of("health.on_alarm", self.health.on_alarm, ("warn", "checkpoint", "stop"))
         self._check_ranges()
         if self.prompts_per_step % self.algorithm.num_minibatches:

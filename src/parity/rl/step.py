@@ -23,6 +23,7 @@ from parity.rl.algorithms import (
     aggregate,
     clip_bounds,
     clip_ratio,
+    denominators,
     group_advantages,
     kl_penalty,
     needs_old_before_update,
@@ -205,7 +206,6 @@ def train_on_batch(
         prepared.loss_mask,
         prepared.advantages,
     )
-    rejected = prepared.rejected
     out = UpdateResult()
     first_pass = torch.zeros_like(mu) if old is None else None
     sampling_pi = old if old is not None else first_pass
@@ -221,9 +221,7 @@ def train_on_batch(
         groups = torch.randperm(plan.prompts, generator=order_gen) if epoch else torch.arange(plan.prompts)
         row_order = (groups[:, None] * plan.group_size + torch.arange(plan.group_size)).flatten()
         for mb in row_order.split(rows_per_mb):
-            # Rejected sequences leave the denominators too (VeRL, SkyRL); masked IS weights do not.
-            n_seq = len(mb) - (0 if rejected is None else int(rejected[mb].sum()))
-            n_tok = int(loss_mask[mb].sum())
+            norm = denominators(loss_mask[mb], plan.max_new_tokens)
             for rows in mb.tensor_split(world)[rank].split(plan.micro_batch_size):
                 logp = batch_logprobs(trainer, batch, rows, plan.temperature, plan.routing_replay)
                 if first_pass is not None and epoch == 0:
@@ -254,7 +252,7 @@ def train_on_batch(
                     kl = kl_penalty(logp, ref[rows], plan.kl_estimator)
                     pending.append((out.kls, (kl.detach() * mask).sum() / n))
                     token_loss = token_loss + plan.kl_coef * kl
-                loss = aggregate(token_loss, mask, plan.aggregation, n_seq, n_tok, plan.max_new_tokens)
+                loss = aggregate(token_loss, mask, plan.aggregation, norm)
                 trainer.backward(loss)
                 pending.append((out.losses, loss.detach()))
                 pending += [(out.stats.setdefault(k, []), v) for k, v in loss_stats.items()]
