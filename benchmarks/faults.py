@@ -357,8 +357,9 @@ def trained(rows: list[dict]) -> list[dict]:
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> bool:
+    log = run_dir / "metrics.jsonl"
     while proc.poll() is None:
-        if len(metrics(run_dir)) >= step:
+        if log.is_file() and log.read_text().count("\n") >= step:  # whole lines: the run may be mid-write
             return True
         time.sleep(0.05)
     return False
