@@ -382,7 +382,8 @@ class Denominators:
 
 def denominators(loss_mask: torch.Tensor, max_length: int) -> Denominators:
     """The normalisers of the mini-batch whose loss mask (rejected rows already cleared) is `loss_mask`."""
-    return Denominators(loss_mask.shape[0], int(loss_mask.any(-1).sum()), int(loss_mask.sum()), max_length)
+    with_tokens, tokens = torch.stack([loss_mask.any(-1).sum(), loss_mask.sum()]).tolist()  # one host read
+    return Denominators(loss_mask.shape[0], with_tokens, tokens, max_length)
 
 
 def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, d: Denominators) -> torch.Tensor:

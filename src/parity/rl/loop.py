@@ -42,7 +42,14 @@ from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text
-from parity.rl.algorithms import ADVANTAGES, AGGREGATIONS, ESTIMATORS, KL_ESTIMATORS, LossConfig
+from parity.rl.algorithms import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    ESTIMATORS,
+    KL_ESTIMATORS,
+    LossConfig,
+    needs_old_before_update,
+)
 from parity.rl.checkpoint import (
     RunState,
     checkpoints,
@@ -446,10 +453,9 @@ class TrainConfig:
         _one_of("reward.isolate", self.reward.isolate, ("auto", "always", "never"))
         _one_of("algorithm.ratio_source", self.algorithm.ratio_source, RATIO_SOURCES)
         a = self.algorithm
-        if a.ratio_source == "rollout" and (ESTIMATORS[a.name].rejects or a.token_veto > 0):
-            rule = f"algorithm.name={a.name}"
-            if not ESTIMATORS[a.name].rejects:
-                rule = f"algorithm.token_veto={a.token_veto:g}"
+        if a.ratio_source == "rollout" and needs_old_before_update(a.name, self.loss_config()):
+            rejects = ESTIMATORS[a.name].rejects
+            rule = f"algorithm.name={a.name}" if rejects else f"algorithm.token_veto={a.token_veto:g}"
             raise ConfigError(
                 f"{rule} rejects sequences by π_old/μ, which algorithm.ratio_source=rollout makes 1 (π_old is μ "
                 "there), so it would never reject anything; use ratio_source=recompute or shadow"

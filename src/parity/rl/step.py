@@ -137,8 +137,8 @@ def prepare(
     # π_old, the trainer on the sampling weights: scored by the sampler, or a learner pass when
     # it is needed before the first update (several updates, or a rejection that shapes the
     # loss mask), or else the first π_θ pass itself, free. The loss takes μ as π_old when the
-    # ratio is against the rollout (then importance weights and rejections see no gap).
-    rejects = plan.ratio_source != "rollout" and needs_old_before_update(plan.estimator, plan.loss)
+    # ratio is against the rollout (then importance weights see no gap; rejections are refused there).
+    rejects = needs_old_before_update(plan.estimator, plan.loss)
     updates = plan.ppo_epochs * plan.num_minibatches
     old = batch.old_logprobs
     learner_old_pass = old is None and (updates > 1 or rejects)
@@ -150,7 +150,7 @@ def prepare(
 
 def reject(prepared: Prepared, batch: RolloutBatch, plan: UpdatePlan) -> None:
     """Apply the estimator's rejection rule (if any) once π_old is known."""
-    if plan.ratio_source != "rollout" and needs_old_before_update(plan.estimator, plan.loss):
+    if needs_old_before_update(plan.estimator, plan.loss):
         prepared.rejected = rejected_sequences(
             plan.estimator, prepared.old_logprobs, batch.rollout_logprobs, prepared.loss_mask, plan.loss
         )
