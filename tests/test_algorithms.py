@@ -25,11 +25,12 @@ from parity.rl.algorithms import (
     LossConfig,
     PolicyInputs,
     aggregate,
-    clip_bounds,
     denominators,
     group_advantages,
     kl_penalty,
     rejected_sequences,
+    sequence_clipped,
+    token_clipped,
 )
 
 L_MAX = 10  # the constant normaliser of seq_mean_token_sum_norm (Oat: generate_max_length)
@@ -148,9 +149,7 @@ def _ref_veto(old, mu, mask, threshold):
 
 def _config(name: str, **kw) -> LossConfig:
     est = ESTIMATORS[name]
-    cap = kw.pop("cap", est.cap if est.cap is not None else math.inf)
-    cap_low = kw.pop("cap_low", est.cap_low)
-    return LossConfig(clip_low=0.2, clip_high=0.28, cap=cap, cap_low=cap_low, **kw)
+    return LossConfig(clip_low=0.2, clip_high=0.28, **{**est.params, **kw})
 
 
 def _compare(name: str, cfg: LossConfig, seed: int = 0):
@@ -177,7 +176,7 @@ def test_estimator_matches_its_reference(name):
     _compare(name, _config(name))
 
 
-@pytest.mark.parametrize("name", sorted(n for n, e in ESTIMATORS.items() if e.cap is not None and not e.rejects))
+@pytest.mark.parametrize("name", sorted(n for n, e in ESTIMATORS.items() if "cap" in e.params and not e.reject))
 def test_two_sided_bounds_match_the_reference(name):
     # TRL's vllm_importance_sampling_clip_min/max (2596-2610)
     _compare(name, _config(name, cap=2.5, cap_low=0.5))
@@ -205,11 +204,11 @@ def test_registry_and_reference_defaults():
         "pg_token_is",
         "reinforce",
     }
-    caps = {n: e.cap for n, e in ESTIMATORS.items()}
+    caps = {n: e.params.get("cap") for n, e in ESTIMATORS.items()}
     # Oat's sanity scripts: token TIS 2, GRPO-Seq-MIS 10, "seq_mis" PG scripts truncate at 3; TRL's clip_max 3.
     assert caps["grpo_token_tis"] == 2 and caps["grpo_seq_mis"] == 10 and caps["pg_seq_tis"] == 3
     assert caps["grpo_token_mis"] == 3 and caps["grpo_seq_tis"] == 3 and caps["pg_seq_mis"] == 3
-    assert (ESTIMATORS["grpo_seq_geo_rs"].cap_low, caps["grpo_seq_geo_rs"]) == (0.99, 1.01)  # SkyRL's band
+    assert ESTIMATORS["grpo_seq_geo_rs"].params == {"cap": 1.01, "cap_low": 0.99}  # SkyRL's band
     assert caps["pg_seq_is"] is caps["grpo"] is caps["pg_token_is"] is None
     assert ESTIMATORS["gspo"].aggregation == "seq_mean_token_mean" and ESTIMATORS["gspo"].advantage == "grpo"
     assert all(e.advantage == "drgrpo" for n, e in ESTIMATORS.items() if n != "gspo")
@@ -225,7 +224,7 @@ def test_clip_zeroes_gradient_and_is_counted():
     loss.sum().backward()
     # Token 1: r = e^0.4 = 1.49 > 1.3 with A > 0 -> clipped, zero gradient; the others flow.
     assert theta.grad[0, 1] == 0 and theta.grad[0, 0] != 0
-    assert math.isclose(float(stats["clip_frac"]), 1 / 3) and math.isclose(float(stats["clip_frac_high"]), 1 / 3)
+    assert math.isclose(float(stats["clip/frac"]), 1 / 3) and math.isclose(float(stats["clip/frac_high"]), 1 / 3)
 
 
 def test_masking_drops_and_truncation_clamps():
@@ -238,7 +237,7 @@ def test_masking_drops_and_truncation_clamps():
     tis, _ = ESTIMATORS["grpo_token_tis"].loss(PolicyInputs(theta, old, mu, adv, mask), cfg)
     grpo, _ = ESTIMATORS["grpo"].loss(PolicyInputs(theta, old, mu, adv, mask), cfg)
     assert (mis[over] == 0).all() and torch.allclose(tis[over], grpo[over] * 1.5)
-    assert math.isclose(float(mis_stats["is_masked_frac"]), int(over.sum()) / int(mask.sum()))
+    assert math.isclose(float(mis_stats["is/masked_frac"]), int(over.sum()) / int(mask.sum()))
 
 
 def test_log_ratios_are_clamped():
@@ -246,7 +245,7 @@ def test_log_ratios_are_clamped():
     mu = torch.full((1, 2), -100.0, dtype=torch.float64)
     inp = PolicyInputs(theta, theta.clone(), mu, torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2, dtype=bool))
     loss, stats = ESTIMATORS["pg_seq_is"].loss(inp, LossConfig())
-    assert torch.isfinite(loss).all() and math.isclose(float(stats["is_weight_max"]), math.exp(20), rel_tol=1e-9)
+    assert torch.isfinite(loss).all() and math.isclose(float(stats["is/weight_max"]), math.exp(20), rel_tol=1e-9)
 
 
 def test_gspo_gradient_mass_per_sequence_does_not_depend_on_length():
@@ -270,7 +269,14 @@ def test_gspo_gradient_mass_per_sequence_does_not_depend_on_length():
 
 def test_clip_bounds_follow_the_clip_kind():
     cfg = LossConfig(clip_low=0.1, clip_high=0.2, gspo_clip_low=1e-3, gspo_clip_high=2e-3)
-    assert clip_bounds("token", cfg) == (0.1, 0.2) and clip_bounds("sequence", cfg) == (1e-3, 2e-3)
+    theta = torch.zeros(1, 2, dtype=torch.float64)
+    ref = torch.full((1, 2), -0.0015, dtype=torch.float64)  # r = e^0.0015: outside GSPO's 2e-3? no; its 1e-3 yes
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    assert not token_clipped(theta, ref, adv, mask, cfg).any()
+    assert not sequence_clipped(theta, ref, adv, mask, cfg).any()  # 1.0015 < 1 + 2e-3
+    assert sequence_clipped(theta, ref - 0.001, adv, mask, cfg).all()  # 1.0025 > 1 + 2e-3
+    assert sequence_clipped(theta, -ref, -adv, mask, cfg).all()  # 0.9985 < 1 − 1e-3 with A < 0
 
 
 def test_advantages():

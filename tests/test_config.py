@@ -95,7 +95,7 @@ def test_estimator_defaults_come_from_the_references():
     [
         (["algorithm.name=gspo", "algorithm.aggregation=seq_mean_token_sum_norm"], "gspo is defined per sequence"),
         (["algorithm.kl_estimator=k1"], "zero expected gradient"),
-        (["algorithm.cap=2"], "pg_seq_is has no importance-weight cap.*pg_seq_tis"),
+        (["algorithm.cap=2"], "pg_seq_is does not use it .*pg_seq_tis"),
         (["algorithm.name=grpo_seq_tis", "algorithm.cap_low=3", "algorithm.cap=2"], "need 0 <= cap_low < cap"),
         (["algorithm.token_veto=1.5"], "algorithm.token_veto: must be in"),
         (["algorithm.clip_high=0"], r"algorithm.clip_high: must be in \(0, 1\)"),

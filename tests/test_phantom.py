@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from parity import config
-from parity.rl.algorithms import clip_active
+from parity.rl.algorithms import LossConfig, clip_active, token_clipped
 from parity.rl.diagnostics import gap_metrics, mismatch_alarm, phantom_clip_frac
 from parity.rl.loop import Run, TrainConfig
 
@@ -32,15 +32,18 @@ def _steps(tmp_path, overrides: list[str], steps: int = 2) -> list[dict]:
 
 
 def test_clip_activity_and_phantom_on_hand_made_tensors():
-    ratio_vs_mu = torch.exp(torch.tensor([[0.25, 0.0, -0.3]]))
+    theta = torch.tensor([[0.25, 0.0, -0.3]])  # π_θ, with μ = 0: r vs μ = exp(π_θ)
+    mu = torch.zeros(1, 3)
     adv = torch.tensor([1.0])
-    assert clip_active(ratio_vs_mu, adv, 0.2, 0.2).tolist() == [[True, False, False]]  # r > 1.2 with A > 0
+    cfg = LossConfig(0.2, 0.2)
+    assert clip_active(torch.exp(theta - mu), adv, 0.2, 0.2).tolist() == [[True, False, False]]  # r > 1.2, A > 0
     mask = torch.ones(1, 3, dtype=torch.bool)
     # Against π_old the first token's log-ratio is 0.15 < log 1.2: its clip is the mismatch's doing.
-    ratio_vs_old = torch.exp(torch.tensor([[0.15, 0.0, -0.3]]))
-    assert math.isclose(phantom_clip_frac(ratio_vs_mu, ratio_vs_old, adv, mask, 0.2, 0.2), 1 / 3, rel_tol=1e-6)
+    old = torch.tensor([[0.10, 0.0, 0.0]])
+    by_gap, by_policy = (token_clipped(theta, ref, adv, mask, cfg) for ref in (mu, old))
+    assert math.isclose(float(phantom_clip_frac(by_gap, by_policy, mask)), 1 / 3, rel_tol=1e-6)
     # A clip the policy change alone causes is not phantom.
-    assert phantom_clip_frac(ratio_vs_mu, ratio_vs_mu, adv, mask, 0.2, 0.2) == 0.0
+    assert float(phantom_clip_frac(by_gap, by_gap, mask)) == 0.0
 
 
 def test_gap_metrics_bins_and_correlation():

@@ -40,11 +40,15 @@ TINY = ["steps=4", "prompts_per_step=4", "rollout.group_size=4", "rollout.max_ne
         (["rollout.top_p=0"], r"rollout.top_p must be in \(0, 1\]"),
         (
             ["algorithm.name=grpo_seq_geo_rs", "algorithm.ratio_source=rollout"],
-            "algorithm.name=grpo_seq_geo_rs rejects sequences by π_old/μ, which .*ratio_source=rollout makes 1",
+            "algorithm.name=grpo_seq_geo_rs corrects by π_old/μ, which .*ratio_source=rollout makes 1",
+        ),
+        (
+            ["algorithm.name=grpo_token_tis", "algorithm.ratio_source=rollout"],
+            "algorithm.name=grpo_token_tis corrects by π_old/μ, .* would do nothing",
         ),
         (
             ["algorithm.token_veto=1e-4", "algorithm.ratio_source=rollout"],
-            "algorithm.token_veto=0.0001 rejects sequences .* would never reject anything",
+            "algorithm.token_veto=0.0001 corrects by π_old/μ, .* would do nothing",
         ),
     ],
 )

@@ -35,6 +35,9 @@ class LossConfig:
     cap: float = math.inf  # C: upper truncation / masking level of importance weights
     cap_low: float = 0.0  # C_min: lower level (two-sided bounds); the band of geometric rejection
     token_veto: float = 0.0  # reject a sequence if a token's exp(π_old − μ) is below this; 0 = off
+    delta: float = 0.0  # δ: a trust region's radius or a masking threshold (the estimator's)
+    tau_pos: float = 1.0  # SAPO's gate temperature for A > 0
+    tau_neg: float = 1.05  # ... for A < 0
 
 
 @dataclass
@@ -47,20 +50,29 @@ class PolicyInputs:
 
 
 LossFn = Callable[[PolicyInputs, LossConfig], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# (π_θ detached, reference log-probs [B, T], A [B], mask, cfg) -> [B, T] bool: the tokens whose update the
+# estimator's clip or trust region changes when its ratio is taken against `reference`.
+ClippedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossConfig], torch.Tensor]
+# (π_old, μ, mask, cfg) -> [B] bool: the sequences to take out of the loss before the first update.
+RejectFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LossConfig], torch.Tensor]
+TUNABLE = ("cap", "cap_low", "delta", "tau_pos", "tau_neg")  # LossConfig fields an estimator may own
 
 
 @dataclass(frozen=True)
 class Estimator:
-    """A registered estimator: its loss and the values its reference runs it with."""
+    """A registered estimator: its loss, its rules, and the values its reference runs it with.
+
+    The loss returns its diagnostics under their metric names (docs/metrics.md); names ending in
+    `_max` are reduced over micro-batches by max, the others by mean."""
 
     loss: LossFn
-    clip: str | None  # the ratio it clips: "token" exp(π_θ − π_old), "sequence" (GSPO), None
-    cap: float | None  # default C; None: the estimator has no cap
-    cap_low: float  # default C_min
+    source: str  # the reference code: repository, file (and option)
+    params: dict[str, float]  # the reference's values of the TUNABLE keys it reads; the others it refuses
     advantage: str  # default advantage estimator
     aggregation: str | None  # the only aggregation it is defined with, or None (any)
-    rejects: bool  # drops whole sequences from the loss and its denominator, chosen from π_old and μ
-    source: str  # the reference code: repository, file (and option)
+    clipped: ClippedFn | None  # its clip, against a reference (phantom clipping); None: it has none
+    reject: RejectFn | None  # its sequence rejection from π_old/μ, applied before the update
+    corrects_mismatch: bool  # it reads π_old/μ: meaningless when the ratio is taken against μ
 
 
 ESTIMATORS: dict[str, Estimator] = {}
@@ -70,15 +82,20 @@ def register(
     name: str,
     *,
     source: str,
-    clip: str | None = None,
-    cap: float | None = None,
-    cap_low: float = 0.0,
+    params: dict[str, float] | None = None,
     advantage: str = "drgrpo",
     aggregation: str | None = None,
-    rejects: bool = False,
+    clipped: ClippedFn | None = None,
+    reject: RejectFn | None = None,
+    corrects_mismatch: bool = False,
 ) -> Callable[[LossFn], LossFn]:
+    if set(params or {}) - set(TUNABLE):
+        raise ValueError(f"{name}: params {sorted(set(params) - set(TUNABLE))} are not among {TUNABLE}")
+
     def wrap(fn: LossFn) -> LossFn:
-        ESTIMATORS[name] = Estimator(fn, clip, cap, cap_low, advantage, aggregation, rejects, source)
+        ESTIMATORS[name] = Estimator(
+            fn, source, dict(params or {}), advantage, aggregation, clipped, reject, corrects_mismatch or bool(reject)
+        )
         return fn
 
     return wrap
@@ -113,16 +130,22 @@ def clip_ratio(kind: str, logprobs: torch.Tensor, reference: torch.Tensor, mask:
     raise ValueError(f"unknown clip kind {kind!r}")
 
 
-def clip_bounds(kind: str, cfg: LossConfig) -> tuple[float, float]:
-    """(ε_low, ε_high) of the clip: GSPO's own for sequence ratios."""
-    return (cfg.gspo_clip_low, cfg.gspo_clip_high) if kind == "sequence" else (cfg.clip_low, cfg.clip_high)
-
-
 def clip_active(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
     """Tokens whose clipped branch is active (zero gradient): r > 1+ε_high with A > 0, or
     r < 1−ε_low with A < 0. `advantages` [B] broadcast over tokens."""
     a = advantages[:, None]
     return ((a > 0) & (ratio > 1 + clip_high)) | ((a < 0) & (ratio < 1 - clip_low))
+
+
+def token_clipped(logprobs, reference, advantages, mask, cfg: LossConfig) -> torch.Tensor:
+    """The PPO clip's active tokens on r_t = exp(π_θ,t − ref_t) (a `ClippedFn`)."""
+    return clip_active(clip_ratio("token", logprobs, reference, mask), advantages, cfg.clip_low, cfg.clip_high)
+
+
+def sequence_clipped(logprobs, reference, advantages, mask, cfg: LossConfig) -> torch.Tensor:
+    """GSPO's clip's active tokens on its sequence ratio (a `ClippedFn`)."""
+    ratio = clip_ratio("sequence", logprobs, reference, mask)
+    return clip_active(ratio, advantages, cfg.gspo_clip_low, cfg.gspo_clip_high)
 
 
 def _ppo_clip(
@@ -135,10 +158,10 @@ def _ppo_clip(
     n = m.sum().clamp(min=1)
     active = clip_active(ratio.detach(), adv, low, high).to(m.dtype) * m
     stats = {
-        "clip_frac": active.sum() / n,
-        "clip_frac_low": (active * (ratio < 1 - low)).sum() / n,
-        "clip_frac_high": (active * (ratio > 1 + high)).sum() / n,
-        "ratio_mean": (ratio.detach() * m).sum() / n,
+        "clip/frac": active.sum() / n,
+        "clip/frac_low": (active * (ratio < 1 - low)).sum() / n,
+        "clip/frac_high": (active * (ratio > 1 + high)).sum() / n,
+        "clip/ratio_mean": (ratio.detach() * m).sum() / n,
     }
     return loss, stats
 
@@ -175,10 +198,47 @@ def _weight_stats(weights: torch.Tensor, mask: torch.Tensor, kept: torch.Tensor 
     weights = weights.expand(mask.shape)
     m = mask.to(weights.dtype)
     n = m.sum().clamp(min=1)
-    stats = {"is_weight_mean": (weights * m).sum() / n, "is_weight_max": (weights * m).max()}
+    stats = {"is/weight_mean": (weights * m).sum() / n, "is/weight_max": (weights * m).max()}
     if kept is not None:
-        stats["is_masked_frac"] = ((~kept.expand(mask.shape)).to(m.dtype) * m).sum() / n
+        stats["is/masked_frac"] = ((~kept.expand(mask.shape)).to(m.dtype) * m).sum() / n
     return stats
+
+
+# ----------------------------------------------------------------------------- sequence rejection
+# A rejection rule reads π_old − μ, as the references do (VeRL rollout_corr_helper.py, SkyRL),
+# so π_old must be known before the first update; the rejected rows of the loss mask are
+# cleared, and which denominators still count them is `aggregate`'s rule.
+
+
+def geometric_rejected(old_logprobs, rollout_logprobs, mask, cfg: LossConfig) -> torch.Tensor:
+    """Sequences whose geometric-mean weight exp(mean_t(π_old − μ)) lies outside [C_min, C]."""
+    geo = clamped_exp(_seq_mean((old_logprobs - rollout_logprobs).detach(), mask.to(old_logprobs.dtype)))
+    return (geo < cfg.cap_low) | (geo > cfg.cap)
+
+
+def vetoed(old_logprobs, rollout_logprobs, mask, cfg: LossConfig) -> torch.Tensor:
+    """The token veto (`token_veto` > 0; VeRL's presets use 1e-4), for any estimator: sequences
+    with a token whose exp(π_old,t − μ_t) is below it."""
+    return (((old_logprobs - rollout_logprobs).detach() < math.log(cfg.token_veto)) & mask.bool()).any(-1)
+
+
+def needs_old_before_update(name: str, cfg: LossConfig) -> bool:
+    """Whether π_old must be known before the first update (a rejection shapes the loss mask)."""
+    return ESTIMATORS[name].reject is not None or cfg.token_veto > 0
+
+
+def rejected_sequences(
+    name: str, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
+) -> torch.Tensor | None:
+    """Sequences [B] bool to remove from the loss before the update, or None when no rule is on:
+    the estimator's own rejection and the token veto."""
+    rules = [r for r, on in ((ESTIMATORS[name].reject, True), (vetoed, cfg.token_veto > 0)) if r is not None and on]
+    if not rules:
+        return None
+    rejected = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
+    for rule in rules:
+        rejected |= rule(old_logprobs, rollout_logprobs, mask, cfg)
+    return rejected
 
 
 # ----------------------------------------------------------------------------- PPO family
@@ -186,13 +246,19 @@ def _weight_stats(weights: torch.Tensor, mask: torch.Tensor, kept: torch.Tensor 
 OAT = "sail-sg/oat, oat/algorithms/ppo.py + sail-sg/Precision-RL sanity scripts"
 
 
-@register("grpo", clip="token", source=f"{OAT} (bf16_grpo.sh)")
+@register("grpo", clipped=token_clipped, source=f"{OAT} (bf16_grpo.sh)")
 def grpo(inp: PolicyInputs, cfg: LossConfig):
     """PPO clip on r = exp(π_θ − π_old)."""
     return _grpo(inp, cfg)
 
 
-@register("grpo_token_tis", clip="token", cap=2.0, source=f"{OAT} (tis_c, bf16_grpo_tis.sh)")
+@register(
+    "grpo_token_tis",
+    clipped=token_clipped,
+    params={"cap": 2.0, "cap_low": 0.0},
+    corrects_mismatch=True,
+    source=f"{OAT} (tis_c, bf16_grpo_tis.sh)",
+)
 def grpo_token_tis(inp: PolicyInputs, cfg: LossConfig):
     """grpo × clamp(exp(π_old − μ), C_min, C) per token (truncated IS)."""
     loss, stats = _grpo(inp, cfg)
@@ -200,7 +266,13 @@ def grpo_token_tis(inp: PolicyInputs, cfg: LossConfig):
     return loss * w, {**stats, **_weight_stats(w, inp.mask)}
 
 
-@register("grpo_token_mis", clip="token", cap=3.0, source="huggingface/trl, trl/trainer/grpo_trainer.py (token_mask)")
+@register(
+    "grpo_token_mis",
+    clipped=token_clipped,
+    params={"cap": 3.0, "cap_low": 0.0},
+    corrects_mismatch=True,
+    source="huggingface/trl, trl/trainer/grpo_trainer.py (token_mask)",
+)
 def grpo_token_mis(inp: PolicyInputs, cfg: LossConfig):
     """grpo × w·1[C_min ≤ w ≤ C] per token, w = exp(π_old − μ) (masked IS)."""
     loss, stats = _grpo(inp, cfg)
@@ -210,7 +282,11 @@ def grpo_token_mis(inp: PolicyInputs, cfg: LossConfig):
 
 
 @register(
-    "grpo_seq_tis", clip="token", cap=3.0, source="huggingface/trl, trl/trainer/grpo_trainer.py (sequence_truncate)"
+    "grpo_seq_tis",
+    clipped=token_clipped,
+    params={"cap": 3.0, "cap_low": 0.0},
+    corrects_mismatch=True,
+    source="huggingface/trl, trl/trainer/grpo_trainer.py (sequence_truncate)",
 )
 def grpo_seq_tis(inp: PolicyInputs, cfg: LossConfig):
     """grpo × clamp(ρ, C_min, C), ρ = exp Σ_t(π_old − μ)."""
@@ -219,7 +295,13 @@ def grpo_seq_tis(inp: PolicyInputs, cfg: LossConfig):
     return loss * rho, {**stats, **_weight_stats(rho, inp.mask)}
 
 
-@register("grpo_seq_mis", clip="token", cap=10.0, source=f"{OAT} (ppo_use_seq_is, bf16_grpo_seq_mis.sh)")
+@register(
+    "grpo_seq_mis",
+    clipped=token_clipped,
+    params={"cap": 10.0, "cap_low": 0.0},
+    corrects_mismatch=True,
+    source=f"{OAT} (ppo_use_seq_is, bf16_grpo_seq_mis.sh)",
+)
 def grpo_seq_mis(inp: PolicyInputs, cfg: LossConfig):
     """grpo × ρ·1[C_min ≤ ρ ≤ C], ρ = exp Σ_t(π_old − μ)."""
     loss, stats = _grpo(inp, cfg)
@@ -230,22 +312,21 @@ def grpo_seq_mis(inp: PolicyInputs, cfg: LossConfig):
 
 @register(
     "grpo_seq_geo_rs",
-    clip="token",
-    cap=1.01,
-    cap_low=0.99,
-    rejects=True,
+    clipped=token_clipped,
+    params={"cap": 1.01, "cap_low": 0.99},
+    reject=geometric_rejected,
     source="NovaSky-AI/SkyRL, off_policy_correction_utils.py (geo_mask); volcengine/verl, rollout_corr_helper.py",
 )
 def grpo_seq_geo_rs(inp: PolicyInputs, cfg: LossConfig):
     """grpo on the sequences whose geometric-mean weight exp(mean_t(π_old − μ)) lies in
-    [C_min, C]; the others are removed from the loss and its denominator before the update
-    (`rejected_sequences`), so here it is the PPO clip alone."""
+    [C_min, C]; `geometric_rejected` removes the others from the loss before the update, so
+    here it is the PPO clip alone."""
     return _grpo(inp, cfg)
 
 
 @register(
     "gspo",
-    clip="sequence",
+    clipped=sequence_clipped,
     advantage="grpo",
     aggregation="seq_mean_token_mean",
     source=f"{OAT} (use_gspo, bf16_gspo.sh); volcengine/verl, core_algos.py (gspo)",
@@ -268,14 +349,22 @@ def pg_seq_is(inp: PolicyInputs, cfg: LossConfig):
     return -rho * inp.advantages[:, None] * inp.logprobs, _weight_stats(rho, inp.mask)
 
 
-@register("pg_seq_tis", cap=3.0, source=f"{OAT} (use_seq_is + seq_is_clip_max; the scripts named bf16_seq_mis.sh)")
+@register(
+    "pg_seq_tis",
+    params={"cap": 3.0, "cap_low": 0.0},
+    source=f"{OAT} (use_seq_is + seq_is_clip_max; the scripts named bf16_seq_mis.sh)",
+)
 def pg_seq_tis(inp: PolicyInputs, cfg: LossConfig):
     """−clamp(sg(ρ̃), C_min, C)·A·π_θ,t."""
     rho = _truncate(_seq_weight(inp.logprobs, inp), cfg)
     return -rho * inp.advantages[:, None] * inp.logprobs, _weight_stats(rho, inp.mask)
 
 
-@register("pg_seq_mis", cap=3.0, source="huggingface/trl, trl/trainer/grpo_trainer.py (sequence_mask), on PG")
+@register(
+    "pg_seq_mis",
+    params={"cap": 3.0, "cap_low": 0.0},
+    source="huggingface/trl, trl/trainer/grpo_trainer.py (sequence_mask), on PG",
+)
 def pg_seq_mis(inp: PolicyInputs, cfg: LossConfig):
     """−sg(ρ̃)·1[C_min ≤ ρ̃ ≤ C]·A·π_θ,t."""
     rho = _seq_weight(inp.logprobs, inp)
@@ -295,37 +384,6 @@ def pg_token_is(inp: PolicyInputs, cfg: LossConfig):
 def reinforce(inp: PolicyInputs, cfg: LossConfig):
     """−A·π_θ,t."""
     return -inp.advantages[:, None] * inp.logprobs, {}
-
-
-# ----------------------------------------------------------------------------- sequence rejection
-
-
-def needs_old_before_update(name: str, cfg: LossConfig) -> bool:
-    """Whether π_old must be known before the first update (a rejection shapes the loss mask)."""
-    return ESTIMATORS[name].rejects or cfg.token_veto > 0
-
-
-def rejected_sequences(
-    name: str, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
-) -> torch.Tensor | None:
-    """Sequences [B] bool to remove from the loss (their rows of the loss mask are cleared;
-    which denominators still count them is `aggregate`'s rule), or None when neither rule is
-    on. Both rules read π_old − μ, as the references do (VeRL rollout_corr_helper.py, SkyRL):
-    - geometric rejection (`grpo_seq_geo_rs`): exp(mean_t(π_old − μ)) outside [C_min, C];
-    - the token veto (`token_veto` > 0, VeRL's presets use 1e-4): some token has
-      exp(π_old,t − μ_t) < token_veto.
-    """
-    if not needs_old_before_update(name, cfg):
-        return None
-    m = mask.to(old_logprobs.dtype)
-    log_w = (old_logprobs - rollout_logprobs).detach()
-    rejected = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
-    if ESTIMATORS[name].rejects:
-        geo = clamped_exp(_seq_mean(log_w, m))
-        rejected |= (geo < cfg.cap_low) | (geo > cfg.cap)
-    if cfg.token_veto > 0:
-        rejected |= ((log_w < math.log(cfg.token_veto)) & mask.bool()).any(-1)
-    return rejected
 
 
 # ----------------------------------------------------------------------------- advantages, KL, aggregation

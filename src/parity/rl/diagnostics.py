@@ -27,7 +27,7 @@ import statistics
 
 import torch
 
-from parity.rl.algorithms import clamped_exp, clip_active
+from parity.rl.algorithms import clamped_exp
 
 LENGTH_BIN_EDGES = (0, 16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
 
@@ -130,20 +130,13 @@ def gap_metrics(
 
 
 def phantom_clip_frac(
-    ratio_vs_rollout: torch.Tensor,
-    ratio_vs_old: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-) -> float:
-    """Fraction of tokens whose clip is active on the ratio against μ and inactive on the
-    ratio against π_old: the clipping that the whole mismatch g = β + κ causes and the
-    real policy change does not. Independent of which ratio the loss uses."""
-    by_gap = clip_active(ratio_vs_rollout, advantages, clip_low, clip_high)
-    by_policy = clip_active(ratio_vs_old, advantages, clip_low, clip_high)
+    clipped_vs_rollout: torch.Tensor, clipped_vs_old: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Fraction of tokens clipped with the ratio taken against μ and not with it taken against
+    π_old: the clipping that the whole mismatch g = β + κ causes and the real policy change does
+    not. Independent of which ratio the loss uses; the clip is the estimator's (`Estimator.clipped`)."""
     m = mask.bool()
-    return float((by_gap & ~by_policy & m).sum() / m.sum().clamp(min=1))
+    return (clipped_vs_rollout & ~clipped_vs_old & m).sum() / m.sum().clamp(min=1)
 
 
 # ----------------------------------------------------------------------------- collapse early warning

@@ -47,8 +47,8 @@ from parity.rl.algorithms import (
     AGGREGATIONS,
     ESTIMATORS,
     KL_ESTIMATORS,
+    TUNABLE,
     LossConfig,
-    needs_old_before_update,
 )
 from parity.rl.checkpoint import (
     RunState,
@@ -140,6 +140,9 @@ class AlgorithmSection:
     gspo_clip_high: float = 4e-4
     cap: float | None = None  # C; the estimator's (grpo_token_tis 2, grpo_seq_mis 10, ...)
     cap_low: float | None = None  # C_min; the estimator's (0, or 0.99 for grpo_seq_geo_rs)
+    delta: float | None = None  # δ: the trust region / masking threshold of dppo_*, grpo_opsm, grpo_seq_max_k*
+    tau_pos: float | None = None  # sapo's gate temperature for A > 0
+    tau_neg: float | None = None  # ... and for A < 0
     token_veto: float = 0.0  # reject a sequence if a token's exp(π_old − μ) is below this (VeRL: 1e-4); 0 = off
     ppo_epochs: int = 1
     num_minibatches: int = 1
@@ -368,18 +371,14 @@ class TrainConfig:
         """Fill unset algorithm keys from the estimator's reference values, then check them."""
         a = self.algorithm
         est = ESTIMATORS[a.name]
-        if est.cap is None:
-            for key in ("cap", "cap_low"):
-                if getattr(a, key) is not None:
-                    raise ConfigError(
-                        f"algorithm.{key}: {a.name} has no importance-weight cap; the truncated and masked "
-                        f"variants take one (for example {a.name.replace('_is', '_tis')})"
-                    )
-        else:
-            a.cap = est.cap if a.cap is None else a.cap
-            a.cap_low = est.cap_low if a.cap_low is None else a.cap_low
-            if not 0 <= a.cap_low < a.cap:  # both finite: config._coerce refuses inf and NaN
-                raise ConfigError(f"algorithm.cap_low={a.cap_low}, algorithm.cap={a.cap}: need 0 <= cap_low < cap")
+        for key in TUNABLE:
+            if key in est.params:
+                setattr(a, key, est.params[key] if getattr(a, key) is None else getattr(a, key))
+            elif getattr(a, key) is not None:
+                owners = ", ".join(n for n, e in ESTIMATORS.items() if key in e.params)
+                raise ConfigError(f"algorithm.{key}: {a.name} does not use it (the estimators that do: {owners})")
+        if "cap" in est.params and not 0 <= a.cap_low < a.cap:  # both finite: config._coerce refuses inf and NaN
+            raise ConfigError(f"algorithm.cap_low={a.cap_low}, algorithm.cap={a.cap}: need 0 <= cap_low < cap")
         a.advantage = est.advantage if a.advantage is None else a.advantage
         a.aggregation = (est.aggregation or "seq_mean_token_sum_norm") if a.aggregation is None else a.aggregation
         if a.truncated is None:
@@ -414,9 +413,8 @@ class TrainConfig:
             clip_high=a.clip_high,
             gspo_clip_low=a.gspo_clip_low,
             gspo_clip_high=a.gspo_clip_high,
-            cap=math.inf if a.cap is None else a.cap,
-            cap_low=a.cap_low or 0.0,
             token_veto=a.token_veto,
+            **{key: getattr(a, key) for key in TUNABLE if getattr(a, key) is not None},
         )
 
     def _check_ranges(self) -> None:
@@ -453,12 +451,15 @@ class TrainConfig:
         _one_of("reward.isolate", self.reward.isolate, ("auto", "always", "never"))
         _one_of("algorithm.ratio_source", self.algorithm.ratio_source, RATIO_SOURCES)
         a = self.algorithm
-        if a.ratio_source == "rollout" and needs_old_before_update(a.name, self.loss_config()):
-            rejects = ESTIMATORS[a.name].rejects
-            rule = f"algorithm.name={a.name}" if rejects else f"algorithm.token_veto={a.token_veto:g}"
+        if a.ratio_source == "rollout" and (ESTIMATORS[a.name].corrects_mismatch or a.token_veto > 0):
+            rule = (
+                f"algorithm.name={a.name}"
+                if ESTIMATORS[a.name].corrects_mismatch
+                else f"algorithm.token_veto={a.token_veto:g}"
+            )
             raise ConfigError(
-                f"{rule} rejects sequences by π_old/μ, which algorithm.ratio_source=rollout makes 1 (π_old is μ "
-                "there), so it would never reject anything; use ratio_source=recompute or shadow"
+                f"{rule} corrects by π_old/μ, which algorithm.ratio_source=rollout makes 1 (π_old is μ there), "
+                "so it would do nothing; use ratio_source=recompute or shadow"
             )
         _one_of("health.on_alarm", self.health.on_alarm, ("warn", "checkpoint", "stop"))
         self._check_ranges()

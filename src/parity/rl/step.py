@@ -21,8 +21,6 @@ from parity.rl.algorithms import (
     LossConfig,
     PolicyInputs,
     aggregate,
-    clip_bounds,
-    clip_ratio,
     denominators,
     group_advantages,
     kl_penalty,
@@ -32,18 +30,6 @@ from parity.rl.algorithms import (
 from parity.rl.diagnostics import gap_metrics, mismatch_by_length, mismatch_metrics, phantom_clip_frac
 from parity.rl.rewards import RewardResult
 
-# Estimator statistics (algorithms) under their metric names (docs/metrics.md).
-STAT_NAMES = {
-    "clip_frac": "clip/frac",
-    "clip_frac_low": "clip/frac_low",
-    "clip_frac_high": "clip/frac_high",
-    "ratio_mean": "clip/ratio_mean",
-    "is_weight_mean": "is/weight_mean",
-    "is_weight_max": "is/weight_max",
-    "is_masked_frac": "is/masked_frac",
-    "phantom_clip_frac": "phantom/clip_frac",
-    "alpha_abs_mean": "alpha/abs_mean",
-}
 BINARY_REWARDS = {"builtin", "exact", "math", "number"}
 
 
@@ -237,17 +223,13 @@ def train_on_batch(
                 token_loss, loss_stats = estimator.loss(inputs, plan.loss)
                 # α, the real policy change, and phantom clipping, on every ratio source.
                 n = mask.sum().clamp(min=1)
-                loss_stats["alpha_abs_mean"] = ((logp.detach() - sampling_pi[rows]).abs() * mask).sum() / n
-                if estimator.clip is not None:
-                    low, high = clip_bounds(estimator.clip, plan.loss)
-                    loss_stats["phantom_clip_frac"] = phantom_clip_frac(
-                        clip_ratio(estimator.clip, logp.detach(), mu[rows], mask),
-                        clip_ratio(estimator.clip, logp.detach(), sampling_pi[rows], mask),
-                        advantages[rows],
-                        mask,
-                        low,
-                        high,
-                    )
+                loss_stats["alpha/abs_mean"] = ((logp.detach() - sampling_pi[rows]).abs() * mask).sum() / n
+                if estimator.clipped is not None:
+                    clipped_by = {
+                        source: estimator.clipped(logp.detach(), reference, advantages[rows], mask, plan.loss)
+                        for source, reference in (("gap", mu[rows]), ("policy", sampling_pi[rows]))
+                    }
+                    loss_stats["phantom/clip_frac"] = phantom_clip_frac(clipped_by["gap"], clipped_by["policy"], mask)
                 if ref is not None:
                     kl = kl_penalty(logp, ref[rows], plan.kl_estimator)
                     pending.append((out.kls, (kl.detach() * mask).sum() / n))
@@ -324,8 +306,8 @@ def step_metrics(
         metrics["reward/accuracy"] = float((rewards >= 1.0).float().mean())
     if update.kls:
         metrics["loss/kl"] = _mean(update.kls)
-    for k, v in update.stats.items():
-        metrics[STAT_NAMES[k]] = max(v) if k == "is_weight_max" else _mean(v)
+    for k, v in update.stats.items():  # the estimator's diagnostics, under their own names
+        metrics[k] = max(v) if k.endswith("_max") else _mean(v)
     response_mask = batch.response_mask
     mm = mismatch_metrics(sampling_pi, mu, response_mask)
     metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
