@@ -9,7 +9,10 @@ names the file and lines it was transcribed from (the commits read):
     TRL   huggingface/trl@f2cd577 trl/trainer/grpo_trainer.py
     VERL  volcengine/verl@b178a3c verl/trainer/ppo/core_algos.py; the veto at
           volcengine/verl@2f2996b verl/trainer/ppo/rollout_corr_helper.py
+    VERLRC volcengine/verl@b178a3c verl/trainer/ppo/rollout_corr_helper.py (unchanged since PR #4544, 97eac90)
     SKYRL NovaSky-AI/SkyRL@a956457 skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py
+    VERLD verl-project/verl@1dda039 verl/trainer/ppo/core_algos.py (DPPO, after verl's rename)
+    SLIME THUDM/slime@624b824 slime/backends/megatron_utils/loss.py
 """
 
 from __future__ import annotations
@@ -117,12 +120,66 @@ def _reference(name: str, theta, old, mu, adv, mask, c: LossConfig) -> torch.Ten
         return ((_ref_ppo(theta, old, adv, eps_lo, eps_hi) * kept).sum(1) / L_MAX).mean()
     if name == "gspo":
         # OAT 649-667: s = exp(Σ (new.detach() − old)·mask / Σ mask); ratio = s·p/p.detach();
-        # clamp to [1 − 3e-4, 1 + 4e-4]; VERL 1311-1314 aggregates it seq-mean-token-mean
+        # clamp to [1 − ε_low, 1 + ε_high] (3e-4, 4e-4); VERL 1311-1314 aggregates it seq-mean-token-mean
         s = torch.exp(((theta.detach() - old) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True))
         p = torch.exp(theta)
         ratio = s * p / p.detach()
-        loss = torch.max(-a * ratio, -a * torch.clamp(ratio, 1 - 3e-4, 1 + 4e-4))
+        loss = torch.max(-a * ratio, -a * torch.clamp(ratio, 1 - eps_lo, 1 + eps_hi))
         return _ref_seq_mean_token_mean(loss, m)
+    if name == "grpo_token_icepop":
+        # SLIME 919-930: ice_ratio = exp(old − rollout); ice_weight = where(low ≤ r ≤ high, r, 0);
+        # pg_loss · ice_weight (the loss masks unchanged: masked tokens stay in the denominator)
+        r = torch.exp(old - mu)
+        weight = torch.where((r >= c.cap_low) & (r <= c.cap), r, torch.zeros_like(r))
+        return _ref_drgrpo_aggregate(_ref_ppo(theta, old, adv, eps_lo, eps_hi) * weight, m)
+    if name == "grpo_opsm":
+        # TRL 2932-2939: kl = sampling − per_token.detach(); masked mean (÷ clamp(Σ mask, 1));
+        # keep = (A >= 0) | (kl <= δ); 3112: per_token_loss · keep, the mask unchanged
+        kl = mu - theta.detach()
+        avg = (kl * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)
+        keep = ((a >= 0) | (avg <= c.delta)).double()
+        return _ref_drgrpo_aggregate(_ref_ppo(theta, old, adv, eps_lo, eps_hi) * keep, m)
+    if name in ("grpo_seq_max_k2", "grpo_seq_max_k3"):
+        # VERLRC 221-224: log_ratio clamped to ±20, k2 = 0.5·lr², k3 = exp(lr) − 1 − lr; 238-243 and
+        # 320-326: max over valid tokens (−inf elsewhere), keep iff max <= threshold; the rejected rows
+        # leave response_mask, and Dr.GRPO's constant denominator still counts them
+        lr = torch.clamp(old - mu, min=-20.0, max=20.0)
+        k = 0.5 * lr**2 if name.endswith("k2") else torch.exp(lr) - 1.0 - lr
+        worst = k.masked_fill(~mask, float("-inf")).max(-1).values
+        worst = torch.where(worst == float("-inf"), torch.zeros_like(worst), worst)
+        kept = m * (worst <= c.delta).double()[:, None]
+        return ((_ref_ppo(theta, old, adv, eps_lo, eps_hi) * kept).sum(1) / L_MAX).mean()
+    if name == "cispo":
+        # VERL 1747-1758: ratio = exp(clamp(log_prob − old, ±20)); clipped = clamp(ratio, 1 − low,
+        # 1 + high).detach(); pg_losses = −clipped·A·log_prob
+        ratio = torch.exp(torch.clamp(theta - old, min=-20.0, max=20.0))
+        clipped = torch.clamp(ratio, 1 - eps_lo, 1 + eps_hi).detach()
+        return _ref_drgrpo_aggregate(-clipped * a * theta, m)
+    if name in ("dppo_tv", "dppo_kl"):
+        # VERLD 1417-1439 (dppo_tv), 1498-1523 (dppo_kl): ratio = exp(clamp(log_prob − old, ±20));
+        # truncated = clamp(ratio, max=clip_ratio_c).detach(); the valid mask by the sign of A;
+        # pg_losses = −A·truncated·log_prob·valid
+        ratio = torch.exp(torch.clamp(theta - old, min=-20.0, max=20.0))
+        truncated = torch.clamp(ratio, max=c.cap).detach()
+        prob, old_prob = torch.exp(theta), torch.exp(old)
+        if name == "dppo_tv":
+            valid_pos = (prob - old_prob) <= eps_hi
+            valid_neg = (prob - old_prob) >= -eps_lo
+        else:
+            binary_kl = old_prob * (old - theta) + (1 - old_prob) * torch.log(
+                (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
+            )
+            valid_pos = (binary_kl <= eps_hi) | (prob <= old_prob)
+            valid_neg = (binary_kl <= eps_lo) | (prob >= old_prob)
+        valid = torch.where(a > 0, valid_pos, valid_neg).detach().double()
+        return _ref_drgrpo_aggregate(-a * truncated * theta * valid, m)
+    if name == "sapo":
+        # VERL 1364-1396: gate(x, τ) = sigmoid(τ(x − 1))·4/τ; τ = where(A > 0, tau_pos, tau_neg);
+        # pg_losses = −gates·A, always aggregated seq-mean-token-mean
+        ratio = torch.exp(torch.clamp(theta - old, min=-20.0, max=20.0))
+        tau = torch.where(a > 0, torch.tensor(c.tau_pos, dtype=a.dtype), torch.tensor(c.tau_neg, dtype=a.dtype))
+        gates = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+        return _ref_seq_mean_token_mean(-gates * a, m)
     if name in ("pg_seq_is", "pg_seq_tis", "pg_seq_mis"):
         # OAT 625-635: seq_is = exp(Σ (new.detach() − actor)·mask); −seq_is.clamp(max=C)·A·new
         seq_is = torch.exp(((theta.detach() - mu) * m).sum(-1, keepdim=True))
@@ -149,7 +206,10 @@ def _ref_veto(old, mu, mask, threshold):
 
 def _config(name: str, **kw) -> LossConfig:
     est = ESTIMATORS[name]
-    return LossConfig(clip_low=0.2, clip_high=0.28, **{**est.params, **kw})
+    values = {**est.params, **kw}
+    if "clip_high" in est.params and "clip_high" not in kw:
+        values["clip_high"] *= 1.4  # asymmetric ε (0.2, 0.28 for PPO), so that a swapped bound fails
+    return LossConfig(**values)
 
 
 def _compare(name: str, cfg: LossConfig, seed: int = 0):
@@ -189,15 +249,45 @@ def test_token_veto_matches_the_reference(name):
     _compare(name, _config(name, token_veto=1e-4))
 
 
+OPSM_TIGHT = 0.05  # at TRL's suggested 0.5 the test batch's drift masks nothing
+
+
+@pytest.mark.parametrize(
+    ("name", "delta"), [("grpo_opsm", OPSM_TIGHT), ("grpo_seq_max_k2", 0.5), ("grpo_seq_max_k3", 0.3)]
+)
+def test_thresholds_match_the_reference(name, delta):
+    _compare(name, _config(name, delta=delta))
+
+
+DPPO_TIGHT = {"clip_low": 0.01, "clip_high": 0.012, "cap": 1.1}  # masks and truncation both act on the test batch
+
+
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl"])
+def test_dppo_trust_region_and_truncation_match_the_reference(name):
+    _compare(name, _config(name, **DPPO_TIGHT))
+
+
+def test_two_sided_cispo_matches_the_reference():
+    _compare("cispo", _config("cispo", clip_low=0.2))  # VeRL's actor default; the recipe's 10 never binds
+
+
 def test_registry_and_reference_defaults():
     assert set(ESTIMATORS) == {
         "grpo",
         "grpo_token_tis",
         "grpo_token_mis",
+        "grpo_token_icepop",
         "grpo_seq_tis",
         "grpo_seq_mis",
         "grpo_seq_geo_rs",
+        "grpo_seq_max_k2",
+        "grpo_seq_max_k3",
+        "grpo_opsm",
         "gspo",
+        "dppo_tv",
+        "dppo_kl",
+        "cispo",
+        "sapo",
         "pg_seq_is",
         "pg_seq_tis",
         "pg_seq_mis",
@@ -208,11 +298,65 @@ def test_registry_and_reference_defaults():
     # Oat's sanity scripts: token TIS 2, GRPO-Seq-MIS 10, "seq_mis" PG scripts truncate at 3; TRL's clip_max 3.
     assert caps["grpo_token_tis"] == 2 and caps["grpo_seq_mis"] == 10 and caps["pg_seq_tis"] == 3
     assert caps["grpo_token_mis"] == 3 and caps["grpo_seq_tis"] == 3 and caps["pg_seq_mis"] == 3
-    assert ESTIMATORS["grpo_seq_geo_rs"].params == {"cap": 1.01, "cap_low": 0.99}  # SkyRL's band
+    assert ESTIMATORS["grpo_seq_geo_rs"].params == {"clip_low": 0.2, "clip_high": 0.2, "cap": 1.01, "cap_low": 0.99}
     assert caps["pg_seq_is"] is caps["grpo"] is caps["pg_token_is"] is None
-    assert ESTIMATORS["gspo"].aggregation == "seq_mean_token_mean" and ESTIMATORS["gspo"].advantage == "grpo"
-    assert all(e.advantage == "drgrpo" for n, e in ESTIMATORS.items() if n != "gspo")
+    assert ESTIMATORS["grpo_token_icepop"].params["cap_low"] == 0.5 and caps["grpo_token_icepop"] == 5  # IcePop's band
+    assert ESTIMATORS["grpo_seq_max_k2"].params["delta"] == 2.5  # VeRL's rollout_corr.md
+    assert ESTIMATORS["grpo_opsm"].params["delta"] == 0.5  # TRL's grpo_config.py
+    assert ESTIMATORS["sapo"].params == {"tau_pos": 1.0, "tau_neg": 1.05}  # VeRL's actor config
+    assert ESTIMATORS["gspo"].params == {"clip_low": 3e-4, "clip_high": 4e-4}
+    # VeRL's recipes: DPPO's δ in the ε keys (TV 0.15, KL 0.05, C 1e4); CISPO's ε_low 10 (no lower bound)
+    assert ESTIMATORS["dppo_tv"].params == {"clip_low": 0.15, "clip_high": 0.15, "cap": 10000.0}
+    assert ESTIMATORS["dppo_kl"].params == {"clip_low": 0.05, "clip_high": 0.05, "cap": 10000.0}
+    assert ESTIMATORS["cispo"].params == {"clip_low": 10.0, "clip_high": 0.2}
+    for name in ("gspo", "sapo"):  # defined per sequence, with the group-normalised advantage
+        assert ESTIMATORS[name].aggregation == "seq_mean_token_mean" and ESTIMATORS[name].advantage == "grpo"
     assert all(e.source for e in ESTIMATORS.values())
+    # Every estimator with a clip names it; the PG family and SAPO (a soft gate) have none.
+    assert {n for n, e in ESTIMATORS.items() if e.clipped is None} == {
+        "sapo",
+        "pg_seq_is",
+        "pg_seq_tis",
+        "pg_seq_mis",
+        "pg_token_is",
+        "reinforce",
+    }
+
+
+def test_the_new_rules_act_on_the_test_batch():
+    """The reference comparisons above exercise each mask and rejection: on the test batch every
+    rule drops some tokens or sequences and keeps others."""
+    theta, old, mu, adv, mask = _batch()
+    for name in ("grpo_seq_max_k2", "grpo_seq_max_k3"):
+        rejected = rejected_sequences(name, old, mu, mask, _config(name))
+        assert 0 < int(rejected.sum()) < len(rejected), name
+    opsm = _config("grpo_opsm", delta=OPSM_TIGHT)
+    _, stats = ESTIMATORS["grpo_opsm"].loss(PolicyInputs(theta, old, mu, adv, mask), opsm)
+    assert 0 < float(stats["opsm/masked_seq_frac"]) < 1
+    _, stats = ESTIMATORS["grpo_token_icepop"].loss(
+        PolicyInputs(theta, old, mu, adv, mask), _config("grpo_token_icepop")
+    )
+    assert 0 < float(stats["is/masked_frac"]) < 1
+    for name, cfg in (
+        ("cispo", _config("cispo")),
+        ("dppo_tv", _config("dppo_tv", **DPPO_TIGHT)),
+        ("dppo_kl", _config("dppo_kl", **DPPO_TIGHT)),
+    ):
+        _, stats = ESTIMATORS[name].loss(PolicyInputs(theta, old, mu, adv, mask), cfg)
+        assert 0 < float(stats["clip/frac"]) < 1, name
+
+
+def test_cispo_keeps_the_gradient_that_ppo_clips():
+    """A token whose ratio is past 1 + ε with A > 0: PPO's clip zeroes its gradient, CISPO keeps it,
+    weighted by the clipped ratio."""
+    theta = torch.tensor([[-0.5]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-0.9]], dtype=torch.float64)  # r = e^0.4 = 1.49
+    inputs = PolicyInputs(theta, old, old, torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 1, dtype=bool))
+    ESTIMATORS["grpo"].loss(inputs, LossConfig())[0].sum().backward()
+    assert theta.grad.item() == 0
+    theta.grad = None
+    ESTIMATORS["cispo"].loss(inputs, LossConfig(clip_low=0.2, clip_high=0.2))[0].sum().backward()
+    assert math.isclose(theta.grad.item(), -1.2, rel_tol=1e-12)  # −sg(clip(r))·A = −1.2
 
 
 def test_clip_zeroes_gradient_and_is_counted():
@@ -268,12 +412,12 @@ def test_gspo_gradient_mass_per_sequence_does_not_depend_on_length():
 
 
 def test_clip_bounds_follow_the_clip_kind():
-    cfg = LossConfig(clip_low=0.1, clip_high=0.2, gspo_clip_low=1e-3, gspo_clip_high=2e-3)
+    cfg = LossConfig(clip_low=1e-3, clip_high=2e-3)
     theta = torch.zeros(1, 2, dtype=torch.float64)
     ref = torch.full((1, 2), -0.0015, dtype=torch.float64)  # r = e^0.0015: outside GSPO's 2e-3? no; its 1e-3 yes
     adv = torch.tensor([1.0], dtype=torch.float64)
     mask = torch.ones(1, 2, dtype=torch.bool)
-    assert not token_clipped(theta, ref, adv, mask, cfg).any()
+    assert not token_clipped(theta, ref, adv, mask, LossConfig(clip_low=0.1, clip_high=0.2)).any()
     assert not sequence_clipped(theta, ref, adv, mask, cfg).any()  # 1.0015 < 1 + 2e-3
     assert sequence_clipped(theta, ref - 0.001, adv, mask, cfg).all()  # 1.0025 > 1 + 2e-3
     assert sequence_clipped(theta, -ref, -adv, mask, cfg).all()  # 0.9985 < 1 − 1e-3 with A < 0

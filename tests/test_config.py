@@ -98,7 +98,8 @@ def test_estimator_defaults_come_from_the_references():
         (["algorithm.cap=2"], "pg_seq_is does not use it .*pg_seq_tis"),
         (["algorithm.name=grpo_seq_tis", "algorithm.cap_low=3", "algorithm.cap=2"], "need 0 <= cap_low < cap"),
         (["algorithm.token_veto=1.5"], "algorithm.token_veto: must be in"),
-        (["algorithm.clip_high=0"], r"algorithm.clip_high: must be in \(0, 1\)"),
+        (["algorithm.name=grpo", "algorithm.clip_high=0"], r"algorithm.clip_high: must be > 0, got 0.0"),
+        (["algorithm.clip_high=0.3"], r"algorithm.clip_high: pg_seq_is does not use it .*grpo"),
         (["task.name=length", "algorithm.truncated=zero_reward"], "longest responses"),
     ],
 )

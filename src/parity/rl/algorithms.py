@@ -28,10 +28,8 @@ LOG_RATIO_CLAMP = 20.0  # every log-ratio is clamped before exp
 
 @dataclass(frozen=True)
 class LossConfig:
-    clip_low: float = 0.2  # ε_low of the PPO clip
+    clip_low: float = 0.2  # ε_low of the estimator's clip (PPO, GSPO, CISPO)
     clip_high: float = 0.2  # ε_high
-    gspo_clip_low: float = 3e-4
-    gspo_clip_high: float = 4e-4
     cap: float = math.inf  # C: upper truncation / masking level of importance weights
     cap_low: float = 0.0  # C_min: lower level (two-sided bounds); the band of geometric rejection
     token_veto: float = 0.0  # reject a sequence if a token's exp(π_old − μ) is below this; 0 = off
@@ -55,7 +53,15 @@ LossFn = Callable[[PolicyInputs, LossConfig], tuple[torch.Tensor, dict[str, torc
 ClippedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossConfig], torch.Tensor]
 # (π_old, μ, mask, cfg) -> [B] bool: the sequences to take out of the loss before the first update.
 RejectFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LossConfig], torch.Tensor]
-TUNABLE = ("cap", "cap_low", "delta", "tau_pos", "tau_neg")  # LossConfig fields an estimator may own
+TUNABLE = (
+    "clip_low",
+    "clip_high",
+    "cap",
+    "cap_low",
+    "delta",
+    "tau_pos",
+    "tau_neg",
+)  # LossConfig fields an estimator may own
 
 
 @dataclass(frozen=True)
@@ -144,8 +150,7 @@ def token_clipped(logprobs, reference, advantages, mask, cfg: LossConfig) -> tor
 
 def sequence_clipped(logprobs, reference, advantages, mask, cfg: LossConfig) -> torch.Tensor:
     """GSPO's clip's active tokens on its sequence ratio (a `ClippedFn`)."""
-    ratio = clip_ratio("sequence", logprobs, reference, mask)
-    return clip_active(ratio, advantages, cfg.gspo_clip_low, cfg.gspo_clip_high)
+    return clip_active(clip_ratio("sequence", logprobs, reference, mask), advantages, cfg.clip_low, cfg.clip_high)
 
 
 def _ppo_clip(
@@ -216,6 +221,18 @@ def geometric_rejected(old_logprobs, rollout_logprobs, mask, cfg: LossConfig) ->
     return (geo < cfg.cap_low) | (geo > cfg.cap)
 
 
+def max_divergence_rejected(estimator: str) -> RejectFn:
+    """Trust-region masking: sequences whose largest per-token divergence between π_old and μ,
+    k2 = (log ρ)²/2 or k3 = ρ − 1 − log ρ with log ρ = π_old − μ, exceeds δ."""
+
+    def rejected(old_logprobs, rollout_logprobs, mask, cfg: LossConfig) -> torch.Tensor:
+        log_rho = (old_logprobs - rollout_logprobs).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        k = log_rho.square() / 2 if estimator == "k2" else torch.exp(log_rho) - 1 - log_rho
+        return k.masked_fill(~mask.bool(), 0.0).amax(-1) > cfg.delta  # k ≥ 0: padding never decides
+
+    return rejected
+
+
 def vetoed(old_logprobs, rollout_logprobs, mask, cfg: LossConfig) -> torch.Tensor:
     """The token veto (`token_veto` > 0; VeRL's presets use 1e-4), for any estimator: sequences
     with a token whose exp(π_old,t − μ_t) is below it."""
@@ -244,9 +261,11 @@ def rejected_sequences(
 # ----------------------------------------------------------------------------- PPO family
 
 OAT = "sail-sg/oat, oat/algorithms/ppo.py + sail-sg/Precision-RL sanity scripts"
+VERL_ROLLOUT_CORR = "volcengine/verl, verl/trainer/ppo/rollout_corr_helper.py"
+PPO_CLIP = {"clip_low": 0.2, "clip_high": 0.2}  # Oat's and the paper's ε, VeRL's and TRL's defaults
 
 
-@register("grpo", clipped=token_clipped, source=f"{OAT} (bf16_grpo.sh)")
+@register("grpo", clipped=token_clipped, params=PPO_CLIP, source=f"{OAT} (bf16_grpo.sh)")
 def grpo(inp: PolicyInputs, cfg: LossConfig):
     """PPO clip on r = exp(π_θ − π_old)."""
     return _grpo(inp, cfg)
@@ -255,7 +274,7 @@ def grpo(inp: PolicyInputs, cfg: LossConfig):
 @register(
     "grpo_token_tis",
     clipped=token_clipped,
-    params={"cap": 2.0, "cap_low": 0.0},
+    params={**PPO_CLIP, "cap": 2.0, "cap_low": 0.0},
     corrects_mismatch=True,
     source=f"{OAT} (tis_c, bf16_grpo_tis.sh)",
 )
@@ -269,7 +288,7 @@ def grpo_token_tis(inp: PolicyInputs, cfg: LossConfig):
 @register(
     "grpo_token_mis",
     clipped=token_clipped,
-    params={"cap": 3.0, "cap_low": 0.0},
+    params={**PPO_CLIP, "cap": 3.0, "cap_low": 0.0},
     corrects_mismatch=True,
     source="huggingface/trl, trl/trainer/grpo_trainer.py (token_mask)",
 )
@@ -281,10 +300,22 @@ def grpo_token_mis(inp: PolicyInputs, cfg: LossConfig):
     return loss * w * kept, {**stats, **_weight_stats(w * kept, inp.mask, kept)}
 
 
+# IcePop (Ring-1T) is masked IS on the PPO clip, w·1[α ≤ w ≤ β] as slime's icepop_function and TRL's
+# token_mask compute it: grpo_token_mis's loss with the IcePop band.
+register(
+    "grpo_token_icepop",
+    clipped=token_clipped,
+    params={**PPO_CLIP, "cap": 5.0, "cap_low": 0.5},
+    corrects_mismatch=True,
+    source="THUDM/slime, slime/backends/megatron_utils/loss.py (icepop_function); band [0.5, 5] of the IcePop "
+    "write-up (Ring-1T), as in huggingface/trl tests/test_grpo_trainer.py (token_mask)",
+)(grpo_token_mis)
+
+
 @register(
     "grpo_seq_tis",
     clipped=token_clipped,
-    params={"cap": 3.0, "cap_low": 0.0},
+    params={**PPO_CLIP, "cap": 3.0, "cap_low": 0.0},
     corrects_mismatch=True,
     source="huggingface/trl, trl/trainer/grpo_trainer.py (sequence_truncate)",
 )
@@ -298,7 +329,7 @@ def grpo_seq_tis(inp: PolicyInputs, cfg: LossConfig):
 @register(
     "grpo_seq_mis",
     clipped=token_clipped,
-    params={"cap": 10.0, "cap_low": 0.0},
+    params={**PPO_CLIP, "cap": 10.0, "cap_low": 0.0},
     corrects_mismatch=True,
     source=f"{OAT} (ppo_use_seq_is, bf16_grpo_seq_mis.sh)",
 )
@@ -313,7 +344,7 @@ def grpo_seq_mis(inp: PolicyInputs, cfg: LossConfig):
 @register(
     "grpo_seq_geo_rs",
     clipped=token_clipped,
-    params={"cap": 1.01, "cap_low": 0.99},
+    params={**PPO_CLIP, "cap": 1.01, "cap_low": 0.99},
     reject=geometric_rejected,
     source="NovaSky-AI/SkyRL, off_policy_correction_utils.py (geo_mask); volcengine/verl, rollout_corr_helper.py",
 )
@@ -324,9 +355,40 @@ def grpo_seq_geo_rs(inp: PolicyInputs, cfg: LossConfig):
     return _grpo(inp, cfg)
 
 
+for _k in ("k2", "k3"):
+    # Trust-region masking (arXiv 2512.23075): grpo, the sequences outside the region rejected.
+    register(
+        f"grpo_seq_max_{_k}",
+        clipped=token_clipped,
+        params={**PPO_CLIP, "delta": 2.5},
+        reject=max_divergence_rejected(_k),
+        source=f"{VERL_ROLLOUT_CORR} (rollout_rs=seq_max_{_k}; δ 2.5 as its docs/algo/rollout_corr.md set it)",
+    )(grpo)
+
+
+@register(
+    "grpo_opsm",
+    clipped=token_clipped,
+    params={**PPO_CLIP, "delta": 0.5},
+    source="huggingface/trl, trl/trainer/grpo_trainer.py (get_off_policy_mask; δ 0.5 as grpo_config.py suggests)",
+)
+def grpo_opsm(inp: PolicyInputs, cfg: LossConfig):
+    """grpo × 1[A ≥ 0 or mean_t(μ − sg(π_θ)) ≤ δ] (DeepSeek-V3.2's off-policy sequence masking):
+    a sequence with a negative advantage that the policy has moved far from, counting the
+    mismatch, leaves the loss and stays in the denominators. Read on every micro-batch, π_θ as it is."""
+    loss, stats = _grpo(inp, cfg)
+    m = inp.mask.to(loss.dtype)
+    drift = _seq_mean(inp.rollout_logprobs - inp.logprobs.detach(), m)
+    kept = (inp.advantages >= 0) | (drift <= cfg.delta)
+    with_tokens = inp.mask.any(-1)
+    stats["opsm/masked_seq_frac"] = (~kept & with_tokens).sum() / with_tokens.sum().clamp(min=1)
+    return loss * kept[:, None].to(loss.dtype), stats
+
+
 @register(
     "gspo",
     clipped=sequence_clipped,
+    params={"clip_low": 3e-4, "clip_high": 4e-4},
     advantage="grpo",
     aggregation="seq_mean_token_mean",
     source=f"{OAT} (use_gspo, bf16_gspo.sh); volcengine/verl, core_algos.py (gspo)",
@@ -336,7 +398,120 @@ def gspo(inp: PolicyInputs, cfg: LossConfig):
     R_t = sg(s)·exp(π_θ,t − sg(π_θ,t)), clipped to [1 − 3e-4, 1 + 4e-4]. Defined with
     seq-mean-token-mean aggregation: any other weighs a sequence by its length."""
     ratio = clip_ratio("sequence", inp.logprobs, inp.old_logprobs, inp.mask)
-    return _ppo_clip(ratio, inp.advantages, cfg.gspo_clip_low, cfg.gspo_clip_high, inp.mask)
+    return _ppo_clip(ratio, inp.advantages, cfg.clip_low, cfg.clip_high, inp.mask)
+
+
+VERL = "volcengine/verl, verl/trainer/ppo/core_algos.py"
+
+
+def dppo_tv_outside(logprobs, reference, advantages, mask, cfg: LossConfig) -> torch.Tensor:
+    """DPPO Binary-TV's masked tokens (a `ClippedFn`): the probability moved past δ on the harmful
+    side, p_θ − p_ref > δ_high with A > 0 or < −δ_low otherwise (ε keys hold δ, as in VeRL)."""
+    shift = torch.exp(logprobs) - torch.exp(reference)
+    return torch.where(advantages[:, None] > 0, shift > cfg.clip_high, shift < -cfg.clip_low)
+
+
+def dppo_kl_outside(logprobs, reference, advantages, mask, cfg: LossConfig) -> torch.Tensor:
+    """DPPO Binary-KL's masked tokens (a `ClippedFn`): the KL between the Bernoulli distributions
+    (p_ref, 1 − p_ref) and (p_θ, 1 − p_θ) of the sampled token past δ, moving on the harmful side."""
+    p, p_ref = torch.exp(logprobs), torch.exp(reference)
+    binary_kl = p_ref * (reference - logprobs) + (1 - p_ref) * torch.log((1.0 - p_ref + 1e-8) / (1.0 - p + 1e-8))
+    up, down = (binary_kl > cfg.clip_high) & (p > p_ref), (binary_kl > cfg.clip_low) & (p < p_ref)
+    return torch.where(advantages[:, None] > 0, up, down)
+
+
+def _dppo(inp: PolicyInputs, cfg: LossConfig, outside: ClippedFn):
+    """−A·sg(min(r, C))·π_θ on the tokens inside the trust region, r = exp(π_θ − π_old)."""
+    ratio = clip_ratio("token", inp.logprobs, inp.old_logprobs, inp.mask).detach()
+    masked = outside(inp.logprobs.detach(), inp.old_logprobs, inp.advantages, inp.mask, cfg)
+    m = inp.mask.to(ratio.dtype)
+    n = m.sum().clamp(min=1)
+    stats = {"clip/frac": (masked.to(m.dtype) * m).sum() / n, "clip/ratio_mean": (ratio * m).sum() / n}
+    loss = -inp.advantages[:, None] * ratio.clamp(max=cfg.cap) * inp.logprobs
+    return loss * (~masked).to(loss.dtype), stats
+
+
+# VeRL's DPPO recipe (examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh): δ in the ε keys, 0.15 for
+# TV and 0.05 for KL; clip_ratio_c 10000, so the truncation of r at C practically never acts.
+DPPO_SOURCE = f"{VERL} (compute_policy_loss_dppo_*); examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh"
+
+
+@register(
+    "dppo_tv",
+    clipped=dppo_tv_outside,
+    params={"clip_low": 0.15, "clip_high": 0.15, "cap": 10000.0},
+    advantage="grpo",
+    source=f"{DPPO_SOURCE} (LOSS_MODE=dppo_tv)",
+)
+def dppo_tv(inp: PolicyInputs, cfg: LossConfig):
+    """DPPO Binary-TV (arXiv 2602.04879): a token trains while p_θ − p_old stays within δ on the
+    side its advantage pushes, weighted by the ratio truncated at C."""
+    return _dppo(inp, cfg, dppo_tv_outside)
+
+
+@register(
+    "dppo_kl",
+    clipped=dppo_kl_outside,
+    params={"clip_low": 0.05, "clip_high": 0.05, "cap": 10000.0},
+    advantage="grpo",
+    source=f"{DPPO_SOURCE} (LOSS_MODE=dppo_kl)",
+)
+def dppo_kl(inp: PolicyInputs, cfg: LossConfig):
+    """DPPO Binary-KL: as `dppo_tv`, with the binary KL of p_old and p_θ against δ."""
+    return _dppo(inp, cfg, dppo_kl_outside)
+
+
+def cispo_clipped(logprobs, reference, advantages, mask, cfg: LossConfig) -> torch.Tensor:
+    """CISPO's truncated tokens: r = exp(π_θ − ref) outside [1−ε_low, 1+ε_high], whatever A's sign
+    (their weight is clamped; unlike PPO's clip, their gradient still flows)."""
+    ratio = clip_ratio("token", logprobs, reference, mask)
+    return (ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high)
+
+
+@register(
+    "cispo",
+    clipped=cispo_clipped,
+    params={"clip_low": 10.0, "clip_high": 0.2},
+    advantage="grpo",
+    source=f"{VERL} (compute_policy_loss_cispo); examples/cispo_trainer/run_cispo_qwen2_5_0_5b_gsm8k.sh",
+)
+def cispo(inp: PolicyInputs, cfg: LossConfig):
+    """−sg(clip(r, 1−ε_low, 1+ε_high))·A·π_θ, r = exp(π_θ − π_old) (CISPO, MiniMax-M1): the weight
+    is clipped, the token's gradient is not. VeRL's recipe sets ε_low = 10, so only the upper bound
+    acts (MiniMax-M1's and ScaleRL's one-sided form); ε_low < 1 gives the two-sided clip."""
+    ratio = clip_ratio("token", inp.logprobs, inp.old_logprobs, inp.mask).detach()
+    weight = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    m = inp.mask.to(ratio.dtype)
+    n = m.sum().clamp(min=1)
+    stats = {
+        "clip/frac": ((weight != ratio).to(m.dtype) * m).sum() / n,
+        "clip/ratio_mean": (ratio * m).sum() / n,
+    }
+    return -weight * inp.advantages[:, None] * inp.logprobs, stats
+
+
+@register(
+    "sapo",
+    params={"tau_pos": 1.0, "tau_neg": 1.05},
+    advantage="grpo",
+    aggregation="seq_mean_token_mean",
+    source=f"{VERL} (compute_policy_loss_sapo; actor tau_pos, tau_neg)",
+)
+def sapo(inp: PolicyInputs, cfg: LossConfig):
+    """−f(r)·A, f(r) = σ(τ(r − 1))·4/τ, τ = τ_pos where A > 0 else τ_neg, r = exp(π_θ − π_old)
+    (SAPO): a soft trust region, d f/d log π = 4σ(1−σ)·r, 1 at r = 1 and fading away from it.
+    Seq-mean-token-mean only, as VeRL forces it."""
+    ratio = clip_ratio("token", inp.logprobs, inp.old_logprobs, inp.mask)
+    a = inp.advantages[:, None]
+    tau = torch.full_like(a, cfg.tau_neg).masked_fill(a > 0, cfg.tau_pos)  # in the loss's own dtype
+    gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
+    m = inp.mask.to(ratio.dtype)
+    n = m.sum().clamp(min=1)
+    sig = torch.sigmoid(tau * (ratio.detach() - 1))
+    # The factor SAPO puts on a token's policy gradient (1 on-policy): its soft clip.
+    grad_weight = 4 * sig * (1 - sig) * ratio.detach()
+    stats = {"sapo/grad_weight_mean": (grad_weight * m).sum() / n, "clip/ratio_mean": (ratio.detach() * m).sum() / n}
+    return -gate * a, stats
 
 
 # ----------------------------------------------------------------------------- policy gradient family

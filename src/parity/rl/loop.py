@@ -134,10 +134,8 @@ class AlgorithmSection:
     name: str = "pg_seq_is"
     advantage: str | None = None  # the estimator's: drgrpo (the paper's recipe), grpo for gspo
     aggregation: str | None = None  # the estimator's: seq_mean_token_sum_norm (÷ L_max), GSPO's per sequence
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    gspo_clip_low: float = 3e-4
-    gspo_clip_high: float = 4e-4
+    clip_low: float | None = None  # ε_low of the estimator's clip; its own (0.2; gspo 3e-4; cispo 10: none)
+    clip_high: float | None = None  # ε_high (0.2; gspo 4e-4)
     cap: float | None = None  # C; the estimator's (grpo_token_tis 2, grpo_seq_mis 10, ...)
     cap_low: float | None = None  # C_min; the estimator's (0, or 0.99 for grpo_seq_geo_rs)
     delta: float | None = None  # δ: the trust region / masking threshold of dppo_*, grpo_opsm, grpo_seq_max_k*
@@ -377,7 +375,7 @@ class TrainConfig:
             elif getattr(a, key) is not None:
                 owners = ", ".join(n for n, e in ESTIMATORS.items() if key in e.params)
                 raise ConfigError(f"algorithm.{key}: {a.name} does not use it (the estimators that do: {owners})")
-        if "cap" in est.params and not 0 <= a.cap_low < a.cap:  # both finite: config._coerce refuses inf and NaN
+        if "cap_low" in est.params and not 0 <= a.cap_low < a.cap:  # both finite: config._coerce refuses inf and NaN
             raise ConfigError(f"algorithm.cap_low={a.cap_low}, algorithm.cap={a.cap}: need 0 <= cap_low < cap")
         a.advantage = est.advantage if a.advantage is None else a.advantage
         a.aggregation = (est.aggregation or "seq_mean_token_sum_norm") if a.aggregation is None else a.aggregation
@@ -399,20 +397,16 @@ class TrainConfig:
         _one_of("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
         if self.task.name == "length" and a.truncated == "zero_reward":
             raise ConfigError("algorithm.truncated=zero_reward would reward the longest responses on task.name=length")
-        for key in ("clip_low", "clip_high", "gspo_clip_low", "gspo_clip_high"):
+        for key in ("clip_low", "clip_high", "cap", "delta", "tau_pos", "tau_neg"):
             value = getattr(a, key)
-            if not 0 < value < 1:
-                raise ConfigError(f"algorithm.{key}: must be in (0, 1), got {value}")
+            if value is not None and not value > 0:
+                raise ConfigError(f"algorithm.{key}: must be > 0, got {value}")
         if not 0 <= a.token_veto < 1:
             raise ConfigError(f"algorithm.token_veto: must be in [0, 1) (0 = off; VeRL uses 1e-4), got {a.token_veto}")
 
     def loss_config(self) -> LossConfig:
         a = self.algorithm
         return LossConfig(
-            clip_low=a.clip_low,
-            clip_high=a.clip_high,
-            gspo_clip_low=a.gspo_clip_low,
-            gspo_clip_high=a.gspo_clip_high,
             token_veto=a.token_veto,
             **{key: getattr(a, key) for key in TUNABLE if getattr(a, key) is not None},
         )
