@@ -88,6 +88,14 @@ def test_estimator_defaults_come_from_the_references():
     assert algo("task.name=length").truncated == "keep"  # a zero reward would be the best one there
     assert algo("algorithm.name=grpo_seq_mis", "algorithm.cap=4").cap == 4.0  # overridable
     assert "cap: 2.0" in config.dump_yaml(config.load(TrainConfig, None, ["algorithm.name=grpo_token_tis"]))
+    # Each estimator's own keys, from its registry line; the clip bounds too.
+    assert (gspo.clip_low, gspo.clip_high) == (3e-4, 4e-4)
+    tv = algo("algorithm.name=dppo_tv")
+    assert (tv.clip_low, tv.clip_high, tv.cap, tv.cap_low, tv.advantage) == (0.15, 0.15, 10000.0, None, "grpo")
+    sapo = algo("algorithm.name=sapo")
+    assert (sapo.tau_pos, sapo.tau_neg, sapo.aggregation, sapo.clip_low) == (1.0, 1.05, "seq_mean_token_mean", None)
+    assert algo("algorithm.name=grpo_opsm").delta == 0.5 and algo("algorithm.name=grpo_seq_max_k3").delta == 2.5
+    assert algo("algorithm.name=cispo", "algorithm.clip_low=1", "algorithm.clip_high=4").clip_high == 4.0
 
 
 @pytest.mark.parametrize(
@@ -100,6 +108,11 @@ def test_estimator_defaults_come_from_the_references():
         (["algorithm.token_veto=1.5"], "algorithm.token_veto: must be in"),
         (["algorithm.name=grpo", "algorithm.clip_high=0"], r"algorithm.clip_high: must be > 0, got 0.0"),
         (["algorithm.clip_high=0.3"], r"algorithm.clip_high: pg_seq_is does not use it .*grpo"),
+        (["algorithm.name=grpo", "algorithm.delta=0.1"], r"algorithm.delta: grpo does not use it .*grpo_opsm"),
+        (["algorithm.name=grpo_opsm", "algorithm.delta=-1"], r"algorithm.delta: must be > 0, got -1.0"),
+        (["algorithm.name=sapo", "algorithm.clip_low=0.1"], r"algorithm.clip_low: sapo does not use it"),
+        (["algorithm.name=dppo_kl", "algorithm.cap_low=0.5"], r"algorithm.cap_low: dppo_kl does not use it"),
+        (["algorithm.name=sapo", "algorithm.aggregation=token_mean"], "sapo is defined per sequence"),
         (["task.name=length", "algorithm.truncated=zero_reward"], "longest responses"),
     ],
 )

@@ -101,7 +101,9 @@ def _config(run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...]) ->
     )
 
 
-def _train(run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...], progress: bool = False) -> list[dict]:
+def train_length_task(
+    run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...], progress: bool = False
+) -> list[dict]:
     remove_run(run_dir)
     return Run.create(_config(run_dir, steps, seed, overrides), progress=progress).train()
 
@@ -124,7 +126,7 @@ def one_update_table(out: Path, seed: int, log=print, overrides: tuple[str, ...]
     for pair, keys in PAIRS.items():
         for source in RATIO_SOURCES:
             log(f"one update: {pair}, ratio vs {source}")
-            history = _train(
+            history = train_length_task(
                 out / "one-update" / f"{pair.replace('/', '-')}-{source}",
                 ONE_UPDATE_STEPS,
                 seed,
@@ -186,7 +188,9 @@ def run_phantom(
     runs = default_runs(eps_sweep)
     for i, run in enumerate(runs, 1):
         log(f"run {i}/{len(runs)}: {run.name}")
-        histories[run.name] = _train(out / "runs" / f"run{i}", steps, seed, (*run.overrides, *device_key), True)
+        histories[run.name] = train_length_task(
+            out / "runs" / f"run{i}", steps, seed, (*run.overrides, *device_key), True
+        )
     plot_curves(
         histories,
         [

@@ -17,6 +17,7 @@ reproduces (repository, file) and the values that code runs with.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -420,7 +421,7 @@ def dppo_kl_outside(logprobs, reference, advantages, mask, cfg: LossConfig) -> t
     return torch.where(advantages[:, None] > 0, up, down)
 
 
-def _dppo(inp: PolicyInputs, cfg: LossConfig, outside: ClippedFn):
+def _dppo(inp: PolicyInputs, cfg: LossConfig, *, outside: ClippedFn):
     """−A·sg(min(r, C))·π_θ on the tokens inside the trust region, r = exp(π_θ − π_old)."""
     ratio = clip_ratio("token", inp.logprobs, inp.old_logprobs, inp.mask).detach()
     masked = outside(inp.logprobs.detach(), inp.old_logprobs, inp.advantages, inp.mask, cfg)
@@ -436,29 +437,15 @@ def _dppo(inp: PolicyInputs, cfg: LossConfig, outside: ClippedFn):
 DPPO_SOURCE = f"{VERL} (compute_policy_loss_dppo_*); examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh"
 
 
-@register(
-    "dppo_tv",
-    clipped=dppo_tv_outside,
-    params={"clip_low": 0.15, "clip_high": 0.15, "cap": 10000.0},
-    advantage="grpo",
-    source=f"{DPPO_SOURCE} (LOSS_MODE=dppo_tv)",
-)
-def dppo_tv(inp: PolicyInputs, cfg: LossConfig):
-    """DPPO Binary-TV (arXiv 2602.04879): a token trains while p_θ − p_old stays within δ on the
-    side its advantage pushes, weighted by the ratio truncated at C."""
-    return _dppo(inp, cfg, dppo_tv_outside)
-
-
-@register(
-    "dppo_kl",
-    clipped=dppo_kl_outside,
-    params={"clip_low": 0.05, "clip_high": 0.05, "cap": 10000.0},
-    advantage="grpo",
-    source=f"{DPPO_SOURCE} (LOSS_MODE=dppo_kl)",
-)
-def dppo_kl(inp: PolicyInputs, cfg: LossConfig):
-    """DPPO Binary-KL: as `dppo_tv`, with the binary KL of p_old and p_θ against δ."""
-    return _dppo(inp, cfg, dppo_kl_outside)
+for _name, _outside, _delta in (("dppo_tv", dppo_tv_outside, 0.15), ("dppo_kl", dppo_kl_outside, 0.05)):
+    # DPPO (arXiv 2602.04879), Binary-TV and Binary-KL: −A·sg(min(r, C))·π_θ inside the trust region.
+    register(
+        _name,
+        clipped=_outside,
+        params={"clip_low": _delta, "clip_high": _delta, "cap": 10000.0},
+        advantage="grpo",
+        source=f"{DPPO_SOURCE} (LOSS_MODE={_name})",
+    )(functools.partial(_dppo, outside=_outside))
 
 
 def cispo_clipped(logprobs, reference, advantages, mask, cfg: LossConfig) -> torch.Tensor:
