@@ -35,7 +35,7 @@ from engines import make_llama_4m  # noqa: E402
 from parity import config  # noqa: E402
 from parity.commands.report import SMOOTHING, TARGET_ACCURACY, moving_average  # noqa: E402
 from parity.distributed.driver import run_class  # noqa: E402
-from parity.rl.loop import TrainConfig  # noqa: E402
+from parity.rl.train_config import TrainConfig  # noqa: E402
 from vs_trl import _perfectible_problems  # noqa: E402
 
 MODES = {

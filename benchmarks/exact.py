@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from engines import make_llama_4m  # noqa: E402
 from parity import config  # noqa: E402
-from parity.rl.loop import Run, TrainConfig  # noqa: E402
+from parity.rl.loop import Run  # noqa: E402
+from parity.rl.train_config import TrainConfig  # noqa: E402
 
 WORKLOADS = {
     "builtin": ["prompts_per_step=16", "rollout.group_size=8", "rollout.max_new_tokens=32"],

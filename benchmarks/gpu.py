@@ -45,7 +45,8 @@ from parity.engines import kernels  # noqa: E402
 from parity.engines.models import load_model, resolve_model_dir  # noqa: E402
 from parity.engines.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from parity.engines.tokenizer import load_tokenizer  # noqa: E402
-from parity.rl.loop import Run, TrainConfig  # noqa: E402
+from parity.rl.loop import Run  # noqa: E402
+from parity.rl.train_config import TrainConfig  # noqa: E402
 
 # prompts per step, samples per prompt, new tokens; --small for the CPU smoke run
 WORKLOADS = {"full": (16, 8, 64), "small": (4, 4, 16)}

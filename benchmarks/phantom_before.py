@@ -19,7 +19,12 @@ import sys
 import tempfile
 
 from parity import config
-from parity.rl.loop import Run, TrainConfig
+from parity.rl.loop import Run
+
+try:
+    from parity.rl.train_config import TrainConfig
+except ImportError:  # a checkout from before the config had its own module
+    from parity.rl.loop import TrainConfig
 
 PAIRS = {
     "fp32/bf16": ["precision=fp32", "rollout.precision=bf16", "allow_precision_mismatch=true"],

@@ -103,7 +103,8 @@ class Work:
 
 def parity_run(work: Work, tmp: Path):
     from parity import config
-    from parity.rl.loop import Run, TrainConfig
+    from parity.rl.loop import Run
+    from parity.rl.train_config import TrainConfig
 
     data = tmp / "data.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in work.problems))

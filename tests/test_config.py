@@ -20,7 +20,7 @@ def test_yaml_and_overrides(tmp_path):
 
 def test_exponent_numbers_without_a_dot(tmp_path):
     """YAML 1.1 reads `2e-4` as a string; a float key still takes it, from a file or key=value."""
-    from parity.rl.loop import TrainConfig
+    from parity.rl.train_config import TrainConfig
 
     f = tmp_path / "c.yaml"
     f.write_text("trainer:\n  lr: 3e-5\n")
@@ -66,7 +66,7 @@ def test_invalid_yaml_names_line(tmp_path):
 
 def test_estimator_defaults_come_from_the_references():
     """Unset algorithm keys take the estimator's reference values, and config.yaml records them."""
-    from parity.rl.loop import TrainConfig
+    from parity.rl.train_config import TrainConfig
 
     def algo(*keys):
         return config.load(TrainConfig, None, list(keys)).algorithm
@@ -117,7 +117,7 @@ def test_estimator_defaults_come_from_the_references():
     ],
 )
 def test_algorithm_combinations_refused(keys, message):
-    from parity.rl.loop import TrainConfig
+    from parity.rl.train_config import TrainConfig
 
     with pytest.raises(ConfigError, match=message):
         config.load(TrainConfig, None, keys)

@@ -17,8 +17,8 @@ from parity.commands.perfectible import PerfectibleConfig, candidate_problems
 from parity.config import ConfigError
 from parity.engines.tokenizer import load_tokenizer
 from parity.rl import tasks
-from parity.rl.loop import TrainConfig
 from parity.rl.tasks import DataError, NumberTask, Problem, load_problems
+from parity.rl.train_config import TrainConfig
 
 REASON = "model max_position_embeddings 128 minus rollout.max_new_tokens 120"
 

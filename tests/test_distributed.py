@@ -25,7 +25,8 @@ from parity.engines.batch import concat_batches
 from parity.engines.models import load_model, resolve_model_dir
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
-from parity.rl.loop import TrainConfig, TrainingError
+from parity.rl.loop import TrainingError
+from parity.rl.train_config import TrainConfig
 
 SMALL = ["prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
 UNTIMED = ("time/", "perf/", "async/", "sync/", "faults/")

@@ -243,7 +243,7 @@ def test_chunked_head_logprobs_equal_autograds_log_softmax(dtype, temperature, c
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_refused_without_a_gpu():
     from parity.config import ConfigError
-    from parity.rl.loop import TrainConfig
+    from parity.rl.train_config import TrainConfig
 
     with pytest.raises(ConfigError, match="device=cuda: PyTorch sees no CUDA device"):
         TrainConfig(device="cuda").validate()

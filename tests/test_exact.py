@@ -18,7 +18,8 @@ from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import sequence_logprobs
-from parity.rl.loop import Run, TrainConfig, TrainingError
+from parity.rl.loop import Run, TrainingError
+from parity.rl.train_config import TrainConfig
 
 PLAIN = SamplingParams(max_new_tokens=20)
 FILTERED = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_new_tokens=20)
@@ -156,12 +157,16 @@ def test_training_with_exact_mode_has_zero_mismatch_on_every_step(tmp_path, prec
 
 def test_the_runtime_check_stops_the_run_and_names_the_stage(tmp_path):
     """A rollout engine that leaves exact mode (here: its fused RMSNorm) stops the run at the first
-    step, with the stage where the engines part."""
+    step, with the stage where the engines part, before the optimizer steps: no weight moves and
+    nothing is synced or saved."""
     cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path / 'run'}", "exact=true", "steps=3", *TINY_RUN])
     run = Run.create(cfg, progress=False)
     run.sampler.engine.numerics = kernels.numerics(exact=False)
+    before = {n: p.detach().clone() for n, p in run.trainer.model.named_parameters()}
     with pytest.raises(TrainingError, match=r"step 1: exact=true, but .* engines first part at layer0\.input_norm"):
         run.train()
+    assert all(torch.equal(p, before[n]) for n, p in run.trainer.model.named_parameters())
+    assert run.trainer.weight_version == 0 and not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.parametrize(

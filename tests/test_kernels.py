@@ -17,7 +17,8 @@ from parity import config
 from parity.config import ConfigError
 from parity.engines import kernels
 from parity.engines.kernels import cpu
-from parity.rl.loop import Run, TrainConfig
+from parity.rl.loop import Run
+from parity.rl.train_config import TrainConfig
 
 BF16, FP16 = torch.bfloat16, torch.float16
 

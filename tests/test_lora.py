@@ -31,7 +31,8 @@ from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.checkpoint import RunState, checkpoints, load_checkpoint, save_checkpoint
-from parity.rl.loop import Run, TrainConfig
+from parity.rl.loop import Run
+from parity.rl.train_config import TrainConfig
 
 TINY = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
 LORA = LoRAConfig(rank=4, alpha=8.0)

@@ -61,7 +61,8 @@ def test_replay_removes_the_routing_part_of_the_mismatch(moe_dir):
 
 
 def test_train_with_replay_logs_routing_and_trains_the_router(moe_dir, tmp_path):
-    from parity.rl.loop import Run, TrainConfig
+    from parity.rl.loop import Run
+    from parity.rl.train_config import TrainConfig
 
     cfg = TrainConfig(
         model=str(moe_dir),
@@ -87,7 +88,8 @@ def test_train_with_replay_logs_routing_and_trains_the_router(moe_dir, tmp_path)
 
 def test_replay_refused_on_a_dense_model(llama_dir, tmp_path):
     from parity.config import ConfigError
-    from parity.rl.loop import Run, TrainConfig
+    from parity.rl.loop import Run
+    from parity.rl.train_config import TrainConfig
 
     cfg = TrainConfig(model=str(llama_dir), precision="fp32", steps=1, tensorboard=False, run_dir=str(tmp_path / "r"))
     cfg.moe.routing_replay = True

@@ -11,7 +11,8 @@ import torch
 from parity import config
 from parity.rl.algorithms import LossConfig, clip_active, token_clipped
 from parity.rl.diagnostics import gap_metrics, mismatch_alarm, phantom_clip_frac
-from parity.rl.loop import Run, TrainConfig
+from parity.rl.loop import Run
+from parity.rl.train_config import TrainConfig
 
 SMALL = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=48", "tensorboard=false"]
 PAIRS = {

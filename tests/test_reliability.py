@@ -22,7 +22,8 @@ from parity import config
 from parity.cli import main
 from parity.config import ConfigError
 from parity.rl.checkpoint import CheckpointError, RunState, checkpoints, save_checkpoint
-from parity.rl.loop import Run, TrainConfig, TrainingError
+from parity.rl.loop import Run, TrainingError
+from parity.rl.train_config import TrainConfig
 
 TINY = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
 

@@ -328,7 +328,8 @@ def test_checkpoint_carries_tokenizer_and_chat_template(tmp_path):
 
 def test_number_task_prompts_go_through_the_chat_template(tmp_path):
     from parity import config
-    from parity.rl.loop import Run, TrainConfig
+    from parity.rl.loop import Run
+    from parity.rl.train_config import TrainConfig
 
     model = tmp_path / "model"
     _family_model(model, write_tokenizer(model, "qwen3"))

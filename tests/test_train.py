@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -15,8 +16,11 @@ import pytest
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
-from parity.rl.loop import Run, TrainConfig
+from parity.rl.loop import Run
+from parity.rl.rewards import score_rollouts
+from parity.rl.step import prepare, resolve_old
 from parity.rl.tasks import DataError
+from parity.rl.train_config import TrainConfig
 
 TINY = ["steps=4", "prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=48", "tensorboard=false"]
 
@@ -106,6 +110,26 @@ def test_several_updates_run_the_old_logprob_pass(tmp_path):
     assert metrics["train/old_logprob_pass"] == 1 and metrics["train/updates"] == 2
     assert metrics["weights/version"] == 2
     run.rewards.close()
+
+
+def test_a_rejection_rule_gets_old_before_the_update_and_the_prepared_batch_is_frozen(tmp_path):
+    """One update per rollout would take π_old from the first π_θ pass, but a rejection shapes the loss
+    mask before it: `resolve_old` asks the learner for π_old; `prepare` applies the rule once."""
+    cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path}", "algorithm.name=grpo_seq_max_k2", *TINY])
+    run = Run.create(cfg, progress=False)
+    try:
+        problems, batch = run._rollouts({})
+        old, source = resolve_old(batch, run.plan, run.trainer)
+        assert source == "learner_pass" and old.shape == batch.rollout_logprobs.shape
+        result = score_rollouts(batch, problems, run.tokenizer, run.rewards)
+        prepared = prepare(batch, result, run.plan, "drgrpo", "zero_reward", (old, source))
+        assert prepared.rejected is not None and not prepared.loss_mask[prepared.rejected].any()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            prepared.old_logprobs = None
+        metrics = run.step()
+        assert metrics["train/old_logprob_pass"] == 1 and "is/rejected_seq_frac" in metrics
+    finally:
+        run.rewards.close()
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -56,7 +56,8 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from parity import config as cfg_mod
     from parity.distributed.driver import resume_class, run_class
-    from parity.rl.loop import TrainConfig, summary_line
+    from parity.rl.loop import summary_line
+    from parity.rl.train_config import TrainConfig
 
     config, overrides = _split_config(args)
     if args.resume and config is not None:

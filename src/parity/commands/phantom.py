@@ -31,8 +31,9 @@ from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.diagnostics import gap_metrics
-from parity.rl.loop import Run, TrainConfig
+from parity.rl.loop import Run
 from parity.rl.tasks import ArithmeticTask
+from parity.rl.train_config import TrainConfig
 from parity.rundir import remove_run
 
 TARGET_LENGTH = 2.0

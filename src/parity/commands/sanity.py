@@ -38,7 +38,8 @@ from parity.config import ConfigError
 from parity.engines.precision import PRECISIONS
 from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.algorithms import ESTIMATORS
-from parity.rl.loop import Run, TrainConfig
+from parity.rl.loop import Run
+from parity.rl.train_config import TrainConfig
 from parity.rundir import remove_run
 
 DEFAULT_RUNS = (

@@ -33,9 +33,10 @@ from parity.config import ConfigError
 from parity.distributed.actors import Learner, RolloutWorker
 from parity.distributed.cluster import LocalCluster, import_ray, join
 from parity.engines.batch import RolloutBatch, concat_batches
-from parity.rl.loop import Run, TrainConfig, TrainingError
+from parity.rl.loop import Run, TrainingError
 from parity.rl.step import Prepared, UpdateResult
 from parity.rl.tasks import Problem
+from parity.rl.train_config import TrainConfig
 
 RESTART_POLL_S = 1.0  # how long one wait for a restarting worker's answer lasts
 RESTART_NOTE_EVERY_S = 30.0  # how often a long wait says so

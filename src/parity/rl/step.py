@@ -1,8 +1,9 @@
 """One RL step's pieces, shared by the single-process loop and the distributed one.
 
-    rollouts (μ, and π_old scored by the sampler) ─► `prepare`: rewards, group advantages,
-    loss mask, rejections ─► `train_on_batch`: epochs × mini-batches of π_θ, estimator loss,
-    backward, optimizer step (on one learner, or on each learner's rows of every mini-batch)
+    rollouts (μ, and π_old scored by the sampler) ─► `resolve_old`: π_old and its source ─►
+    `prepare`: rewards, group advantages, loss mask, rejections ─► `train_on_batch`: epochs ×
+    mini-batches of π_θ, estimator loss, backward, optimizer step (on one learner, or on each
+    learner's rows of every mini-batch)
     ─► `step_metrics`: rewards, losses, the mismatch g = π_old − μ = β + κ, α, phantom clipping
 
 `train_on_batch` is what a learner runs; the rest runs where the rollouts arrive.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,16 +55,16 @@ class UpdatePlan:
     routing_replay: bool = False  # MoE: π_θ uses the experts the rollout engine chose
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
-    """A scored batch, ready to train on."""
+    """A scored batch, ready to train on; built once by `prepare`."""
 
     rewards: torch.Tensor  # [B] as returned by the reward
     advantages: torch.Tensor  # [B]
-    loss_mask: torch.Tensor  # [B, T]
+    loss_mask: torch.Tensor  # [B, T], rejected sequences cleared
     rejected: torch.Tensor | None  # [B] sequences a rejection rule took out of the loss
-    old_logprobs: torch.Tensor | None  # π_old when known before the first update; else filled by the first pass
-    learner_old_pass: bool  # π_old had to come from a no-grad learner pass
+    old_logprobs: torch.Tensor | None  # π_old when known before the first update; None: the first π_θ pass
+    old_source: str  # where π_old comes from (`resolve_old`)
 
 
 @dataclass
@@ -104,14 +106,34 @@ class UpdateResult:
         return out
 
 
+def resolve_old(batch: RolloutBatch, plan: UpdatePlan, trainer: Trainer) -> tuple[torch.Tensor | None, str]:
+    """π_old — the trainer's code path and precision on the weights that sampled — and its source;
+    the one place it is decided:
+
+    - `sampler`: scored by the sampler (ratio_source=shadow, or distributed workers);
+    - `learner_pass`: a no-grad pass of `trainer` before the first update, when something needs it
+      then (several updates per rollout, or a rejection that shapes the loss mask);
+    - `first_pass`: the first π_θ pass itself, free (returned as None; `train_on_batch` records it).
+
+    The loss takes μ in its place when the ratio is against the rollout (`train_on_batch`)."""
+    if batch.old_logprobs is not None:
+        return batch.old_logprobs, "sampler"
+    if plan.ppo_epochs * plan.num_minibatches > 1 or needs_old_before_update(plan.estimator, plan.loss):
+        return no_grad_logprobs(trainer, batch, plan), "learner_pass"
+    return None, "first_pass"
+
+
 def prepare(
     batch: RolloutBatch,
     result: RewardResult,
     plan: UpdatePlan,
     advantage: str,
     truncated: str,
+    old: tuple[torch.Tensor | None, str],
 ) -> Prepared:
-    """Rewards to advantages and the loss mask; π_old's source and the rejection rules."""
+    """Rewards to advantages and the loss mask, with the estimator's rejection applied; `old` is
+    `resolve_old`'s answer."""
+    old_logprobs, old_source = old
     rewards = torch.tensor(result.rewards, device=batch.response_mask.device)
     scored = rewards.clone()
     if truncated == "zero_reward":
@@ -120,27 +142,16 @@ def prepare(
     loss_mask = batch.response_mask.clone()
     if truncated == "drop":
         loss_mask[batch.truncated] = False
-    # π_old, the trainer on the sampling weights: scored by the sampler, or a learner pass when
-    # it is needed before the first update (several updates, or a rejection that shapes the
-    # loss mask), or else the first π_θ pass itself, free. The loss takes μ as π_old when the
-    # ratio is against the rollout (then importance weights see no gap; rejections are refused there).
-    rejects = needs_old_before_update(plan.estimator, plan.loss)
-    updates = plan.ppo_epochs * plan.num_minibatches
-    old = batch.old_logprobs
-    learner_old_pass = old is None and (updates > 1 or rejects)
-    prepared = Prepared(rewards, advantages, loss_mask, None, old, learner_old_pass)
-    if old is not None:
-        reject(prepared, batch, plan)
-    return prepared
+    rejected = None
+    if needs_old_before_update(plan.estimator, plan.loss):  # then resolve_old gave π_old
+        rejected = rejected_sequences(plan.estimator, old_logprobs, batch.rollout_logprobs, loss_mask, plan.loss)
+        loss_mask[rejected] = False
+    return Prepared(rewards, advantages, loss_mask, rejected, old_logprobs, old_source)
 
 
-def reject(prepared: Prepared, batch: RolloutBatch, plan: UpdatePlan) -> None:
-    """Apply the estimator's rejection rule (if any) once π_old is known."""
-    if needs_old_before_update(plan.estimator, plan.loss):
-        prepared.rejected = rejected_sequences(
-            plan.estimator, prepared.old_logprobs, batch.rollout_logprobs, prepared.loss_mask, plan.loss
-        )
-        prepared.loss_mask[prepared.rejected] = False
+def sampling_policy(prepared: Prepared, update: UpdateResult) -> torch.Tensor:
+    """π_old of every row: known before the update, or the first π_θ pass of it."""
+    return prepared.old_logprobs if prepared.old_logprobs is not None else update.first_pass
 
 
 def batch_logprobs(
@@ -178,13 +189,15 @@ def train_on_batch(
     reference: Trainer | None = None,
     rank: int = 0,
     world: int = 1,
+    before_first_step: Callable[[torch.Tensor], None] | None = None,
 ) -> UpdateResult:
     """Every optimizer update of one step: `ppo_epochs` passes over `num_minibatches`
     mini-batches of whole groups (shuffled per epoch after the first).
 
     With `world` learners, each takes its contiguous share (`rank`) of every mini-batch and
     the losses keep the whole mini-batch's denominators, so the learners' gradients sum to
-    the single-learner gradient (the sharded optimizer sums them)."""
+    the single-learner gradient (the sharded optimizer sums them). `before_first_step` sees π_old of
+    every row before the optimizer first steps (exact mode's check: a failure there moves no weight)."""
     estimator = ESTIMATORS[plan.estimator]
     mu, old, loss_mask, advantages = (
         batch.rollout_logprobs,
@@ -238,6 +251,8 @@ def train_on_batch(
                 trainer.backward(loss)
                 pending.append((out.losses, loss.detach()))
                 pending += [(out.stats.setdefault(k, []), v) for k, v in loss_stats.items()]
+            if before_first_step is not None and out.updates == 0:
+                before_first_step(sampling_pi)  # known for every row: given, or this first mini-batch's pass
             out.step_stats = trainer.step()
             # The micro-batches' figures reach the host once per update, after the step has waited for them.
             for (target, _), value in zip(pending, host_floats([v for _, v in pending], trainer.device)):
@@ -293,7 +308,7 @@ def step_metrics(
         "precision/skipped_steps": update.step_stats.skipped_total,
         "train/samples": len(rewards),
         "train/updates": update.updates,
-        "train/old_logprob_pass": int(prepared.learner_old_pass),
+        "train/old_logprob_pass": int(prepared.old_source == "learner_pass"),
         "weights/version": update.step_stats.weight_version,
     }
     if batch.routing_mismatch is not None:

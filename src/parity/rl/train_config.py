@@ -1,0 +1,470 @@
+"""`parity train`'s typed config: one dataclass per section, the estimator's values filled in, every
+key checked before any work (the error names the key and the expected form). `TrainConfig` is what
+`config.yaml` holds; `rl/loop.py` runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parity import config as config_mod
+from parity.config import ConfigError, check_range
+from parity.engines import kernels
+from parity.engines import precision as prec
+from parity.engines.lora import TARGETS, LoRAConfig
+from parity.engines.models import BUILTIN_DIR
+from parity.engines.sampling import SamplingParams
+from parity.engines.tokenizer import CHAT_TEMPLATE_MODES
+from parity.engines.trainer import OptimConfig
+from parity.rl.algorithms import ADVANTAGES, AGGREGATIONS, ESTIMATORS, KL_ESTIMATORS, TUNABLE, LossConfig
+from parity.rl.tasks import DIFFICULTIES, REWARDS, difficulty_has_no_effect
+
+TRUNCATION_MODES = ("keep", "zero_reward", "drop")
+# Keys `parity train --resume RUN key=value` may change: how long and how often, never what is trained.
+RESUMABLE_KEYS = ("steps", "checkpoint_every", "keep_checkpoints", "tensorboard")
+RATIO_SOURCES = ("recompute", "shadow", "rollout")
+
+# ----------------------------------------------------------------------------- config
+
+
+def _one_of(key: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: unknown value {value!r}; allowed: {', '.join(sorted(allowed))}")
+
+
+@dataclass
+class RolloutSection:
+    precision: str | None = None  # overrides `precision` for the rollout engine
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 96
+    group_size: int = 8
+
+
+@dataclass
+class TrainerSection:
+    precision: str | None = None  # overrides `precision` for the trainer
+    lr: float | None = None  # unset: 2e-4 on the built-in model; on any other 1e-6, or 1e-5 with LoRA
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    loss_scale_init: float = 65536.0
+    loss_scale_growth_interval: int = 200
+    micro_batch_size: int = 64  # sequences per forward/backward
+    # Keep only each decoder layer's input through the forward and recompute the layer in the
+    # backward: activation memory of one layer instead of all, for about one more forward.
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class AlgorithmSection:
+    """Unset (null) keys take the estimator's reference value (docs/training.md, "Estimators")."""
+
+    name: str = "pg_seq_is"
+    advantage: str | None = None  # the estimator's: drgrpo (the paper's recipe), grpo for gspo
+    aggregation: str | None = None  # the estimator's: seq_mean_token_sum_norm (÷ L_max), GSPO's per sequence
+    clip_low: float | None = None  # ε_low of the estimator's clip; its own (0.2; gspo 3e-4; cispo 10: none)
+    clip_high: float | None = None  # ε_high (0.2; gspo 4e-4)
+    cap: float | None = None  # C; the estimator's (grpo_token_tis 2, grpo_seq_mis 10, ...)
+    cap_low: float | None = None  # C_min; the estimator's (0, or 0.99 for grpo_seq_geo_rs)
+    delta: float | None = None  # δ: the trust region / masking threshold of dppo_*, grpo_opsm, grpo_seq_max_k*
+    tau_pos: float | None = None  # sapo's gate temperature for A > 0
+    tau_neg: float | None = None  # ... and for A < 0
+    token_veto: float = 0.0  # reject a sequence if a token's exp(π_old − μ) is below this (VeRL: 1e-4); 0 = off
+    ppo_epochs: int = 1
+    num_minibatches: int = 1
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"  # as a loss: k2 or k3 (k1 has zero expected gradient)
+    # Responses without EOS: zero_reward (the paper's recipe) | keep | drop (from the loss).
+    # Unset: zero_reward, or keep on task.name=length (where a zero reward would be the best one).
+    truncated: str | None = None
+    # What the PPO ratio π_θ/π_old is taken against. recompute: π_old from the learner on the
+    # sampling weights; shadow: π_old scored by the sampler with the trainer's code path and
+    # precision on the weights that sampled (the research's fix; what asynchronous training
+    # needs); rollout: μ itself, as TRL's AsyncGRPO does (the mismatch enters the clip and
+    # importance weights become 1), for ablation.
+    ratio_source: str = "recompute"
+    # The probe: the sampler also scores its samples in the rollout precision, splitting the
+    # mismatch g = π_old − μ into β (precision) and κ (engine). Free when the precisions match.
+    shadow_forward: bool = False
+
+
+@dataclass
+class TaskSection:
+    name: str = "builtin"  # the reward: builtin | length | exact | math | number
+    # builtin (generated problems: word problems for name=number, else arithmetic) or a JSONL/Parquet file
+    data: str = "builtin"
+    num_problems: int = 1024  # size of the generated builtin dataset
+    difficulty: str = "standard"  # name=number's generated word problems: standard | easy
+    reward_fn: str = ""  # module:function, called as fn(prompt, response, answer); overrides `name`
+    chat_template: str = "auto"  # auto (the model's chat template, when it has one) | none (raw text)
+
+
+@dataclass
+class RewardSection:
+    timeout_s: float = 5.0
+    strict: bool = False  # a failing reward stops the run instead of scoring 0
+    isolate: str = "auto"  # auto (user/math rewards in a worker process) | always | never
+    warn_error_rate: float = 0.1  # warn when this share of a step's rewards failed or timed out
+    max_failed_steps: int = 3  # stop after this many consecutive steps where every reward failed; 0 = never
+
+
+@dataclass
+class HealthSection:
+    alarm_window: int = 20  # steps; the rule is in docs/training.md
+    alarm_factor: float = 4.0
+    on_alarm: str = "warn"  # warn | checkpoint (save, go on) | stop (save, end the run)
+    # FP16: stop after this many consecutive steps whose every update the loss scaler skipped.
+    # (FP32/BF16 have no scaler: a non-finite loss or gradient stops the run at once.)
+    max_skipped_steps: int = 10
+
+
+@dataclass
+class DistributedSection:
+    """Rollout workers (Ray actors) and learners (torch.distributed, FSDP2). Both at their
+    defaults (0 workers, 1 learner): one process, no Ray."""
+
+    rollout_workers: int = 0
+    learners: int = 1
+    address: str = ""  # "" starts a local Ray cluster for the run; "auto" or host:port joins one
+    threads: int = 0  # torch threads per worker and learner process; 0 = cores / processes (at least 1)
+    # How long a dead rollout worker may take to come back while Ray reports it restarting (a
+    # busy machine is slow to start one); a worker Ray gives up on stops the run at once.
+    restart_timeout_s: float = 900.0
+
+
+@dataclass
+class MoESection:
+    # The trainer (π_old and π_θ) uses the experts the rollout engine chose for each token, so
+    # the routing mismatch (moe/routing_mismatch) does not enter the log-probabilities.
+    routing_replay: bool = False
+
+
+@dataclass
+class LoRASection:
+    """Low-rank adapters on a frozen base (docs/training.md, "LoRA"). rank 0: full fine-tuning."""
+
+    rank: int = 0
+    alpha: float | None = None  # unset: 2 x rank (each adapter's update is scaled by alpha / rank)
+    targets: list[str] = field(default_factory=lambda: list(TARGETS))  # the projections adapted
+    # true: the rollout engine gets W + scale·B·A each sync; false: it keeps the base and applies the
+    # adapters unmerged, as the trainer does (docs/real-models.md measures both)
+    merge: bool = True
+
+
+@dataclass
+class AsyncSection:
+    max_staleness: int = 0  # policy versions a sample may lag the learners; 0 = synchronous, on-policy
+
+
+def default_lr(model: str, lora: bool) -> float:
+    """`trainer.lr` when unset. The built-in 4M model learns its task at 2e-4; a pretrained model
+    takes the RL fine-tuning norm (TRL's GRPO default, the research's scripts) of 1e-6, and ten times
+    that with LoRA, whose low-rank updates need a larger step for the same change."""
+    if model == "builtin" or Path(model).expanduser().resolve() == BUILTIN_DIR.resolve():
+        return 2e-4
+    return 1e-5 if lora else 1e-6
+
+
+# Every numeric key and its range (floats are already finite: `config._coerce`).
+NUMERIC_RANGES = (
+    ("trainer.lr", lambda v: v > 0, "> 0"),
+    ("trainer.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("trainer.beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("trainer.beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("trainer.eps", lambda v: v > 0, "> 0"),
+    ("trainer.grad_clip", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("trainer.loss_scale_init", lambda v: v >= 1, ">= 1 (the scaler's floor)"),
+    ("trainer.loss_scale_growth_interval", lambda v: v >= 1, ">= 1"),
+    ("trainer.micro_batch_size", lambda v: v >= 1, ">= 1"),
+    ("reward.timeout_s", lambda v: v > 0, "> 0 seconds"),
+    ("reward.warn_error_rate", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("reward.max_failed_steps", lambda v: v >= 0, ">= 0 (0 = never stop)"),
+    ("health.alarm_window", lambda v: v >= 2, ">= 2"),
+    ("health.alarm_factor", lambda v: v >= 0, ">= 0"),
+    ("health.max_skipped_steps", lambda v: v >= 1, ">= 1"),
+    ("steps", lambda v: v >= 1, ">= 1"),
+    ("prompts_per_step", lambda v: v >= 1, ">= 1"),
+    ("rollout.group_size", lambda v: v >= 1, ">= 1"),
+    ("algorithm.ppo_epochs", lambda v: v >= 1, ">= 1"),
+    ("algorithm.num_minibatches", lambda v: v >= 1, ">= 1"),
+    ("algorithm.kl_coef", lambda v: v >= 0, ">= 0 (0 = no KL loss)"),
+    ("keep_checkpoints", lambda v: v >= 1, ">= 1"),
+    ("checkpoint_every", lambda v: v >= -1, ">= -1 (-1 = never)"),
+    ("task.num_problems", lambda v: v >= 1, ">= 1"),
+    ("distributed.rollout_workers", lambda v: v >= 0, ">= 0 (0 = sample in this process)"),
+    ("distributed.learners", lambda v: v >= 1, ">= 1"),
+    ("distributed.threads", lambda v: v >= 0, ">= 0 (0 = share the cores)"),
+    ("distributed.restart_timeout_s", lambda v: v > 0, "> 0 seconds"),
+    ("async.max_staleness", lambda v: v >= 0, ">= 0 (0 = synchronous)"),
+    ("lora.rank", lambda v: v >= 0, ">= 0 (0 = off: full fine-tuning)"),
+)
+
+
+@dataclass
+class TrainConfig:
+    model: str = "builtin"
+    precision: str = "fp16"  # both engines; rollout.precision / trainer.precision override one side
+    device: str = "cpu"  # cpu | cuda: where both engines run (the batch and the RL arithmetic stay on the CPU)
+    # Exact mode: the rollout engine and the trainer compute the same bits for every sampled token
+    # (μ = π_old), checked every step (docs/exact.md).
+    exact: bool = False
+    allow_precision_mismatch: bool = False
+    steps: int = 50
+    prompts_per_step: int = 16
+    seed: int = 0
+    run_dir: str = ""  # default: runs/train-<time>
+    checkpoint_every: int = 10  # steps; 0 = only at the end; -1 = never
+    keep_checkpoints: int = 2
+    tensorboard: bool = True  # when the tensorboard package is installed
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    health: HealthSection = field(default_factory=HealthSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+    async_: AsyncSection = field(default_factory=AsyncSection, metadata={"key": "async"})
+    moe: MoESection = field(default_factory=MoESection)
+    lora: LoRASection = field(default_factory=LoRASection)
+
+    @property
+    def distributed_mode(self) -> bool:
+        """Rollout workers on Ray and learners under torch.distributed, instead of one process."""
+        return self.distributed.rollout_workers > 0 or self.distributed.learners > 1
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The resolved LoRA settings, None for full fine-tuning."""
+        r = self.lora
+        return LoRAConfig(r.rank, r.alpha, tuple(r.targets)) if r.rank else None
+
+    def _check_lora(self) -> None:
+        """Check the lora keys and fill the unset alpha (saved resolved in config.yaml)."""
+        r = self.lora
+        if r.alpha is not None and not r.alpha > 0:
+            raise ConfigError(f"lora.alpha: must be > 0, got {r.alpha!r}")
+        unknown = [t for t in r.targets if t not in TARGETS]
+        if unknown or not r.targets or len(set(r.targets)) != len(r.targets):
+            raise ConfigError(
+                f"lora.targets: expected distinct names from {', '.join(TARGETS)} (a list or a comma-separated "
+                f"string), got {','.join(r.targets) or 'none'}"
+            )
+        if not r.rank:
+            if r.alpha is not None:
+                raise ConfigError(f"lora.alpha={r.alpha:g} has no effect with lora.rank=0 (LoRA off); set lora.rank")
+            if not r.merge:
+                raise ConfigError("lora.merge=false has no effect with lora.rank=0 (LoRA off); set lora.rank")
+            return
+        r.alpha = 2.0 * r.rank if r.alpha is None else r.alpha
+        if not r.merge and self.algorithm.shadow_forward:
+            raise ConfigError(
+                "lora.merge=false with algorithm.shadow_forward=true: the probe scores merged weights; "
+                "set lora.merge=true or drop the probe"
+            )
+        if self.algorithm.ratio_source == "shadow":
+            raise ConfigError(
+                "algorithm.ratio_source=shadow with lora.rank > 0: the sampler scores π_old on the merged weights, "
+                "not the trainer's code path (base and adapters apart), so the merge's rounding would enter the "
+                "clip; use algorithm.ratio_source=recompute"
+            )
+        if self.distributed_mode:
+            raise ConfigError(
+                "lora.rank > 0 runs in one process only so far (distributed learners shard a full model); "
+                "set distributed.rollout_workers=0 and distributed.learners=1"
+            )
+
+    def optim_config(self) -> OptimConfig:
+        t = self.trainer
+        return OptimConfig(
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            beta1=t.beta1,
+            beta2=t.beta2,
+            eps=t.eps,
+            grad_clip=t.grad_clip,
+            loss_scale_init=t.loss_scale_init,
+            loss_scale_growth_interval=t.loss_scale_growth_interval,
+        )
+
+    @property
+    def rollout_precision(self) -> str:
+        return self.rollout.precision or self.precision
+
+    @property
+    def trainer_precision(self) -> str:
+        return self.trainer.precision or self.precision
+
+    def _resolve_algorithm(self) -> None:
+        """Fill unset algorithm keys from the estimator's reference values, then check them."""
+        a = self.algorithm
+        est = ESTIMATORS[a.name]
+        for key in TUNABLE:
+            if key in est.params:
+                setattr(a, key, est.params[key] if getattr(a, key) is None else getattr(a, key))
+            elif getattr(a, key) is not None:
+                owners = ", ".join(n for n, e in ESTIMATORS.items() if key in e.params)
+                raise ConfigError(f"algorithm.{key}: {a.name} does not use it (the estimators that do: {owners})")
+        if "cap_low" in est.params and not 0 <= a.cap_low < a.cap:  # both finite: config._coerce refuses inf and NaN
+            raise ConfigError(f"algorithm.cap_low={a.cap_low}, algorithm.cap={a.cap}: need 0 <= cap_low < cap")
+        a.advantage = est.advantage if a.advantage is None else a.advantage
+        a.aggregation = (est.aggregation or "seq_mean_token_sum_norm") if a.aggregation is None else a.aggregation
+        if a.truncated is None:
+            a.truncated = "keep" if self.task.name == "length" else "zero_reward"
+        _one_of("algorithm.advantage", a.advantage, ADVANTAGES)
+        _one_of("algorithm.aggregation", a.aggregation, AGGREGATIONS)
+        _one_of("algorithm.truncated", a.truncated, TRUNCATION_MODES)
+        if est.aggregation is not None and a.aggregation != est.aggregation:
+            raise ConfigError(
+                f"algorithm.aggregation={a.aggregation}: {a.name} is defined per sequence ({est.aggregation}); "
+                "any other aggregation weighs each sequence by its length (VeRL forces it, TRL warns)"
+            )
+        if a.kl_estimator == "k1":
+            raise ConfigError(
+                "algorithm.kl_estimator=k1: as a loss term k1 has zero expected gradient (E[∇ log π] = 0), so it "
+                "regularises nothing; use k2 or k3"
+            )
+        _one_of("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
+        if self.task.name == "length" and a.truncated == "zero_reward":
+            raise ConfigError("algorithm.truncated=zero_reward would reward the longest responses on task.name=length")
+        for key in ("clip_low", "clip_high", "cap", "delta", "tau_pos", "tau_neg"):
+            value = getattr(a, key)
+            if value is not None and not value > 0:
+                raise ConfigError(f"algorithm.{key}: must be > 0, got {value}")
+        if not 0 <= a.token_veto < 1:
+            raise ConfigError(f"algorithm.token_veto: must be in [0, 1) (0 = off; VeRL uses 1e-4), got {a.token_veto}")
+
+    def loss_config(self) -> LossConfig:
+        a = self.algorithm
+        return LossConfig(
+            token_veto=a.token_veto,
+            **{key: getattr(a, key) for key in TUNABLE if getattr(a, key) is not None},
+        )
+
+    def _check_ranges(self) -> None:
+        for key, ok, expected in NUMERIC_RANGES:
+            value = config_mod.get_key(self, key)
+            check_range(key, value, ok(value), expected)
+
+    def validate(self) -> None:
+        """Check every key and fill the unset algorithm keys (saved resolved in config.yaml)."""
+
+        for key, value in (
+            ("precision", self.precision),
+            ("rollout.precision", self.rollout_precision),
+            ("trainer.precision", self.trainer_precision),
+        ):
+            _one_of(key, value, prec.PRECISIONS)
+        if self.rollout_precision != self.trainer_precision and not self.allow_precision_mismatch:
+            raise ConfigError(
+                f"rollout.precision={self.rollout_precision} and trainer.precision={self.trainer_precision} differ; "
+                "a mismatched pair is an ablation: set allow_precision_mismatch=true to run it on purpose"
+            )
+        _one_of("algorithm.name", self.algorithm.name, ESTIMATORS)
+        _one_of("task.name", self.task.name, REWARDS)
+        _one_of("task.chat_template", self.task.chat_template, CHAT_TEMPLATE_MODES)
+        _one_of("task.difficulty", self.task.difficulty, DIFFICULTIES)
+        if difficulty_has_no_effect(self.task.difficulty, self.task.name, self.task.data):
+            raise ConfigError(
+                f"task.difficulty={self.task.difficulty}: only the generated word problems of task.name=number "
+                "(task.data=builtin) have levels"
+            )
+        self._resolve_algorithm()
+        if self.trainer.lr is None:
+            self.trainer.lr = default_lr(self.model, self.lora.rank > 0)
+        _one_of("reward.isolate", self.reward.isolate, ("auto", "always", "never"))
+        _one_of("algorithm.ratio_source", self.algorithm.ratio_source, RATIO_SOURCES)
+        a = self.algorithm
+        if a.ratio_source == "rollout" and (ESTIMATORS[a.name].corrects_mismatch or a.token_veto > 0):
+            rule = (
+                f"algorithm.name={a.name}"
+                if ESTIMATORS[a.name].corrects_mismatch
+                else f"algorithm.token_veto={a.token_veto:g}"
+            )
+            raise ConfigError(
+                f"{rule} corrects by π_old/μ, which algorithm.ratio_source=rollout makes 1 (π_old is μ there), "
+                "so it would do nothing; use ratio_source=recompute or shadow"
+            )
+        _one_of("health.on_alarm", self.health.on_alarm, ("warn", "checkpoint", "stop"))
+        self._check_ranges()
+        if self.prompts_per_step % self.algorithm.num_minibatches:
+            raise ConfigError(
+                f"algorithm.num_minibatches={self.algorithm.num_minibatches} must divide "
+                f"prompts_per_step={self.prompts_per_step} (mini-batches hold whole groups)"
+            )
+        if self.rollout.group_size < 2:
+            raise ConfigError(
+                f"rollout.group_size={self.rollout.group_size}: the group baseline of algorithm.advantage="
+                f"{self.algorithm.advantage} needs rollout.group_size >= 2 (with one sample every advantage is 0)"
+            )
+        if self.task.reward_fn and self.task.reward_fn.count(":") != 1:
+            raise ConfigError(f"task.reward_fn: expected 'module:function', got {self.task.reward_fn!r}")
+        try:
+            SamplingParams(
+                self.rollout.temperature, self.rollout.top_k, self.rollout.top_p, self.rollout.max_new_tokens
+            )
+        except ValueError as e:
+            raise ConfigError(str(e).replace("sampling.", "rollout.")) from None
+        kernels.check_device(self.device)
+        self._check_distributed()
+        self._check_lora()
+        self._check_exact()
+
+    def _check_exact(self) -> None:
+        if not self.exact:
+            return
+        if self.rollout_precision != self.trainer_precision:
+            raise ConfigError(
+                f"exact=true with rollout.precision={self.rollout_precision} and trainer.precision="
+                f"{self.trainer_precision}: exact mode makes both engines compute the same bits in one precision"
+            )
+        if self.lora.rank:
+            raise ConfigError(
+                "exact=true with lora.rank > 0: the rollout engine runs the adapters merged into the weights and "
+                "the trainer runs them beside the frozen base, which rounds differently; use one or the other"
+            )
+        if self.distributed_mode:
+            raise ConfigError(
+                "exact=true runs in one process only so far (distributed.rollout_workers=0, distributed.learners=1); "
+                "docs/exact.md says what the distributed trainer needs to keep it"
+            )
+
+    def _check_distributed(self) -> None:
+        """Combinations the distributed trainer cannot run, refused before any work."""
+        d, staleness = self.distributed, self.async_.max_staleness
+        if not self.distributed_mode:
+            if staleness:
+                raise ConfigError(
+                    f"async.max_staleness={staleness}: asynchronous training needs rollout workers; "
+                    "set distributed.rollout_workers >= 1"
+                )
+            return
+        if self.device != "cpu":
+            raise ConfigError(
+                f"device={self.device}: distributed training runs on the CPU only so far (gloo learners; "
+                "the NCCL placement in docs/scaling.md is not built)"
+            )
+        if d.rollout_workers < 1:
+            raise ConfigError(
+                f"distributed.learners={d.learners} needs distributed.rollout_workers >= 1: in distributed mode "
+                "the samples come from rollout workers"
+            )
+        if self.algorithm.kl_coef > 0:
+            raise ConfigError(
+                "algorithm.kl_coef > 0 is not supported with distributed learners yet (they hold no reference "
+                "model); run it in one process (distributed.rollout_workers=0, distributed.learners=1)"
+            )
+        rows = self.prompts_per_step * self.rollout.group_size // self.algorithm.num_minibatches
+        if rows % d.learners:
+            raise ConfigError(
+                f"distributed.learners={d.learners} must divide the rows of a mini-batch (prompts_per_step x "
+                f"rollout.group_size / algorithm.num_minibatches = {rows}): every learner takes an equal share"
+            )
+        if self.prompts_per_step < d.rollout_workers:
+            raise ConfigError(
+                f"distributed.rollout_workers={d.rollout_workers} is more than prompts_per_step="
+                f"{self.prompts_per_step}: each worker samples whole prompt groups"
+            )
