@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +24,8 @@ from pathlib import Path
 import torch
 
 from parity.commands.phantom import ONE_UPDATE_STEPS, PAIRS, train_length_task
+from parity.engines import kernels
+from parity.engines.kernels.cpu import cpu_flags
 from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.algorithms import ESTIMATORS
 
@@ -37,22 +38,6 @@ TIGHT = {
 }
 DEFAULT_TIGHT = ("algorithm.clip_low=0.001", "algorithm.clip_high=0.001")
 KEYS = ("clip/frac", "phantom/clip_frac", "is/rejected_seq_frac", "opsm/masked_seq_frac", "is/masked_frac")
-
-
-def machine() -> dict:
-    flags = set()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    return {
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_flags": sorted(f for f in flags if f.startswith(("avx512", "avx2", "amx", "fma"))),
-        "processor": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-    }
 
 
 def main() -> None:
@@ -78,7 +63,9 @@ def main() -> None:
                 k: statistics.mean(m[k] for m in history) for k in KEYS if all(k in m for m in history)
             }
             rows[f"{name} {setting}"]["clips"] = est.clipped.__name__
-    summary = {"rows": rows, "machine": machine(), "wall_seconds": round(time.perf_counter() - start, 1)}
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    machine = {**kernels.numerics("cpu").describe(), "cpu_flags": flags, "torch": torch.__version__}
+    summary = {"rows": rows, "machine": machine, "wall_seconds": round(time.perf_counter() - start, 1)}
     atomic_write_json(out / "summary.json", summary)
     lines = [
         "| estimator | its clip | setting | clip frac | phantom clip frac | its own rule's share |",

@@ -54,15 +54,8 @@ LossFn = Callable[[PolicyInputs, LossConfig], tuple[torch.Tensor, dict[str, torc
 ClippedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossConfig], torch.Tensor]
 # (π_old, μ, mask, cfg) -> [B] bool: the sequences to take out of the loss before the first update.
 RejectFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LossConfig], torch.Tensor]
-TUNABLE = (
-    "clip_low",
-    "clip_high",
-    "cap",
-    "cap_low",
-    "delta",
-    "tau_pos",
-    "tau_neg",
-)  # LossConfig fields an estimator may own
+# The LossConfig fields an estimator may own (its registry line gives their values).
+TUNABLE = ("clip_low", "clip_high", "cap", "cap_low", "delta", "tau_pos", "tau_neg")
 
 
 @dataclass(frozen=True)
@@ -120,6 +113,12 @@ def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return _seq_sum(x, mask) / mask.sum(-1).clamp(min=1)
 
 
+def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `x` over the tokens of `mask` (a diagnostic: detached in, 0-d tensor out)."""
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1)
+
+
 # ----------------------------------------------------------------------------- the PPO clip
 
 
@@ -160,14 +159,13 @@ def _ppo_clip(
     """max(−A·r, −A·clip(r, 1−low, 1+high)) per token, with clip-activity fractions."""
     a = adv[:, None]
     loss = torch.maximum(-a * ratio, -a * ratio.clamp(1 - low, 1 + high))
-    m = mask.to(ratio.dtype)
-    n = m.sum().clamp(min=1)
-    active = clip_active(ratio.detach(), adv, low, high).to(m.dtype) * m
+    ratio = ratio.detach()
+    active = clip_active(ratio, adv, low, high).to(ratio.dtype)
     stats = {
-        "clip/frac": active.sum() / n,
-        "clip/frac_low": (active * (ratio < 1 - low)).sum() / n,
-        "clip/frac_high": (active * (ratio > 1 + high)).sum() / n,
-        "clip/ratio_mean": (ratio.detach() * m).sum() / n,
+        "clip/frac": _token_mean(active, mask),
+        "clip/frac_low": _token_mean(active * (ratio < 1 - low), mask),
+        "clip/frac_high": _token_mean(active * (ratio > 1 + high), mask),
+        "clip/ratio_mean": _token_mean(ratio, mask),
     }
     return loss, stats
 
@@ -202,11 +200,9 @@ def _kept(w: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
 
 def _weight_stats(weights: torch.Tensor, mask: torch.Tensor, kept: torch.Tensor | None = None) -> dict:
     weights = weights.expand(mask.shape)
-    m = mask.to(weights.dtype)
-    n = m.sum().clamp(min=1)
-    stats = {"is/weight_mean": (weights * m).sum() / n, "is/weight_max": (weights * m).max()}
+    stats = {"is/weight_mean": _token_mean(weights, mask), "is/weight_max": (weights * mask).max()}
     if kept is not None:
-        stats["is/masked_frac"] = ((~kept.expand(mask.shape)).to(m.dtype) * m).sum() / n
+        stats["is/masked_frac"] = _token_mean((~kept.expand(mask.shape)).to(weights.dtype), mask)
     return stats
 
 
@@ -250,18 +246,15 @@ def rejected_sequences(
 ) -> torch.Tensor | None:
     """Sequences [B] bool to remove from the loss before the update, or None when no rule is on:
     the estimator's own rejection and the token veto."""
-    rules = [r for r, on in ((ESTIMATORS[name].reject, True), (vetoed, cfg.token_veto > 0)) if r is not None and on]
-    if not rules:
-        return None
-    rejected = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
-    for rule in rules:
-        rejected |= rule(old_logprobs, rollout_logprobs, mask, cfg)
-    return rejected
+    rules = [ESTIMATORS[name].reject] + [vetoed] * (cfg.token_veto > 0)
+    found = [rule(old_logprobs, rollout_logprobs, mask, cfg) for rule in rules if rule is not None]
+    return functools.reduce(torch.logical_or, found) if found else None
 
 
 # ----------------------------------------------------------------------------- PPO family
 
 OAT = "sail-sg/oat, oat/algorithms/ppo.py + sail-sg/Precision-RL sanity scripts"
+VERL = "volcengine/verl, verl/trainer/ppo/core_algos.py"
 VERL_ROLLOUT_CORR = "volcengine/verl, verl/trainer/ppo/rollout_corr_helper.py"
 PPO_CLIP = {"clip_low": 0.2, "clip_high": 0.2}  # Oat's and the paper's ε, VeRL's and TRL's defaults
 
@@ -402,9 +395,6 @@ def gspo(inp: PolicyInputs, cfg: LossConfig):
     return _ppo_clip(ratio, inp.advantages, cfg.clip_low, cfg.clip_high, inp.mask)
 
 
-VERL = "volcengine/verl, verl/trainer/ppo/core_algos.py"
-
-
 def dppo_tv_outside(logprobs, reference, advantages, mask, cfg: LossConfig) -> torch.Tensor:
     """DPPO Binary-TV's masked tokens (a `ClippedFn`): the probability moved past δ on the harmful
     side, p_θ − p_ref > δ_high with A > 0 or < −δ_low otherwise (ε keys hold δ, as in VeRL)."""
@@ -425,9 +415,10 @@ def _dppo(inp: PolicyInputs, cfg: LossConfig, *, outside: ClippedFn):
     """−A·sg(min(r, C))·π_θ on the tokens inside the trust region, r = exp(π_θ − π_old)."""
     ratio = clip_ratio("token", inp.logprobs, inp.old_logprobs, inp.mask).detach()
     masked = outside(inp.logprobs.detach(), inp.old_logprobs, inp.advantages, inp.mask, cfg)
-    m = inp.mask.to(ratio.dtype)
-    n = m.sum().clamp(min=1)
-    stats = {"clip/frac": (masked.to(m.dtype) * m).sum() / n, "clip/ratio_mean": (ratio * m).sum() / n}
+    stats = {
+        "clip/frac": _token_mean(masked.to(ratio.dtype), inp.mask),
+        "clip/ratio_mean": _token_mean(ratio, inp.mask),
+    }
     loss = -inp.advantages[:, None] * ratio.clamp(max=cfg.cap) * inp.logprobs
     return loss * (~masked).to(loss.dtype), stats
 
@@ -468,11 +459,9 @@ def cispo(inp: PolicyInputs, cfg: LossConfig):
     acts (MiniMax-M1's and ScaleRL's one-sided form); ε_low < 1 gives the two-sided clip."""
     ratio = clip_ratio("token", inp.logprobs, inp.old_logprobs, inp.mask).detach()
     weight = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
-    m = inp.mask.to(ratio.dtype)
-    n = m.sum().clamp(min=1)
     stats = {
-        "clip/frac": ((weight != ratio).to(m.dtype) * m).sum() / n,
-        "clip/ratio_mean": (ratio * m).sum() / n,
+        "clip/frac": _token_mean((weight != ratio).to(ratio.dtype), inp.mask),
+        "clip/ratio_mean": _token_mean(ratio, inp.mask),
     }
     return -weight * inp.advantages[:, None] * inp.logprobs, stats
 
@@ -492,12 +481,13 @@ def sapo(inp: PolicyInputs, cfg: LossConfig):
     a = inp.advantages[:, None]
     tau = torch.full_like(a, cfg.tau_neg).masked_fill(a > 0, cfg.tau_pos)  # in the loss's own dtype
     gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
-    m = inp.mask.to(ratio.dtype)
-    n = m.sum().clamp(min=1)
-    sig = torch.sigmoid(tau * (ratio.detach() - 1))
+    r = ratio.detach()
+    sig = torch.sigmoid(tau * (r - 1))
     # The factor SAPO puts on a token's policy gradient (1 on-policy): its soft clip.
-    grad_weight = 4 * sig * (1 - sig) * ratio.detach()
-    stats = {"sapo/grad_weight_mean": (grad_weight * m).sum() / n, "clip/ratio_mean": (ratio.detach() * m).sum() / n}
+    stats = {
+        "sapo/grad_weight_mean": _token_mean(4 * sig * (1 - sig) * r, inp.mask),
+        "clip/ratio_mean": _token_mean(r, inp.mask),
+    }
     return -gate * a, stats
 
 

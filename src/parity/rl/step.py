@@ -238,11 +238,11 @@ def train_on_batch(
                 n = mask.sum().clamp(min=1)
                 loss_stats["alpha/abs_mean"] = ((logp.detach() - sampling_pi[rows]).abs() * mask).sum() / n
                 if estimator.clipped is not None:
-                    clipped_by = {
-                        source: estimator.clipped(logp.detach(), reference, advantages[rows], mask, plan.loss)
-                        for source, reference in (("gap", mu[rows]), ("policy", sampling_pi[rows]))
-                    }
-                    loss_stats["phantom/clip_frac"] = phantom_clip_frac(clipped_by["gap"], clipped_by["policy"], mask)
+                    by_gap, by_policy = (
+                        estimator.clipped(logp.detach(), ref, advantages[rows], mask, plan.loss)
+                        for ref in (mu[rows], sampling_pi[rows])
+                    )
+                    loss_stats["phantom/clip_frac"] = phantom_clip_frac(by_gap, by_policy, mask)
                 if ref is not None:
                     kl = kl_penalty(logp, ref[rows], plan.kl_estimator)
                     pending.append((out.kls, (kl.detach() * mask).sum() / n))

@@ -330,7 +330,7 @@ class TrainConfig:
         _one_of("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
         if self.task.name == "length" and a.truncated == "zero_reward":
             raise ConfigError("algorithm.truncated=zero_reward would reward the longest responses on task.name=length")
-        for key in ("clip_low", "clip_high", "cap", "delta", "tau_pos", "tau_neg"):
+        for key in (k for k in TUNABLE if k != "cap_low"):  # cap_low may be 0
             value = getattr(a, key)
             if value is not None and not value > 0:
                 raise ConfigError(f"algorithm.{key}: must be > 0, got {value}")
@@ -378,12 +378,9 @@ class TrainConfig:
         _one_of("reward.isolate", self.reward.isolate, ("auto", "always", "never"))
         _one_of("algorithm.ratio_source", self.algorithm.ratio_source, RATIO_SOURCES)
         a = self.algorithm
-        if a.ratio_source == "rollout" and (ESTIMATORS[a.name].corrects_mismatch or a.token_veto > 0):
-            rule = (
-                f"algorithm.name={a.name}"
-                if ESTIMATORS[a.name].corrects_mismatch
-                else f"algorithm.token_veto={a.token_veto:g}"
-            )
+        corrects = ESTIMATORS[a.name].corrects_mismatch
+        if a.ratio_source == "rollout" and (corrects or a.token_veto > 0):
+            rule = f"algorithm.name={a.name}" if corrects else f"algorithm.token_veto={a.token_veto:g}"
             raise ConfigError(
                 f"{rule} corrects by π_old/μ, which algorithm.ratio_source=rollout makes 1 (π_old is μ there), "
                 "so it would do nothing; use ratio_source=recompute or shadow"

@@ -38,7 +38,8 @@ NATIVE = "native"
 EMULATED = "fp32-kernel-on-rounded-inputs"
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The processor's feature flags (/proc/cpuinfo; empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -58,7 +59,7 @@ class CpuFeatures:
 
     @classmethod
     def read(cls) -> CpuFeatures:
-        flags = _cpu_flags()
+        flags = cpu_flags()
         isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
         return cls(
             capability=torch.backends.cpu.get_cpu_capability(),
