@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, the batch-invariant Triton kernels of exact mode on CUDA run in Triton's CPU
+# interpreter (tests/test_invariant.py). It is read when a kernel is defined, so it is set first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -224,7 +224,7 @@ def test_activation_checkpointing_gives_the_same_gradients(arch, llama_dir, tmp_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature, cap", [(1.0, None), (0.7, None), (0.8, 3.0)])
 def test_chunked_head_logprobs_equal_autograds_log_softmax(dtype, temperature, cap, monkeypatch):
-    monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", 64)  # 37 rows of 50: 29 chunks, the last short
+    monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", {"cpu": 64})  # 37 rows of 50: 29 chunks, the last short
     gen = torch.Generator().manual_seed(0)
     head = (torch.randn(37, 50, generator=gen) * 3).to(dtype)
     tokens, g = torch.randint(0, 50, (37,), generator=gen), torch.randn(37, generator=gen)

@@ -261,9 +261,9 @@ def run_mismatch(
                 num_sequences=int(mask.shape[0]),
                 num_tokens=int(mask.sum()),
                 seconds=seconds,
-                trainer_logprobs=pi,
-                rollout_logprobs=mu,
-                mask=mask,
+                trainer_logprobs=pi.cpu(),  # for the plots, on the host
+                rollout_logprobs=mu.cpu(),
+                mask=mask.cpu(),
                 located=locate_row(trainer.model, engine, batch, worst_row(pi, batch), trainer.dtype)
                 if locate_rows
                 else None,

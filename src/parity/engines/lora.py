@@ -85,7 +85,7 @@ class LoRALinear(Linear):
 
     def __init__(self, base: Linear, rank: int, scale: float, generator: torch.Generator):
         nn.Module.__init__(self)  # not Linear.__init__: that would allocate a new weight
-        self.weight, self.bias = base.weight, base.bias
+        self.weight, self.bias, self.numerics = base.weight, base.bias, base.numerics
         d_out, d_in = base.weight.shape
         device = base.weight.device
         self.lora_A = nn.Parameter(init_a(rank, d_in, generator).to(device))

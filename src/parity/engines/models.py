@@ -322,12 +322,14 @@ def _attention_layout(
 # ----------------------------------------------------------------------------- modules
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, numerics: kernels.Numerics, gemma: bool = False
+) -> torch.Tensor:
     """Normalise in FP32, then scale: Llama rounds to the compute dtype and multiplies by w;
     Gemma multiplies by (1 + w) in FP32 and rounds once. Either way w is the weight as the
     compute dtype holds it."""
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xf = xf * torch.rsqrt(numerics.mean_square(xf) + eps)
     if gemma:
         return (xf * (1.0 + weight.to(x.dtype).float())).to(x.dtype)
     return weight.to(x.dtype) * xf.to(x.dtype)
@@ -404,9 +406,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
         self.eps, self.gemma = eps, gemma
+        self.numerics = kernels.numerics()  # set through CausalLM.numerics
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.gemma)
+        return rms_norm(x, self.weight, self.eps, self.numerics, self.gemma)
 
 
 class Linear(nn.Module):
@@ -416,9 +419,10 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+        self.numerics = kernels.numerics()  # set through CausalLM.numerics
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias)
+        return self.numerics.linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
@@ -586,8 +590,9 @@ class CausalLM(nn.Module):
     @numerics.setter
     def numerics(self, value: kernels.Numerics) -> None:
         self._numerics = value
-        for layer in self.model.layers:
-            layer.self_attn.numerics = value
+        for module in self.modules():
+            if isinstance(module, (Attention, Linear, RMSNorm)):
+                module.numerics = value
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         gen = torch.Generator().manual_seed(seed)

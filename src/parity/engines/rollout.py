@@ -159,9 +159,11 @@ class RolloutEngine:
         with torch.device("meta"):
             names = CausalLM(config).state_dict().keys()
         self._expected = {n for n in names if not (config.tie_word_embeddings and n == "lm_head.weight")}
-        positions = torch.arange(config.max_position_embeddings)
+        # The tables are computed where the trainer computes its angles, on the device: a GPU's cos and sin
+        # differ from the CPU's in the last bit (measured on an H200: exact mode parted at position 1).
+        positions = torch.arange(config.max_position_embeddings, device=self.device)
         self._angles = {
-            kind: tuple(t.to(self.device) for t in rope_angles(positions, inv_freq, self.dtype))
+            kind: rope_angles(positions, inv_freq.to(self.device), self.dtype)
             for kind, inv_freq in rope_tables(config).items()
         }
         self.layers: list[_Layer] = []
@@ -314,13 +316,12 @@ class RolloutEngine:
         the trainer follows the Hugging Face form (for Llama, two roundings), and so does
         exact mode."""
         if self.numerics.exact or self.config.gemma:  # Gemma scales by (1 + w), which the fused kernel has no form for
-            return rms_norm(x, weight, self.config.rms_norm_eps, self.config.gemma)
+            return rms_norm(x, weight, self.config.rms_norm_eps, self.numerics, self.config.gemma)
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
 
-    @staticmethod
-    def _project(layer: _Layer, part: str, x: torch.Tensor) -> torch.Tensor:
+    def _project(self, layer: _Layer, part: str, x: torch.Tensor) -> torch.Tensor:
         """The projection `part` of `layer` (qkv, o, gate_up, down), with its unmerged adapter."""
-        out = kernels.linear(x, getattr(layer, part), getattr(layer, part + "_bias"), held=True)
+        out = self.numerics.linear(x, getattr(layer, part), getattr(layer, part + "_bias"), held=True)
         if part in layer.lora:
             a, b = layer.lora[part]
             if a.dtype == x.dtype:
@@ -340,16 +341,16 @@ class RolloutEngine:
         flat = x.reshape(-1, x.shape[-1])
         cfg = self.config
         used, weights, _ = route(
-            kernels.linear(flat, layer.router, held=True), cfg.experts_per_token, cfg.norm_topk_prob
+            self.numerics.linear(flat, layer.router, held=True), cfg.experts_per_token, cfg.norm_topk_prob
         )
         routing.append(used.view(*x.shape[:-1], -1))
         weights = weights.to(x.dtype)
         out = torch.zeros_like(flat)
         for e in used.unique().tolist():
             token, slot = (used == e).nonzero(as_tuple=True)
-            gate, up = kernels.linear(flat[token], layer.experts_gate_up[e], held=True).chunk(2, dim=-1)
+            gate, up = self.numerics.linear(flat[token], layer.experts_gate_up[e], held=True).chunk(2, dim=-1)
             y = (
-                kernels.linear(activation(act, gate) * up, layer.experts_down[e], held=True)
+                self.numerics.linear(activation(act, gate) * up, layer.experts_down[e], held=True)
                 * weights[token, slot, None]
             )
             out.index_add_(0, token, y)
@@ -440,7 +441,7 @@ class RolloutEngine:
                 self._tap(f"layer{i}.mlp", mlp)
                 self._tap(f"layer{i}.output", x)
         final = self._norm(x[:, 0] if last is None else x[rows, last], self.norm)
-        logits = softcap(kernels.linear(final, self.lm_head, held=True).float(), cfg.final_softcap)
+        logits = softcap(self.numerics.linear(final, self.lm_head, held=True).float(), cfg.final_softcap)
         if self._tap is not None:
             self._tap("norm", final)
             self._tap("logits", logits)

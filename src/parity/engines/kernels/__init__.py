@@ -15,16 +15,20 @@ FP16/BF16 on the CPU follows flash-attention's numerics with FP32 kernels: score
 FP32, probabilities rounded to the compute dtype, products accumulated in FP32, output rounded.
 
 `Numerics` is the one object an engine holds: its device, and exact mode (docs/exact.md), the
-switch under which both engines compute the same bits for a token whatever its batch.
+switch under which both engines compute the same bits for a token whatever its batch. On CUDA,
+exact mode runs the matmuls, the attention softmax and RMSNorm's mean through the batch-invariant
+Triton kernels of `invariant.py` (cuBLAS and PyTorch's reductions choose their order by shape).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import cache
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from parity.config import ConfigError
 from parity.engines.kernels import cpu, cuda
@@ -37,6 +41,11 @@ from parity.engines.kernels import cpu, cuda
 # every output element independent of the rest of the batch, which exact mode needs, for the
 # cost of a few zero rows on tiny matmuls (whose time is the weight read anyway).
 MIN_ROWS = 16
+# PyTorch's attention backends, cuDNN's left out: on an H200 (PyTorch 2.11) it built a plan for every
+# new shape, 3-5 ms of host time per call, and the trainer's packed rows change shape every step: the
+# built-in model's BF16 train step took 0.59 s with it and 0.077 s without (FP32, which never uses it:
+# 0.085 s).
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # Batched matmuls (attention) take another path, whose results vary only below 4 rows: a
 # decode step's few query rows per KV head need less padding than MIN_ROWS.
 MIN_BATCHED_ROWS = 4
@@ -93,12 +102,40 @@ class Numerics:
 
     device: torch.device
     exact: bool = False
+    # Exact mode on CUDA: the batch-invariant Triton kernels (`invariant.py`) replace cuBLAS and
+    # PyTorch's softmax and row means wherever a token's value could depend on its batch. (Tests
+    # set it on the CPU too, where Triton's interpreter runs the same kernels.)
+    invariant: bool = False
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, held: bool = False
+    ) -> torch.Tensor:
+        """`linear` (above), batch-invariant on CUDA in exact mode."""
+        if self.invariant:
+            from parity.engines.kernels import invariant
+
+            return invariant.linear(
+                x, weight if held else weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
+            )
+        return linear(x, weight, bias, held)
+
+    def mean_square(self, x: torch.Tensor) -> torch.Tensor:
+        """mean(x², last dimension, keepdim) of an FP32 tensor: RMSNorm's statistic."""
+        if self.invariant:
+            from parity.engines.kernels import invariant
+
+            return invariant.mean_square(x)
+        return x.pow(2).mean(-1, keepdim=True)
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Batched `a @ b`; in exact mode its elements depend neither on the other rows and
         columns nor on trailing zero terms (see MIN_ROWS)."""
         if not self.exact:
             return torch.matmul(a, b)
+        if self.invariant:
+            from parity.engines.kernels import invariant
+
+            return invariant.bmm(a, b)
         rows, cols = a.shape[-2], b.shape[-1]
         return torch.matmul(_pad(_pad(a, -1), -2, MIN_BATCHED_ROWS), _pad(_pad(b, -2), -1))[..., :rows, :cols]
 
@@ -140,7 +177,10 @@ class Numerics:
             scores = _capped(self.matmul(q_rows, k.float().transpose(-1, -2)) * scale, softcap) + bias
             return self._weighted_values(scores, v, q.dtype).reshape(b, h, q_len, d)
         gqa = q.shape[1] != k.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa, scale=scale)
+        with sdpa_kernel(SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa, scale=scale
+            )
 
     def decode_attention(
         self,
@@ -172,6 +212,11 @@ class Numerics:
         Softmax and the weighted sum give a query the same bits however many masked keys
         follow its last visible one, which is what lets a cache and a full sequence agree;
         exact mode pads what would otherwise depend on the shapes (see MIN_ROWS)."""
+        if self.invariant:
+            from parity.engines.kernels import invariant
+
+            probs = invariant.softmax(scores).to(dtype)
+            return invariant.bmm(probs.float(), v.float()).to(dtype)
         short = MIN_ROWS - scores.shape[-1]
         if self.exact and short > 0:  # the CPU softmax takes a scalar path on rows shorter than a vector register
             scores = F.pad(scores, (0, short), value=float("-inf"))
@@ -189,7 +234,8 @@ class Numerics:
         out = {"device": str(self.device), "exact": str(self.exact).lower(), "torch": torch.__version__}
         if self.device.type == "cuda":
             out.update(cuda.describe(self.device))
-            out.update({f"matmul_{n}": cpu.NATIVE for n in ("fp32", "bf16", "fp16")})
+            path = "triton batch-invariant" if self.invariant else cpu.NATIVE
+            out.update({f"matmul_{n}": path for n in ("fp32", "bf16", "fp16")})
             return out
         features = cpu.features()
         out.update(features.describe())
@@ -220,4 +266,12 @@ def numerics(device: str | torch.device = "cpu", exact: bool = False) -> Numeric
 def _numerics(device: str, exact: bool) -> Numerics:
     if device.startswith("cuda"):
         cuda.configure(exact)
-    return Numerics(torch.device(device), exact)
+        if exact:
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "exact=true on CUDA needs Triton for its batch-invariant kernels (pip install triton); "
+                    "PyTorch's CUDA builds for Linux bring it"
+                ) from None
+    return Numerics(torch.device(device), exact, invariant=exact and device.startswith("cuda"))

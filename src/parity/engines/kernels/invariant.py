@@ -1,0 +1,218 @@
+"""Batch-invariant kernels for exact mode on CUDA (Triton).
+
+cuBLAS picks its GEMM algorithm from the whole shape (tile sizes, split-K, stream-K), and PyTorch's
+softmax and row reductions pick their thread layout from the row count and row length, so on a GPU a
+token's values depend on how many other tokens share its matmul: measured on an H200, the rollout
+engine's prefill and the trainer's packed stream gave different FP32 Q/K/V projections for the same
+token (exact mode stopped at `layer0.attention_core`, position 0). The kernels here compute every
+output element by the same code whatever the shape around it:
+
+* `linear` and `bmm`: one fixed tile configuration, the dot product accumulated in FP32 over K in
+  fixed chunks, in order. A row's result does not depend on the other rows or columns; with the
+  FP32 inputs of attention (FMA, no tensor cores) trailing zero terms leave it unchanged too, so
+  p·v over a cache of any length gives what it gives over the trainer's padded row.
+* `softmax` and `mean_square`: one program per row walking it in fixed chunks, each lane summing its
+  own elements, one fixed tree at the end. Masked keys (−∞) trail and add exact zeros.
+
+Forward values are what exact mode needs; the backward passes are plain PyTorch (autograd.Function),
+because gradients do not enter μ = π_old. Imported only when exact mode runs on CUDA (`Numerics`).
+With `TRITON_INTERPRET=1` the same kernels run on CPU tensors, which is how the CPU tests check them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Tile sizes are fixed (no autotuning): a different tile for another shape would reorder the sums.
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+ROW_BLOCK = 1024  # elements per chunk of a row in `softmax` and `mean_square`
+# Triton's CPU interpreter multiplies 16-bit tiles as integers: there the FP32 path runs for every dtype.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# Triton compiles a variant of a kernel per argument property: integers equal to 1 or divisible by 16,
+# pointers aligned to 16 bytes. A variant may lay a block out over the threads differently, and a
+# reduction's order follows the layout: on an H200, exact mode parted at key counts of 16, 32 and 64.
+# One variant for every shape: no specialisation on values or alignment.
+_INTS = {
+    "matmul": ["M", "N", "K", "stride_az", "stride_am", "stride_ak", "stride_bz", "stride_bk", "stride_bn",
+               "stride_cz", "stride_cm", "stride_cn"],
+    "softmax": ["length", "stride_x", "stride_y"],
+    "mean_square": ["length", "stride_x"],
+}  # fmt: skip
+_POINTERS = {"matmul": ["a", "b", "c", "bias"], "softmax": ["x", "y"], "mean_square": ["x", "y"]}
+
+
+def _invariant_jit(name: str):
+    return triton.jit(do_not_specialize=_INTS[name], do_not_specialize_on_alignment=_POINTERS[name])
+
+
+@_invariant_jit("matmul")
+def _matmul_kernel(
+    a, b, c, bias, M, N, K,
+    stride_az, stride_am, stride_ak,
+    stride_bz, stride_bk, stride_bn,
+    stride_cz, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n, z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)  # M x N can pass 2^31 (an LM head's output)
+    cols = pid_n * BN + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    a_ptrs = a + z * stride_az + rows[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b + z * stride_bz + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK):
+        a_tile = tl.load(a_ptrs, mask=(rows[:, None] < M) & (ks[None, :] + k0 < K), other=0.0)
+        b_tile = tl.load(b_ptrs, mask=(ks[:, None] + k0 < K) & (cols[None, :] < N), other=0.0)
+        if IEEE:  # FP32 FMA in order (no TF32); 16-bit products are exact in FP32
+            acc = tl.dot(a_tile.to(tl.float32), b_tile.to(tl.float32), acc, input_precision="ieee")
+        else:  # FP16/BF16 tensor cores, FP32 accumulation
+            acc = tl.dot(a_tile, b_tile, acc)
+        a_ptrs += BK * stride_ak
+        b_ptrs += BK * stride_bk
+    if HAS_BIAS:
+        acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)
+    out = c + z * stride_cz + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(out, acc.to(c.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a [Z, M, K] @ b [Z, K, N] (+ bias [N]) -> [Z, M, N] in a's dtype, any strides."""
+    z, m, k = a.shape
+    n = b.shape[2]
+    c = torch.empty((z, m, n), dtype=a.dtype, device=a.device)
+    if c.numel() == 0:
+        return c
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), z)
+    _matmul_kernel[grid](
+        a, b, c, c if bias is None else bias, m, n, k,
+        *a.stride(), *b.stride(), *c.stride(),
+        HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32 or INTERPRETED,
+        BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+    )  # fmt: skip
+    return c
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _matmul(x[None], weight.t()[None], bias)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x, grad.sum(0) if ctx.has_bias else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias`, all in one dtype, FP32 accumulation; batch-invariant."""
+    rows = x.shape[:-1]
+    out = _Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.reshape(*rows, weight.shape[0])
+
+
+class _Bmm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return _matmul(a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return grad @ b.transpose(1, 2), a.transpose(1, 2) @ grad
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched `a @ b` over matching leading dimensions; batch-invariant (see the module docstring)."""
+    lead = a.shape[:-2]
+    out = _Bmm.apply(a.reshape(-1, *a.shape[-2:]), b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:]))
+    return out.reshape(*lead, *out.shape[-2:])
+
+
+@_invariant_jit("softmax")
+def _softmax_kernel(x, y, length, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
+    src, dst = x + row * stride_x, y + row * stride_y
+    largest = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for start in tl.range(0, length, BLOCK):
+        largest = tl.maximum(largest, tl.load(src + start + lanes, mask=start + lanes < length, other=float("-inf")))
+    top = tl.max(largest, 0)
+    total = tl.zeros((BLOCK,), tl.float32)
+    for start in tl.range(0, length, BLOCK):
+        v = tl.load(src + start + lanes, mask=start + lanes < length, other=float("-inf"))
+        total += tl.exp(v - top)
+    norm = tl.sum(total, 0)
+    for start in tl.range(0, length, BLOCK):
+        v = tl.load(src + start + lanes, mask=start + lanes < length, other=float("-inf"))
+        tl.store(dst + start + lanes, tl.exp(v - top) / norm, mask=start + lanes < length)
+
+
+@_invariant_jit("mean_square")
+def _mean_square_kernel(x, y, length, stride_x, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
+    total = tl.zeros((BLOCK,), tl.float32)
+    for start in tl.range(0, length, BLOCK):
+        v = tl.load(x + row * stride_x + start + lanes, mask=start + lanes < length, other=0.0)
+        total += v * v
+    tl.store(y + row, tl.sum(total, 0) / length)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` as contiguous FP32 rows [R, L]."""
+    return x.reshape(-1, x.shape[-1]).float().contiguous()
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        rows = _rows(x)
+        out = torch.empty_like(rows)
+        if rows.numel():
+            _softmax_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), out.stride(0), BLOCK=ROW_BLOCK)
+        out = out.view(x.shape)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return out * (grad - (grad * out).sum(-1, keepdim=True))
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension of an FP32 tensor, each row by the same code whatever its
+    length: masked (−∞) entries after a row's last visible one change nothing."""
+    return _Softmax.apply(x)
+
+
+class _MeanSquare(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        rows = _rows(x)
+        out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+        if rows.numel():
+            _mean_square_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=ROW_BLOCK)
+        ctx.save_for_backward(x)
+        return out.view(*x.shape[:-1], 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * x * (2.0 / x.shape[-1])
+
+
+def mean_square(x: torch.Tensor) -> torch.Tensor:
+    """mean(x², last dimension, keepdim) of an FP32 tensor, each row by the same code whatever the
+    number of rows."""
+    return _MeanSquare.apply(x)
