@@ -35,7 +35,14 @@ def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 
 def cmd_mismatch(args: argparse.Namespace) -> int:
     from parity import config as cfg_mod
-    from parity.commands.mismatch import MismatchConfig, located_text, markdown_table, run_mismatch, write_outputs
+    from parity.commands.mismatch import (
+        MismatchConfig,
+        distribution_table,
+        located_text,
+        markdown_table,
+        run_mismatch,
+        write_outputs,
+    )
 
     config, overrides = _split_config(args)
     if args.model:
@@ -46,10 +53,24 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
     results = run_mismatch(cfg, locate_rows=args.locate)
     out = write_outputs(cfg, results)
     print(markdown_table(results))
+    print(distribution_table(results))
     for r in results:
         if r.located is not None:
             print(located_text(r))
     print(f"wrote {out}/mismatch.json, mismatch.md, mismatch_scatter.png, seq_log_ratio_vs_length.png")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from parity import config as cfg_mod
+    from parity.commands.evaluate import EvalConfig, markdown_table, run_eval, write_outputs
+
+    config, overrides = _split_config(args)
+    cfg = cfg_mod.load(EvalConfig, config, [f"target={args.target}", *overrides])
+    result = run_eval(cfg)
+    write_outputs(result, Path(cfg.out))
+    print(markdown_table(result))
+    print(f"wrote {cfg.out}/eval.json, eval.md, eval.png")
     return 0
 
 
@@ -302,6 +323,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
+        "eval",
+        help="held-out accuracy of a model or of every checkpoint of a run, per serving precision: the deployment gap",
+        description=(
+            "Answer held-out problems with the same weights served in each precision and under the trainer's "
+            "policy; report accuracy, pass@k, length, the gap to the trainer's policy and the per-token KL. "
+            "TARGET is a model directory ('builtin') or a `parity train` run directory (its base model and every "
+            "checkpoint it kept). Config keys: precisions (default [fp32,bf16,fp16]), reference (auto: a run's "
+            "trainer precision, fp32 for a model), data (auto: the task's held-out split; or a JSONL/Parquet "
+            "file), task, difficulty, num_prompts, samples, temperature (0 = greedy), max_new_tokens, "
+            "chat_template, device, seed, out (default parity-eval)."
+        ),
+    )
+    p.add_argument("target", metavar="MODEL_OR_RUN_DIR")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser(
         "report",
         help="plots and a summary table of `parity train` runs, side by side",
         description="Reads RUN_DIR/metrics.jsonl of each run; writes report.md, summary.json and PNG plots.",
@@ -330,7 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
             "weights, for each TRAINER/ROLLOUT precision pair; report every mismatch metric. "
             "Config keys: model, prompts, chat_template, num_prompts, group_size, pairs, "
             "sampling.{temperature,top_k,top_p,max_new_tokens}, seed, out, exact (both engines in exact mode: "
-            "bit-identical log-probs, docs/exact.md). "
+            "bit-identical log-probs, docs/exact.md), full_vocab_positions (compare the whole next-token "
+            "distributions at this many positions; 0 = off), shape_micro_batch (score the same tokens again in "
+            "micro-batches of this many rows: the trainer against itself; 0 = off). "
             "prompts=builtin (default) uses arithmetic problems on the built-in model and short chat questions "
             "shipped with Parity on any other; prompts=FILE.jsonl reads one JSON object per line whose "
             '"prompt" is a string or a list of {"role", "content"} messages (other fields ignored, blank lines '

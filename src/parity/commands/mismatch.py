@@ -27,10 +27,10 @@ from parity.engines.models import load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Prompt, load_tokenizer
-from parity.engines.trainer import OptimConfig, Trainer
+from parity.engines.trainer import OptimConfig, Trainer, full_vocab_logprobs
 from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.checkpoint import require_finite_weights
-from parity.rl.diagnostics import mismatch_by_length, mismatch_metrics
+from parity.rl.diagnostics import batch_shape_metrics, full_vocab_metrics, mismatch_by_length, mismatch_metrics
 from parity.rl.tasks import PROMPT_FORM, ArithmeticTask, DataError, check_prompt
 
 # The default prompts for a model other than the built-in one: short questions of the kinds people ask chat
@@ -123,9 +123,17 @@ class MismatchConfig:
     out: str = "parity-mismatch"
     exact: bool = False  # both engines in exact mode (docs/exact.md): pairs must match precisions
     device: str = "cpu"  # cpu | cuda: where both engines run
+    # Positions where the two engines' whole next-token distributions are compared (0 = off)
+    full_vocab_positions: int = 64
+    # The trainer scores the same tokens again in micro-batches of this many rows: how much its
+    # log-probs move with the batch's shape alone (0 = off)
+    shape_micro_batch: int = 3
 
     def validate(self) -> None:
         kernels.check_device(self.device)
+        for key in ("full_vocab_positions", "shape_micro_batch"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}: must be >= 0 (0 = off), got {getattr(self, key)}")
         for p in self.pairs:
             train_p, roll_p = parse_pair(p)
             if self.exact and train_p != roll_p:
@@ -208,6 +216,8 @@ class PairResult:
     mask: torch.Tensor
     located: list[StageDiff] | None = None  # with --locate: the worst row re-scored stage by stage
     exact: bool = False  # measured in exact mode
+    full_vocab: dict[str, float] = field(default_factory=dict)  # `full_vocab_metrics` at the recorded positions
+    batch_shape: dict[str, float] = field(default_factory=dict)  # `batch_shape_metrics`, trainer against itself
 
     @property
     def label(self) -> str:
@@ -218,16 +228,29 @@ class PairResult:
 
 def measure_pair(
     trainer: Trainer, engine: RolloutEngine, prompts: list[list[int]], cfg: MismatchConfig
-) -> tuple[torch.Tensor, RolloutBatch]:
-    """Sample with `engine`, score with `trainer`; returns (π, the batch with μ)."""
+) -> tuple[torch.Tensor, RolloutBatch, dict[str, float], dict[str, float]]:
+    """Sample with `engine`, score with `trainer`; returns π, the batch with μ, the full-vocabulary
+    comparison at `cfg.full_vocab_positions` positions and the trainer's batch-shape invariance."""
     engine.load_weights(*trainer.export_weights())
     sampling = cfg.sampling.params()
-    batch = engine.generate(prompts, cfg.group_size, sampling, seed=cfg.seed)
+    batch = engine.generate(prompts, cfg.group_size, sampling, seed=cfg.seed, full_vocab=cfg.full_vocab_positions)
+
+    def score(rows: torch.Tensor) -> torch.Tensor:
+        support = None if batch.support is None else batch.support[rows]
+        ids = [batch.prompt_ids[i] for i in rows.tolist()]
+        return trainer.logprobs(ids, batch.response_ids[rows], batch.response_mask[rows], support, sampling.temperature)
+
+    everything = torch.arange(len(batch.prompt_ids), device=batch.response_ids.device)
+    full_vocab, batch_shape = {}, {}
     with torch.no_grad():
-        pi = trainer.logprobs(
-            batch.prompt_ids, batch.response_ids, batch.response_mask, batch.support, sampling.temperature
-        )
-    return pi, batch
+        pi = score(everything)
+        if cfg.shape_micro_batch:
+            again = torch.cat([score(rows) for rows in everything.split(cfg.shape_micro_batch)])
+            batch_shape = batch_shape_metrics(pi, again, batch.response_mask)
+    if batch.full_vocab is not None:
+        trainer_logprobs = full_vocab_logprobs(trainer.model, batch, trainer.dtype)
+        full_vocab = full_vocab_metrics(batch.full_vocab.rollout_logprobs, trainer_logprobs)
+    return pi, batch, full_vocab, batch_shape
 
 
 def run_mismatch(
@@ -249,7 +272,7 @@ def run_mismatch(
         start = time.perf_counter()
         trainer = Trainer(model, train_p, OptimConfig())
         engine = RolloutEngine(model.config, roll_p, tokenizer.eos_ids, tokenizer.pad_id, numerics)
-        pi, batch = measure_pair(trainer, engine, prompts, cfg)
+        pi, batch, full_vocab, batch_shape = measure_pair(trainer, engine, prompts, cfg)
         mu, mask = batch.rollout_logprobs, batch.response_mask
         seconds = time.perf_counter() - start
         results.append(
@@ -268,6 +291,8 @@ def run_mismatch(
                 if locate_rows
                 else None,
                 exact=cfg.exact,
+                full_vocab=full_vocab,
+                batch_shape=batch_shape,
             )
         )
     return results
@@ -286,6 +311,8 @@ def results_json(model: str, results: list[PairResult]) -> dict[str, Any]:
                 "seconds": r.seconds,
                 "metrics": r.metrics,
                 "by_length": r.by_length,
+                "full_vocab": r.full_vocab,
+                "batch_shape": r.batch_shape,
                 **({"located": [vars(d) for d in r.located]} if r.located is not None else {}),
             }
             for r in results
@@ -310,6 +337,30 @@ def markdown_table(results: list[PairResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def distribution_table(results: list[PairResult]) -> str:
+    """The whole next-token distribution compared at recorded positions, and the trainer against itself
+    in another batch shape: one row per pair (empty when both checks are off)."""
+    if not any(r.full_vocab or r.batch_shape for r in results):
+        return ""
+    lines = [
+        "| trainer | rollout | positions | TV | KL(μ‖π) | max \\|Δ log p\\| | top-1 agree | "
+        "trainer vs itself: outside [0.9, 1.1] | outside [0.99, 1.01] | max \\|Δ\\| |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        f, b = r.full_vocab, r.batch_shape
+        full = (
+            f"{f['positions']} | {f['tv']:.3g} | {f['kl']:.3g} | {f['max_abs_log_ratio']:.3g} | {f['top1_agree']:.3f}"
+            if f.get("positions")
+            else "- | - | - | - | -"
+        )
+        shape = (
+            f"{b['outside_10pct']:.2%} | {b['outside_1pct']:.2%} | {b['max_abs_log_ratio']:.3g}" if b else "- | - | -"
+        )
+        lines.append(f"| {r.trainer_precision} | {r.rollout_precision} | {full} | {shape} |")
+    return "\n".join(lines) + "\n"
+
+
 def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
 
     out = Path(cfg.out)
@@ -323,6 +374,13 @@ def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
         f"seed {cfg.seed}. Δ = π (trainer) − μ (rollout) over response tokens; "
         "metric definitions in docs/metrics.md.\n\n"
         + markdown_table(results)
+        + (
+            f"\nWhole next-token distributions at {cfg.full_vocab_positions} sampled positions, rollout engine (μ) "
+            f"against trainer (π); and the trainer's log-probs of the same tokens scored in micro-batches of "
+            f"{cfg.shape_micro_batch} rows against one batch:\n\n" + distribution_table(results)
+            if distribution_table(results)
+            else ""
+        )
         + "\n![token-level μ vs π](mismatch_scatter.png)\n\n"
         + "![sequence log-ratio vs length](seq_log_ratio_vs_length.png)\n"
         + "".join(f"\n{located_text(r)}" for r in results if r.located is not None)

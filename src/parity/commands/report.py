@@ -90,24 +90,50 @@ def summarize(history: list[dict]) -> dict:
         "final_seq_abs_log_ratio": sum(m["mismatch/seq_abs_log_ratio"] for m in last) / len(last),
         "max_token_abs_log_ratio": max(m["mismatch/token_abs_log_ratio_max"] for m in history),
         "skipped_fp16_steps": history[-1]["precision/skipped_steps"],
+        **held_out_summary(history),
     }
 
 
+def held_out_summary(history: list[dict]) -> dict:
+    """The first and last held-out evaluation's score, when the run evaluated (`eval.*`)."""
+    evaluated = [m for m in history if "eval/reward_mean" in m]
+    if not evaluated:
+        return {}
+    key = "eval/accuracy" if "eval/accuracy" in evaluated[0] else "eval/reward_mean"
+    return {"eval_first": evaluated[0][key], "eval_last": evaluated[-1][key], "eval_last_step": evaluated[-1]["step"]}
+
+
 def summary_table(summaries: dict[str, dict]) -> str:
-    head = (
-        "| run | accuracy start → final (best) | steps to 95% | seconds to 95% | mismatch k3 | "
-        "seq \\|log-ratio\\| | max token \\|Δ\\|, whole run | skipped FP16 steps |\n|---|---|---|---|---|---|---|---|\n"
-    )
-    rows = []
+    """One row per run; a held-out column when any run evaluated (`eval.*`)."""
+    held_out = any("eval_last" in s for s in summaries.values())
+    columns = [
+        "run",
+        "accuracy start → final (best)",
+        *(["held-out first → last eval"] if held_out else []),
+        "steps to 95%",
+        "seconds to 95%",
+        "mismatch k3",
+        "seq \\|log-ratio\\|",
+        "max token \\|Δ\\|, whole run",
+        "skipped FP16 steps",
+    ]
+    rows = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for name, s in summaries.items():
         to95 = "—" if s["steps_to_95"] is None else str(s["steps_to_95"])
         sec = "—" if s["seconds_to_95"] is None else f"{s['seconds_to_95']:.0f}"
-        rows.append(
-            f"| {name} | {s['initial_accuracy']:.2f} → {s['final_accuracy']:.2f} ({s['best_accuracy']:.2f}) | {to95} | "
-            f"{sec} | {s['final_mismatch_k3']:.2e} | {s['final_seq_abs_log_ratio']:.2e} | "
-            f"{s['max_token_abs_log_ratio']:.2e} | {s['skipped_fp16_steps']} |"
-        )
-    return head + "\n".join(rows) + "\n"
+        cells = [name, f"{s['initial_accuracy']:.2f} → {s['final_accuracy']:.2f} ({s['best_accuracy']:.2f})"]
+        if held_out:
+            cells.append(f"{s['eval_first']:.2f} → {s['eval_last']:.2f}" if "eval_last" in s else "—")
+        cells += [
+            to95,
+            sec,
+            f"{s['final_mismatch_k3']:.2e}",
+            f"{s['final_seq_abs_log_ratio']:.2e}",
+            f"{s['max_token_abs_log_ratio']:.2e}",
+            str(s["skipped_fp16_steps"]),
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
 
 
 @dataclass(frozen=True)
@@ -116,28 +142,40 @@ class Panel:
     title: str
     log: bool = False
     hline: float | None = None
+    smooth: bool = True  # a moving average over SMOOTHING steps; off for metrics logged now and then (eval/*)
+    ylim: tuple[float, float] | None = None
 
 
 def plot_curves(histories: dict[str, list[dict]], panels: list[Panel], path: Path) -> None:
-    """One panel per metric, one line per run ({SMOOTHING}-step moving average)."""
+    """One panel per metric, one line per run ({SMOOTHING}-step moving average, or the points themselves)."""
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.3), squeeze=False, layout="constrained")
     for ax, panel in zip(axes[0], panels):
         for name, h in histories.items():
             rows = [m for m in h if panel.key in m]
             if rows:
                 ls = "-" if name.startswith("fp16") else "--"
-                ax.plot([m["step"] for m in rows], moving_average([m[panel.key] for m in rows]), label=name, ls=ls)
+                values = [m[panel.key] for m in rows]
+                values = moving_average(values) if panel.smooth else values
+                ax.plot([m["step"] for m in rows], values, label=name, ls=ls, marker=None if panel.smooth else "o")
         if panel.hline is not None:
             ax.axhline(panel.hline, color="grey", lw=0.7, ls=":")
         ax.set(xlabel="step", ylabel=panel.key, title=panel.title, yscale="log" if panel.log else "linear")
+        if panel.ylim is not None:
+            ax.set_ylim(*panel.ylim)
     axes[0][0].legend(fontsize=8)
     save_figure(fig, path)
 
 
 def plot_accuracy(histories: dict[str, list[dict]], path: Path) -> None:
+    """Training accuracy; beside it the held-out accuracy of the runs that evaluated (`eval.*`)."""
     binary = any("reward/accuracy" in h[0] for h in histories.values())
     key = "reward/accuracy" if binary else "reward/mean"
-    plot_curves(histories, [Panel(key, "Training accuracy", hline=TARGET_ACCURACY if binary else None)], path)
+    scale = (0.0, 1.02) if binary else None  # both panels on one scale
+    panels = [Panel(key, "Training accuracy", hline=TARGET_ACCURACY if binary else None, ylim=scale)]
+    held_out = "eval/accuracy" if binary else "eval/reward_mean"
+    if any(held_out in m for h in histories.values() for m in h):
+        panels.append(Panel(held_out, "Held-out accuracy (served by the rollout engine)", smooth=False, ylim=scale))
+    plot_curves(histories, panels, path)
 
 
 def plot_mismatch_curves(histories: dict[str, list[dict]], path: Path) -> None:

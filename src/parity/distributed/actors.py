@@ -85,14 +85,17 @@ class RolloutWorker:
         return {"version": manifest.version, "seconds": time.perf_counter() - t, "verified": 1.0}
 
     def generate(
-        self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, seed: int
+        self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, seed: int, full_vocab: int = 0
     ) -> tuple[RolloutBatch, dict[str, float]]:
-        """Sample `group_size` responses per prompt and score them; also how long this worker
-        sat idle before the call and how long each part took."""
+        """Sample `group_size` responses per prompt and score them (and the whole distribution at
+        `full_vocab` positions); also how long this worker sat idle before the call and how long each
+        part took."""
         start = time.perf_counter()
-        batch = self.sampler.generate(prompts, group_size, sampling, seed)
+        batch = self.sampler.generate(prompts, group_size, sampling, seed, full_vocab)
         sampled = time.perf_counter()
         self.sampler.score_samples(batch)
+        if batch.full_vocab is not None:
+            self.sampler.score_full_vocab(batch)
         self.idle_since, idle = time.perf_counter(), start - self.idle_since
         return batch, {"idle": idle, "rollout": sampled - start, "score": self.idle_since - sampled}
 

@@ -252,7 +252,10 @@ class DistributedRun(Run):
 
     def _send(self, shard: _Shard) -> None:
         worker = self.workers[shard.worker]
-        shard.ref = worker.generate.remote(shard.prompts, self.cfg.rollout.group_size, self.sampling, shard.seed)
+        cfg = self.cfg
+        shard.ref = worker.generate.remote(
+            shard.prompts, cfg.rollout.group_size, self.sampling, shard.seed, cfg.diagnostics.full_vocab_positions
+        )
 
     def _recover(self, worker: int) -> None:
         """After worker `worker` died: wait for Ray's restart, give it the newest weights and

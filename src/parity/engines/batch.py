@@ -12,6 +12,21 @@ from parity.engines.sampling import SamplingParams
 
 
 @dataclass
+class FullVocab:
+    """The rollout engine's whole next-token distribution at a few sampled positions, kept while it
+    sampled (`RolloutEngine.generate(full_vocab=N)`), and the trainer's at the same positions."""
+
+    rows: torch.Tensor  # [R] output rows recorded
+    steps: torch.Tensor  # [R, k] response index t of each recorded position; -1 = none (a short response)
+    rollout_logprobs: torch.Tensor  # [R, k, V] FP32 log-probs μ sampled from; -inf outside the support
+    trainer_logprobs: torch.Tensor | None = None  # [R, k, V] the trainer's code path on the sampling weights
+
+    def offset(self, rows: int) -> FullVocab:
+        """The same record for a batch placed after `rows` others (`concat_batches`)."""
+        return FullVocab(self.rows + rows, self.steps, self.rollout_logprobs, self.trainer_logprobs)
+
+
+@dataclass
 class RolloutBatch:
     """B = num_prompts × group_size sampled sequences, rows grouped by prompt."""
 
@@ -29,6 +44,7 @@ class RolloutBatch:
     old_logprobs: torch.Tensor | None = None  # [B, T] π_old, trainer precision
     probe_logprobs: torch.Tensor | None = None  # [B, T] the same forward in the rollout precision
     routing_mismatch: torch.Tensor | None = None  # [MoE layers] tokens whose experts differ, π_old vs μ
+    full_vocab: FullVocab | None = None  # `diagnostics.full_vocab_positions`: whole distributions compared
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -69,6 +85,17 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
     for b in batches:
         groups.append(b.group_index + offsets)
         offsets += int(b.group_index.max()) + 1
+    full_vocab = None
+    if batches[0].full_vocab is not None:
+        starts = [sum(len(b.prompt_ids) for b in batches[:i]) for i in range(len(batches))]
+        records = [b.full_vocab.offset(start) for b, start in zip(batches, starts)]
+        trainer = [r.trainer_logprobs for r in records]
+        full_vocab = FullVocab(
+            torch.cat([r.rows for r in records]),
+            torch.cat([r.steps for r in records]),
+            torch.cat([r.rollout_logprobs for r in records]),
+            None if any(t is None for t in trainer) else torch.cat(trainer),
+        )
     return RolloutBatch(
         prompt_ids=[ids for b in batches for ids in b.prompt_ids],
         response_ids=cat("response_ids", 0),  # masked out: any id will do
@@ -85,4 +112,5 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
         routing_mismatch=None
         if batches[0].routing_mismatch is None
         else torch.stack([b.routing_mismatch for b in batches]).mean(0),
+        full_vocab=full_vocab,
     )

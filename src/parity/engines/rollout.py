@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from parity.engines import kernels
 from parity.engines import precision as prec
-from parity.engines.batch import RolloutBatch
+from parity.engines.batch import FullVocab, RolloutBatch
 from parity.engines.models import (
     FULL,
     SLIDING,
@@ -45,6 +45,8 @@ CACHE_BLOCK = 32  # decode-time KV slots are added this many at a time
 ROW_BUCKET = 16
 # On a GPU the decode loop reads finished rows and sampling supports back every this many tokens.
 CHECK_EVERY = 16
+# `generate(full_vocab=N)`: the positions are taken this many per recorded row (fewer rows to score again).
+FULL_VOCAB_PER_ROW = 16
 
 
 class KVCache:
@@ -132,6 +134,47 @@ def _support_ids(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(output rows, support ids) of each decode step's live rows, from (rows, live, kept mask) per step."""
     return [(rows[live], support_ids(kept[live])) for rows, live, kept in pending]
+
+
+class _FullVocabRecorder:
+    """Keeps the whole next-token distribution at `per_row` positions of each of a few rows while they are
+    sampled, chosen uniformly among each row's tokens: every (row, step) has a random key and a row keeps
+    the positions with the smallest keys among those it sampled (a reservoir, updated with tensor ops, so
+    a GPU never waits on the host). Its random numbers come from a generator of its own: recording
+    changes nothing that is sampled."""
+
+    def __init__(self, positions: int, batch: int, max_new: int, vocab: int, seed: int, device: torch.device):
+        per_row = min(positions, FULL_VOCAB_PER_ROW)
+        gen = torch.Generator(device=device).manual_seed(seed + 0x5EED)
+        self.rows = torch.randperm(batch, generator=gen, device=device)[: -(-positions // per_row)]
+        count = len(self.rows)
+        self.keys = torch.rand(count, max_new, generator=gen, device=device)
+        self.kept_keys = torch.full((count, per_row), float("inf"), device=device)
+        self.steps = torch.full((count, per_row), -1, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(count, per_row, vocab, device=device)
+        self.index = torch.arange(count, device=device)
+        self.where = self.rows  # each recorded row's index among the active rows (all rows are active at first)
+
+    def rows_kept(self, keep: torch.Tensor, active: int) -> None:
+        """The decode batch of `active` rows was cut to rows `keep` (their indices before); a recorded row
+        that left it has finished and is never live again (-1)."""
+        position = torch.full((active,), -1, dtype=torch.long, device=keep.device)
+        position[keep] = torch.arange(len(keep), device=keep.device)
+        self.where = torch.where(self.where >= 0, position[self.where.clamp(min=0)], -1)
+
+    def observe(self, t: int, live: torch.Tensor, logp: torch.Tensor) -> None:
+        """Step `t`: `live` marks the active rows that sampled a token, `logp` [active rows, V] the
+        distribution each sampled from."""
+        where = self.where.clamp(min=0)
+        slot = self.kept_keys.argmax(-1)
+        worst = self.kept_keys[self.index, slot]
+        take = (self.where >= 0) & live[where] & (self.keys[:, t] < worst)
+        self.kept_keys[self.index, slot] = torch.where(take, self.keys[:, t], worst)
+        self.steps[self.index, slot] = torch.where(take, t, self.steps[self.index, slot])
+        self.logprobs[self.index, slot] = torch.where(take[:, None], logp[where], self.logprobs[self.index, slot])
+
+    def record(self) -> FullVocab:
+        return FullVocab(self.rows, self.steps, self.logprobs)
 
 
 class RolloutEngine:
@@ -470,7 +513,11 @@ class RolloutEngine:
         return {name: torch.cat(values).cpu() for name, values in stages.items()}
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
+    def generate(
+        self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, seed: int, full_vocab: int = 0
+    ) -> RolloutBatch:
+        """`group_size` samples per prompt. `full_vocab`: also keep the whole distribution at about that
+        many positions (`RolloutBatch.full_vocab`), for comparing it with the trainer's."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs at least one prompt, each with at least one token")
         if not self.layers:
@@ -513,6 +560,9 @@ class RolloutEngine:
         moe = prompt_routes is not None
         if moe:
             response_routes = torch.full((batch, max_new, *prompt_routes.shape[2:]), -1, dtype=torch.long, device=dev)
+        recorder = None
+        if full_vocab > 0:
+            recorder = _FullVocabRecorder(full_vocab, batch, max_new, logits.shape[-1], seed, dev)
 
         for t in range(max_new):
             processed = filter_logits(logits, sampling)
@@ -526,6 +576,8 @@ class RolloutEngine:
             tokens[rows, t] = torch.where(live, token.squeeze(-1), self.pad_id)
             logprobs[rows, t] = logp.gather(-1, token).squeeze(-1).masked_fill(done, 0.0)
             mask_out[rows, t] = live
+            if recorder is not None:
+                recorder.observe(t, live, logp)
             if sampling.filtered:
                 pending.append((rows, live, torch.isfinite(processed)))
             token = token.squeeze(-1)
@@ -545,6 +597,8 @@ class RolloutEngine:
                 if int(done.sum()) * 4 >= done.numel() and size < done.numel():
                     keep = torch.cat([(~done).nonzero(), done.nonzero()]).squeeze(-1)[:size]
                     cache.take_rows(keep, filled=prompt_len + t)
+                    if recorder is not None:
+                        recorder.rows_kept(keep, done.numel())
                     rows, token, done, next_pos = rows[keep], token[keep], done[keep], next_pos[keep]
             start = prompt_len + t  # the highest slot a row writes now (a row with the longest prompt)
             if start == cache.slots:
@@ -583,4 +637,5 @@ class RolloutEngine:
             weight_version=self.weight_version,
             sampling=sampling,
             routing=routing,
+            full_vocab=None if recorder is None else recorder.record(),
         )

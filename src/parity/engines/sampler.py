@@ -27,7 +27,7 @@ from parity.engines.locate import StageDiff, locate_row
 from parity.engines.models import CausalLM, ModelConfig, routing_differs
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
-from parity.engines.trainer import sequence_logprobs
+from parity.engines.trainer import full_vocab_logprobs, sequence_logprobs
 
 
 class Sampler:
@@ -119,9 +119,22 @@ class Sampler:
         mismatch = differing / tokens if tokens else None
         return torch.cat(logprobs), mismatch
 
-    def generate(self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
-        """Sample: tokens and μ, at the current weight version."""
-        return self.engine.generate(prompts, group_size, sampling, seed)
+    def generate(
+        self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, seed: int, full_vocab: int = 0
+    ) -> RolloutBatch:
+        """Sample: tokens and μ, at the current weight version (and with `full_vocab` > 0 the whole
+        distribution at about that many positions)."""
+        return self.engine.generate(prompts, group_size, sampling, seed, full_vocab)
+
+    def score_full_vocab(self, batch: RolloutBatch, model: CausalLM | None = None) -> None:
+        """Fill `batch.full_vocab.trainer_logprobs`: the trainer's code path and precision on the weights
+        that sampled, at the positions the engine recorded. `model`: those weights, where this sampler
+        keeps no copy of its own (in one process the trainer holds them until it updates)."""
+        scorer = self.scorer if model is None else model
+        if scorer is None:
+            raise RuntimeError("Sampler.score_full_vocab() needs the sampling weights: score_old, probe or model")
+        record = batch.full_vocab
+        record.trainer_logprobs = full_vocab_logprobs(scorer, batch, prec.to_dtype(self.trainer_precision))
 
     def score_samples(self, batch: RolloutBatch) -> None:
         """Fill `batch.old_logprobs` (when `score_old`) and `batch.probe_logprobs` (when `probe`)."""

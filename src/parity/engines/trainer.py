@@ -16,6 +16,7 @@ import torch
 
 from parity.engines import kernels
 from parity.engines import precision as prec
+from parity.engines.batch import RolloutBatch
 from parity.engines.lora import LoRAConfig, adapter_pairs, apply_lora, base_state, merged_state
 from parity.engines.models import CausalLM, ModelConfig, export_state, final_logits
 from parity.engines.packing import PackedBatch, Routing, pack
@@ -115,14 +116,20 @@ def token_logprobs(
         return HeadLogProbs.apply(head, tokens, temperature, cap)
     logits = _scaled(head, temperature, cap)
     if exact:
-        if support is not None:
-            vocab = logits.shape[-1]
-            columns = support.masked_fill(support < 0, vocab)  # padding goes to a column dropped below
-            kept = torch.zeros((logits.shape[0], vocab + 1), dtype=torch.bool, device=logits.device)
-            logits = logits.masked_fill(~kept.scatter_(-1, columns, True)[:, :vocab], float("-inf"))
-        return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        return torch.log_softmax(restrict(logits, support), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     kept = logits.gather(-1, support.clamp(min=0)).masked_fill(support < 0, float("-inf"))
     return logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(kept, dim=-1)
+
+
+def restrict(logits: torch.Tensor, support: torch.Tensor | None) -> torch.Tensor:
+    """`logits` [M, V] with every token outside `support` [M, K] (ids, -1 = padding) at -inf: the
+    distribution the rollout engine sampled from after top-k/top-p, as its log-softmax sees it."""
+    if support is None:
+        return logits
+    vocab = logits.shape[-1]
+    columns = support.masked_fill(support < 0, vocab)  # padding goes to a column dropped below
+    kept = torch.zeros((logits.shape[0], vocab + 1), dtype=torch.bool, device=logits.device)
+    return logits.masked_fill(~kept.scatter_(-1, columns, True)[:, :vocab], float("-inf"))
 
 
 def matmul_flops(cfg: ModelConfig, packed: PackedBatch, scored: int) -> float:
@@ -169,6 +176,32 @@ def sequence_logprobs(
     )
     out = torch.zeros(response_ids.shape, dtype=scored.dtype, device=scored.device)
     return packed, out.masked_scatter(response_mask, scored)
+
+
+@torch.no_grad()
+def full_vocab_logprobs(model: CausalLM, batch: RolloutBatch, dtype: torch.dtype) -> torch.Tensor:
+    """The trainer's code path at the positions `batch.full_vocab` recorded: log-probs over the whole
+    vocabulary [R, k, V] FP32, restricted to the sampled support and at the sampling temperature as the
+    rollout engine's were (its arithmetic, so that exact mode gives the same bits); NaN where a row had
+    fewer positions than k. The recorded rows only are run again."""
+    record = batch.full_vocab
+    device = next(model.parameters()).device
+    rows = record.rows.to(device)
+    mask = batch.response_mask.to(device)[rows]
+    packed = pack([batch.prompt_ids[r] for r in rows.tolist()], batch.response_ids.to(device)[rows], mask, routing=None)
+    head = model(packed, dtype)[: int(mask.sum())]
+    # Scored tokens are row-major: row i's response token t is at starts[i] + t.
+    lengths = mask.sum(-1)
+    starts = torch.cumsum(lengths, 0) - lengths
+    steps = record.steps.to(device)
+    valid = steps >= 0
+    index = (starts[:, None] + steps.clamp(min=0)).flatten()
+    support = None
+    if batch.support is not None:
+        support = batch.support.to(device)[rows[:, None], steps.clamp(min=0)].flatten(0, 1)
+    logits = restrict(_scaled(head[index], batch.sampling.temperature, model.config.final_softcap), support)
+    logprobs = torch.log_softmax(logits, dim=-1).view(*steps.shape, -1)
+    return logprobs.masked_fill(~valid[..., None], float("nan"))
 
 
 @dataclass

@@ -91,6 +91,49 @@ def mismatch_by_length(
     return out
 
 
+def full_vocab_metrics(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor) -> dict[str, float]:
+    """The two engines' whole next-token distributions compared at the same positions: log-probs
+    [..., V] (-inf outside the sampled support, NaN rows for positions not recorded). Per position,
+    averaged over the positions:
+
+        tv                 ½ Σ_v |μ(v) − π(v)|                  total variation
+        kl                 Σ_v μ(v) (log μ(v) − log π(v))        KL(μ‖π), exact over the support
+        max_abs_log_ratio  max over positions and tokens of |log π(v) − log μ(v)|
+        top1_agree         the most likely token is the same (fraction of positions)
+    """
+    mu = rollout_logprobs.detach().double().flatten(0, -2)
+    pi = trainer_logprobs.detach().double().flatten(0, -2)
+    recorded = ~mu.isnan().any(-1)
+    mu, pi = mu[recorded], pi[recorded]
+    if not len(mu):
+        return {"positions": 0}
+    # Renormalised in FP64, so that rounding in the FP32 log-probs cannot make the KL negative.
+    mu, pi = mu - mu.logsumexp(-1, keepdim=True), pi - pi.logsumexp(-1, keepdim=True)
+    kept = torch.isfinite(mu) & torch.isfinite(pi)
+    delta = (pi - mu).where(kept, 0.0)
+    p_mu = mu.exp()
+    return {
+        "positions": len(mu),
+        "tv": float(((p_mu - pi.exp()).abs().sum(-1) / 2).mean()),
+        "kl": float((p_mu * -delta).sum(-1).mean()),
+        "max_abs_log_ratio": float(delta.abs().max()),
+        "top1_agree": float((mu.argmax(-1) == pi.argmax(-1)).double().mean()),
+    }
+
+
+def batch_shape_metrics(logprobs: torch.Tensor, other: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """The same tokens scored twice by the trainer in two batch shapes (micro-batch size, packing):
+    the fraction of tokens whose ratio exp(a − b) leaves [0.9, 1.1] and [0.99, 1.01], and max |a − b|."""
+    d = (logprobs.detach().double() - other.detach().double())[mask.bool()]
+    ratio = d.exp()
+    return {
+        "outside_10pct": float(((ratio < 0.9) | (ratio > 1.1)).double().mean()),
+        "outside_1pct": float(((ratio < 0.99) | (ratio > 1.01)).double().mean()),
+        "max_abs_log_ratio": float(d.abs().max()),
+        "exact_tokens_frac": float((d == 0).double().mean()),
+    }
+
+
 # ----------------------------------------------------------------------------- g = β + κ, phantom clipping
 
 PROB_BIN_EDGES = (0.0, 0.1, 0.5, 0.9, 1.0)

@@ -35,7 +35,7 @@ from parity.engines import kernels
 from parity.engines.batch import RolloutBatch
 from parity.engines.locate import first_divergence, format_table, worst_row
 from parity.engines.lora import AdapterError
-from parity.engines.models import load_model, resolve_model_dir
+from parity.engines.models import ModelConfig, load_model, resolve_model_dir
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
@@ -50,6 +50,7 @@ from parity.rl.checkpoint import (
     save_checkpoint,
 )
 from parity.rl.diagnostics import mismatch_alarm
+from parity.rl.evaluation import EVAL_SEED, EvalSet, Evaluator, eval_sampling, evaluation_due, heldout_problems
 from parity.rl.rewards import RewardHealth, RewardRunner, score_rollouts
 from parity.rl.step import (
     BINARY_REWARDS,
@@ -198,6 +199,7 @@ class Run:
         self.sampling = SamplingParams(
             cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p, cfg.rollout.max_new_tokens
         )
+        self.evaluator = self._evaluator(model.config)
         self.plan = self._update_plan()
         self.step_count = 0
         self.alarm_series: list[float] = []  # mismatch/k3 per step, for the collapse warning
@@ -210,6 +212,53 @@ class Run:
         self.log = MetricsLog(run_dir, cfg.tensorboard)
         with self._closed_on_failure():
             self._start_engines()
+
+    def _evaluator(self, config: ModelConfig) -> Evaluator | None:
+        """The held-out evaluation `eval.*` asks for, or None (eval.every=-1, or nothing held out)."""
+        cfg, e = self.cfg, self.cfg.eval
+        if e.every < 0:
+            return None
+        source = cfg.eval_data
+        max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
+        positions = config.max_position_embeddings
+        room = f"model max_position_embeddings {positions} minus eval.max_new_tokens {max_new}"
+        limit = PromptLimit(self.tokenizer, positions - max_new, room, cfg.task.chat_template)
+        if source == "heldout":
+            trained = {str(p.prompt) for p in self.problems}
+            problems = heldout_problems(cfg.task.name, cfg.task.difficulty, e.num_prompts, cfg.seed, trained)
+            for i, problem in enumerate(problems):
+                limit.check(f"eval: held-out problem {i}", problem.prompt)
+        elif source is not None:
+            problems = load_problems(source, self.tokenizer, positions - max_new, room, cfg.task.chat_template)
+            problems = problems[: e.num_prompts]
+        if source is None or not problems:
+            print(
+                f"eval: no held-out problems (task.data={cfg.task.data} with task.name={cfg.task.name}, whose "
+                "problems Parity does not generate); set eval.data=FILE to evaluate, or eval.every=-1",
+                file=sys.stderr,
+            )
+            return None
+        evalset = EvalSet(
+            problems=problems,
+            prompts=[self.tokenizer.encode_prompt(p.prompt, cfg.task.chat_template) for p in problems],
+            samples=e.samples,
+            sampling=eval_sampling(e.temperature, max_new),
+            binary=cfg.task.name in BINARY_REWARDS and not cfg.task.reward_fn,
+        )
+        served = (cfg.rollout_precision, self.numerics)
+        return Evaluator(
+            config, self.tokenizer, evalset, self.rewards, served, e.precisions, cfg.trainer_precision, cfg.device
+        )
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out evaluation of the current weights (`eval.*`): eval/* and deploy/* metrics."""
+        t = time.perf_counter()
+        self._gather_state()
+        weights, version = self.trainer.export_weights(merge=True)
+        seed = self.cfg.seed + EVAL_SEED
+        metrics = self.evaluator.evaluate(weights, version, seed, self.trainer.model, self.progress)
+        metrics["time/eval"] = time.perf_counter() - t
+        return metrics
 
     def close(self) -> None:
         """Stop the engines (and a Ray cluster this run started), the reward runner and the log, and
@@ -426,11 +475,17 @@ class Run:
             cfg.rollout.group_size,
             self.sampling,
             seed=self.rollout_seed(self.step_count),
+            full_vocab=cfg.diagnostics.full_vocab_positions,
         )
         times["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
         self.sampler.score_samples(batch)
         times["score"] = time.perf_counter() - t
+        if batch.full_vocab is not None:
+            t = time.perf_counter()
+            # The trainer still holds the weights that sampled: it updates after this.
+            self.sampler.score_full_vocab(batch, None if self.sampler.scorer is not None else self.trainer.model)
+            times["full_vocab"] = time.perf_counter() - t
         return problems, batch
 
     def rollout_seed(self, step: int) -> int:
@@ -527,6 +582,7 @@ class Run:
         mask = batch.response_mask
         differs = (sampling_pi != batch.rollout_logprobs) & mask
         if not bool(differs.any()):
+            self._verify_exact_full_vocab(batch)
             return
         row = worst_row(sampling_pi, batch)
         largest = float(((sampling_pi - batch.rollout_logprobs) * mask).abs().max())
@@ -542,6 +598,25 @@ class Run:
             f"step {self.step_count + 1}: exact=true, but {int(differs.sum())} of {int(mask.sum())} sampled tokens "
             f"have μ != π_old (max |Δ| {largest:.3g}); re-scoring row {row}, {where}. "
             f"Stage by stage:\n{format_table(diffs)}"
+        )
+
+    def _verify_exact_full_vocab(self, batch: RolloutBatch) -> None:
+        """exact=true with the full-vocabulary check on: the whole next-token distribution at every
+        checked position must be the same bits too, not only the sampled token's log-probability."""
+        record = batch.full_vocab
+        if record is None or record.trainer_logprobs is None:
+            return
+        valid = record.steps >= 0
+        differs = ((record.rollout_logprobs != record.trainer_logprobs).any(-1) & valid).nonzero()
+        if not len(differs):
+            return
+        i, j = differs[0].tolist()
+        finite = torch.isfinite(record.rollout_logprobs[i, j])
+        largest = float((record.rollout_logprobs[i, j] - record.trainer_logprobs[i, j])[finite].abs().max())
+        raise TrainingError(
+            f"step {self.step_count + 1}: exact=true, but at {len(differs)} of {int(valid.sum())} checked positions "
+            f"the whole next-token distribution differs though every sampled token's μ equals π_old (first: row "
+            f"{int(record.rows[i])}, response token {int(record.steps[i, j])}, max |Δ log p| {largest:.3g})"
         )
 
     def _check_finite(self, update: UpdateResult) -> None:
@@ -599,6 +674,8 @@ class Run:
         try:
             while self.step_count < cfg.steps:
                 metrics = self.step()
+                if self.evaluator is not None and evaluation_due(self.step_count, cfg.steps, cfg.eval.every):
+                    metrics.update(self.evaluate())
                 self.log.log(metrics)
                 history.append(metrics)
                 bar.update(1)
@@ -609,6 +686,8 @@ class Run:
                 }
                 if "reward/accuracy" in metrics:
                     headline["acc"] = f"{metrics['reward/accuracy']:.2f}"
+                if "eval/accuracy" in metrics:
+                    headline["eval"] = f"{metrics['eval/accuracy']:.2f}"
                 bar.set_postfix(headline)
                 if metrics["groups/zero_variance_frac"] == 1.0:
                     if not self.zero_variance_warned:

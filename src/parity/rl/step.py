@@ -29,7 +29,13 @@ from parity.rl.algorithms import (
     needs_old_before_update,
     rejected_sequences,
 )
-from parity.rl.diagnostics import gap_metrics, mismatch_by_length, mismatch_metrics, phantom_clip_frac
+from parity.rl.diagnostics import (
+    full_vocab_metrics,
+    gap_metrics,
+    mismatch_by_length,
+    mismatch_metrics,
+    phantom_clip_frac,
+)
 from parity.rl.rewards import RewardResult
 
 BINARY_REWARDS = {"builtin", "exact", "math", "number"}
@@ -323,6 +329,9 @@ def step_metrics(
         metrics["loss/kl"] = _mean(update.kls)
     for k, v in update.stats.items():  # the estimator's diagnostics, under their own names
         metrics[k] = max(v) if k.endswith("_max") else _mean(v)
+    if batch.full_vocab is not None and batch.full_vocab.trainer_logprobs is not None:
+        full = full_vocab_metrics(batch.full_vocab.rollout_logprobs, batch.full_vocab.trainer_logprobs)
+        metrics.update({f"full_vocab/{k}": v for k, v in full.items()})
     response_mask = batch.response_mask
     mm = mismatch_metrics(sampling_pi, mu, response_mask)
     metrics.update({f"mismatch/{k}": v for k, v in mm.items()})

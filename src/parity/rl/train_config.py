@@ -124,6 +124,30 @@ class HealthSection:
 
 
 @dataclass
+class EvalSection:
+    """Held-out evaluation by the rollout engine, and the deployment gap (docs/deployment.md)."""
+
+    every: int = 10  # steps between evaluations, and one after the last step; 0 = after the last only; -1 = never
+    # auto: the task's held-out split when Parity generates its problems (task.name builtin or number, or
+    # task.data=builtin), without the problems trained on; or a JSONL/Parquet file as task.data reads
+    data: str = "auto"
+    num_prompts: int = 32
+    samples: int = 4  # responses per prompt: eval/pass@k's k
+    temperature: float = 1.0  # 0 = greedy
+    max_new_tokens: int | None = None  # unset: rollout.max_new_tokens
+    # Serving precisions to evaluate the same weights under, beside the trainer's policy: eval/<p>/*,
+    # deploy/gap_<p>, deploy/kl_<p>. Empty: the run's own rollout engine only.
+    precisions: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DiagnosticsSection:
+    # Positions per step where the rollout engine's whole next-token distribution is compared with the
+    # trainer's (full_vocab/* metrics; in exact mode they must be the same bits); 0 = off.
+    full_vocab_positions: int = 32
+
+
+@dataclass
 class DistributedSection:
     """Rollout workers (Ray actors) and learners (torch.distributed, FSDP2). Both at their
     defaults (0 workers, 1 learner): one process, no Ray."""
@@ -202,6 +226,11 @@ NUMERIC_RANGES = (
     ("distributed.restart_timeout_s", lambda v: v > 0, "> 0 seconds"),
     ("async.max_staleness", lambda v: v >= 0, ">= 0 (0 = synchronous)"),
     ("lora.rank", lambda v: v >= 0, ">= 0 (0 = off: full fine-tuning)"),
+    ("diagnostics.full_vocab_positions", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("eval.every", lambda v: v >= -1, ">= -1 (0 = after the last step only, -1 = never)"),
+    ("eval.num_prompts", lambda v: v >= 1, ">= 1"),
+    ("eval.samples", lambda v: v >= 1, ">= 1"),
+    ("eval.temperature", lambda v: v >= 0, ">= 0 (0 = greedy)"),
 )
 
 
@@ -227,6 +256,8 @@ class TrainConfig:
     task: TaskSection = field(default_factory=TaskSection)
     reward: RewardSection = field(default_factory=RewardSection)
     health: HealthSection = field(default_factory=HealthSection)
+    diagnostics: DiagnosticsSection = field(default_factory=DiagnosticsSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
     async_: AsyncSection = field(default_factory=AsyncSection, metadata={"key": "async"})
     moe: MoESection = field(default_factory=MoESection)
@@ -406,9 +437,36 @@ class TrainConfig:
         except ValueError as e:
             raise ConfigError(str(e).replace("sampling.", "rollout.")) from None
         kernels.check_device(self.device)
+        self._check_eval()
         self._check_distributed()
         self._check_lora()
         self._check_exact()
+
+    def _check_eval(self) -> None:
+        e = self.eval
+        if e.max_new_tokens is not None and e.max_new_tokens < 1:
+            raise ConfigError(
+                f"eval.max_new_tokens: must be >= 1 (unset: rollout.max_new_tokens), got {e.max_new_tokens}"
+            )
+        unknown = [p for p in e.precisions if p not in prec.PRECISIONS]
+        if unknown or len(set(e.precisions)) != len(e.precisions):
+            raise ConfigError(
+                f"eval.precisions: expected distinct names from {', '.join(prec.PRECISIONS)} (a list or a "
+                f"comma-separated string), got {','.join(e.precisions) or 'none'}"
+            )
+        if e.data != "auto" and not Path(e.data).expanduser().is_file():
+            raise ConfigError(
+                f"eval.data: no file {e.data!r} (use auto for the task's held-out split, or a JSONL/Parquet file)"
+            )
+
+    @property
+    def eval_data(self) -> str | None:
+        """Where held-out problems come from: a file, "heldout" (the task's generated split), or None
+        (nothing to evaluate on: the run trains on a file of a task Parity does not generate)."""
+        if self.eval.data != "auto":
+            return self.eval.data
+        generated = self.task.data == "builtin" or self.task.name in ("builtin", "number")
+        return "heldout" if generated else None
 
     def _check_exact(self) -> None:
         if not self.exact:

@@ -1,0 +1,279 @@
+"""`parity eval MODEL_OR_RUN_DIR`: the deployment gap, measured offline.
+
+The same weights answer held-out problems in each serving precision and under the trainer's policy
+(`rl/evaluation.py`): for a model directory, its weights; for a `parity train` run directory, its base
+model and every checkpoint it kept. Writes eval.json, eval.md and eval.png (accuracy per precision,
+per checkpoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from parity import config as config_mod
+from parity.config import ConfigError
+from parity.engines import kernels
+from parity.engines import precision as prec
+from parity.engines.models import load_model, resolve_model_dir
+from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, load_tokenizer
+from parity.engines.trainer import OptimConfig, Trainer
+from parity.files import atomic_write_json, atomic_write_text
+from parity.rl.checkpoint import checkpoints, load_checkpoint, require_finite_weights
+from parity.rl.evaluation import EVAL_SEED, GENERATED, TRAINER, EvalSet, Evaluator, eval_sampling, heldout_problems
+from parity.rl.rewards import RewardRunner
+from parity.rl.step import BINARY_REWARDS
+from parity.rl.tasks import DIFFICULTIES, REWARDS, TRUSTED_REWARDS, PromptLimit, builtin_problems, load_problems
+from parity.rl.train_config import TrainConfig
+
+BUILTIN_MAX_NEW_TOKENS = 96  # a model directory's default response budget (a run's is its own)
+
+
+@dataclass
+class EvalConfig:
+    target: str = "builtin"  # a model directory ('builtin'), or a `parity train` run directory
+    precisions: list[str] = field(default_factory=lambda: list(prec.PRECISIONS))  # serving precisions
+    # The trainer precision whose policy each gap is measured against: auto = a run's own, fp32 for a model
+    reference: str = "auto"
+    data: str = "auto"  # auto: the task's held-out split (without a run's training problems); or a file
+    task: str = "auto"  # the reward: auto = a run's task.name; builtin for the built-in model, number otherwise
+    difficulty: str = "auto"  # task=number's generated problems: auto = a run's, else standard
+    num_prompts: int = 64
+    samples: int = 8  # responses per prompt (pass@k's k)
+    temperature: float = 1.0  # 0 = greedy
+    max_new_tokens: int = 0  # 0: a run's rollout.max_new_tokens, else 96
+    chat_template: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    out: str = "parity-eval"
+
+    def validate(self) -> None:
+        kernels.check_device(self.device)
+        unknown = [p for p in self.precisions if p not in prec.PRECISIONS]
+        if unknown or not self.precisions or len(set(self.precisions)) != len(self.precisions):
+            raise ConfigError(
+                f"precisions: expected distinct names from {', '.join(prec.PRECISIONS)}, got "
+                f"{','.join(self.precisions) or 'none'}"
+            )
+        if self.reference not in ("auto", *prec.PRECISIONS):
+            raise ConfigError(
+                f"reference: unknown value {self.reference!r}; allowed: auto, {', '.join(prec.PRECISIONS)}"
+            )
+        if self.task not in ("auto", *REWARDS):
+            raise ConfigError(f"task: unknown value {self.task!r}; allowed: auto, {', '.join(REWARDS)}")
+        if self.difficulty not in ("auto", *DIFFICULTIES):
+            raise ConfigError(
+                f"difficulty: unknown value {self.difficulty!r}; allowed: auto, {', '.join(DIFFICULTIES)}"
+            )
+        if self.chat_template not in CHAT_TEMPLATE_MODES:
+            raise ConfigError(
+                f"chat_template: unknown value {self.chat_template!r}; allowed: {', '.join(CHAT_TEMPLATE_MODES)}"
+            )
+        for key, low in (("num_prompts", 1), ("samples", 1), ("max_new_tokens", 0)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"{key}: must be >= {low}, got {getattr(self, key)}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature: must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.data != "auto" and not Path(self.data).expanduser().is_file():
+            raise ConfigError(
+                f"data: no file {self.data!r} (use auto for the task's held-out split, or a JSONL/Parquet file)"
+            )
+
+
+@dataclass(frozen=True)
+class Target:
+    """What is evaluated: a model directory, or a run's base model and checkpoints."""
+
+    model_dir: Path
+    run: TrainConfig | None  # the run's config; None for a model directory
+    checkpoints: list[Path]
+
+
+def resolve_target(cfg: EvalConfig) -> Target:
+    path = Path(cfg.target).expanduser()
+    started = (path / "metrics.jsonl").exists() or (path / "checkpoints").is_dir()
+    if (path / "config.yaml").is_file() and started:
+        run = config_mod.load(TrainConfig, path / "config.yaml")
+        saved = checkpoints(path)
+        if not saved:
+            raise ConfigError(
+                f"{path}: the run kept no checkpoint (checkpoint_every=-1, or it stopped before its first); "
+                "nothing of it to evaluate but its base model, which `parity eval` takes directly"
+            )
+        return Target(resolve_model_dir(run.model), run, saved)
+    if (path / "config.yaml").is_file():
+        raise ConfigError(f"{path}: a run directory without metrics or checkpoints yet: nothing to evaluate")
+    if cfg.target != "builtin" and not path.is_dir():
+        raise ConfigError(f"{cfg.target}: no such directory (a model directory, 'builtin', or a `parity train` run)")
+    return Target(resolve_model_dir(cfg.target), None, [])
+
+
+def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str]:
+    """The problems and how they are answered; also the task name whose reward scores them."""
+    run = target.run
+    task = (
+        cfg.task
+        if cfg.task != "auto"
+        else run.task.name
+        if run
+        else "builtin"
+        if str(cfg.target) == "builtin"
+        else "number"
+    )
+    difficulty = cfg.difficulty if cfg.difficulty != "auto" else run.task.difficulty if run else "standard"
+    chat_template = run.task.chat_template if run and cfg.chat_template == "auto" else cfg.chat_template
+    max_new = cfg.max_new_tokens or (run.rollout.max_new_tokens if run else BUILTIN_MAX_NEW_TOKENS)
+    tokenizer = load_tokenizer(target.model_dir)
+    positions = load_model(target.model_dir).config.max_position_embeddings
+    room = f"model max_position_embeddings {positions} minus max_new_tokens {max_new}"
+    if cfg.data != "auto":
+        problems = load_problems(cfg.data, tokenizer, positions - max_new, room, chat_template)[: cfg.num_prompts]
+    else:
+        if run is not None and run.task.data != "builtin" and run.task.name not in GENERATED:
+            raise ConfigError(
+                f"{cfg.target}: the run trained on {run.task.data} (task.name={run.task.name}), which has no held-out "
+                "split Parity generates; pass data=FILE"
+            )
+        trained = set()
+        if run is not None:
+            if run.task.data == "builtin":
+                trained = {str(p.prompt) for p in builtin_problems(task, run.task.num_problems, run.seed, difficulty)}
+            else:
+                trained = {
+                    str(p.prompt) for p in load_problems(run.task.data, tokenizer, positions, room, chat_template)
+                }
+        problems = heldout_problems(task, difficulty, cfg.num_prompts, run.seed if run else cfg.seed, trained)
+        limit = PromptLimit(tokenizer, positions - max_new, room, chat_template)
+        for i, problem in enumerate(problems):
+            limit.check(f"held-out problem {i}", problem.prompt)
+    if not problems:
+        raise ConfigError(f"data: no problems to evaluate on ({cfg.data})")
+    evalset = EvalSet(
+        problems=problems,
+        prompts=[tokenizer.encode_prompt(p.prompt, chat_template) for p in problems],
+        samples=cfg.samples,
+        sampling=eval_sampling(cfg.temperature, max_new),
+        binary=task in BINARY_REWARDS,
+    )
+    return evalset, task
+
+
+def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
+    """Evaluate every state of the target; returns what eval.json holds."""
+    target = resolve_target(cfg)
+    evalset, task = evaluation_set(cfg, target)
+    run = target.run
+    reference = cfg.reference if cfg.reference != "auto" else run.trainer_precision if run else "fp32"
+    if run is not None and run.task.reward_fn:
+        raise ConfigError(
+            f"{cfg.target}: the run scores with task.reward_fn={run.task.reward_fn}; `parity eval` runs the "
+            "built-in rewards only (pass task=NAME)"
+        )
+    tokenizer = load_tokenizer(target.model_dir)
+    numerics = kernels.numerics(cfg.device)
+    rewards = RewardRunner(REWARDS[task], isolate=task not in TRUSTED_REWARDS)
+    states = [("base", 0, None)] + [(p.name, _step(p), p) for p in target.checkpoints]
+    results = []
+    try:
+        base = load_model(target.model_dir)
+        require_finite_weights(base, target.model_dir, "nothing can be evaluated")
+        evaluator = Evaluator(base.config, tokenizer, evalset, rewards, None, cfg.precisions, reference, cfg.device)
+        for name, step, path in tqdm(states, desc="checkpoints", unit="state", disable=not progress):
+            trainer = _trainer(target, run, path, reference, cfg.device)
+            weights, version = trainer.export_weights(merge=True)
+            metrics = evaluator.evaluate(weights, version, (run.seed if run else cfg.seed) + EVAL_SEED, trainer.model)
+            results.append({"name": name, "step": step, "metrics": metrics})
+    finally:
+        rewards.close()
+    return {
+        "target": str(cfg.target),
+        "model": str(target.model_dir),
+        "task": task,
+        "reference": reference,
+        "precisions": cfg.precisions,
+        "prompts": len(evalset.prompts),
+        "samples": cfg.samples,
+        "temperature": cfg.temperature,
+        "max_new_tokens": evalset.sampling.max_new_tokens,
+        "numerics": numerics.describe(),
+        "states": results,
+    }
+
+
+def _step(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix("step_"))
+
+
+def _trainer(target: Target, run: TrainConfig | None, checkpoint: Path | None, precision: str, device: str) -> Trainer:
+    """A trainer in `precision` holding the base weights or a checkpoint's (LoRA adapters on their base)."""
+    model = load_model(target.model_dir).to(device)
+    model.numerics = kernels.numerics(device)
+    trainer = Trainer(model, precision, OptimConfig(), run.lora_config() if run and checkpoint else None)
+    if checkpoint is not None:
+        load_checkpoint(checkpoint, trainer, target.model_dir)
+    return trainer
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """One row per state and policy: its score, pass@k, length, and the gap and KL to the trainer's policy."""
+    binary = any("accuracy" in k for state in result["states"] for k in state["metrics"])
+    score = "accuracy" if binary else "reward_mean"
+    lines = [
+        f"| state | step | policy | {score} | pass@{result['samples']} | mean length | gap to trainer | "
+        "KL(μ‖π_trainer) per token |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for state in result["states"]:
+        m = state["metrics"]
+        for label in [*result["precisions"], TRAINER]:
+            name = f"trainer ({result['reference']})" if label == TRAINER else label
+            passed = m.get(f"eval/{label}/pass@k")
+            gap, kl = m.get(f"deploy/gap_{label}"), m.get(f"deploy/kl_{label}")
+            cells = [
+                f"{m[f'eval/{label}/{score}']:.3f}",
+                "-" if passed is None else f"{passed:.3f}",
+                f"{m[f'eval/{label}/mean_length']:.1f}",
+                "-" if gap is None else f"{gap:+.3f}",
+                "-" if kl is None else f"{kl:.2e}",
+            ]
+            lines.append(f"| {state['name']} | {state['step']} | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(result: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "eval.json", result)
+    md = (
+        f"# Held-out evaluation: {result['target']}\n\n"
+        f"{result['prompts']} held-out prompts x {result['samples']} samples at temperature {result['temperature']} "
+        f"(0 = greedy), up to {result['max_new_tokens']} new tokens, task {result['task']}; the same random draws for "
+        f"every state and policy. Policies: the weights served in each precision, and the trainer's policy "
+        f"({result['reference']}, sampled with the trainer's arithmetic). Gap = a policy's score minus the "
+        "trainer policy's; KL per token on the policy's samples, π from the trainer's code path.\n\n"
+        + markdown_table(result)
+        + "\n![accuracy per precision](eval.png)\n"
+    )
+    atomic_write_text(out / "eval.md", md)
+    plot_eval(result, out / "eval.png")
+
+
+def plot_eval(result: dict[str, Any], path: Path) -> None:
+    """Score per policy against the step of each state (base = step 0)."""
+    from parity.commands.report import plt, save_figure
+
+    states = result["states"]
+    binary = any("accuracy" in k for k in states[0]["metrics"])
+    score = "accuracy" if binary else "reward_mean"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    steps = [s["step"] for s in states]
+    for label in [*result["precisions"], TRAINER]:
+        name = label if label != TRAINER else f"trainer policy ({result['reference']})"
+        style = dict(ls=":", color="black") if label == TRAINER else {}
+        ax.plot(steps, [s["metrics"][f"eval/{label}/{score}"] for s in states], marker="o", label=name, **style)
+    ax.set(xlabel="training step of the checkpoint (0 = base model)", ylabel=f"held-out {score}")
+    ax.set_title("Held-out score per serving precision")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)

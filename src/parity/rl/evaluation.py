@@ -1,0 +1,185 @@
+"""Held-out evaluation and the deployment gap (DESIGN.md, "Evaluation and the deployment gap").
+
+Training accuracy is measured on the samples being trained on. Here held-out prompts are answered by a
+rollout engine, the policy that is served, and the same weights are served in each of a list of
+precisions. The reference is the trainer's policy: an exact-mode engine in the trainer precision, which
+samples with the trainer's arithmetic one token at a time (in an exact-mode run, the trainer's bits).
+The deployment gap of a serving precision is its score minus the trainer policy's, beside the per-token
+KL(μ_serving ‖ π_trainer) on its samples, π scored by the trainer's own code path.
+
+A score is the accuracy for a binary reward (1 = correct) and the mean reward otherwise. Evaluation
+draws its random numbers from a generator of its own, with one seed for every evaluation of a run
+(checkpoints and precisions are compared on the same draws), so it changes nothing a run trains on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from parity.engines import kernels
+from parity.engines import precision as prec
+from parity.engines.batch import RolloutBatch
+from parity.engines.models import CausalLM, ModelConfig
+from parity.engines.rollout import RolloutEngine
+from parity.engines.sampling import SamplingParams
+from parity.engines.tokenizer import Tokenizer
+from parity.engines.trainer import sequence_logprobs
+from parity.rl.diagnostics import mismatch_metrics
+from parity.rl.rewards import RewardRunner, score_rollouts
+from parity.rl.tasks import ArithmeticTask, NumberTask, Problem
+
+TRAINER = "trainer"  # the label of the trainer's policy among the evaluated ones
+EVAL_SEED = 0xE7A1  # added to the run's seed: evaluation's own random stream
+GENERATED = ("builtin", "number")  # task names whose problems Parity generates, with a held-out split
+HELDOUT_DRAWS = 8  # candidates drawn per held-out problem wanted, before duplicates and training prompts go
+
+
+def heldout_problems(task_name: str, difficulty: str, n: int, seed: int, exclude: set[str]) -> list[Problem]:
+    """Up to `n` distinct problems of the task's held-out split whose prompts are not in `exclude` (the
+    problems trained on). `task.name=number`: its word problems' held-out eighth, which training never
+    draws; any other: the arithmetic held-out eighth (which the built-in model was not pretrained on and
+    RL trains on), drawn in a stream of its own with the training problems removed."""
+    if task_name == "number":
+        candidates = NumberTask(difficulty).problems(n * HELDOUT_DRAWS, seed=seed, split="eval")
+    else:
+        candidates = ArithmeticTask().problems(n * HELDOUT_DRAWS, seed=seed + EVAL_SEED, split="eval")
+    out, seen = [], set(exclude)
+    for problem in candidates:
+        if problem.prompt not in seen:
+            seen.add(problem.prompt)
+            out.append(problem)
+            if len(out) == n:
+                break
+    return out
+
+
+def eval_sampling(temperature: float, max_new_tokens: int) -> SamplingParams:
+    """Sampling at `temperature`; 0 is greedy (the most likely token, as top-k with k = 1)."""
+    if temperature == 0:
+        return SamplingParams(temperature=1.0, top_k=1, max_new_tokens=max_new_tokens)
+    return SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """What an evaluation answers: the problems, their prompts as token ids, and how."""
+
+    problems: list[Problem]
+    prompts: list[list[int]]
+    samples: int  # responses per prompt (pass@k's k)
+    sampling: SamplingParams
+    binary: bool  # the reward is 1 for a correct response and 0 otherwise
+
+
+def outcome_metrics(batch: RolloutBatch, rewards: list[float], samples: int, binary: bool) -> dict[str, float]:
+    """accuracy, pass@k (k = samples: some response of a prompt is correct) and mean length, for a
+    binary reward; the mean reward always. Rows are grouped by prompt."""
+    r = torch.tensor(rewards, dtype=torch.float64).view(-1, samples)
+    out = {"reward_mean": float(r.mean()), "mean_length": float(batch.response_lengths.double().mean())}
+    if binary:
+        correct = r >= 1.0
+        out.update(accuracy=float(correct.double().mean()), **{"pass@k": float(correct.any(-1).double().mean())})
+    return out
+
+
+class Evaluator:
+    """Answers an `EvalSet` with the weights it is given, under each serving precision and the trainer's
+    policy; `evaluate` returns `eval/...` and `deploy/...` metrics (docs/metrics.md).
+
+    `served`: the precision and numerics a run's own rollout engine samples with (eval/accuracy etc.;
+    None: no such policy). `precisions`: serving precisions for the deployment gap (eval/<p>/...,
+    deploy/gap_<p>, deploy/kl_<p>); empty: the run's own policy only. Engines that would compute the same
+    thing are built once."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tokenizer: Tokenizer,
+        evalset: EvalSet,
+        rewards: RewardRunner,
+        served: tuple[str, kernels.Numerics] | None,
+        precisions: list[str],
+        trainer_precision: str,
+        device: str | torch.device = "cpu",
+    ):
+        self.tokenizer, self.evalset, self.rewards = tokenizer, evalset, rewards
+        self.trainer_precision = trainer_precision
+        # label -> (precision, numerics): each served precision as an inference engine runs it, and the
+        # trainer's policy: its precision with exact mode's arithmetic (the trainer's forms of every op).
+        policies = {p: (p, kernels.numerics(device)) for p in precisions}
+        if precisions:
+            policies[TRAINER] = (trainer_precision, kernels.numerics(device, exact=True))
+        # A run's own policy is one of those when it has the same precision and numerics.
+        self.own = next((label for label, policy in policies.items() if policy == served), None)
+        if self.own is None and served is not None:
+            self.own, policies = "served", {"served": served, **policies}
+        self.engines = {
+            label: RolloutEngine(config, p, tokenizer.eos_ids, tokenizer.pad_id, numerics)
+            for label, (p, numerics) in policies.items()
+        }
+        self.gaps = bool(precisions)
+        self.precisions = list(precisions)
+
+    def evaluate(
+        self,
+        weights: dict[str, torch.Tensor],
+        version: int,
+        seed: int,
+        trainer_model: CausalLM | None = None,
+        progress: bool = False,
+    ) -> dict[str, float]:
+        """Every policy answers the set with `weights` (FP32, Hugging Face names); `trainer_model`, holding
+        the same weights, scores the served samples for deploy/kl_<p> (skipped when None or greedy)."""
+        es = self.evalset
+        outcomes: dict[str, dict[str, float]] = {}
+        batches: dict[str, RolloutBatch] = {}
+        for label, engine in tqdm(self.engines.items(), desc="eval", unit="policy", leave=False, disable=not progress):
+            engine.load_weights(weights, version)
+            batch = engine.generate(es.prompts, es.samples, es.sampling, seed)
+            result = score_rollouts(batch, es.problems, self.tokenizer, self.rewards)
+            outcomes[label], batches[label] = outcome_metrics(batch, result.rewards, es.samples, es.binary), batch
+        metrics = {"eval/prompts": len(es.prompts)}
+        if self.own is not None:
+            metrics.update({f"eval/{k}": v for k, v in outcomes[self.own].items()})
+        if not self.gaps:
+            return metrics
+        score = "accuracy" if es.binary else "reward_mean"
+        for label in [*self.precisions, TRAINER]:
+            metrics.update({f"eval/{label}/{k}": v for k, v in outcomes[label].items()})
+        greedy = es.sampling.top_k == 1
+        for p in self.precisions:
+            metrics[f"deploy/gap_{p}"] = outcomes[p][score] - outcomes[TRAINER][score]
+            if trainer_model is not None and not greedy:
+                metrics[f"deploy/kl_{p}"] = self._kl_to_trainer(batches[p], trainer_model)
+        if trainer_model is not None and not greedy:
+            metrics["deploy/kl_trainer"] = self._kl_to_trainer(batches[TRAINER], trainer_model)
+        return metrics
+
+    @torch.no_grad()
+    def _kl_to_trainer(self, batch: RolloutBatch, model: CausalLM, micro_batch: int = 64) -> float:
+        """Per-token KL(μ ‖ π) on `batch`'s tokens (k3), π from the trainer's code path and precision."""
+        dtype = prec.to_dtype(self.trainer_precision)
+        parts = []
+        for rows in torch.arange(len(batch.prompt_ids), device=batch.response_ids.device).split(micro_batch):
+            parts.append(
+                sequence_logprobs(
+                    model,
+                    [batch.prompt_ids[i] for i in rows.tolist()],
+                    batch.response_ids[rows],
+                    batch.response_mask[rows],
+                    None if batch.support is None else batch.support[rows],
+                    batch.sampling.temperature,
+                    dtype,
+                )[1]
+            )
+        return mismatch_metrics(torch.cat(parts), batch.rollout_logprobs, batch.response_mask)["k3"]
+
+
+def evaluation_due(step: int, total: int, every: int) -> bool:
+    """`eval.every`: after every `every` steps and after the last; 0: the last only; -1: never."""
+    if every < 0:
+        return False
+    return step == total or (every > 0 and step % every == 0)

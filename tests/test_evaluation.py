@@ -1,0 +1,245 @@
+"""Held-out evaluation, the deployment gap, full-vocabulary parity and the trainer's batch-shape invariance
+(issue 27): the config's checks, the metrics against hand computations, a run's evaluation leaving its
+training untouched and its resume exact, `parity eval` on a run directory, and exact mode's zeros."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from parity import config
+from parity.cli import main
+from parity.config import ConfigError
+from parity.engines.models import BUILTIN_DIR, export_state, load_model
+from parity.engines.rollout import FULL_VOCAB_PER_ROW, RolloutEngine, _FullVocabRecorder
+from parity.engines.sampling import SamplingParams
+from parity.engines.tokenizer import load_tokenizer
+from parity.rl.diagnostics import batch_shape_metrics, full_vocab_metrics
+from parity.rl.evaluation import evaluation_due, heldout_problems
+from parity.rl.loop import Run, TrainingError
+from parity.rl.tasks import builtin_problems
+from parity.rl.train_config import TrainConfig
+
+DOCS = Path(__file__).parent.parent / "docs"
+SMALL = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=40", "tensorboard=false"]
+EVAL = ["eval.num_prompts=6", "eval.samples=2"]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("eval.every=-2", "eval.every: must be >= -1"),
+        ("eval.num_prompts=0", "eval.num_prompts: must be >= 1"),
+        ("eval.samples=0", "eval.samples: must be >= 1"),
+        ("eval.temperature=-1", "eval.temperature: must be >= 0"),
+        ("eval.max_new_tokens=0", "eval.max_new_tokens: must be >= 1"),
+        ("eval.precisions=[fp32,fp8]", "eval.precisions: expected distinct names from fp32, bf16, fp16"),
+        ("eval.precisions=[fp16,fp16]", "eval.precisions: expected distinct names"),
+        ("eval.data=/no/such/file.jsonl", "eval.data: no file '/no/such/file.jsonl'"),
+        ("diagnostics.full_vocab_positions=-1", "diagnostics.full_vocab_positions: must be >= 0"),
+    ],
+)
+def test_eval_keys_are_checked(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config.load(TrainConfig, None, [f"run_dir={tmp_path}", override])
+
+
+def test_evaluation_is_due_every_n_steps_and_at_the_end():
+    assert [s for s in range(1, 11) if evaluation_due(s, 10, 4)] == [4, 8, 10]
+    assert [s for s in range(1, 11) if evaluation_due(s, 10, 0)] == [10]
+    assert not any(evaluation_due(s, 10, -1) for s in range(1, 11))
+
+
+def test_held_out_problems_leave_out_the_training_problems():
+    trained = builtin_problems("builtin", 1024, seed=0)
+    held = heldout_problems("builtin", "standard", 64, seed=0, exclude={p.prompt for p in trained})
+    assert len(held) == 64 and len({p.prompt for p in held}) == 64
+    assert not {p.prompt for p in held} & {p.prompt for p in trained}
+    assert held == heldout_problems("builtin", "standard", 64, seed=0, exclude={p.prompt for p in trained})
+    # number's held-out eighth never overlaps its training split
+    words = heldout_problems("number", "standard", 16, seed=0, exclude=set())
+    assert not {p.prompt for p in words} & {p.prompt for p in builtin_problems("number", 512, seed=0)}
+
+
+def test_full_vocabulary_metrics_against_a_hand_computation():
+    mu = torch.tensor([[0.7, 0.2, 0.1, 0.0], [0.5, 0.5, 0.0, 0.0]]).log()
+    pi = torch.tensor([[0.6, 0.3, 0.1, 0.0], [0.25, 0.75, 0.0, 0.0]]).log()
+    recorded_only = torch.cat([mu, torch.full((1, 4), float("nan"))])  # a slot no token filled
+    m = full_vocab_metrics(recorded_only, torch.cat([pi, torch.zeros(1, 4)]))
+    kl = [
+        0.7 * math.log(0.7 / 0.6) + 0.2 * math.log(0.2 / 0.3),
+        0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75),
+    ]
+    assert m["positions"] == 2
+    assert m["tv"] == pytest.approx((0.1 + 0.25) / 2, rel=1e-6)
+    assert m["kl"] == pytest.approx(sum(kl) / 2, rel=1e-6)
+    assert m["max_abs_log_ratio"] == pytest.approx(math.log(2), rel=1e-6)
+    assert m["top1_agree"] == 0.5
+    same = full_vocab_metrics(mu, mu.clone())
+    assert (same["tv"], same["kl"], same["max_abs_log_ratio"], same["top1_agree"]) == (0.0, 0.0, 0.0, 1.0)
+
+
+def test_batch_shape_metrics_against_a_hand_computation():
+    a = torch.tensor([[0.0, -1.0, -2.0], [-0.5, 0.0, 0.0]])
+    b = a + torch.tensor([[0.2, 0.005, 0.0], [-0.02, 0.0, 9.0]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    m = batch_shape_metrics(a, b, mask)
+    assert m["outside_10pct"] == 0.25 and m["outside_1pct"] == 0.5  # |Δ| 0.2 > log 1.1; 0.02 > log 1.01
+    assert m["max_abs_log_ratio"] == pytest.approx(0.2) and m["exact_tokens_frac"] == 0.25
+
+
+def test_recording_the_whole_distribution_changes_no_sample():
+    model, tok = load_model("builtin"), load_tokenizer(BUILTIN_DIR)
+    engine = RolloutEngine(model.config, "bf16", tok.eos_ids, tok.pad_id)
+    engine.load_weights(export_state(model), version=0)
+    # 48 rows: finished rows leave the decode batch (16 at a time) while recorded rows are still sampling
+    prompts = [tok.encode(f"{a}+{b}=") for a, b in ((4705, 386), (12, 9), (99, 999), (5, 123456))] * 2
+    sampling = SamplingParams(top_k=6, max_new_tokens=40)
+    plain = engine.generate(prompts, 6, sampling, seed=3)
+    recorded = engine.generate(prompts, 6, sampling, seed=3, full_vocab=20)
+    assert int((recorded.response_lengths <= 30).sum()) > 16  # by step 30 the decode batch shrank from 48 to 32
+    assert torch.equal(plain.response_ids, recorded.response_ids)
+    assert torch.equal(plain.rollout_logprobs, recorded.rollout_logprobs)
+    record = recorded.full_vocab
+    per_row = FULL_VOCAB_PER_ROW
+    assert record.rollout_logprobs.shape == (-(-20 // per_row), per_row, model.config.vocab_size)
+    # each kept position is a real token of its row, and holds the distribution μ was read from
+    for i, row in enumerate(record.rows.tolist()):
+        for j, t in enumerate(record.steps[i].tolist()):
+            if t >= 0:
+                assert recorded.response_mask[row, t]
+                token = recorded.response_ids[row, t]
+                assert record.rollout_logprobs[i, j, token] == recorded.rollout_logprobs[row, t]
+                assert torch.isinf(record.rollout_logprobs[i, j]).sum() == model.config.vocab_size - 6
+
+
+def test_a_recorded_row_that_leaves_the_decode_batch_is_never_live_again():
+    recorder = _FullVocabRecorder(
+        2 * FULL_VOCAB_PER_ROW, batch=6, max_new=3, vocab=5, seed=0, device=torch.device("cpu")
+    )
+    recorder.where = torch.tensor([5, 2])  # two recorded rows, at active rows 5 and 2
+    recorder.rows_kept(torch.tensor([0, 2, 3]), active=6)  # row 5 finished and left; row 2 is now row 1
+    assert recorder.where.tolist() == [-1, 1]
+    recorder.observe(0, live=torch.tensor([True, True, True]), logp=torch.arange(15.0).view(3, 5))
+    assert recorder.steps[:, 0].tolist() == [-1, 0] and recorder.logprobs[1, 0].tolist() == [5, 6, 7, 8, 9]
+
+
+def _without_timing(lines: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))} for m in lines]
+
+
+def _run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
+    cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path / name}", *SMALL, *overrides])
+    Run.create(cfg, progress=False).train()
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_evaluation_leaves_training_untouched_and_a_resumed_run_exact(tmp_path):
+    """Steps with and without evaluation train the same; a run resumed after its step-2 checkpoint logs
+    what the uninterrupted run logged, evaluations included."""
+    common = ["steps=4", "checkpoint_every=2", "eval.every=2", "eval.precisions=[fp32,bf16]", *EVAL]
+    whole = _run(tmp_path, "whole", *common)
+    assert [("eval/accuracy" in m, "deploy/gap_bf16" in m) for m in whole] == [(False, False), (True, True)] * 2
+    assert all("full_vocab/tv" in m for m in whole)
+    without = _run(tmp_path, "without", *common[:2], "eval.every=-1", *EVAL)
+    trained = [{k: v for k, v in m.items() if not k.startswith(("eval/", "deploy/"))} for m in _without_timing(whole)]
+    assert trained == _without_timing(without)
+
+    _run(tmp_path, "resumed", *[c.replace("steps=4", "steps=2") for c in common])
+    assert main(["train", "--resume", str(tmp_path / "resumed"), "steps=4"]) == 0
+    resumed = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert _without_timing(resumed) == _without_timing(whole)
+
+
+@pytest.mark.slow
+def test_parity_eval_on_a_run_directory(tmp_path, capsys):
+    _run(tmp_path, "run", "steps=4", "checkpoint_every=2", "keep_checkpoints=3", "eval.every=-1")
+    out = tmp_path / "eval"
+    assert main(["eval", str(tmp_path / "run"), "num_prompts=6", "samples=2", f"out={out}"]) == 0
+    result = json.loads((out / "eval.json").read_text())
+    assert [(s["name"], s["step"]) for s in result["states"]] == [("base", 0), ("step_000002", 2), ("step_000004", 4)]
+    assert result["reference"] == "fp16" and result["precisions"] == ["fp32", "bf16", "fp16"]
+    for state in result["states"]:
+        m = state["metrics"]
+        for p in ("fp32", "bf16", "fp16"):
+            assert m[f"deploy/gap_{p}"] == pytest.approx(m[f"eval/{p}/accuracy"] - m["eval/trainer/accuracy"])
+            assert m[f"deploy/kl_{p}"] >= 0
+    assert (out / "eval.png").stat().st_size > 0 and "| step_000004 | 4 | bf16 |" in (out / "eval.md").read_text()
+
+    # one line for each kind of bad input
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "precisions=[fp32,int4]", f"out={out}"]) == 2
+    assert "precisions: expected distinct names from fp32, bf16, fp16, got fp32,int4" in capsys.readouterr().err
+    _run(tmp_path, "nockpt", "steps=1", "checkpoint_every=-1", "eval.every=-1")
+    assert main(["eval", str(tmp_path / "nockpt"), f"out={out}"]) == 2
+    assert "the run kept no checkpoint" in capsys.readouterr().err
+    data = tmp_path / "math.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    _run(tmp_path, "math", "steps=1", f"task.data={data}", "task.name=exact", "rollout.group_size=2")
+    assert main(["eval", str(tmp_path / "math"), f"out={out}"]) == 2
+    assert "has no held-out split Parity generates; pass data=FILE" in capsys.readouterr().err
+
+
+def test_exact_mode_compares_whole_distributions_and_finds_them_equal(tmp_path):
+    lines = _run(tmp_path, "exact", "steps=2", "exact=true", "rollout.top_k=5", "checkpoint_every=-1", "eval.every=-1")
+    for m in lines:
+        assert m["full_vocab/positions"] == 32
+        assert (m["full_vocab/tv"], m["full_vocab/kl"], m["full_vocab/max_abs_log_ratio"]) == (0.0, 0.0, 0.0)
+        assert m["full_vocab/top1_agree"] == 1.0
+
+
+def test_exact_mode_stops_when_a_whole_distribution_differs(tmp_path):
+    """Every sampled token agreeing is not enough: one differing entry of a checked distribution stops the
+    step before the optimizer moves."""
+    cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path / 'r'}", "exact=true", "steps=2", *SMALL])
+    run = Run.create(cfg, progress=False)
+    generate = run.sampler.engine.generate
+
+    def tampered(*args, **kwargs):
+        batch = generate(*args, **kwargs)
+        record = batch.full_vocab
+        i, j = (record.steps >= 0).nonzero()[0].tolist()
+        sampled = batch.response_ids[record.rows[i], record.steps[i, j]]
+        other = (sampled + 1) % record.rollout_logprobs.shape[-1]  # not the sampled token
+        record.rollout_logprobs[i, j, other] += 1e-3
+        return batch
+
+    run.sampler.engine.generate = tampered
+    before = {n: p.detach().clone() for n, p in run.trainer.model.named_parameters()}
+    with pytest.raises(TrainingError, match="the whole next-token distribution differs though every sampled token"):
+        run.train()
+    assert all(torch.equal(p, before[n]) for n, p in run.trainer.model.named_parameters())
+
+
+def test_mismatch_reports_full_vocabulary_and_batch_shape(tmp_path):
+    out = tmp_path / "mm"
+    args = ["mismatch", "num_prompts=6", "group_size=2", "sampling.max_new_tokens=24", "pairs=[fp32/fp32,bf16/bf16]"]
+    assert main([*args, "--out", str(out)]) == 0
+    runs = json.loads((out / "mismatch.json").read_text())["runs"]
+    for r in runs:
+        assert r["full_vocab"]["positions"] > 0 and 0 <= r["full_vocab"]["tv"] < 1
+        assert set(r["batch_shape"]) == {"outside_10pct", "outside_1pct", "max_abs_log_ratio", "exact_tokens_frac"}
+    assert "trainer vs itself: outside [0.9, 1.1]" in (out / "mismatch.md").read_text()
+    assert main([*args, "exact=true", "pairs=[bf16/bf16]", "--out", str(out)]) == 0
+    exact = json.loads((out / "mismatch.json").read_text())["runs"][0]
+    assert exact["full_vocab"]["tv"] == 0.0 and exact["full_vocab"]["max_abs_log_ratio"] == 0.0
+
+
+def test_metrics_doc_lists_the_evaluation_and_full_vocabulary_names(tmp_path):
+    lines = _run(tmp_path, "r", "steps=1", "eval.precisions=[bf16]", *EVAL, "checkpoint_every=-1")
+    doc = (DOCS / "metrics.md").read_text()
+    new = [
+        k
+        for k in lines[-1]
+        if k.startswith(("eval/", "deploy/", "full_vocab/")) or k in ("time/eval", "time/full_vocab")
+    ]
+    missing = [
+        k for k in new if f"`{re.sub(r'(fp32|bf16|fp16|trainer)', '<p>', k)}`" not in doc and f"`{k}`" not in doc
+    ]
+    assert new and not missing, f"docs/metrics.md lacks {missing}"
