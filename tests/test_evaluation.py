@@ -20,7 +20,7 @@ from parity.engines.rollout import FULL_VOCAB_PER_ROW, RolloutEngine, _FullVocab
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.rl.diagnostics import batch_shape_metrics, full_vocab_metrics
-from parity.rl.evaluation import evaluation_due, heldout_problems
+from parity.rl.evaluation import changed_responses, evaluation_due, gap_standard_error, heldout_problems
 from parity.rl.loop import Run, TrainingError
 from parity.rl.tasks import builtin_problems
 from parity.rl.train_config import TrainConfig
@@ -82,6 +82,30 @@ def test_full_vocabulary_metrics_against_a_hand_computation():
     assert m["top1_agree"] == 0.5
     same = full_vocab_metrics(mu, mu.clone())
     assert (same["tv"], same["kl"], same["max_abs_log_ratio"], same["top1_agree"]) == (0.0, 0.0, 0.0, 1.0)
+
+
+def test_the_gap_standard_error_is_paired_by_prompt():
+    scores, reference = torch.tensor([0.5, 1.0, 0.25, 0.0]), torch.tensor([0.25, 1.0, 0.0, 0.0])
+    d = torch.tensor([0.25, 0.0, 0.25, 0.0])
+    assert gap_standard_error(scores, reference) == pytest.approx(float(d.std() / 2))
+    assert gap_standard_error(scores + 0.1, reference + 0.1) == pytest.approx(gap_standard_error(scores, reference))
+
+
+def test_changed_responses_counts_rows_that_differ_in_any_token():
+    from parity.engines.batch import RolloutBatch
+
+    def batch(ids: list[list[int]], lengths: list[int]) -> RolloutBatch:
+        ids = torch.tensor(ids)
+        mask = torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]
+        zeros = torch.zeros(len(lengths))
+        return RolloutBatch(
+            [[1]] * len(lengths), ids, mask, zeros, None, zeros.bool(), zeros.long(), 0, SamplingParams()
+        )
+
+    a = batch([[5, 6, 1], [7, 1, 0], [8, 8, 1]], [3, 2, 3])
+    b = batch([[5, 6, 1, 0], [7, 1, 9, 9], [8, 9, 1, 0]], [3, 2, 3])  # wider, padding differs; row 2 differs
+    assert changed_responses(a, b) == pytest.approx(1 / 3)
+    assert changed_responses(a, batch([[5, 6, 1], [7, 1, 0], [8, 8, 1]], [3, 3, 3])) == pytest.approx(1 / 3)
 
 
 def test_batch_shape_metrics_against_a_hand_computation():
@@ -169,7 +193,7 @@ def test_parity_eval_on_a_run_directory(tmp_path, capsys):
         m = state["metrics"]
         for p in ("fp32", "bf16", "fp16"):
             assert m[f"deploy/gap_{p}"] == pytest.approx(m[f"eval/{p}/accuracy"] - m["eval/trainer/accuracy"])
-            assert m[f"deploy/kl_{p}"] >= 0
+            assert m[f"deploy/kl_{p}"] >= 0 and 0 <= m[f"deploy/changed_{p}"] <= 1 and m[f"deploy/gap_se_{p}"] >= 0
     assert (out / "eval.png").stat().st_size > 0 and "| step_000004 | 4 | bf16 |" in (out / "eval.md").read_text()
 
     # one line for each kind of bad input

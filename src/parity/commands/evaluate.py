@@ -223,20 +223,21 @@ def markdown_table(result: dict[str, Any]) -> str:
     score = "accuracy" if binary else "reward_mean"
     lines = [
         f"| state | step | policy | {score} | pass@{result['samples']} | mean length | gap to trainer | "
-        "KL(μ‖π_trainer) per token |",
-        "|---|---|---|---|---|---|---|---|",
+        "responses changed | KL(μ‖π_trainer) per token |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for state in result["states"]:
         m = state["metrics"]
         for label in [*result["precisions"], TRAINER]:
             name = f"trainer ({result['reference']})" if label == TRAINER else label
             passed = m.get(f"eval/{label}/pass@k")
-            gap, kl = m.get(f"deploy/gap_{label}"), m.get(f"deploy/kl_{label}")
+            gap, se, kl, changed = (m.get(f"deploy/{k}_{label}") for k in ("gap", "gap_se", "kl", "changed"))
             cells = [
                 f"{m[f'eval/{label}/{score}']:.3f}",
                 "-" if passed is None else f"{passed:.3f}",
                 f"{m[f'eval/{label}/mean_length']:.1f}",
-                "-" if gap is None else f"{gap:+.3f}",
+                "-" if gap is None else f"{gap:+.3f} ± {se:.3f}",
+                "-" if changed is None else f"{changed:.1%}",
                 "-" if kl is None else f"{kl:.2e}",
             ]
             lines.append(f"| {state['name']} | {state['step']} | {name} | " + " | ".join(cells) + " |")
@@ -252,7 +253,9 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
         f"(0 = greedy), up to {result['max_new_tokens']} new tokens, task {result['task']}; the same random draws for "
         f"every state and policy. Policies: the weights served in each precision, and the trainer's policy "
         f"({result['reference']}, sampled with the trainer's arithmetic). Gap = a policy's score minus the "
-        "trainer policy's; KL per token on the policy's samples, π from the trainer's code path.\n\n"
+        "trainer policy's, ± its standard error over prompts (paired); responses changed: rows whose response "
+        "differs from the trainer policy's in any token; KL per token on the policy's samples, π from the "
+        "trainer's code path.\n\n"
         + markdown_table(result)
         + "\n![accuracy per precision](eval.png)\n"
     )

@@ -74,6 +74,13 @@ class EvalSet:
     binary: bool  # the reward is 1 for a correct response and 0 otherwise
 
 
+def prompt_scores(rewards: list[float], samples: int, binary: bool) -> torch.Tensor:
+    """Each prompt's score [P] FP64: the fraction of its responses that are correct (binary reward), else
+    their mean reward. Rows are grouped by prompt."""
+    r = torch.tensor(rewards, dtype=torch.float64).view(-1, samples)
+    return (r >= 1.0).double().mean(-1) if binary else r.mean(-1)
+
+
 def outcome_metrics(batch: RolloutBatch, rewards: list[float], samples: int, binary: bool) -> dict[str, float]:
     """accuracy, pass@k (k = samples: some response of a prompt is correct) and mean length, for a
     binary reward; the mean reward always. Rows are grouped by prompt."""
@@ -83,6 +90,13 @@ def outcome_metrics(batch: RolloutBatch, rewards: list[float], samples: int, bin
         correct = r >= 1.0
         out.update(accuracy=float(correct.double().mean()), **{"pass@k": float(correct.any(-1).double().mean())})
     return out
+
+
+def gap_standard_error(scores: torch.Tensor, reference: torch.Tensor) -> float:
+    """The standard error of mean(scores − reference) over prompts, paired by prompt (both answered the
+    same prompts with the same random numbers); 0 with one prompt."""
+    d = scores - reference
+    return float(d.std() / len(d) ** 0.5) if len(d) > 1 else 0.0
 
 
 class Evaluator:
@@ -136,11 +150,13 @@ class Evaluator:
         es = self.evalset
         outcomes: dict[str, dict[str, float]] = {}
         batches: dict[str, RolloutBatch] = {}
+        scores: dict[str, torch.Tensor] = {}
         for label, engine in tqdm(self.engines.items(), desc="eval", unit="policy", leave=False, disable=not progress):
             engine.load_weights(weights, version)
             batch = engine.generate(es.prompts, es.samples, es.sampling, seed)
             result = score_rollouts(batch, es.problems, self.tokenizer, self.rewards)
             outcomes[label], batches[label] = outcome_metrics(batch, result.rewards, es.samples, es.binary), batch
+            scores[label] = prompt_scores(result.rewards, es.samples, es.binary)
         metrics = {"eval/prompts": len(es.prompts)}
         if self.own is not None:
             metrics.update({f"eval/{k}": v for k, v in outcomes[self.own].items()})
@@ -152,6 +168,8 @@ class Evaluator:
         greedy = es.sampling.top_k == 1
         for p in self.precisions:
             metrics[f"deploy/gap_{p}"] = outcomes[p][score] - outcomes[TRAINER][score]
+            metrics[f"deploy/gap_se_{p}"] = gap_standard_error(scores[p], scores[TRAINER])
+            metrics[f"deploy/changed_{p}"] = changed_responses(batches[p], batches[TRAINER])
             if trainer_model is not None and not greedy:
                 metrics[f"deploy/kl_{p}"] = self._kl_to_trainer(batches[p], trainer_model)
         if trainer_model is not None and not greedy:
@@ -176,6 +194,18 @@ class Evaluator:
                 )[1]
             )
         return mismatch_metrics(torch.cat(parts), batch.rollout_logprobs, batch.response_mask)["k3"]
+
+
+def changed_responses(batch: RolloutBatch, other: RolloutBatch) -> float:
+    """Fraction of rows whose response differs in any token: two policies answering with the same random
+    numbers give the same response unless their distributions differ where it was drawn."""
+    width = max(batch.response_ids.shape[1], other.response_ids.shape[1])
+
+    def tokens(b: RolloutBatch) -> torch.Tensor:
+        ids = b.response_ids.masked_fill(~b.response_mask, -1)
+        return torch.nn.functional.pad(ids, (0, width - ids.shape[1]), value=-1)
+
+    return float((tokens(batch) != tokens(other)).any(-1).double().mean())
 
 
 def evaluation_due(step: int, total: int, every: int) -> bool:
