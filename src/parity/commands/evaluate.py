@@ -255,28 +255,36 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
         f"({result['reference']}, sampled with the trainer's arithmetic). Gap = a policy's score minus the "
         "trainer policy's, ± its standard error over prompts (paired); responses changed: rows whose response "
         "differs from the trainer policy's in any token; KL per token on the policy's samples, π from the "
-        "trainer's code path.\n\n"
-        + markdown_table(result)
-        + "\n![accuracy per precision](eval.png)\n"
+        "trainer's code path.\n\n" + markdown_table(result) + "\n![accuracy per precision](eval.png)\n"
     )
     atomic_write_text(out / "eval.md", md)
     plot_eval(result, out / "eval.png")
 
 
 def plot_eval(result: dict[str, Any], path: Path) -> None:
-    """Score per policy against the step of each state (base = step 0)."""
+    """Left: the score per policy against the step of each state (base = step 0). Right: each serving
+    precision's gap to the trainer's policy, with ± one standard error (paired over prompts)."""
     from parity.commands.report import plt, save_figure
 
     states = result["states"]
     binary = any("accuracy" in k for k in states[0]["metrics"])
     score = "accuracy" if binary else "reward_mean"
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
     steps = [s["step"] for s in states]
     for label in [*result["precisions"], TRAINER]:
         name = label if label != TRAINER else f"trainer policy ({result['reference']})"
         style = dict(ls=":", color="black") if label == TRAINER else {}
-        ax.plot(steps, [s["metrics"][f"eval/{label}/{score}"] for s in states], marker="o", label=name, **style)
-    ax.set(xlabel="training step of the checkpoint (0 = base model)", ylabel=f"held-out {score}")
-    ax.set_title("Held-out score per serving precision")
-    ax.legend(fontsize=8)
+        left.plot(steps, [s["metrics"][f"eval/{label}/{score}"] for s in states], marker="o", label=name, **style)
+    for i, p in enumerate(result["precisions"]):
+        gaps = [s["metrics"][f"deploy/gap_{p}"] for s in states]
+        errors = [s["metrics"][f"deploy/gap_se_{p}"] for s in states]
+        shift = (i - (len(result["precisions"]) - 1) / 2) * 0.6  # side by side at each step
+        right.errorbar([x + shift for x in steps], gaps, yerr=errors, marker="o", capsize=3, ls="none", label=p)
+    right.axhline(0, color="black", lw=0.7)
+    left.set(xlabel="training step of the checkpoint (0 = base model)", ylabel=f"held-out {score}")
+    left.set_title("Held-out score per serving precision")
+    right.set(xlabel="training step of the checkpoint (0 = base model)", ylabel=f"{score} served − trainer policy's")
+    right.set_title("Deployment gap (± 1 standard error over prompts)")
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
     save_figure(fig, path)

@@ -189,17 +189,18 @@ def full_vocab_logprobs(model: CausalLM, batch: RolloutBatch, dtype: torch.dtype
     rows = record.rows.to(device)
     mask = batch.response_mask.to(device)[rows]
     packed = pack([batch.prompt_ids[r] for r in rows.tolist()], batch.response_ids.to(device)[rows], mask, routing=None)
-    head = model(packed, dtype)[: int(mask.sum())]
-    # Scored tokens are row-major: row i's response token t is at starts[i] + t.
+    # Scored tokens are row-major: row i's response token t is at starts[i] + t. Only the recorded
+    # positions go through the LM head (a vocabulary-wide matmul each).
     lengths = mask.sum(-1)
     starts = torch.cumsum(lengths, 0) - lengths
     steps = record.steps.to(device)
     valid = steps >= 0
     index = (starts[:, None] + steps.clamp(min=0)).flatten()
+    head = model.lm_head(model.hidden_states(packed, dtype)[packed.score_index[index]])
     support = None
     if batch.support is not None:
         support = batch.support.to(device)[rows[:, None], steps.clamp(min=0)].flatten(0, 1)
-    logits = restrict(_scaled(head[index], batch.sampling.temperature, model.config.final_softcap), support)
+    logits = restrict(_scaled(head, batch.sampling.temperature, model.config.final_softcap), support)
     logprobs = torch.log_softmax(logits, dim=-1).view(*steps.shape, -1)
     return logprobs.masked_fill(~valid[..., None], float("nan"))
 
