@@ -9,13 +9,19 @@ mismatch on every step (the run stops otherwise), which the benchmark also check
 
 - the built-in model on its arithmetic task (16 prompts × 8 samples, up to 32 new tokens);
 - the 4.4M Llama of DESIGN.md (random weights) on the same prompts, 8 prompts × 8 samples,
-  16 new tokens (random weights rarely stop early, so both kinds do the same work).
+  16 new tokens (random weights rarely stop early, so both kinds do the same work);
+- any model directory (e.g. SmolLM2-135M-Instruct) on easy word problems through its chat template,
+  4 prompts × 4 samples, 64 new tokens.
+
+Extra `parity train` keys for every run follow the options (`lora.rank=8 lora.merge=false` measures
+exact mode with LoRA).
 
 Exact mode changes the numerics slightly, so the built-in model's responses differ between the
 two kinds; times are also given per 1,000 sampled tokens so that length differences do not pass
 for cost.
 
-    python benchmarks/exact.py [--rounds 3] [--steps 5] [--precisions fp32,bf16,fp16] [--json out.json]
+    python benchmarks/exact.py [--rounds 3] [--steps 5] [--precisions fp32,bf16,fp16] [--models builtin,llama-4.4M,DIR]
+        [--json out.json] [key=value ...]
 
 Nothing else may run on the machine meanwhile.
 """
@@ -40,6 +46,14 @@ WORKLOADS = {
     "builtin": ["prompts_per_step=16", "rollout.group_size=8", "rollout.max_new_tokens=32"],
     "llama-4.4M": ["prompts_per_step=8", "rollout.group_size=8", "rollout.max_new_tokens=16"],
 }
+# A model directory: an instruct model's task.
+DIRECTORY_WORKLOAD = [
+    "task.name=number",
+    "task.difficulty=easy",
+    "prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=64",
+]
 
 
 def create(model: str, precision: str, exact: bool, steps: int, workload: list[str], run_dir: Path) -> Run:
@@ -54,6 +68,7 @@ def create(model: str, precision: str, exact: bool, steps: int, workload: list[s
             f"run_dir={run_dir}",
             "checkpoint_every=-1",
             "tensorboard=false",
+            "eval.every=-1",
             *workload,
         ],
     )
@@ -123,14 +138,17 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp32,bf16,fp16")
     parser.add_argument("--models", default="builtin,llama-4.4M")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="parity train keys for every run")
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for name in args.models.split(","):
-            model = "builtin" if name == "builtin" else str(make_llama_4m(tmp / "llama"))
+            model = {"builtin": "builtin", "llama-4.4M": None}.get(name, name)
+            model = str(make_llama_4m(tmp / "llama")) if model is None else model
+            workload = [*WORKLOADS.get(name, DIRECTORY_WORKLOAD), *args.overrides]
             for precision in args.precisions.split(","):
-                results.append(measure(model, precision, args.rounds, args.steps, WORKLOADS[name], tmp / name))
+                results.append(measure(model, precision, args.rounds, args.steps, workload, tmp / Path(name).name))
                 results[-1]["model"] = name
                 print(table(results[-1:]).splitlines()[-1], flush=True)
     print(table(results))

@@ -48,6 +48,9 @@ class LoRAConfig:
     rank: int
     alpha: float
     targets: tuple[str, ...] = TARGETS
+    # The rollout engine gets W + scale·B·A each sync (`lora.merge`); in exact mode the trainer's forward
+    # then computes with that merged weight too, so that both engines multiply by the same matrix.
+    merge: bool = True
 
     @property
     def scale(self) -> float:
@@ -57,11 +60,13 @@ class LoRAConfig:
 # ----------------------------------------------------------------------------- tensor functions
 
 
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+def lora_delta(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, numerics: kernels.Numerics
+) -> torch.Tensor:
     """(x·Aᵀ)·(scale·B)ᵀ in the dtype of `x`, each matmul under the precision policy. Scaling B
     (rank columns) rather than the output (one more pass over every token's activations) is
     bit-identical to PEFT's order when scale is a power of two, as at the default alpha = 2 x rank."""
-    return kernels.linear(kernels.linear(x, a), b * scale)
+    return numerics.linear(numerics.linear(x, a), b * scale)
 
 
 def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
@@ -83,7 +88,7 @@ class LoRALinear(Linear):
     """A frozen `Linear` plus a trainable low-rank update. Takes over the base layer's own
     (already frozen) parameters, so nothing is copied."""
 
-    def __init__(self, base: Linear, rank: int, scale: float, generator: torch.Generator):
+    def __init__(self, base: Linear, rank: int, scale: float, generator: torch.Generator, merge: bool = True):
         nn.Module.__init__(self)  # not Linear.__init__: that would allocate a new weight
         self.weight, self.bias, self.numerics = base.weight, base.bias, base.numerics
         d_out, d_in = base.weight.shape
@@ -91,9 +96,14 @@ class LoRALinear(Linear):
         self.lora_A = nn.Parameter(init_a(rank, d_in, generator).to(device))
         self.lora_B = nn.Parameter(torch.zeros(d_out, rank, device=device))
         self.scale = scale
+        self.merge = merge
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + lora_delta(x, self.lora_A, self.lora_B, self.scale)
+        if self.merge and self.numerics.exact:
+            # Exact mode, merged adapters: the rollout engine multiplies by W + scale·B·A as merged in
+            # FP32 and rounded; so does this (gradients reach A and B through the merge).
+            return self.numerics.linear(x, merged_weight(self.weight, self.lora_A, self.lora_B, self.scale), self.bias)
+        return super().forward(x) + lora_delta(x, self.lora_A, self.lora_B, self.scale, self.numerics)
 
 
 def targeted(model: CausalLM, targets: tuple[str, ...]) -> list[str]:
@@ -124,7 +134,7 @@ def apply_lora(model: CausalLM, cfg: LoRAConfig, base_dtype: torch.dtype, seed: 
     generator = torch.Generator().manual_seed(seed)
     for name in names:
         parent, _, child = name.rpartition(".")
-        adapter = LoRALinear(model.get_submodule(name), cfg.rank, cfg.scale, generator)
+        adapter = LoRALinear(model.get_submodule(name), cfg.rank, cfg.scale, generator, cfg.merge)
         setattr(model.get_submodule(parent), child, adapter)
 
 

@@ -112,8 +112,9 @@ class _Layer:
     experts_down: torch.Tensor | None = None  # [E, H, I]
     # Unmerged LoRA (`load_adapters`): per projection ("qkv", "o", "gate_up", "down") the pair (A, B)
     # whose x·Aᵀ·Bᵀ is added to the base projection; a fused projection's A stacks its members' and
-    # its B is block-diagonal, so one pair serves Q, K and V (or gate and up) together.
-    lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # its B is block-diagonal, so one pair serves Q, K and V (or gate and up) together. With the pair,
+    # each adapted member's (output columns, rank columns) in it, for exact mode (`_project`).
+    lora: dict[str, tuple[torch.Tensor, torch.Tensor, list[tuple[slice, slice]]]] = field(default_factory=dict)
 
 
 def projections(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -303,15 +304,18 @@ class RolloutEngine:
                 a = torch.cat([p[0] for p in pairs if p is not None])
                 b = torch.zeros(sum(w for _, w in members), sum(ranks), dtype=a.dtype, device=a.device)
                 row = col = 0
+                blocks = []
                 for p, (_, width), rank in zip(pairs, members, ranks):
                     if p is not None:
                         b[row : row + width, col : col + rank] = p[1]
+                        blocks.append((slice(row, row + width), slice(col, col + rank)))
                     row, col = row + width, col + rank
-                # BF16 on the CPU: held as BF16-rounded values in FP32 (see `_project`).
+                # BF16 on the CPU: held as BF16-rounded values in FP32 (see `_project`), but not in exact
+                # mode, which computes what the trainer does.
                 a, b = (t.to(device=self.device, dtype=self.dtype) for t in (a, b))
-                if kernels.per_shape_kernels(self.dtype, self.device):
+                if kernels.per_shape_kernels(self.dtype, self.device) and not self.numerics.exact:
                     a, b = a.float(), b.float()
-                layer.lora[part] = (a, b)
+                layer.lora[part] = (a, b, blocks)
         if unknown:
             raise ValueError(f"adapter sync: no projection named {sorted(unknown)[:3]}")
         self.weight_version = version
@@ -366,7 +370,14 @@ class RolloutEngine:
         """The projection `part` of `layer` (qkv, o, gate_up, down), with its unmerged adapter."""
         out = self.numerics.linear(x, getattr(layer, part), getattr(layer, part + "_bias"), held=True)
         if part in layer.lora:
-            a, b = layer.lora[part]
+            a, b, blocks = layer.lora[part]
+            if self.numerics.exact:
+                # The trainer adds each member's adapter to its own output: the block-diagonal B would
+                # sum over the other members' (zero) rank columns too, in another order.
+                low = self.numerics.linear(x, a)
+                for columns, ranks in blocks:
+                    out[..., columns] += self.numerics.linear(low[..., ranks], b[columns, ranks])
+                return out
             if a.dtype == x.dtype:
                 return out + kernels.linear(kernels.linear(x, a), b)
             # BF16 on the CPU would build a oneDNN kernel for each of these rank-wide matmuls at every

@@ -271,7 +271,7 @@ class TrainConfig:
     def lora_config(self) -> LoRAConfig | None:
         """The resolved LoRA settings, None for full fine-tuning."""
         r = self.lora
-        return LoRAConfig(r.rank, r.alpha, tuple(r.targets)) if r.rank else None
+        return LoRAConfig(r.rank, r.alpha, tuple(r.targets), r.merge) if r.rank else None
 
     def _check_lora(self) -> None:
         """Check the lora keys and fill the unset alpha (saved resolved in config.yaml)."""
@@ -475,11 +475,6 @@ class TrainConfig:
             raise ConfigError(
                 f"exact=true with rollout.precision={self.rollout_precision} and trainer.precision="
                 f"{self.trainer_precision}: exact mode makes both engines compute the same bits in one precision"
-            )
-        if self.lora.rank:
-            raise ConfigError(
-                "exact=true with lora.rank > 0: the rollout engine runs the adapters merged into the weights and "
-                "the trainer runs them beside the frozen base, which rounds differently; use one or the other"
             )
         if self.distributed_mode:
             raise ConfigError(
