@@ -191,7 +191,6 @@ def test_the_runtime_check_stops_the_run_and_names_the_stage(tmp_path):
     ("overrides", "message"),
     [
         (["rollout.precision=bf16", "allow_precision_mismatch=true"], "exact mode makes both engines"),
-        (["distributed.rollout_workers=1"], "one process only"),
     ],
 )
 def test_exact_mode_refuses_what_it_cannot_keep(tmp_path, overrides, message):

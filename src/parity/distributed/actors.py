@@ -12,6 +12,7 @@ These classes are plain Python; `parity.distributed.driver` makes them Ray actor
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -19,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+from parity.engines import kernels
 from parity.engines.batch import RolloutBatch
 from parity.engines.models import load_config, load_model
-from parity.engines.sampler import Sampler
+from parity.engines.sampler import ExactnessError, Sampler, check_first_pass
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer, TrainerState
@@ -50,9 +52,10 @@ class RolloutWorker:
         micro_batch_size: int,
         threads: int | None,
         routing_replay: bool = False,
+        exact: bool = False,
     ):
         _quiet_process(threads)
-        self.index = index
+        self.index, self.exact = index, exact
         tokenizer = load_tokenizer(model_dir)
         self.sampler = Sampler(
             load_config(model_dir),
@@ -64,6 +67,7 @@ class RolloutWorker:
             probe=probe,
             micro_batch_size=micro_batch_size,
             routing_replay=routing_replay,
+            numerics=kernels.numerics("cpu", exact),
         )
         self.idle_since = time.perf_counter()
 
@@ -96,6 +100,8 @@ class RolloutWorker:
         self.sampler.score_samples(batch)
         if batch.full_vocab is not None:
             self.sampler.score_full_vocab(batch)
+        if self.exact:  # checked here, before this worker's weights are replaced, so that locating works
+            self.sampler.verify_exact(batch, batch.old_logprobs, where=f"rollout worker {self.index}")
         self.idle_since, idle = time.perf_counter(), start - self.idle_since
         return batch, {"idle": idle, "rollout": sampled - start, "score": self.idle_since - sampled}
 
@@ -103,11 +109,24 @@ class RolloutWorker:
 class Learner:
     """One rank of the learner group: a Trainer over an FSDP2-sharded model."""
 
-    def __init__(self, rank: int, world: int, model_dir: str, precision: str, optim: OptimConfig, threads: int):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        model_dir: str,
+        precision: str,
+        optim: OptimConfig,
+        threads: int,
+        exact: bool = False,
+        reference: bool = False,
+    ):
         _quiet_process(threads)
         self.rank, self.world = rank, world
         self.model_dir, self.precision, self.optim = model_dir, precision, optim
+        self.numerics = kernels.numerics("cpu", exact)
+        self.with_reference = reference  # a frozen copy of the starting model, for algorithm.kl_coef > 0
         self.trainer: Trainer | None = None
+        self.reference: Trainer | None = None
 
     def pid(self) -> int:
         return os.getpid()
@@ -127,13 +146,21 @@ class Learner:
         from torch.distributed.fsdp import fully_shard
 
         dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world)
-        model = load_model(Path(self.model_dir))
         mesh = init_device_mesh("cpu", (self.world,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        self.trainer = Trainer(model, self.precision, self.optim)
+
+        def sharded() -> torch.nn.Module:
+            model = load_model(Path(self.model_dir))
+            model.numerics = self.numerics
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            return model
+
+        self.trainer = Trainer(sharded(), self.precision, self.optim)
         self.trainer.grad_sum_factor = float(self.world)  # FSDP averages; the losses want the sum
+        if self.with_reference:
+            self.reference = Trainer(sharded(), self.precision, self.optim)
+            self.reference.model.requires_grad_(False)
 
     def load_state(self, state: TrainerState) -> None:
         self.trainer.load_full_state(state)
@@ -154,13 +181,50 @@ class Learner:
         tensors, manifest = pack_weights(state, version, rollout_precision, trainer_precision)
         return tensors, (manifest, time.perf_counter() - t)
 
-    def update(self, batch: RolloutBatch, prepared: Prepared, plan: UpdatePlan, order_seed: int) -> UpdateResult:
-        """This rank's share of the step's updates; non-finite weights are reported, by name."""
+    def update(
+        self, batch: RolloutBatch, prepared: Prepared, plan: UpdatePlan, order_seed: int, check_exact: bool = False
+    ) -> UpdateResult:
+        """This rank's share of the step's updates; non-finite weights are reported, by name. `check_exact`:
+        the batch was sampled on the weights this learner holds (staleness 0, exact mode), so its first
+        π_θ pass must be π_old's bits; every learner stops before its optimizer steps if one's is not."""
         t = time.perf_counter()
-        flops = self.trainer.matmul_flops
-        result = train_on_batch(self.trainer, batch, prepared, plan, order_seed, rank=self.rank, world=self.world)
-        result.flops = self.trainer.matmul_flops - flops
+        trainers = [self.trainer] + ([self.reference] if self.reference is not None else [])
+        flops = sum(tr.matmul_flops for tr in trainers)
+        result = train_on_batch(
+            self.trainer,
+            batch,
+            prepared,
+            plan,
+            order_seed,
+            self.reference,
+            rank=self.rank,
+            world=self.world,
+            before_first_step=functools.partial(self._check_first_pass, batch) if check_exact else None,
+        )
+        result.flops = sum(tr.matmul_flops for tr in trainers) - flops
         result.seconds = time.perf_counter() - t
         local = {n: p.to_local() for n, p in self.trainer.model.named_parameters()}
         result.non_finite_weights = non_finite_tensors(local)
         return result
+
+    def _check_first_pass(
+        self, batch: RolloutBatch, old: torch.Tensor, rows: torch.Tensor, first_pass: torch.Tensor
+    ) -> None:
+        """Exact mode at staleness 0: this learner's first π_θ pass against π_old; the learners agree on the
+        outcome (a collective) so that none steps while another stops."""
+        import torch.distributed as dist
+
+        where = f"learner {self.rank} of {self.world}"
+        try:
+            check_first_pass(old, batch.response_mask, rows, first_pass, where)
+            failed = None
+        except ExactnessError as e:
+            failed = e
+        flags = torch.tensor([0.0 if failed is None else 1.0])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if failed is not None:
+            raise failed
+        if flags.item():
+            raise ExactnessError(
+                f"exact=true, but another learner's first π_θ pass differs from π_old ({where} agrees)"
+            )

@@ -33,6 +33,7 @@ from parity.config import ConfigError
 from parity.distributed.actors import Learner, RolloutWorker
 from parity.distributed.cluster import LocalCluster, import_ray, join
 from parity.engines.batch import RolloutBatch, concat_batches
+from parity.engines.sampler import ExactnessError
 from parity.rl.loop import Run, TrainingError
 from parity.rl.step import Prepared, UpdateResult
 from parity.rl.tasks import Problem
@@ -111,12 +112,16 @@ class DistributedRun(Run):
                 cfg.trainer.micro_batch_size,
                 threads,
                 cfg.moe.routing_replay,
+                cfg.exact,
             )
             for i in range(d.rollout_workers)
         ]
         learner_cls = ray.remote(num_cpus=1, max_restarts=0)(Learner)
+        reference = cfg.algorithm.kl_coef > 0
         self.learners = [
-            learner_cls.remote(r, d.learners, model_dir, cfg.trainer_precision, cfg.optim_config(), threads)
+            learner_cls.remote(
+                r, d.learners, model_dir, cfg.trainer_precision, cfg.optim_config(), threads, cfg.exact, reference
+            )
             for r in range(d.learners)
         ]
         host, port = ray.get(self.learners[0].rendezvous.remote())
@@ -177,6 +182,8 @@ class DistributedRun(Run):
                 f"Continue from the last checkpoint with `parity train --resume {self.run_dir}`"
             ) from None
         except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, ExactnessError):  # before any learner stepped: no weight moved
+                raise TrainingError(f"step {self.step_count + 1}: {e.cause}") from None
             raise TrainingError(f"step {self.step_count + 1}: a learner failed: {e.cause}") from None
 
     def _update(self, batch: RolloutBatch, prepared: Prepared) -> UpdateResult:
@@ -184,7 +191,10 @@ class DistributedRun(Run):
 
         cfg = self.cfg
         batch_ref, prepared_ref = ray.put(batch), ray.put(prepared)
-        parts = self._learners_call("update", batch_ref, prepared_ref, self.plan, cfg.seed * 7919 + self.step_count)
+        # Exact mode, the samples from the weights the learners hold: their first π_θ pass must be π_old.
+        check = cfg.exact and batch.weight_version == self.step_count
+        seed = cfg.seed * 7919 + self.step_count
+        parts = self._learners_call("update", batch_ref, prepared_ref, self.plan, seed, check)
         update = UpdateResult.merge(parts)
         self._check_finite(update)
         return update
@@ -333,6 +343,8 @@ class DistributedRun(Run):
                 except _worker_gone():
                     self._recover(shard.worker)
                     continue
+                except ray.exceptions.RayTaskError as e:  # exact mode's check on the worker, before training
+                    raise TrainingError(f"step {self.step_count + 1}: {e.cause}") from None
                 if self.step_count - batch.weight_version > cfg.async_.max_staleness:
                     self.dropped += batch.response_ids.shape[0]  # too old (only after a restart): sample again
                     self._send(shard)

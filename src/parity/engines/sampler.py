@@ -23,11 +23,30 @@ import torch
 from parity.engines import precision as prec
 from parity.engines.batch import RolloutBatch
 from parity.engines.kernels import Numerics
-from parity.engines.locate import StageDiff, locate_row
+from parity.engines.locate import StageDiff, first_divergence, format_table, locate_row, worst_row
 from parity.engines.models import CausalLM, ModelConfig, routing_differs
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.trainer import full_vocab_logprobs, sequence_logprobs
+
+
+class ExactnessError(RuntimeError):
+    """Exact mode found the two engines computing different bits; the message says where."""
+
+
+def check_first_pass(
+    old: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, first_pass: torch.Tensor, where: str
+) -> None:
+    """Exact mode: the trainer's first π_θ pass over `rows`, on the weights that sampled, must be π_old's
+    bits (its own batch shape and, with sharded learners, its all-gathered weights change none)."""
+    differs = (first_pass != old[rows]) & mask[rows]
+    if bool(differs.any()):
+        row = int(rows[int(differs.any(-1).nonzero()[0])])
+        largest = float(((first_pass - old[rows]) * mask[rows]).abs().max())
+        raise ExactnessError(
+            f"exact=true, but {where}'s first π_θ pass differs from π_old at {int(differs.sum())} tokens (first "
+            f"in row {row}, max |Δ| {largest:.3g}) though it ran on the weights that sampled"
+        )
 
 
 class Sampler:
@@ -147,6 +166,54 @@ class Sampler:
             batch.old_logprobs, batch.routing_mismatch = self.score(batch, self.trainer_precision)
         if self.probe:
             batch.probe_logprobs = self.score(batch, self.engine.precision)[0]
+
+    def verify_exact(
+        self,
+        batch: RolloutBatch,
+        old: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        first_pass: torch.Tensor | None = None,
+        where: str = "",
+    ) -> None:
+        """Exact mode's check, run where the weights that sampled still are: every sampled token's μ must
+        equal π_old (`old`); so must every entry of the whole distributions the engine recorded, and the
+        trainer's first π_θ pass over `rows` (`first_pass`) where it ran on those weights. Raises
+        ExactnessError naming the row and, re-scoring it stage by stage, where the engines part; `where`
+        names this sampler (a rollout worker)."""
+        on = f" on {where}" if where else ""
+        mask = batch.response_mask
+        differs = (old != batch.rollout_logprobs) & mask
+        if bool(differs.any()):
+            row = worst_row(old, batch)
+            largest = float(((old - batch.rollout_logprobs) * mask).abs().max())
+            diffs = self.locate(batch, row)
+            first = first_divergence(diffs)
+            part = (
+                f"the engines first part at {first.stage} (position {first.first_position}, "
+                f"max |Δ| {first.max_abs:.3g})"
+                if first is not None
+                else "replayed alone, that row gives the same bits in both engines, so the difference depends on "
+                "the batch it was computed in"
+            )
+            raise ExactnessError(
+                f"exact=true, but {int(differs.sum())} of {int(mask.sum())} sampled tokens have μ != π_old{on} "
+                f"(max |Δ| {largest:.3g}); re-scoring row {row}, {part}. Stage by stage:\n{format_table(diffs)}"
+            )
+        record = batch.full_vocab
+        if record is not None and record.trainer_logprobs is not None:
+            valid = record.steps >= 0
+            differing = ((record.rollout_logprobs != record.trainer_logprobs).any(-1) & valid).nonzero()
+            if len(differing):
+                i, j = differing[0].tolist()
+                finite = torch.isfinite(record.rollout_logprobs[i, j])
+                gap = (record.rollout_logprobs[i, j] - record.trainer_logprobs[i, j])[finite].abs().max()
+                raise ExactnessError(
+                    f"exact=true, but at {len(differing)} of {int(valid.sum())} checked positions{on} the whole "
+                    f"next-token distribution differs though every sampled token's μ equals π_old (first: row "
+                    f"{int(record.rows[i])}, response token {int(record.steps[i, j])}, max |Δ log p| {float(gap):.3g})"
+                )
+        if rows is not None and first_pass is not None:
+            check_first_pass(old, batch.response_mask, rows, first_pass, where or "the trainer")
 
     def locate(self, batch: RolloutBatch, row: int) -> list[StageDiff]:
         """Where the rollout engine and the trainer's code path (in the rollout precision, on the

@@ -33,10 +33,9 @@ from parity import config as config_mod
 from parity.config import ConfigError
 from parity.engines import kernels
 from parity.engines.batch import RolloutBatch
-from parity.engines.locate import first_divergence, format_table, worst_row
 from parity.engines.lora import AdapterError
 from parity.engines.models import ModelConfig, load_model, resolve_model_dir
-from parity.engines.sampler import Sampler
+from parity.engines.sampler import ExactnessError, Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import Trainer
@@ -575,49 +574,15 @@ class Run:
         metrics["perf/train_gflops"] = update.flops / 1e9 / times["train"]
         return metrics
 
-    def _verify_exact(self, batch: RolloutBatch, sampling_pi: torch.Tensor) -> None:
-        """exact=true: stop at the first step where a token's μ and π_old differ, before the optimizer
-        steps, naming the stage of the forward pass where the two engines first part (re-scored on
-        the row holding the worst token, on the weights that sampled)."""
-        mask = batch.response_mask
-        differs = (sampling_pi != batch.rollout_logprobs) & mask
-        if not bool(differs.any()):
-            self._verify_exact_full_vocab(batch)
-            return
-        row = worst_row(sampling_pi, batch)
-        largest = float(((sampling_pi - batch.rollout_logprobs) * mask).abs().max())
-        diffs = self.sampler.locate(batch, row)
-        first = first_divergence(diffs)
-        where = (
-            f"the engines first part at {first.stage} (position {first.first_position}, max |Δ| {first.max_abs:.3g})"
-            if first is not None
-            else "replayed alone, that row gives the same bits in both engines, so the difference depends on the "
-            "batch it was computed in"
-        )
-        raise TrainingError(
-            f"step {self.step_count + 1}: exact=true, but {int(differs.sum())} of {int(mask.sum())} sampled tokens "
-            f"have μ != π_old (max |Δ| {largest:.3g}); re-scoring row {row}, {where}. "
-            f"Stage by stage:\n{format_table(diffs)}"
-        )
-
-    def _verify_exact_full_vocab(self, batch: RolloutBatch) -> None:
-        """exact=true with the full-vocabulary check on: the whole next-token distribution at every
-        checked position must be the same bits too, not only the sampled token's log-probability."""
-        record = batch.full_vocab
-        if record is None or record.trainer_logprobs is None:
-            return
-        valid = record.steps >= 0
-        differs = ((record.rollout_logprobs != record.trainer_logprobs).any(-1) & valid).nonzero()
-        if not len(differs):
-            return
-        i, j = differs[0].tolist()
-        finite = torch.isfinite(record.rollout_logprobs[i, j])
-        largest = float((record.rollout_logprobs[i, j] - record.trainer_logprobs[i, j])[finite].abs().max())
-        raise TrainingError(
-            f"step {self.step_count + 1}: exact=true, but at {len(differs)} of {int(valid.sum())} checked positions "
-            f"the whole next-token distribution differs though every sampled token's μ equals π_old (first: row "
-            f"{int(record.rows[i])}, response token {int(record.steps[i, j])}, max |Δ log p| {largest:.3g})"
-        )
+    def _verify_exact(
+        self, batch: RolloutBatch, sampling_pi: torch.Tensor, rows: torch.Tensor, first_pass: torch.Tensor
+    ) -> None:
+        """exact=true: stop before the optimizer steps when a token's μ and π_old differ (or a checked
+        whole distribution, or the first π_θ pass and π_old), naming where (`Sampler.verify_exact`)."""
+        try:
+            self.sampler.verify_exact(batch, sampling_pi, rows, first_pass)
+        except ExactnessError as e:
+            raise TrainingError(f"step {self.step_count + 1}: {e}") from None
 
     def _check_finite(self, update: UpdateResult) -> None:
         """Stop before a non-finite update is synced, logged or saved.

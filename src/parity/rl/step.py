@@ -78,7 +78,8 @@ class UpdateResult:
     """What one learner's updates on a batch produced; `merge` joins the learners'."""
 
     losses: list[float] = field(default_factory=list)  # per micro-batch, with the mini-batch's denominators
-    kls: list[float] = field(default_factory=list)
+    kls: list[float] = field(default_factory=list)  # per micro-batch: the KL summed over its tokens
+    kl_tokens: list[float] = field(default_factory=list)  # ... and those tokens' count
     stats: dict[str, list[float]] = field(default_factory=dict)  # estimator statistics per micro-batch
     grad_norms: list[float] = field(default_factory=list)  # per optimizer update
     skipped_updates: int = 0
@@ -105,6 +106,7 @@ class UpdateResult:
             out.losses += p.losses
             out.non_finite_weights += p.non_finite_weights
             out.kls += p.kls
+            out.kl_tokens += p.kl_tokens
             for k, v in p.stats.items():
                 out.stats.setdefault(k, []).extend(v)
             if p.first_pass is not None:
@@ -195,7 +197,7 @@ def train_on_batch(
     reference: Trainer | None = None,
     rank: int = 0,
     world: int = 1,
-    before_first_step: Callable[[torch.Tensor], None] | None = None,
+    before_first_step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> UpdateResult:
     """Every optimizer update of one step: `ppo_epochs` passes over `num_minibatches`
     mini-batches of whole groups (shuffled per epoch after the first).
@@ -203,7 +205,8 @@ def train_on_batch(
     With `world` learners, each takes its contiguous share (`rank`) of every mini-batch and
     the losses keep the whole mini-batch's denominators, so the learners' gradients sum to
     the single-learner gradient (the sharded optimizer sums them). `before_first_step` sees π_old of
-    every row before the optimizer first steps (exact mode's check: a failure there moves no weight)."""
+    every row, and this learner's rows of the first mini-batch with their first π_θ pass, before the
+    optimizer first steps (exact mode's check: a failure there moves no weight)."""
     estimator = ESTIMATORS[plan.estimator]
     mu, old, loss_mask, advantages = (
         batch.rollout_logprobs,
@@ -221,6 +224,7 @@ def train_on_batch(
     rows_per_mb = batch.response_ids.shape[0] // plan.num_minibatches
     order_gen = torch.Generator().manual_seed(order_seed)
     pending: list[tuple[list[float], torch.Tensor | float]] = []  # (where it goes, scalar) until the update ends
+    first_update: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, π_θ) of the first update's passes
     for epoch in range(plan.ppo_epochs):
         # Mini-batches hold whole groups, shuffled per epoch.
         groups = torch.randperm(plan.prompts, generator=order_gen) if epoch else torch.arange(plan.prompts)
@@ -231,6 +235,8 @@ def train_on_batch(
                 logp = batch_logprobs(trainer, batch, rows, plan.temperature, plan.routing_replay)
                 if first_pass is not None and epoch == 0:
                     first_pass[rows] = logp.detach()
+                if out.updates == 0:
+                    first_update.append((rows, logp.detach()))
                 mask = loss_mask[rows]
                 inputs = PolicyInputs(
                     logprobs=logp,
@@ -251,14 +257,15 @@ def train_on_batch(
                     loss_stats["phantom/clip_frac"] = phantom_clip_frac(by_gap, by_policy, mask)
                 if ref is not None:
                     kl = kl_penalty(logp, ref[rows], plan.kl_estimator)
-                    pending.append((out.kls, (kl.detach() * mask).sum() / n))
+                    pending += [(out.kls, (kl.detach() * mask).sum()), (out.kl_tokens, mask.sum())]
                     token_loss = token_loss + plan.kl_coef * kl
                 loss = aggregate(token_loss, mask, plan.aggregation, norm)
                 trainer.backward(loss)
                 pending.append((out.losses, loss.detach()))
                 pending += [(out.stats.setdefault(k, []), v) for k, v in loss_stats.items()]
             if before_first_step is not None and out.updates == 0:
-                before_first_step(sampling_pi)  # known for every row: given, or this first mini-batch's pass
+                # π_old is known for every row now: given, or this first mini-batch's pass
+                before_first_step(sampling_pi, *(torch.cat(parts) for parts in zip(*first_update)))
             out.step_stats = trainer.step()
             # The micro-batches' figures reach the host once per update, after the step has waited for them.
             for (target, _), value in zip(pending, host_floats([v for _, v in pending], trainer.device)):
@@ -325,8 +332,8 @@ def step_metrics(
         metrics["is/rejected_seq_frac"] = float(prepared.rejected.float().mean())
     if binary_reward:
         metrics["reward/accuracy"] = float((rewards >= 1.0).float().mean())
-    if update.kls:
-        metrics["loss/kl"] = _mean(update.kls)
+    if update.kls:  # per token over the step, whichever learner scored which tokens
+        metrics["loss/kl"] = sum(update.kls) / max(sum(update.kl_tokens), 1.0)
     for k, v in update.stats.items():  # the estimator's diagnostics, under their own names
         metrics[k] = max(v) if k.endswith("_max") else _mean(v)
     if batch.full_vocab is not None and batch.full_vocab.trainer_logprobs is not None:

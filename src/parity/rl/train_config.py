@@ -476,11 +476,6 @@ class TrainConfig:
                 f"exact=true with rollout.precision={self.rollout_precision} and trainer.precision="
                 f"{self.trainer_precision}: exact mode makes both engines compute the same bits in one precision"
             )
-        if self.distributed_mode:
-            raise ConfigError(
-                "exact=true runs in one process only so far (distributed.rollout_workers=0, distributed.learners=1); "
-                "docs/exact.md says what the distributed trainer needs to keep it"
-            )
 
     def _check_distributed(self) -> None:
         """Combinations the distributed trainer cannot run, refused before any work."""
@@ -501,11 +496,6 @@ class TrainConfig:
             raise ConfigError(
                 f"distributed.learners={d.learners} needs distributed.rollout_workers >= 1: in distributed mode "
                 "the samples come from rollout workers"
-            )
-        if self.algorithm.kl_coef > 0:
-            raise ConfigError(
-                "algorithm.kl_coef > 0 is not supported with distributed learners yet (they hold no reference "
-                "model); run it in one process (distributed.rollout_workers=0, distributed.learners=1)"
             )
         rows = self.prompts_per_step * self.rollout.group_size // self.algorithm.num_minibatches
         if rows % d.learners:
