@@ -25,6 +25,8 @@ from parity.engines.batch import concat_batches
 from parity.engines.models import load_model, resolve_model_dir
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
+from parity.engines.trainer import OptimConfig, Trainer
+from parity.rl.checkpoint import load_checkpoint
 from parity.rl.loop import TrainingError
 from parity.rl.train_config import TrainConfig
 
@@ -245,8 +247,11 @@ def test_a_worker_still_restarting_after_the_limit_stops_the_run_and_names_the_k
 
 
 @pytest.mark.slow
-def test_a_dead_learner_stops_the_run_and_resume_reproduces_it(tmp_path):
-    common = SMALL + ["precision=fp32", "steps=4", "checkpoint_every=2"]
+@pytest.mark.parametrize("numerics", [["precision=fp32"], ["precision=fp16", "exact=true"]], ids=["fp32", "exact-fp16"])
+def test_a_dead_learner_stops_the_run_and_resume_reproduces_it(tmp_path, numerics):
+    """Staleness 0: the run resumed from its sharded checkpoint equals the uninterrupted one line for line
+    (in exact mode too: every step's μ = π_old, and its metrics, the same)."""
+    common = SMALL + [*numerics, "steps=4", "checkpoint_every=2"]
     common += ["distributed.rollout_workers=1", "distributed.learners=2", "async.max_staleness=0"]
     assert main(["train", f"run_dir={tmp_path / 'whole'}", *common]) == 0
 
@@ -261,8 +266,35 @@ def test_a_dead_learner_stops_the_run_and_resume_reproduces_it(tmp_path):
             run.step()
     finally:
         run.close()
+    shards = sorted(p.name for p in (tmp_path / "cut" / "checkpoints" / "step_000002" / "sharded").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file per learner, nothing gathered
     assert main(["train", "--resume", str(tmp_path / "cut")]) == 0
     assert _trained(_metrics(tmp_path / "cut")) == _trained(_metrics(tmp_path / "whole"))
+    if "exact=true" in numerics:
+        assert all(m["mismatch/exact_tokens_frac"] == 1.0 for m in _metrics(tmp_path / "cut"))
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_with_another_learner_count(tmp_path):
+    """Saved by 2 learners, resumed by 1 (DCP reshards): the run goes on as the uninterrupted 2-learner run,
+    to the round-off that splitting the gradient's sum between learners makes; one process reads it too."""
+    common = SMALL + ["precision=fp32", "steps=4", "checkpoint_every=2", "algorithm.name=grpo", "eval.every=-1"]
+    common += ["distributed.rollout_workers=1", "distributed.learners=2"]
+    assert main(["train", f"run_dir={tmp_path / 'whole'}", *common]) == 0
+    assert main(["train", f"run_dir={tmp_path / 'cut'}", *common, "steps=2"]) == 0
+    assert main(["train", "--resume", str(tmp_path / "cut"), "steps=4", "distributed.learners=1"]) == 0
+    whole, cut = _trained(_metrics(tmp_path / "whole")), _trained(_metrics(tmp_path / "cut"))
+    assert cut[:2] == whole[:2] and len(cut) == 4
+    for a, b in zip(whole[2:], cut[2:]):
+        for key in a:
+            if key.startswith(ROUND_OFF) or key.endswith("adv_corr"):
+                continue
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-8), (a["step"], key)
+
+    # One process reads the shards too (parity eval, a resume into the driver's full copy).
+    trainer = Trainer(load_model(resolve_model_dir("builtin")), "fp32", OptimConfig())
+    state = load_checkpoint(tmp_path / "whole" / "checkpoints" / "step_000004", trainer)
+    assert state.step == 4 and trainer.weight_version == 4 and len(trainer.optimizer.state) == len(trainer.params)
 
 
 # ----------------------------------------------------------------------------- a user's own cluster

@@ -27,7 +27,7 @@ from parity.engines.sampler import ExactnessError, Sampler, check_first_pass
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer, TrainerState
-from parity.rl.checkpoint import non_finite_tensors
+from parity.rl.checkpoint import non_finite_tensors, save_shards
 from parity.rl.step import Prepared, UpdatePlan, UpdateResult, train_on_batch
 from parity.runtime import reuse_freed_memory
 
@@ -180,6 +180,15 @@ class Learner:
             return None, None
         tensors, manifest = pack_weights(state, version, rollout_precision, trainer_precision)
         return tensors, (manifest, time.perf_counter() - t)
+
+    def save_shards(self, folder: str) -> tuple[list[str], dict[str, float], int]:
+        """Write this learner's shards of the weights and AdamW state (every learner at once); return
+        the names of non-finite local tensors (then the driver saves nothing), the scaler and the version."""
+        local = {n: p.to_local() for n, p in self.trainer.model.named_parameters()}
+        bad = non_finite_tensors(local)
+        if not bad:
+            save_shards(self.trainer, Path(folder))
+        return bad, self.trainer.scaler.state_dict(), self.trainer.weight_version
 
     def update(
         self, batch: RolloutBatch, prepared: Prepared, plan: UpdatePlan, order_seed: int, check_exact: bool = False

@@ -34,6 +34,7 @@ from parity.distributed.actors import Learner, RolloutWorker
 from parity.distributed.cluster import LocalCluster, import_ray, join
 from parity.engines.batch import RolloutBatch, concat_batches
 from parity.engines.sampler import ExactnessError
+from parity.rl.checkpoint import RunState, save_checkpoint
 from parity.rl.loop import Run, TrainingError
 from parity.rl.step import Prepared, UpdateResult
 from parity.rl.tasks import Problem
@@ -144,6 +145,21 @@ class DistributedRun(Run):
 
     def _gather_state(self) -> None:
         self.trainer.load_full_state(self._learners_call("full_state")[0])
+
+    def checkpoint(self) -> Path:
+        """A sharded checkpoint: the learners write their own shards (nothing is gathered), the
+        driver the run's state beside them (`rl.checkpoint`)."""
+        state = RunState(self.step_count, self.data_position, self.trainer.weight_version, config_mod.to_dict(self.cfg))
+        return save_checkpoint(
+            self.run_dir, self.trainer, state, self.model_dir, self.cfg.keep_checkpoints, self._save_shards
+        )
+
+    def _save_shards(self, folder: Path) -> list[str]:
+        parts = self._learners_call("save_shards", str(folder))
+        _, scaler, version = parts[0]  # the state.json the driver writes holds the learners' scaler and version
+        self.trainer.scaler.load_state_dict(scaler)
+        self.trainer.weight_version = version
+        return sorted({name for bad, _, _ in parts for name in bad})
 
     def _stop_engines(self) -> None:
         import ray

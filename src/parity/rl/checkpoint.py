@@ -8,6 +8,12 @@ the AdamW state as `optimizer.safetensors` plus JSON, `state.json` (step, data
 position, weight version, loss scaler, the run's config) and `manifest.json`
 (the SHA-256 and size of every other file). Nothing is pickled.
 
+A run with distributed learners writes `sharded/` instead of `model/` and the optimizer
+file: each learner saves its own shards of the weights and AdamW state with
+`torch.distributed.checkpoint` (no learner gathers the whole model), and the driver the
+RNG state as `rng.safetensors`. DCP reshards on load, so any learner count, or one
+process (`parity eval`, a resume), reads it back.
+
 A checkpoint directory appears only once complete (written to a temporary
 folder, then renamed), so a run killed mid-save leaves the previous one intact;
 only finite weights are ever saved. On resume a checkpoint whose files do not
@@ -22,6 +28,8 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +48,8 @@ from parity.files import atomic_dir
 FORMAT_VERSION = 2  # 2: manifest.json with checksums, the config in state.json
 MANIFEST = "manifest.json"
 ADAPTER_DIR = "adapter"
+SHARDED_DIR = "sharded"  # the weights and AdamW state as torch.distributed.checkpoint shards
+SHARDED_RNG = "rng.safetensors"
 
 
 class CheckpointError(ValueError):
@@ -50,7 +60,7 @@ class CheckpointError(ValueError):
 class RunState:
     step: int  # optimizer-updated RL steps completed
     data_position: int
-    weight_version: int
+    weight_version: int  # as loaded; a save takes the trainer's
     config: dict[str, Any] | None = None  # the run's config when it was saved
 
 
@@ -138,15 +148,25 @@ def verify_checkpoint(path: Path) -> str | None:
     return None
 
 
-def save_checkpoint(run_dir: Path, trainer: Trainer, state: RunState, model_dir: Path, keep: int) -> Path:
-    """`model_dir`: the run's model (its tokenizer files are copied; with LoRA, the adapters' base)."""
+def save_checkpoint(
+    run_dir: Path,
+    trainer: Trainer,
+    state: RunState,
+    model_dir: Path,
+    keep: int,
+    write_shards: Callable[[Path], list[str]] | None = None,
+) -> Path:
+    """`model_dir`: the run's model (its tokenizer files are copied; with LoRA, the adapters' base).
+    `write_shards(folder)`: sharded learners write the trainer's state into `folder` themselves and
+    return the names of any non-finite tensors (then nothing is saved); `trainer` gives the rest."""
     ckpt_root = run_dir / "checkpoints"
-    bad = non_finite_tensors({n: p for n, p in trainer.model.named_parameters() if p.requires_grad})
-    if bad:
-        raise CheckpointError(f"step {state.step}: not saving a checkpoint: inf/NaN in {', '.join(bad[:3])}")
+    if write_shards is None:
+        bad = non_finite_tensors({n: p for n, p in trainer.model.named_parameters() if p.requires_grad})
+        if bad:
+            raise CheckpointError(f"step {state.step}: not saving a checkpoint: inf/NaN in {', '.join(bad[:3])}")
     target = ckpt_root / f"step_{state.step:06d}"
     try:
-        _write_checkpoint(target, trainer, state, model_dir)
+        _write_checkpoint(target, trainer, state, model_dir, write_shards)
     except (OSError, SafetensorError) as e:  # a full disk, a file-size limit: the earlier ones stay intact
         raise CheckpointError(f"{target}: could not be written ({e}); earlier checkpoints are intact") from None
     # Older ones go; `target`, just written from finite weights, is always the newest kept.
@@ -156,27 +176,66 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, state: RunState, model_dir:
     return target
 
 
-def _write_checkpoint(target: Path, trainer: Trainer, state: RunState, model_dir: Path) -> None:
+def _write_checkpoint(
+    target: Path, trainer: Trainer, state: RunState, model_dir: Path, write_shards: Callable[[Path], list[str]] | None
+) -> None:
     with atomic_dir(target) as tmp:
         meta: dict[str, Any] = {"format": FORMAT_VERSION}
-        if trainer.lora is None:
+        tensors: dict[str, torch.Tensor] = {}
+        if write_shards is not None:
+            bad = write_shards(tmp / SHARDED_DIR)
+            if bad:
+                raise CheckpointError(f"step {state.step}: not saving a checkpoint: inf/NaN in {', '.join(bad[:3])}")
+        elif trainer.lora is None:
             save_model(trainer.model, tmp / "model", functools.partial(copy_tokenizer_files, model_dir))
         else:
             base = Path(model_dir).resolve()
             save_adapter(trainer.model, trainer.lora, tmp / ADAPTER_DIR, base_model=str(base))
             meta["base_model"] = {"path": str(base), "sha256": base_sha256(base)}
-        tensors, meta["optimizer"] = _optimizer_tensors(trainer.optimizer)
+        if write_shards is None:
+            tensors, meta["optimizer"] = _optimizer_tensors(trainer.optimizer)
         tensors["rng.torch"] = torch.get_rng_state()
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        save_file(tensors, str(tmp / (SHARDED_RNG if write_shards is not None else "optimizer.safetensors")))
         meta.update(
             step=state.step,
             data_position=state.data_position,
-            weight_version=state.weight_version,
+            weight_version=trainer.weight_version,  # with the scaler: the trainer's, once its shards are written
             scaler=trainer.scaler.state_dict(),
             config=state.config,
         )
         (tmp / "state.json").write_text(json.dumps(meta, indent=2) + "\n")
         _write_manifest(tmp)
+
+
+def _state_dicts(trainer: Trainer) -> dict[str, dict]:
+    """The trainer's weights and AdamW state keyed by parameter name, each tensor as this process holds it
+    (a shard under FSDP2): what torch.distributed.checkpoint saves and loads in place."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim = get_state_dict(trainer.model, trainer.optimizer)
+    return {"model": model, "optim": optim}
+
+
+def save_shards(trainer: Trainer, folder: Path) -> None:
+    """Write this learner's shards of the trainer's state into `folder`: a collective, every learner of
+    the group calls it at once (rank 0 also writes the index of all shards)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state_dicts(trainer), checkpoint_id=str(folder))
+
+
+def _load_shards(folder: Path, trainer: Trainer) -> None:
+    """Read a sharded checkpoint into `trainer` whatever its layout: one process, or a learner group
+    of any size (DCP reshards)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _state_dicts(trainer)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
@@ -212,30 +271,47 @@ def load_checkpoint(path: Path, trainer: Trainer, base_dir: Path | None = None) 
     problem = verify_checkpoint(path)
     if problem is not None:
         raise CheckpointError(f"{path}: {problem}")
+    sharded = (path / SHARDED_DIR).is_dir()
     try:
         meta = json.loads((path / "state.json").read_text())
         if meta.get("format") != FORMAT_VERSION:
             raise CheckpointError(f"{path}/state.json: unsupported checkpoint format {meta.get('format')!r}")
         _check_kind(path, trainer, meta, base_dir)
-        if trainer.lora is None:
-            weights = load_model(path / "model").state_dict()
+        if sharded:
+            weights = {}  # checked once loaded: DCP reads into the trainer's own tensors
+            tensors = load_file(str(path / SHARDED_RNG))
         else:
-            weights = read_adapter(path / ADAPTER_DIR, trainer.lora)
-        tensors = load_file(str(path / "optimizer.safetensors"))
+            if trainer.lora is None:
+                weights = load_model(path / "model").state_dict()
+            else:
+                weights = read_adapter(path / ADAPTER_DIR, trainer.lora)
+            tensors = load_file(str(path / "optimizer.safetensors"))
     except (ModelError, AdapterError, json.JSONDecodeError, OSError) as e:
         raise CheckpointError(f"{path}: {e}") from None
     bad = non_finite_tensors(weights) + non_finite_tensors(tensors)
     if bad:
         raise CheckpointError(f"{path}: inf/NaN in {', '.join(bad[:3])}")
-    try:
-        if trainer.lora is None:
-            trainer.model.load_state_dict(weights)
-        else:
-            load_adapter_state(trainer.model, weights)
-    except AdapterError as e:
-        raise CheckpointError(f"{path}: {e}") from None
+    if sharded:
+        from torch.distributed.checkpoint import CheckpointException
+
+        try:
+            _load_shards(path / SHARDED_DIR, trainer)
+        except (CheckpointException, RuntimeError, ValueError) as e:  # a shard that does not fit this model
+            raise CheckpointError(f"{path}/{SHARDED_DIR}: {e}") from None
+        bad = non_finite_tensors(dict(trainer.model.named_parameters()))
+        if bad:
+            raise CheckpointError(f"{path}: inf/NaN in {', '.join(bad[:3])}")
+    else:
+        try:
+            if trainer.lora is None:
+                trainer.model.load_state_dict(weights)
+            else:
+                load_adapter_state(trainer.model, weights)
+        except AdapterError as e:
+            raise CheckpointError(f"{path}: {e}") from None
     torch.set_rng_state(tensors.pop("rng.torch"))
-    _load_optimizer(trainer.optimizer, tensors, meta["optimizer"])
+    if not sharded:
+        _load_optimizer(trainer.optimizer, tensors, meta["optimizer"])
     trainer.scaler.load_state_dict(meta["scaler"])
     trainer.weight_version = meta["weight_version"]
     return RunState(meta["step"], meta["data_position"], meta["weight_version"], meta.get("config"))

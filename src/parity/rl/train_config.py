@@ -22,7 +22,8 @@ from parity.rl.tasks import DIFFICULTIES, REWARDS, difficulty_has_no_effect
 
 TRUNCATION_MODES = ("keep", "zero_reward", "drop")
 # Keys `parity train --resume RUN key=value` may change: how long and how often, never what is trained.
-RESUMABLE_KEYS = ("steps", "checkpoint_every", "keep_checkpoints", "tensorboard")
+# The learner count changes only how the gradient's sum is split (round-off): sharded checkpoints reshard.
+RESUMABLE_KEYS = ("steps", "checkpoint_every", "keep_checkpoints", "tensorboard", "distributed.learners")
 RATIO_SOURCES = ("recompute", "shadow", "rollout")
 
 # ----------------------------------------------------------------------------- config
