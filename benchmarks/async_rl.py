@@ -15,7 +15,16 @@ learner and a BF16 rollout worker at staleness 1 and 2, the PPO ratio against μ
 AsyncGRPO) and against π_old scored by the worker (Parity): clip and phantom fractions,
 |α|, |β|, |κ| and steps to mean length ≤ 2.
 
-    python benchmarks/async_rl.py --throughput --phantom --out async.json
+Pipeline efficiency (`--pipeline`): how close the asynchronous pipeline comes to the bound a
+pipeline on separate devices can reach, on this machine: the built-in model at the throughput
+workload, `--pipeline-steps` steps, each role given a core of its own (the rollout worker pinned
+to core 0, the learner to core 1, one torch thread each; the driver and Ray's own processes
+unpinned) at staleness 1, and the same unpinned. Reported: the median step time against
+max(sampling, training) of the same steps (sampling = the worker's rollout + scoring, training =
+the learners' update + the weight sync), against the one-process step on one core, and the CPU
+seconds Ray's own processes (GCS, raylet, dashboard, agents, monitors) took per second of run.
+
+    python benchmarks/async_rl.py --throughput --phantom --pipeline --out async.json
 
 Nothing else may run on the machine meanwhile.
 """
@@ -24,10 +33,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -46,7 +59,7 @@ MODES = {
 }
 
 
-def _run(overrides: list[str], steps: int, tmp: Path, stop=None) -> dict:
+def _run(overrides: list[str], steps: int, tmp: Path, stop=None, started=None) -> dict:
     cfg = config.load(
         TrainConfig,
         None,
@@ -55,6 +68,7 @@ def _run(overrides: list[str], steps: int, tmp: Path, stop=None) -> dict:
     t0 = time.perf_counter()
     run = run_class(cfg).create(cfg, progress=False)
     startup = time.perf_counter() - t0
+    extra = started(run) if started is not None else {}
     history, start = [], time.perf_counter()
     try:
         while run.step_count < steps:
@@ -62,11 +76,13 @@ def _run(overrides: list[str], steps: int, tmp: Path, stop=None) -> dict:
             history[-1]["wall"] = time.perf_counter() - start
             if stop is not None and stop(history):
                 break
+        if started is not None:
+            extra = started(run, extra)
     finally:
         run._stop_engines()
         run.rewards.close()
         run.lock.release()
-    return {"startup_s": startup, "history": history}
+    return {"startup_s": startup, "history": history, **extra}
 
 
 def _summary(result: dict) -> dict:
@@ -159,10 +175,98 @@ def phantom(args) -> dict:
     return results
 
 
+def _ray_processes(run) -> list:
+    """Ray's own processes for this run: the driver's descendants but the run's workers and learners
+    (and the reaper, which is Parity's and sleeps)."""
+    import psutil
+    import ray
+
+    mine = set(run.worker_pids) | set(ray.get([learner.pid.remote() for learner in run.learners]))
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.pid not in mine and "parity.distributed.cluster" not in " ".join(p.cmdline())
+    ]
+
+
+def _cpu_seconds(procs: list) -> float:
+    import psutil
+
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def pipeline(args) -> dict:
+    import ray
+
+    def pinned(run, before=None):
+        """At the start: pin the worker to core 0 and the learner to core 1; at the end: Ray's CPU seconds."""
+        if before is None:
+            os.sched_setaffinity(run.worker_pids[0], {0})
+            os.sched_setaffinity(ray.get(run.learners[0].pid.remote()), {1})
+            return accounting(run)
+        return accounting(run, before)
+
+    def accounting(run, before=None):
+        procs = before["procs"] if before else _ray_processes(run)
+        now = {"procs": procs, "cpu": _cpu_seconds(procs), "t": time.perf_counter()}
+        if before is None:
+            return now
+        return {"ray_cpu_s_per_s": (now["cpu"] - before["cpu"]) / (now["t"] - before["t"])}
+
+    base = ["precision=fp16", "prompts_per_step=16", "rollout.group_size=8", "rollout.max_new_tokens=96"]
+    base += ["eval.every=-1", f"seed={args.seed}"]
+    distributed = ["distributed.rollout_workers=1", "async.max_staleness=1", "distributed.threads=1"]
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cores = os.sched_getaffinity(0)
+        threads = torch.get_num_threads()
+        os.sched_setaffinity(0, {0})  # one process on one core: its threads follow
+        torch.set_num_threads(1)
+        try:
+            (tmp / "one").mkdir()
+            one = _run(base, args.pipeline_steps, tmp / "one")
+        finally:
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
+        results["one process, one core"] = {"step_s_median": statistics.median(m["time/step"] for m in one["history"])}
+        for name, hook in (("worker on core 0, learner on core 1", pinned), ("unpinned", accounting)):
+            (tmp / name[:8]).mkdir()
+            r = _run(base + distributed, args.pipeline_steps, tmp / name[:8], started=hook)
+            h = r["history"][1:]  # the first step waits for the pipeline to fill
+            sampling = [m["time/worker_rollout"] + m["time/score"] for m in h]
+            training = [m["time/train"] + m["time/sync"] for m in h]
+            step = statistics.median(m["time/step"] for m in h)
+            bound = statistics.median(max(a, b) for a, b in zip(sampling, training))
+            results[name] = {
+                "step_s_median": step,
+                "sampling_s_median": statistics.median(sampling),
+                "training_s_median": statistics.median(training),
+                "bound_s_median": bound,
+                "step_over_bound": step / bound,
+                "ray_cpu_s_per_s": r["ray_cpu_s_per_s"],
+                "learner_idle_s_median": statistics.median(m["time/learner_idle"] for m in h),
+            }
+        one_core = results["one process, one core"]["step_s_median"]
+        for row in results.values():
+            row["speedup_vs_one_core"] = one_core / row["step_s_median"]
+        print(json.dumps(results, indent=2), flush=True)
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--throughput", action="store_true")
     parser.add_argument("--phantom", action="store_true")
+    parser.add_argument("--pipeline", action="store_true")
+    parser.add_argument("--pipeline-steps", type=int, default=30)
     parser.add_argument("--max-steps", type=int, default=150)
     parser.add_argument("--llama-steps", type=int, default=30)
     parser.add_argument("--phantom-steps", type=int, default=60)
@@ -174,6 +278,8 @@ def main() -> int:
         out["throughput"] = throughput(args)
     if args.phantom:
         out["phantom"] = phantom(args)
+    if args.pipeline:
+        out["pipeline"] = pipeline(args)
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:

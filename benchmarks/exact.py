@@ -13,6 +13,12 @@ mismatch on every step (the run stops otherwise), which the benchmark also check
 - any model directory (e.g. SmolLM2-135M-Instruct) on easy word problems through its chat template,
   4 prompts × 4 samples, 64 new tokens.
 
+With `--staleness 0,1` the runs are distributed instead (1 rollout worker + 2 FSDP2 learners on Ray
+at each `async.max_staleness`): one Ray cluster per process, so the two kinds run one after the
+other (`--steps` steps each after a warm-up step, the first kind alternating per round), and the
+figure is the median wall time per step (`time/step`); every exact step must log
+`mismatch/exact_tokens_frac` = 1 and max |Δ| = 0.
+
 Extra `parity train` keys for every run follow the options (`lora.rank=8 lora.merge=false` measures
 exact mode with LoRA).
 
@@ -21,7 +27,7 @@ two kinds; times are also given per 1,000 sampled tokens so that length differen
 for cost.
 
     python benchmarks/exact.py [--rounds 3] [--steps 5] [--precisions fp32,bf16,fp16] [--models builtin,llama-4.4M,DIR]
-        [--json out.json] [key=value ...]
+        [--staleness 0,1] [--json out.json] [key=value ...]
 
 Nothing else may run on the machine meanwhile.
 """
@@ -39,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from engines import make_llama_4m  # noqa: E402
 from parity import config  # noqa: E402
+from parity.distributed.driver import run_class  # noqa: E402
 from parity.rl.loop import Run  # noqa: E402
 from parity.rl.train_config import TrainConfig  # noqa: E402
 
@@ -72,7 +79,7 @@ def create(model: str, precision: str, exact: bool, steps: int, workload: list[s
             *workload,
         ],
     )
-    return Run.create(cfg, progress=False)
+    return run_class(cfg).create(cfg, progress=False)
 
 
 def measure(model: str, precision: str, rounds: int, steps: int, workload: list[str], tmp: Path) -> dict:
@@ -114,21 +121,75 @@ def measure(model: str, precision: str, rounds: int, steps: int, workload: list[
     return out
 
 
-def table(results: list[dict]) -> str:
-    lines = [
-        "| model | precision | rollout s/step plain → exact | ratio | train s/step plain → exact | ratio | "
-        "rollout ratio per token | train ratio per token | max token \\|Δ\\| plain → exact |",
-        "|---|---|---|---|---|---|---|---|---|",
+DISTRIBUTED = ["distributed.rollout_workers=1", "distributed.learners=2"]
+
+
+def measure_async(
+    model: str, precision: str, staleness: int, rounds: int, steps: int, workload: list[str], tmp: Path
+) -> dict:
+    """Distributed runs, the two kinds one after the other (one Ray cluster per process)."""
+    workload = [*workload, *DISTRIBUTED, f"async.max_staleness={staleness}"]
+    history: dict[bool, list[dict]] = {False: [], True: []}
+    for r in range(rounds):
+        for exact in (False, True) if r % 2 == 0 else (True, False):
+            run = create(model, precision, exact, steps, workload, tmp / f"{precision}-{staleness}-{r}-{exact}")
+            try:
+                run.step()  # start-up and the first kernels
+                history[exact] += [run.step() for _ in range(steps)]
+            finally:
+                run.close()
+    exact_steps = history[True]
+    if any(m["mismatch/exact_tokens_frac"] != 1.0 or m["mismatch/token_abs_log_ratio_max"] != 0.0 for m in exact_steps):
+        raise SystemExit(f"{model} {precision} staleness {staleness}: exact mode logged a non-zero mismatch")
+    medians = {exact: statistics.median(m["time/step"] for m in h) for exact, h in history.items()}
+    return {
+        "model": model,
+        "precision": precision,
+        "staleness": staleness,
+        "steps": len(exact_steps),
+        "step_s": {"plain": medians[False], "exact": medians[True], "ratio": medians[True] / medians[False]},
+        "exact_tokens_frac_min": min(m["mismatch/exact_tokens_frac"] for m in exact_steps),
+        "max_token_abs_log_ratio": {
+            kind: max(m["mismatch/token_abs_log_ratio_max"] for m in h)
+            for kind, h in (("plain", history[False]), ("exact", history[True]))
+        },
+    }
+
+
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def _ratio(pair: dict) -> list[str]:
+    return [f"{pair['plain']:.3f} → {pair['exact']:.3f}", f"{pair['ratio']:.2f}×"]
+
+
+def _largest(r: dict) -> str:
+    d = r["max_token_abs_log_ratio"]
+    return f"{d['plain']:.2g} → {d['exact']:.2g}"
+
+
+def async_table(results: list[dict]) -> str:
+    header = ["model", "precision", "staleness", "exact steps", "min exact_tokens_frac"]
+    header += ["max token \\|Δ\\| plain → exact", "s/step plain → exact", "ratio"]
+    rows = [
+        [r["model"], r["precision"], str(r["staleness"]), str(r["steps"]), f"{r['exact_tokens_frac_min']:g}"]
+        + [_largest(r), *_ratio(r["step_s"])]
+        for r in results
     ]
-    for r in results:
-        ro, tr = r["rollout_s"], r["train_s"]
-        lines.append(
-            f"| {r['model']} | {r['precision']} | {ro['plain']:.3f} → {ro['exact']:.3f} | {ro['ratio']:.2f}× | "
-            f"{tr['plain']:.3f} → {tr['exact']:.3f} | {tr['ratio']:.2f}× | "
-            f"{r['rollout_s_per_1k_tokens']['ratio']:.2f}× | {r['train_s_per_1k_tokens']['ratio']:.2f}× | "
-            f"{r['max_token_abs_log_ratio']['plain']:.2g} → {r['max_token_abs_log_ratio']['exact']:.2g} |"
-        )
-    return "\n".join(lines)
+    return _markdown(header, rows)
+
+
+def table(results: list[dict]) -> str:
+    header = ["model", "precision", "rollout s/step plain → exact", "ratio", "train s/step plain → exact", "ratio"]
+    header += ["rollout ratio per token", "train ratio per token", "max token \\|Δ\\| plain → exact"]
+    rows = [
+        [r["model"], r["precision"], *_ratio(r["rollout_s"]), *_ratio(r["train_s"])]
+        + [f"{r['rollout_s_per_1k_tokens']['ratio']:.2f}×", f"{r['train_s_per_1k_tokens']['ratio']:.2f}×", _largest(r)]
+        for r in results
+    ]
+    return _markdown(header, rows)
 
 
 def main() -> None:
@@ -137,10 +198,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--precisions", default="fp32,bf16,fp16")
     parser.add_argument("--models", default="builtin,llama-4.4M")
+    parser.add_argument("--staleness", help="distributed runs at these async.max_staleness values (e.g. 0,1)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="parity train keys for every run")
     args = parser.parse_args()
     results = []
+    render = table if args.staleness is None else async_table
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for name in args.models.split(","):
@@ -148,10 +211,19 @@ def main() -> None:
             model = str(make_llama_4m(tmp / "llama")) if model is None else model
             workload = [*WORKLOADS.get(name, DIRECTORY_WORKLOAD), *args.overrides]
             for precision in args.precisions.split(","):
-                results.append(measure(model, precision, args.rounds, args.steps, workload, tmp / Path(name).name))
-                results[-1]["model"] = name
-                print(table(results[-1:]).splitlines()[-1], flush=True)
-    print(table(results))
+                where = tmp / Path(name).name
+                if args.staleness is None:
+                    found = [measure(model, precision, args.rounds, args.steps, workload, where)]
+                else:
+                    found = [
+                        measure_async(model, precision, int(k), args.rounds, args.steps, workload, where)
+                        for k in args.staleness.split(",")
+                    ]
+                for r in found:
+                    r["model"] = name
+                    print(render([r]).splitlines()[-1], flush=True)
+                results += found
+    print(render(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -115,6 +115,25 @@ def test_exact_mode_holds_on_the_emulated_path(precision, force_path):
     assert torch.equal(pi[batch.response_mask], batch.rollout_logprobs[batch.response_mask])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_exact_linear_rows_do_not_depend_on_the_batch_and_gradients_are_linears(dtype):
+    """Exact mode on the CPU: a row's bits are the same alone and among 200 others; the backward is the
+    plain linear's (to round-off: one matmul instead of one per block)."""
+    exact = kernels.numerics("cpu", exact=True)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 96, generator=gen).to(dtype)
+    weight, bias = torch.randn(80, 96, generator=gen), torch.randn(80, generator=gen)
+    together = exact.linear(x, weight, bias)
+    alone = torch.cat([exact.linear(x[i : i + 1], weight, bias) for i in (0, 63, 64, 199)])
+    assert torch.equal(together[[0, 63, 64, 199]], alone)
+    assert together.shape == (200, 80) and together._base is None  # the matmul's own tensor, not a view
+
+    x64 = torch.randn(70, 12, dtype=torch.float64, generator=gen, requires_grad=True)
+    w64 = torch.randn(5, 12, dtype=torch.float64, generator=gen, requires_grad=True)
+    b64 = torch.randn(5, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, w, b: exact.linear(a, w, b), (x64, w64, b64))
+
+
 def test_numerics_is_one_object_per_device_and_mode():
     assert kernels.numerics() is kernels.numerics("cpu", False)
     exact = kernels.numerics("cpu", exact=True)

@@ -96,7 +96,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = F.linear(x2.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     else:
         out = F.linear(x2, weight, bias)
-    return out[: rows.numel(), :cols].reshape(*rows, cols)
+    if out.shape != (rows.numel(), cols):
+        out = out[: rows.numel(), :cols]
+    # A 2-D input gets the matmul's own tensor, not a view of it (FSDP2 warns of a root module returning one).
+    return out if x.dim() == 2 else out.reshape(*rows, cols)
+
+
+def _row_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` on a 2-D input in calls of exactly EXACT_CPU_ROWS rows (the last padded with zeros)."""
+    n = x.shape[0]
+    padded = _pad(x, -2, max(-(-n // EXACT_CPU_ROWS), 1) * EXACT_CPU_ROWS)
+    blocks = [F.linear(block, weight, bias) for block in padded.split(EXACT_CPU_ROWS)]
+    blocks[-1] = blocks[-1][: n - (len(blocks) - 1) * EXACT_CPU_ROWS]
+    return torch.cat(blocks)
+
+
+class _RowBlocks(torch.autograd.Function):
+    """`_row_blocks` with the usual backward, one matmul per gradient rather than one per block: only
+    the values must not depend on the batch."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _row_blocks(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.T @ x if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias
 
 
 def _row_blocks_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, held: bool) -> torch.Tensor:
@@ -105,13 +136,16 @@ def _row_blocks_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     rows, cols = x.shape[:-1], weight.shape[0]
     weight = weight if held else weight.to(x.dtype)
     bias = None if bias is None else bias.to(x.dtype)
-    fp32 = emulated(x)  # the FP32 kernel on the rounded values, cast once for every block
-    if fp32:
-        weight, bias = weight.float(), None if bias is None else bias.float()
     x2 = x.reshape(-1, x.shape[-1])
-    x2 = _pad(x2.float() if fp32 else x2, -2, -(-x2.shape[0] // EXACT_CPU_ROWS) * EXACT_CPU_ROWS)
-    out = torch.cat([F.linear(block, weight, bias) for block in x2.split(EXACT_CPU_ROWS)])[: rows.numel()]
-    return (out.to(x.dtype) if fp32 else out).reshape(*rows, cols)
+    # Without gradients (the rollout engine, π_old) the blocks are called directly: a decode step's
+    # many small calls would each pay for an autograd node.
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    blocked = _RowBlocks.apply if grad else _row_blocks
+    if emulated(x):  # the FP32 kernel on the rounded values
+        out = blocked(x2.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    else:
+        out = blocked(x2, weight, bias)
+    return out if x.dim() == 2 else out.reshape(*rows, cols)
 
 
 def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
