@@ -181,21 +181,22 @@ def _write_checkpoint(
 ) -> None:
     with atomic_dir(target) as tmp:
         meta: dict[str, Any] = {"format": FORMAT_VERSION}
-        tensors: dict[str, torch.Tensor] = {}
         if write_shards is not None:
             bad = write_shards(tmp / SHARDED_DIR)
             if bad:
                 raise CheckpointError(f"step {state.step}: not saving a checkpoint: inf/NaN in {', '.join(bad[:3])}")
-        elif trainer.lora is None:
-            save_model(trainer.model, tmp / "model", functools.partial(copy_tokenizer_files, model_dir))
+            tensors, tensor_file = {}, SHARDED_RNG
         else:
-            base = Path(model_dir).resolve()
-            save_adapter(trainer.model, trainer.lora, tmp / ADAPTER_DIR, base_model=str(base))
-            meta["base_model"] = {"path": str(base), "sha256": base_sha256(base)}
-        if write_shards is None:
+            if trainer.lora is None:
+                save_model(trainer.model, tmp / "model", functools.partial(copy_tokenizer_files, model_dir))
+            else:
+                base = Path(model_dir).resolve()
+                save_adapter(trainer.model, trainer.lora, tmp / ADAPTER_DIR, base_model=str(base))
+                meta["base_model"] = {"path": str(base), "sha256": base_sha256(base)}
             tensors, meta["optimizer"] = _optimizer_tensors(trainer.optimizer)
+            tensor_file = "optimizer.safetensors"
         tensors["rng.torch"] = torch.get_rng_state()
-        save_file(tensors, str(tmp / (SHARDED_RNG if write_shards is not None else "optimizer.safetensors")))
+        save_file(tensors, str(tmp / tensor_file))
         meta.update(
             step=state.step,
             data_position=state.data_position,

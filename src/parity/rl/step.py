@@ -235,7 +235,7 @@ def train_on_batch(
                 logp = batch_logprobs(trainer, batch, rows, plan.temperature, plan.routing_replay)
                 if first_pass is not None and epoch == 0:
                     first_pass[rows] = logp.detach()
-                if out.updates == 0:
+                if before_first_step is not None and out.updates == 0:
                     first_update.append((rows, logp.detach()))
                 mask = loss_mask[rows]
                 inputs = PolicyInputs(

@@ -85,17 +85,33 @@ def hold(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return w.float() if emulated(w) else w
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, held: bool = False) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    held: bool = False,
+    row_blocks: bool = False,
+) -> torch.Tensor:
     """`x @ weight.T + bias` in the dtype of `x`, accumulating in FP32; each output element
     is independent of the other rows and columns (see MIN_ROWS). `held`: `weight` is as `hold`
-    stores it (already rounded to the dtype of `x`)."""
+    stores it (already rounded to the dtype of `x`). `row_blocks` (exact mode on the CPU): every
+    matmul call gets exactly EXACT_CPU_ROWS rows, so a row's bits cannot depend on its batch."""
     rows, cols = x.shape[:-1], weight.shape[0]
-    x2, weight = _pad(x.reshape(-1, x.shape[-1]), -2), _pad(weight if held else weight.to(x.dtype), -2)
-    bias = None if bias is None else _pad(bias.to(x.dtype)[:, None], -2)[:, 0]
-    if emulated(x):
-        out = F.linear(x2.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    x2, weight = x.reshape(-1, x.shape[-1]), weight if held else weight.to(x.dtype)
+    bias = None if bias is None else bias.to(x.dtype)
+    if row_blocks:
+        # Without gradients (the rollout engine, π_old) the blocks are called directly: a decode
+        # step's many small calls would each pay for an autograd node.
+        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        matmul = _RowBlocks.apply if grad else _row_blocks
     else:
-        out = F.linear(x2, weight, bias)
+        x2, weight = _pad(x2, -2), _pad(weight, -2)
+        bias = None if bias is None else _pad(bias[:, None], -2)[:, 0]
+        matmul = F.linear
+    if emulated(x):  # the FP32 kernel on the rounded values
+        out = matmul(x2.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    else:
+        out = matmul(x2, weight, bias)
     if out.shape != (rows.numel(), cols):
         out = out[: rows.numel(), :cols]
     # A 2-D input gets the matmul's own tensor, not a view of it (FSDP2 warns of a root module returning one).
@@ -130,24 +146,6 @@ class _RowBlocks(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
-def _row_blocks_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, held: bool) -> torch.Tensor:
-    """`linear` with every matmul call exactly EXACT_CPU_ROWS rows: the same numbers, each row's
-    independent of the batch it came in (exact mode on the CPU)."""
-    rows, cols = x.shape[:-1], weight.shape[0]
-    weight = weight if held else weight.to(x.dtype)
-    bias = None if bias is None else bias.to(x.dtype)
-    x2 = x.reshape(-1, x.shape[-1])
-    # Without gradients (the rollout engine, π_old) the blocks are called directly: a decode step's
-    # many small calls would each pay for an autograd node.
-    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    blocked = _RowBlocks.apply if grad else _row_blocks
-    if emulated(x):  # the FP32 kernel on the rounded values
-        out = blocked(x2.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    else:
-        out = blocked(x2, weight, bias)
-    return out if x.dim() == 2 else out.reshape(*rows, cols)
-
-
 def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
@@ -173,9 +171,7 @@ class Numerics:
             return invariant.linear(
                 x, weight if held else weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
             )
-        if self.exact and self.device.type == "cpu":
-            return _row_blocks_linear(x, weight, bias, held)
-        return linear(x, weight, bias, held)
+        return linear(x, weight, bias, held, row_blocks=self.exact and self.device.type == "cpu")
 
     def mean_square(self, x: torch.Tensor) -> torch.Tensor:
         """mean(x², last dimension, keepdim) of an FP32 tensor: RMSNorm's statistic."""
