@@ -26,12 +26,22 @@ seconds Ray's own processes (GCS, raylet, dashboard, agents, monitors) took per 
 
     python benchmarks/async_rl.py --throughput --phantom --pipeline --out async.json
 
+Partial rollouts (`--partial`): 1 rollout worker + 1 learner at staleness 1 and 2, with whole
+rollouts and with `async.partial_rollouts=2`, once per seed in `--seeds`, on the throughput workload
+until 95% (or --max-steps) and on its long-tailed form (a quarter of the prompts answered with 1-96
+tokens) for --tail-steps steps: samples/s, seconds and steps to 95%, the response lengths (mean and
+longest per step: how mixed they are), token staleness, the fraction of responses continued across a
+weight sync.
+
+    python benchmarks/async_rl.py --partial --seeds 0,1 --out partial.json [--workloads long-tail]
+
 Nothing else may run on the machine meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -108,21 +118,29 @@ def _summary(result: dict) -> dict:
     return out
 
 
+def solved(h: list[dict]) -> bool:
+    """The sanity test's bar: the 5-step mean training accuracy at 95%."""
+    acc = moving_average([m["reward/accuracy"] for m in h])
+    return len(h) >= SMOOTHING and acc[-1] >= TARGET_ACCURACY
+
+
+def _builtin_workload(tmp: Path, problems: list[dict] | None = None, name: str = "perfectible") -> list[str]:
+    """The throughput workload on the built-in model: its perfectible set (or `problems`) at `parity
+    sanity` settings."""
+    data = tmp / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in problems or _perfectible_problems()))
+    builtin = ["precision=fp16", "prompts_per_step=16", "rollout.group_size=8", "rollout.max_new_tokens=96"]
+    return builtin + [f"task.data={data}", "algorithm.name=pg_seq_is"]
+
+
 def throughput(args) -> dict:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        data = tmp / "perfectible.jsonl"
-        data.write_text("".join(json.dumps(p) + "\n" for p in _perfectible_problems()))
-        builtin = ["precision=fp16", "prompts_per_step=16", "rollout.group_size=8", "rollout.max_new_tokens=96"]
-        builtin += [f"task.data={data}", "algorithm.name=pg_seq_is"]
+        builtin = _builtin_workload(tmp)
         llama_dir = make_llama_4m(tmp / "llama")
         llama = [f"model={llama_dir}", "precision=fp16", "prompts_per_step=8", "rollout.group_size=8"]
         llama += ["rollout.max_new_tokens=16"]
-
-        def solved(h: list[dict]) -> bool:
-            acc = moving_average([m["reward/accuracy"] for m in h])
-            return len(h) >= SMOOTHING and acc[-1] >= TARGET_ACCURACY
 
         for name, mode in MODES.items():
             for model, base, steps, stop in (
@@ -139,6 +157,49 @@ def throughput(args) -> dict:
         for row in rows.values():
             row["throughput_vs_sync"] = round(row["samples_per_s"] / base, 2)
     return results
+
+
+def _long_tail_workload(tmp: Path) -> list[str]:
+    """The throughput workload with a long tail: every fourth prompt loses its "=" ("954+4302" for
+    "954+4302="), which the built-in model answers with 1 to 96 tokens (its arithmetic answers take
+    30-46); those prompts' rewards are 0, so this workload measures samples/s only."""
+    problems = _perfectible_problems()
+    for p in problems[::4]:
+        p["prompt"] = p["prompt"].rstrip("=")
+    return _builtin_workload(tmp, problems, "long-tail")
+
+
+def partial(args) -> dict:
+    """Partial rollouts against whole ones at each staleness, 1 worker + 1 learner, one run per seed:
+    the throughput workload until 95% (or --max-steps), and its long-tailed form for --tail-steps."""
+    rows: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        workloads = {
+            "perfectible": (_builtin_workload(tmp), args.max_steps, solved),
+            "long-tail": (_long_tail_workload(tmp), args.tail_steps, None),
+        }
+        runs = itertools.product([w for w in workloads if w in args.workloads], args.seeds, (1, 2), (0, 2))
+        for i, (workload, seed, staleness, spans) in enumerate(runs):
+            base, steps, stop = workloads[workload]
+            name = f"{workload}, staleness {staleness}, " + (f"partial rollouts {spans}" if spans else "whole")
+            mode = ["distributed.rollout_workers=1", f"async.max_staleness={staleness}"]
+            mode += [f"async.partial_rollouts={spans}", f"seed={seed}"]
+            run_tmp = tmp / f"run-{i}"
+            run_tmp.mkdir()
+            result = _run(base + mode, steps, run_tmp, stop)
+            h = result["history"]
+            summary = _summary(result)
+            summary["seed"] = seed
+            for key in ("response/length_mean", "response/length_max", "async/staleness_mean"):
+                summary[key] = round(sum(m[key] for m in h) / len(h), 2)
+            summary["async/staleness_max"] = max(m["async/staleness_max"] for m in h)
+            if spans:
+                summary["async/continued_frac"] = round(sum(m["async/continued_frac"] for m in h) / len(h), 3)
+                summary["async/dropped_tokens"] = h[-1]["async/dropped_tokens"]
+            rows.setdefault(name, []).append(summary)
+            print(name, json.dumps(summary), flush=True)
+    return rows
 
 
 def phantom(args) -> dict:
@@ -266,6 +327,10 @@ def main() -> int:
     parser.add_argument("--throughput", action="store_true")
     parser.add_argument("--phantom", action="store_true")
     parser.add_argument("--pipeline", action="store_true")
+    parser.add_argument("--partial", action="store_true")
+    parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0])
+    parser.add_argument("--tail-steps", type=int, default=30)
+    parser.add_argument("--workloads", type=lambda v: v.split(","), default=["perfectible", "long-tail"])
     parser.add_argument("--pipeline-steps", type=int, default=30)
     parser.add_argument("--max-steps", type=int, default=150)
     parser.add_argument("--llama-steps", type=int, default=30)
@@ -280,6 +345,8 @@ def main() -> int:
         out["phantom"] = phantom(args)
     if args.pipeline:
         out["pipeline"] = pipeline(args)
+    if args.partial:
+        out["partial"] = partial(args)
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:

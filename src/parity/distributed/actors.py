@@ -23,6 +23,7 @@ import torch
 from parity.engines import kernels
 from parity.engines.batch import RolloutBatch
 from parity.engines.models import load_config, load_model
+from parity.engines.partial import PartialRollouts, PoolRequest
 from parity.engines.sampler import ExactnessError, Sampler, check_first_pass
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
@@ -56,6 +57,7 @@ class RolloutWorker:
     ):
         _quiet_process(threads)
         self.index, self.exact = index, exact
+        self.where = f"rollout worker {index}"
         tokenizer = load_tokenizer(model_dir)
         self.sampler = Sampler(
             load_config(model_dir),
@@ -69,6 +71,7 @@ class RolloutWorker:
             routing_replay=routing_replay,
             numerics=kernels.numerics("cpu", exact),
         )
+        self.pool = PartialRollouts(self.sampler)  # used by `generate_partial` only
         self.idle_since = time.perf_counter()
 
     def pid(self) -> int:
@@ -81,11 +84,10 @@ class RolloutWorker:
 
         t = time.perf_counter()
         self.sampler.load_weights(tensors, manifest.version)
-        where = f"rollout worker {self.index}"
-        verify(self.sampler.engine.named_weights(), manifest.engine, f"{where} (rollout engine)", manifest.version)
+        verify(self.sampler.engine.named_weights(), manifest.engine, f"{self.where} (rollout engine)", manifest.version)
         wire = getattr(torch, manifest.wire_dtype)
         scorer = {k: v.to(wire) for k, v in self.sampler.scorer.state_dict().items()}
-        verify(scorer, manifest.scorer, f"{where} (π_old scorer)", manifest.version)
+        verify(scorer, manifest.scorer, f"{self.where} (π_old scorer)", manifest.version)
         return {"version": manifest.version, "seconds": time.perf_counter() - t, "verified": 1.0}
 
     def generate(
@@ -100,10 +102,24 @@ class RolloutWorker:
         self.sampler.score_samples(batch)
         if batch.full_vocab is not None:
             self.sampler.score_full_vocab(batch)
-        if self.exact:  # checked here, before this worker's weights are replaced, so that locating works
-            self.sampler.verify_exact(batch, batch.old_logprobs, where=f"rollout worker {self.index}")
+        self._check_exact(batch)
         self.idle_since, idle = time.perf_counter(), start - self.idle_since
         return batch, {"idle": idle, "rollout": sampled - start, "score": self.idle_since - sampled}
+
+    def generate_partial(self, request: PoolRequest) -> tuple[RolloutBatch, dict]:
+        """`async.partial_rollouts`: add the request's prompts to this worker's pool and return its `need`
+        complete groups (`PartialRollouts.generate`); the info also holds their keys, the tokens dropped as
+        too old and the responses left unfinished in the pool."""
+        start = time.perf_counter()
+        batch, done, dropped = self.pool.generate(request, self._check_exact)
+        self.idle_since, idle = time.perf_counter(), start - self.idle_since
+        info = {"idle": idle, "rollout": self.idle_since - start, "score": 0.0}
+        return batch, {**info, "keys": done, "dropped_tokens": dropped, "unfinished": self.pool.unfinished}
+
+    def _check_exact(self, batch: RolloutBatch) -> None:
+        """Exact mode, checked here before this worker's weights are replaced, so that locating works."""
+        if self.exact:
+            self.sampler.verify_exact(batch, batch.old_logprobs, where=self.where)
 
 
 class Learner:

@@ -33,6 +33,8 @@ from parity.config import ConfigError
 from parity.distributed.actors import Learner, RolloutWorker
 from parity.distributed.cluster import LocalCluster, import_ray, join
 from parity.engines.batch import RolloutBatch, concat_batches
+from parity.engines.models import load_config
+from parity.engines.partial import PoolRequest
 from parity.engines.sampler import ExactnessError
 from parity.rl.checkpoint import RunState, save_checkpoint
 from parity.rl.loop import Run, TrainingError
@@ -69,6 +71,10 @@ class _Shard:
     prompts: list[list[int]]
     seed: int
     ref: object = None  # the Ray ObjectRef of (RolloutBatch, timings)
+    # Partial rollouts: the prompts' keys, the complete groups wanted back and the oldest version to train on.
+    keys: list[int] = field(default_factory=list)
+    need: int = 0
+    min_version: int = 0
 
 
 @dataclass
@@ -103,6 +109,11 @@ class DistributedRun(Run):
                 self.cluster = LocalCluster(num_cpus=max(os.cpu_count() or 1, processes))
         model_dir = str(self.model_dir)
         worker_cls = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=0)(RolloutWorker)
+        if cfg.async_.partial_rollouts and load_config(self.model_dir).num_experts:
+            raise ConfigError(
+                f"async.partial_rollouts={cfg.async_.partial_rollouts} with a mixture-of-experts model: a continued "
+                "response's routing record would span weight versions, which routing replay cannot take; set it to 0"
+            )
         self.workers = [
             worker_cls.remote(
                 i,
@@ -134,6 +145,12 @@ class DistributedRun(Run):
         self.weights = None  # the newest (tensors ref, manifest), for restarted workers
         self.restarts = 0
         self.dropped = 0
+        self.dropped_tokens = 0
+        # Partial rollouts: each prompt sent and not yet trained on, by key: (problem, its data position, worker);
+        # and each worker's groups beyond what its pending requests take back (its pool's spare groups).
+        self.outstanding: dict[int, tuple[Problem, int, int]] = {}
+        self.spare = [0] * len(self.workers)
+        self.next_key = 0
         self.consumed_position = self.data.position
         self.step_end = time.perf_counter()
         self._push_weights(version=self.step_count)
@@ -265,13 +282,26 @@ class DistributedRun(Run):
     def _request(self, step: int) -> None:
         """Ask the workers for step `step`'s samples, whole prompt groups per worker."""
         cfg = self.cfg
-        problems = [self.problems[i] for i in self.data.take(cfg.prompts_per_step)]
+        shares = [len(r) for r in torch.arange(cfg.prompts_per_step).tensor_split(len(self.workers))]
+        # Partial rollouts: a worker's pool holds twice the groups a request takes back, so that a request
+        # can end once the quickest half is complete (its first request brings the spare half).
+        sends = [n + max(n - self.spare[w], 0) if cfg.async_.partial_rollouts else n for w, n in enumerate(shares)]
+        start = self.data.position
+        problems = [self.problems[i] for i in self.data.take(sum(sends))]
         prompts = [self.tokenizer.encode_prompt(p.prompt, cfg.task.chat_template) for p in problems]
         request = _Request(step, problems, self.data.position)
-        bounds = torch.arange(len(prompts)).tensor_split(len(self.workers))
-        for w, rows in enumerate(bounds):
+        first = 0
+        for w, (n, need) in enumerate(zip(sends, shares)):
             # Worker 0 uses the single-process seed, so one worker samples what one process would.
-            shard = _Shard(w, [prompts[i] for i in rows.tolist()], self.rollout_seed(step) + 7_777_777 * w)
+            shard = _Shard(w, prompts[first : first + n], self.rollout_seed(step) + 7_777_777 * w)
+            if cfg.async_.partial_rollouts:
+                shard.keys = list(range(self.next_key, self.next_key + n))
+                shard.need, shard.min_version = need, step - cfg.async_.max_token_staleness
+                for i, key in enumerate(shard.keys):
+                    self.outstanding[key] = (problems[first + i], start + first + i, w)
+                self.next_key += n
+                self.spare[w] += n - need
+            first += n
             self._send(shard)
             request.shards.append(shard)
         self.pending.append(request)
@@ -279,9 +309,21 @@ class DistributedRun(Run):
     def _send(self, shard: _Shard) -> None:
         worker = self.workers[shard.worker]
         cfg = self.cfg
-        shard.ref = worker.generate.remote(
-            shard.prompts, cfg.rollout.group_size, self.sampling, shard.seed, cfg.diagnostics.full_vocab_positions
-        )
+        full_vocab = cfg.diagnostics.full_vocab_positions
+        if cfg.async_.partial_rollouts:
+            request = PoolRequest(
+                shard.prompts,
+                shard.keys,
+                shard.need,
+                cfg.rollout.group_size,
+                self.sampling,
+                shard.seed,
+                shard.min_version,
+                full_vocab,
+            )
+            shard.ref = worker.generate_partial.remote(request)
+            return
+        shard.ref = worker.generate.remote(shard.prompts, cfg.rollout.group_size, self.sampling, shard.seed, full_vocab)
 
     def _recover(self, worker: int) -> None:
         """After worker `worker` died: wait for Ray's restart, give it the newest weights and
@@ -333,10 +375,17 @@ class DistributedRun(Run):
             file=sys.stderr,
         )
         self.load_refs[worker] = [self.workers[worker].load_weights.remote(*self.weights)]
-        for request in self.pending:
-            for shard in request.shards:
-                if shard.worker == worker and shard.ref is not None:
-                    self._send(shard)
+        resend = [s for r in self.pending for s in r.shards if s.worker == worker and s.ref is not None]
+        if self.cfg.async_.partial_rollouts and resend:
+            # The worker's pool died with it: its groups from requests already answered start again.
+            queued = {k for s in resend for k in s.keys}
+            lost = [k for k, (_, _, w) in self.outstanding.items() if w == worker and k not in queued]
+            resend[0].keys = lost + resend[0].keys
+            resend[0].prompts = [
+                self.tokenizer.encode_prompt(self.outstanding[k][0].prompt, self.cfg.task.chat_template) for k in lost
+            ] + resend[0].prompts
+        for shard in resend:
+            self._send(shard)
 
     def _rollouts(self, times: dict[str, float]) -> tuple[list[Problem], RolloutBatch]:
         import ray
@@ -361,7 +410,7 @@ class DistributedRun(Run):
                     continue
                 except ray.exceptions.RayTaskError as e:  # exact mode's check on the worker, before training
                     raise TrainingError(f"step {self.step_count + 1}: {e.cause}") from None
-                if self.step_count - batch.weight_version > cfg.async_.max_staleness:
+                if self.step_count - batch.weight_version > cfg.async_.max_token_staleness:
                     self.dropped += batch.response_ids.shape[0]  # too old (only after a restart): sample again
                     self._send(shard)
                     continue
@@ -370,22 +419,38 @@ class DistributedRun(Run):
             parts.append(batch)
             infos.append(info)
         self.pending.popleft()
+        problems = request.problems
         self.consumed_position = request.data_position
+        if cfg.async_.partial_rollouts:
+            problems = [self.outstanding.pop(k)[0] for info in infos for k in info["keys"]]
+            self.dropped_tokens += sum(info["dropped_tokens"] for info in infos)
+            # A resume samples again from the oldest prompt not yet trained on (and some after it twice).
+            taken = [position for _, position, _ in self.outstanding.values()]
+            self.consumed_position = min(taken, default=self.data.position)
         times["rollout"] = time.perf_counter() - t  # the learners wait this long for samples
         times["score"] = max(i["score"] for i in infos)
         times["worker_rollout"] = max(i["rollout"] for i in infos)
         times["worker_idle"] = sum(i["idle"] for i in infos)
         self._check_loads()
-        staleness = torch.tensor(
-            [float(self.step_count - b.weight_version) for b in parts for _ in range(b.response_ids.shape[0])]
-        )
+        batch = concat_batches(parts) if len(parts) > 1 else parts[0]
+        versions = batch.versions()[batch.response_mask]
+        staleness = (self.step_count - versions).float()
         self.async_metrics = {
             "async/staleness_mean": float(staleness.mean()),
             "async/staleness_max": float(staleness.max()),
             "async/queue_depth": queue_depth,
             "async/dropped": self.dropped,
         }
-        return request.problems, concat_batches(parts) if len(parts) > 1 else parts[0]
+        if cfg.async_.partial_rollouts:
+            spans = [len(row[row >= 0].unique()) for row in batch.versions()]
+            self.async_metrics.update(
+                {
+                    "async/continued_frac": sum(n > 1 for n in spans) / len(spans),
+                    "async/dropped_tokens": self.dropped_tokens,
+                    "async/unfinished": sum(info["unfinished"] for info in infos),
+                }
+            )
+        return problems, batch
 
     def step(self) -> dict[str, float]:
         start = self.step_end

@@ -45,6 +45,9 @@ class RolloutBatch:
     probe_logprobs: torch.Tensor | None = None  # [B, T] the same forward in the rollout precision
     routing_mismatch: torch.Tensor | None = None  # [MoE layers] tokens whose experts differ, π_old vs μ
     full_vocab: FullVocab | None = None  # `diagnostics.full_vocab_positions`: whole distributions compared
+    # Partial rollouts: the weight version that sampled each token [B, T] (a response continued after a
+    # weight sync spans versions); None when every token is `weight_version`'s.
+    token_versions: torch.Tensor | None = None
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -53,6 +56,12 @@ class RolloutBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.response_mask.sum())
+
+    def versions(self) -> torch.Tensor:
+        """The weight version of every token [B, T]; -1 on padding."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return torch.full_like(self.response_ids, self.weight_version).masked_fill(~self.response_mask, -1)
 
 
 def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -113,4 +122,7 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
         if batches[0].routing_mismatch is None
         else torch.stack([b.routing_mismatch for b in batches]).mean(0),
         full_vocab=full_vocab,
+        token_versions=None
+        if all(b.token_versions is None for b in batches)
+        else torch.cat([F.pad(b.versions(), [0, width - b.response_ids.shape[1]], value=-1) for b in batches]),
     )

@@ -525,22 +525,37 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, seed: int, full_vocab: int = 0
+        self,
+        prompts: list[list[int]],
+        group_size: int,
+        sampling: SamplingParams,
+        seed: int,
+        full_vocab: int = 0,
+        limits: list[int] | None = None,
+        stop: Callable[[torch.Tensor], bool] | None = None,
     ) -> RolloutBatch:
         """`group_size` samples per prompt. `full_vocab`: also keep the whole distribution at about that
-        many positions (`RolloutBatch.full_vocab`), for comparing it with the trainer's."""
+        many positions (`RolloutBatch.full_vocab`), for comparing it with the trainer's. `limits`: each
+        output row's own token limit (default `sampling.max_new_tokens`). `stop`: called with the output
+        rows' finished flags whenever the host reads them; True ends the call, leaving unfinished rows
+        as they are (partial rollouts continue them later)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs at least one prompt, each with at least one token")
         if not self.layers:
             raise RuntimeError("RolloutEngine.generate() before load_weights()")
         dev = self.device
         gen = torch.Generator(device=dev).manual_seed(seed)
-        n_prompts, max_new = len(prompts), sampling.max_new_tokens
-        prompt_len = max(len(p) for p in prompts)
-        max_len = prompt_len + max_new
+        n_prompts = len(prompts)
+        lengths_list = [len(p) for p in prompts for _ in range(group_size)]
+        limits = limits or [sampling.max_new_tokens] * len(lengths_list)
+        if len(limits) != len(lengths_list) or min(limits) < 1:
+            raise ValueError(f"generate(): expected {len(lengths_list)} row limits >= 1, got {limits}")
+        max_new, prompt_len = max(limits), max(lengths_list)
+        # The furthest position any row may reach; rows that finished keep decoding, clamped below it.
+        max_len = max(n + limit for n, limit in zip(lengths_list, limits))
         if max_len > self.config.max_position_embeddings:
             raise ValueError(
-                f"prompt ({prompt_len}) + max_new_tokens ({max_new}) exceeds the model's "
+                f"prompt + new tokens ({max_len}) exceeds the model's "
                 f"max_position_embeddings ({self.config.max_position_embeddings})"
             )
 
@@ -562,6 +577,7 @@ class RolloutEngine:
         next_pos = lengths.repeat_interleave(group_size)
         rows = torch.arange(batch, device=dev)
         done = torch.zeros(batch, dtype=torch.bool, device=dev)
+        limit = torch.tensor(limits, device=dev)
 
         tokens = torch.full((batch, max_new), self.pad_id, dtype=torch.long, device=dev)
         logprobs = torch.zeros(batch, max_new, dtype=torch.float32, device=dev)
@@ -592,7 +608,7 @@ class RolloutEngine:
             if sampling.filtered:
                 pending.append((rows, live, torch.isfinite(processed)))
             token = token.squeeze(-1)
-            done = done | torch.isin(token, self._eos)
+            done = done | torch.isin(token, self._eos) | (limit[rows] <= t + 1)
             if t == max_new - 1:
                 break
             # The host reads the batch's state (finished rows, supports) only every `check_every` tokens:
@@ -602,6 +618,11 @@ class RolloutEngine:
                 pending = []
                 if bool(done.all()):
                     break
+                if stop is not None:
+                    finished = torch.ones(batch, dtype=torch.bool, device=dev)
+                    finished[rows] = done
+                    if stop(finished):
+                        break
                 # Drop finished rows once they are a quarter of the batch (cache copy amortised),
                 # down to a multiple of ROW_BUCKET rows, topped up with finished ones.
                 size = -(-int((~done).sum()) // ROW_BUCKET) * ROW_BUCKET
@@ -611,13 +632,14 @@ class RolloutEngine:
                     if recorder is not None:
                         recorder.rows_kept(keep, done.numel())
                     rows, token, done, next_pos = rows[keep], token[keep], done[keep], next_pos[keep]
-            start = prompt_len + t  # the highest slot a row writes now (a row with the longest prompt)
+            # The highest slot a row writes now (a live row with the longest prompt; finished rows are clamped).
+            start = min(prompt_len + t, max_len - 1)
             if start == cache.slots:
                 cache.take_rows(torch.arange(len(rows), device=dev), start, min(max_len, start + CACHE_BLOCK))
             logits, routes = self._forward(token[:, None], next_pos[:, None], cache, keys=start + 1)
             if moe:  # the experts of the token just fed: response token t
                 response_routes[rows, t] = routes[:, 0]
-            next_pos = next_pos + 1
+            next_pos = (next_pos + 1).clamp(max=max_len - 1)
         supports += _support_ids(pending)
 
         used = int(mask_out.sum(0).nonzero().max()) + 1

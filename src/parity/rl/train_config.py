@@ -184,6 +184,15 @@ class LoRASection:
 @dataclass
 class AsyncSection:
     max_staleness: int = 0  # policy versions a sample may lag the learners; 0 = synchronous, on-policy
+    # Partial rollouts: N >= 2 lets a worker end a request once enough prompt groups are complete and
+    # continue the unfinished responses in its next request, on the weights it then holds; one response
+    # spans at most N weight versions (a token is at most max_staleness + N - 1 versions old). 0 = off.
+    partial_rollouts: int = 0
+
+    @property
+    def max_token_staleness(self) -> int:
+        """How many versions older than the learners' a trained token may be."""
+        return self.max_staleness + max(self.partial_rollouts - 1, 0)
 
 
 def default_lr(model: str, lora: bool) -> float:
@@ -226,6 +235,7 @@ NUMERIC_RANGES = (
     ("distributed.threads", lambda v: v >= 0, ">= 0 (0 = share the cores)"),
     ("distributed.restart_timeout_s", lambda v: v > 0, "> 0 seconds"),
     ("async.max_staleness", lambda v: v >= 0, ">= 0 (0 = synchronous)"),
+    ("async.partial_rollouts", lambda v: v == 0 or v >= 2, "0 (off) or >= 2 (weight versions one response may span)"),
     ("lora.rank", lambda v: v >= 0, ">= 0 (0 = off: full fine-tuning)"),
     ("diagnostics.full_vocab_positions", lambda v: v >= 0, ">= 0 (0 = off)"),
     ("eval.every", lambda v: v >= -1, ">= -1 (0 = after the last step only, -1 = never)"),
@@ -482,9 +492,10 @@ class TrainConfig:
         """Combinations the distributed trainer cannot run, refused before any work."""
         d, staleness = self.distributed, self.async_.max_staleness
         if not self.distributed_mode:
-            if staleness:
+            if staleness or self.async_.partial_rollouts:
+                key = "max_staleness" if staleness else "partial_rollouts"
                 raise ConfigError(
-                    f"async.max_staleness={staleness}: asynchronous training needs rollout workers; "
+                    f"async.{key}={getattr(self.async_, key)}: asynchronous training needs rollout workers; "
                     "set distributed.rollout_workers >= 1"
                 )
             return
