@@ -433,8 +433,8 @@ class DistributedRun(Run):
         times["worker_idle"] = sum(i["idle"] for i in infos)
         self._check_loads()
         batch = concat_batches(parts) if len(parts) > 1 else parts[0]
-        versions = batch.versions()[batch.response_mask]
-        staleness = (self.step_count - versions).float()
+        versions = batch.versions()
+        staleness = (self.step_count - versions[batch.response_mask]).float()
         self.async_metrics = {
             "async/staleness_mean": float(staleness.mean()),
             "async/staleness_max": float(staleness.max()),
@@ -442,7 +442,7 @@ class DistributedRun(Run):
             "async/dropped": self.dropped,
         }
         if cfg.async_.partial_rollouts:
-            spans = [len(row[row >= 0].unique()) for row in batch.versions()]
+            spans = [len(row[row >= 0].unique()) for row in versions]
             self.async_metrics.update(
                 {
                     "async/continued_frac": sum(n > 1 for n in spans) / len(spans),
