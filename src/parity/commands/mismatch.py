@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from parity.commands.prompts import CHAT_QUESTIONS, LONG_ANSWER_REQUESTS
 from parity.config import ConfigError
 from parity.engines import kernels
 from parity.engines import precision as prec
@@ -30,61 +31,14 @@ from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Prompt, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer, full_vocab_logprobs
 from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.checkpoint import require_finite_weights
-from parity.rl.diagnostics import batch_shape_metrics, full_vocab_metrics, mismatch_by_length, mismatch_metrics
-from parity.rl.tasks import PROMPT_FORM, ArithmeticTask, DataError, check_prompt
-
-# The default prompts for a model other than the built-in one: short questions of the kinds people ask chat
-# models (facts, explanations, arithmetic, code, writing, advice), encoded with the model's chat template.
-QUESTIONS = (
-    "What is the capital of Australia?",
-    "Why is the sky blue?",
-    "Explain photosynthesis in two sentences.",
-    "How many legs does a spider have?",
-    "What is 17 times 23?",
-    "A shirt costs $25 and is on sale for 20% off. What is the sale price?",
-    "If a train leaves at 3:15 pm and the trip takes 2 hours 50 minutes, when does it arrive?",
-    "Is 91 a prime number? Explain briefly.",
-    "Write a Python function that reverses a string.",
-    "What does the 'git rebase' command do?",
-    "How do I read a CSV file in Python?",
-    "What is the difference between a list and a tuple in Python?",
-    "Write a haiku about autumn leaves.",
-    "Give me three ideas for a birthday party for a ten-year-old.",
-    "Summarize the plot of Romeo and Juliet in one paragraph.",
-    "Translate 'Where is the train station?' into Spanish.",
-    "What causes the seasons on Earth?",
-    "How does a vaccine train the immune system?",
-    "Who wrote 'Pride and Prejudice'?",
-    "What is the boiling point of water in Fahrenheit?",
-    "Suggest a name for a small coffee shop by the sea.",
-    "How can I improve my sleep?",
-    "What are the main differences between a virus and a bacterium?",
-    "Explain what a black hole is to a child.",
-    "Write a short, polite email asking to reschedule a meeting.",
-    "What is the Pythagorean theorem?",
-    "Solve for x: 3x + 7 = 22.",
-    "How many minutes are there in a week?",
-    "What is the largest planet in the solar system?",
-    "Give me a simple recipe for pancakes.",
-    "What is machine learning, in one sentence?",
-    "List four renewable sources of energy.",
-    "Why do cats purr?",
-    "What is the difference between weather and climate?",
-    "Tell me a fun fact about octopuses.",
-    "How do I convert Celsius to Fahrenheit?",
-    "What is an API?",
-    "Write a limerick about a forgetful robot.",
-    "What should I pack for a three-day hiking trip?",
-    "Explain the rules of tic-tac-toe.",
-    "Which is heavier, a kilogram of feathers or a kilogram of iron?",
-    "What year did the first person walk on the moon?",
-    "Describe the water cycle.",
-    "How do I make a good first impression at a job interview?",
-    "What is the square root of 144?",
-    "Write a SQL query that counts the rows in a table named orders.",
-    "What is inflation, and why does it happen?",
-    "Recommend a classic novel and say why it is worth reading.",
+from parity.rl.diagnostics import (
+    LENGTH_BIN_EDGES,
+    batch_shape_metrics,
+    full_vocab_metrics,
+    mismatch_by_length,
+    mismatch_metrics,
 )
+from parity.rl.tasks import PROMPT_FORM, ArithmeticTask, DataError, check_prompt
 
 # Metrics shown in the markdown table, with their ratio to the FP16 run.
 TABLE_METRICS = ("k3", "token_abs_log_ratio_mean", "seq_abs_log_ratio", "prob_abs_diff_mean", "chi2_token")
@@ -111,7 +65,8 @@ class SamplingConfig:
 class MismatchConfig:
     model: str = "builtin"
     # builtin: the arithmetic task's prompts for the built-in model, the shipped chat questions
-    # (`QUESTIONS`) for any other; or a JSONL file, one {"prompt": ...} per line (`load_prompts`)
+    # (`prompts.CHAT_QUESTIONS`) for any other; long: the shipped requests for long answers
+    # (`prompts.LONG_ANSWER_REQUESTS`); or a JSONL file, one {"prompt": ...} per line (`load_prompts`)
     prompts: str = "builtin"
     chat_template: str = "auto"  # auto (the model's chat template, when it has one) | none (raw text)
     num_prompts: int = 128
@@ -161,17 +116,20 @@ def parse_pair(pair: str) -> tuple[str, str]:
 
 def load_prompts(source: str, n: int, seed: int, model: str = "builtin") -> list[Prompt]:
     """At most `n` prompts. `builtin`: `n` arithmetic problems for the built-in model, `n` of the shipped chat
-    questions (drawn with `seed`; all of them when `n` is more) for any other model. Otherwise a JSONL file
+    questions (drawn with `seed`; all of them when `n` is more) for any other model. `long`: `n` of the shipped
+    requests for long answers, drawn the same way. Otherwise a JSONL file
     (UTF-8): each non-blank line an object whose "prompt" is a non-empty string or a list of chat messages
     ({"role": ..., "content": ...}, for the model's chat template); other fields are ignored and the first
     `n` prompts are used."""
     if source == "builtin":
         if str(model) == "builtin":
             return [p.prompt for p in ArithmeticTask().problems(n, seed=seed, split="eval")]
-        return random.Random(seed).sample(QUESTIONS, min(n, len(QUESTIONS)))
+        return random.Random(seed).sample(CHAT_QUESTIONS, min(n, len(CHAT_QUESTIONS)))
+    if source == "long":
+        return random.Random(seed).sample(LONG_ANSWER_REQUESTS, min(n, len(LONG_ANSWER_REQUESTS)))
     path = Path(source)
     if not path.is_file():
-        raise ConfigError(f"prompts: file {source!r} does not exist (use 'builtin' or a JSONL file)")
+        raise ConfigError(f"prompts: file {source!r} does not exist (use 'builtin', 'long' or a JSONL file)")
     prompts: list[Prompt] = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -361,6 +319,32 @@ def distribution_table(results: list[PairResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def length_table(results: list[PairResult]) -> str:
+    """Mean |sequence log-ratio| per response-length bin for each pair (with its number of sequences), and
+    BF16/BF16 against FP16/FP16 in each bin where both ran (empty with fewer than two length bins)."""
+    labels = [f"seq_abs_log_ratio/len_{lo + 1}-{hi}" for lo, hi in zip(LENGTH_BIN_EDGES[:-1], LENGTH_BIN_EDGES[1:])]
+    present = [k for k in labels if any(k in r.by_length for r in results)]
+    if len(present) < 2:
+        return ""
+    by_pair = {(r.trainer_precision, r.rollout_precision): r for r in results}
+    bf16, fp16 = by_pair.get(("bf16", "bf16")), by_pair.get(("fp16", "fp16"))
+    ratio = bf16 is not None and fp16 is not None
+    head = "| response length | " + " | ".join(r.label for r in results) + (" | bf16 / fp16 |" if ratio else " |")
+    lines = [head, "|" + "---|" * (1 + len(results) + ratio)]
+    for key in present:
+        cells = []
+        for r in results:
+            lengths = r.mask.sum(-1)
+            lo, hi = (int(x) for x in key.split("_")[-1].split("-"))
+            n = int(((lengths >= lo) & (lengths <= hi)).sum())
+            cells.append(f"{r.by_length[key]:.3g} ({n})" if key in r.by_length else "-")
+        if ratio:
+            both = key in bf16.by_length and key in fp16.by_length and fp16.by_length[key] > 0
+            cells.append(f"{bf16.by_length[key] / fp16.by_length[key]:.1f}×" if both else "-")
+        lines.append(f"| {key.split('_')[-1]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
 
     out = Path(cfg.out)
@@ -379,6 +363,12 @@ def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
             f"against trainer (π); and the trainer's log-probs of the same tokens scored in micro-batches of "
             f"{cfg.shape_micro_batch} rows against one batch:\n\n" + distribution_table(results)
             if distribution_table(results)
+            else ""
+        )
+        + (
+            "\nMean |sequence log-ratio| |Σ_t (π − μ)| by response length (number of sequences in brackets):\n\n"
+            + length_table(results)
+            if length_table(results)
             else ""
         )
         + "\n![token-level μ vs π](mismatch_scatter.png)\n\n"
@@ -449,15 +439,20 @@ def plot_mismatch_scatter(results: Sequence[PairResult], path: Path) -> None:
 
 
 def plot_seq_log_ratio_vs_length(results: Sequence[PairResult], path: Path) -> None:
-    """|Σ_t (π − μ)| per sequence against response length, one colour per pair."""
+    """|Σ_t (π − μ)| per sequence against response length, one colour per pair, with each length bin's mean."""
     from parity.commands.report import plt, save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
         lengths = r.mask.sum(-1).numpy()
         seq = (r.trainer_logprobs - r.rollout_logprobs).masked_fill(~r.mask, 0).sum(-1).abs().numpy()
-        ax.scatter(lengths, seq, s=8, alpha=0.5, label=f"{r.label} (mean {seq.mean():.2e})")
+        dots = ax.scatter(lengths, seq, s=8, alpha=0.5, label=f"{r.label} (mean {seq.mean():.2e})")
+        bins = [(k.split("_")[-1], v) for k, v in r.by_length.items() if k.startswith("seq_abs_log_ratio/")]
+        if len(bins) > 1:  # the bin means, drawn at each bin's geometric middle
+            middles = [(int(lo) * int(hi)) ** 0.5 for lo, hi in (b.split("-") for b, _ in bins)]
+            ax.plot(middles, [v for _, v in bins], color=dots.get_facecolor()[0][:3], marker="o", lw=1.5)
     ax.set_yscale("symlog", linthresh=1e-6)
+    ax.set_xscale("log")
     ax.set(
         xlabel="response length (tokens)",
         ylabel="|sequence log-ratio| = |Σ_t log π − log μ|",

@@ -11,10 +11,15 @@ is active on the ratio against μ and not on the ratio against π_old. Two parts
   mismatch's doing, and a ratio against π_old (recompute, shadow) clips nothing;
 - training runs to length ≤ 2 under each ratio source, matched precisions, and a
   sweep of ε with the ratio against μ, to see when the mismatch alone stalls learning.
+
+With `--model DIR` (`run_writeup`): the write-up's experiment at its own settings on a real
+checkpoint — FP32 trainer, BF16 rollout, ε = 0.2, one update per rollout, the shipped chat
+questions through the model's chat template — in the arms of `writeup_arms`, for several seeds.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,20 +28,23 @@ from pathlib import Path
 import torch
 
 from parity import config as config_mod
-from parity.commands.report import Panel, plot_beta_distribution, plot_curves
+from parity.commands.prompts import CHAT_QUESTIONS
+from parity.commands.report import Panel, plot_bars, plot_beta_distribution, plot_curves
 from parity.engines import kernels
 from parity.engines.models import export_state, load_model, resolve_model_dir
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.files import atomic_write_json, atomic_write_text
-from parity.rl.diagnostics import gap_metrics
+from parity.rl.diagnostics import PROB_BIN_EDGES, gap_metrics
 from parity.rl.loop import Run
 from parity.rl.tasks import ArithmeticTask
 from parity.rl.train_config import TrainConfig
 from parity.rundir import remove_run
 
 TARGET_LENGTH = 2.0
+BUILTIN_STEPS = 60
+WRITEUP_STEPS = 15
 ONE_UPDATE_EPS = 0.001
 ONE_UPDATE_STEPS = 5
 RATIO_SOURCES = ("rollout", "recompute", "shadow")
@@ -293,6 +301,250 @@ def render_report(summary: dict) -> str:
             "![length and phantom clip fraction](phantom.png)",
             "",
             "![β distribution](beta.png)",
+            "",
+        ]
+    )
+
+
+# ----------------------------------------------------------------------------- the write-up's experiment, real model
+
+WRITEUP_EPS = 0.2
+NO_CLIP = ("algorithm.clip_low=1e9", "algorithm.clip_high=1e9")  # the clip's bounds out of reach
+ASYNC = ("distributed.rollout_workers=1", "async.max_staleness=1")
+# The settings of `run_writeup` that are not the write-up's own (those are in `writeup_arms`): chosen so that a
+# 135M model's run fits a 2-core CPU; any of them can be overridden on the command line.
+WRITEUP_SETTINGS = (
+    "prompts_per_step=4",
+    "rollout.group_size=8",
+    "rollout.max_new_tokens=256",
+    "trainer.lr=1e-5",
+    "eval.every=-1",
+)
+WRITEUP_STEP1_PHANTOM = 0.18  # the write-up's phantom-clipped fraction at ε = 0.2, FP32 trainer, BF16 inference
+
+
+def writeup_arms(with_async: bool = True) -> list[PhantomRun]:
+    """The write-up's three arms (ratio against μ as TRL's AsyncGRPO takes it, clipping off, matched FP16),
+    Parity's (ratio against π_old scored by the sampler), and the first two with one asynchronous worker."""
+    mismatched = (*PAIRS["fp32/bf16"], f"algorithm.clip_low={WRITEUP_EPS}", f"algorithm.clip_high={WRITEUP_EPS}")
+    arms = [
+        PhantomRun("ratio vs μ", (*mismatched, "algorithm.ratio_source=rollout")),
+        PhantomRun("ratio vs π_old (shadow)", (*mismatched, "algorithm.ratio_source=shadow")),
+        PhantomRun("no clip", (*mismatched, "algorithm.ratio_source=rollout", *NO_CLIP)),
+        PhantomRun(
+            "fp16 matched, ratio vs μ",
+            (
+                *PAIRS["fp16/fp16"],
+                f"algorithm.clip_low={WRITEUP_EPS}",
+                f"algorithm.clip_high={WRITEUP_EPS}",
+                "algorithm.ratio_source=rollout",
+            ),
+        ),
+    ]
+    if with_async:
+        arms += [
+            PhantomRun("async, ratio vs μ", (*mismatched, "algorithm.ratio_source=rollout", *ASYNC)),
+            PhantomRun("async, ratio vs π_old (shadow)", (*mismatched, "algorithm.ratio_source=shadow", *ASYNC)),
+        ]
+    return arms
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.replace("π_old", "old").replace("μ", "mu")).strip("-")
+
+
+def _prob_bins() -> list[str]:
+    return [f"p_{lo:g}-{hi:g}" for lo, hi in zip(PROB_BIN_EDGES[:-1], PROB_BIN_EDGES[1:])]
+
+
+def summarize_arm(history: list[dict]) -> dict:
+    """One run of an arm: step 1's clip and phantom fractions, steps to length ≤ 2, and the run's means of
+    |α|, |β|, |κ|, |β| by token probability μ and β's correlation with the advantage."""
+
+    def mean(key: str) -> float | None:
+        values = [m[key] for m in history if key in m]
+        return statistics.mean(values) if values else None
+
+    return {
+        "clip_frac_step1": history[0]["clip/frac"],
+        "phantom_clip_frac_step1": history[0]["phantom/clip_frac"],
+        "length_step1": history[0]["response/length_mean"],
+        "steps_to_length_2": steps_to_length(history),
+        "final_length": history[-1]["response/length_mean"],
+        "clip_frac_mean": mean("clip/frac"),
+        "phantom_clip_frac_mean": mean("phantom/clip_frac"),
+        "alpha_abs_mean": mean("alpha/abs_mean"),
+        "beta_abs_mean": mean("beta/abs_mean"),
+        "kappa_abs_mean": mean("kappa/abs_mean"),
+        "beta_abs_by_prob": {b: mean(f"beta/abs_mean/{b}") for b in _prob_bins()},
+        "beta_adv_corr_mean": mean("beta/adv_corr"),
+        "seq_abs_log_ratio_mean": mean("mismatch/seq_abs_log_ratio"),
+    }
+
+
+def _beta_by_bin(arm: dict) -> list[float]:
+    """An arm's mean |β| in each token-probability bin, averaged over its seeds (0 where a bin had no token)."""
+    return [statistics.mean(r["beta_abs_by_prob"][b] or 0.0 for r in arm["seeds"].values()) for b in _prob_bins()]
+
+
+def _mean_history(histories: list[list[dict]], keys: tuple[str, ...]) -> list[dict]:
+    """The step-wise mean over seeds of `keys` (the steps all runs have)."""
+    steps = min(len(h) for h in histories)
+    return [
+        {
+            "step": i + 1,
+            **{k: statistics.mean(h[i][k] for h in histories) for k in keys if all(k in h[i] for h in histories)},
+        }
+        for i in range(steps)
+    ]
+
+
+def run_writeup(
+    model: str,
+    out: Path,
+    steps: int,
+    seeds: tuple[int, ...],
+    overrides: tuple[str, ...] = (),
+    with_async: bool = True,
+    device: str = "cpu",
+    log=print,
+) -> dict:
+    """The write-up's phantom-clipping experiment on `model` (see the module's docstring): every arm of
+    `writeup_arms` for every seed, `steps` steps each; `overrides` are `parity train` keys for every run."""
+    kernels.check_device(device, "--device")
+    model_dir = resolve_model_dir(model)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = out / "prompts.jsonl"
+    atomic_write_text(prompts, "".join(json.dumps({"prompt": q, "answer": ""}) + "\n" for q in CHAT_QUESTIONS))
+    base = (f"model={model_dir}", f"task.data={prompts}", *WRITEUP_SETTINGS, f"device={device}")
+    start = time.perf_counter()
+    arms = writeup_arms(with_async)
+    results: dict[str, dict] = {}
+    curves: dict[str, list[dict]] = {}
+    for i, arm in enumerate(arms, 1):
+        runs, histories = {}, []
+        for seed in seeds:
+            log(f"arm {i}/{len(arms)}: {arm.name}, seed {seed}")
+            arm_start = time.perf_counter()
+            history = train_length_task(
+                out / "runs" / f"{_slug(arm.name)}-seed{seed}", steps, seed, (*base, *arm.overrides, *overrides), True
+            )
+            runs[str(seed)] = {**summarize_arm(history), "seconds": round(time.perf_counter() - arm_start, 1)}
+            histories.append(history)
+        results[arm.name] = {"overrides": list(arm.overrides), "seeds": runs}
+        curves[arm.name] = _mean_history(histories, CURVE_KEYS)
+    plot_curves(
+        curves,
+        [
+            Panel("response/length_mean", "Mean response length", log=True, hline=TARGET_LENGTH, smooth=False),
+            Panel("phantom/clip_frac", "Phantom clip fraction", smooth=False),
+            Panel("clip/frac", "Clip fraction", smooth=False),
+            Panel("beta/adv_corr", "corr(β, advantage)", smooth=False),
+        ],
+        out / "phantom.png",
+    )
+    plot_bars(
+        {
+            name: [
+                statistics.mean(r["beta_abs_by_prob"][b] or 0.0 for r in arm["seeds"].values()) for b in _prob_bins()
+            ]
+            for name, arm in results.items()
+        },
+        [b.removeprefix("p_") for b in _prob_bins()],
+        xlabel="token probability μ",
+        ylabel="mean |β|",
+        title="The precision gap β by token probability (mean over steps and seeds)",
+        path=out / "beta_by_prob.png",
+    )
+    summary = {
+        "model": str(model_dir),
+        "steps": steps,
+        "seeds": list(seeds),
+        "settings": [*WRITEUP_SETTINGS, *overrides],
+        "arms": results,
+        "wall_seconds": round(time.perf_counter() - start, 1),
+    }
+    atomic_write_json(out / "summary.json", summary)
+    atomic_write_text(out / "report.md", render_writeup(summary))
+    return summary
+
+
+CURVE_KEYS = ("response/length_mean", "phantom/clip_frac", "clip/frac", "beta/adv_corr")
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def render_writeup(summary: dict) -> str:
+    arms = summary["arms"]
+    bins = _prob_bins()
+    rows, bin_rows = [], []
+    for name, arm in arms.items():
+        for seed, r in arm["seeds"].items():
+            reached = r["steps_to_length_2"]
+            rows.append(
+                f"| {name} | {seed} | {r['phantom_clip_frac_step1']:.4f} | {r['clip_frac_step1']:.4f} | "
+                f"{r['length_step1']:.1f} | {'not in ' + str(summary['steps']) if reached is None else reached} | "
+                f"{r['final_length']:.1f} | {r['clip_frac_mean']:.4f} | {r['phantom_clip_frac_mean']:.4f} | "
+                f"{_fmt(r['alpha_abs_mean'], '.2e')} | {_fmt(r['beta_abs_mean'], '.2e')} | "
+                f"{_fmt(r['kappa_abs_mean'], '.2e')} | {_fmt(r['beta_adv_corr_mean'], '+.3f')} | {r['seconds']:.0f} |"
+            )
+        by_bin = _beta_by_bin(arm)
+        low_over_high = f"{by_bin[0] / by_bin[-1]:.0f}×" if by_bin[-1] > 0 else "—"
+        bin_rows.append(f"| {name} | " + " | ".join(f"{v:.2e}" for v in by_bin) + f" | {low_over_high} |")
+
+    def step1(name: str) -> float:
+        return statistics.mean(r["phantom_clip_frac_step1"] for r in arms[name]["seeds"].values())
+
+    def verdict(name: str) -> str:
+        reached = [r["steps_to_length_2"] for r in arms[name]["seeds"].values()]
+        if all(s is None for s in reached):
+            return f"did not reach length ≤ 2 in {summary['steps']} steps"
+        return "reached length ≤ 2 at step " + ", ".join("—" if s is None else str(s) for s in reached)
+
+    first = next(iter(arms))
+    return "\n".join(
+        [
+            f"# Phantom clipping at the write-up's settings: {Path(summary['model']).name}",
+            "",
+            "Reward = −length (the response's tokens, EOS included; optimum: EOS at once), `grpo` (PPO clip, "
+            f"ε = {WRITEUP_EPS:g}), one update per rollout, the shipped chat questions through the model's chat "
+            f"template. FP32 trainer and BF16 rollout unless the arm says FP16. {summary['steps']} steps per run, "
+            f"seeds {', '.join(str(s) for s in summary['seeds'])}; other settings: "
+            f"`{' '.join(summary['settings'])}`.",
+            "",
+            "A token is phantom-clipped when its clip is active on the ratio against μ and not on the ratio "
+            "against π_old (whichever ratio the loss uses). α = π_θ − π_old (the policy's own change), "
+            "β = π_old in FP32 − the same forward in BF16 on the same weights (precision), κ = that forward − μ "
+            "(engine). With one update per rollout α is 0 at every step of the synchronous arms: every clipped "
+            "token there is the mismatch's doing.",
+            "",
+            "| arm | seed | phantom clip frac, step 1 | clip frac, step 1 | length, step 1 | steps to length ≤ 2 | "
+            "final length | clip frac (mean) | phantom clip frac (mean) | mean \\|α\\| | mean \\|β\\| | mean \\|κ\\| | "
+            "corr(β, A) | seconds |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            *rows,
+            "",
+            "## |β| by token probability μ (mean over steps and seeds)",
+            "",
+            "β is 0 where both engines run in one precision (the FP16 arm): its mismatch is all κ.",
+            "",
+            "| arm | " + " | ".join(b.removeprefix("p_") for b in bins) + " | lowest bin / highest |",
+            "|---|" + "---|" * (len(bins) + 1),
+            *bin_rows,
+            "",
+            "## Reading",
+            "",
+            f"- Phantom-clipped at step 1 with the ratio against μ: {step1(first):.2%} of tokens (mean over seeds), "
+            f"against the write-up's {WRITEUP_STEP1_PHANTOM:.0%}.",
+            *(f"- {name}: {verdict(name)}." for name in arms),
+            "",
+            f"{summary['wall_seconds']:.0f} s in all.",
+            "",
+            "![length, phantom and clip fractions, corr(β, A); means over seeds](phantom.png)",
+            "",
+            "![|β| by token probability](beta_by_prob.png)",
             "",
         ]
     )

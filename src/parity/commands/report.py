@@ -207,6 +207,20 @@ def plot_beta_distribution(beta: torch.Tensor, probs: torch.Tensor, path: Path) 
     save_figure(fig, path)
 
 
+def plot_bars(
+    groups: dict[str, list[float]], categories: list[str], xlabel: str, ylabel: str, title: str, path: Path
+) -> None:
+    """Grouped bars on a log scale: one value per category for each named group."""
+    fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(categories)), 4.3), layout="constrained")
+    width = 0.8 / max(len(groups), 1)
+    for i, (name, values) in enumerate(groups.items()):
+        ax.bar([c + i * width for c in range(len(categories))], values, width, label=name)
+    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(categories))], categories)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, yscale="log")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
 def plot_histogram(counts: list[int], lo: float, hi: float, path: Path) -> None:
     k = len(counts) - 1
     fig, ax = plt.subplots(figsize=(7, 3.8), layout="constrained")
