@@ -85,3 +85,27 @@ def test_mismatch_builtin_precision_ordering(tmp_path):
     assert k3[("fp32", "fp32")] < 1e-9
     assert k3[("bf16", "bf16")] > 4 * k3[("fp16", "fp16")]
     assert tok[("bf16", "bf16")] > 2 * tok[("fp16", "fp16")] > 100 * tok[("fp32", "fp32")]
+
+
+def test_long_prompt_set_and_the_length_table():
+    """`prompts=long` draws from the shipped long-answer requests; the report's length table gives each bin's
+    mean |sequence log-ratio| and number of sequences per pair, and BF16 over FP16 per bin."""
+    from parity.commands.mismatch import MismatchConfig, length_table, load_prompts, run_mismatch
+    from parity.commands.prompts import LONG_ANSWER_REQUESTS
+
+    drawn = load_prompts("long", 5, seed=3, model="some-dir")
+    assert len(set(drawn)) == 5 and set(drawn) <= set(LONG_ANSWER_REQUESTS)
+    assert drawn == load_prompts("long", 5, seed=3, model="some-dir") != load_prompts("long", 5, seed=4, model="x")
+    cfg = MismatchConfig(
+        num_prompts=24, group_size=2, pairs=["bf16/bf16", "fp16/fp16"], shape_micro_batch=0, full_vocab_positions=0
+    )
+    bf16, fp16 = results = run_mismatch(cfg, progress=False)
+    rows = [line.split(" | ") for line in length_table(results).splitlines()[2:]]
+    assert len(rows) >= 2
+    counts = 0
+    for row in rows:
+        key = "seq_abs_log_ratio/len_" + row[0].removeprefix("| ")
+        assert row[1] == f"{bf16.by_length[key]:.3g} ({row[1].split('(')[1]}"
+        counts += int(row[1].split("(")[1].rstrip(")"))
+        assert row[3] == f"{bf16.by_length[key] / fp16.by_length[key]:.1f}× |"
+    assert counts == 48

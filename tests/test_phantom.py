@@ -157,3 +157,78 @@ def test_phantom_command_end_to_end(tmp_path):
     assert summary["base_parts_bf16_rollout"]["beta/abs_mean"] > summary["base_parts_fp16_rollout"]["beta/abs_mean"]
     for name in ("report.md", "phantom.png", "beta.png"):
         assert (out / name).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_writeup_experiment_on_a_checkpoint(llama_dir, tmp_path):
+    """`parity phantom --model`'s arms on a real (tiny) checkpoint, synchronous and on Ray: with one update per
+    rollout every clip of the ratio against μ is phantom, the ratio against π_old clips nothing at step 1, the
+    clip can be switched off, and matched FP16 has no precision gap β."""
+    from parity.commands.phantom import run_writeup
+
+    out = tmp_path / "writeup"
+    small = ("prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=16")
+    summary = run_writeup(
+        str(llama_dir),
+        out,
+        steps=2,
+        seeds=(0,),
+        overrides=small,
+        prompts=("12+34=", "hello ", "7+8=", "abc"),
+        eps=0.001,
+        log=lambda _: None,
+    )
+    arms = {name: arm["seeds"]["0"] for name, arm in summary["arms"].items()}
+    assert list(arms) == [
+        "ratio vs μ",
+        "ratio vs π_old (shadow)",
+        "no clip",
+        "fp16 matched, ratio vs μ",
+        "async, ratio vs μ",
+        "async, ratio vs π_old (shadow)",
+    ]
+    for name in ("ratio vs μ", "async, ratio vs μ"):
+        assert arms[name]["phantom_clip_frac_step1"] == arms[name]["clip_frac_step1"] > 0
+    for name in ("ratio vs π_old (shadow)", "async, ratio vs π_old (shadow)"):
+        assert arms[name]["clip_frac_step1"] == 0 < arms[name]["phantom_clip_frac_step1"]
+    assert arms["no clip"]["clip_frac_mean"] == arms["no clip"]["phantom_clip_frac_mean"] == 0
+    assert arms["fp16 matched, ratio vs μ"]["beta_abs_mean"] == 0 < arms["ratio vs μ"]["beta_abs_mean"]
+    assert any(v for v in arms["ratio vs μ"]["beta_abs_by_prob"].values())
+    report = (out / "report.md").read_text()
+    assert "against the write-up's 18%" in report and "| no clip | 0 |" in report
+    for name in ("summary.json", "phantom.png", "beta_by_prob.png", "prompts.jsonl"):
+        assert (out / name).stat().st_size > 0
+    # Called again, the finished runs are read back, not trained again; a changed setting trains anew.
+    logged = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/metrics.jsonl")}
+    again = run_writeup(
+        str(llama_dir),
+        out,
+        steps=2,
+        seeds=(0,),
+        overrides=small,
+        prompts=("12+34=", "hello ", "7+8=", "abc"),
+        eps=0.001,
+        with_async=False,
+        log=lambda _: None,
+    )
+    assert {name: arm["seeds"]["0"] for name, arm in again["arms"].items()} == {k: arms[k] for k in list(arms)[:4]}
+    assert {p: p.stat().st_mtime_ns for p in out.glob("runs/*/metrics.jsonl")} == logged
+    run_writeup(
+        str(llama_dir),
+        out,
+        steps=3,
+        seeds=(0,),
+        overrides=small,
+        prompts=("12+34=", "hello ", "7+8=", "abc"),
+        eps=0.001,
+        with_async=False,
+        log=lambda _: None,
+    )
+    assert len((out / "runs" / "no-clip-seed0" / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_phantom_refuses_overrides_without_a_model(capsys):
+    from parity.cli import main
+
+    assert main(["phantom", "trainer.lr=1e-6"]) == 2
+    assert "go with --model DIR" in capsys.readouterr().err

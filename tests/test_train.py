@@ -294,3 +294,13 @@ def test_runs_are_bitwise_reproducible(tmp_path, precision):
         run = Run.create(cfg, progress=False)
         histories.append([{k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))} for m in run.train()])
     assert histories[0] == histories[1]
+
+
+def test_a_one_process_run_refuses_a_distributed_config(tmp_path):
+    """A config that asks for rollout workers must not train quietly in one process."""
+    cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path / 'r'}", "distributed.rollout_workers=1"])
+    with pytest.raises(
+        ConfigError, match="distributed.rollout_workers=1, distributed.learners=1 ask for a distributed"
+    ):
+        Run.create(cfg, progress=False)
+    assert not (tmp_path / "r").exists()

@@ -433,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="builtin", help="builtin (default) or a model directory (the write-up's runs)")
     p.add_argument("--out", default="parity-phantom", help="output directory (default parity-phantom)")
-    p.add_argument("--steps", type=int, help="steps per run (default 60 on the built-in model, 15 with --model)")
+    p.add_argument("--steps", type=int, help="steps per run (default 60 on the built-in model, 25 with --model)")
     p.add_argument(
         "--eps", default="0.02,0.005,0.001,0.0002", help="built-in model: clip epsilons for the sweep (comma-separated)"
     )

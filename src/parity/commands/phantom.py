@@ -29,7 +29,8 @@ import torch
 
 from parity import config as config_mod
 from parity.commands.prompts import CHAT_QUESTIONS
-from parity.commands.report import Panel, plot_bars, plot_beta_distribution, plot_curves
+from parity.commands.report import Panel, load_history, plot_bars, plot_beta_distribution, plot_curves
+from parity.distributed.driver import run_class
 from parity.engines import kernels
 from parity.engines.models import export_state, load_model, resolve_model_dir
 from parity.engines.sampler import Sampler
@@ -37,14 +38,13 @@ from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.diagnostics import PROB_BIN_EDGES, gap_metrics
-from parity.rl.loop import Run
-from parity.rl.tasks import ArithmeticTask
+from parity.rl.tasks import ArithmeticTask, DataError
 from parity.rl.train_config import TrainConfig
 from parity.rundir import remove_run
 
 TARGET_LENGTH = 2.0
 BUILTIN_STEPS = 60
-WRITEUP_STEPS = 15
+WRITEUP_STEPS = 25
 ONE_UPDATE_EPS = 0.001
 ONE_UPDATE_STEPS = 5
 RATIO_SOURCES = ("rollout", "recompute", "shadow")
@@ -111,10 +111,26 @@ def _config(run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...]) ->
 
 
 def train_length_task(
-    run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...], progress: bool = False
+    run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...], progress: bool = False, reuse: bool = False
 ) -> list[dict]:
+    """Train on the length task in `run_dir`, replacing what is there; with `reuse`, a finished run of the
+    same config there is read back instead (an interrupted experiment picks up where it stopped)."""
+    cfg = _config(run_dir, steps, seed, overrides)
+    if reuse and finished_run(run_dir, cfg):
+        return load_history(run_dir)
     remove_run(run_dir)
-    return Run.create(_config(run_dir, steps, seed, overrides), progress=progress).train()
+    return run_class(cfg).create(cfg, progress=progress).train()
+
+
+def finished_run(run_dir: Path, cfg: TrainConfig) -> bool:
+    """`run_dir` holds a run of exactly `cfg` with all its steps logged."""
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file() or config_file.read_text() != config_mod.dump_yaml(cfg):
+        return False
+    try:
+        return len(load_history(run_dir)) == cfg.steps
+    except DataError:
+        return False
 
 
 ONE_UPDATE_KEYS = (
@@ -316,30 +332,23 @@ ASYNC = ("distributed.rollout_workers=1", "async.max_staleness=1")
 WRITEUP_SETTINGS = (
     "prompts_per_step=4",
     "rollout.group_size=8",
-    "rollout.max_new_tokens=256",
-    "trainer.lr=1e-5",
+    "rollout.max_new_tokens=128",
+    "trainer.lr=5e-5",
     "eval.every=-1",
 )
 WRITEUP_STEP1_PHANTOM = 0.18  # the write-up's phantom-clipped fraction at ε = 0.2, FP32 trainer, BF16 inference
 
 
-def writeup_arms(with_async: bool = True) -> list[PhantomRun]:
+def writeup_arms(with_async: bool = True, eps: float = WRITEUP_EPS) -> list[PhantomRun]:
     """The write-up's three arms (ratio against μ as TRL's AsyncGRPO takes it, clipping off, matched FP16),
     Parity's (ratio against π_old scored by the sampler), and the first two with one asynchronous worker."""
-    mismatched = (*PAIRS["fp32/bf16"], f"algorithm.clip_low={WRITEUP_EPS}", f"algorithm.clip_high={WRITEUP_EPS}")
+    clip = (f"algorithm.clip_low={eps}", f"algorithm.clip_high={eps}")
+    mismatched = (*PAIRS["fp32/bf16"], *clip)
     arms = [
         PhantomRun("ratio vs μ", (*mismatched, "algorithm.ratio_source=rollout")),
         PhantomRun("ratio vs π_old (shadow)", (*mismatched, "algorithm.ratio_source=shadow")),
-        PhantomRun("no clip", (*mismatched, "algorithm.ratio_source=rollout", *NO_CLIP)),
-        PhantomRun(
-            "fp16 matched, ratio vs μ",
-            (
-                *PAIRS["fp16/fp16"],
-                f"algorithm.clip_low={WRITEUP_EPS}",
-                f"algorithm.clip_high={WRITEUP_EPS}",
-                "algorithm.ratio_source=rollout",
-            ),
-        ),
+        PhantomRun("no clip", (*PAIRS["fp32/bf16"], "algorithm.ratio_source=rollout", *NO_CLIP)),
+        PhantomRun("fp16 matched, ratio vs μ", (*PAIRS["fp16/fp16"], *clip, "algorithm.ratio_source=rollout")),
     ]
     if with_async:
         arms += [
@@ -379,6 +388,7 @@ def summarize_arm(history: list[dict]) -> dict:
         "beta_abs_by_prob": {b: mean(f"beta/abs_mean/{b}") for b in _prob_bins()},
         "beta_adv_corr_mean": mean("beta/adv_corr"),
         "seq_abs_log_ratio_mean": mean("mismatch/seq_abs_log_ratio"),
+        "step_seconds": sum(m["time/step"] for m in history),
     }
 
 
@@ -407,29 +417,30 @@ def run_writeup(
     overrides: tuple[str, ...] = (),
     with_async: bool = True,
     device: str = "cpu",
+    prompts: tuple[str, ...] = CHAT_QUESTIONS,
+    eps: float = WRITEUP_EPS,
     log=print,
 ) -> dict:
     """The write-up's phantom-clipping experiment on `model` (see the module's docstring): every arm of
-    `writeup_arms` for every seed, `steps` steps each; `overrides` are `parity train` keys for every run."""
+    `writeup_arms` for every seed, `steps` steps each, on `prompts` (user messages); `overrides` are
+    `parity train` keys for every run."""
     kernels.check_device(device, "--device")
     model_dir = resolve_model_dir(model)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = out / "prompts.jsonl"
-    atomic_write_text(prompts, "".join(json.dumps({"prompt": q, "answer": ""}) + "\n" for q in CHAT_QUESTIONS))
-    base = (f"model={model_dir}", f"task.data={prompts}", *WRITEUP_SETTINGS, f"device={device}")
+    prompt_file = out / "prompts.jsonl"
+    atomic_write_text(prompt_file, "".join(json.dumps({"prompt": p, "answer": ""}) + "\n" for p in prompts))
+    base = (f"model={model_dir}", f"task.data={prompt_file}", *WRITEUP_SETTINGS, f"device={device}")
     start = time.perf_counter()
-    arms = writeup_arms(with_async)
+    arms = writeup_arms(with_async, eps)
     results: dict[str, dict] = {}
     curves: dict[str, list[dict]] = {}
     for i, arm in enumerate(arms, 1):
         runs, histories = {}, []
         for seed in seeds:
             log(f"arm {i}/{len(arms)}: {arm.name}, seed {seed}")
-            arm_start = time.perf_counter()
-            history = train_length_task(
-                out / "runs" / f"{_slug(arm.name)}-seed{seed}", steps, seed, (*base, *arm.overrides, *overrides), True
-            )
-            runs[str(seed)] = {**summarize_arm(history), "seconds": round(time.perf_counter() - arm_start, 1)}
+            run_dir = out / "runs" / f"{_slug(arm.name)}-seed{seed}"
+            history = train_length_task(run_dir, steps, seed, (*base, *arm.overrides, *overrides), True, reuse=True)
+            runs[str(seed)] = summarize_arm(history)
             histories.append(history)
         results[arm.name] = {"overrides": list(arm.overrides), "seeds": runs}
         curves[arm.name] = _mean_history(histories, CURVE_KEYS)
@@ -460,6 +471,7 @@ def run_writeup(
         "model": str(model_dir),
         "steps": steps,
         "seeds": list(seeds),
+        "eps": eps,
         "settings": [*WRITEUP_SETTINGS, *overrides],
         "arms": results,
         "wall_seconds": round(time.perf_counter() - start, 1),
@@ -488,7 +500,8 @@ def render_writeup(summary: dict) -> str:
                 f"{r['length_step1']:.1f} | {'not in ' + str(summary['steps']) if reached is None else reached} | "
                 f"{r['final_length']:.1f} | {r['clip_frac_mean']:.4f} | {r['phantom_clip_frac_mean']:.4f} | "
                 f"{_fmt(r['alpha_abs_mean'], '.2e')} | {_fmt(r['beta_abs_mean'], '.2e')} | "
-                f"{_fmt(r['kappa_abs_mean'], '.2e')} | {_fmt(r['beta_adv_corr_mean'], '+.3f')} | {r['seconds']:.0f} |"
+                f"{_fmt(r['kappa_abs_mean'], '.2e')} | {_fmt(r['beta_adv_corr_mean'], '+.3f')} | "
+                f"{r['step_seconds']:.0f} |"
             )
         by_bin = _beta_by_bin(arm)
         low_over_high = f"{by_bin[0] / by_bin[-1]:.0f}×" if by_bin[-1] > 0 else "—"
@@ -509,8 +522,9 @@ def render_writeup(summary: dict) -> str:
             f"# Phantom clipping at the write-up's settings: {Path(summary['model']).name}",
             "",
             "Reward = −length (the response's tokens, EOS included; optimum: EOS at once), `grpo` (PPO clip, "
-            f"ε = {WRITEUP_EPS:g}), one update per rollout, the shipped chat questions through the model's chat "
-            f"template. FP32 trainer and BF16 rollout unless the arm says FP16. {summary['steps']} steps per run, "
+            f"ε = {summary['eps']:g}), one update per rollout, the prompts of prompts.jsonl (by default the "
+            "shipped chat questions) through the model's chat template. FP32 trainer and BF16 rollout unless the "
+            f"arm says FP16. {summary['steps']} steps per run, "
             f"seeds {', '.join(str(s) for s in summary['seeds'])}; other settings: "
             f"`{' '.join(summary['settings'])}`.",
             "",
@@ -522,7 +536,7 @@ def render_writeup(summary: dict) -> str:
             "",
             "| arm | seed | phantom clip frac, step 1 | clip frac, step 1 | length, step 1 | steps to length ≤ 2 | "
             "final length | clip frac (mean) | phantom clip frac (mean) | mean \\|α\\| | mean \\|β\\| | mean \\|κ\\| | "
-            "corr(β, A) | seconds |",
+            "corr(β, A) | seconds in steps |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             *rows,
             "",

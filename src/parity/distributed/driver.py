@@ -90,6 +90,8 @@ class _Request:
 class DistributedRun(Run):
     """A run whose samples come from Ray rollout workers and whose updates run on FSDP2 learners."""
 
+    distributed = True
+
     # -- engines ----------------------------------------------------------------
 
     def _start_engines(self) -> None:

@@ -150,7 +150,17 @@ def _saved_config(run_dir: Path) -> dict[str, Any] | None:
 class Run:
     """A training run: engines, data, rewards and the step. Build with `Run.create`/`Run.resume`."""
 
+    distributed = False  # this class runs every part in one process (`DistributedRun` does not)
+
     def __init__(self, cfg: TrainConfig, run_dir: Path, progress: bool = True):
+        if cfg.distributed_mode and not self.distributed:
+            # A config asking for workers or learners must not quietly train in one process.
+            d = cfg.distributed
+            raise ConfigError(
+                f"distributed.rollout_workers={d.rollout_workers}, distributed.learners={d.learners} ask for a "
+                "distributed run, which a one-process Run cannot give; build it with "
+                "parity.distributed.driver.run_class(cfg) (as `parity train` does)"
+            )
         reuse_freed_memory()
         self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
         self.model_dir = resolve_model_dir(cfg.model)
