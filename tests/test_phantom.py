@@ -164,6 +164,8 @@ def test_writeup_experiment_on_a_checkpoint(llama_dir, tmp_path):
     """`parity phantom --model`'s arms on a real (tiny) checkpoint, synchronous and on Ray: with one update per
     rollout every clip of the ratio against μ is phantom, the ratio against π_old clips nothing at step 1, the
     clip can be switched off, and matched FP16 has no precision gap β."""
+    import json
+
     from parity.commands.phantom import run_writeup
 
     out = tmp_path / "writeup"
@@ -198,6 +200,9 @@ def test_writeup_experiment_on_a_checkpoint(llama_dir, tmp_path):
     assert "against the write-up's 18%" in report and "| no clip | 0 |" in report
     for name in ("summary.json", "phantom.png", "beta_by_prob.png", "prompts.jsonl"):
         assert (out / name).stat().st_size > 0
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [(r["arm"], r["step"]) for r in steps] == [(name, step) for name in arms for step in (1, 2)]
+    assert steps[0]["phantom/clip_frac"] == arms["ratio vs μ"]["phantom_clip_frac_step1"]
     # Called again, the finished runs are read back, not trained again; a changed setting trains anew.
     logged = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/metrics.jsonl")}
     again = run_writeup(

@@ -111,13 +111,10 @@ def _config(run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...]) ->
 
 
 def train_length_task(
-    run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...], progress: bool = False, reuse: bool = False
+    run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...], progress: bool = False
 ) -> list[dict]:
-    """Train on the length task in `run_dir`, replacing what is there; with `reuse`, a finished run of the
-    same config there is read back instead (an interrupted experiment picks up where it stopped)."""
+    """Train on the length task in `run_dir`, replacing what is there."""
     cfg = _config(run_dir, steps, seed, overrides)
-    if reuse and finished_run(run_dir, cfg):
-        return load_history(run_dir)
     remove_run(run_dir)
     return run_class(cfg).create(cfg, progress=progress).train()
 
@@ -382,6 +379,7 @@ def summarize_arm(history: list[dict]) -> dict:
         "final_length": history[-1]["response/length_mean"],
         "clip_frac_mean": mean("clip/frac"),
         "phantom_clip_frac_mean": mean("phantom/clip_frac"),
+        "phantom_clip_frac_max": max(m["phantom/clip_frac"] for m in history),
         "alpha_abs_mean": mean("alpha/abs_mean"),
         "beta_abs_mean": mean("beta/abs_mean"),
         "kappa_abs_mean": mean("kappa/abs_mean"),
@@ -434,13 +432,20 @@ def run_writeup(
     arms = writeup_arms(with_async, eps)
     results: dict[str, dict] = {}
     curves: dict[str, list[dict]] = {}
+    step_rows: list[dict] = []
+    read_back = 0
     for i, arm in enumerate(arms, 1):
         runs, histories = {}, []
         for seed in seeds:
             log(f"arm {i}/{len(arms)}: {arm.name}, seed {seed}")
-            run_dir = out / "runs" / f"{_slug(arm.name)}-seed{seed}"
-            history = train_length_task(run_dir, steps, seed, (*base, *arm.overrides, *overrides), True, reuse=True)
+            run_dir, keys = out / "runs" / f"{_slug(arm.name)}-seed{seed}", (*base, *arm.overrides, *overrides)
+            if finished_run(run_dir, _config(run_dir, steps, seed, keys)):  # an earlier call's: read it back
+                history = load_history(run_dir)
+                read_back += 1
+            else:
+                history = train_length_task(run_dir, steps, seed, keys, True)
             runs[str(seed)] = summarize_arm(history)
+            step_rows += [{"arm": arm.name, "seed": seed, **{k: m[k] for k in STEP_KEYS if k in m}} for m in history]
             histories.append(history)
         results[arm.name] = {"overrides": list(arm.overrides), "seeds": runs}
         curves[arm.name] = _mean_history(histories, CURVE_KEYS)
@@ -475,13 +480,27 @@ def run_writeup(
         "settings": [*WRITEUP_SETTINGS, *overrides],
         "arms": results,
         "wall_seconds": round(time.perf_counter() - start, 1),
+        "runs_read_back": read_back,
     }
     atomic_write_json(out / "summary.json", summary)
+    atomic_write_text(out / "steps.jsonl", "".join(json.dumps(row) + "\n" for row in step_rows))
     atomic_write_text(out / "report.md", render_writeup(summary))
     return summary
 
 
 CURVE_KEYS = ("response/length_mean", "phantom/clip_frac", "clip/frac", "beta/adv_corr")
+# The per-step record of every run (steps.jsonl).
+STEP_KEYS = (
+    "step",
+    *CURVE_KEYS,
+    "alpha/abs_mean",
+    "beta/abs_mean",
+    "kappa/abs_mean",
+    *(f"beta/abs_mean/{b}" for b in _prob_bins()),
+    "mismatch/seq_abs_log_ratio",
+    "async/staleness_mean",
+    "time/step",
+)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -511,10 +530,14 @@ def render_writeup(summary: dict) -> str:
         return statistics.mean(r["phantom_clip_frac_step1"] for r in arms[name]["seeds"].values())
 
     def verdict(name: str) -> str:
-        reached = [r["steps_to_length_2"] for r in arms[name]["seeds"].values()]
+        seeds = arms[name]["seeds"].values()
+        reached = [r["steps_to_length_2"] for r in seeds]
+        most = max(r["phantom_clip_frac_max"] for r in seeds)
         if all(s is None for s in reached):
-            return f"did not reach length ≤ 2 in {summary['steps']} steps"
-        return "reached length ≤ 2 at step " + ", ".join("—" if s is None else str(s) for s in reached)
+            verdict = f"did not reach length ≤ 2 in {summary['steps']} steps"
+        else:
+            verdict = "reached length ≤ 2 at step " + ", ".join("—" if s is None else str(s) for s in reached)
+        return f"{verdict}; at most {most:.1%} of a step's tokens phantom-clipped"
 
     first = next(iter(arms))
     return "\n".join(
@@ -554,11 +577,18 @@ def render_writeup(summary: dict) -> str:
             f"against the write-up's {WRITEUP_STEP1_PHANTOM:.0%}.",
             *(f"- {name}: {verdict(name)}." for name in arms),
             "",
-            f"{summary['wall_seconds']:.0f} s in all.",
+            f"{summary['wall_seconds']:.0f} s in all"
+            + (
+                f", {summary['runs_read_back']} of the runs read back from an earlier call (its time not counted)."
+                if summary["runs_read_back"]
+                else "."
+            ),
             "",
             "![length, phantom and clip fractions, corr(β, A); means over seeds](phantom.png)",
             "",
             "![|β| by token probability](beta_by_prob.png)",
+            "",
+            "Every run's metrics per step: steps.jsonl (one line per arm, seed and step).",
             "",
         ]
     )
