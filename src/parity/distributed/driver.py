@@ -87,6 +87,22 @@ class _Request:
     shards: list[_Shard] = field(default_factory=list)
 
 
+LEARNER_DEATH_WAIT_S = 10.0  # how long a failed step waits for Ray to report a learner's death
+
+
+def _actor_death(ref) -> str | None:
+    """The name of the error if the actor behind `ref` died (within LEARNER_DEATH_WAIT_S), else None."""
+    import ray
+
+    try:
+        ray.get(ref, timeout=LEARNER_DEATH_WAIT_S)
+    except ray.exceptions.RayActorError as e:
+        return type(e).__name__
+    except Exception:  # failed some other way, or still running: not a death
+        return None
+    return None
+
+
 class DistributedRun(Run):
     """A run whose samples come from Ray rollout workers and whose updates run on FSDP2 learners."""
 
@@ -212,14 +228,22 @@ class DistributedRun(Run):
                 ray.get(done[0])
             return ray.get(refs)
         except ray.exceptions.RayActorError as e:
-            raise TrainingError(
-                f"step {self.step_count + 1}: a learner process died ({type(e).__name__}); the run stopped. "
-                f"Continue from the last checkpoint with `parity train --resume {self.run_dir}`"
-            ) from None
+            raise self._learner_died(type(e).__name__) from None
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, ExactnessError):  # before any learner stepped: no weight moved
                 raise TrainingError(f"step {self.step_count + 1}: {e.cause}") from None
+            # A learner whose peer died fails in the collective (connection reset) before Ray reports the
+            # death: name the death, the cause, when one of the others turns out dead.
+            dead = next((d for d in map(_actor_death, refs) if d is not None), None)
+            if dead is not None:
+                raise self._learner_died(dead) from None
             raise TrainingError(f"step {self.step_count + 1}: a learner failed: {e.cause}") from None
+
+    def _learner_died(self, error_name: str) -> TrainingError:
+        return TrainingError(
+            f"step {self.step_count + 1}: a learner process died ({error_name}); the run stopped. "
+            f"Continue from the last checkpoint with `parity train --resume {self.run_dir}`"
+        )
 
     def _update(self, batch: RolloutBatch, prepared: Prepared) -> UpdateResult:
         import ray
