@@ -164,22 +164,24 @@ def test_writeup_experiment_on_a_checkpoint(llama_dir, tmp_path):
     """`parity phantom --model`'s arms on a real (tiny) checkpoint, synchronous and on Ray: with one update per
     rollout every clip of the ratio against μ is phantom, the ratio against π_old clips nothing at step 1, the
     clip can be switched off, and matched FP16 has no precision gap β."""
+    import functools
     import json
 
     from parity.commands.phantom import run_writeup
 
     out = tmp_path / "writeup"
     small = ("prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=16")
-    summary = run_writeup(
+    writeup = functools.partial(
+        run_writeup,
         str(llama_dir),
         out,
-        steps=2,
         seeds=(0,),
         overrides=small,
         prompts=("12+34=", "hello ", "7+8=", "abc"),
         eps=0.001,
         log=lambda _: None,
     )
+    summary = writeup(steps=2)
     arms = {name: arm["seeds"]["0"] for name, arm in summary["arms"].items()}
     assert list(arms) == [
         "ratio vs μ",
@@ -205,30 +207,10 @@ def test_writeup_experiment_on_a_checkpoint(llama_dir, tmp_path):
     assert steps[0]["phantom/clip_frac"] == arms["ratio vs μ"]["phantom_clip_frac_step1"]
     # Called again, the finished runs are read back, not trained again; a changed setting trains anew.
     logged = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/metrics.jsonl")}
-    again = run_writeup(
-        str(llama_dir),
-        out,
-        steps=2,
-        seeds=(0,),
-        overrides=small,
-        prompts=("12+34=", "hello ", "7+8=", "abc"),
-        eps=0.001,
-        with_async=False,
-        log=lambda _: None,
-    )
+    again = writeup(steps=2, with_async=False)
     assert {name: arm["seeds"]["0"] for name, arm in again["arms"].items()} == {k: arms[k] for k in list(arms)[:4]}
     assert {p: p.stat().st_mtime_ns for p in out.glob("runs/*/metrics.jsonl")} == logged
-    run_writeup(
-        str(llama_dir),
-        out,
-        steps=3,
-        seeds=(0,),
-        overrides=small,
-        prompts=("12+34=", "hello ", "7+8=", "abc"),
-        eps=0.001,
-        with_async=False,
-        log=lambda _: None,
-    )
+    writeup(steps=3, with_async=False)
     assert len((out / "runs" / "no-clip-seed0" / "metrics.jsonl").read_text().splitlines()) == 3
 
 

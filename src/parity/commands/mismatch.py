@@ -319,29 +319,33 @@ def distribution_table(results: list[PairResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _length_bins() -> list[tuple[int, int, str]]:
+    """(first, last, by_length key) of each response-length bin of `mismatch_by_length`'s sequence log-ratio."""
+    edges = zip(LENGTH_BIN_EDGES[:-1], LENGTH_BIN_EDGES[1:])
+    return [(lo + 1, hi, f"seq_abs_log_ratio/len_{lo + 1}-{hi}") for lo, hi in edges]
+
+
 def length_table(results: list[PairResult]) -> str:
     """Mean |sequence log-ratio| per response-length bin for each pair (with its number of sequences), and
     BF16/BF16 against FP16/FP16 in each bin where both ran (empty with fewer than two length bins)."""
-    labels = [f"seq_abs_log_ratio/len_{lo + 1}-{hi}" for lo, hi in zip(LENGTH_BIN_EDGES[:-1], LENGTH_BIN_EDGES[1:])]
-    present = [k for k in labels if any(k in r.by_length for r in results)]
+    present = [b for b in _length_bins() if any(b[2] in r.by_length for r in results)]
     if len(present) < 2:
         return ""
     by_pair = {(r.trainer_precision, r.rollout_precision): r for r in results}
     bf16, fp16 = by_pair.get(("bf16", "bf16")), by_pair.get(("fp16", "fp16"))
     ratio = bf16 is not None and fp16 is not None
+    lengths = [r.mask.sum(-1) for r in results]
     head = "| response length | " + " | ".join(r.label for r in results) + (" | bf16 / fp16 |" if ratio else " |")
     lines = [head, "|" + "---|" * (1 + len(results) + ratio)]
-    for key in present:
+    for first, last, key in present:
         cells = []
-        for r in results:
-            lengths = r.mask.sum(-1)
-            lo, hi = (int(x) for x in key.split("_")[-1].split("-"))
-            n = int(((lengths >= lo) & (lengths <= hi)).sum())
-            cells.append(f"{r.by_length[key]:.3g} ({n})" if key in r.by_length else "-")
+        for r, n in zip(results, lengths):
+            count = int(((n >= first) & (n <= last)).sum())
+            cells.append(f"{r.by_length[key]:.3g} ({count})" if key in r.by_length else "-")
         if ratio:
             both = key in bf16.by_length and key in fp16.by_length and fp16.by_length[key] > 0
             cells.append(f"{bf16.by_length[key] / fp16.by_length[key]:.1f}×" if both else "-")
-        lines.append(f"| {key.split('_')[-1]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {first}-{last} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -351,6 +355,7 @@ def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "mismatch.json", results_json(cfg.model, results))
     num_prompts = results[0].num_sequences // cfg.group_size if results else 0
+    distributions, lengths = distribution_table(results), length_table(results)
     md = (
         f"# Training-inference mismatch: {cfg.model}\n\n"
         f"{num_prompts} prompts × {cfg.group_size} samples, temperature {cfg.sampling.temperature}, "
@@ -361,14 +366,14 @@ def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
         + (
             f"\nWhole next-token distributions at {cfg.full_vocab_positions} sampled positions, rollout engine (μ) "
             f"against trainer (π); and the trainer's log-probs of the same tokens scored in micro-batches of "
-            f"{cfg.shape_micro_batch} rows against one batch:\n\n" + distribution_table(results)
-            if distribution_table(results)
+            f"{cfg.shape_micro_batch} rows against one batch:\n\n" + distributions
+            if distributions
             else ""
         )
         + (
             "\nMean |sequence log-ratio| |Σ_t (π − μ)| by response length (number of sequences in brackets):\n\n"
-            + length_table(results)
-            if length_table(results)
+            + lengths
+            if lengths
             else ""
         )
         + "\n![token-level μ vs π](mismatch_scatter.png)\n\n"
@@ -447,10 +452,10 @@ def plot_seq_log_ratio_vs_length(results: Sequence[PairResult], path: Path) -> N
         lengths = r.mask.sum(-1).numpy()
         seq = (r.trainer_logprobs - r.rollout_logprobs).masked_fill(~r.mask, 0).sum(-1).abs().numpy()
         dots = ax.scatter(lengths, seq, s=8, alpha=0.5, label=f"{r.label} (mean {seq.mean():.2e})")
-        bins = [(k.split("_")[-1], v) for k, v in r.by_length.items() if k.startswith("seq_abs_log_ratio/")]
+        bins = [(first, last, r.by_length[key]) for first, last, key in _length_bins() if key in r.by_length]
         if len(bins) > 1:  # the bin means, drawn at each bin's geometric middle
-            middles = [(int(lo) * int(hi)) ** 0.5 for lo, hi in (b.split("-") for b, _ in bins)]
-            ax.plot(middles, [v for _, v in bins], color=dots.get_facecolor()[0][:3], marker="o", lw=1.5)
+            middles = [(first * last) ** 0.5 for first, last, _ in bins]
+            ax.plot(middles, [v for *_, v in bins], color=dots.get_facecolor()[0][:3], marker="o", lw=1.5)
     ax.set_yscale("symlog", linthresh=1e-6)
     ax.set_xscale("log")
     ax.set(
