@@ -17,7 +17,7 @@ from parity.commands.perfectible import PerfectibleConfig, candidate_problems
 from parity.config import ConfigError
 from parity.engines.tokenizer import load_tokenizer
 from parity.rl import tasks
-from parity.rl.tasks import DataError, NumberTask, Problem, load_problems
+from parity.rl.tasks import WORKED_REQUEST, DataError, NumberTask, Problem, load_problems
 from parity.rl.train_config import TrainConfig
 
 REASON = "model max_position_embeddings 128 minus rollout.max_new_tokens 120"
@@ -257,7 +257,11 @@ def test_easy_word_problems_are_one_step_on_small_numbers():
     held_out = {p.prompt for p in NumberTask("easy").problems(100, seed=0, split="eval")}
     assert not {p.prompt for p in problems} & held_out
     assert candidate_problems(PerfectibleConfig(task="number", difficulty="easy", num_candidates=5)) == problems[:5]
-    with pytest.raises(ValueError, match="difficulty must be one of standard, easy"):
+    for p in NumberTask("worked").problems(100, seed=0):  # the same problems, asking for their working
+        question, request = p.prompt.split("? ")
+        a, b = (int(n) for n in re.findall(r"\d+", question))
+        assert request == WORKED_REQUEST and int(p.answer) in (a + b, a - b, a * b)
+    with pytest.raises(ValueError, match="difficulty must be one of standard, easy, worked"):
         NumberTask("hard")
     with pytest.raises(ConfigError, match="task.difficulty=easy: only the generated word problems"):
         config.load(TrainConfig, None, ["task.difficulty=easy"])

@@ -14,7 +14,7 @@ from parity.engines.models import ModelError
 from parity.rl.checkpoint import CheckpointError, checkpoints
 from parity.rl.loop import TrainingError
 from parity.rl.rewards import RewardError
-from parity.rl.tasks import DataError
+from parity.rl.tasks import DIFFICULTIES, DataError
 from parity.runtime import reuse_freed_memory
 
 
@@ -308,9 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=96, help="longest response, everywhere (default 96)")
     p.add_argument(
         "--difficulty",
-        choices=("standard", "easy"),
+        choices=tuple(DIFFICULTIES),
         default="standard",
-        help="--task number: the generated word problems' level (easy: one step, numbers below 16)",
+        help="--task number: the generated word problems' level (easy: one step, numbers below 16; worked: "
+        "the easy problems asking for step-by-step working, answered at length)",
     )
     p.add_argument("--candidates", type=int, help="problems the perfectible search tries (default 256)")
     p.add_argument(

@@ -42,7 +42,7 @@ class PerfectibleConfig:
     model: str = "builtin"
     task: str = "builtin"  # the checker: builtin | exact | math | number
     data: str = "builtin"  # builtin (generated problems: word problems for task=number) or a JSONL/Parquet file
-    difficulty: str = "standard"  # task=number's generated word problems: standard | easy
+    difficulty: str = "standard"  # task=number's generated word problems: standard | easy | worked
     num_candidates: int = 256  # builtin data: how many problems to try
     samples: int = 16  # K
     lo: float = 0.2

@@ -194,7 +194,19 @@ def _easy_word_problem(rng: random.Random) -> tuple[str, int]:
     return f"{name} has {a} bags with {b} {item}s in each bag. How many {item}s does {name} have?", a * b
 
 
-DIFFICULTIES = {"standard": _word_problem, "easy": _easy_word_problem}
+# Asked of every `worked` problem. SmolLM2-135M-Instruct answers it with 200-400 tokens of working at
+# temperature 1 (a third run past 512), against about 90 for the bare question: long responses, where
+# BF16's sequence-level mismatch is large, on problems the model still solves some of the time.
+WORKED_REQUEST = "Explain your reasoning step by step in detail, then give the final answer."
+
+
+def _worked_word_problem(rng: random.Random) -> tuple[str, int]:
+    """An easy word problem that asks for its working: the same problems at `easy`, answered at length."""
+    question, answer = _easy_word_problem(rng)
+    return f"{question} {WORKED_REQUEST}", answer
+
+
+DIFFICULTIES = {"standard": _word_problem, "easy": _easy_word_problem, "worked": _worked_word_problem}
 
 
 def difficulty_has_no_effect(difficulty: str, task_name: str, data: str) -> bool:
@@ -207,7 +219,8 @@ class NumberTask:
 
     `split="eval"` draws from a held-out eighth of the problems (by their text) that `split="train"`
     never produces. The reward (`number_reward`) reads the answer wherever an instruct model writes it.
-    `difficulty`: standard (one or two steps, numbers into the hundreds) or easy (`_easy_word_problem`).
+    `difficulty`: standard (one or two steps, numbers into the hundreds), easy (`_easy_word_problem`) or
+    worked (the easy problems asking for step-by-step working: long answers).
     """
 
     name = "number"

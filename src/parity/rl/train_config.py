@@ -100,7 +100,7 @@ class TaskSection:
     # builtin (generated problems: word problems for name=number, else arithmetic) or a JSONL/Parquet file
     data: str = "builtin"
     num_problems: int = 1024  # size of the generated builtin dataset
-    difficulty: str = "standard"  # name=number's generated word problems: standard | easy
+    difficulty: str = "standard"  # name=number's generated word problems: standard | easy | worked
     reward_fn: str = ""  # module:function, called as fn(prompt, response, answer); overrides `name`
     chat_template: str = "auto"  # auto (the model's chat template, when it has one) | none (raw text)
 
