@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from parity.engines.models import load_model, resolve_model_dir
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.trainer import OptimConfig, Trainer
-from parity.rl.checkpoint import load_checkpoint
+from parity.rl.checkpoint import _write_manifest, load_checkpoint, save_shards
 from parity.rl.loop import TrainingError
 from parity.rl.train_config import TrainConfig
 
@@ -282,7 +283,21 @@ def test_a_sharded_checkpoint_resumes_with_another_learner_count(tmp_path):
     common += ["distributed.rollout_workers=1", "distributed.learners=2"]
     assert main(["train", f"run_dir={tmp_path / 'whole'}", *common]) == 0
     assert main(["train", f"run_dir={tmp_path / 'cut'}", *common, "steps=2"]) == 0
-    assert main(["train", "--resume", str(tmp_path / "cut"), "steps=4", "distributed.learners=1"]) == 0
+    run = DistributedRun.resume(tmp_path / "cut", ["steps=4", "distributed.learners=1"])
+    try:
+        # The learner read its shards in place: the driver, which never read the trained weights, still
+        # holds the base model's; gathered from the learner they are the checkpoint's.
+        base = load_model(resolve_model_dir("builtin")).state_dict()
+        assert all(torch.equal(w, base[n]) for n, w in run.trainer.model.state_dict().items())
+        run._gather_state()
+        saved = Trainer(load_model(resolve_model_dir("builtin")), "fp32", OptimConfig())
+        load_checkpoint(tmp_path / "cut" / "checkpoints" / "step_000002", saved)
+        restored = saved.model.state_dict()
+        assert all(torch.equal(w, restored[n]) for n, w in run.trainer.model.state_dict().items())
+        assert any(not torch.equal(w, base[n]) for n, w in restored.items())
+        run.train()
+    finally:
+        run.close()
     whole, cut = _trained(_metrics(tmp_path / "whole")), _trained(_metrics(tmp_path / "cut"))
     assert cut[:2] == whole[:2] and len(cut) == 4
     for a, b in zip(whole[2:], cut[2:]):
@@ -295,6 +310,38 @@ def test_a_sharded_checkpoint_resumes_with_another_learner_count(tmp_path):
     trainer = Trainer(load_model(resolve_model_dir("builtin")), "fp32", OptimConfig())
     state = load_checkpoint(tmp_path / "whole" / "checkpoints" / "step_000004", trainer)
     assert state.step == 4 and trainer.weight_version == 4 and len(trainer.optimizer.state) == len(trainer.params)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_sharded_shards_holding_nan_are_set_aside_and_the_learners_start_from_the_base(tmp_path, capsys):
+    """A checkpoint whose shards hold NaN (its manifest matching): the learners read it in place, the resume
+    sets it aside, and the run starts again from step 0 with the base weights on the learners."""
+    common = SMALL + ["precision=fp32", "steps=1", "checkpoint_every=1", "eval.every=-1"]
+    common += ["distributed.rollout_workers=1", "distributed.learners=2"]
+    assert main(["train", f"run_dir={tmp_path / 'r'}", *common]) == 0
+    ckpt = tmp_path / "r" / "checkpoints" / "step_000001"
+    trainer = Trainer(load_model(resolve_model_dir("builtin")), "fp32", OptimConfig())
+    load_checkpoint(ckpt, trainer)
+    with torch.no_grad():
+        trainer.model.model.norm.weight[0] = float("nan")
+    shutil.rmtree(ckpt / "sharded")
+    save_shards(trainer, ckpt / "sharded")
+    (ckpt / "manifest.json").unlink()
+    _write_manifest(ckpt)
+    capsys.readouterr()
+
+    run = DistributedRun.resume(tmp_path / "r")
+    try:
+        err = capsys.readouterr().err
+        assert "checkpoint step_000001 is unusable" in err and "inf/NaN in model.norm.weight" in err
+        assert "starting again from step 0" in err and run.step_count == 0
+        assert (tmp_path / "r" / "checkpoints" / "corrupt" / "step_000001").is_dir()
+        run._gather_state()
+        base = load_model(resolve_model_dir("builtin")).state_dict()
+        assert all(torch.equal(w, base[n]) for n, w in run.trainer.model.state_dict().items())
+    finally:
+        run.close()
 
 
 # ----------------------------------------------------------------------------- a user's own cluster

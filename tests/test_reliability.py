@@ -21,7 +21,9 @@ from safetensors.torch import load_file, save_file
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
-from parity.rl.checkpoint import CheckpointError, RunState, checkpoints, save_checkpoint
+from parity.engines.models import load_model, resolve_model_dir
+from parity.engines.trainer import OptimConfig, Trainer
+from parity.rl.checkpoint import CheckpointError, RunState, checkpoints, load_shards, save_checkpoint, save_shards
 from parity.rl.loop import Run, TrainingError
 from parity.rl.train_config import TrainConfig
 
@@ -157,6 +159,20 @@ def test_a_nan_checkpoint_is_set_aside_and_the_last_good_one_kept(tmp_path, caps
     assert (run_dir / "checkpoints" / "corrupt" / "step_000002").is_dir()
     assert _steps(run_dir) == [1, 2, 3, 4]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000003", "step_000004"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_shards_holding_nan_or_another_model_are_refused(tmp_path, llama_dir):
+    """The shard reader that sharded learners call in place (one process here): it names the non-finite
+    tensors it read, and a checkpoint of another model is a CheckpointError naming the folder."""
+    builtin = resolve_model_dir("builtin")
+    trainer = Trainer(load_model(builtin), "fp32", OptimConfig())
+    with torch.no_grad():
+        trainer.model.model.norm.weight[0] = float("nan")
+    save_shards(trainer, tmp_path / "nan")
+    assert load_shards(tmp_path / "nan", Trainer(load_model(builtin), "fp32", OptimConfig())) == ["model.norm.weight"]
+    with pytest.raises(CheckpointError, match=re.escape(str(tmp_path / "nan"))):
+        load_shards(tmp_path / "nan", Trainer(load_model(llama_dir), "fp32", OptimConfig()))
 
 
 def test_pruning_keeps_the_checkpoint_just_written(tmp_path):

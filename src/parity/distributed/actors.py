@@ -28,7 +28,7 @@ from parity.engines.sampler import ExactnessError, Sampler, check_first_pass
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer, TrainerState
-from parity.rl.checkpoint import non_finite_tensors, save_shards
+from parity.rl.checkpoint import load_shards, local_parameters, non_finite_tensors, save_shards
 from parity.rl.step import Prepared, UpdatePlan, UpdateResult, train_on_batch
 from parity.runtime import reuse_freed_memory
 
@@ -181,6 +181,12 @@ class Learner:
     def load_state(self, state: TrainerState) -> None:
         self.trainer.load_full_state(state)
 
+    def read_shards(self, folder: str) -> list[str]:
+        """This learner's shards of a sharded checkpoint, read in place (every learner at once; DCP reshards
+        from any learner count): the weights and AdamW state, never the whole model. Returns the names of
+        non-finite local tensors."""
+        return load_shards(Path(folder), self.trainer)
+
     def full_state(self) -> TrainerState | None:
         """The unsharded state on rank 0 (every rank joins the gathers), None elsewhere."""
         state = self.trainer.full_state()
@@ -200,8 +206,7 @@ class Learner:
     def save_shards(self, folder: str) -> tuple[list[str], dict[str, float], int]:
         """Write this learner's shards of the weights and AdamW state (every learner at once); return
         the names of non-finite local tensors (then the driver saves nothing), the scaler and the version."""
-        local = {n: p.to_local() for n, p in self.trainer.model.named_parameters()}
-        bad = non_finite_tensors(local)
+        bad = non_finite_tensors(local_parameters(self.trainer.model))
         if not bad:
             save_shards(self.trainer, Path(folder))
         return bad, self.trainer.scaler.state_dict(), self.trainer.weight_version
@@ -228,8 +233,7 @@ class Learner:
         )
         result.flops = sum(tr.matmul_flops for tr in trainers) - flops
         result.seconds = time.perf_counter() - t
-        local = {n: p.to_local() for n, p in self.trainer.model.named_parameters()}
-        result.non_finite_weights = non_finite_tensors(local)
+        result.non_finite_weights = non_finite_tensors(local_parameters(self.trainer.model))
         return result
 
     def _check_first_pass(

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from parity.engines.batch import RolloutBatch, concat_batches
 from parity.engines.models import load_config
 from parity.engines.partial import PoolRequest
 from parity.engines.sampler import ExactnessError
-from parity.rl.checkpoint import RunState, save_checkpoint
+from parity.rl.checkpoint import CheckpointError, RunState, save_checkpoint
 from parity.rl.loop import Run, TrainingError
 from parity.rl.step import Prepared, UpdateResult
 from parity.rl.tasks import Problem
@@ -173,8 +174,26 @@ class DistributedRun(Run):
         self.step_end = time.perf_counter()
         self._push_weights(version=self.step_count)
 
-    def _weights_restored(self) -> None:
-        self._learners_call("load_state", self.trainer.full_state())
+    def _shard_reader(self) -> Callable[[Path], list[str]]:
+        """The learners read a sharded checkpoint's weights and AdamW state in place, each its own shards:
+        no process holds the trained model whole. The driver's trainer keeps the base model and a fresh
+        optimizer, so a checkpoint the resume sets aside is undone by handing the learners that."""
+
+        def read(folder: Path) -> list[str]:
+            try:
+                bad = sorted({name for bad in self._learners_call("read_shards", str(folder)) for name in bad})
+            except CheckpointError:
+                self._learners_call("load_state", self.trainer.full_state())
+                raise
+            if bad:
+                self._learners_call("load_state", self.trainer.full_state())
+            return bad
+
+        return read
+
+    def _weights_restored(self, state: RunState) -> None:
+        if not state.read_in_place:  # a one-process checkpoint: the driver read it whole
+            self._learners_call("load_state", self.trainer.full_state())
         self.consumed_position = self.data.position
         self._push_weights(version=self.step_count)
 
@@ -232,6 +251,8 @@ class DistributedRun(Run):
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, ExactnessError):  # before any learner stepped: no weight moved
                 raise TrainingError(f"step {self.step_count + 1}: {e.cause}") from None
+            if isinstance(e.cause, CheckpointError):  # shards that do not fit: the resume sets them aside
+                raise e.cause from None
             # A learner whose peer died fails in the collective (connection reset) before Ray reports the
             # death: name the death, the cause, when one of the others turns out dead.
             dead = next((d for d in map(_actor_death, refs) if d is not None), None)

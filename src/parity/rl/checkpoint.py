@@ -12,7 +12,8 @@ A run with distributed learners writes `sharded/` instead of `model/` and the op
 file: each learner saves its own shards of the weights and AdamW state with
 `torch.distributed.checkpoint` (no learner gathers the whole model), and the driver the
 RNG state as `rng.safetensors`. DCP reshards on load, so any learner count, or one
-process (`parity eval`, a resume), reads it back.
+process (`parity eval`, a resume), reads it back; a learner group reads its own shards in
+place (`load_checkpoint(..., read_shards=)`), so no process holds the trained model whole.
 
 A checkpoint directory appears only once complete (written to a temporary
 folder, then renamed), so a run killed mid-save leaves the previous one intact;
@@ -62,6 +63,7 @@ class RunState:
     data_position: int
     weight_version: int  # as loaded; a save takes the trainer's
     config: dict[str, Any] | None = None  # the run's config when it was saved
+    read_in_place: bool = False  # loaded: the weights went straight to sharded learners, not to the trainer
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -89,6 +91,13 @@ def non_finite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
         return []
     finite = torch.stack([torch.isfinite(tensors[k]).all().to(tensors[names[0]].device) for k in names]).tolist()
     return [k for k, ok in zip(names, finite) if not ok]
+
+
+def local_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter as this process holds it: its shard under FSDP2, else the whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: p.to_local() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
 
 
 def require_finite_weights(model: torch.nn.Module, model_dir: Path, consequence: str) -> None:
@@ -225,18 +234,24 @@ def save_shards(trainer: Trainer, folder: Path) -> None:
     dcp.save(_state_dicts(trainer), checkpoint_id=str(folder))
 
 
-def _load_shards(folder: Path, trainer: Trainer) -> None:
+def load_shards(folder: Path, trainer: Trainer) -> list[str]:
     """Read a sharded checkpoint into `trainer` whatever its layout: one process, or a learner group
-    of any size (DCP reshards)."""
+    of any size (DCP reshards; in a group, a collective). Returns the names of the non-finite tensors this
+    process now holds. Raises CheckpointError when the shards do not fit the model."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _state_dicts(trainer)
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+    except (CheckpointException, RuntimeError, ValueError) as e:  # a shard that does not fit this model
+        raise CheckpointError(f"{folder}: {e}") from None
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return non_finite_tensors(local_parameters(trainer.model))
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
@@ -263,9 +278,16 @@ def _check_kind(path: Path, trainer: Trainer, meta: dict[str, Any], base_dir: Pa
         )
 
 
-def load_checkpoint(path: Path, trainer: Trainer, base_dir: Path | None = None) -> RunState:
+def load_checkpoint(
+    path: Path,
+    trainer: Trainer,
+    base_dir: Path | None = None,
+    read_shards: Callable[[Path], list[str]] | None = None,
+) -> RunState:
     """Restore weights (or LoRA adapters, whose base is `base_dir`), optimizer, scaler and RNG
-    into `trainer`; return the run state.
+    into `trainer`; return the run state. `read_shards(folder)`: sharded learners read a sharded
+    checkpoint's weights and AdamW state into their own trainers and return the names of non-finite
+    tensors (`trainer` then takes the rest: RNG, scaler, version; not the weights).
 
     Raises CheckpointError when the checkpoint is damaged or holds non-finite values, and
     ConfigError when it does not fit this trainer (LoRA or not, another base model)."""
@@ -293,13 +315,7 @@ def load_checkpoint(path: Path, trainer: Trainer, base_dir: Path | None = None) 
     if bad:
         raise CheckpointError(f"{path}: inf/NaN in {', '.join(bad[:3])}")
     if sharded:
-        from torch.distributed.checkpoint import CheckpointException
-
-        try:
-            _load_shards(path / SHARDED_DIR, trainer)
-        except (CheckpointException, RuntimeError, ValueError) as e:  # a shard that does not fit this model
-            raise CheckpointError(f"{path}/{SHARDED_DIR}: {e}") from None
-        bad = non_finite_tensors(dict(trainer.model.named_parameters()))
+        bad = (read_shards or functools.partial(load_shards, trainer=trainer))(path / SHARDED_DIR)
         if bad:
             raise CheckpointError(f"{path}: inf/NaN in {', '.join(bad[:3])}")
     else:
@@ -315,15 +331,22 @@ def load_checkpoint(path: Path, trainer: Trainer, base_dir: Path | None = None) 
         _load_optimizer(trainer.optimizer, tensors, meta["optimizer"])
     trainer.scaler.load_state_dict(meta["scaler"])
     trainer.weight_version = meta["weight_version"]
-    return RunState(meta["step"], meta["data_position"], meta["weight_version"], meta.get("config"))
+    in_place = sharded and read_shards is not None
+    return RunState(meta["step"], meta["data_position"], meta["weight_version"], meta.get("config"), in_place)
 
 
-def restore_latest(run_dir: Path, trainer: Trainer, log, base_dir: Path | None = None) -> RunState | None:
-    """Load the newest usable checkpoint into `trainer` (`base_dir`: LoRA adapters' base model);
+def restore_latest(
+    run_dir: Path,
+    trainer: Trainer,
+    log,
+    base_dir: Path | None = None,
+    read_shards: Callable[[Path], list[str]] | None = None,
+) -> RunState | None:
+    """Load the newest usable checkpoint into `trainer` (`base_dir`, `read_shards`: as `load_checkpoint`);
     set damaged ones aside in `checkpoints/corrupt/`, saying so through `log`. None when there is none."""
     for path in reversed(checkpoints(run_dir)):
         try:
-            return load_checkpoint(path, trainer, base_dir)
+            return load_checkpoint(path, trainer, base_dir, read_shards)
         except CheckpointError as e:
             aside = run_dir / "checkpoints" / "corrupt" / path.name
             aside.parent.mkdir(exist_ok=True)

@@ -317,7 +317,11 @@ class Run:
         if unmerged:
             self.sampler.load_adapters(*self.trainer.export_adapters())
 
-    def _weights_restored(self) -> None:
+    def _shard_reader(self) -> Callable[[Path], list[str]] | None:
+        """Who reads a sharded checkpoint's weights on resume: None, `self.trainer` (`rl.checkpoint`)."""
+        return None
+
+    def _weights_restored(self, state: RunState) -> None:
         """`self.trainer` now holds a checkpoint's state: hand the weights on."""
         self._push_weights(base=False)
 
@@ -437,11 +441,11 @@ class Run:
         run = cls(cfg, run_dir, progress)
         with run._closed_on_failure():
             run.record_numerics()
-            state = restore_latest(run_dir, run.trainer, note, base_dir=run.model_dir)
+            state = restore_latest(run_dir, run.trainer, note, run.model_dir, run._shard_reader())
             if state is not None:
                 run.step_count = state.step
                 run.data.position = state.data_position
-                run._weights_restored()
+                run._weights_restored(state)
                 note(f"continuing from step {state.step}")
             elif checkpoints(run_dir) or run.log.path.is_file():
                 note("no usable checkpoint; starting again from step 0")
