@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from PIL import Image
 
+from parity import config
 from parity.cli import main
 from parity.commands.perfectible import filter_perfectible, format_histogram, histogram
-from parity.commands.sanity import parse_runs, reading, run_sanity
+from parity.commands.sanity import parse_runs, reading, run_sanity, train_runs
 from parity.config import ConfigError
 from parity.engines.models import BUILTIN_DIR
+from parity.rl.loop import TrainingError
+from parity.rl.train_config import TrainConfig
 
 
 def test_filter_on_known_accuracies():
@@ -26,16 +30,25 @@ def test_filter_on_known_accuracies():
     assert " 8/16 * " in text and " 3/16   " in text
 
 
-def test_perfectible_command_on_user_data(tmp_path, capsys):
+def test_perfectible_command_on_user_data(tmp_path, monkeypatch, capsys):
+    """The search goes through the cache `parity sanity` reads: run again it is read back, and an edited
+    data file is searched anew."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     data = tmp_path / "d.jsonl"
     data.write_text(
         "".join(json.dumps({"prompt": f"{a}+{a + 7}=", "answer": str(2 * a + 7)}) + "\n" for a in range(100, 124))
     )
     out = tmp_path / "set.jsonl"
-    assert main(["perfectible", f"data={data}", "samples=8", f"out={out}", "lo=0", "hi=1"]) == 0
+    args = ["perfectible", f"data={data}", "samples=8", f"out={out}", "lo=0", "hi=1"]
+    assert main(args) == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rows) == 24 and all(0 <= r["base_accuracy"] <= 1 for r in rows)
-    assert "kept 24 of 24" in capsys.readouterr().out
+    assert "kept 24 of 24 problems (measured now)" in capsys.readouterr().out
+    out.unlink()
+    assert main(args) == 0 and [json.loads(x) for x in out.read_text().splitlines()] == rows
+    assert "kept 24 of 24 problems (the search of " in capsys.readouterr().out
+    data.write_text(data.read_text().splitlines(keepends=True)[0])
+    assert main(args) == 0 and "kept 1 of 1 problems (measured now)" in capsys.readouterr().out
 
 
 def test_sanity_of_a_model_that_solves_nothing_says_so(tmp_path, monkeypatch, llama_dir, capsys):
@@ -124,3 +137,16 @@ def test_the_reading_follows_the_measured_gap():
     assert "70× FP16's in k3" in small and "within 1.6% of 1" in small and "barely biases" in small
     assert "within 60.0% of 1" in large and "A gap that large biases the gradient" in large
     assert "barely" not in large
+
+
+def test_a_training_process_that_dies_is_named_with_what_to_change(tmp_path, monkeypatch):
+    """A run's process killed outright (here: its reward calls os._exit, as the OOM killer would end it)
+    stops the sanity test with the runs it lost and what to change, not a BrokenProcessPool traceback."""
+    (tmp_path / "dies.py").write_text("import os\n\n\ndef reward(prompt, response, answer):\n    os._exit(9)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    keys = ["steps=1", "prompts_per_step=2", "rollout.group_size=2", "checkpoint_every=-1", "tensorboard=false"]
+    keys += ["task.reward_fn=dies:reward", "reward.isolate=never"]
+    configs = {n: config.load(TrainConfig, None, [*keys, f"run_dir={tmp_path / 'runs' / n}"]) for n in ("a", "b")}
+    with pytest.raises(TrainingError, match=r"ended abruptly .* while a, b had not finished.*--jobs 1"):
+        train_runs(configs, jobs=2, log=lambda line: None)

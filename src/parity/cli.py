@@ -157,22 +157,22 @@ def cmd_perfectible(args: argparse.Namespace) -> int:
     from parity import config as cfg_mod
     from parity.commands.perfectible import (
         PerfectibleConfig,
-        candidate_problems,
+        build_or_load,
         filter_perfectible,
         format_histogram,
         histogram,
-        measure_accuracies,
-        write_set,
     )
+    from parity.files import atomic_write_text
 
     config, overrides = _split_config(args)
     cfg = cfg_mod.load(PerfectibleConfig, config, overrides)
-    problems = candidate_problems(cfg)
-    accuracies = measure_accuracies(cfg, problems)
+    # Through the cache that `parity sanity` reads: a search run here is not run again there.
+    set_path, accuracies, cached = build_or_load(cfg)
     keep = filter_perfectible(accuracies, cfg.lo, cfg.hi)
-    write_set(Path(cfg.out), problems, accuracies, keep)
+    atomic_write_text(Path(cfg.out), set_path.read_text())
     print(format_histogram(histogram(accuracies, cfg.samples), cfg.lo, cfg.hi))
-    print(f"kept {len(keep)} of {len(problems)} problems -> {cfg.out}")
+    found = f"the search of {set_path.with_suffix('.json')}" if cached else "measured now"
+    print(f"kept {len(keep)} of {len(accuracies)} problems ({found}) -> {cfg.out}")
     return 0
 
 

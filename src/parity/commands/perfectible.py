@@ -176,6 +176,8 @@ def cache_key(cfg: PerfectibleConfig) -> str:
         h.update(f.read_bytes())
     settings = {k: v for k, v in vars(cfg).items() if k not in ("model", "out", "batch_prompts")}
     h.update(json.dumps(settings, sort_keys=True).encode())
+    if cfg.data != "builtin":  # a data file edited in place is another set of problems
+        h.update(Path(cfg.data).read_bytes())
     return h.hexdigest()[:16]
 
 

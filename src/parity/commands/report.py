@@ -90,6 +90,12 @@ def summarize(history: list[dict]) -> dict:
         "final_seq_abs_log_ratio": sum(m["mismatch/seq_abs_log_ratio"] for m in last) / len(last),
         "max_token_abs_log_ratio": max(m["mismatch/token_abs_log_ratio_max"] for m in history),
         "skipped_fp16_steps": history[-1]["precision/skipped_steps"],
+        # Runs logged before the effective sample size was a metric have none.
+        **(
+            {"final_is_ess": sum(m["mismatch/is_ess"] for m in last) / len(last)}
+            if "mismatch/is_ess" in last[0]
+            else {}
+        ),
         **held_out_summary(history),
     }
 
@@ -114,6 +120,7 @@ def summary_table(summaries: dict[str, dict]) -> str:
         "seconds to 95%",
         "mismatch k3",
         "seq \\|log-ratio\\|",
+        "IS ESS",
         "max token \\|Δ\\|, whole run",
         "skipped FP16 steps",
     ]
@@ -129,6 +136,7 @@ def summary_table(summaries: dict[str, dict]) -> str:
             sec,
             f"{s['final_mismatch_k3']:.2e}",
             f"{s['final_seq_abs_log_ratio']:.2e}",
+            f"{s['final_is_ess']:.2f}" if "final_is_ess" in s else "—",
             f"{s['max_token_abs_log_ratio']:.2e}",
             str(s["skipped_fp16_steps"]),
         ]
@@ -184,6 +192,7 @@ def plot_mismatch_curves(histories: dict[str, list[dict]], path: Path) -> None:
         [
             Panel("mismatch/k3", "Token-level mismatch KL(μ‖π) (k3)", log=True),
             Panel("mismatch/seq_abs_log_ratio", "Sequence-level |Σ log π − log μ|", log=True),
+            Panel("mismatch/is_ess", "Sequence IS weights: effective sample size", hline=1.0, ylim=(0, 1.05)),
         ],
         path,
     )

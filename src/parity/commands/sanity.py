@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from parity.config import ConfigError
 from parity.engines.precision import PRECISIONS
 from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.algorithms import ESTIMATORS
-from parity.rl.loop import Run
+from parity.rl.loop import Run, TrainingError
 from parity.rl.train_config import TrainConfig
 from parity.rundir import remove_run
 
@@ -257,7 +258,10 @@ def train_runs(configs: dict[str, TrainConfig], jobs: int, log=print) -> dict[st
         try:
             for future in as_completed(futures):
                 name = futures[future]
-                done[name] = future.result()
+                try:
+                    done[name] = future.result()
+                except BrokenProcessPool:
+                    raise _died(configs, done, jobs) from None
                 last = done[name][-1] if done[name] else {}
                 accuracy = f", training accuracy {last['reward/accuracy']:.2f}" if "reward/accuracy" in last else ""
                 log(f"run {len(done)}/{len(configs)} done: {name} ({len(done[name])} steps{accuracy})")
@@ -266,6 +270,20 @@ def train_runs(configs: dict[str, TrainConfig], jobs: int, log=print) -> dict[st
                 future.cancel()
             raise
     return {name: done[name] for name in configs}
+
+
+def _died(configs: dict[str, TrainConfig], done: dict[str, list[dict]], jobs: int) -> TrainingError:
+    """A training process ended without a word (killed by a signal: most often the kernel's out-of-memory
+    killer, as when two long-response runs of a 135M model outgrew 24 GB): say which runs, what is kept, and
+    what to change."""
+    lost = [name for name in configs if name not in done]
+    kept = f"; finished: {', '.join(done)}" if done else ""
+    return TrainingError(
+        f"a training process ended abruptly (killed: out of memory? `dmesg` names the killer) while "
+        f"{', '.join(lost)} had not finished{kept}; each run's metrics so far are in its metrics.jsonl under "
+        f"{Path(next(iter(configs.values())).run_dir).parent}. Train fewer runs at once (--jobs {max(1, jobs - 1)}) "
+        "or in less memory (trainer.micro_batch_size=N, trainer.activation_checkpointing=true)"
+    )
 
 
 def _verdict(name: str, s: dict) -> str:
