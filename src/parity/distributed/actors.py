@@ -187,6 +187,11 @@ class Learner:
         non-finite local tensors."""
         return load_shards(Path(folder), self.trainer)
 
+    def set_run_state(self, scaler: dict[str, float], weight_version: int) -> None:
+        """The loss scaler and weight version a checkpoint read in place keeps beside the shards."""
+        self.trainer.scaler.load_state_dict(scaler)
+        self.trainer.weight_version = weight_version
+
     def full_state(self) -> TrainerState | None:
         """The unsharded state on rank 0 (every rank joins the gathers), None elsewhere."""
         state = self.trainer.full_state()

@@ -192,7 +192,9 @@ class DistributedRun(Run):
         return read
 
     def _weights_restored(self, state: RunState) -> None:
-        if not state.read_in_place:  # a one-process checkpoint: the driver read it whole
+        if state.read_in_place:  # the learners hold the shards; the scaler and version came to the driver
+            self._learners_call("set_run_state", self.trainer.scaler.state_dict(), self.trainer.weight_version)
+        else:  # a one-process checkpoint: the driver read it whole
             self._learners_call("load_state", self.trainer.full_state())
         self.consumed_position = self.data.position
         self._push_weights(version=self.step_count)
