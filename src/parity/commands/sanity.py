@@ -158,7 +158,7 @@ def run_sanity(
         f"perfectible set: {len(keep)} of {len(accuracies)} problems ({'cached' if cached else 'measured'}): {set_path}"
     )
     log(format_histogram(counts, pcfg.lo, pcfg.hi))
-    (out / "perfectible.jsonl").write_text(set_path.read_text())
+    atomic_write_text(out / "perfectible.jsonl", set_path.read_text())
     plot_histogram(counts, pcfg.lo, pcfg.hi, out / "perfectible_histogram.png")
 
     # Token-level μ vs π on the base model, per precision (exact mode apart), over the perfectible prompts.

@@ -183,19 +183,22 @@ class DistributedRun(Run):
             try:
                 bad = sorted({name for bad in self._learners_call("read_shards", str(folder)) for name in bad})
             except CheckpointError:
-                self._learners_call("load_state", self.trainer.full_state())
+                self._learners_take_driver_state()
                 raise
             if bad:
-                self._learners_call("load_state", self.trainer.full_state())
+                self._learners_take_driver_state()
             return bad
 
         return read
+
+    def _learners_take_driver_state(self) -> None:
+        self._learners_call("load_state", self.trainer.full_state())
 
     def _weights_restored(self, state: RunState) -> None:
         if state.read_in_place:  # the learners hold the shards; the scaler and version came to the driver
             self._learners_call("set_run_state", self.trainer.scaler.state_dict(), self.trainer.weight_version)
         else:  # a one-process checkpoint: the driver read it whole
-            self._learners_call("load_state", self.trainer.full_state())
+            self._learners_take_driver_state()
         self.consumed_position = self.data.position
         self._push_weights(version=self.step_count)
 
