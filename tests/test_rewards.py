@@ -13,10 +13,11 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+import torch
 
 from parity.cli import main
 from parity.config import ConfigError
-from parity.rl.rewards import RewardError, RewardHealth, RewardResult, RewardRunner
+from parity.rl.rewards import RewardError, RewardHealth, RewardResult, RewardRunner, training_rewards
 from parity.rl.tasks import (
     DataError,
     DataOrder,
@@ -185,6 +186,44 @@ def test_worker_exits_when_the_run_is_killed(only):
         run.wait()
         if worker is not None and not _gone(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+def test_a_cut_off_response_scores_as_algorithm_truncated_says():
+    checked = torch.tensor([1.0, 1.0, 0.0, 0.5])
+    cut_off = torch.tensor([True, False, True, True])
+    assert training_rewards(checked, cut_off, "zero_reward").tolist() == [0.0, 1.0, 0.0, 0.0]
+    for mode in ("keep", "drop"):  # drop takes them out of the loss instead
+        assert training_rewards(checked, cut_off, mode).tolist() == checked.tolist()
+
+
+def test_accuracy_and_the_perfectible_search_score_cut_off_answers_as_training_does(tmp_path, monkeypatch):
+    """The built-in model writes its working, then `>ANSWER` and EOS: at a limit of exactly the right
+    response's length every right answer is cut off before its EOS. Under zero_reward the loss scores them
+    0, and so must `reward/accuracy`, `groups/zero_variance_frac` and the perfectible search."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"prompt": "954+4302=", "answer": "5256"}) + "\n")  # "4+2=6,5+0=5,9+3=12,0+4+1=5>5256"
+    limit = ["rollout.max_new_tokens=31", f"task.data={data}", "prompts_per_step=2", "rollout.group_size=8"]
+    metrics = {}
+    for mode in ("zero_reward", "keep"):
+        run_dir = tmp_path / mode
+        args = ["train", f"run_dir={run_dir}", "steps=1", "tensorboard=false", f"algorithm.truncated={mode}", *limit]
+        assert main(args) == 0
+        metrics[mode] = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    zero, keep = metrics["zero_reward"], metrics["keep"]
+    assert zero["response/truncated_frac"] == keep["response/truncated_frac"] == 1.0  # the same samples
+    assert keep["reward/accuracy"] > 0 and keep["reward/correct_cut_off_frac"] == 0
+    assert zero["reward/accuracy"] == zero["reward/mean"] == 0
+    assert zero["reward/correct_cut_off_frac"] == keep["reward/accuracy"]
+    assert zero["groups/zero_variance_frac"] == 1 and zero["grad/norm"] == 0
+    accuracies = {}
+    for mode in ("zero_reward", "keep"):
+        out = tmp_path / f"{mode}.jsonl"
+        args = ["perfectible", f"data={data}", "max_new_tokens=31", "samples=8", "lo=0", "hi=1", f"truncated={mode}"]
+        assert main([*args, f"out={out}"]) == 0
+        accuracies[mode] = json.loads(out.read_text())["base_accuracy"]
+    assert accuracies["zero_reward"] == 0 < accuracies["keep"]
+    assert main(["perfectible", f"data={data}", "truncated=cut"]) == 2
 
 
 def test_math_reward_and_boxed_extraction():

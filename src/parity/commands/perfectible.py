@@ -1,7 +1,8 @@
 """`parity perfectible`: problems the base model solves sometimes.
 
 Sample K responses per problem at temperature 1 with the base model, score them
-with the task's checker, and keep the problems whose accuracy lies in [lo, hi]
+with the task's checker as training does (a response cut off at the length limit
+scores 0 under the default `truncated=zero_reward`), and keep the problems whose accuracy lies in [lo, hi]
 (default [0.2, 0.8]). On such a set any sound RL algorithm must reach
 near-100% training accuracy: the model can already produce the right answer,
 it only has to learn to prefer it.
@@ -25,7 +26,7 @@ from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, load_tokenizer
 from parity.files import atomic_write_text
-from parity.rl.rewards import RewardRunner, score_rollouts
+from parity.rl.rewards import RewardRunner, score_rollouts, training_rewards
 from parity.rl.tasks import (
     DIFFICULTIES,
     REWARDS,
@@ -35,6 +36,7 @@ from parity.rl.tasks import (
     difficulty_has_no_effect,
     load_problems,
 )
+from parity.rl.train_config import TRUNCATION_MODES
 
 
 @dataclass
@@ -54,6 +56,7 @@ class PerfectibleConfig:
     out: str = "perfectible.jsonl"
     chat_template: str = "auto"  # auto (the model's chat template, when it has one) | none (raw text)
     device: str = "cpu"  # cpu | cuda: where the rollout engine runs
+    truncated: str = "zero_reward"  # a response cut off at max_new_tokens, as training scores it (algorithm.truncated)
 
     def validate(self) -> None:
         kernels.check_device(self.device)
@@ -66,6 +69,11 @@ class PerfectibleConfig:
         if self.chat_template not in CHAT_TEMPLATE_MODES:
             raise ConfigError(
                 f"chat_template: unknown value {self.chat_template!r}; allowed: {', '.join(CHAT_TEMPLATE_MODES)}"
+            )
+        if self.truncated not in TRUNCATION_MODES:
+            raise ConfigError(
+                f"truncated: unknown value {self.truncated!r}; allowed: {', '.join(TRUNCATION_MODES)} "
+                "(as algorithm.truncated)"
             )
         if not 0 <= self.lo <= self.hi <= 1:
             raise ConfigError(f"lo, hi: need 0 <= lo <= hi <= 1, got {self.lo}, {self.hi}")
@@ -122,16 +130,19 @@ def problem_accuracies(
     batch_prompts: int = 32,
     progress: bool = False,
     chat_template: str = "auto",
+    truncated: str = "zero_reward",
 ) -> list[float]:
-    """Fraction of `samples` responses at temperature 1 that score 1, per problem (prompts encoded under
-    `chat_template`, one of CHAT_TEMPLATE_MODES)."""
+    """Fraction of `samples` responses at temperature 1 that score 1 as training scores them, per problem
+    (prompts encoded under `chat_template`, one of CHAT_TEMPLATE_MODES; a response cut off at
+    `max_new_tokens` under `truncated`, one of TRUNCATION_MODES: `zero_reward` scores it 0)."""
     sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
     accuracies: list[float] = []
     for start in tqdm(range(0, len(problems), batch_prompts), desc="perfectible", unit="batch", disable=not progress):
         chunk = problems[start : start + batch_prompts]
         prompts = [tokenizer.encode_prompt(p.prompt, chat_template) for p in chunk]
         batch = engine.generate(prompts, samples, sampling, seed=seed + start)
-        scores = torch.tensor(score_rollouts(batch, chunk, tokenizer, runner).rewards).view(len(chunk), samples)
+        checked = torch.tensor(score_rollouts(batch, chunk, tokenizer, runner).rewards)
+        scores = training_rewards(checked, batch.truncated.cpu(), truncated).view(len(chunk), samples)
         accuracies.extend((scores >= 1.0).float().mean(-1).tolist())
     return accuracies
 
@@ -155,6 +166,7 @@ def measure_accuracies(cfg: PerfectibleConfig, problems: list[Problem], progress
             cfg.batch_prompts,
             progress,
             cfg.chat_template,
+            cfg.truncated,
         )
     finally:
         runner.close()

@@ -145,6 +145,8 @@ def run_sanity(
 
     # Every run's config is checked before the first one starts: a bad override fails in a second.
     configs = {f"{p}/{e}": run_config(p, e, out / "runs" / f"{p}-{e}") for p, e in runs}
+    # The search scores a cut-off response as the runs' loss does.
+    pcfg.truncated = next(iter(configs.values())).algorithm.truncated
     set_path, accuracies, cached = build_or_load(pcfg)
     keep = filter_perfectible(accuracies, pcfg.lo, pcfg.hi)
     if not keep:

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, NamedTuple
 from parity.rl.tasks import Problem, RewardFn
 
 if TYPE_CHECKING:
+    import torch
+
     from parity.engines.batch import RolloutBatch
     from parity.engines.tokenizer import Tokenizer
 
@@ -216,6 +218,13 @@ class RewardHealth:
             f"of {num_samples} samples; first: {result.first_error}); "
             f"this warns at reward.warn_error_rate={self.warn_rate}"
         )
+
+
+def training_rewards(rewards: torch.Tensor, truncated: torch.Tensor, mode: str) -> torch.Tensor:
+    """The rewards the loss sees under `algorithm.truncated=mode`: with `zero_reward` a response cut off
+    at the length limit scores 0 whatever it holds (a right number in an unfinished answer is not an
+    answer); `keep` and `drop` leave the rewards as they are (`drop` takes such responses out of the loss)."""
+    return rewards.masked_fill(truncated, 0.0) if mode == "zero_reward" else rewards
 
 
 def score_rollouts(

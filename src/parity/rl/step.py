@@ -36,7 +36,7 @@ from parity.rl.diagnostics import (
     mismatch_metrics,
     phantom_clip_frac,
 )
-from parity.rl.rewards import RewardResult
+from parity.rl.rewards import RewardResult, training_rewards
 
 BINARY_REWARDS = {"builtin", "exact", "math", "number"}
 
@@ -65,7 +65,7 @@ class UpdatePlan:
 class Prepared:
     """A scored batch, ready to train on; built once by `prepare`."""
 
-    rewards: torch.Tensor  # [B] as returned by the reward
+    rewards: torch.Tensor  # [B] as the loss sees them (`training_rewards`: 0 for a cut-off response under zero_reward)
     advantages: torch.Tensor  # [B]
     loss_mask: torch.Tensor  # [B, T], rejected sequences cleared
     rejected: torch.Tensor | None  # [B] sequences a rejection rule took out of the loss
@@ -142,11 +142,10 @@ def prepare(
     """Rewards to advantages and the loss mask, with the estimator's rejection applied; `old` is
     `resolve_old`'s answer."""
     old_logprobs, old_source = old
-    rewards = torch.tensor(result.rewards, device=batch.response_mask.device)
-    scored = rewards.clone()
-    if truncated == "zero_reward":
-        scored[batch.truncated] = 0.0
-    advantages = group_advantages(scored, batch.group_index, advantage)
+    rewards = training_rewards(
+        torch.tensor(result.rewards, device=batch.response_mask.device), batch.truncated, truncated
+    )
+    advantages = group_advantages(rewards, batch.group_index, advantage)
     loss_mask = batch.response_mask.clone()
     if truncated == "drop":
         loss_mask[batch.truncated] = False
@@ -332,6 +331,9 @@ def step_metrics(
         metrics["is/rejected_seq_frac"] = float(prepared.rejected.float().mean())
     if binary_reward:
         metrics["reward/accuracy"] = float((rewards >= 1.0).float().mean())
+        # Right by the checker, 0 to the loss: cut off at the length limit under algorithm.truncated=zero_reward.
+        checked = torch.tensor(result.rewards, device=rewards.device) >= 1.0
+        metrics["reward/correct_cut_off_frac"] = float((checked & (rewards < 1.0)).float().mean())
     if update.kls:  # per token over the step, whichever learner scored which tokens
         metrics["loss/kl"] = sum(update.kls) / max(sum(update.kl_tokens), 1.0)
     for k, v in update.stats.items():  # the estimator's diagnostics, under their own names
