@@ -47,6 +47,11 @@ def test_perfectible_command_on_user_data(tmp_path, monkeypatch, capsys):
     out.unlink()
     assert main(args) == 0 and [json.loads(x) for x in out.read_text().splitlines()] == rows
     assert "kept 24 of 24 problems (the search of " in capsys.readouterr().out
+    # Other bounds filter the same search.
+    assert main([*args[:-2], "lo=0.5", "hi=1"]) == 0
+    kept = [json.loads(x) for x in out.read_text().splitlines()]
+    assert kept == [r for r in rows if r["base_accuracy"] >= 0.5]
+    assert f"kept {len(kept)} of 24 problems (the search of " in capsys.readouterr().out
     data.write_text(data.read_text().splitlines(keepends=True)[0])
     assert main(args) == 0 and "kept 1 of 1 problems (measured now)" in capsys.readouterr().out
 

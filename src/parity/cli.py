@@ -161,6 +161,7 @@ def cmd_perfectible(args: argparse.Namespace) -> int:
         filter_perfectible,
         format_histogram,
         histogram,
+        search_path,
     )
     from parity.files import atomic_write_text
 
@@ -171,7 +172,7 @@ def cmd_perfectible(args: argparse.Namespace) -> int:
     keep = filter_perfectible(accuracies, cfg.lo, cfg.hi)
     atomic_write_text(Path(cfg.out), set_path.read_text())
     print(format_histogram(histogram(accuracies, cfg.samples), cfg.lo, cfg.hi))
-    found = f"the search of {set_path.with_suffix('.json')}" if cached else "measured now"
+    found = f"the search of {search_path(cfg)}" if cached else "measured now"
     print(f"kept {len(keep)} of {len(accuracies)} problems ({found}) -> {cfg.out}")
     return 0
 
@@ -190,6 +191,7 @@ def cmd_sanity(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         difficulty=args.difficulty,
         candidates=args.candidates,
+        lo=args.lo,
         overrides=args.overrides,
         jobs=args.jobs,
         device=args.device,
@@ -314,6 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the easy problems asking for step-by-step working, answered at length)",
     )
     p.add_argument("--candidates", type=int, help="problems the perfectible search tries (default 256)")
+    p.add_argument(
+        "--lo",
+        type=float,
+        default=0.2,
+        help="the perfectible set's lowest base accuracy (default 0.2; lower it for a model that rarely solves the "
+        "task; the search is not repeated for it)",
+    )
     p.add_argument(
         "--jobs",
         type=int,

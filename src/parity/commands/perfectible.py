@@ -181,12 +181,13 @@ def write_set(path: Path, problems: list[Problem], accuracies: list[float], keep
 
 
 def cache_key(cfg: PerfectibleConfig) -> str:
-    """Identifies a perfectible set: the model's weights and every setting that shapes the set."""
+    """Identifies a perfectible search: the model's weights and every setting that shapes its accuracies
+    (the bounds lo and hi only filter them)."""
     model_dir = resolve_model_dir(cfg.model)
     h = hashlib.sha256()
     for f in sorted(model_dir.glob("*.safetensors")):
         h.update(f.read_bytes())
-    settings = {k: v for k, v in vars(cfg).items() if k not in ("model", "out", "batch_prompts")}
+    settings = {k: v for k, v in vars(cfg).items() if k not in ("model", "out", "batch_prompts", "lo", "hi")}
     h.update(json.dumps(settings, sort_keys=True).encode())
     if cfg.data != "builtin":  # a data file edited in place is another set of problems
         h.update(Path(cfg.data).read_bytes())
@@ -197,18 +198,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parity"
 
 
-def build_or_load(cfg: PerfectibleConfig, progress: bool = True) -> tuple[Path, list[float], bool]:
-    """The perfectible set for `cfg` from the cache, or measured and cached.
+def search_path(cfg: PerfectibleConfig) -> Path:
+    """Where the cache keeps the accuracies of `cfg`'s candidates."""
+    return cache_dir() / f"perfectible-{cache_key(cfg)}.json"
 
-    Returns (path of the JSONL set, accuracies of all candidates, whether it was cached).
+
+def build_or_load(cfg: PerfectibleConfig, progress: bool = True) -> tuple[Path, list[float], bool]:
+    """The perfectible set for `cfg`: its candidates' accuracies from the cache, or measured and cached,
+    and the set they give within [lo, hi] written beside them. The bounds only filter, so other bounds
+    do not measure again.
+
+    Returns (path of the JSONL set, accuracies of all candidates, whether they were cached).
     """
-    key = cache_key(cfg)
-    path = cache_dir() / f"perfectible-{key}.jsonl"
-    meta = cache_dir() / f"perfectible-{key}.json"
-    if path.is_file() and meta.is_file():
-        return path, json.loads(meta.read_text())["accuracies"], True
+    meta = search_path(cfg)
+    path = meta.with_name(f"{meta.stem}-{cfg.lo:g}-{cfg.hi:g}.jsonl")
     problems = candidate_problems(cfg)
-    accuracies = measure_accuracies(cfg, problems, progress)
-    write_set(path, problems, accuracies, filter_perfectible(accuracies, cfg.lo, cfg.hi))
-    atomic_write_text(meta, json.dumps({"accuracies": accuracies}) + "\n")
-    return path, accuracies, False
+    cached = meta.is_file()
+    if cached:
+        accuracies = json.loads(meta.read_text())["accuracies"]
+    else:
+        accuracies = measure_accuracies(cfg, problems, progress)
+        atomic_write_text(meta, json.dumps({"accuracies": accuracies}) + "\n")
+    if not path.is_file():
+        write_set(path, problems, accuracies, filter_perfectible(accuracies, cfg.lo, cfg.hi))
+    return path, accuracies, cached

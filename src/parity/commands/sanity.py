@@ -27,6 +27,7 @@ from parity.commands.perfectible import (
     filter_perfectible,
     format_histogram,
     histogram,
+    search_path,
 )
 from parity.commands.report import (
     plot_accuracy,
@@ -99,6 +100,7 @@ def run_sanity(
     max_new_tokens: int = 96,
     difficulty: str = "standard",
     candidates: int | None = None,
+    lo: float = 0.2,
     overrides: list[str] = (),
     jobs: int | None = None,
     device: str = "cpu",
@@ -106,7 +108,8 @@ def run_sanity(
     """The sanity test of `model` (default: the built-in one) on `task`'s generated problems (default:
     the built-in task for the built-in model, word problems of `difficulty` with `task.name=number` for
     any other), sampling at most `max_new_tokens` per response everywhere. `candidates`: how many
-    problems the perfectible search tries (its default when None); `overrides`: `parity train` keys
+    problems the perfectible search tries (its default when None); `lo`: the perfectible set's lowest
+    base accuracy; `overrides`: `parity train` keys
     (KEY=VALUE) applied to every run after the test's own, e.g. trainer.lr or steps. `jobs`: training runs
     at once (default `default_jobs`); `device`: where every model runs (perfectible search, base mismatch,
     training)."""
@@ -120,6 +123,7 @@ def run_sanity(
     )
     if candidates is not None:
         pcfg.num_candidates = candidates
+    pcfg.lo = lo
     pcfg.validate()
 
     def run_config(precision: str, estimator: str, run_dir: Path) -> TrainConfig:
@@ -153,7 +157,8 @@ def run_sanity(
         raise ConfigError(
             f"--model {model} --task {task}: no perfectible problem (accuracy in [{pcfg.lo}, {pcfg.hi}] over "
             f"{pcfg.samples} samples) among {len(accuracies)}, so there is nothing to train on; the accuracies "
-            f"are in {set_path.with_suffix('.json')}. A larger --max-new-tokens helps when answers are cut off"
+            f"are in {search_path(pcfg)}. A larger --max-new-tokens helps when answers are cut off, a lower --lo "
+            "when the model solves some problems rarely"
         )
     counts = histogram(accuracies, pcfg.samples)
     log(
