@@ -22,7 +22,8 @@ to core 0, the learner to core 1, one torch thread each; the driver and Ray's ow
 unpinned) at staleness 1, and the same unpinned. Reported: the median step time against
 max(sampling, training) of the same steps (sampling = the worker's rollout + scoring, training =
 the learners' update + the weight sync), against the one-process step on one core, and the CPU
-seconds Ray's own processes (GCS, raylet, dashboard, agents, monitors) took per second of run.
+seconds Ray's own processes (GCS, raylet, dashboard, agents, monitors) took per second of run and
+to start, each kind apart: what starting fewer of them could return.
 
     python benchmarks/async_rl.py --throughput --phantom --pipeline --out async.json
 
@@ -58,6 +59,7 @@ from engines import make_llama_4m  # noqa: E402
 from parity import config  # noqa: E402
 from parity.commands.report import SMOOTHING, TARGET_ACCURACY, moving_average  # noqa: E402
 from parity.distributed.driver import run_class  # noqa: E402
+from parity.engines import kernels  # noqa: E402
 from parity.rl.train_config import TrainConfig  # noqa: E402
 from vs_trl import _perfectible_problems  # noqa: E402
 
@@ -250,17 +252,36 @@ def _ray_processes(run) -> list:
     ]
 
 
-def _cpu_seconds(procs: list) -> float:
+# Ray's processes by what they are, from their command lines; the first match names one.
+RAY_ROLES = (
+    ("gcs_server", "GCS"),
+    ("raylet", "raylet"),
+    ("log_monitor", "log monitor"),
+    ("autoscaler/_private/monitor", "autoscaler monitor"),
+    ("DashboardAgent", "dashboard agent"),
+    ("dashboard/agent", "dashboard agent"),
+    ("RuntimeEnvAgent", "runtime-env agent"),
+    ("runtime_env/agent", "runtime-env agent"),
+    ("dashboard/dashboard.py", "API server (dashboard off)"),
+)
+
+
+def _ray_role(cmdline: str) -> str:
+    return next((name for key, name in RAY_ROLES if key in cmdline), "other Ray worker")
+
+
+def _cpu_seconds(procs: list) -> dict[str, float]:
+    """CPU seconds each kind of process has used since it started, summed over its processes."""
     import psutil
 
-    total = 0.0
+    by_role: dict[str, float] = {}
     for p in procs:
         try:
-            t = p.cpu_times()
-            total += t.user + t.system
+            t, role = p.cpu_times(), _ray_role(" ".join(p.cmdline()))
         except psutil.Error:
-            pass
-    return total
+            continue
+        by_role[role] = by_role.get(role, 0.0) + t.user + t.system
+    return by_role
 
 
 def pipeline(args) -> dict:
@@ -275,11 +296,18 @@ def pipeline(args) -> dict:
         return accounting(run, before)
 
     def accounting(run, before=None):
+        """At the start: Ray's processes and the CPU seconds they took to start; at the end: per second of run."""
         procs = before["procs"] if before else _ray_processes(run)
         now = {"procs": procs, "cpu": _cpu_seconds(procs), "t": time.perf_counter()}
         if before is None:
             return now
-        return {"ray_cpu_s_per_s": (now["cpu"] - before["cpu"]) / (now["t"] - before["t"])}
+        seconds = now["t"] - before["t"]
+        per_s = {role: (cpu - before["cpu"].get(role, 0.0)) / seconds for role, cpu in now["cpu"].items()}
+        return {
+            "ray_cpu_s_per_s": sum(per_s.values()),
+            "ray_cpu_s_per_s_by_process": per_s,
+            "ray_start_cpu_s_by_process": before["cpu"],
+        }
 
     base = ["precision=fp16", "prompts_per_step=16", "rollout.group_size=8", "rollout.max_new_tokens=96"]
     base += ["eval.every=-1", f"seed={args.seed}"]
@@ -313,6 +341,8 @@ def pipeline(args) -> dict:
                 "bound_s_median": bound,
                 "step_over_bound": step / bound,
                 "ray_cpu_s_per_s": r["ray_cpu_s_per_s"],
+                "ray_cpu_s_per_s_by_process": r["ray_cpu_s_per_s_by_process"],
+                "ray_start_cpu_s_by_process": r["ray_start_cpu_s_by_process"],
                 "learner_idle_s_median": statistics.median(m["time/learner_idle"] for m in h),
             }
         one_core = results["one process, one core"]["step_s_median"]
@@ -338,7 +368,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    out = {}
+    out = {"numerics": kernels.numerics("cpu").describe()}  # the processor every figure was measured on
     if args.throughput:
         out["throughput"] = throughput(args)
     if args.phantom:
