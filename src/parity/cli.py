@@ -319,7 +319,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lo",
         type=float,
-        default=0.2,
         help="the perfectible set's lowest base accuracy (default 0.2; lower it for a model that rarely solves the "
         "task; the search is not repeated for it)",
     )

@@ -2,8 +2,8 @@
 
 Sample K responses per problem at temperature 1 with the base model, score them
 with the task's checker as training does (a response cut off at the length limit
-scores 0 under the default `truncated=zero_reward`), and keep the problems whose accuracy lies in [lo, hi]
-(default [0.2, 0.8]). On such a set any sound RL algorithm must reach
+scores 0 under the default `truncated=zero_reward`), and keep the problems whose
+accuracy lies in [lo, hi] (default [0.2, 0.8]). On such a set any sound RL algorithm must reach
 near-100% training accuracy: the model can already produce the right answer,
 it only has to learn to prefer it.
 """

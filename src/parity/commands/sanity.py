@@ -100,7 +100,7 @@ def run_sanity(
     max_new_tokens: int = 96,
     difficulty: str = "standard",
     candidates: int | None = None,
-    lo: float = 0.2,
+    lo: float | None = None,
     overrides: list[str] = (),
     jobs: int | None = None,
     device: str = "cpu",
@@ -109,7 +109,7 @@ def run_sanity(
     the built-in task for the built-in model, word problems of `difficulty` with `task.name=number` for
     any other), sampling at most `max_new_tokens` per response everywhere. `candidates`: how many
     problems the perfectible search tries (its default when None); `lo`: the perfectible set's lowest
-    base accuracy; `overrides`: `parity train` keys
+    base accuracy (its default when None); `overrides`: `parity train` keys
     (KEY=VALUE) applied to every run after the test's own, e.g. trainer.lr or steps. `jobs`: training runs
     at once (default `default_jobs`); `device`: where every model runs (perfectible search, base mismatch,
     training)."""
@@ -123,7 +123,8 @@ def run_sanity(
     )
     if candidates is not None:
         pcfg.num_candidates = candidates
-    pcfg.lo = lo
+    if lo is not None:
+        pcfg.lo = lo
     pcfg.validate()
 
     def run_config(precision: str, estimator: str, run_dir: Path) -> TrainConfig:
