@@ -212,13 +212,14 @@ def build_or_load(cfg: PerfectibleConfig, progress: bool = True) -> tuple[Path, 
     """
     meta = search_path(cfg)
     path = meta.with_name(f"{meta.stem}-{cfg.lo:g}-{cfg.hi:g}.jsonl")
-    problems = candidate_problems(cfg)
     cached = meta.is_file()
+    problems = None  # the candidates are read (a data file tokenized) only when something needs them
     if cached:
         accuracies = json.loads(meta.read_text())["accuracies"]
     else:
+        problems = candidate_problems(cfg)
         accuracies = measure_accuracies(cfg, problems, progress)
         atomic_write_text(meta, json.dumps({"accuracies": accuracies}) + "\n")
     if not path.is_file():
-        write_set(path, problems, accuracies, filter_perfectible(accuracies, cfg.lo, cfg.hi))
+        write_set(path, problems or candidate_problems(cfg), accuracies, filter_perfectible(accuracies, cfg.lo, cfg.hi))
     return path, accuracies, cached
