@@ -123,3 +123,111 @@ def test_cli_reports_model_error_in_one_line(capsys):
     assert main(["mismatch", "--model", "/nonexistent/model"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "does not exist" in err
+
+
+def _stack_experts(src, dst):
+    """`src`'s MoE checkpoint with each layer's experts stacked in two tensors, as transformers 5 holds
+    them (gate_up_proj [E, 2I, H], down_proj [E, H, I]), written to `dst`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    layers = sorted({k.split("experts.")[0] for k in state if ".mlp.experts." in k})
+    for prefix in layers:
+        experts = len([k for k in state if k.startswith(prefix + "experts.") and k.endswith(".gate_proj.weight")])
+
+        def take(e, proj, prefix=prefix):
+            return state.pop(f"{prefix}experts.{e}.{proj}.weight")
+
+        gate_up = torch.stack([torch.cat([take(e, "gate_proj"), take(e, "up_proj")]) for e in range(experts)])
+        state[prefix + "experts.gate_up_proj"] = gate_up
+        state[prefix + "experts.down_proj"] = torch.stack([take(e, "down_proj") for e in range(experts)])
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_stacked_experts_load_as_the_per_expert_checkpoint(tmp_path):
+    from architectures import save_random_model
+
+    per_expert = save_random_model(tmp_path / "per-expert", "qwen3_moe")
+    stacked = _stack_experts(per_expert, tmp_path / "stacked")
+    expected, got = load_model(per_expert).state_dict(), load_model(stacked).state_dict()
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def _load_on_rank(rank: int, world: int, model_dir, init_file, out_dir) -> None:
+    """One learner's side of test_each_learner_reads_only_its_rows: the FSDP2 model loaded as learners
+    load it, against the model loaded whole; what it found goes to out_dir/RANK.json."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parity.distributed.actors import load_sharded
+    from parity.engines import models
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    reads = []
+    real_read = models._WeightFiles.read
+
+    def recorded(self, name, start, stop):
+        reads.append((name, start, stop))
+        return real_read(self, name, start, stop)
+
+    models._WeightFiles.read = recorded
+    try:
+        sharded = load_sharded(model_dir, init_device_mesh("cpu", (world,)))
+        models._WeightFiles.read = real_read
+        whole = load_model(model_dir)
+        expected = whole.state_dict()
+        local_equal, full_equal, rows_read = [], [], {}
+        for name, param in sharded.state_dict().items():
+            local, first = models._local_rows(param)
+            local_equal.append(torch.equal(local, expected[name][first : first + local.shape[0]]))
+            full_equal.append(torch.equal(param.full_tensor(), expected[name]))
+        for name, start, stop in reads:
+            rows_read[name] = rows_read.get(name, 0) + stop - start
+        packed = pack([[5, 6, 7, 8]], torch.tensor([[9, 10, 11]]), torch.ones(1, 3, dtype=torch.bool))
+        with torch.no_grad():
+            logits_equal = torch.equal(sharded(packed, torch.float32), whole(packed, torch.float32))
+        found = {
+            "local_equal": all(local_equal),
+            "full_equal": all(full_equal),
+            "buffers_equal": all(torch.equal(b, dict(whole.named_buffers())[n]) for n, b in sharded.named_buffers()),
+            "tied": sharded.lm_head.weight is sharded.model.embed_tokens.weight,
+            "rows_read": rows_read,
+            "rows": {k: v.shape[0] for k, v in expected.items()},
+            "logits_equal": logits_equal,
+        }
+        (out_dir / f"{rank}.json").write_text(json.dumps(found))
+    finally:
+        models._WeightFiles.read = real_read
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3_moe-stacked"])
+def test_each_learner_reads_only_its_rows(tmp_path, arch):
+    """FSDP2 learners build the model on the meta device, shard it and read only their own rows of each
+    weight (3 ranks: uneven shards, and a rank with no row of a short tensor); the shards make the
+    model loaded whole, bit for bit: tied embeddings stay tied, the RoPE tables are recomputed, and the
+    forward pass gives the same logits."""
+    import torch.multiprocessing as mp
+
+    from architectures import save_random_model
+
+    model_dir = save_random_model(tmp_path / "model", arch.removesuffix("-stacked"))
+    if arch.endswith("-stacked"):
+        model_dir = _stack_experts(model_dir, tmp_path / "stacked")
+    world = 3
+    mp.spawn(_load_on_rank, args=(world, model_dir, tmp_path / "init", tmp_path), nprocs=world, join=True)
+    found = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
+    tied = load_model(model_dir).config.tie_word_embeddings
+    for rank in found:
+        assert rank["local_equal"] and rank["full_equal"] and rank["buffers_equal"] and rank["logits_equal"]
+        assert rank["tied"] == tied
+    rows = found[0]["rows"]
+    for name, total in rows.items():
+        if tied and name == "lm_head.weight":
+            continue
+        per_rank = [rank["rows_read"].get(name, 0) for rank in found]
+        assert sum(per_rank) == total, (name, per_rank)  # every row read once, by one learner
+        assert max(per_rank) <= -(-total // world), (name, per_rank)

@@ -22,7 +22,7 @@ import torch
 
 from parity.engines import kernels
 from parity.engines.batch import RolloutBatch
-from parity.engines.models import load_config, load_model
+from parity.engines.models import CausalLM, load_config, load_model
 from parity.engines.partial import PartialRollouts, PoolRequest
 from parity.engines.sampler import ExactnessError, Sampler, check_first_pass
 from parity.engines.sampling import SamplingParams
@@ -38,6 +38,19 @@ def _quiet_process(threads: int | None) -> None:
     if threads is not None:
         torch.set_num_threads(threads)
         reuse_freed_memory()
+
+
+def load_sharded(model_dir: Path, mesh) -> CausalLM:
+    """The model in `model_dir` sharded by FSDP2 over `mesh` (each decoder layer, then the root), this
+    process reading only its own rows of every weight: no learner holds the base model whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    def shard(model: CausalLM) -> None:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+    return load_model(model_dir, shard=shard)
 
 
 class RolloutWorker:
@@ -159,17 +172,13 @@ class Learner:
         """Join the process group, load the model, shard it, build the trainer."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world)
         mesh = init_device_mesh("cpu", (self.world,))
 
         def sharded() -> torch.nn.Module:
-            model = load_model(Path(self.model_dir))
+            model = load_sharded(Path(self.model_dir), mesh)
             model.numerics = self.numerics
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
             return model
 
         self.trainer = Trainer(sharded(), self.precision, self.optim)

@@ -10,6 +10,7 @@ save in the Hugging Face format with no conversion.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -574,8 +575,7 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        for kind, inv_freq in rope_tables(cfg).items():
-            self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
+        self.init_buffers()
         # Recompute each decoder layer in the backward instead of keeping its activations.
         self.activation_checkpointing = False
         self.numerics = kernels.numerics()
@@ -593,6 +593,12 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, Linear, RMSNorm)):
                 module.numerics = value
+
+    def init_buffers(self) -> None:
+        """Compute the RoPE tables (again after `to_empty`, which leaves a model built on the meta
+        device with uninitialised buffers)."""
+        for kind, inv_freq in rope_tables(self.config).items():
+            self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -726,55 +732,139 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise ModelError(f"{model_dir}: no model.safetensors (or sharded index) found")
 
 
-def load_model(model_dir: str | Path) -> CausalLM:
-    """Load FP32 weights from a Hugging Face directory. `trust_remote_code` is never used."""
+def load_model(model_dir: str | Path, shard: Callable[[CausalLM], object] | None = None) -> CausalLM:
+    """Load FP32 weights from a Hugging Face directory, one tensor at a time. `trust_remote_code`
+    is never used. `shard` (FSDP2's `fully_shard` of each learner) is applied to the model before
+    any weight is read: the model is built on the meta device, sharded, given memory for its shards
+    only, and each process then reads only the rows of each tensor that its shards hold."""
     model_dir = resolve_model_dir(model_dir)
     cfg = load_config(model_dir)
-    files = _weight_files(model_dir)
-    _check_sizes(cfg, files, model_dir)
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            state.update(load_file(str(f)))
-        except Exception as e:  # safetensors raises its own error types for cut or garbled files
-            raise ModelError(f"{f}: not a readable safetensors file ({e})") from None
-    _split_fused_experts(state)
-    model = CausalLM(cfg)
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-    missing = sorted(expected - state.keys())
-    unexpected = sorted(k for k in state.keys() - expected if not k.endswith("rotary_emb.inv_freq"))
-    if missing or unexpected:
-        raise ModelError(
-            f"{model_dir}: weights do not match a {cfg.architecture} model "
-            f"(missing {missing[:4]}, unexpected {unexpected[:4]})"
+    with _WeightFiles(_weight_files(model_dir)) as files:
+        _check_sizes(cfg, files.file_shapes, model_dir)
+        if shard is None:
+            model = CausalLM(cfg)
+        else:
+            with torch.device("meta"):
+                model = CausalLM(cfg)
+            shard(model)
+            model.to_empty(device="cpu")
+            model.init_buffers()
+        params = {
+            k: v
+            for k, v in model.state_dict(keep_vars=True).items()
+            if not (cfg.tie_word_embeddings and k == "lm_head.weight")
+        }
+        missing = sorted(params.keys() - files.shapes.keys())
+        unexpected = sorted(
+            k
+            for k in files.shapes.keys() - params.keys()
+            if not (k.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and k == "lm_head.weight"))
         )
-    wrong_shape = [
-        f"{k} {tuple(state[k].shape)}, expected {tuple(v.shape)}"
-        for k, v in model.state_dict().items()
-        if k in state and state[k].shape != v.shape
-    ]
-    if wrong_shape:
-        raise ModelError(f"{model_dir}: weights do not match config.json ({'; '.join(wrong_shape[:3])})")
-    model.load_state_dict({k: v.float() for k, v in state.items() if k in expected}, strict=False)
+        if missing or unexpected:
+            raise ModelError(
+                f"{model_dir}: weights do not match a {cfg.architecture} model "
+                f"(missing {missing[:4]}, unexpected {unexpected[:4]})"
+            )
+        wrong_shape = [
+            f"{k} {files.shapes[k]}, expected {tuple(v.shape)}"
+            for k, v in params.items()
+            if files.shapes[k] != tuple(v.shape)
+        ]
+        if wrong_shape:
+            raise ModelError(f"{model_dir}: weights do not match config.json ({'; '.join(wrong_shape[:3])})")
+        with torch.no_grad():
+            for name, param in params.items():
+                local, first = _local_rows(param)
+                local.copy_(files.read(name, first, first + local.shape[0]))
     return model
 
 
-def _check_sizes(cfg: ModelConfig, files: list[Path], model_dir: Path) -> None:
+def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The part of `param` this process holds, and the row of the whole tensor where it begins: all of
+    it from row 0, or for an FSDP2 parameter (a DTensor sharded on dim 0 over a 1-D mesh, as
+    `torch.chunk` splits it) this rank's rows."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(param, DTensor):
+        return param, 0
+    if param.device_mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
+        raise ValueError(f"load_model: cannot read shards placed as {param.placements} on a {param.device_mesh}")
+    rows, world = param.shape[0], param.device_mesh.size()
+    chunk = -(-rows // world)
+    first = min(param.device_mesh.get_local_rank() * chunk, rows)
+    local = param.to_local()
+    if local.shape[0] != min(chunk, rows - first):
+        raise ValueError(f"load_model: a shard of {rows} rows over {world} ranks holds {local.shape[0]} (not chunked)")
+    return local, first
+
+
+class _WeightFiles:
+    """A model's safetensors files, open for reading tensor by tensor and row range by row range under
+    the model's parameter names: nothing is read before it is asked for. Experts stacked in two tensors
+    per layer (transformers 5: gate_up_proj [E, 2I, H], down_proj [E, H, I]) are read as the per-expert
+    names of checkpoints on the Hub."""
+
+    def __init__(self, files: list[Path]):
+        self.files = files
+        self._open = contextlib.ExitStack()
+        self._slices: dict[str, tuple[Any, Path]] = {}  # tensor name in the files -> (its lazy slice, its file)
+        self.file_shapes: dict[str, tuple[int, ...]] = {}
+        # per-expert name -> (stacked tensor's name, expert, first row in it)
+        self._stacked: dict[str, tuple[str, int, int]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}  # under the model's names
+
+    def __enter__(self) -> _WeightFiles:
+        from safetensors import safe_open
+
+        for f in self.files:
+            if not f.is_file():
+                self._open.close()
+                raise ModelError(f"{f}: missing (a shard the index names)")
+            try:
+                opened = self._open.enter_context(safe_open(str(f), "pt"))
+                for k in opened.keys():
+                    self._slices[k] = (opened.get_slice(k), f)
+                    self.file_shapes[k] = tuple(self._slices[k][0].get_shape())
+            except Exception as e:  # safetensors raises its own error types for cut or garbled files
+                self._open.close()
+                raise ModelError(f"{f}: not a readable safetensors file ({e})") from None
+        self.shapes = dict(self.file_shapes)
+        for name in [n for n in self.file_shapes if n.endswith(".mlp.experts.gate_up_proj")]:
+            prefix = name.removesuffix("gate_up_proj")
+            down = prefix + "down_proj"
+            (experts, gate_up_rows, hidden), down_shape = self.shapes.pop(name), self.shapes.pop(down, None)
+            if down_shape is None:
+                raise ModelError(f"{self._slices[name][1]}: {name} has no {down} beside it")
+            width = gate_up_rows // 2
+            for e in range(experts):
+                for proj, source, first, shape in (
+                    ("gate_proj", name, 0, (width, hidden)),
+                    ("up_proj", name, width, (width, hidden)),
+                    ("down_proj", down, 0, tuple(down_shape[1:])),
+                ):
+                    self._stacked[f"{prefix}{e}.{proj}.weight"] = (source, e, first)
+                    self.shapes[f"{prefix}{e}.{proj}.weight"] = shape
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._open.close()
+
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the tensor the model names `name`, as stored (FP32 copies are the caller's)."""
+        stacked = self._stacked.get(name)
+        lazy, f = self._slices[stacked[0] if stacked else name]
+        try:
+            if stacked:
+                _, expert, first = stacked
+                return lazy[expert, first + start : first + stop]
+            return lazy[start:stop]
+        except Exception as e:
+            raise ModelError(f"{f}: {name} could not be read ({e})") from None
+
+
+def _check_sizes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], model_dir: Path) -> None:
     """Refuse a config.json whose sizes the weight files do not hold, from the files' headers, before
     anything is allocated (a vocab_size of 10**12 would otherwise reach the allocator)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        if not f.is_file():
-            raise ModelError(f"{f}: missing (a shard the index names)")
-        try:
-            with safe_open(str(f), "pt") as opened:
-                shapes.update({k: tuple(opened.get_slice(k).get_shape()) for k in opened.keys()})
-        except Exception as e:  # safetensors raises its own error types for cut or garbled files
-            raise ModelError(f"{f}: not a readable safetensors file ({e})") from None
     differ = f"{model_dir}: weights do not match config.json:"
     embed = shapes.get("model.embed_tokens.weight")
     if embed != (cfg.vocab_size, cfg.hidden_size):
@@ -801,18 +891,6 @@ def _check_sizes(cfg: ModelConfig, files: list[Path], model_dir: Path) -> None:
         held = stacked[0] if stacked else len({k[len(first) :].split(".")[0] for k in shapes if k.startswith(first)})
         if held != cfg.num_experts:
             raise ModelError(f"{differ} num_experts {cfg.num_experts}, but the weights hold {held}")
-
-
-def _split_fused_experts(state: dict[str, torch.Tensor]) -> None:
-    """transformers 5 holds a layer's experts as two stacked tensors; checkpoints on the Hub
-    name each expert's projections. Accept the stacked form too, as per-expert names."""
-    for name in [n for n in state if n.endswith(".mlp.experts.gate_up_proj")]:
-        prefix = name.removesuffix("gate_up_proj")
-        gate_up, down = state.pop(name), state.pop(prefix + "down_proj")
-        for e in range(gate_up.shape[0]):
-            gate, up = gate_up[e].chunk(2)
-            state[f"{prefix}{e}.gate_proj.weight"], state[f"{prefix}{e}.up_proj.weight"] = gate, up
-            state[f"{prefix}{e}.down_proj.weight"] = down[e]
 
 
 def export_state(
