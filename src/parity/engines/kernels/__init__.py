@@ -119,12 +119,26 @@ def linear(
 
 
 def _row_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear` on a 2-D input in calls of exactly EXACT_CPU_ROWS rows (the last padded with zeros)."""
-    n = x.shape[0]
-    padded = _pad(x, -2, max(-(-n // EXACT_CPU_ROWS), 1) * EXACT_CPU_ROWS)
-    blocks = [F.linear(block, weight, bias) for block in padded.split(EXACT_CPU_ROWS)]
-    blocks[-1] = blocks[-1][: n - (len(blocks) - 1) * EXACT_CPU_ROWS]
-    return torch.cat(blocks)
+    """`F.linear` on a 2-D input in calls of exactly EXACT_CPU_ROWS rows (the last padded with zeros),
+    each writing its rows of the output in place (a padded copy of the input and a concatenation of the
+    blocks cost 5-25% of a small layer's time)."""
+    n, rows = x.shape[0], EXACT_CPU_ROWS
+    whole = n - n % rows
+    out = x.new_empty(n, weight.shape[0])
+
+    def block(inputs: torch.Tensor, into: torch.Tensor) -> None:
+        if bias is None:
+            torch.mm(inputs, weight.t(), out=into)
+        else:
+            torch.addmm(bias, inputs, weight.t(), out=into)
+
+    for start in range(0, whole, rows):
+        block(x[start : start + rows], out[start : start + rows])
+    if whole < n:
+        tail = x.new_empty(rows, weight.shape[0])
+        block(_pad(x[whole:], -2, rows), tail)
+        out[whole:] = tail[: n - whole]
+    return out
 
 
 class _RowBlocks(torch.autograd.Function):
