@@ -231,3 +231,16 @@ def test_each_learner_reads_only_its_rows(tmp_path, arch):
         per_rank = [rank["rows_read"].get(name, 0) for rank in found]
         assert sum(per_rank) == total, (name, per_rank)  # every row read once, by one learner
         assert max(per_rank) <= -(-total // world), (name, per_rank)
+
+
+def test_stacked_experts_without_their_down_projection_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from architectures import save_random_model
+
+    stacked = _stack_experts(save_random_model(tmp_path / "per-expert", "qwen3_moe"), tmp_path / "stacked")
+    state = load_file(str(stacked / "model.safetensors"))
+    del state["model.layers.0.mlp.experts.down_proj"]
+    save_file(state, str(stacked / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"model.safetensors: stacked experts must be .*found \(4, 64, 64\) and None"):
+        load_model(stacked)

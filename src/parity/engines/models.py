@@ -814,11 +814,18 @@ class _WeightFiles:
         self.shapes: dict[str, tuple[int, ...]] = {}  # under the model's names
 
     def __enter__(self) -> _WeightFiles:
+        try:
+            self._index()
+        except BaseException:
+            self._open.close()
+            raise
+        return self
+
+    def _index(self) -> None:
         from safetensors import safe_open
 
         for f in self.files:
             if not f.is_file():
-                self._open.close()
                 raise ModelError(f"{f}: missing (a shard the index names)")
             try:
                 opened = self._open.enter_context(safe_open(str(f), "pt"))
@@ -826,25 +833,26 @@ class _WeightFiles:
                     self._slices[k] = (opened.get_slice(k), f)
                     self.file_shapes[k] = tuple(self._slices[k][0].get_shape())
             except Exception as e:  # safetensors raises its own error types for cut or garbled files
-                self._open.close()
                 raise ModelError(f"{f}: not a readable safetensors file ({e})") from None
         self.shapes = dict(self.file_shapes)
         for name in [n for n in self.file_shapes if n.endswith(".mlp.experts.gate_up_proj")]:
-            prefix = name.removesuffix("gate_up_proj")
+            prefix, where = name.removesuffix("gate_up_proj"), self._slices[name][1]
             down = prefix + "down_proj"
-            (experts, gate_up_rows, hidden), down_shape = self.shapes.pop(name), self.shapes.pop(down, None)
-            if down_shape is None:
-                raise ModelError(f"{self._slices[name][1]}: {name} has no {down} beside it")
-            width = gate_up_rows // 2
+            gate_up_shape, down_shape = self.shapes.pop(name), self.shapes.pop(down, None)
+            if len(gate_up_shape) != 3 or down_shape is None or len(down_shape) != 3:
+                raise ModelError(
+                    f"{where}: stacked experts must be {name} [experts, 2 x intermediate, hidden] and {down} "
+                    f"[experts, hidden, intermediate]; found {gate_up_shape} and {down_shape}"
+                )
+            experts, width, hidden = gate_up_shape[0], gate_up_shape[1] // 2, gate_up_shape[2]
             for e in range(experts):
                 for proj, source, first, shape in (
                     ("gate_proj", name, 0, (width, hidden)),
                     ("up_proj", name, width, (width, hidden)),
-                    ("down_proj", down, 0, tuple(down_shape[1:])),
+                    ("down_proj", down, 0, down_shape[1:]),
                 ):
                     self._stacked[f"{prefix}{e}.{proj}.weight"] = (source, e, first)
                     self.shapes[f"{prefix}{e}.{proj}.weight"] = shape
-        return self
 
     def __exit__(self, *exc) -> None:
         self._open.close()
