@@ -9,12 +9,15 @@ behind exact mode's cost in docs/benchmarks.md.
     python benchmarks/row_blocks.py [--dtypes bf16,fp16,fp32] [--rows 16,128,1000,4000]
     python benchmarks/row_blocks.py --dtypes bf16 --rows 16,1000 --block-rows 64,128,256
     python benchmarks/row_blocks.py --forms blocks,batched,prepacked,tokens-as-columns
+    python benchmarks/row_blocks.py --forms blocks,concatenated --rows 16,128,1000
 
 `--block-rows`: the exact path with other fixed block sizes too (set for the benchmark only).
 `--forms`: other ways to compute the same blocks, each timed and checked for what exact mode needs
 (a row's bits the same whichever rows share its call; tested at 1, 16, 17, 64, 65 and 300 rows
 against the full count):
-  blocks             exact mode's path: one call per block of rows
+  blocks             exact mode's path: one call per block of rows, each writing its rows of the output
+  concatenated       the same calls on a padded copy of the input, the blocks' outputs concatenated
+                     (exact mode's path before commit 7b90616)
   batched            one batched matmul over all the blocks, the weight broadcast to each
   prepacked          one call per block, the weight reordered for oneDNN once beforehand (not timed)
   tokens-as-columns  one call with the operands swapped (W @ Xᵀ), the tokens as the matmul's columns
@@ -61,6 +64,11 @@ def _padded_blocks(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, count * rows - x.shape[0])).view(count, rows, -1)
 
 
+def concatenated(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    inputs, weight = (x.float(), weight.float()) if kernels.emulated(x) else (x, weight)  # as `kernels.linear`
+    return torch.cat([F.linear(block, weight) for block in _padded_blocks(inputs)])[: x.shape[0]].to(x.dtype)
+
+
 def batched(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     blocks = _padded_blocks(x)
     out = torch.bmm(blocks, weight.t().unsqueeze(0).expand(blocks.shape[0], -1, -1))
@@ -76,15 +84,19 @@ def tokens_as_columns(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x.t()).t().contiguous()
 
 
-def forms(weight: torch.Tensor) -> dict:
-    """Each form as fn(x) for this weight."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, kernels.EXACT_CPU_ROWS)
-    return {
+def forms(weight: torch.Tensor, names: list[str]) -> dict:
+    """The forms in `names`, each as fn(x) for this weight (oneDNN reorders a 16-bit weight only on a
+    processor with AVX-512, so `prepacked` is built only when asked for)."""
+    made = {
         "blocks": lambda x: kernels.linear(x, weight, row_blocks=True),
+        "concatenated": lambda x: concatenated(x, weight),
         "batched": lambda x: batched(x, weight),
-        "prepacked": lambda x: prepacked(x, packed),
         "tokens-as-columns": lambda x: tokens_as_columns(x, weight),
     }
+    if "prepacked" in names:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, kernels.EXACT_CPU_ROWS)
+        made["prepacked"] = lambda x: prepacked(x, packed)
+    return {name: made[name] for name in names}
 
 
 def row_invariant(fn, x: torch.Tensor) -> bool:
@@ -118,11 +130,9 @@ def main() -> int:
                     timed = []
                     for block in args.block_rows:
                         kernels.EXACT_CPU_ROWS = block  # `linear` and the forms read it at each call
-                        for form, fn in forms(weight).items():
-                            if form not in args.forms:
-                                continue
+                        for form, fn in forms(weight, args.forms).items():
                             label = form if len(args.block_rows) == 1 else f"{form} R={block}"
-                            if form != "blocks":  # exact mode's blocks are row-invariant by construction
+                            if form not in ("blocks", "concatenated"):  # one shape per call: invariant by construction
                                 invariant[label] = invariant.get(label, True) and row_invariant(fn, x)
                             us = per_call_us(fn, x)
                             timed.append(f"{label} {us:.0f} ({us / plain:.1f}x)")

@@ -120,8 +120,8 @@ def linear(
 
 def _row_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear` on a 2-D input in calls of exactly EXACT_CPU_ROWS rows (the last padded with zeros),
-    each writing its rows of the output in place (a padded copy of the input and a concatenation of the
-    blocks cost 5-25% of a small layer's time)."""
+    each writing its rows of the output in place: a padded copy of the input and a concatenation of the
+    blocks cost up to 2x at 1000 rows (docs/benchmarks.md, "Exact mode with a rollout worker...")."""
     n, rows = x.shape[0], EXACT_CPU_ROWS
     whole = n - n % rows
     out = x.new_empty(n, weight.shape[0])
