@@ -61,7 +61,7 @@ def _padded_blocks(x: torch.Tensor) -> torch.Tensor:
     """`x`'s rows padded with zeros to whole blocks, as [blocks, EXACT_CPU_ROWS, K]."""
     rows = kernels.EXACT_CPU_ROWS
     count = max(-(-x.shape[0] // rows), 1)
-    return F.pad(x, (0, 0, 0, count * rows - x.shape[0])).view(count, rows, -1)
+    return kernels._pad(x, -2, count * rows).view(count, rows, -1)
 
 
 def concatenated(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

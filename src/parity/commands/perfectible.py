@@ -221,5 +221,7 @@ def build_or_load(cfg: PerfectibleConfig, progress: bool = True) -> tuple[Path, 
         accuracies = measure_accuracies(cfg, problems, progress)
         atomic_write_text(meta, json.dumps({"accuracies": accuracies}) + "\n")
     if not path.is_file():
-        write_set(path, problems or candidate_problems(cfg), accuracies, filter_perfectible(accuracies, cfg.lo, cfg.hi))
+        if problems is None:
+            problems = candidate_problems(cfg)
+        write_set(path, problems, accuracies, filter_perfectible(accuracies, cfg.lo, cfg.hi))
     return path, accuracies, cached

@@ -124,13 +124,13 @@ def _row_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     blocks cost up to 2x at 1000 rows (docs/benchmarks.md, "Exact mode with a rollout worker...")."""
     n, rows = x.shape[0], EXACT_CPU_ROWS
     whole = n - n % rows
-    out = x.new_empty(n, weight.shape[0])
+    out, weight_t = x.new_empty(n, weight.shape[0]), weight.t()
 
     def block(inputs: torch.Tensor, into: torch.Tensor) -> None:
         if bias is None:
-            torch.mm(inputs, weight.t(), out=into)
+            torch.mm(inputs, weight_t, out=into)
         else:
-            torch.addmm(bias, inputs, weight.t(), out=into)
+            torch.addmm(bias, inputs, weight_t, out=into)
 
     for start in range(0, whole, rows):
         block(x[start : start + rows], out[start : start + rows])
