@@ -94,21 +94,22 @@ def test_generation_is_seeded_and_stops_at_eos(llama_dir):
         assert (a.response_ids[row, n:] == tok.pad_id).all()
 
 
-def test_cache_growth_leaves_samples_unchanged(llama_dir, monkeypatch):
-    """Slots added block by block (with compaction in between) give the same tokens and
-    μ as one cache sized for the whole response."""
-    import parity.engines.rollout
-
+def test_a_workspace_is_allocated_once_per_shape_of_call(llama_dir):
+    """Calls of one shape reuse the KV cache and buffers of the first (nothing of an earlier call leaks:
+    a fresh engine samples the same), and a call of another shape gets its own."""
     tok, _, engine = _setup(llama_dir)
     prompts = [tok.encode(p) for p in PROMPTS]
     sampling = SamplingParams(max_new_tokens=40)
-    monkeypatch.setattr(parity.engines.rollout, "CACHE_BLOCK", 5)
-    grown = engine.generate(prompts, 4, sampling, seed=1)
-    monkeypatch.setattr(parity.engines.rollout, "CACHE_BLOCK", 1000)
-    whole = engine.generate(prompts, 4, sampling, seed=1)
-    assert grown.response_mask.sum(-1).max() > 5 * 3  # several blocks were added
-    assert torch.equal(grown.response_ids, whole.response_ids)
-    assert torch.equal(grown.rollout_logprobs, whole.rollout_logprobs)
+    engine.generate(prompts, 4, sampling, seed=1)
+    cache = engine._workspace.cache.k.data_ptr()
+    again = engine.generate(prompts[::-1], 4, sampling, seed=2)
+    assert engine._workspace.cache.k.data_ptr() == cache
+    _, _, fresh = _setup(llama_dir)
+    expected = fresh.generate(prompts[::-1], 4, sampling, seed=2)
+    assert torch.equal(again.response_ids, expected.response_ids)
+    assert torch.equal(again.rollout_logprobs, expected.rollout_logprobs)
+    engine.generate(prompts, 5, sampling, seed=1)
+    assert engine._workspace.cache.k.data_ptr() != cache
 
 
 def test_decode_batch_shrinks_in_row_buckets(llama_dir, monkeypatch):
@@ -118,8 +119,9 @@ def test_decode_batch_shrinks_in_row_buckets(llama_dir, monkeypatch):
 
     tok, _, engine = _setup(llama_dir)
     sizes = []
-    forward = engine._forward
-    monkeypatch.setattr(engine, "_forward", lambda ids, *a, **kw: sizes.append(ids.shape[0]) or forward(ids, *a, **kw))
+    prefill, step = engine.prefill, engine.decode_step
+    monkeypatch.setattr(engine, "prefill", lambda prompts, *a: sizes.append(len(prompts)) or prefill(prompts, *a))
+    monkeypatch.setattr(engine, "decode_step", lambda tokens, *a: sizes.append(len(tokens)) or step(tokens, *a))
     batch = engine.generate([tok.encode(p) for p in PROMPTS], 10, SamplingParams(max_new_tokens=40), seed=2)
     assert sizes[0] == 4 and sizes[1] == 40  # prefill of the prompts, then the whole batch
     assert len(set(sizes[1:])) > 1  # rows were dropped
@@ -155,10 +157,10 @@ def test_weight_sync_fp32_agrees_to_round_off(fixture, request):
 def test_weights_stored_in_rollout_precision(llama_dir):
     for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         _, trainer, engine = _setup(llama_dir, precision)
-        layer = engine.layers[0]
+        layer = engine.weights.layers[0]
         # Matmul weights are held in FP32 where the precision's matmuls run the FP32 kernel (`kernels.hold`).
         held = torch.float32 if dtype in cpu.emulated_dtypes() else dtype
-        for weight in (engine.embed, layer.qkv, layer.gate_up):
+        for weight in (engine.weights.embed, layer.qkv, layer.gate_up):
             assert weight.dtype == held and torch.equal(weight, weight.to(dtype).to(held))
         assert layer.input_norm.dtype == dtype and engine.named_weights()["model.embed_tokens.weight"].dtype == dtype
         assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
@@ -169,12 +171,12 @@ def test_a_later_sync_fills_the_buffers_of_the_first(llama_dir, precision):
     """The second and later weight syncs copy into the buffers the first built (no new model on the
     device): the same bits as loading those weights into a fresh engine."""
     _, trainer, engine = _setup(llama_dir, precision)
-    buffers = {name: t.data_ptr() for name, t in engine._held_views().items()}
+    buffers = {name: t.data_ptr() for name, t in engine.weights.held_views().items()}
     with torch.no_grad():
         for p in trainer.model.parameters():
             p.add_(torch.randn_like(p) * 1e-2)
     engine.load_weights(*trainer.export_weights())
-    assert {name: t.data_ptr() for name, t in engine._held_views().items()} == buffers
+    assert {name: t.data_ptr() for name, t in engine.weights.held_views().items()} == buffers
     fresh = RolloutEngine(engine.config, precision, [engine.pad_id], engine.pad_id)
     fresh.load_weights(*trainer.export_weights())
     moved, expected = engine.named_weights(), fresh.named_weights()

@@ -143,13 +143,14 @@ def test_recording_the_whole_distribution_changes_no_sample():
 
 
 def test_a_recorded_row_that_leaves_the_decode_batch_is_never_live_again():
-    recorder = _FullVocabRecorder(
-        2 * FULL_VOCAB_PER_ROW, batch=6, max_new=3, vocab=5, seed=0, device=torch.device("cpu")
+    recorder = _FullVocabRecorder(2 * FULL_VOCAB_PER_ROW, batch=6, max_new=3, vocab=5, device=torch.device("cpu"))
+    recorder.reset(seed=0, batch=6, max_new=3)
+    recorder.rows.copy_(torch.tensor([5, 2]))  # two recorded rows
+    # Row 5 finished and left the decode batch; row 2 is now at position 1 of three.
+    position_of_row = torch.tensor([0, -1, 1, 2, -1, -1])
+    recorder.observe(
+        torch.tensor([0]), position_of_row, torch.tensor([True, True, True]), torch.arange(15.0).view(3, 5)
     )
-    recorder.where = torch.tensor([5, 2])  # two recorded rows, at active rows 5 and 2
-    recorder.rows_kept(torch.tensor([0, 2, 3]), active=6)  # row 5 finished and left; row 2 is now row 1
-    assert recorder.where.tolist() == [-1, 1]
-    recorder.observe(0, live=torch.tensor([True, True, True]), logp=torch.arange(15.0).view(3, 5))
     assert recorder.steps[:, 0].tolist() == [-1, 0] and recorder.logprobs[1, 0].tolist() == [5, 6, 7, 8, 9]
 
 

@@ -209,7 +209,9 @@ def test_unmerged_adapters_give_the_rollout_engine_the_trainers_pi(llama_dir, ta
     engine.load_weights(*trainer.export_weights(merge=False))
     engine.load_adapters(*trainer.export_adapters())
     parts = {"q_proj": "qkv", "v_proj": "qkv", "k_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up"}
-    assert set(engine.layers[0].lora) == {parts.get(t, "down" if t == "down_proj" else "gate_up") for t in targets}
+    assert set(engine.weights.layers[0].lora) == {
+        parts.get(t, "down" if t == "down_proj" else "gate_up") for t in targets
+    }
     batch = engine.generate([tok.encode(p) for p in ("12+34=", "7+8=")], 4, SamplingParams(max_new_tokens=24), 0)
     with torch.no_grad():
         pi = trainer.logprobs(batch.prompt_ids, batch.response_ids, batch.response_mask)
@@ -234,15 +236,18 @@ def test_unmerged_lora_shares_the_base_and_syncs_only_adapters(tmp_path, monkeyp
     o_proj = model.model.layers[0].self_attn.o_proj
     # The frozen base is held once: a projection the engine does not fuse is the trainer's own BF16
     # tensor, and the trainer's Q, K, V, gate and up are views into the engine's fused projections.
-    assert engine.layers[0].o.data_ptr() == o_proj.weight.data_ptr()
+    assert engine.weights.layers[0].o.data_ptr() == o_proj.weight.data_ptr()
     layer = model.model.layers[1]
-    fused = {engine.layers[1].qkv.untyped_storage().data_ptr(), engine.layers[1].gate_up.untyped_storage().data_ptr()}
+    fused = {
+        engine.weights.layers[1].qkv.untyped_storage().data_ptr(),
+        engine.weights.layers[1].gate_up.untyped_storage().data_ptr(),
+    }
     for proj in (*(getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj")), layer.mlp.up_proj):
         assert proj.weight.untyped_storage().data_ptr() in fused
     run.step()
     run.step()
     run.rewards.close()
-    a, b, _ = engine.layers[0].lora["o"]  # BF16 values, held in FP32 on the CPU (RolloutEngine._project)
+    a, b, _ = engine.weights.layers[0].lora["o"]  # BF16 values, held in FP32 on the CPU (RolloutEngine._project)
     assert a.dtype == b.dtype == torch.float32
     assert torch.equal(a, o_proj.lora_A.to(torch.bfloat16).float())
     assert torch.equal(b, (o_proj.lora_B * o_proj.scale).to(torch.bfloat16).float()) and b.abs().max() > 0

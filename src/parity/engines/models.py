@@ -395,13 +395,6 @@ def rope_tables(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return {kind: rope_inv_freq(cfg, kind) for kind in sorted(set(cfg.layer_types) or {FULL})}
 
 
-def sliding_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
-    """Causal mask [length, length] (True = attend) keeping the last `window` keys, itself included."""
-    i = torch.arange(length, device=device)
-    distance = i[:, None] - i[None, :]
-    return (distance >= 0) & (distance < window)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
@@ -448,30 +441,10 @@ class Attention(nn.Module):
         q, k = self.q_proj(x).view(n, self.num_heads, d), self.k_proj(x).view(n, self.num_kv_heads, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin).reshape(n, -1)
-        k = apply_rope(k, cos, sin).reshape(n, -1)
-        v = self.v_proj(x)
-        outputs = []
-        for index in packed.attention_rows:
-            # Rows are right-padded, so plain causal attention is exact on the real slots.
-            window = None if self.window is None else sliding_mask(index.shape[1], self.window, x.device)
-            out = self.numerics.attention(
-                _heads(gather_rows(q, index), self.num_heads),
-                _heads(gather_rows(k, index), self.num_kv_heads),
-                _heads(gather_rows(v, index), self.num_kv_heads),
-                mask=window,
-                causal=window is None,
-                scale=self.scale,
-                softcap=self.softcap,
-            )
-            outputs.append(out.transpose(1, 2).flatten(0, 1).flatten(1))
-        return self.o_proj(gather_rows(torch.cat(outputs), packed.from_rows))
-
-
-def _heads(rows: torch.Tensor, heads: int) -> torch.Tensor:
-    """[b, t, heads * D] -> [b, heads, t, D]."""
-    b, t, _ = rows.shape
-    return rows.view(b, t, heads, -1).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        v = self.v_proj(x).view(n, self.num_kv_heads, d)
+        out = self.numerics.packed_attention(q, k, v, packed, self.window, self.scale, self.softcap)
+        return self.o_proj(out.reshape(n, -1))
 
 
 class MLP(nn.Module):

@@ -20,6 +20,7 @@ each token's output back from one row. Gradients flow back through the same gath
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +52,56 @@ class PackedBatch:
     from_rows: torch.Tensor  # [N] slot holding each token's attention output (chunks flattened, in order)
     score_index: torch.Tensor  # [M] stream token whose output predicts each response token (row-major), then padding
     num_tokens: int  # real stream tokens; any after them are padding that nothing reads
+    # Per row: where its prompt starts in the stream and how long it is, where its response starts, and
+    # whether it is the first row reading its prompt (the one whose slots compute the prompt's tokens).
+    prompt_start: torch.Tensor
+    prompt_len: torch.Tensor
+    response_start: torch.Tensor
+    owns_prompt: torch.Tensor
     routing: torch.Tensor | None = None  # [N, MoE layers, k] experts to replay per stream token
+
+    @cached_property
+    def rows(self) -> RowLayout:
+        """The rows as variable-length attention reads them (`RowLayout`)."""
+        device = self.token_ids.device
+        b = len(self.seq_lengths)
+        kv_count = self.seq_lengths
+        kv_start = torch.cumsum(kv_count, 0) - kv_count
+        total = int(kv_count.sum())
+        row = torch.repeat_interleave(torch.arange(b, device=device), kv_count, output_size=total)
+        slot = torch.arange(total, device=device) - kv_start[row]
+        p_len = self.prompt_len[row]
+        kv_order = torch.where(slot < p_len, self.prompt_start[row] + slot, self.response_start[row] + slot - p_len)
+        q_pos0 = torch.where(self.owns_prompt, 0, self.prompt_len)
+        q_count = kv_count - q_pos0
+        as_int = {"dtype": torch.int32}
+        return RowLayout(
+            q_order=kv_order[slot >= q_pos0[row]],
+            q_first=(torch.cumsum(q_count, 0) - q_count).to(**as_int),
+            q_count=q_count.to(**as_int),
+            q_pos0=q_pos0.to(**as_int),
+            kv_order=kv_order.to(**as_int),
+            kv_start=kv_start.to(**as_int),
+            max_q=int(q_count.max()),
+            max_k=int(kv_count.max()),
+        )
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """A packed batch's rows for variable-length attention: each row's queries are the stream tokens it
+    computes (its prompt's too if it owns it, then its response), `q_order` listing them row after row (each
+    stream token once); its keys are its whole sequence, `kv_order[kv_start[r] + p]` being the stream index of
+    row r's position p. Query j of row r is at position q_pos0[r] + j."""
+
+    q_order: torch.Tensor  # [num_tokens] stream index of each query, row by row
+    q_first: torch.Tensor  # [B] int32: row r's first query in q_order
+    q_count: torch.Tensor  # [B] int32
+    q_pos0: torch.Tensor  # [B] int32
+    kv_order: torch.Tensor  # [sum of lengths] int32
+    kv_start: torch.Tensor  # [B] int32
+    max_q: int
+    max_k: int
 
 
 @dataclass(frozen=True)
@@ -163,5 +213,11 @@ def pack(
         from_rows=from_rows,
         score_index=score_index,
         num_tokens=num_tokens,
+        prompt_start=p_start,
+        prompt_len=p_len,
+        response_start=resp_start,
+        owns_prompt=torch.zeros(b, dtype=torch.bool, device=device).index_fill_(
+            0, torch.tensor(first_row, device=device), True
+        ),
         routing=stream_routing,
     )

@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from parity.config import ConfigError
 from parity.engines.kernels import cpu, cuda
+from parity.engines.packing import PackedBatch, gather_rows
 
 # Matmuls get at least this many rows, columns and terms per dot product. The CPU's FP32
 # GEMM picks other kernels for small shapes (on this machine: 1-3, 5-7 and 9-11 rows;
@@ -200,10 +201,6 @@ class Numerics:
         columns nor on trailing zero terms (see MIN_ROWS)."""
         if not self.exact:
             return torch.matmul(a, b)
-        if self.invariant:
-            from parity.engines.kernels import invariant
-
-            return invariant.bmm(a, b)
         rows, cols = a.shape[-2], b.shape[-1]
         return torch.matmul(_pad(_pad(a, -1), -2, MIN_BATCHED_ROWS), _pad(_pad(b, -2), -1))[..., :rows, :cols]
 
@@ -212,21 +209,40 @@ class Numerics:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        causal: bool = False,
+        window: int | None = None,
         scale: float | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        """Scaled dot-product attention with grouped KV heads, in the dtype of `q`.
+        """Causal scaled dot-product attention with grouped KV heads, in the dtype of `q`.
 
-        `q` is [B, H, Tq, D]; `k`, `v` are [B, Hkv, Tk, D]; `mask` is a boolean
-        [B, 1, Tq, Tk] (True = attend) or None. `scale` defaults to D ** -0.5; `softcap`
-        bounds the scores to (-softcap, softcap) with tanh before the mask (Gemma 2).
-        In exact mode: the spelled-out form in every precision, with the FP32 kernel for the
-        probability-weighted values, so that each query's output is the bits `decode_attention`
-        gives for it over a KV cache.
+        `q` is [B, H, T, D]; `k`, `v` are [B, Hkv, T, D]. `window`: each query sees the last `window`
+        keys, itself included (sliding-window layers). `scale` defaults to D ** -0.5; `softcap` bounds
+        the scores to (-softcap, softcap) with tanh before the mask (Gemma 2).
+        Exact mode on CUDA: the kernel of `attention.py`, which gives each query the bits the decode step
+        and the trainer give it. Exact mode on the CPU: the spelled-out form in every precision, with the
+        FP32 kernel for the probability-weighted values, so that each query's output is the bits
+        `decode_attention` gives for it over a KV cache.
         """
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if self.invariant:
+            from parity.engines.kernels import attention
+
+            b, h, t, d = q.shape
+            starts = torch.arange(b, device=q.device, dtype=torch.int32) * t
+            counts = torch.full((b,), t, device=q.device, dtype=torch.int32)
+            tile_row, tile_f0 = attention.tiles(counts, h // k.shape[1])
+            rows = attention.Rows(starts, counts, torch.zeros_like(counts), starts, tile_row, tile_f0)
+            flat = attention.rows_attention(
+                q.transpose(1, 2).reshape(b * t, h, d),
+                k.transpose(1, 2).reshape(b * t, -1, d),
+                v.transpose(1, 2).reshape(b * t, -1, d),
+                rows,
+                scale,
+                window,
+                softcap,
+            )
+            return flat.view(b, t, h, d).transpose(1, 2)
+        allowed = None if window is None else sliding_mask(q.shape[2], window, q.device)
         if self.exact or softcap is not None or (q.device.type == "cpu" and q.dtype != torch.float32):
             # The CPU has no FP16 attention kernel worth using, and its BF16 one has a ~8x
             # slower backward than FP32's: spell out the flash-attention numerics instead.
@@ -236,19 +252,47 @@ class Numerics:
             kv_heads, k_len = k.shape[1], k.shape[2]
             groups = h // kv_heads
             bias = torch.zeros((q_len, k_len), device=q.device)
-            if causal:
+            if allowed is None:
                 bias = bias.masked_fill(torch.ones_like(bias, dtype=torch.bool).triu(1), float("-inf"))
-            if mask is not None:
-                bias = bias.masked_fill(~mask, float("-inf"))
-            bias = bias.repeat(*(1,) * (bias.dim() - 2), groups, 1)  # row g * q_len + t is query t
+            else:
+                bias = bias.masked_fill(~allowed, float("-inf"))
+            bias = bias.repeat(groups, 1)  # row g * q_len + t is query t
             q_rows = q.reshape(b, kv_heads, groups * q_len, d).float()
             scores = _capped(self.matmul(q_rows, k.float().transpose(-1, -2)) * scale, softcap) + bias
             return self._weighted_values(scores, v, q.dtype).reshape(b, h, q_len, d)
         gqa = q.shape[1] != k.shape[1]
         with sdpa_kernel(SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa, scale=scale
+                q, k, v, attn_mask=allowed, is_causal=allowed is None, enable_gqa=gqa, scale=scale
             )
+
+    def packed_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        packed: PackedBatch,
+        window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of the trainer's packed stream (`packing.py`): q [N, H, D], k and v [N, Hkv, D],
+        each token attending to its own sequence (a shared prompt, then its response) -> [N, H, D].
+
+        Exact mode on CUDA: `attention.py`'s kernel over the stream (the decode step's bits), with the
+        gradients of plain attention. Plain mode on CUDA: flash attention over variable-length rows
+        (`varlen.py`) where PyTorch has it and the model allows it. Otherwise (the CPU, always): the rows laid
+        out padded, in a few length-sorted chunks, through `attention` (the numerics the CPU always had)."""
+        if self.invariant:
+            from parity.engines.kernels import varlen
+
+            return varlen.exact_packed_attention(q, k, v, packed, window, scale, softcap, numerics(self.device))
+        if q.is_cuda:
+            from parity.engines.kernels import varlen
+
+            if varlen.supported(q, window, scale, softcap):
+                return varlen.packed_attention(q, k, v, packed, window, scale)
+        return padded_attention(self, q, k, v, packed, window, scale, softcap)
 
     def decode_attention(
         self,
@@ -259,7 +303,8 @@ class Numerics:
         scale: float | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        """Attention of one new token per row over its cache, in the dtype of `q`.
+        """Attention of one new token per row over its cache, in the dtype of `q`: the CPU cache's
+        (`kvcache.DenseKVCache`; CUDA's runs `attention.py`).
 
         `q` [B, H, 1, D]; `k_t` [B, Hkv, D, S] (keys transposed); `v` [B, Hkv, S, D];
         `key_bias` [B, 1, 1, S] FP32 (0 = attend, -inf = masked). Grouped query heads
@@ -270,7 +315,6 @@ class Numerics:
         qg = q.view(b, hkv, h // hkv, d)
         scale = d**-0.5 if scale is None else scale
         # exact: a decode step's few query rows per KV head are padded (see MIN_BATCHED_ROWS).
-        # A CPU cache holds FP32 already; a GPU cache in the precision is read once, upcast.
         scores = _capped(self.matmul(qg.float(), k_t.float()) * scale, softcap) + key_bias
         return self._weighted_values(scores, v, q.dtype).reshape(b, h, 1, d)
 
@@ -280,11 +324,6 @@ class Numerics:
         Softmax and the weighted sum give a query the same bits however many masked keys
         follow its last visible one, which is what lets a cache and a full sequence agree;
         exact mode pads what would otherwise depend on the shapes (see MIN_ROWS)."""
-        if self.invariant:
-            from parity.engines.kernels import invariant
-
-            probs = invariant.softmax(scores).to(dtype)
-            return invariant.bmm(probs.float(), v.float()).to(dtype)
         short = MIN_ROWS - scores.shape[-1]
         if self.exact and short > 0:  # the CPU softmax takes a scalar path on rows shorter than a vector register
             scores = F.pad(scores, (0, short), value=float("-inf"))
@@ -311,6 +350,48 @@ class Numerics:
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
             out[f"matmul_{name}"] = cpu.EMULATED if dtype in emulated_dtypes else cpu.NATIVE
         return out
+
+
+def sliding_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """Causal mask [length, length] (True = attend) keeping the last `window` keys, itself included."""
+    i = torch.arange(length, device=device)
+    distance = i[:, None] - i[None, :]
+    return (distance >= 0) & (distance < window)
+
+
+def padded_attention(
+    numerics: Numerics,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    packed: PackedBatch,
+    window: int | None,
+    scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """`Numerics.packed_attention` with the rows laid out right-padded (plain causal attention is exact on
+    the real slots), in `packed.attention_rows`'s length-sorted chunks, each token's output picked back from
+    one row; the gathers have a deterministic backward (`gather_rows`)."""
+    n, heads, d = q.shape
+    q, k, v = (t.reshape(n, -1) for t in (q, k, v))
+    outputs = []
+    for index in packed.attention_rows:
+        out = numerics.attention(
+            _heads(gather_rows(q, index), heads),
+            _heads(gather_rows(k, index), k.shape[1] // d),
+            _heads(gather_rows(v, index), k.shape[1] // d),
+            window=window,
+            scale=scale,
+            softcap=softcap,
+        )
+        outputs.append(out.transpose(1, 2).flatten(0, 1).flatten(1))
+    return gather_rows(torch.cat(outputs), packed.from_rows).view(n, heads, d)
+
+
+def _heads(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, t, heads * D] -> [b, heads, t, D]."""
+    b, t, _ = rows.shape
+    return rows.view(b, t, heads, -1).transpose(1, 2)
 
 
 DEVICES = ("cpu", "cuda")

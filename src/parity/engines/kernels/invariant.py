@@ -41,10 +41,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _INTS = {
     "matmul": ["M", "N", "K", "stride_az", "stride_am", "stride_ak", "stride_bz", "stride_bk", "stride_bn",
                "stride_cz", "stride_cm", "stride_cn"],
-    "softmax": ["length", "stride_x", "stride_y"],
     "mean_square": ["length", "stride_x"],
 }  # fmt: skip
-_POINTERS = {"matmul": ["a", "b", "c", "bias"], "softmax": ["x", "y"], "mean_square": ["x", "y"]}
+_POINTERS = {"matmul": ["a", "b", "c", "bias"], "mean_square": ["x", "y"]}
 
 
 def _invariant_jit(name: str):
@@ -119,44 +118,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*rows, weight.shape[0])
 
 
-class _Bmm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return _matmul(a, b)
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        return grad @ b.transpose(1, 2), a.transpose(1, 2) @ grad
-
-
-def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Batched `a @ b` over matching leading dimensions; batch-invariant (see the module docstring)."""
-    lead = a.shape[:-2]
-    out = _Bmm.apply(a.reshape(-1, *a.shape[-2:]), b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:]))
-    return out.reshape(*lead, *out.shape[-2:])
-
-
-@_invariant_jit("softmax")
-def _softmax_kernel(x, y, length, stride_x, stride_y, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    lanes = tl.arange(0, BLOCK)
-    src, dst = x + row * stride_x, y + row * stride_y
-    largest = tl.full((BLOCK,), float("-inf"), tl.float32)
-    for start in tl.range(0, length, BLOCK):
-        largest = tl.maximum(largest, tl.load(src + start + lanes, mask=start + lanes < length, other=float("-inf")))
-    top = tl.max(largest, 0)
-    total = tl.zeros((BLOCK,), tl.float32)
-    for start in tl.range(0, length, BLOCK):
-        v = tl.load(src + start + lanes, mask=start + lanes < length, other=float("-inf"))
-        total += tl.exp(v - top)
-    norm = tl.sum(total, 0)
-    for start in tl.range(0, length, BLOCK):
-        v = tl.load(src + start + lanes, mask=start + lanes < length, other=float("-inf"))
-        tl.store(dst + start + lanes, tl.exp(v - top) / norm, mask=start + lanes < length)
-
-
 @_invariant_jit("mean_square")
 def _mean_square_kernel(x, y, length, stride_x, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -171,29 +132,6 @@ def _mean_square_kernel(x, y, length, stride_x, BLOCK: tl.constexpr):
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """`x` as contiguous FP32 rows [R, L]."""
     return x.reshape(-1, x.shape[-1]).float().contiguous()
-
-
-class _Softmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        rows = _rows(x)
-        out = torch.empty_like(rows)
-        if rows.numel():
-            _softmax_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), out.stride(0), BLOCK=ROW_BLOCK)
-        out = out.view(x.shape)
-        ctx.save_for_backward(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        (out,) = ctx.saved_tensors
-        return out * (grad - (grad * out).sum(-1, keepdim=True))
-
-
-def softmax(x: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dimension of an FP32 tensor, each row by the same code whatever its
-    length: masked (−∞) entries after a row's last visible one change nothing."""
-    return _Softmax.apply(x)
 
 
 class _MeanSquare(torch.autograd.Function):

@@ -1,0 +1,154 @@
+"""The rollout engine's KV cache: every row's keys and values for one generate call, allocated once
+for the longest row (prompt + new tokens) and reused by the next call of the same shape.
+
+Slot p of a row holds its token at position p (prompts are right-padded), so rows of different
+lengths write different slots at each step. Two layouts, chosen by the device (`kv_cache`):
+
+* `SlotKVCache` (CUDA): keys and values in the rollout precision, [rows × slots, KV heads, D] per
+  layer. A table maps each active position of the decode batch to its cache row, so a row that
+  finishes leaves by a permutation of the table, never a copy, and every shape stays fixed (the
+  decode step is captured as a CUDA graph). Attention is the Triton kernel of
+  `kernels/attention.py`, reading each row's own length on the device.
+* `DenseKVCache` (CPU): FP32 storage holding values rounded to the rollout precision (the CPU's
+  attention runs FP32 kernels on rounded inputs), keys transposed ([.., D, slots]) so q·kᵀ reads
+  contiguous memory. The decode step attends over the first `keys` slots of the active rows with an
+  additive mask; finished rows leave by compacting the active rows (a copy of the slots written so
+  far, amortised over the tokens since the last one). These are the numerics the engine always had
+  on the CPU, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parity.engines import kernels
+from parity.engines.models import FULL, SLIDING, ModelConfig
+
+
+@dataclass
+class StepContext:
+    """What a decode step's attention needs besides q, k and v, built once per step for every layer."""
+
+    n: int
+    positions: torch.Tensor  # [n] each active row's position (where its new token goes)
+    masks: dict[str, torch.Tensor] | None = None  # DenseKVCache: additive key bias per attention type
+    keys: int = 0  # DenseKVCache: slots attended (the highest position any row reaches, + 1)
+    rows: object = None  # SlotKVCache: `attention.Rows` of the step
+
+
+class DenseKVCache:
+    """The CPU cache (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, rows: int, slots: int, dtype: torch.dtype, numerics: kernels.Numerics):
+        self.config, self.dtype, self.numerics = cfg, dtype, numerics
+        shape = (cfg.num_layers, rows, cfg.num_kv_heads)
+        self.k = torch.zeros((*shape, cfg.head_dim, slots), dtype=torch.float32)
+        self.v = torch.zeros((*shape, slots, cfg.head_dim), dtype=torch.float32)
+
+    def reset(self, rows: int, slots: int) -> None:
+        """Zero what a call of `rows` rows up to `slots` positions may read: a masked key still enters the
+        matmul (its weight is then exactly 0), so what a slot holds must be finite."""
+        self.k[:, :rows, ..., :slots] = 0
+        self.v[:, :rows, :, :slots] = 0
+
+    def prefill(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        prompt_of_row: torch.Tensor,
+        window: int | None,
+        scale: float,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """Store the prompts' keys and values (k, v [P, Hkv, T, D]) in every row of their prompt and return
+        the prompts' causal attention [P, H, T, D]."""
+        p, hkv, t, d = k.shape
+        # The attention reads them as stored (FP32 rounded values, keys transposed), as it always has.
+        keys = torch.empty((p, hkv, d, t), dtype=self.k.dtype).copy_(k.transpose(-1, -2))
+        values = torch.empty((p, hkv, t, d), dtype=self.v.dtype).copy_(v)
+        self.k[layer, : len(prompt_of_row), ..., :t] = keys[prompt_of_row]
+        self.v[layer, : len(prompt_of_row), :, :t] = values[prompt_of_row]
+        return self.numerics.attention(q, keys.transpose(-1, -2), values, window, scale, softcap)
+
+    def step_context(self, n: int, positions: torch.Tensor, keys: int, window: int | None) -> StepContext:
+        slots = torch.arange(keys)
+        visible = {FULL: slots <= positions[:, None]}
+        if window is not None:
+            visible[SLIDING] = visible[FULL] & (slots > positions[:, None] - window)
+        masks = {
+            kind: torch.zeros(v.shape).masked_fill(~v, float("-inf"))[:, None, None] for kind, v in visible.items()
+        }
+        return StepContext(n, positions, masks=masks, keys=keys)
+
+    def decode(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, kind: str, scale, softcap
+    ) -> torch.Tensor:
+        """Write the active rows' new keys and values (k [n, Hkv, 1, D], v [n, 1, Hkv·D]) at their positions
+        and return each row's attention over its cache [n, H, 1, D]."""
+        n, hkv, _, d = k.shape
+        rows = torch.arange(n)
+        self.k[layer, rows, :, :, ctx.positions] = k[:, :, 0].to(self.k.dtype)
+        self.v[layer, rows, :, ctx.positions] = v.view(n, hkv, d).to(self.v.dtype)
+        k_t, values = self.k[layer, :n, ..., : ctx.keys], self.v[layer, :n, :, : ctx.keys]
+        return self.numerics.decode_attention(q, k_t, values, ctx.masks[kind], scale=scale, softcap=softcap)
+
+    def keep(self, keep: torch.Tensor, n: int, filled: int) -> None:
+        """Active rows `keep` (their positions among the first n) become the first len(keep): copy them, the
+        first `filled` slots (all any live row has written)."""
+        self.k[:, : len(keep), ..., :filled] = self.k[:, :n][:, keep, ..., :filled]
+        self.v[:, : len(keep), :, :filled] = self.v[:, :n][:, keep, :, :filled]
+
+
+class SlotKVCache:
+    """The CUDA cache (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, rows: int, slots: int, dtype: torch.dtype, numerics: kernels.Numerics):
+        self.config, self.dtype, self.numerics, self.slots = cfg, dtype, numerics, slots
+        shape = (cfg.num_layers, rows * slots, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=numerics.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=numerics.device)
+        self.table = torch.arange(rows, device=numerics.device)  # active position -> cache row
+
+    def reset(self, rows: int, slots: int) -> None:
+        self.table.copy_(torch.arange(len(self.table), device=self.table.device))
+
+    def prefill(self, layer, q, k, v, prompt_of_row, window, scale, softcap) -> torch.Tensor:
+        t = k.shape[2]
+        rows = self.k[layer].view(-1, self.slots, *self.k.shape[2:])
+        rows[: len(prompt_of_row), :t] = k.transpose(1, 2)[prompt_of_row]
+        self.v[layer].view_as(rows)[: len(prompt_of_row), :t] = v.transpose(1, 2)[prompt_of_row]
+        return self.numerics.attention(q, k, v, window, scale, softcap)
+
+    def step_context(self, n: int, positions: torch.Tensor, keys: int, window: int | None) -> StepContext:
+        from parity.engines.kernels import attention
+
+        groups = self.config.num_heads // self.config.num_kv_heads
+        return StepContext(
+            n, positions, rows=attention.one_query_per_row(positions, self.table[:n] * self.slots, groups)
+        )
+
+    def decode(self, layer, q, k, v, ctx: StepContext, kind: str, scale, softcap) -> torch.Tensor:
+        from parity.engines.kernels import attention
+
+        n, hkv, _, d = k.shape
+        at = self.table[:n] * self.slots + ctx.positions
+        self.k[layer, at] = k[:, :, 0]
+        self.v[layer, at] = v.view(n, hkv, d)
+        window = self.config.sliding_window if kind == SLIDING else None
+        scale = d**-0.5 if scale is None else scale
+        out = attention.rows_attention(q[:, :, 0], self.k[layer], self.v[layer], ctx.rows, scale, window, softcap)
+        return out[:, :, None]
+
+    def keep(self, keep: torch.Tensor, n: int, filled: int) -> None:
+        self.table[: len(keep)] = self.table[:n][keep]
+
+
+def kv_cache(cfg: ModelConfig, rows: int, slots: int, dtype: torch.dtype, numerics: kernels.Numerics):
+    """The cache for `numerics` (see the module docstring); exact mode's Triton kernels take the CUDA layout
+    wherever they run (on the CPU, in Triton's interpreter, as the tests run them)."""
+    kind = SlotKVCache if numerics.device.type == "cuda" or numerics.invariant else DenseKVCache
+    return kind(cfg, rows, slots, dtype, numerics)

@@ -1,0 +1,141 @@
+"""The static-shape rollout engine gives, bit for bit, what the engine before it gave (tests/reference_rollout.py)
+on the CPU: tokens, μ, supports, the recorded whole distributions and MoE routing, in every precision, exact and
+plain, with top-k and top-p, row limits and stops, LoRA adapters, and every architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference_rollout
+from architectures import ARCHITECTURES, save_random_model
+from conftest import save_hf_model
+from parity.engines import kernels
+from parity.engines.lora import LoRAConfig, adapter_pairs, apply_lora
+from parity.engines.models import export_state, load_model, resolve_model_dir
+from parity.engines.rollout import RolloutEngine
+from parity.engines.sampling import SamplingParams
+from parity.engines.tokenizer import load_tokenizer
+
+PLAIN = SamplingParams(max_new_tokens=20)
+SAMPLINGS = {
+    "plain": PLAIN,
+    "top-k-top-p": SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_new_tokens=20),
+    "top-k": SamplingParams(top_k=3, max_new_tokens=20),
+    "top-p": SamplingParams(temperature=1.3, top_p=0.7, max_new_tokens=20),
+}
+
+
+def engine_for(model_dir, precision: str, exact: bool) -> tuple[torch.nn.Module, RolloutEngine]:
+    model = load_model(model_dir)
+    tok = load_tokenizer(resolve_model_dir(model_dir))
+    engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, kernels.numerics(exact=exact))
+    engine.load_weights(export_state(model), version=0)
+    return model, engine
+
+
+def random_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, vocab, (int(k),), generator=gen).tolist() for k in torch.randint(1, 13, (n,), generator=gen)
+    ]
+
+
+def assert_same(new, old) -> None:
+    for name in ("response_ids", "response_mask", "rollout_logprobs", "support", "truncated", "group_index"):
+        a, b = getattr(new, name), getattr(old, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert new.prompt_ids == old.prompt_ids
+    if old.full_vocab is not None:
+        for name in ("rows", "steps", "rollout_logprobs"):
+            assert torch.equal(getattr(new.full_vocab, name), getattr(old.full_vocab, name)), f"full_vocab.{name}"
+    if old.routing is not None:
+        assert torch.equal(new.routing.responses, old.routing.responses)
+        assert all(torch.equal(a, b) for a, b in zip(new.routing.prompts, old.routing.prompts))
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["plain", "exact"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
+def test_the_builtin_model_samples_what_the_previous_engine_sampled(precision, exact, sampling):
+    """40 rows finishing at different steps (so rows leave the batch), whole distributions recorded."""
+    model, engine = engine_for("builtin", precision, exact)
+    prompts = random_prompts(10, model.config.vocab_size, seed=2)
+    new = engine.generate(prompts, 4, SAMPLINGS[sampling], seed=5, full_vocab=20)
+    assert new.response_lengths.min() < new.response_lengths.max()
+    assert_same(new, reference_rollout.generate(engine, prompts, 4, SAMPLINGS[sampling], seed=5, full_vocab=20))
+
+
+@pytest.fixture(scope="module")
+def wide_vocab_dir(tmp_path_factory):
+    """A vocabulary wider than top-k's candidate buffer (k + TIE_ROOM), so the draw examines a part of it."""
+    return save_hf_model(tmp_path_factory.mktemp("wide"), "llama", seed=3, vocab_size=700)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("exact", [False, True], ids=["plain", "exact"])
+def test_top_k_examines_candidates_only_and_keeps_ties(wide_vocab_dir, precision, exact):
+    """Top-k picks k + TIE_ROOM candidates (BF16 logits tie often; every tie with the k-th stays) and top-p runs
+    over them; then a top-k of 1 with all logits equal needs the whole vocabulary and draws again, wider."""
+    model, engine = engine_for(wide_vocab_dir, precision, exact)
+    prompts = random_prompts(6, 60, seed=4)
+    for sampling in (
+        SamplingParams(top_k=40, top_p=0.95, max_new_tokens=12),
+        SamplingParams(top_k=5, max_new_tokens=12),
+    ):
+        new = engine.generate(prompts, 3, sampling, seed=1, full_vocab=8)
+        assert_same(new, reference_rollout.generate(engine, prompts, 3, sampling, seed=1, full_vocab=8))
+    with torch.no_grad():
+        engine.weights.lm_head.zero_()  # every logit equal: top-k keeps all 700
+    new = engine.generate(prompts, 2, SamplingParams(top_k=1, max_new_tokens=5), seed=2)
+    assert new.support.shape[-1] == 700
+    assert_same(new, reference_rollout.generate(engine, prompts, 2, SamplingParams(top_k=1, max_new_tokens=5), seed=2))
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def arch_dir(request, tmp_path_factory):
+    return save_random_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["plain", "exact"])
+def test_every_architecture_samples_what_the_previous_engine_sampled(arch_dir, exact):
+    """Sliding windows, soft-caps, Q/K norms, RoPE scaling, MoE routing, in BF16 with top-k/top-p."""
+    _, engine = engine_for(arch_dir, "bf16", exact)
+    prompts = random_prompts(5, 60, seed=7)
+    sampling = SamplingParams(temperature=0.9, top_k=8, top_p=0.9, max_new_tokens=24)
+    new = engine.generate(prompts, 3, sampling, seed=3)
+    assert_same(new, reference_rollout.generate(engine, prompts, 3, sampling, seed=3))
+
+
+def test_row_limits_stops_and_reuse_of_a_workspace():
+    """Per-row limits, a stop callback that ends the call, and calls of one shape in a row (the second reuses
+    the first's workspace: nothing of the first call may leak into it)."""
+    model, engine = engine_for("builtin", "bf16", exact=False)
+    prompts = random_prompts(4, model.config.vocab_size, seed=8)
+    limits = [3, 20, 5, 17]
+    for seed in (1, 2):
+        assert_same(
+            engine.generate(prompts, 1, PLAIN, seed, limits=limits),
+            reference_rollout.generate(engine, prompts, 1, PLAIN, seed, limits=limits),
+        )
+    calls_new, calls_old = [], []
+    new = engine.generate(prompts, 2, PLAIN, 4, stop=lambda done: calls_new.append(done.clone()) or len(calls_new) == 6)
+    old = reference_rollout.generate(
+        engine, prompts, 2, PLAIN, 4, stop=lambda done: calls_old.append(done.clone()) or len(calls_old) == 6
+    )
+    assert_same(new, old)
+    assert all(torch.equal(a, b) for a, b in zip(calls_new, calls_old)) and len(calls_new) == 6
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["plain", "exact"])
+def test_lora_adapters_sample_what_the_previous_engine_sampled(exact):
+    model, engine = engine_for("builtin", "bf16", exact)
+    apply_lora(model, LoRAConfig(rank=4, alpha=8, targets=("q_proj", "v_proj", "down_proj")), torch.bfloat16, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    engine.load_adapters(adapter_pairs(model), version=1)
+    prompts = random_prompts(6, model.config.vocab_size, seed=9)
+    sampling = SAMPLINGS["top-k-top-p"]
+    assert_same(engine.generate(prompts, 3, sampling, 0), reference_rollout.generate(engine, prompts, 3, sampling, 0))
