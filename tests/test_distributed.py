@@ -68,7 +68,7 @@ def test_bad_distributed_combinations_are_refused_before_any_work(overrides, mes
 def test_concat_batches_keeps_rows_and_groups():
     model_dir = resolve_model_dir("builtin")
     model = load_model(model_dir)
-    sampler = Sampler(model.config, "fp32", "fp32", (2,), 0, score_old=True, probe=False, micro_batch_size=64)
+    sampler = Sampler(model.config, "fp32", "fp32", (2,), 0, score_old=True, probe=False, micro_batch_tokens=8192)
     sampler.load_weights({k: v for k, v in model.state_dict().items()}, 0)
     sampling = SamplingParams(max_new_tokens=12, top_k=8)
     a = sampler.generate([[5, 6, 7]], 2, sampling, seed=1)
@@ -88,7 +88,7 @@ def test_weight_sync_verification_names_the_damaged_tensor():
     """A worker loads a sync, checks both of its copies, and refuses one damaged in transit."""
     model_dir = resolve_model_dir("builtin")
     state = {k: v for k, v in load_model(model_dir).named_parameters()}
-    worker = RolloutWorker(0, str(model_dir), "bf16", "bf16", probe=False, micro_batch_size=64, threads=None)
+    worker = RolloutWorker(0, str(model_dir), "bf16", "bf16", probe=False, micro_batch_tokens=8192, threads=None)
     tensors, manifest = pack_weights(state, 3, "bf16", "bf16")
     assert manifest.wire_dtype == "bfloat16" and manifest.engine == manifest.scorer
     assert worker.load_weights(tensors, manifest)["verified"] == 1.0
@@ -103,7 +103,7 @@ def test_weight_sync_verification_names_the_damaged_tensor():
     # Mixed precisions send FP32 (the π_old scorer needs the master weights) with two checksum sets.
     tensors, manifest = pack_weights(state, 4, "bf16", "fp32")
     assert manifest.wire_dtype == "float32" and manifest.engine != manifest.scorer
-    worker = RolloutWorker(1, str(model_dir), "bf16", "fp32", probe=True, micro_batch_size=64, threads=None)
+    worker = RolloutWorker(1, str(model_dir), "bf16", "fp32", probe=True, micro_batch_tokens=8192, threads=None)
     assert worker.load_weights(tensors, manifest)["verified"] == 1.0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -223,21 +225,62 @@ def test_activation_checkpointing_gives_the_same_gradients(arch, llama_dir, tmp_
         assert torch.equal(grads[0][name], grads[1][name]), name
 
 
+def test_weights_cast_once_per_update_give_the_same_gradients(qwen2_dir):
+    """Two micro-batches with each weight cast once for both (`CausalLM.casting_once`, a tied head too) give
+    the gradients of casting it in every forward, bit for bit, and the casts are made once."""
+    from parity.engines.models import Linear
+    from parity.engines.packing import pack
+
+    micro_batches = [
+        pack(
+            [[3, 4, 5, 6], [7, 8]],
+            torch.tensor([[9, 10, 11], [12, 13, 0]]),
+            torch.tensor([[1, 1, 1], [1, 1, 0]]).bool(),
+        ),
+        pack([[5, 6, 7]], torch.tensor([[20, 21, 22, 23]]), torch.ones(1, 4, dtype=torch.bool)),
+    ]
+    grads, casts = [], []
+    for once in (False, True):
+        model = load_model(qwen2_dir)
+        with model.casting_once() if once else contextlib.nullcontext():
+            for packed in micro_batches:
+                model(packed, torch.bfloat16).logsumexp(-1).sum().backward()
+            if once:
+                casts.append(len(next(m for m in model.modules() if isinstance(m, Linear)).casts))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
+    assert casts == [sum(isinstance(m, Linear) for m in model.modules()) + 1]  # and the embedding's
+    assert all(m.casts is None for m in model.modules() if isinstance(m, Linear))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature, cap", [(1.0, None), (0.7, None), (0.8, 3.0)])
-def test_chunked_head_logprobs_equal_autograds_log_softmax(dtype, temperature, cap, monkeypatch):
+@pytest.mark.parametrize(
+    "support, exact", [(False, False), (True, False), (True, True)], ids=["all", "support", "exact"]
+)
+def test_chunked_head_logprobs_equal_autograds_log_softmax(dtype, temperature, cap, support, exact, monkeypatch):
+    """Over the whole vocabulary or a support (top-k/top-p), in chunks; exact mode's values are the bits of the
+    rollout engine's arithmetic (a log-softmax of the whole row, the tokens outside the support at -inf)."""
     monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", {"cpu": 64})  # 37 rows of 50: 29 chunks, the last short
     gen = torch.Generator().manual_seed(0)
     head = (torch.randn(37, 50, generator=gen) * 3).to(dtype)
     tokens, g = torch.randint(0, 50, (37,), generator=gen), torch.randn(37, generator=gen)
+    kept = None
+    if support:  # each row's token and up to 5 others, padded with -1
+        offsets = torch.stack([torch.randperm(49, generator=gen)[:5] + 1 for _ in range(37)])
+        kept = torch.cat([tokens[:, None], (tokens[:, None] + offsets) % 50], 1)
+        kept = kept.masked_fill(torch.arange(6) > torch.arange(37)[:, None] % 6, -1)
     fused = head.clone().requires_grad_()
-    logprobs = trainer_mod.token_logprobs(fused, tokens, None, temperature, cap=cap)
+    logprobs = trainer_mod.token_logprobs(fused, tokens, kept, temperature, cap=cap, exact=exact)
     (logprobs * g).sum().backward()
     plain = head.clone().requires_grad_()
     logits = plain.float() if cap is None else torch.tanh(plain.float() / cap) * cap
-    expected = torch.log_softmax(logits / temperature, -1).gather(-1, tokens[:, None])[:, 0]
+    expected = torch.log_softmax(trainer_mod.restrict(logits / temperature, kept), -1).gather(-1, tokens[:, None])[:, 0]
     (expected * g).sum().backward()
     assert logprobs.dtype == torch.float32 and fused.grad.dtype == dtype
+    if exact:
+        assert torch.equal(logprobs, expected)
     assert (logprobs - expected).abs().max() < 4e-6
     assert (fused.grad.float() - plain.grad.float()).abs().max() < (4e-6 if dtype == torch.float32 else 1e-2)
 

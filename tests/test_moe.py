@@ -29,7 +29,7 @@ def _sample(path, rollout: str, trainer: str, replay: bool):
         tok.pad_id,
         score_old=False,
         probe=False,
-        micro_batch_size=8,
+        micro_batch_tokens=256,
         routing_replay=replay,
     )
     sampler.load_weights(model.state_dict(), version=0)

@@ -107,3 +107,26 @@ def test_matmul_flops_by_hand(llama_dir):
     expected = 2 * (4 * per_token + attention) + 2 * 64 * 64 * 2
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size) == (64, 128, 2, 64)
     assert matmul_flops(cfg, packed, scored=2) == expected
+
+
+def test_micro_batches_keep_to_a_token_budget():
+    """Rows in order, a prompt counted once per micro-batch that reads it, a row alone when it is over budget."""
+    from parity.engines.batch import RolloutBatch
+    from parity.engines.sampling import SamplingParams
+
+    mask = torch.arange(6) < torch.tensor([6, 2, 4, 6, 1])[:, None]
+    batch = RolloutBatch(
+        prompt_ids=[[1] * 4, [1] * 4, [2] * 3, [3] * 20, [3] * 20],
+        response_ids=torch.zeros(5, 6, dtype=torch.long),
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(5, 6),
+        support=None,
+        truncated=torch.zeros(5, dtype=torch.bool),
+        group_index=torch.arange(5),
+        weight_version=0,
+        sampling=SamplingParams(),
+    )
+    parts = batch.micro_batches(torch.arange(5), tokens=20)
+    # 4+6, +2 (prompt shared) = 12, +3+4 = 19; then 20+6 alone (over budget), then 20+1 alone
+    assert [p.tolist() for p in parts] == [[0, 1, 2], [3], [4]]
+    assert [p.tolist() for p in batch.micro_batches(torch.tensor([4, 3]), tokens=27)] == [[4, 3]]

@@ -45,7 +45,7 @@ def _two_versions():
 def _pool(precision: str, exact: bool):
     cfg, v0, v1 = _two_versions()
     numerics = kernels.numerics("cpu", exact)
-    sampler = Sampler(cfg, precision, precision, (1,), 0, score_old=True, probe=False, micro_batch_size=64,
+    sampler = Sampler(cfg, precision, precision, (1,), 0, score_old=True, probe=False, micro_batch_tokens=8192,
                       numerics=numerics)  # fmt: skip
     sampler.load_weights(v0, 0)
     return PartialRollouts(sampler), sampler, numerics, cfg, v0, v1
@@ -112,7 +112,7 @@ def test_tokens_older_than_the_bound_start_again():
 
 def test_row_limits_and_a_stop_end_the_engine_where_asked():
     cfg, v0, _ = _two_versions()
-    sampler = Sampler(cfg, "fp32", "fp32", (1,), 0, score_old=False, probe=False, micro_batch_size=64)
+    sampler = Sampler(cfg, "fp32", "fp32", (1,), 0, score_old=False, probe=False, micro_batch_tokens=8192)
     sampler.load_weights(v0, 0)
     sampling = SamplingParams(max_new_tokens=40)
     free = sampler.engine.generate(PROMPTS, 1, sampling, 5)

@@ -39,7 +39,7 @@ from parity.engines.tokenizer import load_tokenizer
 from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.diagnostics import PROB_BIN_EDGES, gap_metrics
 from parity.rl.tasks import ArithmeticTask, DataError
-from parity.rl.train_config import TrainConfig
+from parity.rl.train_config import MICRO_BATCH_TOKENS, TrainConfig
 from parity.rundir import remove_run
 
 TARGET_LENGTH = 2.0
@@ -174,7 +174,7 @@ def mismatch_parts(
         tok.pad_id,
         score_old=True,
         probe=True,
-        micro_batch_size=64,
+        micro_batch_tokens=MICRO_BATCH_TOKENS["cpu"],
         numerics=kernels.numerics(device),
     )
     sampler.load_weights(export_state(base), version=0)

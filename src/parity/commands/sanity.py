@@ -290,7 +290,7 @@ def _died(configs: dict[str, TrainConfig], done: dict[str, list[dict]], jobs: in
         f"a training process ended abruptly (killed: out of memory? `dmesg` names the killer) while "
         f"{', '.join(lost)} had not finished{kept}; each run's metrics so far are in its metrics.jsonl under "
         f"{Path(next(iter(configs.values())).run_dir).parent}. Train fewer runs at once (--jobs {max(1, jobs - 1)}) "
-        "or in less memory (trainer.micro_batch_size=N, trainer.activation_checkpointing=true)"
+        "or in less memory (trainer.micro_batch_tokens=N, trainer.activation_checkpointing=true)"
     )
 
 

@@ -63,7 +63,7 @@ class RolloutWorker:
         rollout_precision: str,
         trainer_precision: str,
         probe: bool,
-        micro_batch_size: int,
+        micro_batch_tokens: int,
         threads: int | None,
         routing_replay: bool = False,
         exact: bool = False,
@@ -80,7 +80,7 @@ class RolloutWorker:
             tokenizer.pad_id,
             score_old=True,
             probe=probe,
-            micro_batch_size=micro_batch_size,
+            micro_batch_tokens=micro_batch_tokens,
             routing_replay=routing_replay,
             numerics=kernels.numerics("cpu", exact),
         )

@@ -140,7 +140,7 @@ class DistributedRun(Run):
                 cfg.rollout_precision,
                 cfg.trainer_precision,
                 cfg.algorithm.shadow_forward,
-                cfg.trainer.micro_batch_size,
+                cfg.trainer.micro_batch_tokens,
                 threads,
                 cfg.moe.routing_replay,
                 cfg.exact,

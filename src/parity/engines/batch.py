@@ -57,6 +57,26 @@ class RolloutBatch:
     def num_tokens(self) -> int:
         return int(self.response_mask.sum())
 
+    def micro_batches(self, rows: torch.Tensor, tokens: int) -> list[torch.Tensor]:
+        """`rows` (in order) as consecutive micro-batches of at most `tokens` packed tokens each (a prompt
+        counted once per micro-batch that reads it, a response in full), one row at least. The trainer and
+        the sampler split a batch alike, so that π_old is scored in the trainer's shapes."""
+        lengths = self.response_lengths.tolist()
+        parts, current, used, prompts = [], [], 0, set()
+        for row in rows.tolist():
+            prompt = tuple(self.prompt_ids[row])
+            cost = lengths[row] + (0 if prompt in prompts else len(prompt))
+            if current and used + cost > tokens:
+                parts.append(current)
+                current, used, prompts = [], 0, set()
+                cost = lengths[row] + len(prompt)
+            current.append(row)
+            used += cost
+            prompts.add(prompt)
+        if current:
+            parts.append(current)
+        return [torch.tensor(part, dtype=torch.long) for part in parts]
+
     def versions(self) -> torch.Tensor:
         """The weight version of every token [B, T]; -1 on padding."""
         if self.token_versions is not None:

@@ -90,7 +90,7 @@ class LoRALinear(Linear):
 
     def __init__(self, base: Linear, rank: int, scale: float, generator: torch.Generator, merge: bool = True):
         nn.Module.__init__(self)  # not Linear.__init__: that would allocate a new weight
-        self.weight, self.bias, self.numerics = base.weight, base.bias, base.numerics
+        self.weight, self.bias, self.numerics, self.casts = base.weight, base.bias, base.numerics, None
         d_out, d_in = base.weight.shape
         device = base.weight.device
         self.lora_A = nn.Parameter(init_a(rank, d_in, generator).to(device))

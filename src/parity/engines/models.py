@@ -414,9 +414,22 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
         self.numerics = kernels.numerics()  # set through CausalLM.numerics
+        self.casts: dict | None = None  # set through CausalLM.casting_once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.numerics.linear(x, self.weight, self.bias)
+        return self.numerics.linear(x, cast_once(self.casts, self.weight, x.dtype), self.bias)
+
+
+def cast_once(casts: dict | None, weight: torch.Tensor, dtype: torch.dtype, use: str = "matmul") -> torch.Tensor:
+    """`weight` in `dtype`; inside `CausalLM.casting_once` (`casts` its dict) cast once and reused, autograd's
+    cast node with it (a backward through it reaches the FP32 master each time; it saves no tensor). A tied
+    weight's two uses (`use`) keep a cast each, so that their gradients meet in FP32, as without the scope."""
+    if casts is None or weight.dtype == dtype:
+        return weight.to(dtype)
+    key = (id(weight), dtype, torch.is_grad_enabled(), use)
+    if key not in casts:
+        casts[key] = weight.to(dtype)
+    return casts[key]
 
 
 class Attention(nn.Module):
@@ -551,6 +564,7 @@ class CausalLM(nn.Module):
         self.init_buffers()
         # Recompute each decoder layer in the backward instead of keeping its activations.
         self.activation_checkpointing = False
+        self._casts: dict | None = None
         self.numerics = kernels.numerics()
 
     @property
@@ -566,6 +580,23 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, Linear, RMSNorm)):
                 module.numerics = value
+
+    @contextlib.contextmanager
+    def casting_once(self):
+        """Within: each FP32 weight is cast to a compute dtype once, by the first forward that needs it, and the
+        cast is reused by every later forward and backward (the same values: the bits do not change). The
+        trainer wraps one optimizer update's micro-batches in it; the weights must not change inside."""
+        casts: dict = {}
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for module in linears:
+            module.casts = casts
+        self._casts = casts
+        try:
+            yield
+        finally:
+            for module in linears:
+                module.casts = None
+            self._casts = None
 
     def init_buffers(self) -> None:
         """Compute the RoPE tables (again after `to_empty`, which leaves a model built on the meta
@@ -588,7 +619,7 @@ class CausalLM(nn.Module):
         """Final normalised hidden states [N, H] in `dtype` of the packed token stream.
         `replay`: the MoE layers use the experts in `packed.routing` (the rollout engine's)."""
         cfg = self.config
-        x = gather_rows(self.model.embed_tokens.weight.to(dtype), packed.token_ids)
+        x = gather_rows(cast_once(self._casts, self.model.embed_tokens.weight, dtype, "embedding"), packed.token_ids)
         if cfg.gemma:
             x = x * torch.tensor(cfg.hidden_size**0.5, dtype=dtype)
         angles = {}

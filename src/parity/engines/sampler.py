@@ -67,7 +67,7 @@ class Sampler:
         *,
         score_old: bool,
         probe: bool,
-        micro_batch_size: int,
+        micro_batch_tokens: int,
         routing_replay: bool = False,
         numerics: Numerics | None = None,
     ):
@@ -77,7 +77,7 @@ class Sampler:
         self.score_old = score_old or config.num_experts > 0
         self.routing_replay = routing_replay
         self.probe = probe and rollout_precision != trainer_precision
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
         # The trainer's model at the sampling weights (FP32 master copy), only when scoring.
         self.scorer = None
         if self.score_old or self.probe:
@@ -117,24 +117,25 @@ class Sampler:
             raise RuntimeError("Sampler.score() needs score_old or probe")
         dtype = prec.to_dtype(precision)
         logprobs, differing, tokens = [], 0, 0
-        for r in torch.arange(batch.response_ids.shape[0]).split(self.micro_batch_size):
-            routing = None if batch.routing is None else batch.routing.rows(r)
-            packed, scored = sequence_logprobs(
-                self.scorer,
-                [batch.prompt_ids[i] for i in r.tolist()],
-                batch.response_ids[r],
-                batch.response_mask[r],
-                None if batch.support is None else batch.support[r],
-                batch.sampling.temperature,
-                dtype,
-                routing,
-                self.routing_replay,
-            )
-            logprobs.append(scored)
-            if routing is not None:
-                real = slice(0, packed.num_tokens)
-                differing = differing + routing_differs(self.scorer.routing()[real], packed.routing[real]).sum(0)
-                tokens += packed.num_tokens
+        with self.scorer.casting_once():
+            for r in batch.micro_batches(torch.arange(batch.response_ids.shape[0]), self.micro_batch_tokens):
+                routing = None if batch.routing is None else batch.routing.rows(r)
+                packed, scored = sequence_logprobs(
+                    self.scorer,
+                    [batch.prompt_ids[i] for i in r.tolist()],
+                    batch.response_ids[r],
+                    batch.response_mask[r],
+                    None if batch.support is None else batch.support[r],
+                    batch.sampling.temperature,
+                    dtype,
+                    routing,
+                    self.routing_replay,
+                )
+                logprobs.append(scored)
+                if routing is not None:
+                    real = slice(0, packed.num_tokens)
+                    differing = differing + routing_differs(self.scorer.routing()[real], packed.routing[real]).sum(0)
+                    tokens += packed.num_tokens
         mismatch = differing / tokens if tokens else None
         return torch.cat(logprobs), mismatch
 

@@ -9,6 +9,7 @@ FP16 training, and the sampler runs the same function on the weights that sample
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -50,41 +51,54 @@ LOGPROB_CHUNK_ELEMENTS = {"cpu": 2**23, "cuda": 2**26}
 
 
 class HeadLogProbs(torch.autograd.Function):
-    """log p(token) over the whole vocabulary from the LM head's output `head` [M, V] (any dtype),
-    with the soft-cap `cap` and `temperature` applied in FP32: [M] FP32.
+    """log p(token) from the LM head's output `head` [M, V] (any dtype), with the soft-cap `cap` and
+    `temperature` applied in FP32, over the whole vocabulary or over each row's `support` [M, K] (token
+    ids, -1 = padding): [M] FP32. `exact`: the rollout engine's arithmetic (a log-softmax over the
+    whole vocabulary with the tokens outside the support at -inf), for the same bits.
 
     Autograd's log-softmax would hold [M, V] FP32 tensors three times over (the upcast logits,
     the saved output, the gradient; 300 MB each for 1,536 tokens of a 49k vocabulary). This keeps
-    only `head` itself (what the matmul wrote, in its dtype) and the log-normaliser, and works in
+    only `head` itself (what the matmul wrote, in its dtype) and each row's log-normaliser, and works in
     row chunks of LOGPROB_CHUNK_ELEMENTS, forward and backward: the same function and gradient."""
 
     @staticmethod
-    def forward(ctx, head: torch.Tensor, tokens: torch.Tensor, temperature: float, cap: float | None):
+    def forward(ctx, head, tokens, support, temperature: float, cap: float | None, exact: bool):
         picked = torch.empty(head.shape[0], device=head.device)
         lse = torch.empty_like(picked)
         for chunk in _row_chunks(head):
             z = _scaled(head[chunk], temperature, cap)
-            lse[chunk] = torch.logsumexp(z, dim=-1)
-            picked[chunk] = z.gather(-1, tokens[chunk, None]).squeeze(-1)
-        ctx.save_for_backward(head, tokens, lse)
+            rows = None if support is None else support[chunk]
+            if exact:
+                logp = torch.log_softmax(restrict(z, rows), dim=-1)
+                picked[chunk] = logp.gather(-1, tokens[chunk, None]).squeeze(-1)
+                lse[chunk] = z.gather(-1, tokens[chunk, None]).squeeze(-1) - picked[chunk]
+                continue
+            kept = z if rows is None else z.gather(-1, rows.clamp(min=0)).masked_fill(rows < 0, float("-inf"))
+            lse[chunk] = torch.logsumexp(kept, dim=-1)
+            picked[chunk] = z.gather(-1, tokens[chunk, None]).squeeze(-1) - lse[chunk]
+        ctx.save_for_backward(head, tokens, lse, *(() if support is None else (support,)))
         ctx.temperature, ctx.cap = temperature, cap
-        return picked - lse
+        return picked
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        head, tokens, lse = ctx.saved_tensors
+        head, tokens, lse, *support = ctx.saved_tensors
+        support = support[0] if support else None
         out = torch.empty_like(head)
         for chunk in _row_chunks(head):
             g = grad[chunk, None]
-            # d log p(t) / dz = onehot(t) - softmax(z), times the incoming gradient
-            dz = torch.exp(_scaled(head[chunk], ctx.temperature, ctx.cap) - lse[chunk, None]).mul_(-g)
+            # d log p(t) / dz = onehot(t) - softmax(z) over the support, times the incoming gradient
+            z = _scaled(head[chunk], ctx.temperature, ctx.cap)
+            if support is not None:
+                z = restrict(z, support[chunk])
+            dz = torch.exp(z - lse[chunk, None]).mul_(-g)
             dz.scatter_add_(-1, tokens[chunk, None], g)
             if ctx.temperature != 1.0:
                 dz /= ctx.temperature
             if ctx.cap is not None:  # d cap·tanh(x / cap) / dx = 1 - tanh²
                 dz *= 1 - torch.tanh(head[chunk].float() / ctx.cap).square()
             out[chunk] = dz
-        return out, None, None, None
+        return out, None, None, None, None, None
 
 
 def _row_chunks(head: torch.Tensor) -> list[slice]:
@@ -105,20 +119,13 @@ def token_logprobs(
     cap: float | None = None,
     exact: bool = False,
 ) -> torch.Tensor:
-    """log p(token) under softmax(logits / temperature) restricted to `support`, [M] FP32.
+    """log p(token) under softmax(logits / temperature) restricted to `support`, [M] FP32 (`HeadLogProbs`).
 
     `head` [M, V] is the LM head's output (`CausalLM.forward`; its final soft-cap `cap` not yet
     applied), `tokens` [M]; `support` [M, K] token ids (-1 = padding) or None for the full
-    vocabulary. `exact`: the rollout engine's arithmetic (a log-softmax over the whole vocabulary
-    with the tokens outside the support at -inf), for the same bits.
+    vocabulary. `exact`: the rollout engine's arithmetic, for the same bits.
     """
-    if support is None and not exact:
-        return HeadLogProbs.apply(head, tokens, temperature, cap)
-    logits = _scaled(head, temperature, cap)
-    if exact:
-        return torch.log_softmax(restrict(logits, support), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    kept = logits.gather(-1, support.clamp(min=0)).masked_fill(support < 0, float("-inf"))
-    return logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(kept, dim=-1)
+    return HeadLogProbs.apply(head, tokens, support, temperature, cap, exact)
 
 
 def restrict(logits: torch.Tensor, support: torch.Tensor | None) -> torch.Tensor:
@@ -286,6 +293,12 @@ class Trainer:
         passes = (2 if self.lora is not None else 3) if torch.is_grad_enabled() else 1
         self.matmul_flops += passes * matmul_flops(self.model.config, packed, int(response_mask.sum()))
         return scored
+
+    def casting_once(self):
+        """The model's `casting_once` (weights cast once per update, not per micro-batch), where the model is
+        whole: a sharded learner's weights are gathered anew by each forward."""
+        sharded = any(hasattr(p, "device_mesh") for p in self.model.parameters())
+        return contextlib.nullcontext() if sharded else self.model.casting_once()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` times the current loss scale (1 unless FP16)."""

@@ -300,7 +300,7 @@ class Run:
             self.tokenizer.pad_id,
             score_old=cfg.algorithm.ratio_source == "shadow",
             probe=cfg.algorithm.shadow_forward,
-            micro_batch_size=cfg.trainer.micro_batch_size,
+            micro_batch_tokens=cfg.trainer.micro_batch_tokens,
             routing_replay=cfg.moe.routing_replay,
             numerics=self.numerics,
         )
@@ -467,7 +467,7 @@ class Run:
             aggregation=a.aggregation,
             ppo_epochs=a.ppo_epochs,
             num_minibatches=a.num_minibatches,
-            micro_batch_size=cfg.trainer.micro_batch_size,
+            micro_batch_tokens=cfg.trainer.micro_batch_tokens,
             prompts=cfg.prompts_per_step,
             group_size=cfg.rollout.group_size,
             max_new_tokens=cfg.rollout.max_new_tokens,

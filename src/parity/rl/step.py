@@ -51,7 +51,7 @@ class UpdatePlan:
     aggregation: str
     ppo_epochs: int
     num_minibatches: int
-    micro_batch_size: int
+    micro_batch_tokens: int
     prompts: int
     group_size: int
     max_new_tokens: int
@@ -178,11 +178,11 @@ def batch_logprobs(
 
 def no_grad_logprobs(trainer: Trainer, batch: RolloutBatch, plan: UpdatePlan) -> torch.Tensor:
     rows = torch.arange(batch.response_ids.shape[0])
-    with torch.no_grad():
+    with torch.no_grad(), trainer.casting_once():
         return torch.cat(
             [
                 batch_logprobs(trainer, batch, r, plan.temperature, plan.routing_replay)
-                for r in rows.split(plan.micro_batch_size)
+                for r in batch.micro_batches(rows, plan.micro_batch_tokens)
             ]
         )
 
@@ -230,38 +230,40 @@ def train_on_batch(
         row_order = (groups[:, None] * plan.group_size + torch.arange(plan.group_size)).flatten()
         for mb in row_order.split(rows_per_mb):
             norm = denominators(loss_mask[mb], plan.max_new_tokens)
-            for rows in mb.tensor_split(world)[rank].split(plan.micro_batch_size):
-                logp = batch_logprobs(trainer, batch, rows, plan.temperature, plan.routing_replay)
-                if first_pass is not None and epoch == 0:
-                    first_pass[rows] = logp.detach()
-                if before_first_step is not None and out.updates == 0:
-                    first_update.append((rows, logp.detach()))
-                mask = loss_mask[rows]
-                inputs = PolicyInputs(
-                    logprobs=logp,
-                    old_logprobs=loss_old[rows],
-                    rollout_logprobs=mu[rows],
-                    advantages=advantages[rows],
-                    mask=mask,
-                )
-                token_loss, loss_stats = estimator.loss(inputs, plan.loss)
-                # α, the real policy change, and phantom clipping, on every ratio source.
-                n = mask.sum().clamp(min=1)
-                loss_stats["alpha/abs_mean"] = ((logp.detach() - sampling_pi[rows]).abs() * mask).sum() / n
-                if estimator.clipped is not None:
-                    by_gap, by_policy = (
-                        estimator.clipped(logp.detach(), ref, advantages[rows], mask, plan.loss)
-                        for ref in (mu[rows], sampling_pi[rows])
+            with trainer.casting_once():
+                micro_batches = batch.micro_batches(mb.tensor_split(world)[rank], plan.micro_batch_tokens)
+                for rows in micro_batches:
+                    logp = batch_logprobs(trainer, batch, rows, plan.temperature, plan.routing_replay)
+                    if first_pass is not None and epoch == 0:
+                        first_pass[rows] = logp.detach()
+                    if before_first_step is not None and out.updates == 0:
+                        first_update.append((rows, logp.detach()))
+                    mask = loss_mask[rows]
+                    inputs = PolicyInputs(
+                        logprobs=logp,
+                        old_logprobs=loss_old[rows],
+                        rollout_logprobs=mu[rows],
+                        advantages=advantages[rows],
+                        mask=mask,
                     )
-                    loss_stats["phantom/clip_frac"] = phantom_clip_frac(by_gap, by_policy, mask)
-                if ref is not None:
-                    kl = kl_penalty(logp, ref[rows], plan.kl_estimator)
-                    pending += [(out.kls, (kl.detach() * mask).sum()), (out.kl_tokens, mask.sum())]
-                    token_loss = token_loss + plan.kl_coef * kl
-                loss = aggregate(token_loss, mask, plan.aggregation, norm)
-                trainer.backward(loss)
-                pending.append((out.losses, loss.detach()))
-                pending += [(out.stats.setdefault(k, []), v) for k, v in loss_stats.items()]
+                    token_loss, loss_stats = estimator.loss(inputs, plan.loss)
+                    # α, the real policy change, and phantom clipping, on every ratio source.
+                    n = mask.sum().clamp(min=1)
+                    loss_stats["alpha/abs_mean"] = ((logp.detach() - sampling_pi[rows]).abs() * mask).sum() / n
+                    if estimator.clipped is not None:
+                        by_gap, by_policy = (
+                            estimator.clipped(logp.detach(), ref, advantages[rows], mask, plan.loss)
+                            for ref in (mu[rows], sampling_pi[rows])
+                        )
+                        loss_stats["phantom/clip_frac"] = phantom_clip_frac(by_gap, by_policy, mask)
+                    if ref is not None:
+                        kl = kl_penalty(logp, ref[rows], plan.kl_estimator)
+                        pending += [(out.kls, (kl.detach() * mask).sum()), (out.kl_tokens, mask.sum())]
+                        token_loss = token_loss + plan.kl_coef * kl
+                    loss = aggregate(token_loss, mask, plan.aggregation, norm)
+                    trainer.backward(loss)
+                    pending.append((out.losses, loss.detach()))
+                    pending += [(out.stats.setdefault(k, []), v) for k, v in loss_stats.items()]
             if before_first_step is not None and out.updates == 0:
                 # π_old is known for every row now: given, or this first mini-batch's pass
                 before_first_step(sampling_pi, *(torch.cat(parts) for parts in zip(*first_update)))

@@ -21,6 +21,8 @@ from parity.rl.algorithms import ADVANTAGES, AGGREGATIONS, ESTIMATORS, KL_ESTIMA
 from parity.rl.tasks import DIFFICULTIES, REWARDS, difficulty_has_no_effect
 
 TRUNCATION_MODES = ("keep", "zero_reward", "drop")
+# trainer.micro_batch_tokens when unset, per device.
+MICRO_BATCH_TOKENS = {"cpu": 8192, "cuda": 16384}
 # Keys `parity train --resume RUN key=value` may change: how long and how often, never what is trained.
 # The learner count changes only how the gradient's sum is split (round-off): sharded checkpoints reshard.
 RESUMABLE_KEYS = ("steps", "checkpoint_every", "keep_checkpoints", "tensorboard", "distributed.learners")
@@ -55,7 +57,9 @@ class TrainerSection:
     grad_clip: float = 1.0
     loss_scale_init: float = 65536.0
     loss_scale_growth_interval: int = 200
-    micro_batch_size: int = 64  # sequences per forward/backward
+    # Tokens per forward/backward (a prompt counted once per micro-batch, responses in full); unset: 8,192
+    # on the CPU, 16,384 on CUDA (large enough for the matmuls to fill the GPU).
+    micro_batch_tokens: int | None = None
     # Keep only each decoder layer's input through the forward and recompute the layer in the
     # backward: activation memory of one layer instead of all, for about one more forward.
     activation_checkpointing: bool = False
@@ -214,7 +218,7 @@ NUMERIC_RANGES = (
     ("trainer.grad_clip", lambda v: v >= 0, ">= 0 (0 = off)"),
     ("trainer.loss_scale_init", lambda v: v >= 1, ">= 1 (the scaler's floor)"),
     ("trainer.loss_scale_growth_interval", lambda v: v >= 1, ">= 1"),
-    ("trainer.micro_batch_size", lambda v: v >= 1, ">= 1"),
+    ("trainer.micro_batch_tokens", lambda v: v >= 1, ">= 1"),
     ("reward.timeout_s", lambda v: v > 0, "> 0 seconds"),
     ("reward.warn_error_rate", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("reward.max_failed_steps", lambda v: v >= 0, ">= 0 (0 = never stop)"),
@@ -417,6 +421,8 @@ class TrainConfig:
         self._resolve_algorithm()
         if self.trainer.lr is None:
             self.trainer.lr = default_lr(self.model, self.lora.rank > 0)
+        if self.trainer.micro_batch_tokens is None:
+            self.trainer.micro_batch_tokens = MICRO_BATCH_TOKENS[self.device]
         _one_of("reward.isolate", self.reward.isolate, ("auto", "always", "never"))
         _one_of("algorithm.ratio_source", self.algorithm.ratio_source, RATIO_SOURCES)
         a = self.algorithm
