@@ -84,3 +84,121 @@ def test_the_two_engines_agree_bit_for_bit_through_the_invariant_kernels(precisi
     assert batch.response_lengths.min() < batch.response_lengths.max()
     pi = trainer_logprobs(model, batch, precision, micro_batch=7)
     assert torch.equal(pi[batch.response_mask], batch.rollout_logprobs[batch.response_mask])
+
+
+def _rows_case(dtype, heads: int, kv_heads: int, seed: int):
+    """A packed stream of two prompts (the first read by two rows) and three responses: queries in row order,
+    the key table, and each query's keys written out, for a float64 reference."""
+    from parity.engines.kernels import attention
+
+    d = 32
+    prompt_a, prompt_b, responses = 7, 5, [9, 4, 11]
+    stream = prompt_a + prompt_b + sum(responses)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(stream, h, d, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    start = prompt_a + prompt_b
+    keys = []
+    for r, prompt in zip(responses, (range(prompt_a), range(prompt_a), range(prompt_a, start))):
+        keys.append(list(prompt) + list(range(start, start + r)))
+        start += r
+    owned = [keys[0], keys[1][prompt_a:], keys[2]]  # the second row reads the first row's prompt
+    counts, pos0 = [len(o) for o in owned], [0, prompt_a, 0]
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    q_first = [0, counts[0], counts[0] + counts[1]]
+    kv_start = [0, len(keys[0]), len(keys[0]) + len(keys[1])]
+    tile_row, tile_f0 = attention.tiles(i32(counts), heads // kv_heads)
+    kv_order = i32([s for row in keys for s in row])
+    rows = attention.Rows(i32(q_first), i32(counts), i32(pos0), i32(kv_start), tile_row, tile_f0, kv_order)
+    order = torch.tensor([s for row in owned for s in row])
+    return q[order].contiguous().to(DEVICE), k.to(DEVICE), v.to(DEVICE), rows, keys, owned, pos0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 3.0)], ids=["causal", "window", "softcap"])
+@pytest.mark.parametrize("heads", [6, 36], ids=["3-per-kv-head", "18-per-kv-head"])
+def test_rows_attention_is_attention_and_a_query_gets_the_same_bits_alone(dtype, window, softcap, heads):
+    """The kernel over a packed stream (queries in tiles of several positions and heads, keys through a table)
+    equals float64 attention; and each query computed alone, its keys read directly from a cache row as the
+    decode step reads them, gives the same bits."""
+    from parity.engines.kernels import attention
+
+    q, k, v, rows, keys, owned, pos0 = _rows_case(dtype, heads, 2, seed=1)
+    scale = 32**-0.5
+    out = attention.rows_attention(q, k, v, rows, scale, window, softcap)
+    expected, decode_q, positions, starts = [], [], [], []
+    slots = 32
+    cache_k = torch.zeros(3 * slots, 2, 32, dtype=dtype, device=DEVICE)
+    cache_v = torch.zeros_like(cache_k)
+    j = 0
+    for r, (row_keys, row_queries) in enumerate(zip(keys, owned)):
+        index = torch.tensor(row_keys, device=DEVICE)
+        cache_k[r * slots : r * slots + len(row_keys)] = k[index]
+        cache_v[r * slots : r * slots + len(row_keys)] = v[index]
+        kk, vv = (t[index].double().repeat_interleave(heads // 2, 1) for t in (k, v))
+        for i in range(len(row_queries)):
+            p = pos0[r] + i
+            s = torch.einsum("hd,lhd->hl", q[j].double(), kk[: p + 1]) * scale
+            if softcap is not None:
+                s = torch.tanh(s / softcap) * softcap
+            if window is not None:
+                s[:, : max(0, p - window + 1)] = float("-inf")
+            expected.append(torch.einsum("hl,lhd->hd", torch.softmax(s, -1), vv[: p + 1]))
+            decode_q.append(q[j])
+            positions.append(p)
+            starts.append(r * slots)
+            j += 1
+    expected = torch.stack(expected)
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    assert ((out.double() - expected).norm() / expected.norm()) < tolerance
+    alone = attention.one_query_per_row(
+        torch.tensor(positions, device=DEVICE), torch.tensor(starts, device=DEVICE), heads // 2
+    )
+    decoded = attention.rows_attention(torch.stack(decode_q), cache_k, cache_v, alone, scale, window, softcap)
+    assert torch.equal(decoded, out)
+
+
+def test_exact_packed_attention_has_the_gradients_of_plain_attention():
+    from parity.engines import kernels
+    from parity.engines.packing import pack
+
+    packed = pack(
+        [[3, 4, 5], [7, 8]],
+        torch.tensor([[9, 10, 11, 12], [13, 14, 0, 0]]),
+        torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]).bool(),
+    )
+    n = packed.num_tokens
+    q, k, v = (randn(n, h, 16, seed=s).requires_grad_() for s, h in ((1, 4), (2, 2), (3, 2)))
+    g = randn(n, 4, 16, seed=4)
+    exact = kernels.Numerics(torch.device(DEVICE), exact=True, invariant=True)
+    plain = kernels.numerics(DEVICE)
+    (exact.packed_attention(q, k, v, packed) * g).sum().backward()
+    ours = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    reference = plain.packed_attention(q, k, v, packed)
+    assert torch.allclose(exact.packed_attention(q, k, v, packed), reference, atol=1e-5)
+    (reference * g).sum().backward()
+    assert all(torch.allclose(a, t.grad, atol=1e-5) for a, t in zip(ours, (q, k, v)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_fused_rope_and_cache_write_give_the_eager_bits(dtype):
+    """The decode step's fused kernel ropes as `apply_rope` does, op by op, and writes each row's key and value
+    to its slot. (Triton's interpreter converts FP32 to BF16 by its own rounding: BF16 is checked on a GPU.)"""
+    from parity.engines.kernels import fused
+    from parity.engines.models import apply_rope
+
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("the interpreter's BF16 conversion is not round-to-nearest-even")
+    n, heads, kv_heads, d = 5, 6, 2, 32
+    qkv = randn(n, 1, (heads + 2 * kv_heads) * d, dtype=dtype)
+    qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], -1)
+    qk = qk.view(n, 1, heads + kv_heads, d)
+    cos, sin = randn(n, d, dtype=dtype, seed=1), randn(n, d, dtype=dtype, seed=2)
+    keys = torch.zeros(20, kv_heads, d, dtype=dtype, device=DEVICE)
+    values = torch.zeros_like(keys)
+    at = torch.tensor([3, 7, 0, 19, 11], device=DEVICE)
+    q = fused.rope_store(qk[:, 0], v[:, 0], cos, sin, keys, values, at, heads)
+    expected = apply_rope(qk.transpose(1, 2), cos[:, None, None], sin[:, None, None])[:, :, 0]
+    assert torch.equal(q, expected[:, :heads]) and torch.equal(keys[at], expected[:, heads:])
+    assert torch.equal(values[at], v[:, 0].view(n, kv_heads, d))

@@ -211,6 +211,29 @@ def test_the_acceptance_run_works_on_the_cpu(tmp_path):
     )
 
 
+@pytest.mark.slow
+def test_the_gpu_probe_runs_on_the_cpu(tmp_path):
+    """benchmarks/gpu_probe.py at toy sizes on the CPU (the previous code measured beside by this checkout
+    itself): every section finishes, exact mode's μ equals π_old, and the summary has the issue's figures."""
+    script = Path(__file__).parent.parent / "benchmarks" / "gpu_probe.py"
+    src = Path(__file__).parent.parent / "src"
+    subprocess.run(
+        [sys.executable, str(script), "--small", "--device", "cpu", "--out", str(tmp_path), "--baseline-src", str(src)],
+        check=True,
+        capture_output=True,
+    )
+    record = json.loads((tmp_path / "probe.json").read_text())
+    sections = record["sections"]
+    assert set(sections) == {"device", "engine", "train", "matmul", "baseline-engine", "baseline-train"}
+    assert all("result" in s and not s.get("error") for s in sections.values()), sections
+    engine = sections["engine"]["result"]
+    assert all(r["differing"] == 0 for r in engine["exact_agreement"])
+    assert all(d["step_ms"] > 0 for d in engine["decode"].values())
+    assert all(r["fused_columns_same_bits"] for r in sections["matmul"]["result"].values())
+    summary = (tmp_path / "summary.md").read_text()
+    assert "decode step, batch 16, bf16" in summary and "train bf16@8k" in summary
+
+
 def test_the_choice_can_be_overridden(monkeypatch):
     for value, expected in (("native", frozenset()), ("emulated", frozenset({BF16, FP16}))):
         monkeypatch.setenv(cpu.OVERRIDE_ENV, value)

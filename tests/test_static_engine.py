@@ -139,3 +139,57 @@ def test_lora_adapters_sample_what_the_previous_engine_sampled(exact):
     prompts = random_prompts(6, model.config.vocab_size, seed=9)
     sampling = SAMPLINGS["top-k-top-p"]
     assert_same(engine.generate(prompts, 3, sampling, 0), reference_rollout.generate(engine, prompts, 3, sampling, 0))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("exact", [False, True], ids=["plain", "exact"])
+@pytest.mark.parametrize("sampling", ["plain", "top-k-top-p"])
+def test_cuda_graphs_replay_what_eager_steps_compute(exact, sampling):
+    """On a GPU each batch size's decode step is captured once and replayed: the same tokens, μ, supports and
+    recorded distributions as running every step eagerly, over calls whose rows finish (several batch sizes)
+    and a second call that replays the first's graphs."""
+    model = load_model("builtin")
+    tok = load_tokenizer(resolve_model_dir("builtin"))
+    numerics = kernels.numerics("cuda", exact=exact)
+    engines = []
+    for graphs in (True, False):
+        engine = RolloutEngine(model.config, "bf16", tok.eos_ids, tok.pad_id, numerics)
+        engine.use_graphs = graphs
+        engine.load_weights(export_state(model), version=0)
+        engines.append(engine)
+    prompts = random_prompts(24, model.config.vocab_size, seed=6)
+    params = SamplingParams(**{**SAMPLINGS[sampling].__dict__, "max_new_tokens": 64})
+    for seed in (0, 1):
+        captured = engines[0].generate(prompts, 4, params, seed, full_vocab=16)
+        assert_same(captured, engines[1].generate(prompts, 4, params, seed, full_vocab=16))
+    assert engines[0].graphs_off_reason is None
+    assert len(engines[0]._workspace.graphs) >= 2  # the whole batch, and smaller ones as rows finished
+
+
+@pytest.mark.cuda
+def test_varlen_attention_on_cuda_is_the_padded_rows_attention():
+    """The trainer's flash attention over variable-length rows gives what attention over padded rows gives, and
+    the same gradients (to BF16 round-off)."""
+    from parity.engines.kernels import padded_attention, varlen
+    from parity.engines.packing import pack
+
+    packed = pack(
+        [[3, 4, 5, 6, 7], [8, 9], [3, 4, 5, 6, 7]],
+        torch.randint(3, 60, (3, 9), generator=torch.Generator().manual_seed(0)).cuda(),
+        (torch.arange(9) < torch.tensor([9, 4, 6])[:, None]).cuda(),
+    )
+    n = packed.num_tokens
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(n, h, 64, device="cuda", generator=gen).bfloat16().requires_grad_() for h in (8, 2, 2))
+    if not varlen.supported(q, None, None, None):
+        pytest.skip("this PyTorch has no variable-length attention")
+    g = torch.randn(n, 8, 64, device="cuda", generator=gen).bfloat16()
+    ours = varlen.packed_attention(q, k, v, packed, None, None)
+    (ours.float() * g).sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    padded = padded_attention(kernels.numerics("cuda"), q, k, v, packed, None, None, None)
+    (padded.float() * g).sum().backward()
+    assert (ours.float() - padded.float()).abs().max() < 2e-2
+    assert all((a.float() - t.grad.float()).abs().max() < 5e-2 for a, t in zip(grads, (q, k, v)))

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 import torch
 
 from parity.engines import kernels
-from parity.engines.models import FULL, SLIDING, ModelConfig
+from parity.engines.models import FULL, SLIDING, ModelConfig, apply_rope
+
+
+def roped(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on the query and key heads qk [B, T, heads + KV heads, D] together (one op chain instead of two):
+    (q [B, heads, T, D], k [B, KV heads, T, D])."""
+    return apply_rope(qk.transpose(1, 2), cos, sin).split([heads, qk.shape[2] - heads], dim=1)
 
 
 @dataclass
@@ -36,6 +42,7 @@ class StepContext:
     masks: dict[str, torch.Tensor] | None = None  # DenseKVCache: additive key bias per attention type
     keys: int = 0  # DenseKVCache: slots attended (the highest position any row reaches, + 1)
     rows: object = None  # SlotKVCache: `attention.Rows` of the step
+    at: torch.Tensor | None = None  # SlotKVCache: [n] each row's slot for its new token
 
 
 class DenseKVCache:
@@ -56,16 +63,18 @@ class DenseKVCache:
     def prefill(
         self,
         layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
+        qk: torch.Tensor,
         v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         prompt_of_row: torch.Tensor,
         window: int | None,
-        scale: float,
+        scale: float | None,
         softcap: float | None,
     ) -> torch.Tensor:
-        """Store the prompts' keys and values (k, v [P, Hkv, T, D]) in every row of their prompt and return
-        the prompts' causal attention [P, H, T, D]."""
+        """Rope the prompts' query and key heads (qk [P, T, H + Hkv, D]), store the keys and values (v [P, Hkv,
+        T, D]) in every row of their prompt and return the prompts' causal attention [P, H, T, D]."""
+        q, k = roped(qk, cos, sin, self.config.num_heads)
         p, hkv, t, d = k.shape
         # The attention reads them as stored (FP32 rounded values, keys transposed), as it always has.
         keys = torch.empty((p, hkv, d, t), dtype=self.k.dtype).copy_(k.transpose(-1, -2))
@@ -84,11 +93,10 @@ class DenseKVCache:
         }
         return StepContext(n, positions, masks=masks, keys=keys)
 
-    def decode(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, kind: str, scale, softcap
-    ) -> torch.Tensor:
-        """Write the active rows' new keys and values (k [n, Hkv, 1, D], v [n, 1, Hkv·D]) at their positions
-        and return each row's attention over its cache [n, H, 1, D]."""
+    def decode(self, layer: int, qk, v, cos, sin, ctx: StepContext, kind: str, scale, softcap) -> torch.Tensor:
+        """Rope the active rows' new query and key heads (qk [n, 1, H + Hkv, D]), write the keys and values (v
+        [n, 1, Hkv·D]) at their positions and return each row's attention over its cache [n, H, 1, D]."""
+        q, k = roped(qk, cos, sin, self.config.num_heads)
         n, hkv, _, d = k.shape
         rows = torch.arange(n)
         self.k[layer, rows, :, :, ctx.positions] = k[:, :, 0].to(self.k.dtype)
@@ -116,7 +124,8 @@ class SlotKVCache:
     def reset(self, rows: int, slots: int) -> None:
         self.table.copy_(torch.arange(len(self.table), device=self.table.device))
 
-    def prefill(self, layer, q, k, v, prompt_of_row, window, scale, softcap) -> torch.Tensor:
+    def prefill(self, layer, qk, v, cos, sin, prompt_of_row, window, scale, softcap) -> torch.Tensor:
+        q, k = roped(qk, cos, sin, self.config.num_heads)
         t = k.shape[2]
         rows = self.k[layer].view(-1, self.slots, *self.k.shape[2:])
         rows[: len(prompt_of_row), :t] = k.transpose(1, 2)[prompt_of_row]
@@ -127,20 +136,25 @@ class SlotKVCache:
         from parity.engines.kernels import attention
 
         groups = self.config.num_heads // self.config.num_kv_heads
-        return StepContext(
-            n, positions, rows=attention.one_query_per_row(positions, self.table[:n] * self.slots, groups)
-        )
+        starts = self.table[:n] * self.slots
+        rows = attention.one_query_per_row(positions, starts, groups)
+        return StepContext(n, positions, rows=rows, at=starts + positions)
 
-    def decode(self, layer, q, k, v, ctx: StepContext, kind: str, scale, softcap) -> torch.Tensor:
-        from parity.engines.kernels import attention
+    def decode(self, layer, qk, v, cos, sin, ctx: StepContext, kind: str, scale, softcap) -> torch.Tensor:
+        from parity.engines.kernels import attention, fused
 
-        n, hkv, _, d = k.shape
-        at = self.table[:n] * self.slots + ctx.positions
-        self.k[layer, at] = k[:, :, 0]
-        self.v[layer, at] = v.view(n, hkv, d)
+        heads, d = self.config.num_heads, self.config.head_dim
+        if self.k.is_cuda:  # RoPE and the cache write in one kernel; cos and sin [n, 1, 1, D] are each row's
+            cos, sin = cos[:, 0, 0], sin[:, 0, 0]
+            q = fused.rope_store(qk[:, 0], v[:, 0], cos, sin, self.k[layer], self.v[layer], ctx.at, heads)
+        else:  # Triton's interpreter rounds FP32 to BF16 its own way: the eager ops, as the trainer runs them
+            q, k = roped(qk, cos, sin, heads)
+            self.k[layer, ctx.at] = k[:, :, 0]
+            self.v[layer, ctx.at] = v.view(len(ctx.at), -1, d)
+            q = q[:, :, 0]
         window = self.config.sliding_window if kind == SLIDING else None
         scale = d**-0.5 if scale is None else scale
-        out = attention.rows_attention(q[:, :, 0], self.k[layer], self.v[layer], ctx.rows, scale, window, softcap)
+        out = attention.rows_attention(q, self.k[layer], self.v[layer], ctx.rows, scale, window, softcap)
         return out[:, :, None]
 
     def keep(self, keep: torch.Tensor, n: int, filled: int) -> None:

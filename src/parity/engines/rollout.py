@@ -37,7 +37,6 @@ from parity.engines.models import (
     SLIDING,
     ModelConfig,
     activation,
-    apply_rope,
     rms_norm,
     rope_angles,
     rope_tables,
@@ -257,13 +256,14 @@ class RolloutEngine:
         self,
         ids: torch.Tensor,
         angles: dict[str, tuple[torch.Tensor, torch.Tensor]],
-        attend: Callable[[int, str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        attend: Callable[..., torch.Tensor],
         routing: list[torch.Tensor],
     ) -> torch.Tensor:
         """Hidden states [B, T, H] of tokens `ids` [B, T] after every decoder layer, before the final norm.
         `angles`: RoPE's cos and sin per attention type, broadcastable to [B, heads, T, D]; `attend(layer,
-        kind, q, k, v)` stores the new keys and values and returns the attention [B, heads, T, D], with q and
-        k [B, heads, T, D] and v [B, T, KV heads · D]. MoE layers append their experts to `routing`."""
+        kind, qk, v, cos, sin)` ropes the query and key heads qk [B, T, heads + KV heads, D], stores the new keys
+        and values v [B, T, KV heads · D] and returns the attention [B, heads, T, D]. MoE layers append their
+        experts to `routing`."""
         cfg = self.config
         b, t = ids.shape
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -280,9 +280,7 @@ class RolloutEngine:
             if layer.q_norm is not None:
                 q, k = qk.split([h, hkv], dim=2)
                 qk = torch.cat([self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)], dim=2)
-            # RoPE on the query and key heads together: one op chain instead of two.
-            q, k = apply_rope(qk.transpose(1, 2), cos, sin).split([h, hkv], dim=1)
-            core = attend(i, kind, q, k, v).transpose(1, 2).reshape(b, t, h * d)
+            core = attend(i, kind, qk, v, cos, sin).transpose(1, 2).reshape(b, t, h * d)
             attn = self._project(layer, "o", core)
             if cfg.gemma:
                 x = x + self._norm(attn, layer.post_norm)
@@ -331,10 +329,10 @@ class RolloutEngine:
         at = {kind: (cos[positions][None, None], sin[positions][None, None]) for kind, (cos, sin) in angles.items()}
         b, hkv, d = len(prompts), cfg.num_kv_heads, cfg.head_dim
 
-        def attend(i: int, kind: str, q, k, v):
+        def attend(i: int, kind: str, qk, v, cos, sin):
             window = cfg.sliding_window if kind == SLIDING else None
             values = v.view(b, length, hkv, d).transpose(1, 2)
-            return cache.prefill(i, q, k, values, prompt_of_row, window, cfg.query_scale, cfg.attn_softcap)
+            return cache.prefill(i, qk, values, cos, sin, prompt_of_row, window, cfg.query_scale, cfg.attn_softcap)
 
         routing: list[torch.Tensor] = []
         hidden = self._layers(ids, at, attend, routing)
@@ -354,8 +352,8 @@ class RolloutEngine:
             for kind, (cos, sin) in angles.items()
         }
 
-        def attend(i: int, kind: str, q, k, v):
-            return cache.decode(i, q, k, v, ctx, kind, cfg.query_scale, cfg.attn_softcap)
+        def attend(i: int, kind: str, qk, v, cos, sin):
+            return cache.decode(i, qk, v, cos, sin, ctx, kind, cfg.query_scale, cfg.attn_softcap)
 
         routing: list[torch.Tensor] = []
         hidden = self._layers(tokens[:, None], at, attend, routing)
@@ -417,7 +415,7 @@ class RolloutEngine:
         if full_vocab > 0:
             ws.recorder = _FullVocabRecorder(full_vocab, rows, steps, cfg.vocab_size, dev)
         # The decode step as a CUDA graph: dense models only (a MoE layer reads its experts back to the host).
-        if self.use_graphs and self.graphs_off_reason is None and not moe:
+        if self.use_graphs and self.device.type == "cuda" and self.graphs_off_reason is None and not moe:
             ws.graphs, ws.pool = {}, torch.cuda.graph_pool_handle()
         self._workspace = ws
         return ws

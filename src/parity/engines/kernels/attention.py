@@ -22,17 +22,16 @@ FP32 runs its dot products as FP32 FMAs (never TF32).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from parity.engines.kernels.invariant import INTERPRETED
+
 BLOCK_M, BLOCK_N = 16, 64
 NUM_WARPS = 4
-# Triton's CPU interpreter multiplies 16-bit tiles as integers: there the FP32 path runs for every dtype.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 _INTS = [
     "stride_qn", "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh", "stride_on", "stride_oh",

@@ -1,35 +1,54 @@
-"""Batch-invariant kernels for exact mode on CUDA (Triton).
+"""Batch-invariant kernels for exact mode on CUDA (Triton): the matmul of every linear layer and
+RMSNorm's mean square. (Attention's is `attention.py`.)
 
 cuBLAS picks its GEMM algorithm from the whole shape (tile sizes, split-K, stream-K), and PyTorch's
-softmax and row reductions pick their thread layout from the row count and row length, so on a GPU a
-token's values depend on how many other tokens share its matmul: measured on an H200, the rollout
-engine's prefill and the trainer's packed stream gave different FP32 Q/K/V projections for the same
-token (exact mode stopped at `layer0.attention_core`, position 0). The kernels here compute every
-output element by the same code whatever the shape around it:
+row reductions pick their thread layout from the row count and row length, so on a GPU a token's
+values depend on how many other tokens share its matmul: measured on an H200, the rollout engine's
+prefill and the trainer's packed stream gave different FP32 Q/K/V projections for the same token
+(exact mode stopped at `layer0.attention_core`, position 0). The kernels here compute every output
+element by the same code whatever the shape around it:
 
-* `linear` and `bmm`: one fixed tile configuration, the dot product accumulated in FP32 over K in
-  fixed chunks, in order. A row's result does not depend on the other rows or columns; with the
-  FP32 inputs of attention (FMA, no tensor cores) trailing zero terms leave it unchanged too, so
-  p·v over a cache of any length gives what it gives over the trainer's padded row.
-* `softmax` and `mean_square`: one program per row walking it in fixed chunks, each lane summing its
-  own elements, one fixed tree at the end. Masked keys (−∞) trail and add exact zeros.
+* `linear`: one tile configuration (`TILES`), the dot product accumulated in FP32 over K in order
+  (FP32 inputs as FP32 FMAs, never TF32; 16-bit inputs on the tensor cores). The tiles are walked by
+  a persistent grid, one program per multiprocessor taking tiles in grouped order (neighbouring
+  programs share rows of A and columns of B in L2), which changes which program computes a tile but
+  never how. A row's result depends neither on the other rows nor on the columns beside it: a fused
+  projection's columns give its members' bits.
+* `mean_square`: one program per row walking it in fixed chunks, each lane summing its own elements,
+  one fixed tree at the end.
 
 Forward values are what exact mode needs; the backward passes are plain PyTorch (autograd.Function),
-because gradients do not enter μ = π_old. Imported only when exact mode runs on CUDA (`Numerics`).
-With `TRITON_INTERPRET=1` the same kernels run on CPU tensors, which is how the CPU tests check them.
+because gradients do not enter μ = π_old. Imported only where exact mode runs the CUDA kernels
+(`Numerics`). With `TRITON_INTERPRET=1` the same kernels run on CPU tensors, which is how the CPU tests
+check them.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
-# Tile sizes are fixed (no autotuning): a different tile for another shape would reorder the sums.
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
-ROW_BLOCK = 1024  # elements per chunk of a row in `softmax` and `mean_square`
+
+@dataclass(frozen=True)
+class Tiles:
+    """A matmul's tile configuration: fixed for every shape (a tile chosen by shape would reorder the sums)."""
+
+    m: int
+    n: int
+    k: int
+    warps: int
+    stages: int
+    group: int = 8  # row tiles per group of the grouped order
+
+
+# 16-bit inputs on the tensor cores; FP32 as FMAs in order, narrower in K for the registers.
+TILES = {"tensor_cores": Tiles(64, 64, 64, warps=4, stages=3), "fma": Tiles(64, 64, 32, warps=4, stages=2)}
+ROW_BLOCK = 1024  # elements per chunk of a row in `mean_square`
 # Triton's CPU interpreter multiplies 16-bit tiles as integers: there the FP32 path runs for every dtype.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -39,8 +58,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # reduction's order follows the layout: on an H200, exact mode parted at key counts of 16, 32 and 64.
 # One variant for every shape: no specialisation on values or alignment.
 _INTS = {
-    "matmul": ["M", "N", "K", "stride_az", "stride_am", "stride_ak", "stride_bz", "stride_bk", "stride_bn",
-               "stride_cz", "stride_cm", "stride_cn"],
+    "matmul": ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
+               "programs"],
     "mean_square": ["length", "stride_x"],
 }  # fmt: skip
 _POINTERS = {"matmul": ["a", "b", "c", "bias"], "mean_square": ["x", "y"]}
@@ -53,47 +72,62 @@ def _invariant_jit(name: str):
 @_invariant_jit("matmul")
 def _matmul_kernel(
     a, b, c, bias, M, N, K,
-    stride_az, stride_am, stride_ak,
-    stride_bz, stride_bk, stride_bn,
-    stride_cz, stride_cm, stride_cn,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, programs,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n, z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)  # M x N can pass 2^31 (an LM head's output)
-    cols = pid_n * BN + tl.arange(0, BN)
+    row_tiles, col_tiles = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    per_group = GROUP * col_tiles
     ks = tl.arange(0, BK)
-    a_ptrs = a + z * stride_az + rows[:, None] * stride_am + ks[None, :] * stride_ak
-    b_ptrs = b + z * stride_bz + ks[:, None] * stride_bk + cols[None, :] * stride_bn
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK):
-        a_tile = tl.load(a_ptrs, mask=(rows[:, None] < M) & (ks[None, :] + k0 < K), other=0.0)
-        b_tile = tl.load(b_ptrs, mask=(ks[:, None] + k0 < K) & (cols[None, :] < N), other=0.0)
-        if IEEE:  # FP32 FMA in order (no TF32); 16-bit products are exact in FP32
-            acc = tl.dot(a_tile.to(tl.float32), b_tile.to(tl.float32), acc, input_precision="ieee")
-        else:  # FP16/BF16 tensor cores, FP32 accumulation
-            acc = tl.dot(a_tile, b_tile, acc)
-        a_ptrs += BK * stride_ak
-        b_ptrs += BK * stride_bk
-    if HAS_BIAS:
-        acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)
-    out = c + z * stride_cz + rows[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(out, acc.to(c.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+    for tile in tl.range(tl.program_id(0), row_tiles * col_tiles, programs):
+        # Grouped order: GROUP row tiles sweep the columns together.
+        first_row = tile // per_group * GROUP
+        group_rows = tl.minimum(row_tiles - first_row, GROUP)
+        pid_m = first_row + (tile % per_group) % group_rows
+        pid_n = (tile % per_group) // group_rows
+        rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)  # M x N can pass 2^31 (an LM head's output)
+        cols = pid_n * BN + tl.arange(0, BN)
+        a_ptrs = a + rows[:, None] * stride_am + ks[None, :] * stride_ak
+        b_ptrs = b + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in tl.range(0, K, BK):
+            a_tile = tl.load(a_ptrs, mask=(rows[:, None] < M) & (ks[None, :] + k0 < K), other=0.0)
+            b_tile = tl.load(b_ptrs, mask=(ks[:, None] + k0 < K) & (cols[None, :] < N), other=0.0)
+            if IEEE:  # FP32 FMA in order (no TF32); 16-bit products are exact in FP32
+                acc = tl.dot(a_tile.to(tl.float32), b_tile.to(tl.float32), acc, input_precision="ieee")
+            else:  # FP16/BF16 tensor cores, FP32 accumulation
+                acc = tl.dot(a_tile, b_tile, acc)
+            a_ptrs += BK * stride_ak
+            b_ptrs += BK * stride_bk
+        if HAS_BIAS:
+            acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)
+        out = c + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(out, acc.to(c.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """a [Z, M, K] @ b [Z, K, N] (+ bias [N]) -> [Z, M, N] in a's dtype, any strides."""
-    z, m, k = a.shape
-    n = b.shape[2]
-    c = torch.empty((z, m, n), dtype=a.dtype, device=a.device)
+@cache
+def _programs(device: torch.device) -> int:
+    """Programs of the persistent grid: one per multiprocessor (a few in the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, tiles: Tiles | None = None):
+    """a [M, K] @ b [K, N] (+ bias [N]) -> [M, N] in a's dtype, any strides. `tiles`: another configuration
+    (benchmarks compare them; exact mode always runs `TILES`)."""
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if c.numel() == 0:
         return c
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), z)
-    _matmul_kernel[grid](
+    ieee = a.dtype == torch.float32 or INTERPRETED
+    t = tiles or TILES["fma" if ieee else "tensor_cores"]
+    count = triton.cdiv(m, t.m) * triton.cdiv(n, t.n)
+    programs = min(count, _programs(a.device))
+    _matmul_kernel[(programs,)](
         a, b, c, c if bias is None else bias, m, n, k,
-        *a.stride(), *b.stride(), *c.stride(),
-        HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32 or INTERPRETED,
-        BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+        *a.stride(), *b.stride(), *c.stride(), programs,
+        HAS_BIAS=bias is not None, IEEE=ieee, BM=t.m, BN=t.n, BK=t.k, GROUP=t.group,
+        num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     return c
 
@@ -103,7 +137,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _matmul(x[None], weight.t()[None], bias)[0]
+        return matmul(x, weight.t(), bias)
 
     @staticmethod
     def backward(ctx, grad):

@@ -21,6 +21,9 @@ import torch.nn.functional as F
 
 from parity.engines.packing import PackedBatch
 
+# Off: the trainer lays its rows out padded instead (benchmarks compare the two).
+ENABLED = True
+
 
 @cache
 def _varlen() -> tuple[object, frozenset[str]] | None:
@@ -36,7 +39,7 @@ def supported(q: torch.Tensor, window: int | None, scale: float | None, softcap:
     """Whether `packed_attention` can run these: a PyTorch with varlen attention, 16-bit inputs (flash
     attention's), no soft-cap, and the window or scale only where this PyTorch's call takes them."""
     found = _varlen()
-    if found is None or q.dtype not in (torch.float16, torch.bfloat16) or softcap is not None:
+    if not ENABLED or found is None or q.dtype not in (torch.float16, torch.bfloat16) or softcap is not None:
         return False
     params = found[1]
     if window is not None and "window_size" not in params:

@@ -1,0 +1,554 @@
+"""The engines on a GPU, every figure in one call (issue 46): decode, rollout, exact mode and the trainer,
+today's code re-measured beside the previous code on the same card.
+
+    python benchmarks/gpu_probe.py --out DIR [--baseline-src OLD/src] [--tests] [--small] [--device cuda]
+
+Sections, each in a process of its own with a deadline (a section that fails or runs out of time is
+recorded as such and the others still run):
+
+- `tests`: the CUDA tests (`pytest -m cuda`) and the whole of tests/test_invariant.py on the card;
+- `device`: the card, a device-to-device copy's bandwidth (bytes read + written) and the dense matmul rate
+  per precision: the ceilings every figure is read against;
+- `engine`: on a Qwen2.5-0.5B-shaped model (random weights): ms per decode step at batch 128, read off the
+  engine's own state reads (every CHECK_EVERY steps) once the step is captured, against the floor
+  (weights + the KV cache rows read at that step) ÷ bandwidth; with CUDA graphs (BF16, BF16 exact, FP16)
+  and without (BF16); rollout tokens/s at 16 prompts × 8 samples × 256 tokens (EOS off); exact mode's μ
+  against the trainer's π_old on the same tokens with top-k/top-p (every token must agree);
+- `train`: the trainer's step (forward, backward, optimizer) on a packed batch of 8k and 32k tokens: tokens/s
+  and model FLOP utilisation in BF16, BF16 exact and FP16;
+- `matmul`: exact mode's matmul (`invariant.TILES` and other tile shapes) against cuBLAS at the model's
+  projection shapes, 128 and 16,384 rows, and whether other tiles give the same bits;
+- with `--baseline-src`, the `engine` and `train` figures again from that source tree (the code before this
+  change), in the same call.
+
+Writes DIR/probe.json after every section and DIR/summary.md at the end (also printed); the model and
+the sections' own files go to a temporary folder. `--small` runs
+everything at toy sizes on any device (CI runs it on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+# batch rows, prompt tokens, new tokens for the decode figure; rollout (prompts, samples, tokens); the trainer's
+# step sizes (prompts, samples, prompt tokens, response tokens) of ~8k and ~32k tokens.
+SIZES = {
+    "full": dict(
+        decode=(128, 32, 512),
+        rollout=(16, 8, 256),
+        exact=[(16, 16, 64), (2, 8, 512)],
+        train={"8k": (16, 8, 32, 60), "32k": (16, 8, 32, 252)},
+        matmul_rows=(128, 16384),
+    ),
+    "small": dict(
+        decode=(16, 8, 24),
+        rollout=(2, 4, 16),
+        exact=[(2, 4, 16)],
+        train={"8k": (2, 4, 8, 12)},
+        matmul_rows=(16,),
+    ),
+}
+DEADLINES = {"tests": 150, "device": 60, "engine": 150, "train": 150, "matmul": 90, "baseline": 150}
+EXACT_SAMPLING = dict(temperature=0.8, top_k=50, top_p=0.9)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (count, length), generator=gen).tolist()
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def section_device(args) -> dict:
+    from gpu import bandwidth, peak_tflops
+
+    out = {"bandwidth_gb_s": bandwidth(args.device) / 1e9, "peak_tflops": peak_tflops(args.device)}
+    if args.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        out.update(card=props.name, sms=props.multi_processor_count, memory_gb=props.total_memory / 1e9)
+    out["torch"] = torch.__version__
+    return out
+
+
+def engine_for(model_dir: str, precision: str, device: str, exact: bool, graphs: bool = True):
+    from parity.engines import kernels
+    from parity.engines.models import load_model
+    from parity.engines.rollout import RolloutEngine
+
+    model = load_model(model_dir).to(device)
+    numerics = kernels.numerics(device, exact=exact)
+    model.numerics = numerics
+    engine = RolloutEngine(model.config, precision, (-1,), 0, numerics)  # EOS off: every row decodes to the end
+    if hasattr(engine, "use_graphs"):
+        engine.use_graphs = graphs
+    engine.load_weights(model.state_dict(), version=0)
+    return model, engine
+
+
+def decode_step_ms(engine, device: str, rows: int, prompt: int, new_tokens: int) -> dict:
+    """Per-step time from the engine's own state reads (a host sync every CHECK_EVERY steps): the median over the
+    second half of the call, after warm-up, capture and the first reads."""
+    from parity.engines.sampling import SamplingParams
+
+    vocab = engine.config.vocab_size
+    prompts = random_prompts(rows, prompt, vocab, seed=1)
+    sampling = SamplingParams(max_new_tokens=new_tokens)
+    # Compiles the kernels; the timed call captures its step at its start, before the steps measured.
+    engine.generate(prompts, 1, SamplingParams(max_new_tokens=32), seed=0)
+    stamps: list[float] = []
+
+    def stamp(done: torch.Tensor) -> bool:
+        stamps.append(time.perf_counter())
+        return False
+
+    sync(device)
+    engine.generate(prompts, 1, sampling, seed=0, stop=stamp)
+    every = getattr(engine, "check_every", 16)
+    gaps = [(b - a) / every for a, b in zip(stamps, stamps[1:])]
+    measured = gaps[len(gaps) // 2 :]
+    # The reads measured span these positions: the mean one's KV rows are what a step reads on average.
+    first = prompt + every * (len(gaps) - len(measured) + 1)
+    mean_position = first + every * len(measured) / 2
+    cfg = engine.config
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * rows * mean_position
+    weight_bytes = sum(t.numel() * t.element_size() for t in engine.named_weights().values())
+    return {
+        "rows": rows,
+        "step_ms": statistics.median(measured) * 1000,
+        "mean_position": mean_position,
+        "weight_bytes": weight_bytes,
+        "kv_bytes": kv_bytes,
+        "graphs": bool(getattr(engine, "use_graphs", False)) and getattr(engine, "graphs_off_reason", None) is None,
+        "graphs_off_reason": getattr(engine, "graphs_off_reason", None),
+    }
+
+
+def rollout_tokens_per_s(engine, device: str, prompts: int, group: int, new_tokens: int) -> dict:
+    from parity.engines.sampling import SamplingParams
+
+    ids = random_prompts(prompts, 32, engine.config.vocab_size, seed=2)
+    sampling = SamplingParams(max_new_tokens=new_tokens)
+    engine.generate(ids, group, sampling, seed=0)  # warm: kernels, workspace, graphs
+    sync(device)
+    start = time.perf_counter()
+    batch = engine.generate(ids, group, sampling, seed=1)
+    sync(device)
+    seconds = time.perf_counter() - start
+    return {"tokens": int(batch.response_mask.sum()), "seconds": seconds, "tokens_per_s": batch.num_tokens / seconds}
+
+
+def exact_agreement(model, engine, precision: str, shapes, device: str) -> list[dict]:
+    """μ against the trainer's π_old on the tokens the engine sampled (top-k/top-p): every token must agree."""
+    from parity.engines import precision as prec
+    from parity.engines.sampling import SamplingParams
+    from parity.engines.trainer import sequence_logprobs
+
+    rows = []
+    for prompts, group, new_tokens in shapes:
+        ids = random_prompts(prompts, 24, engine.config.vocab_size, seed=prompts + new_tokens)
+        sampling = SamplingParams(max_new_tokens=new_tokens, **EXACT_SAMPLING)
+        batch = engine.generate(ids, group, sampling, seed=3)
+        parts = []
+        with torch.no_grad():
+            for chunk in torch.arange(len(batch.prompt_ids)).split(32):
+                support = None if batch.support is None else batch.support[chunk]
+                parts.append(
+                    sequence_logprobs(
+                        model,
+                        [batch.prompt_ids[i] for i in chunk.tolist()],
+                        batch.response_ids[chunk],
+                        batch.response_mask[chunk],
+                        support,
+                        sampling.temperature,
+                        prec.to_dtype(precision),
+                    )[1]
+                )
+        mask = batch.response_mask
+        pi, mu = torch.cat(parts)[mask], batch.rollout_logprobs[mask]
+        rows.append(
+            {"rows": prompts * group, "new_tokens": new_tokens, "tokens": int(mask.sum()),
+             "differing": int((pi != mu).sum()), "max_abs": float((pi - mu).abs().max())}
+        )  # fmt: skip
+    return rows
+
+
+def section_engine(args) -> dict:
+    size = SIZES[args.size]
+    rows, prompt, new_tokens = size["decode"]
+    out: dict = {"decode": {}, "rollout": {}}
+    arms = [("bf16", False, True), ("bf16-exact", True, True), ("fp16", False, True), ("bf16-eager", False, False)]
+    if args.baseline:  # the previous engine has neither graphs nor a switch for them
+        arms = [("bf16", False, True), ("bf16-exact", True, True)]
+    for name, exact, graphs in arms:
+        precision = name.split("-")[0]
+        model, engine = engine_for(args.model_dir, precision, args.device, exact, graphs)
+        out["decode"][name] = decode_step_ms(engine, args.device, rows, prompt, new_tokens)
+        print(f"decode {name}: {out['decode'][name]['step_ms']:.3f} ms/step", flush=True)
+        if name in ("bf16", "bf16-exact"):
+            out["rollout"][name] = rollout_tokens_per_s(engine, args.device, *size["rollout"])
+            print(f"rollout {name}: {out['rollout'][name]['tokens_per_s']:.0f} tokens/s", flush=True)
+        if name == "bf16-exact" and not args.baseline:
+            out["exact_agreement"] = exact_agreement(model, engine, precision, size["exact"], args.device)
+            print(f"exact agreement: {out['exact_agreement']}", flush=True)
+        del model, engine
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def synthetic_batch(prompts: int, group: int, prompt_len: int, response_len: int, vocab: int, device: str):
+    from parity.engines.batch import RolloutBatch
+    from parity.engines.sampling import SamplingParams
+
+    ids = random_prompts(prompts, prompt_len, vocab, seed=4)
+    rows = prompts * group
+    gen = torch.Generator().manual_seed(5)
+    return RolloutBatch(
+        prompt_ids=[ids[i // group] for i in range(rows)],
+        response_ids=torch.randint(3, vocab, (rows, response_len), generator=gen).to(device),
+        response_mask=torch.ones(rows, response_len, dtype=torch.bool, device=device),
+        rollout_logprobs=torch.zeros(rows, response_len, device=device),
+        support=None,
+        truncated=torch.zeros(rows, dtype=torch.bool, device=device),
+        group_index=torch.arange(prompts, device=device).repeat_interleave(group),
+        weight_version=0,
+        sampling=SamplingParams(),
+    )
+
+
+def train_step(trainer, batch, budget: int | None) -> None:
+    """One update: every micro-batch forward and backward (a plain log-likelihood loss), then the optimizer."""
+    import contextlib
+
+    rows = torch.arange(len(batch.prompt_ids))
+    if budget is None:  # the previous trainer: 64-row micro-batches, each weight cast per forward
+        parts, scope = rows.split(64), contextlib.nullcontext()
+    else:
+        parts, scope = batch.micro_batches(rows, budget), trainer.casting_once()
+    total = batch.num_tokens
+    with scope:
+        for part in parts:
+            logp = trainer.logprobs(
+                [batch.prompt_ids[i] for i in part.tolist()], batch.response_ids[part], batch.response_mask[part]
+            )
+            trainer.backward(-(logp * batch.response_mask[part]).sum() / total)
+    trainer.step()
+
+
+def _varlen_on() -> bool:
+    from parity.engines.kernels import varlen
+
+    return varlen.ENABLED and varlen._varlen() is not None
+
+
+def section_train(args) -> dict:
+    from parity.engines import kernels
+    from parity.engines.models import load_model
+    from parity.engines.trainer import OptimConfig, Trainer
+
+    budget = None
+    if not args.baseline:
+        from parity.rl.train_config import MICRO_BATCH_TOKENS
+
+        budget = MICRO_BATCH_TOKENS[args.device]
+    peak = json.loads(Path(args.json).read_text())["sections"]["device"]["result"]["peak_tflops"]
+    out = {}
+    sizes = SIZES[args.size]["train"]
+    if args.baseline:  # the previous trainer at the size the issue measured it at
+        sizes = dict(list(sizes.items())[:1])
+    for size_name, shape in sizes.items():
+        for arm in ("bf16", "bf16-exact", "fp16"):
+            precision, exact = arm.split("-")[0], arm.endswith("exact")
+            model = load_model(args.model_dir).to(args.device)
+            model.numerics = kernels.numerics(args.device, exact=exact)
+            trainer = Trainer(model, precision, OptimConfig(lr=1e-6))
+            batch = synthetic_batch(*shape, model.config.vocab_size, args.device)
+            try:
+                train_step(trainer, batch, budget)  # warm
+            except Exception as e:  # noqa: BLE001 - recorded, then measured without varlen attention
+                if args.baseline:
+                    raise
+                from parity.engines.kernels import varlen
+
+                out.setdefault("errors", []).append(f"{arm}@{size_name}: {type(e).__name__}: {e}"[:2000])
+                varlen.ENABLED = False
+                trainer.optimizer.zero_grad(set_to_none=True)
+                train_step(trainer, batch, budget)
+            times, flops = [], []
+            for _ in range(3):
+                before = trainer.matmul_flops
+                sync(args.device)
+                start = time.perf_counter()
+                train_step(trainer, batch, budget)
+                sync(args.device)
+                times.append(time.perf_counter() - start)
+                flops.append(trainer.matmul_flops - before)
+            seconds = statistics.median(times)
+            tflops = statistics.median(flops) / seconds / 1e12
+            tokens = sum(len(p) for p in batch.prompt_ids[:: shape[1]]) + batch.num_tokens
+            out[f"{arm}@{size_name}"] = {
+                "varlen_attention": not args.baseline and _varlen_on(),
+                "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tflops": tflops,
+                "mfu": tflops / peak[precision], "micro_batch_tokens": budget,
+            }  # fmt: skip
+            print(f"train {arm} at {size_name}: {seconds:.3f} s/step, MFU {tflops / peak[precision]:.1%}", flush=True)
+            del model, trainer
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    return out
+
+
+def tflops_of(fn, flops: int, device: str) -> float:
+    """TFLOP/s of `fn` (median of CUDA-event timings; one timed call on the CPU)."""
+    if device != "cuda":
+        start = time.perf_counter()
+        fn()
+        return flops / (time.perf_counter() - start) / 1e12
+    import triton.testing
+
+    return flops / (triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median") / 1e3) / 1e12
+
+
+def section_matmul(args) -> dict:
+    """cuBLAS and exact mode's matmul at the model's projection shapes; other tile shapes' speed and bits."""
+    from parity.engines.kernels import invariant
+    from parity.engines.models import load_config
+
+    cfg = load_config(args.model_dir)
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {
+        "qkv": (q + 2 * kv, cfg.hidden_size),
+        "o": (cfg.hidden_size, q),
+        "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
+        "down": (cfg.hidden_size, cfg.intermediate_size),
+        "lm_head": (cfg.vocab_size, cfg.hidden_size),
+    }
+    others = [
+        invariant.Tiles(64, 128, 64, 4, 3),
+        invariant.Tiles(128, 64, 64, 4, 3),
+        invariant.Tiles(128, 128, 64, 8, 3),
+        invariant.Tiles(64, 64, 64, 8, 4),
+    ]
+    out = {}
+    for m in SIZES[args.size]["matmul_rows"]:
+        for name, (n, k) in shapes.items():
+            a = torch.randn(m, k, device=args.device).bfloat16()
+            w = torch.randn(n, k, device=args.device).bfloat16()
+            flops = 2 * m * n * k
+            reference = invariant.matmul(a, w.t())
+            row = {
+                "cublas_tflops": tflops_of(lambda a=a, w=w: a @ w.t(), flops, args.device),
+                "tiles_tflops": tflops_of(lambda a=a, w=w: invariant.matmul(a, w.t()), flops, args.device),
+            }
+            for t in others:
+                label = f"{t.m}x{t.n}x{t.k}/w{t.warps}/s{t.stages}"
+                row[f"{label}_tflops"] = tflops_of(
+                    lambda a=a, w=w, t=t: invariant.matmul(a, w.t(), tiles=t), flops, args.device
+                )
+                row[f"{label}_same_bits"] = bool(torch.equal(invariant.matmul(a, w.t(), tiles=t), reference))
+            # a fused projection's columns against the member alone (the trainer multiplies by q_proj alone)
+            row["fused_columns_same_bits"] = bool(
+                torch.equal(invariant.matmul(a, w[: n // 2].t()), reference[:, : n // 2])
+            )
+            out[f"{name}@{m}"] = row
+            print(f"matmul {name} ({m} x {k} -> {n}): {row}", flush=True)
+    return out
+
+
+SECTIONS = {"device": section_device, "engine": section_engine, "train": section_train, "matmul": section_matmul}
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def run_section(name: str, args, record: dict, env: dict | None = None, key: str | None = None) -> None:
+    """Run one section in a child process under its deadline; record its result or what stopped it."""
+    key = key or name
+    part = Path(args.scratch) / f"{key}.json"
+    command = [sys.executable, __file__, "--child", name, "--json", str(Path(args.out) / "probe.json"),
+               "--part", str(part), "--device", args.device, "--model-dir", args.model_dir]  # fmt: skip
+    if args.small:
+        command.append("--small")
+    if key == "baseline-engine" or key == "baseline-train":
+        command.append("--baseline")
+    start = time.perf_counter()
+    deadline = DEADLINES["baseline" if key.startswith("baseline") else name]
+    entry: dict = {}
+    try:
+        done = subprocess.run(command, env=env, timeout=deadline, capture_output=True, text=True)
+        sys.stdout.write(done.stdout[-6000:])
+        entry["rc"] = done.returncode
+        if done.returncode:
+            entry["error"] = done.stderr[-4000:]
+            sys.stdout.write(done.stderr[-2000:])
+    except subprocess.TimeoutExpired as e:
+        entry["error"] = f"deadline of {deadline} s passed"
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        sys.stdout.write(out[-3000:])
+    if part.exists():
+        entry["result"] = json.loads(part.read_text())
+    entry["seconds"] = time.perf_counter() - start
+    record["sections"][key] = entry
+    Path(args.out, "probe.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"== {key}: {'ok' if 'result' in entry and not entry.get('error') else entry.get('error', '')[:300]} "
+          f"({entry['seconds']:.0f} s)", flush=True)  # fmt: skip
+
+
+def run_tests(args, record: dict) -> None:
+    tests = HERE.parent / "tests"
+    files = [tests / f for f in ("test_engines.py", "test_kernels.py", "test_static_engine.py")]
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
+    start = time.perf_counter()
+    entry: dict = {}
+    try:
+        cuda = subprocess.run([*command, "-m", "cuda", *map(str, files)], timeout=DEADLINES["tests"] * 0.6,
+                              capture_output=True, text=True)  # fmt: skip
+        invariant = subprocess.run([*command, str(tests / "test_invariant.py")], timeout=DEADLINES["tests"] * 0.4,
+                                   capture_output=True, text=True)  # fmt: skip
+        entry = {"cuda_rc": cuda.returncode, "invariant_rc": invariant.returncode,
+                 "cuda_tail": cuda.stdout[-3000:], "invariant_tail": invariant.stdout[-3000:]}  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        entry["error"] = f"tests passed their deadline: {e.cmd[-1]}"
+    entry["seconds"] = time.perf_counter() - start
+    record["sections"]["tests"] = entry
+    print(f"== tests: {entry.get('cuda_tail', '')[-500:]}\n{entry.get('invariant_tail', '')[-500:]}", flush=True)
+
+
+def summary(record: dict) -> str:
+    """The issue's figures as a table, each beside what it is read against."""
+    s = record["sections"]
+    device = s.get("device", {}).get("result", {})
+    bandwidth = device.get("bandwidth_gb_s", float("nan")) * 1e9
+    lines = [f"# GPU probe: {device.get('card', record['device'])}, torch {device.get('torch', '?')}", ""]
+    lines.append(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; dense TFLOP/s {device.get('peak_tflops')}")
+    lines += ["", "| figure | previous code | this code |", "|---|---|---|"]
+    new, old = s.get("engine", {}).get("result", {}), s.get("baseline-engine", {}).get("result", {})
+
+    def decode(result, arm):
+        d = result.get("decode", {}).get(arm)
+        if not d:
+            return "—"
+        floor = (d["weight_bytes"] + d["kv_bytes"]) / bandwidth * 1000
+        return f"{d['step_ms']:.3f} ms ({d['step_ms'] / floor:.1f}× the {floor:.3f} ms floor)"
+
+    for arm in ("bf16", "bf16-exact", "fp16", "bf16-eager"):
+        lines.append(f"| decode step, batch {new.get('decode', {}).get(arm, {}).get('rows', '?')}, {arm} | "
+                     f"{decode(old, arm)} | {decode(new, arm)} |")  # fmt: skip
+    for arm in ("bf16", "bf16-exact"):
+        cells = [r.get("rollout", {}).get(arm, {}).get("tokens_per_s") for r in (old, new)]
+        lines.append(
+            f"| rollout tokens/s, {arm} | " + " | ".join("—" if c is None else f"{c:.0f}" for c in cells) + " |"
+        )
+    for result, label in ((old, "previous"), (new, "this")):
+        d = result.get("decode", {})
+        if "bf16" in d and "bf16-exact" in d:
+            lines.append(
+                f"| exact decode / plain ({label} code) | {d['bf16-exact']['step_ms'] / d['bf16']['step_ms']:.2f}× | |"
+            )
+    if "exact_agreement" in new:
+        lines.append(f"| exact mode: tokens whose μ ≠ π_old | | {sum(r['differing'] for r in new['exact_agreement'])} "
+                     f"of {sum(r['tokens'] for r in new['exact_agreement'])} |")  # fmt: skip
+    t_new, t_old = s.get("train", {}).get("result", {}), s.get("baseline-train", {}).get("result", {})
+    for key in t_new or t_old:
+        cells = [
+            f"{r[key]['mfu']:.1%} MFU, {r[key]['tokens_per_s']:.0f} tok/s" if key in r else "—" for r in (t_old, t_new)
+        ]
+        lines.append(f"| train {key} | {cells[0]} | {cells[1]} |")
+    for result, label in ((t_old, "previous"), (t_new, "this")):
+        for size in ("8k", "32k"):
+            plain, exact, fp16 = (result.get(f"{a}@{size}") for a in ("bf16", "bf16-exact", "fp16"))
+            if plain and exact:
+                lines.append(
+                    f"| exact train / plain at {size} ({label} code) | {exact['seconds'] / plain['seconds']:.2f}× | |"
+                )
+            if plain and fp16:
+                lines.append(
+                    f"| FP16 train / BF16 at {size} ({label} code) | {fp16['seconds'] / plain['seconds']:.2f}× | |"
+                )
+    tests = s.get("tests", {})
+    if tests:
+        lines.append(f"\ntests: CUDA rc {tests.get('cuda_rc')}, test_invariant rc {tests.get('invariant_rc')} "
+                     f"{tests.get('error', '')}")  # fmt: skip
+    for key, entry in s.items():
+        if entry.get("error"):
+            lines.append(f"\n{key} did not finish: {entry['error'][-600:]}")
+    return "\n".join(lines) + "\n"
+
+
+def child(args) -> None:
+    """One section, in this process: its result to --part."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        result = SECTIONS[args.child](args)
+    except Exception:
+        traceback.print_exc()
+        raise SystemExit(1) from None
+    Path(args.part).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="gpu-probe")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--baseline-src", help="a source tree of the previous code (its src/), measured beside")
+    parser.add_argument("--tests", action="store_true", help="run the CUDA tests and tests/test_invariant.py first")
+    parser.add_argument("--small", action="store_true", help="toy sizes (the CPU smoke run)")
+    parser.add_argument("--sections", default="device,engine,train,matmul")
+    parser.add_argument("--model-dir")
+    parser.add_argument("--child", choices=sorted(SECTIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    parser.add_argument("--part", help=argparse.SUPPRESS)
+    parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.size = "small" if args.small else "full"
+    if args.child:
+        child(args)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    args.scratch = tempfile.mkdtemp(prefix="gpu-probe-")  # the model and each section's part: not results
+    if args.device == "cpu":  # Triton's kernels run in its interpreter without a GPU
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    record: dict = {"device": args.device, "argv": sys.argv[1:], "sections": {}}
+    if args.tests:
+        run_tests(args, record)
+    if not args.model_dir:
+        from engines import make_llama_4m
+        from gpu import make_qwen_shape
+
+        make = make_llama_4m if args.small else make_qwen_shape
+        args.model_dir = str(make(Path(args.scratch) / "model"))
+    for name in args.sections.split(","):
+        run_section(name, args, record)
+    if args.baseline_src:
+        env = {**os.environ, "PYTHONPATH": str(Path(args.baseline_src).resolve())}
+        for name in ("engine", "train"):
+            if name in args.sections.split(","):
+                run_section(name, args, record, env=env, key=f"baseline-{name}")
+    text = summary(record)
+    (out / "summary.md").write_text(text)
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()
