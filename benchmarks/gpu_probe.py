@@ -417,7 +417,7 @@ def run_section(name: str, args, record: dict, env: dict | None = None, key: str
 def run_tests(args, record: dict) -> None:
     tests = HERE.parent / "tests"
     files = [tests / f for f in ("test_engines.py", "test_kernels.py", "test_static_engine.py")]
-    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     start = time.perf_counter()
     entry: dict = {}
     try:
