@@ -143,6 +143,24 @@ def decode_step_ms(engine, device: str, rows: int, prompt: int, new_tokens: int)
     }
 
 
+def kernel_profile(engine, rows: int, prompt: int, steps: int = 32) -> list[dict]:
+    """Where a decode step's GPU time goes, run eagerly (the graph replays the same kernels): the kernels
+    with the most device time over `steps` steps (and the prefill), per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from parity.engines.sampling import SamplingParams
+
+    prompts = random_prompts(rows, prompt, engine.config.vocab_size, seed=1)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, 1, SamplingParams(max_new_tokens=steps), seed=0)
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:25]
+    return [
+        {"kernel": e.key[:120], "us_per_step": e.device_time_total / steps, "calls_per_step": e.count / steps}
+        for e in events
+    ]
+
+
 def rollout_tokens_per_s(engine, device: str, prompts: int, group: int, new_tokens: int) -> dict:
     from parity.engines.sampling import SamplingParams
 
@@ -207,6 +225,8 @@ def section_engine(args) -> dict:
         if name in ("bf16", "bf16-exact"):
             out["rollout"][name] = rollout_tokens_per_s(engine, args.device, *size["rollout"])
             print(f"rollout {name}: {out['rollout'][name]['tokens_per_s']:.0f} tokens/s", flush=True)
+        if name == "bf16-eager" and args.device == "cuda":
+            out["decode_profile"] = kernel_profile(engine, rows, prompt)
         if name == "bf16-exact" and not args.baseline:
             out["exact_agreement"] = exact_agreement(model, engine, precision, size["exact"], args.device)
             print(f"exact agreement: {out['exact_agreement']}", flush=True)
@@ -295,7 +315,7 @@ def section_train(args) -> dict:
                 trainer.optimizer.zero_grad(set_to_none=True)
                 train_step(trainer, batch, budget)
             times, flops = [], []
-            for _ in range(3):
+            for _ in range(5):
                 before = trainer.matmul_flops
                 sync(args.device)
                 start = time.perf_counter()

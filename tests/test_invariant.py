@@ -44,6 +44,23 @@ def test_linear_is_the_rounded_fp32_product_and_a_row_does_not_depend_on_its_bat
     assert torch.equal(invariant.linear(x, w[40:90], b[40:90]), out[:, 40:90])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_a_row_gets_the_same_bits_from_the_small_and_the_large_tiles(dtype):
+    """Thousands of rows take the large tiles, a few rows the small ones (`invariant.tiles_for`): every row the
+    same bits either way, and under every other tile shape."""
+    x, w = randn(1500, 896, dtype=dtype), randn(1152, 896, dtype=dtype, seed=1)
+    many = invariant.linear(x, w)
+    assert (
+        invariant.tiles_for(1500, dtype) != invariant.tiles_for(7, dtype) or dtype == torch.float32 or DEVICE == "cpu"
+    )
+    for rows in (slice(0, 7), slice(700, 830), slice(1499, 1500)):
+        assert torch.equal(invariant.linear(x[rows], w), many[rows])
+    if DEVICE == "cuda":  # the interpreter sums each K chunk as one NumPy dot: its chunks set its bits
+        for t in invariant.TILES.values():
+            if (t == invariant.TILES["fma"]) == (dtype == torch.float32):
+                assert torch.equal(invariant.matmul(x[:200], w.t(), tiles=t), many[:200])
+
+
 def test_mean_square_does_not_depend_on_its_batch():
     h = randn(9, 1100)
     ms = invariant.mean_square(h)
@@ -161,11 +178,8 @@ def test_exact_packed_attention_has_the_gradients_of_plain_attention():
     from parity.engines import kernels
     from parity.engines.packing import pack
 
-    packed = pack(
-        [[3, 4, 5], [7, 8]],
-        torch.tensor([[9, 10, 11, 12], [13, 14, 0, 0]]),
-        torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]).bool(),
-    )
+    responses = torch.tensor([[9, 10, 11, 12], [13, 14, 0, 0]], device=DEVICE)
+    packed = pack([[3, 4, 5], [7, 8]], responses, torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], device=DEVICE).bool())
     n = packed.num_tokens
     q, k, v = (randn(n, h, 16, seed=s).requires_grad_() for s, h in ((1, 4), (2, 2), (3, 2)))
     g = randn(n, 4, 16, seed=4)

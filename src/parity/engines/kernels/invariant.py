@@ -8,12 +8,13 @@ prefill and the trainer's packed stream gave different FP32 Q/K/V projections fo
 (exact mode stopped at `layer0.attention_core`, position 0). The kernels here compute every output
 element by the same code whatever the shape around it:
 
-* `linear`: one tile configuration (`TILES`), the dot product accumulated in FP32 over K in order
-  (FP32 inputs as FP32 FMAs, never TF32; 16-bit inputs on the tensor cores). The tiles are walked by
-  a persistent grid, one program per multiprocessor taking tiles in grouped order (neighbouring
-  programs share rows of A and columns of B in L2), which changes which program computes a tile but
-  never how. A row's result depends neither on the other rows nor on the columns beside it: a fused
-  projection's columns give its members' bits.
+* `linear`: each output element's dot product accumulated in FP32 over K in order (FP32 inputs as
+  FP32 FMAs, never TF32; 16-bit inputs on the tensor cores, K in their own fixed chunks), whatever
+  tile computes it. A row's result depends neither on the other rows nor on the columns beside it: a
+  fused projection's columns give its members' bits. The tile shape follows the row count (`tiles_for`:
+  small tiles for a decode step's few rows, large ones for the trainer's thousands); measured on an
+  H200, every tile shape gave every element the same bits at each of the model's projection shapes
+  (docs/benchmarks.md, "On a GPU"; tests/test_invariant.py checks it on the card).
 * `mean_square`: one program per row walking it in fixed chunks, each lane summing its own elements,
   one fixed tree at the end.
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import triton
@@ -46,8 +46,14 @@ class Tiles:
     group: int = 8  # row tiles per group of the grouped order
 
 
-# 16-bit inputs on the tensor cores; FP32 as FMAs in order, narrower in K for the registers.
-TILES = {"tensor_cores": Tiles(64, 64, 64, warps=4, stages=3), "fma": Tiles(64, 64, 32, warps=4, stages=2)}
+# 16-bit inputs on the tensor cores: small tiles for a few rows (more programs share the weight read), large
+# ones for many; FP32 as FMAs in order, narrower in K for the registers.
+TILES = {
+    "few_rows": Tiles(64, 64, 64, warps=4, stages=3),
+    "many_rows": Tiles(128, 128, 64, warps=8, stages=3),
+    "fma": Tiles(64, 64, 32, warps=4, stages=2),
+}
+MANY_ROWS = 512  # rows from which a 16-bit matmul takes the large tiles
 ROW_BLOCK = 1024  # elements per chunk of a row in `mean_square`
 # Triton's CPU interpreter multiplies 16-bit tiles as integers: there the FP32 path runs for every dtype.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -55,14 +61,12 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Triton compiles a variant of a kernel per argument property: integers equal to 1 or divisible by 16,
 # pointers aligned to 16 bytes. A variant may lay a block out over the threads differently, and a
-# reduction's order follows the layout: on an H200, exact mode parted at key counts of 16, 32 and 64.
-# One variant for every shape: no specialisation on values or alignment.
-_INTS = {
-    "matmul": ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
-               "programs"],
-    "mean_square": ["length", "stride_x"],
-}  # fmt: skip
-_POINTERS = {"matmul": ["a", "b", "c", "bias"], "mean_square": ["x", "y"]}
+# reduction's order follows the layout: on an H200, exact mode parted at key counts of 16, 32 and 64
+# (a softmax over the keys). Row counts, whose variants a batch would pick, are never specialised; the
+# strides and pointers of the matmul are (16-byte loads), which does not touch its sums (measured: every
+# tile shape, every layout, the same bits).
+_INTS = {"matmul": ["M"], "mean_square": ["length", "stride_x"]}
+_POINTERS = {"matmul": [], "mean_square": ["x", "y"]}
 
 
 def _invariant_jit(name: str):
@@ -72,62 +76,59 @@ def _invariant_jit(name: str):
 @_invariant_jit("matmul")
 def _matmul_kernel(
     a, b, c, bias, M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, programs,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
-    row_tiles, col_tiles = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    # Grouped order: GROUP row tiles sweep the columns together (their rows of A and columns of B stay in L2).
+    tile, col_tiles = tl.program_id(0), tl.cdiv(N, BN)
     per_group = GROUP * col_tiles
+    first_row = tile // per_group * GROUP
+    group_rows = tl.minimum(tl.cdiv(M, BM) - first_row, GROUP)
+    pid_m = first_row + (tile % per_group) % group_rows
+    pid_n = (tile % per_group) // group_rows
+    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)  # M x N can pass 2^31 (an LM head's output)
+    cols = pid_n * BN + tl.arange(0, BN)
     ks = tl.arange(0, BK)
-    for tile in tl.range(tl.program_id(0), row_tiles * col_tiles, programs):
-        # Grouped order: GROUP row tiles sweep the columns together.
-        first_row = tile // per_group * GROUP
-        group_rows = tl.minimum(row_tiles - first_row, GROUP)
-        pid_m = first_row + (tile % per_group) % group_rows
-        pid_n = (tile % per_group) // group_rows
-        rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)  # M x N can pass 2^31 (an LM head's output)
-        cols = pid_n * BN + tl.arange(0, BN)
-        a_ptrs = a + rows[:, None] * stride_am + ks[None, :] * stride_ak
-        b_ptrs = b + ks[:, None] * stride_bk + cols[None, :] * stride_bn
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in tl.range(0, K, BK):
-            a_tile = tl.load(a_ptrs, mask=(rows[:, None] < M) & (ks[None, :] + k0 < K), other=0.0)
-            b_tile = tl.load(b_ptrs, mask=(ks[:, None] + k0 < K) & (cols[None, :] < N), other=0.0)
-            if IEEE:  # FP32 FMA in order (no TF32); 16-bit products are exact in FP32
-                acc = tl.dot(a_tile.to(tl.float32), b_tile.to(tl.float32), acc, input_precision="ieee")
-            else:  # FP16/BF16 tensor cores, FP32 accumulation
-                acc = tl.dot(a_tile, b_tile, acc)
-            a_ptrs += BK * stride_ak
-            b_ptrs += BK * stride_bk
-        if HAS_BIAS:
-            acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)
-        out = c + rows[:, None] * stride_cm + cols[None, :] * stride_cn
-        tl.store(out, acc.to(c.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+    a_ptrs = a + rows[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK):
+        a_tile = tl.load(a_ptrs, mask=(rows[:, None] < M) & (ks[None, :] + k0 < K), other=0.0)
+        b_tile = tl.load(b_ptrs, mask=(ks[:, None] + k0 < K) & (cols[None, :] < N), other=0.0)
+        if IEEE:  # FP32 FMA in order (no TF32); 16-bit products are exact in FP32
+            acc = tl.dot(a_tile.to(tl.float32), b_tile.to(tl.float32), acc, input_precision="ieee")
+        else:  # FP16/BF16 tensor cores, FP32 accumulation
+            acc = tl.dot(a_tile, b_tile, acc)
+        a_ptrs += BK * stride_ak
+        b_ptrs += BK * stride_bk
+    if HAS_BIAS:
+        acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)
+    out = c + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(out, acc.to(c.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-@cache
-def _programs(device: torch.device) -> int:
-    """Programs of the persistent grid: one per multiprocessor (a few in the interpreter)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+def tiles_for(rows: int, dtype: torch.dtype) -> Tiles:
+    """The tile configuration of a matmul of `rows` rows in `dtype` (see the module docstring)."""
+    if dtype == torch.float32 or INTERPRETED:
+        return TILES["fma"]
+    return TILES["many_rows" if rows >= MANY_ROWS else "few_rows"]
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, tiles: Tiles | None = None):
     """a [M, K] @ b [K, N] (+ bias [N]) -> [M, N] in a's dtype, any strides. `tiles`: another configuration
-    (benchmarks compare them; exact mode always runs `TILES`)."""
+    (benchmarks compare them; exact mode runs `tiles_for(M, dtype)`)."""
     m, k = a.shape
     n = b.shape[1]
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if c.numel() == 0:
         return c
-    ieee = a.dtype == torch.float32 or INTERPRETED
-    t = tiles or TILES["fma" if ieee else "tensor_cores"]
-    count = triton.cdiv(m, t.m) * triton.cdiv(n, t.n)
-    programs = min(count, _programs(a.device))
-    _matmul_kernel[(programs,)](
-        a, b, c, c if bias is None else bias, m, n, k,
-        *a.stride(), *b.stride(), *c.stride(), programs,
-        HAS_BIAS=bias is not None, IEEE=ieee, BM=t.m, BN=t.n, BK=t.k, GROUP=t.group,
-        num_warps=t.warps, num_stages=t.stages,
+    t = tiles or tiles_for(m, a.dtype)
+    grid = (triton.cdiv(m, t.m) * triton.cdiv(n, t.n),)
+    _matmul_kernel[grid](
+        a, b, c, c if bias is None else bias, m, n, k, *a.stride(), *b.stride(), *c.stride(),
+        HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32 or INTERPRETED,
+        BM=t.m, BN=t.n, BK=t.k, GROUP=t.group, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     return c
 
