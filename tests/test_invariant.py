@@ -216,3 +216,24 @@ def test_fused_rope_and_cache_write_give_the_eager_bits(dtype):
     expected = apply_rope(qk.transpose(1, 2), cos[:, None, None], sin[:, None, None])[:, :, 0]
     assert torch.equal(q, expected[:, :heads]) and torch.equal(keys[at], expected[:, heads:])
     assert torch.equal(values[at], v[:, 0].view(n, kv_heads, d))
+
+
+def test_the_gumbel_draw_samples_the_softmax_and_a_row_alone_gets_the_same_token():
+    """Token frequencies follow softmax(z / T); the log-probability returned is the token's under it (or, given
+    log-probabilities, exactly theirs); -inf is never drawn; and a row's token depends on its number only."""
+    from parity.engines.kernels import gumbel
+
+    z = torch.tensor([1.0, float("-inf"), 2.5, 0.3, -1.0, 2.0] * 20, device=DEVICE)[:100]
+    rows = 3000
+    uniforms = torch.rand(rows, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    tokens, logprobs = gumbel.sample(z.expand(rows, -1), uniforms, normalised=False, temperature=0.7)
+    expected = torch.softmax(z / 0.7, -1)
+    freq = torch.bincount(tokens, minlength=100).float() / rows
+    assert (freq[torch.isinf(z)] == 0).all()
+    assert (freq - expected).abs().max() < 0.03
+    assert torch.allclose(logprobs, torch.log_softmax(z / 0.7, -1)[tokens], atol=1e-5)
+    alone, _ = gumbel.sample(z.expand(5, -1), uniforms[100:105], normalised=False, temperature=0.7)
+    assert torch.equal(alone, tokens[100:105])
+    logp = torch.log_softmax(randn(7, 300), -1)
+    picked, values = gumbel.sample(logp, uniforms[:7], normalised=True)
+    assert torch.equal(values, logp.gather(-1, picked[:, None])[:, 0])

@@ -44,7 +44,14 @@ from parity.engines.models import (
     softcap,
 )
 from parity.engines.packing import Routing
-from parity.engines.sampling import SamplingParams, Widths, draw, filter_logits, supports_in_id_order
+from parity.engines.sampling import (
+    SamplingParams,
+    Widths,
+    draw,
+    filter_logits,
+    log_distribution,
+    supports_in_id_order,
+)
 from parity.engines.weights import LayerWeights, RolloutWeights
 
 # Decode batch sizes stay multiples of this: each size is one CUDA graph (and, on the CPU, oneDNN builds
@@ -85,10 +92,10 @@ class _FullVocabRecorder:
         self.steps.fill_(-1)
         self.logprobs.zero_()
 
-    def observe(self, t: torch.Tensor, position_of_row: torch.Tensor, live: torch.Tensor, logp: torch.Tensor) -> None:
+    def observe(self, t: torch.Tensor, position_of_row: torch.Tensor, live: torch.Tensor, logp) -> None:
         """Step `t` ([1]): `position_of_row` gives each output row's position in the decode batch (-1 once
         it left), `live` marks the batch's rows that sampled a token, `logp` [rows, V] the distribution
-        each sampled from."""
+        each sampled from (or a function giving its rows at given positions)."""
         where = position_of_row[self.rows]
         at = where.clamp(min=0)
         slot = self.kept_keys.argmax(-1)
@@ -97,7 +104,8 @@ class _FullVocabRecorder:
         take = (where >= 0) & live[at] & (key < worst)
         self.kept_keys[self.index, slot] = torch.where(take, key, worst)
         self.steps[self.index, slot] = torch.where(take, t, self.steps[self.index, slot])
-        self.logprobs[self.index, slot] = torch.where(take[:, None], logp[at], self.logprobs[self.index, slot])
+        rows = logp(at) if callable(logp) else logp[at]
+        self.logprobs[self.index, slot] = torch.where(take[:, None], rows, self.logprobs[self.index, slot])
 
     def record(self) -> FullVocab:
         return FullVocab(self.rows.clone(), self.steps.clone(), self.logprobs.clone())
@@ -452,14 +460,17 @@ class RolloutEngine:
         t, rows = ws.step, ws.order[:n]
         column = t.expand(n)
         uniforms = ws.uniforms.index_select(0, t)[0, rows][:, None]
-        sampled = draw(logits, ws.sampling, uniforms, ws.widths)
+        sampled = draw(logits, ws.sampling, uniforms, ws.widths, exact=self.numerics.exact)
         live = ~ws.done[:n]
         # Rows that finished earlier keep their (pad) outputs.
         ws.tokens.index_put_((rows, column), torch.where(live, sampled.token, self.pad_id))
         ws.logprobs.index_put_((rows, column), sampled.logprob.masked_fill(~live, 0.0))
         ws.mask.index_put_((rows, column), live)
         if ws.recorder is not None:
-            ws.recorder.observe(t, ws.position_of_row, live, sampled.logp)
+            logp = sampled.logp
+            if logp is None:  # the draw did not compute the whole distribution: the recorded rows' only
+                logp = lambda at: log_distribution(logits[at], ws.sampling)  # noqa: E731
+            ws.recorder.observe(t, ws.position_of_row, live, logp)
         if sampled.kept_ids is not None:
             ws.kept_ids.index_put_((rows, column), sampled.kept_ids.masked_fill(~live[:, None], -1))
             torch.maximum(ws.kept_most, sampled.kept.masked_fill(~live, 0).max(), out=ws.kept_most)

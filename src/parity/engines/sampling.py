@@ -98,25 +98,49 @@ class Widths:
 @dataclass
 class Draw:
     """One step's draw for N rows: the tokens [N] and their log-probs [N]; the whole log-distribution
-    [N, V]; for a filtered distribution the kept ids [N, widths.support] (-1 after the last), and how
-    many each row kept [N] and would have needed to examine [N] (beyond the widths: draw again wider)."""
+    [N, V] where the draw computed it (None: `log_distribution` computes rows of it); for a filtered
+    distribution the kept ids [N, widths.support] (-1 after the last), and how many each row kept [N] and
+    would have needed to examine [N] (beyond the widths: draw again wider)."""
 
     token: torch.Tensor
     logprob: torch.Tensor
-    logp: torch.Tensor
+    logp: torch.Tensor | None
     kept_ids: torch.Tensor | None = None
     kept: torch.Tensor | None = None
     candidates_needed: torch.Tensor | None = None
 
 
-def draw(logits: torch.Tensor, sampling: SamplingParams, uniforms: torch.Tensor, widths: Widths | None) -> Draw:
+def log_distribution(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """The log-distribution an unfiltered draw samples from: log-softmax(logits / temperature), [N, V]."""
+    return torch.log_softmax(logits / sampling.temperature if sampling.temperature != 1.0 else logits, dim=-1)
+
+
+def _pick(logp: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token per row of log-probabilities [N, V] and its log-probability: by inverse CDF on the CPU (what the
+    engine always drew), the Gumbel-max draw in one pass on CUDA (`kernels/gumbel.py`)."""
+    if logp.is_cuda:
+        from parity.engines.kernels import gumbel
+
+        return gumbel.sample(logp, uniforms[:, 0], normalised=True)
+    token = sample_categorical(logp.exp(), uniforms)
+    return token.squeeze(-1), logp.gather(-1, token).squeeze(-1)
+
+
+def draw(
+    logits: torch.Tensor, sampling: SamplingParams, uniforms: torch.Tensor, widths: Widths | None, exact: bool = False
+) -> Draw:
     """Sample one token per row of FP32 logits [N, V] from `filter_logits`'s distribution with `uniforms`
-    [N, 1]. Device ops only, fixed shapes: safe inside a CUDA graph."""
-    z = logits / sampling.temperature if sampling.temperature != 1.0 else logits
+    [N, 1]. Device ops only, fixed shapes: safe inside a CUDA graph. `exact`: μ is read off the log-softmax
+    of the whole row, the trainer's arithmetic (otherwise, unfiltered on CUDA, the draw's own pass gives it)."""
     if not sampling.filtered:
-        logp = torch.log_softmax(z, dim=-1)
-        token = sample_categorical(logp.exp(), uniforms)
-        return Draw(token.squeeze(-1), logp.gather(-1, token).squeeze(-1), logp)
+        if logits.is_cuda and not exact:
+            from parity.engines.kernels import gumbel
+
+            token, logprob = gumbel.sample(logits, uniforms[:, 0], normalised=False, temperature=sampling.temperature)
+            return Draw(token, logprob, None)
+        logp = log_distribution(logits, sampling)
+        return Draw(*_pick(logp, uniforms), logp)
+    z = logits / sampling.temperature if sampling.temperature != 1.0 else logits
     vocab = z.shape[-1]
     if widths.candidates >= vocab:
         values, ids = torch.sort(z, dim=-1, descending=True, stable=True)
@@ -140,11 +164,11 @@ def draw(logits: torch.Tensor, sampling: SamplingParams, uniforms: torch.Tensor,
     kept_values = values.masked_fill(~keep, float("-inf"))
     processed = torch.full_like(z, float("-inf")).scatter_(-1, ids, kept_values)
     logp = torch.log_softmax(processed, dim=-1)
-    token = sample_categorical(logp.exp(), uniforms)
+    token, logprob = _pick(logp, uniforms)
     kept_ids = ids[:, : widths.support].masked_fill(~keep[:, : widths.support], -1)
     return Draw(
-        token.squeeze(-1),
-        logp.gather(-1, token).squeeze(-1),
+        token,
+        logprob,
         logp,
         kept_ids.to(torch.int32),
         keep.sum(-1),
