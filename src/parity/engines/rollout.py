@@ -61,8 +61,10 @@ ROW_BUCKET = 16
 CHECK_EVERY = 16
 # `generate(full_vocab=N)`: the positions are taken this many per recorded row (fewer rows to score again).
 FULL_VOCAB_PER_ROW = 16
-# A workspace serves calls whose longest row and new-token count round up to the same multiple of these.
-SLOT_MULTIPLE = 64
+# A workspace serves calls whose longest row and new-token count round up to the same multiple of these. On
+# the CPU the cache is as long as the call's longest row: its attention reads strided views, which cost more
+# the longer each cached row (a CPU has no graphs to keep).
+SLOT_MULTIPLE = {"cpu": 1, "cuda": 64}
 STEP_MULTIPLE = 64
 
 
@@ -381,7 +383,8 @@ class RolloutEngine:
     def _workspace_for(
         self, rows: int, max_len: int, max_new: int, sampling: SamplingParams, widths: Widths | None, full_vocab: int
     ) -> _Workspace:
-        slots = -(-max_len // SLOT_MULTIPLE) * SLOT_MULTIPLE
+        multiple = SLOT_MULTIPLE.get(self.device.type, 1)
+        slots = -(-max_len // multiple) * multiple
         steps = -(-max_new // STEP_MULTIPLE) * STEP_MULTIPLE
         # Everything a captured step bakes in: the buffers' shapes, the sampling settings, the weights' buffers.
         key = (rows, slots, steps, dataclasses.replace(sampling, max_new_tokens=1), widths, full_vocab)
