@@ -6,9 +6,10 @@ at a time and copied when finished rows leave, the filtered distribution built o
 vocabulary with a [B, V] mask per step — running on a new engine's weights and layer helpers
 (`_norm`, `_project`, `_mlp`), so the comparison isolates the loop, the cache and the sampling.
 
-One change from aff8d8d: `filter_logits` sorts stably. The old unstable sort left the order of
-equal logits to the sort's implementation, so which of two tied tokens top-p kept at its cut was
-arbitrary; the new engine keeps the lower token id, as a stable sort does.
+One change from aff8d8d: `filter_logits` (the definition in `sampling.py`, used here) sorts stably.
+The old unstable sort left the order of equal logits to the sort's implementation, so which of two
+tied tokens top-p kept at its cut was arbitrary; the new engine keeps the lower token id, as a stable
+sort does.
 """
 
 from __future__ import annotations
@@ -20,31 +21,11 @@ import torch
 from parity.engines.batch import FullVocab, RolloutBatch
 from parity.engines.models import FULL, SLIDING, apply_rope, rope_angles, rope_tables, softcap
 from parity.engines.packing import Routing
-from parity.engines.sampling import SamplingParams
+from parity.engines.sampling import SamplingParams, filter_logits, sample_categorical
 
 CACHE_BLOCK = 32
 ROW_BUCKET = 16
 FULL_VOCAB_PER_ROW = 16
-
-
-def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    if sampling.temperature != 1.0:
-        logits = logits / sampling.temperature
-    if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop_sorted = (probs.cumsum(-1) - probs) >= sampling.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample_categorical(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    cdf = probs.cumsum(dim=-1)
-    return torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).clamp(max=probs.shape[-1] - 1)
 
 
 def support_ids(kept: torch.Tensor) -> torch.Tensor:
