@@ -46,13 +46,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--precisions", default="fp32,bf16,fp16")
+    parser.add_argument("--models", default=",".join(name for name, *_ in WORKLOADS))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)  # as `parity sanity` runs each run
     record = {"capability": torch.backends.cpu.get_cpu_capability(), **cpu.features().describe(), "rows": []}
     print(json.dumps({k: v for k, v in record.items() if k != "rows"}), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for name, prompts, group, new_tokens in WORKLOADS:
+        for name, prompts, group, new_tokens in [w for w in WORKLOADS if w[0] in args.models.split(",")]:
             path = "builtin" if name == "builtin" else str(make_llama_4m(Path(tmp) / "llama"))
             model = load_model(path)
             tok = load_tokenizer(resolve_model_dir(path))

@@ -420,7 +420,8 @@ class RolloutEngine:
         )
         if widths is not None:
             ws.kept_ids = filled(-1, rows, steps, widths.support, dtype=torch.int32)
-            ws.kept_most, ws.candidates_most = filled(0), filled(0)
+            if widths.support < cfg.vocab_size:  # a buffer the draw could outgrow: watched
+                ws.kept_most, ws.candidates_most = filled(0), filled(0)
         if moe:
             ws.routes = filled(-1, rows, steps, len(cfg.moe_layers), cfg.experts_per_token)
         if full_vocab > 0:
@@ -451,6 +452,7 @@ class RolloutEngine:
         ws.uniforms[:max_new] = torch.cat([torch.rand(rows, 1, generator=gen, device=dev) for _ in range(max_new)], 1).T
         if ws.kept_ids is not None:
             ws.kept_ids.fill_(-1)
+        if ws.kept_most is not None:
             ws.kept_most.zero_()
             ws.candidates_most.zero_()
         if ws.routes is not None:
@@ -476,6 +478,7 @@ class RolloutEngine:
             ws.recorder.observe(t, ws.position_of_row, live, logp)
         if sampled.kept_ids is not None:
             ws.kept_ids.index_put_((rows, column), sampled.kept_ids.masked_fill(~live[:, None], -1))
+        if ws.kept_most is not None:
             torch.maximum(ws.kept_most, sampled.kept.masked_fill(~live, 0).max(), out=ws.kept_most)
             if sampled.candidates_needed is not None:
                 needed = sampled.candidates_needed.masked_fill(~live, 0).max()
@@ -529,7 +532,7 @@ class RolloutEngine:
 
     def _widths_needed(self, ws: _Workspace) -> Widths | None:
         """Wider buffers if a step's draw needed them (read from the device)."""
-        if ws.widths is None:
+        if ws.kept_most is None:  # buffers as wide as the vocabulary
             return None
         kept, candidates = (int(v) for v in torch.stack([ws.kept_most, ws.candidates_most]).tolist())
         have = ws.widths
