@@ -42,6 +42,30 @@ WORKLOADS = [("builtin", 8, 8, 96), ("llama-4.4M", 16, 4, 64)]
 SAMPLINGS = {"plain": {}, "top-k-top-p": dict(temperature=0.8, top_k=20, top_p=0.9)}
 
 
+def compare(engine, ids: list[list[int]], group: int, sampling: SamplingParams, repeats: int) -> dict:
+    """Median seconds of the static engine and of the previous loop on the same call, in turn after a warm-up
+    of each, and whether they sampled the same tokens and μ."""
+    arms = {
+        "static": lambda seed: engine.generate(ids, group, sampling, seed),
+        "previous": lambda seed: reference_rollout.generate(engine, ids, group, sampling, seed),
+    }
+    first = {arm: fn(0) for arm, fn in arms.items()}
+    same = all(
+        torch.equal(getattr(first["static"], name), getattr(first["previous"], name))
+        for name in ("response_ids", "rollout_logprobs")
+    )
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    for r in range(repeats):
+        for arm in list(arms)[r % 2 :] + list(arms)[: r % 2]:
+            start = time.perf_counter()
+            arms[arm](r + 1)
+            times[arm].append(time.perf_counter() - start)
+    row = {"tokens": first["static"].num_tokens, "same_bits": same}
+    row.update({f"{arm}_s": statistics.median(t) for arm, t in times.items()})
+    row["ratio"] = row["static_s"] / row["previous_s"]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -64,31 +88,12 @@ def main() -> None:
                 engine.load_weights(export_state(model), version=0)
                 for label, extra in SAMPLINGS.items():
                     sampling = SamplingParams(max_new_tokens=new_tokens, **extra)
-                    arms = {
-                        "static": lambda seed, s=sampling: engine.generate(ids, group, s, seed),
-                        "previous": lambda seed, s=sampling: reference_rollout.generate(engine, ids, group, s, seed),
-                    }
-                    times = {arm: [] for arm in arms}
-                    batches = {arm: fn(0) for arm, fn in arms.items()}  # warm-up, and the same samples?
-                    same = torch.equal(
-                        batches["static"].response_ids, batches["previous"].response_ids
-                    ) and torch.equal(batches["static"].rollout_logprobs, batches["previous"].rollout_logprobs)
-                    tokens = batches["static"].num_tokens
-                    for r in range(args.repeats):
-                        for arm in list(arms)[r % 2 :] + list(arms)[: r % 2]:
-                            start = time.perf_counter()
-                            arms[arm](r + 1)
-                            times[arm].append(time.perf_counter() - start)
-                    row = {
-                        "model": name, "precision": precision, "sampling": label, "rows": prompts * group,
-                        "new_tokens": new_tokens, "tokens": tokens, "same_bits": same,
-                        **{f"{arm}_s": statistics.median(t) for arm, t in times.items()},
-                    }  # fmt: skip
-                    row["ratio"] = row["static_s"] / row["previous_s"]
+                    row = compare(engine, ids, group, sampling, args.repeats)
+                    row.update(model=name, precision=precision, sampling=label, rows=prompts * group)
                     record["rows"].append(row)
                     print(
-                        f"{name} {precision} {label}: static {row['static_s']:.3f} s, previous {row['previous_s']:.3f} s "
-                        f"({row['ratio']:.2f}x), same bits: {same}",
+                        f"{name} {precision} {label}: static {row['static_s']:.3f} s, previous "
+                        f"{row['previous_s']:.3f} s ({row['ratio']:.2f}x), same bits: {row['same_bits']}",
                         flush=True,
                     )
     if args.json:
