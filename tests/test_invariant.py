@@ -93,7 +93,7 @@ def test_the_two_engines_agree_bit_for_bit_through_the_invariant_kernels(precisi
     from test_exact import FILTERED, random_prompts, trainer_logprobs
 
     model = load_model("builtin").to(DEVICE)
-    model.numerics = kernels.Numerics(torch.device(DEVICE), exact=True, invariant=True)
+    model.numerics = kernels.TritonExact(torch.device(DEVICE))
     tok = load_tokenizer(BUILTIN_DIR)
     engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, model.numerics)
     engine.load_weights(export_state(model), version=0)
@@ -183,7 +183,7 @@ def test_exact_packed_attention_has_the_gradients_of_plain_attention():
     n = packed.num_tokens
     q, k, v = (randn(n, h, 16, seed=s).requires_grad_() for s, h in ((1, 4), (2, 2), (3, 2)))
     g = randn(n, 4, 16, seed=4)
-    exact = kernels.Numerics(torch.device(DEVICE), exact=True, invariant=True)
+    exact = kernels.TritonExact(torch.device(DEVICE))
     plain = kernels.numerics(DEVICE)
     (exact.packed_attention(q, k, v, packed) * g).sum().backward()
     ours = [t.grad.clone() for t in (q, k, v)]

@@ -164,5 +164,5 @@ class SlotKVCache:
 def kv_cache(cfg: ModelConfig, rows: int, slots: int, dtype: torch.dtype, numerics: kernels.Numerics):
     """The cache for `numerics` (see the module docstring); exact mode's Triton kernels take the CUDA layout
     wherever they run (on the CPU, in Triton's interpreter, as the tests run them)."""
-    kind = SlotKVCache if numerics.device.type == "cuda" or numerics.invariant else DenseKVCache
+    kind = SlotKVCache if numerics.cache_layout == "slots" else DenseKVCache
     return kind(cfg, rows, slots, dtype, numerics)

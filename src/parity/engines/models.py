@@ -323,19 +323,6 @@ def _attention_layout(
 # ----------------------------------------------------------------------------- modules
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, numerics: kernels.Numerics, gemma: bool = False
-) -> torch.Tensor:
-    """Normalise in FP32, then scale: Llama rounds to the compute dtype and multiplies by w;
-    Gemma multiplies by (1 + w) in FP32 and rounds once. Either way w is the weight as the
-    compute dtype holds it."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(numerics.mean_square(xf) + eps)
-    if gemma:
-        return (xf * (1.0 + weight.to(x.dtype).float())).to(x.dtype)
-    return weight.to(x.dtype) * xf.to(x.dtype)
-
-
 # Elementwise kernels with an exp or tanh run vector code on most elements and scalar code on
 # the tail of each contiguous run (the last `width % 32` elements of a row, on AVX-512), and
 # the two can round differently: a token's activations would depend on the tensor's shape.
@@ -403,7 +390,7 @@ class RMSNorm(nn.Module):
         self.numerics = kernels.numerics()  # set through CausalLM.numerics
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.numerics, self.gemma)
+        return self.numerics.rms_norm(x, self.weight, self.eps, self.gemma)
 
 
 class Linear(nn.Module):

@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from parity.engines import kernels
 from parity.engines import precision as prec
@@ -37,7 +36,6 @@ from parity.engines.models import (
     SLIDING,
     ModelConfig,
     activation,
-    rms_norm,
     rope_angles,
     rope_tables,
     route,
@@ -211,32 +209,13 @@ class RolloutEngine:
     # ------------------------------------------------------------------ one forward through the layers
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm, the fused kind (FP32 inside, one rounding), as inference engines run it;
-        the trainer follows the Hugging Face form (for Llama, two roundings), and so does
-        exact mode."""
-        if self.numerics.exact or self.config.gemma:  # Gemma scales by (1 + w), which the fused kernel has no form for
-            return rms_norm(x, weight, self.config.rms_norm_eps, self.numerics, self.config.gemma)
-        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+        return self.numerics.engine_norm(x, weight, self.config.rms_norm_eps, self.config.gemma)
 
     def _project(self, layer: LayerWeights, part: str, x: torch.Tensor) -> torch.Tensor:
         """The projection `part` of `layer` (qkv, o, gate_up, down), with its unmerged adapter."""
         out = self.numerics.linear(x, getattr(layer, part), getattr(layer, part + "_bias"), held=True)
         if part in layer.lora:
-            a, b, blocks = layer.lora[part]
-            if self.numerics.exact:
-                # The trainer adds each member's adapter to its own output: the block-diagonal B would
-                # sum over the other members' (zero) rank columns too, in another order.
-                low = self.numerics.linear(x, a)
-                for columns, ranks in blocks:
-                    out[..., columns] += self.numerics.linear(low[..., ranks], b[columns, ranks])
-                return out
-            if a.dtype == x.dtype:
-                return out + kernels.linear(kernels.linear(x, a), b)
-            # BF16 on the CPU would build a oneDNN kernel for each of these rank-wide matmuls at every
-            # decode batch size (1.5x the rollout's time, measured); FP32 on the BF16 values, each
-            # product rounded to BF16, computes what the BF16 kernel does, to the order of its sums.
-            low = kernels.linear(x.float(), a).to(x.dtype)
-            out = out + kernels.linear(low.float(), b).to(x.dtype)
+            out = self.numerics.add_adapter(out, x, *layer.lora[part])
         return out
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor, routing: list[torch.Tensor]) -> torch.Tensor:

@@ -166,11 +166,9 @@ class RolloutWeights:
                         b[row : row + width, col : col + rank] = p[1]
                         blocks.append((slice(row, row + width), slice(col, col + rank)))
                     row, col = row + width, col + rank
-                # BF16 on the CPU: held as BF16-rounded values in FP32 (see `_project`), but not in exact
-                # mode, which computes what the trainer does.
-                a, b = (t.to(device=self.device, dtype=self.dtype) for t in (a, b))
-                if kernels.per_shape_kernels(self.dtype, self.device) and not self.numerics.exact:
-                    a, b = a.float(), b.float()
+                # Rounded to the rollout precision, held as `Numerics.add_adapter` reads them.
+                held = self.numerics.adapter_dtype(self.dtype)
+                a, b = (t.to(device=self.device, dtype=self.dtype).to(held) for t in (a, b))
                 layer.lora[part] = (a, b, blocks)
         if unknown:
             raise ValueError(f"adapter sync: no projection named {sorted(unknown)[:3]}")

@@ -14,16 +14,16 @@ rounded inputs and the result is rounded (`cpu.py`): the same numbers at FP32 sp
 FP16/BF16 on the CPU follows flash-attention's numerics with FP32 kernels: scores and softmax in
 FP32, probabilities rounded to the compute dtype, products accumulated in FP32, output rounded.
 
-`Numerics` is the one object an engine holds: its device, and exact mode (docs/exact.md), the
-switch under which both engines compute the same bits for a token whatever its batch. On CUDA,
-exact mode runs the matmuls, the attention softmax and RMSNorm's mean through the batch-invariant
-Triton kernels of `invariant.py` (cuBLAS and PyTorch's reductions choose their order by shape).
+`Numerics` is the one object an engine holds: its device, and in exact mode (docs/exact.md) the
+implementation under which both engines compute the same bits for a token whatever its batch:
+`CpuExact` on the CPU, `TritonExact` on CUDA, which runs the matmuls, attention and RMSNorm's mean
+through the batch-invariant Triton kernels of `invariant.py` and `attention.py` (cuBLAS and PyTorch's
+reductions choose their order by shape).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -165,44 +165,72 @@ def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
-@dataclass(frozen=True)
 class Numerics:
-    """How an engine computes: on `device`, and in exact mode or not. Build with `numerics()`."""
+    """How an engine computes on `device`: each precision's matmul path for the device and processor (see
+    the module docstring), PyTorch's attention, the rollout engine's fused RMSNorm. One object per device and
+    mode (`numerics()`), handed to every engine and layer that computes; exact mode is a subclass
+    (`CpuExact`, `TritonExact`), never a flag the engines test."""
 
-    device: torch.device
-    exact: bool = False
-    # Exact mode on CUDA: the batch-invariant Triton kernels (`invariant.py`) replace cuBLAS and
-    # PyTorch's softmax and row means wherever a token's value could depend on its batch. (Tests
-    # set it on the CPU too, where Triton's interpreter runs the same kernels.)
-    invariant: bool = False
+    exact = False
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device})"
+
+    @property
+    def cache_layout(self) -> str:
+        """The rollout engine's KV cache (`kvcache.kv_cache`): "dense" on the CPU, "slots" on CUDA."""
+        return "slots" if self.device.type == "cuda" else "dense"
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, held: bool = False
     ) -> torch.Tensor:
-        """`linear` (above), batch-invariant on CUDA in exact mode."""
-        if self.invariant:
-            from parity.engines.kernels import invariant
-
-            return invariant.linear(
-                x, weight if held else weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
-            )
-        return linear(x, weight, bias, held, row_blocks=self.exact and self.device.type == "cpu")
+        """`linear` (above)."""
+        return linear(x, weight, bias, held)
 
     def mean_square(self, x: torch.Tensor) -> torch.Tensor:
         """mean(x², last dimension, keepdim) of an FP32 tensor: RMSNorm's statistic."""
-        if self.invariant:
-            from parity.engines.kernels import invariant
-
-            return invariant.mean_square(x)
         return x.pow(2).mean(-1, keepdim=True)
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+        """RMSNorm as the trainer (and Hugging Face) computes it: normalise in FP32, then scale: Llama rounds
+        to the compute dtype and multiplies by w; Gemma multiplies by (1 + w) in FP32 and rounds once. Either
+        way w is the weight as the compute dtype holds it."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(self.mean_square(xf) + eps)
+        if gemma:
+            return (xf * (1.0 + weight.to(x.dtype).float())).to(x.dtype)
+        return weight.to(x.dtype) * xf.to(x.dtype)
+
+    def engine_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+        """The rollout engine's RMSNorm: the fused kind (FP32 inside, one rounding), as inference engines run
+        it; Gemma's (1 + w) scale has no fused form, so Gemma's is the trainer's."""
+        if gemma:
+            return self.rms_norm(x, weight, eps, gemma)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def add_adapter(
+        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, blocks: list
+    ) -> torch.Tensor:
+        """`out` plus an unmerged LoRA adapter's x·Aᵀ·Bᵀ (`weights.LayerWeights.lora`)."""
+        if a.dtype == x.dtype:
+            return out + linear(linear(x, a), b)
+        # BF16 on the CPU would build a oneDNN kernel for each of these rank-wide matmuls at every
+        # decode batch size (1.5x the rollout's time, measured); FP32 on the BF16 values, each
+        # product rounded to BF16, computes what the BF16 kernel does, to the order of its sums.
+        low = linear(x.float(), a).to(x.dtype)
+        return out + linear(low.float(), b).to(x.dtype)
+
+    def adapter_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the rollout engine holds an adapter's A and B in (rounded to `dtype` first): FP32 where
+        `dtype`'s kernels are built per shape (`add_adapter`)."""
+        return torch.float32 if per_shape_kernels(dtype, self.device) else dtype
+
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """Batched `a @ b`; in exact mode its elements depend neither on the other rows and
-        columns nor on trailing zero terms (see MIN_ROWS)."""
-        if not self.exact:
-            return torch.matmul(a, b)
-        rows, cols = a.shape[-2], b.shape[-1]
-        return torch.matmul(_pad(_pad(a, -1), -2, MIN_BATCHED_ROWS), _pad(_pad(b, -2), -1))[..., :rows, :cols]
+        """Batched `a @ b` (attention's)."""
+        return torch.matmul(a, b)
 
     def attention(
         self,
@@ -218,53 +246,34 @@ class Numerics:
         `q` is [B, H, T, D]; `k`, `v` are [B, Hkv, T, D]. `window`: each query sees the last `window`
         keys, itself included (sliding-window layers). `scale` defaults to D ** -0.5; `softcap` bounds
         the scores to (-softcap, softcap) with tanh before the mask (Gemma 2).
-        Exact mode on CUDA: the kernel of `attention.py`, which gives each query the bits the decode step
-        and the trainer give it. Exact mode on the CPU: the spelled-out form in every precision, with the
-        FP32 kernel for the probability-weighted values, so that each query's output is the bits
-        `decode_attention` gives for it over a KV cache.
         """
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        if self.invariant:
-            from parity.engines.kernels import attention
-
-            b, h, t, d = q.shape
-            starts = torch.arange(b, device=q.device, dtype=torch.int32) * t
-            counts = torch.full((b,), t, device=q.device, dtype=torch.int32)
-            tile_row, tile_f0 = attention.tiles(counts, h // k.shape[1])
-            rows = attention.Rows(starts, counts, torch.zeros_like(counts), starts, tile_row, tile_f0)
-            flat = attention.rows_attention(
-                q.transpose(1, 2).reshape(b * t, h, d),
-                k.transpose(1, 2).reshape(b * t, -1, d),
-                v.transpose(1, 2).reshape(b * t, -1, d),
-                rows,
-                scale,
-                window,
-                softcap,
-            )
-            return flat.view(b, t, h, d).transpose(1, 2)
-        allowed = None if window is None else sliding_mask(q.shape[2], window, q.device)
-        if self.exact or softcap is not None or (q.device.type == "cpu" and q.dtype != torch.float32):
+        if softcap is not None or (q.device.type == "cpu" and q.dtype != torch.float32):
             # The CPU has no FP16 attention kernel worth using, and its BF16 one has a ~8x
             # slower backward than FP32's: spell out the flash-attention numerics instead.
-            # The query heads sharing a KV head become extra rows of one matmul against it,
-            # so K and V are never copied per query head.
-            b, h, q_len, d = q.shape
-            kv_heads, k_len = k.shape[1], k.shape[2]
-            groups = h // kv_heads
-            bias = torch.zeros((q_len, k_len), device=q.device)
-            if allowed is None:
-                bias = bias.masked_fill(torch.ones_like(bias, dtype=torch.bool).triu(1), float("-inf"))
-            else:
-                bias = bias.masked_fill(~allowed, float("-inf"))
-            bias = bias.repeat(groups, 1)  # row g * q_len + t is query t
-            q_rows = q.reshape(b, kv_heads, groups * q_len, d).float()
-            scores = _capped(self.matmul(q_rows, k.float().transpose(-1, -2)) * scale, softcap) + bias
-            return self._weighted_values(scores, v, q.dtype).reshape(b, h, q_len, d)
+            return self._spelled_out(q, k, v, window, scale, softcap)
+        allowed = None if window is None else sliding_mask(q.shape[2], window, q.device)
         gqa = q.shape[1] != k.shape[1]
         with sdpa_kernel(SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=allowed, is_causal=allowed is None, enable_gqa=gqa, scale=scale
             )
+
+    def _spelled_out(self, q, k, v, window: int | None, scale: float, softcap: float | None) -> torch.Tensor:
+        """Attention with flash-attention's numerics written out. The query heads sharing a KV head become
+        extra rows of one matmul against it, so K and V are never copied per query head."""
+        b, h, q_len, d = q.shape
+        kv_heads, k_len = k.shape[1], k.shape[2]
+        groups = h // kv_heads
+        bias = torch.zeros((q_len, k_len), device=q.device)
+        if window is None:
+            bias = bias.masked_fill(torch.ones_like(bias, dtype=torch.bool).triu(1), float("-inf"))
+        else:
+            bias = bias.masked_fill(~sliding_mask(q_len, window, q.device), float("-inf"))
+        bias = bias.repeat(groups, 1)  # row g * q_len + t is query t
+        q_rows = q.reshape(b, kv_heads, groups * q_len, d).float()
+        scores = _capped(self.matmul(q_rows, k.float().transpose(-1, -2)) * scale, softcap) + bias
+        return self._weighted_values(scores, v, q.dtype).reshape(b, h, q_len, d)
 
     def packed_attention(
         self,
@@ -277,16 +286,10 @@ class Numerics:
         softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of the trainer's packed stream (`packing.py`): q [N, H, D], k and v [N, Hkv, D],
-        each token attending to its own sequence (a shared prompt, then its response) -> [N, H, D].
-
-        Exact mode on CUDA: `attention.py`'s kernel over the stream (the decode step's bits), with the
-        gradients of plain attention. Plain mode on CUDA: flash attention over variable-length rows
-        (`varlen.py`) where PyTorch has it and the model allows it. Otherwise (the CPU, always): the rows laid
-        out padded, in a few length-sorted chunks, through `attention` (the numerics the CPU always had)."""
-        if self.invariant:
-            from parity.engines.kernels import varlen
-
-            return varlen.exact_packed_attention(q, k, v, packed, window, scale, softcap, numerics(self.device))
+        each token attending to its own sequence (a shared prompt, then its response) -> [N, H, D]. On CUDA:
+        flash attention over variable-length rows (`varlen.py`) where PyTorch has it and the model allows it.
+        Otherwise (the CPU, always): the rows laid out padded, in a few length-sorted chunks, through
+        `attention`."""
         if q.is_cuda:
             from parity.engines.kernels import varlen
 
@@ -314,7 +317,6 @@ class Numerics:
         hkv = k_t.shape[1]
         qg = q.view(b, hkv, h // hkv, d)
         scale = d**-0.5 if scale is None else scale
-        # exact: a decode step's few query rows per KV head are padded (see MIN_BATCHED_ROWS).
         scores = _capped(self.matmul(qg.float(), k_t.float()) * scale, softcap) + key_bias
         return self._weighted_values(scores, v, q.dtype).reshape(b, h, 1, d)
 
@@ -322,14 +324,9 @@ class Numerics:
         """softmax(scores) @ v with flash-attention numerics: FP32 scores and softmax, the
         probabilities rounded to `dtype`, FP32 accumulation, the output rounded to `dtype`.
         Softmax and the weighted sum give a query the same bits however many masked keys
-        follow its last visible one, which is what lets a cache and a full sequence agree;
-        exact mode pads what would otherwise depend on the shapes (see MIN_ROWS)."""
-        short = MIN_ROWS - scores.shape[-1]
-        if self.exact and short > 0:  # the CPU softmax takes a scalar path on rows shorter than a vector register
-            scores = F.pad(scores, (0, short), value=float("-inf"))
-            v = F.pad(v, (0, 0, 0, short))
+        follow its last visible one, which is what lets a cache and a full sequence agree."""
         probs = torch.softmax(scores, dim=-1).to(dtype)
-        if self.exact or emulated(probs) or v.dtype == torch.float32:
+        if emulated(probs) or v.dtype == torch.float32:
             # FP32 kernels on rounded inputs: exact products, FP32 sums. (A CPU KV cache
             # holds FP32 values, rounded to the precision when written.)
             return self.matmul(probs.float(), v.float()).to(dtype)
@@ -341,8 +338,7 @@ class Numerics:
         out = {"device": str(self.device), "exact": str(self.exact).lower(), "torch": torch.__version__}
         if self.device.type == "cuda":
             out.update(cuda.describe(self.device))
-            path = "triton batch-invariant" if self.invariant else cpu.NATIVE
-            out.update({f"matmul_{n}": path for n in ("fp32", "bf16", "fp16")})
+            out.update({f"matmul_{n}": self._cuda_matmul_path for n in ("fp32", "bf16", "fp16")})
             return out
         features = cpu.features()
         out.update(features.describe())
@@ -350,6 +346,108 @@ class Numerics:
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
             out[f"matmul_{name}"] = cpu.EMULATED if dtype in emulated_dtypes else cpu.NATIVE
         return out
+
+    _cuda_matmul_path = cpu.NATIVE
+
+
+class _Exact(Numerics):
+    """What both forms of exact mode share: the rollout engine computes as the trainer does (its RMSNorm,
+    each adapter member added on its own), so that μ is π's bits (docs/exact.md)."""
+
+    exact = True
+
+    def engine_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+        return self.rms_norm(x, weight, eps, gemma)
+
+    def add_adapter(
+        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, blocks: list
+    ) -> torch.Tensor:
+        # The trainer adds each member's adapter to its own output: the block-diagonal B would
+        # sum over the other members' (zero) rank columns too, in another order.
+        low = self.linear(x, a)
+        for columns, ranks in blocks:
+            out[..., columns] += self.linear(low[..., ranks], b[columns, ranks])
+        return out
+
+    def adapter_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
+
+class CpuExact(_Exact):
+    """Exact mode on the CPU: every linear layer's matmul in calls of exactly EXACT_CPU_ROWS rows; attention
+    spelled out in every precision, padded where the CPU's kernels would pick another path for a short row."""
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, held: bool = False
+    ) -> torch.Tensor:
+        return linear(x, weight, bias, held, row_blocks=True)
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Elements that depend neither on the other rows and columns nor on trailing zero terms (MIN_ROWS)."""
+        rows, cols = a.shape[-2], b.shape[-1]
+        return torch.matmul(_pad(_pad(a, -1), -2, MIN_BATCHED_ROWS), _pad(_pad(b, -2), -1))[..., :rows, :cols]
+
+    def attention(self, q, k, v, window=None, scale=None, softcap=None) -> torch.Tensor:
+        """The spelled-out form in every precision, with the FP32 kernel for the probability-weighted values,
+        so that each query's output is the bits `decode_attention` gives for it over a KV cache."""
+        return self._spelled_out(q, k, v, window, q.shape[-1] ** -0.5 if scale is None else scale, softcap)
+
+    def _weighted_values(self, scores: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        short = MIN_ROWS - scores.shape[-1]
+        if short > 0:  # the CPU softmax takes a scalar path on rows shorter than a vector register
+            scores = F.pad(scores, (0, short), value=float("-inf"))
+            v = F.pad(v, (0, 0, 0, short))
+        probs = torch.softmax(scores, dim=-1).to(dtype)
+        return self.matmul(probs.float(), v.float()).to(dtype)
+
+
+class TritonExact(_Exact):
+    """Exact mode on CUDA: the batch-invariant Triton kernels replace cuBLAS and PyTorch's attention and row
+    means wherever a token's value could depend on its batch (`invariant.py`, `attention.py`). Tests build it
+    on the CPU too, where Triton's interpreter runs the same kernels."""
+
+    cache_layout = "slots"
+    _cuda_matmul_path = "triton batch-invariant"
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, held: bool = False
+    ) -> torch.Tensor:
+        from parity.engines.kernels import invariant
+
+        return invariant.linear(x, weight if held else weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    def mean_square(self, x: torch.Tensor) -> torch.Tensor:
+        from parity.engines.kernels import invariant
+
+        return invariant.mean_square(x)
+
+    def attention(self, q, k, v, window=None, scale=None, softcap=None) -> torch.Tensor:
+        """The kernel of `attention.py`, which gives each query the bits the decode step and the trainer
+        give it."""
+        from parity.engines.kernels import attention
+
+        b, h, t, d = q.shape
+        starts = torch.arange(b, device=q.device, dtype=torch.int32) * t
+        counts = torch.full((b,), t, device=q.device, dtype=torch.int32)
+        tile_row, tile_f0 = attention.tiles(counts, h // k.shape[1])
+        rows = attention.Rows(starts, counts, torch.zeros_like(counts), starts, tile_row, tile_f0)
+        flat = attention.rows_attention(
+            q.transpose(1, 2).reshape(b * t, h, d),
+            k.transpose(1, 2).reshape(b * t, -1, d),
+            v.transpose(1, 2).reshape(b * t, -1, d),
+            rows,
+            d**-0.5 if scale is None else scale,
+            window,
+            softcap,
+        )
+        return flat.view(b, t, h, d).transpose(1, 2)
+
+    def packed_attention(self, q, k, v, packed, window=None, scale=None, softcap=None) -> torch.Tensor:
+        """`attention.py`'s kernel over the stream (the decode step's bits), with the gradients of plain
+        attention."""
+        from parity.engines.kernels import varlen
+
+        return varlen.exact_packed_attention(q, k, v, packed, window, scale, softcap, numerics(self.device))
 
 
 def sliding_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
@@ -406,21 +504,24 @@ def check_device(device: str, key: str = "device") -> None:
 
 
 def numerics(device: str | torch.device = "cpu", exact: bool = False) -> Numerics:
-    """The numerics for `device`, decided once per process (one object per device and mode): on
-    CUDA this also sets the matmul flags (`cuda.configure`)."""
+    """The numerics for `device` (`Numerics`, or exact mode's `CpuExact` / `TritonExact`), decided once per
+    process (one object per device and mode): on CUDA this also sets the matmul flags (`cuda.configure`)."""
     return _numerics(str(torch.device(device)), bool(exact))
 
 
 @cache
 def _numerics(device: str, exact: bool) -> Numerics:
-    if device.startswith("cuda"):
-        cuda.configure(exact)
-        if exact:
-            try:
-                import triton  # noqa: F401
-            except ImportError:
-                raise ConfigError(
-                    "exact=true on CUDA needs Triton for its batch-invariant kernels (pip install triton); "
-                    "PyTorch's CUDA builds for Linux bring it"
-                ) from None
-    return Numerics(torch.device(device), exact, invariant=exact and device.startswith("cuda"))
+    where = torch.device(device)
+    if where.type != "cuda":
+        return CpuExact(where) if exact else Numerics(where)
+    cuda.configure(exact)
+    if not exact:
+        return Numerics(where)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "exact=true on CUDA needs Triton for its batch-invariant kernels (pip install triton); "
+            "PyTorch's CUDA builds for Linux bring it"
+        ) from None
+    return TritonExact(where)
