@@ -502,8 +502,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as `main` reads it; argparse's own errors exit 2 with its usage line."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value after an option (`parity eval RUN --out DIR precisions=fp32`): argparse has already filled
+    # the positionals, so they come back unparsed; they are overrides all the same.
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     reuse_freed_memory()  # every command allocates tensors of a few MiB per step
     # Exit codes: 2 for input that cannot be used (config, model, data, checkpoint files, an
     # unwritable path), 1 for a run that stopped because going on would train on garbage.

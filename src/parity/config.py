@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -101,6 +102,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return number
     if tp is str:
+        if isinstance(value, os.PathLike):  # a path given from Python
+            return os.fspath(value)
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{key}: expected a string, got {value!r}")

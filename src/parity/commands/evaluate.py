@@ -30,7 +30,7 @@ from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.checkpoint import checkpoints, load_checkpoint, require_finite_weights
-from parity.rl.evaluation import EVAL_SEED, GENERATED, TRAINER, EvalSet, Evaluator, eval_sampling, heldout_problems
+from parity.rl.evaluation import EVAL_SEED, TRAINER, EvalSet, Evaluator, eval_sampling, heldout_problems
 from parity.rl.reward_fns import Reward, UserRewards, bind_all, data_columns, import_reward_fn
 from parity.rl.rewards import RewardRunner
 from parity.rl.step import BINARY_REWARDS
@@ -172,10 +172,11 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
         problems = load_problems(data, tokenizer, positions - max_new, room, chat_template, columns=columns)
         problems, source = problems[: cfg.num_prompts], str(Path(data).resolve())
     else:
-        if run is not None and run.task.data != "builtin" and run.task.name not in GENERATED:
+        if run is not None and run.eval_data is None:
+            scored = "your reward functions" if run.task.reward_fn else f"task.name={run.task.name}"
             raise ConfigError(
-                f"{cfg.target}: the run trained on {run.task.data} and set no eval.data, and task.name="
-                f"{run.task.name} has no held-out split Parity generates; pass data=FILE"
+                f"{cfg.target}: the run trained on {run.task.data} with {scored} and set no eval.data, and Parity "
+                "generates no held-out split for it; pass data=FILE"
             )
         trained = set()
         if run is not None:
@@ -198,7 +199,7 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
         prompts=[tokenizer.encode_prompt(p.prompt, chat_template) for p in problems],
         samples=cfg.samples,
         sampling=eval_sampling(cfg.temperature, max_new),
-        binary=task in BINARY_REWARDS and not _reward_specs(cfg, target.run),
+        binary=task in BINARY_REWARDS and not _reward_specs(cfg, target.run)[0],
     )
     return evalset, task, source
 

@@ -249,8 +249,10 @@ class Run:
             problems = problems[: e.num_prompts]
         if source is None or not problems:
             print(
-                f"eval: no held-out problems (task.data={cfg.task.data} with task.name={cfg.task.name}, whose "
-                "problems Parity does not generate); set eval.data=FILE to evaluate, or eval.every=-1",
+                f"eval: no held-out problems (task.data={cfg.task.data} "
+                + ("with your reward functions" if cfg.task.reward_fn else f"with task.name={cfg.task.name}")
+                + ", whose problems Parity does not generate); set eval.data=FILE (eval_dataset= in Python) to "
+                "evaluate, or eval.every=-1",
                 file=sys.stderr,
             )
             return None

@@ -304,7 +304,10 @@ class UserRewards:
         return result
 
     def _check_first(self, got: list[Scores], n: int, timed_out: bool) -> None:
-        """The first batch: a function that returned no reward, or failed on every sample, is broken."""
+        """The first batch: a function that returned no reward, or failed on every sample, is broken. A
+        batch that ran past `reward.timeout_s` says nothing of that: the next batch is checked instead."""
+        if timed_out:
+            return
         for reward, scores in zip(self.rewards, got):
             form = "batched" if reward.batched else "per-sample"
             if scores.type_error is not None:
@@ -313,8 +316,6 @@ class UserRewards:
                 problem = f"failed on every sample: {scores.first_error}"
             else:
                 continue
-            if timed_out:
-                problem = f"timed out on the first batch ({scores.first_error})"
             self.close()
             expected = "a list of one number per completion" if reward.batched else "a number"
             raise RewardCheckError(

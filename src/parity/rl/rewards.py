@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _PARENT_CHECK_S = 1.0  # how often an idle worker checks that the run is still there
+WORKER_START_S = 300.0  # how long a worker may take to start (spawn: a fresh interpreter imports torch)
 
 
 class RewardError(RuntimeError):
@@ -100,6 +101,7 @@ def _unchecked(value: object) -> object:
 def _worker(fn: RewardFn, conn, parent_pid: int, die_with_parent: bool, check=_check) -> None:
     if die_with_parent:
         _die_with_parent()
+    conn.send(None)  # started, `fn` imported: the parent's timeouts count from here
     # The worker holds a copy of the parent's end of the pipe (fork), so a dead parent
     # never shows up as EOF: check who the parent is instead. Checking before the first
     # wait also covers a parent that died before the death signal was set.
@@ -137,6 +139,17 @@ class RewardRunner:
         self._proc.start()
         child.close()
         self._conn = parent
+        # A spawned worker imports torch and the reward's module before it serves (seconds): that start is
+        # not the reward's time, so it has a budget of its own.
+        if not parent.poll(WORKER_START_S):
+            self._kill()
+            raise RewardError(f"the reward worker did not start within {WORKER_START_S:.0f}s")
+        try:
+            parent.recv()
+        except (EOFError, OSError):  # died while importing: its exit code says how
+            raise RewardError(
+                f"the reward worker died while starting ({_death_failure(self._kill()).summary})"
+            ) from None
 
     def _kill(self) -> int | None:
         """Stop the worker, if there is one; its exit code."""

@@ -130,5 +130,6 @@ def open_trackers(
         except Exception as e:  # a tracker that cannot start (its server, its store): one line, not its traceback
             for tracker in opened:
                 tracker.close()
-            raise ConfigError(f"log.to: {name} could not start: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+            summary = " ".join(str(e).split())[:300]
+            raise ConfigError(f"log.to: {name} could not start: {type(e).__name__}: {summary}") from None
     return opened
