@@ -23,6 +23,7 @@ from parity.rl.loop import Callback
 from parity.rl.reward_fns import Reward, function_spec
 from parity.rl.tasks import DataError
 from parity.rl.train_config import TrainConfig
+from parity.runtime import use_free_cores
 
 RewardLike = Callable[..., Any] | Reward
 Dataset = Any  # a `datasets.Dataset`, a list of dicts, or a JSONL/Parquet file's path
@@ -82,6 +83,7 @@ def train(
     or in a dict (`config={"trainer.lr": 1e-5}`). `resume`: a run directory to continue (its saved
     config; `keys` may change only what `parity train --resume` lets change; pass `rewards` again).
     Errors in the input raise `ConfigError` or `DataError` with the one line the CLI prints."""
+    use_free_cores()
     values = {k.replace("__", "."): v for k, v in keys.items()}
     bound = _rewards(rewards)
     if resume is not None:
@@ -147,6 +149,7 @@ def evaluate(
     checkpoint of a run, per serving precision. `rewards`: the functions to score with (a run's own by
     default, imported from its config.yaml). `keys`: `parity eval`'s keys (precisions, data, samples...).
     Writes eval.json, eval.md and eval.png into `out` when given; returns what eval.json holds."""
+    use_free_cores()
     values = {k.replace("__", "."): v for k, v in keys.items()}
     cfg = config_mod.load(EvalConfig, None, None, {"target": str(target), **values, "out": str(out or "")})
     result = run_eval(cfg, progress=progress, rewards=_rewards(rewards) or None, trust_reward_fn=True)

@@ -15,7 +15,7 @@ from parity.rl.checkpoint import CheckpointError, checkpoints
 from parity.rl.loop import TrainingError
 from parity.rl.rewards import RewardError
 from parity.rl.tasks import DIFFICULTIES, DataError
-from parity.runtime import reuse_freed_memory
+from parity.runtime import reuse_freed_memory, use_free_cores
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -518,6 +518,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     reuse_freed_memory()  # every command allocates tensors of a few MiB per step
+    use_free_cores()  # threads for the cores other processes leave free
     # Exit codes: 2 for input that cannot be used (config, model, data, checkpoint files, an
     # unwritable path), 1 for a run that stopped because going on would train on garbage.
     try:
