@@ -342,3 +342,20 @@ def test_the_your_task_page_runs_as_written(tmp_path, llama_dir):
     assert (run / "checkpoints" / "step_000006" / "model" / "README.md").is_file()
     assert (tmp_path / "runs" / "my-task-eval" / "eval.md").is_file()
     assert list((run / "completions").glob("step_*.jsonl"))
+
+
+def test_report_labels_a_mean_reward_and_shows_the_newest_completions(tmp_path, capsys):
+    def length(completions, **columns):
+        return [len(c) / 10 for c in completions]
+
+    parity.train("builtin", ROWS, [length], run_dir=tmp_path / "custom", progress=False, **{**SMALL, "steps": 2})
+    parity.train("builtin", None, run_dir=tmp_path / "builtin", progress=False, **SMALL)
+    assert main(["report", str(tmp_path / "custom"), str(tmp_path / "builtin"), "--out", str(tmp_path / "rep")]) == 0
+    report = (tmp_path / "rep" / "report.md").read_text()
+    assert "| run | accuracy or mean reward: start → final (best) |" in report
+    row = next(line for line in report.splitlines() if line.startswith("| custom |"))
+    assert row.split(" | ")[1].endswith(" mean reward") and "| builtin |" in report
+    assert (
+        "## custom: completions of step 2" in report
+        and "| prompt | completion | length | reward | reward/length |" in report
+    )
