@@ -27,6 +27,13 @@ With `--model DIR` (any Hugging Face directory Parity runs, e.g. SmolLM2-135M-In
 docs/real-models.md converts it) the prompts are chat messages, which both sides put through the
 model's chat template, and the reward is `task.name=number`'s: the number the model answers.
     python benchmarks/vs_trl.py --solve [--budget-s 300] [--json out.json] [--plot solve.png]
+    python benchmarks/vs_trl.py --custom-task --models smollm2-shape --precisions fp32 [--threads N]
+
+`--custom-task` runs your-own-task's shape on both sides: the rows a `datasets.Dataset` holds (integer
+answers), two batched reward functions (a correctness check and a torch judge model, weights 1 and
+0.1), Parity through `parity.train` as a user calls it. `smollm2-shape` is SmolLM2-135M's shape (30
+layers, hidden 576, vocabulary 49,152) with random weights. `--threads N` gives both sides N torch
+threads; by default each side takes its own (TRL: torch's, one per core; Parity: the free cores).
 """
 
 from __future__ import annotations
@@ -42,13 +49,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engines import isolated, make_llama_4m, matmul_job  # noqa: E402
+from engines import isolated, make_llama_4m, matmul_job, save_random_model  # noqa: E402
 from parity.commands.report import SMOOTHING, TARGET_ACCURACY, moving_average  # noqa: E402
 
 CONFIGS = {
     # name: (model: "builtin" or "llama-4.4M", prompts per step, group size, max new tokens)
     "builtin (sanity settings)": ("builtin", 16, 8, 96),
     "llama-4.4M": ("llama-4.4M", 8, 8, 16),
+    # SmolLM2-135M's shape (random weights, the built-in tokenizer): a trial's model without its download
+    "smollm2-shape": ("smollm2-shape", 4, 4, 64),
 }
 MODEL_DIR_SHAPE = (4, 4, 64)  # --model DIR: prompts per step, group size, max new tokens
 LR = 2e-4
@@ -99,6 +108,18 @@ class Work:
     chat: bool = False  # prompts are chat messages, rewarded as task.name=number
     lora_rank: int = 0  # > 0: both sides train LoRA adapters of this rank on every projection (alpha 2 x rank)
     lora_merge: bool = True  # Parity: the rollout engine gets merged weights (true) or applies adapters unmerged
+    custom: bool = False  # your own task: the rewards of `custom_rewards`, through `parity.train` and TRL alike
+    threads: int = 0  # torch threads on both sides; 0: each side's own choice (Parity: the free cores)
+
+
+def _threads(work: Work) -> None:
+    import os
+
+    import torch
+
+    if work.threads:
+        torch.set_num_threads(work.threads)
+        os.environ["PARITY_THREADS"] = str(work.threads)  # Parity would take the free cores otherwise
 
 
 def parity_run(work: Work, tmp: Path):
@@ -128,12 +149,70 @@ def parity_run(work: Work, tmp: Path):
             f"run_dir={tmp / 'run'}",
             "checkpoint_every=-1",
             "tensorboard=false",
-            f"trainer.micro_batch_size={work.prompts * work.group}",
+            f"trainer.micro_batch_tokens={work.prompts * work.group * (work.new_tokens + 64)}",  # one micro-batch
             f"seed={work.seed}",
             *([f"lora.rank={work.lora_rank}", f"lora.merge={str(work.lora_merge).lower()}"] if work.lora_rank else []),
         ],
     )
     return Run.create(cfg, progress=False)
+
+
+# ----------------------------------------------------------------------------- your own task
+# A correctness reward on the data's integer answers and a judge model's score, both batched as TRL
+# writes them, weighted 1 and 0.1: the same functions go to `parity.train` and to TRL's GRPOTrainer.
+_JUDGE = None
+
+
+def custom_correct(prompts, completions, answer, **columns):
+    return [1.0 if str(a) in str(c) else 0.0 for c, a in zip(completions, answer)]
+
+
+def custom_judged(prompts, completions, **columns):
+    """A small transformer encoder over each completion's bytes, built once per process (seeded)."""
+    import torch
+
+    global _JUDGE
+    if _JUDGE is None:
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(128, 4, 512, batch_first=True)
+        _JUDGE = (torch.nn.Embedding(256, 128), torch.nn.TransformerEncoder(layer, 2), torch.nn.Linear(128, 1))
+    embed, encoder, head = _JUDGE
+    ids = torch.zeros(len(completions), 96, dtype=torch.long)
+    for i, c in enumerate(completions):
+        raw = list(str(c).encode()[:96])
+        ids[i, : len(raw)] = torch.tensor(raw, dtype=torch.long)
+    with torch.no_grad():
+        return head(encoder(embed(ids)).mean(1)).squeeze(-1).tolist()
+
+
+CUSTOM_REWARDS = [(custom_correct, 1.0), (custom_judged, 0.1)]
+
+
+def parity_custom(work: Work, tmp: Path):
+    """The custom task through `parity.train`, on the keys `parity_run` sets for the built-in one."""
+    import parity
+
+    rows = [{"prompt": p["prompt"], "answer": int(p["answer"])} for p in work.problems]
+    rewards = [parity.Reward(fn, weight=w) for fn, w in CUSTOM_REWARDS]
+    keys = dict(
+        precision=work.precision,
+        algorithm__name="grpo",
+        algorithm__advantage="grpo",
+        algorithm__aggregation="seq_mean_token_sum_norm",
+        algorithm__truncated="keep",
+        trainer__lr=LR,
+        prompts_per_step=work.prompts,
+        rollout__group_size=work.group,
+        rollout__max_new_tokens=work.new_tokens,
+        steps=work.steps,
+        checkpoint_every=-1,
+        tensorboard=False,
+        eval__every=-1,
+        log__completions=0,
+        trainer__micro_batch_tokens=work.prompts * work.group * (work.new_tokens + 64),
+        seed=work.seed,
+    )
+    return parity.train(work.model_dir, rows, rewards, run_dir=tmp / "run", progress=False, **keys)
 
 
 def trl_trainer(work: Work, callbacks: list, on_accuracy=None):
@@ -188,10 +267,12 @@ def trl_trainer(work: Work, callbacks: list, on_accuracy=None):
         peft_config = LoraConfig(
             r=work.lora_rank, lora_alpha=2 * work.lora_rank, target_modules=list(TARGETS), task_type="CAUSAL_LM"
         )
+    if work.custom:
+        args.reward_weights = [weight for _, weight in CUSTOM_REWARDS]
     return GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(work.model_dir, dtype=torch.float32),
         peft_config=peft_config,
-        reward_funcs=reward,
+        reward_funcs=[fn for fn, _ in CUSTOM_REWARDS] if work.custom else reward,
         args=args,
         train_dataset=Dataset.from_list(work.problems),
         processing_class=AutoTokenizer.from_pretrained(work.model_dir),
@@ -203,8 +284,12 @@ def trl_trainer(work: Work, callbacks: list, on_accuracy=None):
 
 
 def parity_steps(work: Work, warmup: int) -> dict:
+    _threads(work)
     with tempfile.TemporaryDirectory() as tmp:
-        timed = parity_run(work, Path(tmp)).train()[warmup:]
+        if work.custom:  # as a user of the Python API runs it
+            timed = parity_custom(work, Path(tmp)).history[warmup:]
+        else:
+            timed = parity_run(work, Path(tmp)).train()[warmup:]
     return {
         "step_s": [m["time/step"] for m in timed],
         "tokens_per_s": [m["perf/tokens_per_s"] for m in timed],
@@ -281,6 +366,8 @@ def parity_matmul_floor(work: Work, warmup: int, repeats: int = 7) -> dict:
 def trl_steps(work: Work, warmup: int) -> dict:
     from transformers import TrainerCallback
 
+    _threads(work)
+
     class StepTimer(TrainerCallback):
         def __init__(self):
             self.times: list[float] = []
@@ -335,12 +422,14 @@ def step_table(args) -> dict:
                     chat=args.model is not None,
                     lora_rank=args.lora,
                     lora_merge=not args.lora_unmerged,
+                    custom=args.custom_task,
+                    threads=args.threads,
                 )
                 rounds = [
                     (isolated(trl_steps, work, args.warmup), isolated(parity_steps, work, args.warmup))
                     for _ in range(args.rounds)
                 ]
-                floor = isolated(parity_matmul_floor, work, args.warmup)
+                floor = isolated(parity_matmul_floor, work, args.warmup) if not args.no_floor else None
                 trl = {k: [x for r, _ in rounds for x in r[k]] for k in ("step_s", "tokens_per_s")}
                 ours = {k: [x for _, r in rounds for x in r[k]] for k in ("step_s", "tokens_per_s", "train_gflops")}
                 row = {
@@ -353,9 +442,13 @@ def step_table(args) -> dict:
                     "parity_tokens_per_s": statistics.median(ours["tokens_per_s"]),
                     "trl_tokens_per_s": statistics.median(trl["tokens_per_s"]),
                     "parity_train_gflops": statistics.median(ours["train_gflops"]),
-                    "matmul_floor_s": floor["rollout_s"] + floor["trainer_s"],
-                    "matmul_floor_rollout_s": floor["rollout_s"],
-                    "matmul_floor_trainer_s": floor["trainer_s"],
+                    "parity_step_s_all": ours["step_s"],
+                    "trl_step_s_all": trl["step_s"],
+                    "threads": args.threads,
+                    "custom_task": args.custom_task,
+                    "matmul_floor_s": floor["rollout_s"] + floor["trainer_s"] if floor else float("nan"),
+                    "matmul_floor_rollout_s": floor["rollout_s"] if floor else float("nan"),
+                    "matmul_floor_trainer_s": floor["trainer_s"] if floor else float("nan"),
                 }
                 row["speedup"] = row["trl_step_s"] / row["parity_step_s"]
                 row["ceiling_speedup"] = row["trl_step_s"] / row["matmul_floor_s"]
@@ -375,6 +468,19 @@ def _model_dir(model: str, tmp: Path) -> Path:
 
     if model == "llama-4.4M":
         return make_llama_4m(tmp / model)
+    if model == "smollm2-shape":
+        return save_random_model(
+            "Llama",
+            tmp / model,
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+        )
     return resolve_model_dir(model)
 
 
@@ -496,6 +602,14 @@ def main() -> int:
     parser.add_argument("--model", type=Path, help="a model directory to compare on instead of --models (chat prompts)")
     parser.add_argument("--lora", type=int, default=0, help="LoRA of this rank on both sides (TRL through PEFT)")
     parser.add_argument("--lora-unmerged", action="store_true", help="--lora: Parity with lora.merge=false")
+    parser.add_argument(
+        "--custom-task",
+        action="store_true",
+        help="your own task on both sides: a dataset with integer answers and two batched rewards (a correctness "
+        "check and a torch judge model, weights 1 and 0.1) through parity.train and TRL's GRPOTrainer",
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads on both sides (0: each side's default)")
+    parser.add_argument("--no-floor", action="store_true", help="skip the matmul floor (a third run per config)")
     args = parser.parse_args()
     if args.model is not None and args.solve:
         parser.error("--model: time to solve runs on the built-in model only")

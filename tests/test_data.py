@@ -127,8 +127,8 @@ def test_not_utf8_names_line_and_column(tmp_path):
     "line, problem",
     [
         ("[1, 2]", "got an array"),
-        ('{"answer": 1}', "'prompt' is missing"),
-        ('{"prompt": "1+1="}', "'answer' is missing"),
+        ('{"answer": 1}', r"'prompt' is missing \(it has 'answer'\)"),
+        ('{"prompt": "1+1="}', r"'answer' is missing \(it has 'prompt'\)"),
         ('{"prompt": 3, "answer": 1}', "'prompt' is a number"),
         ('{"prompt": "", "answer": 1}', "'prompt' is empty"),
         ('{"prompt": " \\n", "answer": 1}', "'prompt' is only whitespace"),

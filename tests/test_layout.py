@@ -8,13 +8,15 @@ import parity
 
 ROOT = Path(parity.__file__).parent
 LAYERS = {"engines": 1, "rl": 2, "distributed": 3, "commands": 4, "builtin": 4}  # builtin: `parity build-model`
-TOP = {"cli": 5, "__main__": 5}  # every other top-level module is a foundation (0)
+# api: the Python front door, on the commands and runs the CLI uses; the package root re-exports it (lazily)
+TOP = {"cli": 5, "__main__": 5, "api": 5}  # every other top-level module is a foundation (0)
+ROOT_LAYER = 6  # `parity` itself (__init__.py): above everything it re-exports
 
 
 def _layer(module: str) -> int:
     parts = module.split(".")[1:]
     if not parts:
-        return 0
+        return ROOT_LAYER
     return LAYERS.get(parts[0], TOP.get(parts[0], 0))
 
 
@@ -22,8 +24,8 @@ def _imports(path: Path) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):  # lazy imports inside functions count too
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("parity"):
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names if node.module == "parity")
+            # `from parity import config` imports the module parity.config, not the package's API
+            found.update([f"parity.{a.name}" for a in node.names] if node.module == "parity" else [node.module])
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("parity"))
     return found

@@ -284,14 +284,36 @@ def test_resume_accepts_a_run_saved_before_a_key_existed(tmp_path, capsys):
 
 
 def test_a_reward_that_always_fails_stops_the_run(tmp_path, monkeypatch, capsys):
-    (tmp_path / "rel_failing_reward.py").write_text("def score(prompt, response, answer):\n    return 1 / 0\n")
+    # It passes the first batch's check, then fails on every sample of every step.
+    (tmp_path / "rel_failing_reward.py").write_text(
+        "calls = 0\n\n\ndef score(prompt, response, answer):\n    global calls\n    calls += 1\n"
+        "    if calls > 16:\n        raise ZeroDivisionError('division by zero')\n    return 0.0\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    code = _train(tmp_path / "r", "steps=10", "task.reward_fn=rel_failing_reward:score", "reward.max_failed_steps=2")
+    code = _train(
+        tmp_path / "r",
+        "steps=10",
+        "task.reward_fn=rel_failing_reward:score",
+        "reward.max_failed_steps=2",
+        "eval.every=-1",
+    )
     err = capsys.readouterr().err
     assert code == 1
     assert err.count("ZeroDivisionError: division by zero") >= 2  # the first failure, then the stop
     assert "every reward failed in 2 consecutive steps" in err
-    assert _steps(tmp_path / "r") == [1]
+    assert _steps(tmp_path / "r") == [1, 2]
+
+
+def test_a_reward_that_fails_its_first_batch_stops_before_training(tmp_path, monkeypatch, capsys):
+    (tmp_path / "rel_broken_reward.py").write_text("def score(prompt, response, answer):\n    return 1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _train(tmp_path / "r", "steps=10", "task.reward_fn=rel_broken_reward:score") == 2
+    err = capsys.readouterr().err
+    assert (
+        "parity train: error: reward score (per-sample) on the first batch of 16 completions: failed on every "
+        "sample: sample 0: ZeroDivisionError: division by zero" in err
+    )
+    assert not (tmp_path / "r").exists()  # nothing was trained, nothing is left
 
 
 def test_zero_reward_variance_is_warned_with_the_reason(tmp_path, monkeypatch, capsys):

@@ -17,6 +17,7 @@ import torch
 
 from parity.cli import main
 from parity.config import ConfigError
+from parity.rl.reward_fns import import_reward_fn
 from parity.rl.rewards import RewardError, RewardHealth, RewardResult, RewardRunner, training_rewards
 from parity.rl.tasks import (
     DataError,
@@ -24,7 +25,6 @@ from parity.rl.tasks import (
     Problem,
     extract_boxed,
     extract_number,
-    import_reward_fn,
     length_reward,
     load_problems,
     math_reward,
@@ -283,7 +283,7 @@ def test_user_reward_function(tmp_path, monkeypatch):
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = import_reward_fn("my_rewards:score")
-    assert fn(P, "it is 2", 3) == 1.0 and fn(P, "it is 3", 3) == 0.0
+    assert fn("1+1=", "it is 2", "2") == 1.0 and fn("1+1=", "it is 3", "2") == 0.0
     with pytest.raises(ConfigError, match="expected 'module:function'"):
         import_reward_fn("my_rewards.score")
     with pytest.raises(ConfigError, match="^task.reward_fn: module 'my_rewards' has no function 'nope'$"):

@@ -40,7 +40,7 @@ TINY = ["steps=4", "prompts_per_step=4", "rollout.group_size=4", "rollout.max_ne
         (["precision=fp8"], "precision: unknown value 'fp8'"),
         (["algorithm.num_minibatches=3"], "num_minibatches=3 must divide prompts_per_step=16"),
         (["rollout.group_size=1"], "advantage=drgrpo needs rollout.group_size >= 2"),
-        (["task.reward_fn=nomodule"], "task.reward_fn: expected 'module:function'"),
+        (["task.reward_fn=nomodule"], r"task.reward_fn\[0\]: expected 'module:function'"),
         (["rollout.top_p=0"], r"rollout.top_p must be in \(0, 1\]"),
         (
             ["algorithm.name=grpo_seq_geo_rs", "algorithm.ratio_source=rollout"],
@@ -176,7 +176,8 @@ def test_sigkill_mid_run_then_resume_reproduces_metrics(tmp_path):
 
 
 def test_loop_contains_a_hanging_user_reward_and_runs_math(tmp_path, monkeypatch):
-    """A user reward that hangs on some samples costs them reward 0 and is counted; the run goes on."""
+    """A user reward that hangs on some samples, run in a worker (reward.isolate=always), costs its batch
+    reward 0 and is counted as timed out; the run goes on."""
     (tmp_path / "slow_reward.py").write_text(
         "import time\n"
         "def score(prompt, response, answer):\n"
@@ -196,7 +197,11 @@ def test_loop_contains_a_hanging_user_reward_and_runs_math(tmp_path, monkeypatch
         "reward.timeout_s=0.5",
     ]
     run = Run.create(
-        config.load(TrainConfig, None, [f"run_dir={tmp_path / 'a'}", "task.reward_fn=slow_reward:score", *base]),
+        config.load(
+            TrainConfig,
+            None,
+            [f"run_dir={tmp_path / 'a'}", "task.reward_fn=slow_reward:score", "reward.isolate=always", *base],
+        ),
         progress=False,
     )
     metrics = [run.step() for _ in range(3)]

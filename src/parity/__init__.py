@@ -1,3 +1,18 @@
-"""Parity: RL fine-tuning of language models in which the policy that is trained is the policy that samples."""
+"""Parity: RL fine-tuning of language models in which the policy that is trained is the policy that samples.
+
+The Python API (`parity.train`, `parity.evaluate`, `parity.Reward`, ...: docs/your-task.md) is loaded on
+first use, so that `import parity` and the CLI's start stay light.
+"""
 
 __version__ = "0.1.0"
+
+_API = ("Callback", "Reward", "TrainConfig", "TrainResult", "evaluate", "push_to_hub", "train")
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from parity import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'parity' has no attribute {name!r}")

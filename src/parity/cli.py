@@ -15,12 +15,12 @@ from parity.rl.checkpoint import CheckpointError, checkpoints
 from parity.rl.loop import TrainingError
 from parity.rl.rewards import RewardError
 from parity.rl.tasks import DIFFICULTIES, DataError
-from parity.runtime import reuse_freed_memory
+from parity.runtime import reuse_freed_memory, use_free_cores
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="optional YAML config file")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. sampling.top_k=5")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. precision=bf16")
 
 
 def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -66,8 +66,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from parity.commands.evaluate import EvalConfig, markdown_table, run_eval, write_outputs
 
     config, overrides = _split_config(args)
+    if args.out:
+        overrides.append(f"out={args.out}")
     cfg = cfg_mod.load(EvalConfig, config, [f"target={args.target}", *overrides])
-    result = run_eval(cfg)
+    result = run_eval(cfg, trust_reward_fn=args.trust_reward_fn)
     write_outputs(result, Path(cfg.out))
     print(markdown_table(result))
     print(f"wrote {cfg.out}/eval.json, eval.md, eval.png")
@@ -84,7 +86,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume and config is not None:
         raise ConfigError(
             f"--resume continues a run with its saved config.yaml; drop {config} (only "
-            "steps=, checkpoint_every=, keep_checkpoints=, tensorboard= may be given)"
+            "steps=, checkpoint_every=, keep_checkpoints=, log.to=, task.data=, eval.data= and a few more may be given)"
         )
     stop = StopRequests()
     with stop.installed():
@@ -340,9 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="RL fine-tuning: rollout, rewards, estimator, mismatch metrics, checkpoints",
         description=(
-            "Run RL fine-tuning. Config sections: rollout, trainer, algorithm, task, reward (see docs/training.md); "
-            "top-level keys: model, precision, steps, prompts_per_step, seed, run_dir, checkpoint_every. "
-            "Example: parity train precision=fp16 algorithm.name=grpo steps=100"
+            "Run RL fine-tuning. Config sections: rollout, trainer, algorithm, task, reward, log, eval (see "
+            "docs/training.md); top-level keys: model (a directory, a Hugging Face id in the local cache, or "
+            "builtin), precision, steps, prompts_per_step, seed, run_dir, checkpoint_every. "
+            "Example: parity train precision=fp16 algorithm.name=grpo rollout.top_k=5 steps=100"
         ),
     )
     _add_config_args(p)
@@ -350,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its newest intact checkpoint, with its saved config "
-        "(only steps=, checkpoint_every=, keep_checkpoints=, tensorboard= may be overridden)",
+        "(only steps=, checkpoint_every=, keep_checkpoints=, log.to=, log.completions=, "
+        "distributed.learners=, task.data=, eval.data= may be overridden)",
     )
     p.add_argument(
         "--trust-reward-fn",
@@ -365,15 +369,24 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Answer held-out problems with the same weights served in each precision and under the trainer's "
             "policy; report accuracy, pass@k, length, the gap to the trainer's policy and the per-token KL. "
-            "TARGET is a model directory ('builtin') or a `parity train` run directory (its base model and every "
-            "checkpoint it kept). Config keys: precisions (default [fp32,bf16,fp16]), reference (auto: a run's "
-            "trainer precision, fp32 for a model), data (auto: the task's held-out split; or a JSONL/Parquet "
-            "file), task, difficulty, num_prompts, samples, temperature (0 = greedy), max_new_tokens, "
-            "chat_template, device, seed, out (default parity-eval)."
+            "TARGET is a model directory ('builtin', or a Hugging Face id in the local cache), a LoRA adapter "
+            "folder (its base and adapters), or a `parity train` run directory (its base model and every "
+            "checkpoint it kept, scored by the run's own rewards). Config keys: precisions (default "
+            "[fp32,bf16,fp16]), reference (auto: a run's trainer precision, fp32 for a model), data (auto: a run's "
+            "eval.data, else the task's held-out split; or a JSONL/Parquet file), task, difficulty, reward_fn "
+            "(module:function, several comma-separated; default a run's own), reward_weights, num_prompts, "
+            "samples, temperature (0 = greedy), max_new_tokens, chat_template, device, seed. "
+            "Example: parity eval runs/my-run --trust-reward-fn precisions=fp32,bf16 --out eval-my-run"
         ),
     )
     p.add_argument("target", metavar="MODEL_OR_RUN_DIR")
     _add_config_args(p)
+    p.add_argument("--out", help="output directory (default parity-eval); same as out=DIR")
+    p.add_argument(
+        "--trust-reward-fn",
+        action="store_true",
+        help="score a run with its own task.reward_fn, Python code that Parity imports and runs",
+    )
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser(
@@ -456,7 +469,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "doctor",
         help="is this model FP16-safe? weight/activation range per layer, mismatch per precision, a recommendation",
-        description="Checks any local Hugging Face Llama/Qwen2 directory (or the built-in model) for FP16 safety.",
+        description=(
+            "Checks a local Hugging Face model directory of any family Parity runs (Llama, Mistral, Qwen2/2.5, "
+            "Qwen3, Qwen3-MoE, Gemma 2/3), or the built-in model, for FP16 safety. Example: parity doctor --model "
+            "builtin"
+        ),
     )
     p.add_argument("--model", default="builtin", help="model directory, or 'builtin' (default)")
     p.add_argument("--out", help="also write doctor.json and doctor.md here")
@@ -485,9 +502,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as `main` reads it; argparse's own errors exit 2 with its usage line."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value after an option (`parity eval RUN --out DIR precisions=fp32`): argparse has already filled
+    # the positionals, so they come back unparsed; they are overrides all the same.
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     reuse_freed_memory()  # every command allocates tensors of a few MiB per step
+    use_free_cores()  # threads for the cores other processes leave free
     # Exit codes: 2 for input that cannot be used (config, model, data, checkpoint files, an
     # unwritable path), 1 for a run that stopped because going on would train on garbage.
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -101,6 +102,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return number
     if tp is str:
+        if isinstance(value, os.PathLike):  # a path given from Python
+            return os.fspath(value)
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -186,8 +189,14 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
-    """Build `cls` from an optional YAML file and `key=value` overrides (overrides win)."""
+def load(
+    cls: type[T],
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    values: dict[str, Any] | None = None,
+) -> T:
+    """Build `cls` from an optional YAML file, `key=value` overrides, and `values` (Python values by
+    dotted key or nested dicts, as the Python API takes them); overrides and values win over the file."""
     data: dict[str, Any] = {}
     lines: dict[str, int] = {}
     source = ""
@@ -201,6 +210,10 @@ def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | No
             raise ConfigError(f"{source}:1: the top level must be a mapping of config keys")
         data = loaded or {}
     override_data = parse_overrides(overrides or [])
+    given: dict[str, Any] = {}
+    for key, value in (values or {}).items():
+        _set_dotted(given, key, value)
+    override_data = _merge(override_data, given)
     data = _merge(data, override_data)
     try:
         return _build(cls, data)

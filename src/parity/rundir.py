@@ -21,7 +21,18 @@ from pathlib import Path
 from parity.config import ConfigError
 
 LOCK_NAME = ".lock"
-RUN_ENTRIES = {"config.yaml", "numerics.json", "metrics.jsonl", "checkpoints", "tensorboard", LOCK_NAME}
+RUN_ENTRIES = {
+    "config.yaml",
+    "numerics.json",
+    "metrics.jsonl",
+    "checkpoints",
+    "tensorboard",
+    "completions",  # each step's completions with their rewards (`rl/completions.py`)
+    "data",  # datasets the Python API was given in memory
+    "wandb",  # log.to=wandb's files
+    "mlruns",  # log.to=mlflow's store, unless MLFLOW_TRACKING_URI names another
+    LOCK_NAME,
+}
 # Temporary files of `files.atomic_write_text` that a kill can leave behind.
 TEMP_PATTERNS = (".config.yaml.*.tmp", ".numerics.json.*.tmp", ".metrics.jsonl.*.tmp")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameter numbers from glibc's malloc.h
@@ -41,3 +42,32 @@ def reuse_freed_memory() -> bool:
                     mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
                 )
     return _applied
+
+
+# Torch's CPU ops split each op over every core, and a split op ends when its slowest thread does. On
+# a machine where other processes keep cores busy, a thread waits for its share of a core at every op:
+# on this project's 2-core machine with other jobs running (load average 3-4), a step of the built-in
+# model took 9-19 s with 2 threads and 0.6-0.8 s with 1, and a `parity eval` at its defaults 73 s
+# against 8 s (docs/benchmarks.md, "Threads on a busy machine").
+_threads: int | None = None
+
+
+def free_cores() -> int:
+    """The cores this process may run on that other processes are not already using: the cores of its
+    affinity mask less the 1-minute load average (rounded), at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+    return max(1, min(cores, cores - busy))
+
+
+def use_free_cores() -> int:
+    """Set torch's threads to `free_cores()`, once per process (later runs of the process would count
+    its own load), unless OMP_NUM_THREADS or PARITY_THREADS names a number; returns the count in force."""
+    global _threads
+    import torch
+
+    if _threads is None:
+        named = os.environ.get("PARITY_THREADS") or os.environ.get("OMP_NUM_THREADS")
+        _threads = int(named) if named and named.isdigit() and int(named) > 0 else free_cores()
+        torch.set_num_threads(_threads)
+    return _threads

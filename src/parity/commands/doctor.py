@@ -29,6 +29,8 @@ Verdict, first rule that applies:
 from __future__ import annotations
 
 import math
+import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -231,10 +233,18 @@ def run_doctor(
     seed: int = 0,
     chat_template: str = "auto",
     device: str = "cpu",
+    progress: bool = True,
 ) -> dict:
     """Probe with `parity mismatch`'s default prompts (arithmetic for the built-in model, chat questions for
     any other), encoded under `chat_template` (one of CHAT_TEMPLATE_MODES), as training would encode them;
-    every model runs on `device`."""
+    every model runs on `device`. `progress`: each stage is named on stderr as it starts, with the time so far
+    (on a large model on a CPU the whole takes minutes)."""
+    start = time.perf_counter()
+
+    def stage(what: str) -> None:
+        if progress:
+            print(f"doctor: {what} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+
     kernels.check_device(device, "--device")
     model_dir = resolve_model_dir(model)
     tok = load_tokenizer(model_dir)
@@ -243,6 +253,7 @@ def run_doctor(
     texts = load_prompts("builtin", num_prompts, seed, str(model))
     prompts = [tok.encode_prompt(t, chat_template) for t in texts]
 
+    stage(f"weights and activations of each layer, {len(prompts)} prompts")
     bad = non_finite_weights(net)
     reports = layer_reports(net, prompts)
     if bad:
@@ -250,7 +261,9 @@ def run_doctor(
         precision, reason = UNTRAINABLE, untrainable_reason(bad)
         fp16_pass, mismatch = None, {}
     else:
+        stage("an FP16 training pass")
         fp16_pass = measure_fp16_pass(net, prompts)
+        stage("the mismatch in FP32, BF16 and FP16")
         pairs = run_mismatch(
             MismatchConfig(
                 model=str(model),
@@ -261,11 +274,12 @@ def run_doctor(
                 chat_template=chat_template,
                 device=device,
             ),
-            progress=False,
+            progress=progress,
             texts=texts,
         )
         mismatch = {p.trainer_precision: p.metrics for p in pairs}
         precision, reason = recommend(reports, fp16_pass, mismatch)
+    stage("done")
     result = {
         "model": str(model),
         "recommendation": precision,

@@ -1,32 +1,48 @@
 """`parity eval MODEL_OR_RUN_DIR`: the deployment gap, measured offline.
 
 The same weights answer held-out problems in each serving precision and under the trainer's policy
-(`rl/evaluation.py`): for a model directory, its weights; for a `parity train` run directory, its base
-model and every checkpoint it kept. Writes eval.json, eval.md and eval.png (accuracy per precision,
-per checkpoint).
+(`rl/evaluation.py`): for a model directory, its weights; for a LoRA adapter folder, its base with the
+adapters; for a `parity train` run directory, its base model and every checkpoint it kept, scored with
+the run's own rewards (its reward functions too) on the run's own held-out data (`eval.data`, else the
+task's generated held-out split). Writes eval.json, eval.md and eval.png (accuracy per precision, per
+checkpoint).
 """
 
 from __future__ import annotations
 
+import copy
+import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
 from tqdm import tqdm
 
 from parity import config as config_mod
 from parity.config import ConfigError
 from parity.engines import kernels
 from parity.engines import precision as prec
-from parity.engines.models import load_model, resolve_model_dir
+from parity.engines.lora import AdapterError, LoRAConfig, load_adapter_state, read_adapter
+from parity.engines.models import CausalLM, load_config, load_model, resolve_model_dir
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.checkpoint import checkpoints, load_checkpoint, require_finite_weights
-from parity.rl.evaluation import EVAL_SEED, GENERATED, TRAINER, EvalSet, Evaluator, eval_sampling, heldout_problems
+from parity.rl.evaluation import EVAL_SEED, TRAINER, EvalSet, Evaluator, eval_sampling, heldout_problems
+from parity.rl.reward_fns import Reward, UserRewards, bind_all, data_columns, import_reward_fn
 from parity.rl.rewards import RewardRunner
 from parity.rl.step import BINARY_REWARDS
-from parity.rl.tasks import DIFFICULTIES, REWARDS, TRUSTED_REWARDS, PromptLimit, builtin_problems, load_problems
+from parity.rl.tasks import (
+    DIFFICULTIES,
+    REWARDS,
+    TRUSTED_REWARDS,
+    DataColumns,
+    PromptLimit,
+    builtin_problems,
+    load_problems,
+)
 from parity.rl.train_config import TrainConfig
 
 BUILTIN_MAX_NEW_TOKENS = 96  # a model directory's default response budget (a run's is its own)
@@ -46,6 +62,10 @@ class EvalConfig:
     temperature: float = 1.0  # 0 = greedy
     max_new_tokens: int = 0  # 0: a run's rollout.max_new_tokens, else 96
     chat_template: str = "auto"
+    # Reward functions, module:function each (with reward_weights): the target's rewards instead of a task's
+    # built-in reward. Unset: a run's own task.reward_fn
+    reward_fn: list[str] = field(default_factory=list)
+    reward_weights: list[float] = field(default_factory=list)
     device: str = "cpu"
     seed: int = 0
     out: str = "parity-eval"
@@ -85,15 +105,31 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class Target:
-    """What is evaluated: a model directory, or a run's base model and checkpoints."""
+    """What is evaluated: a model directory (with a LoRA adapter folder's adapters), or a run's base model
+    and checkpoints."""
 
     model_dir: Path
     run: TrainConfig | None  # the run's config; None for a model directory
     checkpoints: list[Path]
+    adapter: tuple[Path, LoRAConfig] | None = None  # an adapter folder and its settings, on model_dir
+
+
+def _adapter_target(path: Path) -> Target:
+    """A PEFT LoRA adapter folder: its base model (`base_model_name_or_path`) with its adapters."""
+    config_file = path / "adapter_config.json"
+    try:
+        saved = json.loads(config_file.read_text())
+        lora = LoRAConfig(int(saved["r"]), float(saved["lora_alpha"]), tuple(saved["target_modules"]), True)
+        base = str(saved["base_model_name_or_path"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{config_file}: not a LoRA adapter config Parity reads ({type(e).__name__}: {e})") from None
+    return Target(resolve_model_dir(base), None, [], (path, lora))
 
 
 def resolve_target(cfg: EvalConfig) -> Target:
     path = Path(cfg.target).expanduser()
+    if (path / "adapter_config.json").is_file():
+        return _adapter_target(path)
     started = (path / "metrics.jsonl").exists() or (path / "checkpoints").is_dir()
     if (path / "config.yaml").is_file() and started:
         run = config_mod.load(TrainConfig, path / "config.yaml")
@@ -111,8 +147,9 @@ def resolve_target(cfg: EvalConfig) -> Target:
     return Target(resolve_model_dir(cfg.target), None, [])
 
 
-def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str]:
-    """The problems and how they are answered; also the task name whose reward scores them."""
+def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
+    """The problems and how they are answered; also the task name whose reward scores them, and where
+    the problems came from (a file, or the task's generated held-out split)."""
     run = target.run
     task = (
         cfg.task
@@ -127,15 +164,19 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str]:
     chat_template = run.task.chat_template if run and cfg.chat_template == "auto" else cfg.chat_template
     max_new = cfg.max_new_tokens or (run.rollout.max_new_tokens if run else BUILTIN_MAX_NEW_TOKENS)
     tokenizer = load_tokenizer(target.model_dir)
-    positions = load_model(target.model_dir).config.max_position_embeddings
+    positions = load_config(target.model_dir).max_position_embeddings
     room = f"model max_position_embeddings {positions} minus max_new_tokens {max_new}"
-    if cfg.data != "auto":
-        problems = load_problems(cfg.data, tokenizer, positions - max_new, room, chat_template)[: cfg.num_prompts]
+    columns = data_columns(run) if run is not None else DataColumns(answer_required=not cfg.reward_fn)
+    data = cfg.data if cfg.data != "auto" else run.eval.data if run is not None and run.eval.data != "auto" else None
+    if data is not None:
+        problems = load_problems(data, tokenizer, positions - max_new, room, chat_template, columns=columns)
+        problems, source = problems[: cfg.num_prompts], str(Path(data).resolve())
     else:
-        if run is not None and run.task.data != "builtin" and run.task.name not in GENERATED:
+        if run is not None and run.eval_data is None:
+            scored = "your reward functions" if run.task.reward_fn else f"task.name={run.task.name}"
             raise ConfigError(
-                f"{cfg.target}: the run trained on {run.task.data} (task.name={run.task.name}), which has no held-out "
-                "split Parity generates; pass data=FILE"
+                f"{cfg.target}: the run trained on {run.task.data} with {scored} and set no eval.data, and Parity "
+                "generates no held-out split for it; pass data=FILE"
             )
         trained = set()
         if run is not None:
@@ -143,9 +184,11 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str]:
                 trained = {str(p.prompt) for p in builtin_problems(task, run.task.num_problems, run.seed, difficulty)}
             else:
                 trained = {
-                    str(p.prompt) for p in load_problems(run.task.data, tokenizer, positions, room, chat_template)
+                    str(p.prompt)
+                    for p in load_problems(run.task.data, tokenizer, positions, room, chat_template, columns=columns)
                 }
         problems = heldout_problems(task, difficulty, cfg.num_prompts, run.seed if run else cfg.seed, trained)
+        source = f"the held-out split of task {task} (generated)"
         limit = PromptLimit(tokenizer, positions - max_new, room, chat_template)
         for i, problem in enumerate(problems):
             limit.check(f"held-out problem {i}", problem.prompt)
@@ -156,42 +199,72 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str]:
         prompts=[tokenizer.encode_prompt(p.prompt, chat_template) for p in problems],
         samples=cfg.samples,
         sampling=eval_sampling(cfg.temperature, max_new),
-        binary=task in BINARY_REWARDS,
+        binary=task in BINARY_REWARDS and not _reward_specs(cfg, target.run)[0],
     )
-    return evalset, task
+    return evalset, task, source
 
 
-def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
-    """Evaluate every state of the target; returns what eval.json holds."""
+def _reward_specs(cfg: EvalConfig, run: TrainConfig | None) -> tuple[list[str], list[float]]:
+    """The reward functions that score (module:function each) and their weights: `reward_fn`, else a run's."""
+    if cfg.reward_fn:
+        return cfg.reward_fn, cfg.reward_weights or [1.0] * len(cfg.reward_fn)
+    if run is not None and run.task.reward_fn:
+        return run.task.reward_fn, run.task.reward_weights or [1.0] * len(run.task.reward_fn)
+    return [], []
+
+
+def _rewards(
+    cfg: EvalConfig, target: Target, task: str, problems, rewards: list[Reward] | None, trust_reward_fn: bool
+) -> RewardRunner | UserRewards:
+    specs, weights = _reward_specs(cfg, target.run)
+    if rewards is None and specs:
+        if target.run is not None and not cfg.reward_fn and not trust_reward_fn:
+            raise ConfigError(
+                f"{cfg.target}: the run scores with task.reward_fn={','.join(specs)}, Python code that `parity eval` "
+                "would import and run; confirm with --trust-reward-fn (or pass reward_fn=module:function)"
+            )
+        rewards = [Reward(import_reward_fn(spec), weight=w) for spec, w in zip(specs, weights)]
+    if rewards:
+        return UserRewards(bind_all(rewards, sorted({k for p in problems for k in p.columns})))
+    return RewardRunner(REWARDS[task], isolate=task not in TRUSTED_REWARDS)
+
+
+def run_eval(
+    cfg: EvalConfig, progress: bool = True, rewards: list[Reward] | None = None, trust_reward_fn: bool = False
+) -> dict[str, Any]:
+    """Evaluate every state of the target; returns what eval.json holds. `rewards`: Python callables to
+    score with (the API's); else `reward_fn`, a run's own reward functions (with `trust_reward_fn`), or
+    the task's built-in reward."""
     target = resolve_target(cfg)
-    evalset, task = evaluation_set(cfg, target)
+    evalset, task, source = evaluation_set(cfg, target)
     run = target.run
     reference = cfg.reference if cfg.reference != "auto" else run.trainer_precision if run else "fp32"
-    if run is not None and run.task.reward_fn:
-        raise ConfigError(
-            f"{cfg.target}: the run scores with task.reward_fn={run.task.reward_fn}; `parity eval` runs the "
-            "built-in rewards only (pass task=NAME)"
-        )
     tokenizer = load_tokenizer(target.model_dir)
     numerics = kernels.numerics(cfg.device)
-    rewards = RewardRunner(REWARDS[task], isolate=task not in TRUSTED_REWARDS)
+    scorer = _rewards(cfg, target, task, evalset.problems, rewards, trust_reward_fn)
+    if progress:
+        print(f"eval: {len(evalset.problems)} prompts from {source}", file=sys.stderr)
     states = [("base", 0, None)] + [(p.name, _step(p), p) for p in target.checkpoints]
+    if target.adapter is not None:
+        states = [("base", 0, None), (target.adapter[0].name, 0, target.adapter[0])]
     results = []
     try:
         base = load_model(target.model_dir)
         require_finite_weights(base, target.model_dir, "nothing can be evaluated")
-        evaluator = Evaluator(base.config, tokenizer, evalset, rewards, None, cfg.precisions, reference, cfg.device)
+        evaluator = Evaluator(base.config, tokenizer, evalset, scorer, None, cfg.precisions, reference, cfg.device)
         for name, step, path in tqdm(states, desc="checkpoints", unit="state", disable=not progress):
-            trainer = _trainer(target, run, path, reference, cfg.device)
+            trainer = _trainer(target, run, path, reference, cfg.device, base)
             weights, version = trainer.export_weights(merge=True)
             metrics = evaluator.evaluate(weights, version, (run.seed if run else cfg.seed) + EVAL_SEED, trainer.model)
             results.append({"name": name, "step": step, "metrics": metrics})
     finally:
-        rewards.close()
+        scorer.close()
     return {
         "target": str(cfg.target),
         "model": str(target.model_dir),
-        "task": task,
+        "adapter": str(target.adapter[0]) if target.adapter else None,
+        "data": source,
+        "task": task if not isinstance(scorer, UserRewards) else "reward functions: " + ", ".join(scorer.names),
         "reference": reference,
         "precisions": cfg.precisions,
         "prompts": len(evalset.prompts),
@@ -207,10 +280,20 @@ def _step(checkpoint: Path) -> int:
     return int(checkpoint.name.removeprefix("step_"))
 
 
-def _trainer(target: Target, run: TrainConfig | None, checkpoint: Path | None, precision: str, device: str) -> Trainer:
-    """A trainer in `precision` holding the base weights or a checkpoint's (LoRA adapters on their base)."""
-    model = load_model(target.model_dir).to(device)
+def _trainer(
+    target: Target, run: TrainConfig | None, checkpoint: Path | None, precision: str, device: str, base: CausalLM
+) -> Trainer:
+    """A trainer in `precision` holding the base weights (a copy of `base`), a checkpoint's, or an adapter
+    folder's adapters on their base."""
+    model = copy.deepcopy(base).to(device)
     model.numerics = kernels.numerics(device)
+    if target.adapter is not None and checkpoint is not None:
+        trainer = Trainer(model, precision, OptimConfig(), target.adapter[1])
+        try:
+            load_adapter_state(trainer.model, read_adapter(*target.adapter))
+        except (AdapterError, OSError, SafetensorError) as e:
+            raise ConfigError(f"{checkpoint}: the adapters cannot be read ({e})") from None
+        return trainer
     trainer = Trainer(model, precision, OptimConfig(), run.lora_config() if run and checkpoint else None)
     if checkpoint is not None:
         load_checkpoint(checkpoint, trainer, target.model_dir)
@@ -249,7 +332,8 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
     atomic_write_json(out / "eval.json", result)
     md = (
         f"# Held-out evaluation: {result['target']}\n\n"
-        f"{result['prompts']} held-out prompts x {result['samples']} samples at temperature {result['temperature']} "
+        f"{result['prompts']} held-out prompts ({result['data']}) x {result['samples']} samples at temperature "
+        f"{result['temperature']} "
         f"(0 = greedy), up to {result['max_new_tokens']} new tokens, task {result['task']}; the same random draws for "
         f"every state and policy. Policies: the weights served in each precision, and the trainer's policy "
         f"({result['reference']}, sampled with the trainer's arithmetic). Gap = a policy's score minus the "

@@ -14,6 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from parity.files import atomic_write_json, atomic_write_text  # noqa: E402
+from parity.rl.completions import markdown_table, read_completions, sample_rows  # noqa: E402
 from parity.rl.tasks import DataError  # noqa: E402
 
 if TYPE_CHECKING:
@@ -112,9 +113,10 @@ def held_out_summary(history: list[dict]) -> dict:
 def summary_table(summaries: dict[str, dict]) -> str:
     """One row per run; a held-out column when any run evaluated (`eval.*`)."""
     held_out = any("eval_last" in s for s in summaries.values())
+    scored = all(s["metric"] == "reward/accuracy" for s in summaries.values())
     columns = [
         "run",
-        "accuracy start → final (best)",
+        "accuracy start → final (best)" if scored else "accuracy or mean reward: start → final (best)",
         *(["held-out first → last eval"] if held_out else []),
         "steps to 95%",
         "seconds to 95%",
@@ -128,7 +130,8 @@ def summary_table(summaries: dict[str, dict]) -> str:
     for name, s in summaries.items():
         to95 = "—" if s["steps_to_95"] is None else str(s["steps_to_95"])
         sec = "—" if s["seconds_to_95"] is None else f"{s['seconds_to_95']:.0f}"
-        cells = [name, f"{s['initial_accuracy']:.2f} → {s['final_accuracy']:.2f} ({s['best_accuracy']:.2f})"]
+        kind = "" if scored else " accuracy" if s["metric"] == "reward/accuracy" else " mean reward"
+        cells = [name, f"{s['initial_accuracy']:.2f} → {s['final_accuracy']:.2f} ({s['best_accuracy']:.2f}){kind}"]
         if held_out:
             cells.append(f"{s['eval_first']:.2f} → {s['eval_last']:.2f}" if "eval_last" in s else "—")
         cells += [
@@ -243,6 +246,20 @@ def plot_histogram(counts: list[int], lo: float, hi: float, path: Path) -> None:
     save_figure(fig, path)
 
 
+REPORTED_COMPLETIONS = 6  # rows of each run's newest completions in report.md
+
+
+def completions_section(run_dirs: list[Path]) -> str:
+    """Each run's newest step's completions (completions/step_N.jsonl), a few rows with their rewards."""
+    parts = []
+    for run_dir in run_dirs:
+        rows = read_completions(Path(run_dir))
+        if rows:
+            shown = markdown_table(sample_rows(rows, REPORTED_COMPLETIONS))
+            parts.append(f"\n## {Path(run_dir).name}: completions of step {rows[0]['step']}\n\n{shown}")
+    return "".join(parts)
+
+
 def report_runs(run_dirs: list[Path], out: Path) -> dict[str, dict]:
     """`parity report`: summary table and plots for `parity train` runs, side by side."""
     out.mkdir(parents=True, exist_ok=True)
@@ -254,9 +271,9 @@ def report_runs(run_dirs: list[Path], out: Path) -> dict[str, dict]:
     md = (
         "# Runs\n\n"
         + summary_table(summaries)
-        + f"\nAccuracy is the {SMOOTHING}-step moving average of the training batch accuracy; "
-        "mismatch figures are means of the last 5 steps.\n\n"
-        "![training accuracy](accuracy.png)\n\n![mismatch](mismatch.png)\n"
+        + f"\nAccuracy (or the mean reward, for runs of other rewards) is the {SMOOTHING}-step moving average "
+        "over the training batches; mismatch figures are means of the last 5 steps.\n\n"
+        "![training accuracy](accuracy.png)\n\n![mismatch](mismatch.png)\n" + completions_section(run_dirs)
     )
     atomic_write_text(out / "report.md", md)
     return summaries

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -685,16 +686,50 @@ def read_json(path: Path) -> dict[str, Any]:
     return value
 
 
+def hf_cache_dir() -> Path:
+    """Where the Hugging Face libraries keep downloaded repositories: $HF_HUB_CACHE, $HF_HOME/hub, or
+    ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def cached_snapshot(repo_id: str) -> Path | None:
+    """The local snapshot of a Hugging Face model id (`org/name`) that `main` points at in the cache, or
+    None: Parity reads the cache and never the network."""
+    repo = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
+    try:
+        revision = (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        snapshots = sorted((repo / "snapshots").glob("*")) if (repo / "snapshots").is_dir() else []
+        return snapshots[-1] if len(snapshots) == 1 else None
+    snapshot = repo / "snapshots" / revision
+    return snapshot if snapshot.is_dir() else None
+
+
 def resolve_model_dir(model: str | Path) -> Path:
-    """`builtin` names the shipped model; anything else is a local directory."""
+    """`builtin` names the shipped model; `org/name` that is not a directory, a Hugging Face id in the
+    local cache; anything else is a local directory."""
     if str(model) == "builtin":
         if not (BUILTIN_DIR / "model.safetensors").is_file():
             raise ModelError(f"the built-in model is missing from {BUILTIN_DIR}; rebuild it with `parity build-model`")
         return BUILTIN_DIR
     path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ModelError(f"model directory {str(path)!r} does not exist (pass --model DIR or --model builtin)")
-    return path
+    if path.is_dir():
+        return path
+    text = str(model)
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+        snapshot = cached_snapshot(text)
+        if snapshot is not None:
+            return snapshot
+        raise ModelError(
+            f"model {text!r}: no such directory, and not in the local Hugging Face cache ({hf_cache_dir()}); "
+            f"Parity never downloads: fetch it first (huggingface-cli download {text})"
+        )
+    raise ModelError(
+        f"model {text!r}: no such directory (give a model directory, a Hugging Face id in the local cache, or builtin)"
+    )
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

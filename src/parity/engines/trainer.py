@@ -35,6 +35,23 @@ class OptimConfig:
     loss_scale_growth_interval: int = 200
 
 
+def scheduled_lr(base: float, schedule: str, warmup_steps: int, step: int, total_steps: int) -> float:
+    """The learning rate of RL step `step` (0-based) of `total_steps`: rising linearly over the first
+    `warmup_steps` steps to `base`, then `constant`, or falling towards 0 along a `linear` or `cosine`
+    schedule that reaches 0 one step past the last (so the last step still learns)."""
+    if step < warmup_steps:
+        return base * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return base
+    span = max(total_steps - warmup_steps, 1)
+    done = min((step - warmup_steps) / span, 1.0)
+    if schedule == "linear":
+        return base * (1.0 - done)
+    if schedule == "cosine":
+        return base * 0.5 * (1.0 + math.cos(math.pi * done))
+    raise ValueError(f"unknown learning-rate schedule {schedule!r}")
+
+
 @dataclass(frozen=True)
 class StepStats:
     grad_norm: float  # before clipping, after unscaling; inf/nan when the step was skipped
@@ -303,6 +320,11 @@ class Trainer:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` times the current loss scale (1 unless FP16)."""
         (loss * (self.scaler.scale * self.grad_sum_factor)).backward()
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the updates from now on (a schedule's value for the step)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def step(self) -> StepStats:
         """Unscale, check, clip, and apply the optimizer step (skipped on inf/NaN)."""

@@ -45,6 +45,7 @@ from parity.engines.models import ModelError, load_model, save_model
 from parity.engines.tokenizer import copy_tokenizer_files
 from parity.engines.trainer import Trainer
 from parity.files import atomic_dir
+from parity.rl.model_card import model_card
 
 FORMAT_VERSION = 2  # 2: manifest.json with checksums, the config in state.json
 MANIFEST = "manifest.json"
@@ -63,6 +64,7 @@ class RunState:
     data_position: int
     weight_version: int  # as loaded; a save takes the trainer's
     config: dict[str, Any] | None = None  # the run's config when it was saved
+    metrics: dict[str, float] | None = None  # the newest step's metrics, for the saved model's card
     read_in_place: bool = False  # loaded: the weights went straight to sharded learners, not to the trainer
 
 
@@ -196,11 +198,13 @@ def _write_checkpoint(
                 raise CheckpointError(f"step {state.step}: not saving a checkpoint: inf/NaN in {', '.join(bad[:3])}")
             tensors, tensor_file = {}, SHARDED_RNG
         else:
+            card = model_card(state.config or {}, state.metrics or {}, state.step, str(Path(model_dir).resolve()))
             if trainer.lora is None:
-                save_model(trainer.model, tmp / "model", functools.partial(copy_tokenizer_files, model_dir))
+                save_model(trainer.model, tmp / "model", functools.partial(_model_files, model_dir, card))
             else:
                 base = Path(model_dir).resolve()
                 save_adapter(trainer.model, trainer.lora, tmp / ADAPTER_DIR, base_model=str(base))
+                (tmp / ADAPTER_DIR / "README.md").write_text(card, encoding="utf-8")
                 meta["base_model"] = {"path": str(base), "sha256": base_sha256(base)}
             tensors, meta["optimizer"] = _optimizer_tensors(trainer.optimizer)
             tensor_file = "optimizer.safetensors"
@@ -215,6 +219,12 @@ def _write_checkpoint(
         )
         (tmp / "state.json").write_text(json.dumps(meta, indent=2) + "\n")
         _write_manifest(tmp)
+
+
+def _model_files(model_dir: Path, card: str, folder: Path) -> None:
+    """A saved model's files beside its weights: the tokenizer's and its model card (README.md)."""
+    copy_tokenizer_files(model_dir, folder)
+    (folder / "README.md").write_text(card, encoding="utf-8")
 
 
 def _state_dicts(trainer: Trainer) -> dict[str, dict]:

@@ -16,6 +16,7 @@ that sampled), π_θ (being trained):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -38,7 +39,7 @@ from parity.engines.models import ModelConfig, load_model, resolve_model_dir
 from parity.engines.sampler import ExactnessError, Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
-from parity.engines.trainer import Trainer
+from parity.engines.trainer import Trainer, scheduled_lr
 from parity.files import atomic_write_json, atomic_write_text
 from parity.rl.checkpoint import (
     RunState,
@@ -48,11 +49,12 @@ from parity.rl.checkpoint import (
     restore_latest,
     save_checkpoint,
 )
+from parity.rl.completions import completion_rows, markdown_table, sample_rows, write_completions
 from parity.rl.diagnostics import mismatch_alarm
 from parity.rl.evaluation import EVAL_SEED, EvalSet, Evaluator, eval_sampling, evaluation_due, heldout_problems
-from parity.rl.rewards import RewardHealth, RewardRunner, score_rollouts
+from parity.rl.reward_fns import Reward, RewardCheckError, binary_reward, data_columns, run_rewards
+from parity.rl.rewards import RewardHealth, score_rollouts
 from parity.rl.step import (
-    BINARY_REWARDS,
     Prepared,
     UpdatePlan,
     UpdateResult,
@@ -63,16 +65,16 @@ from parity.rl.step import (
     train_on_batch,
 )
 from parity.rl.tasks import (
-    REWARDS,
-    TRUSTED_REWARDS,
+    DATA_DIR,
     DataOrder,
     Problem,
     PromptLimit,
     builtin_problems,
     extract_boxed,
-    import_reward_fn,
     load_problems,
+    write_rows,
 )
+from parity.rl.trackers import Tracker, open_trackers
 from parity.rl.train_config import RESUMABLE_KEYS, TrainConfig
 from parity.rundir import RunLock, check_run_dir, clean_leftovers, foreign_entries
 from parity.runtime import reuse_freed_memory
@@ -81,18 +83,11 @@ from parity.runtime import reuse_freed_memory
 
 
 class MetricsLog:
-    """`metrics.jsonl`, one object per step with "step"; TensorBoard too when available."""
+    """`metrics.jsonl`, one object per step with "step"; and the trackers of `log.to` (`rl/trackers.py`)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    def __init__(self, run_dir: Path, trackers: list[Tracker]):
         self.path = run_dir / "metrics.jsonl"
-        self.writer = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:
-                pass
+        self.trackers = trackers
 
     def truncate_after(self, step: int) -> None:
         """Drop lines logged after `step` (a killed run's steps past its checkpoint)."""
@@ -110,15 +105,14 @@ class MetricsLog:
     def log(self, metrics: dict[str, float]) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(metrics) + "\n")
-        if self.writer is not None:
-            for key, value in metrics.items():
-                if key != "step":
-                    self.writer.add_scalar(key, value, metrics["step"])
-            self.writer.flush()
+        values = {k: v for k, v in metrics.items() if k != "step"}
+        for tracker in self.trackers:
+            tracker.log(values, metrics["step"])
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 # ----------------------------------------------------------------------------- the run
@@ -126,6 +120,17 @@ class MetricsLog:
 
 class TrainingError(RuntimeError):
     """The run stopped because going on would train on garbage (non-finite loss or weights)."""
+
+
+class Callback:
+    """Hooks into a run (the Python API's `callbacks=`): subclass and override what you need. Returning
+    True from `on_step_end` stops the run after that step, with a checkpoint."""
+
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> bool | None:
+        return None
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        return None
 
 
 def _flatten(obj: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -152,7 +157,7 @@ class Run:
 
     distributed = False  # this class runs every part in one process (`DistributedRun` does not)
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path, progress: bool = True):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, progress: bool = True, rewards: list[Reward] | None = None):
         if cfg.distributed_mode and not self.distributed:
             # A config asking for workers or learners must not quietly train in one process.
             d = cfg.distributed
@@ -188,6 +193,7 @@ class Run:
             self.reference.model.requires_grad_(False)
         positions, max_new = model.config.max_position_embeddings, cfg.rollout.max_new_tokens
         room = f"model max_position_embeddings {positions} minus rollout.max_new_tokens {max_new}"
+        self.columns = data_columns(cfg)
         if cfg.task.data == "builtin":
             self.problems = builtin_problems(cfg.task.name, cfg.task.num_problems, cfg.seed, cfg.task.difficulty)
             limit = PromptLimit(self.tokenizer, positions - max_new, room, cfg.task.chat_template)
@@ -195,15 +201,10 @@ class Run:
                 limit.check(f"task.data=builtin: generated problem {i}", problem.prompt)
         else:
             self.problems = load_problems(
-                cfg.task.data, self.tokenizer, positions - max_new, room, cfg.task.chat_template
+                cfg.task.data, self.tokenizer, positions - max_new, room, cfg.task.chat_template, columns=self.columns
             )
         self.data = DataOrder(len(self.problems), cfg.seed)
-        if cfg.task.reward_fn:
-            reward_fn, trusted = import_reward_fn(cfg.task.reward_fn), False
-        else:
-            reward_fn, trusted = REWARDS[cfg.task.name], cfg.task.name in TRUSTED_REWARDS
-        isolate = {"auto": not trusted, "always": True, "never": False}[cfg.reward.isolate]
-        self.rewards = RewardRunner(reward_fn, isolate, cfg.reward.timeout_s, cfg.reward.strict)
+        self.rewards = run_rewards(cfg, self.problems, rewards)
         self.reward_health = RewardHealth(cfg.reward.warn_error_rate, cfg.reward.max_failed_steps)
         self.sampling = SamplingParams(
             cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p, cfg.rollout.max_new_tokens
@@ -215,11 +216,15 @@ class Run:
         self.alarmed = False
         self.skipped_streak = 0  # consecutive steps whose every update the FP16 scaler skipped
         self.zero_variance_warned = False
+        self.last_metrics: dict[str, float] = {}  # the newest step's, for the model card of a checkpoint
         # task.name=math scores only \boxed{} answers: warn (once) if a whole step holds none.
         self.watch_boxed = cfg.task.name == "math" and not cfg.task.reward_fn
         self.lock: RunLock | None = None  # set by create/resume; released when train() ends
-        self.log = MetricsLog(run_dir, cfg.tensorboard)
+        self.created_dir = False  # create() made run_dir: a run that stops before its first step removes it
+        self.log = MetricsLog(run_dir, [])
         with self._closed_on_failure():
+            flat = _flatten(config_mod.to_dict(cfg))
+            self.log.trackers = open_trackers(cfg.tensorboard, cfg.log.to, run_dir, cfg.log.project, flat)
             self._start_engines()
 
     def _evaluator(self, config: ModelConfig) -> Evaluator | None:
@@ -238,12 +243,16 @@ class Run:
             for i, problem in enumerate(problems):
                 limit.check(f"eval: held-out problem {i}", problem.prompt)
         elif source is not None:
-            problems = load_problems(source, self.tokenizer, positions - max_new, room, cfg.task.chat_template)
+            problems = load_problems(
+                source, self.tokenizer, positions - max_new, room, cfg.task.chat_template, columns=self.columns
+            )
             problems = problems[: e.num_prompts]
         if source is None or not problems:
             print(
-                f"eval: no held-out problems (task.data={cfg.task.data} with task.name={cfg.task.name}, whose "
-                "problems Parity does not generate); set eval.data=FILE to evaluate, or eval.every=-1",
+                f"eval: no held-out problems (task.data={cfg.task.data} "
+                + ("with your reward functions" if cfg.task.reward_fn else f"with task.name={cfg.task.name}")
+                + ", whose problems Parity does not generate); set eval.data=FILE (eval_dataset= in Python) to "
+                "evaluate, or eval.every=-1",
                 file=sys.stderr,
             )
             return None
@@ -252,7 +261,7 @@ class Run:
             prompts=[self.tokenizer.encode_prompt(p.prompt, cfg.task.chat_template) for p in problems],
             samples=e.samples,
             sampling=eval_sampling(e.temperature, max_new),
-            binary=cfg.task.name in BINARY_REWARDS and not cfg.task.reward_fn,
+            binary=binary_reward(cfg),
         )
         served = (cfg.rollout_precision, self.numerics)
         return Evaluator(
@@ -344,7 +353,16 @@ class Run:
     # -- construction ---------------------------------------------------------
 
     @classmethod
-    def create(cls, cfg: TrainConfig, progress: bool = True) -> Run:
+    def create(
+        cls,
+        cfg: TrainConfig,
+        progress: bool = True,
+        rewards: list[Reward] | None = None,
+        datasets: dict[str, list[dict[str, Any]]] | None = None,
+    ) -> Run:
+        """A new run of `cfg`. `rewards`: Python callables for the functions `task.reward_fn` names (the
+        API's). `datasets`: rows for "train" (and "eval") held in memory, written into the run directory's
+        data/ so that config.yaml names files that `--resume` and `parity eval` read."""
         run_dir = Path(cfg.run_dir or time.strftime("runs/train-%Y%m%d-%H%M%S"))
         check_run_dir(run_dir)
         created = not run_dir.exists()
@@ -357,7 +375,15 @@ class Run:
                     "or choose another run_dir"
                 )
             cfg.run_dir = str(run_dir)
-            run = cls(cfg, run_dir, progress)  # model, data and reward are checked before anything is written
+            cfg.resolve_paths(Path.cwd())
+            for split, rows in (datasets or {}).items():
+                path = write_rows(run_dir / DATA_DIR / f"{split}.jsonl", rows, split)
+                if split == "train":
+                    cfg.task.data = str(path.resolve())
+                else:
+                    cfg.eval.data = str(path.resolve())
+            run = cls(cfg, run_dir, progress, rewards)  # model, data and reward are checked before anything is written
+            run.created_dir = created
             with run._closed_on_failure():
                 atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
                 run.record_numerics()
@@ -376,9 +402,11 @@ class Run:
         overrides: list[str] | None = None,
         trust_reward_fn: bool = False,
         progress: bool = True,
+        rewards: list[Reward] | None = None,
     ) -> Run:
         """Continue the run in `run_dir` from its newest intact checkpoint, with exactly its
-        saved config; `overrides` may set only RESUMABLE_KEYS."""
+        saved config; `overrides` may set only RESUMABLE_KEYS (data paths relative to the working
+        directory). `rewards`: the Python callables of its `task.reward_fn` (the API's)."""
         run_dir = Path(run_dir)
         if not (run_dir / "config.yaml").is_file():
             if run_dir.is_dir() and (run_dir / ".lock").is_file() and not foreign_entries(run_dir):
@@ -390,7 +418,9 @@ class Run:
         check_run_dir(run_dir)
         lock = RunLock(run_dir)
         try:
-            run = cls._resume_locked(run_dir, overrides or [], trust_reward_fn, progress)
+            run = cls._resume_locked(
+                run_dir, overrides or [], trust_reward_fn or rewards is not None, progress, rewards
+            )
         except BaseException:
             lock.release()
             raise
@@ -398,7 +428,9 @@ class Run:
         return run
 
     @classmethod
-    def _resume_locked(cls, run_dir: Path, overrides: list[str], trust_reward_fn: bool, progress: bool) -> Run:
+    def _resume_locked(
+        cls, run_dir: Path, overrides: list[str], trust_reward_fn: bool, progress: bool, rewards: list[Reward] | None
+    ) -> Run:
         def note(line: str) -> None:
             print(f"resume: {line}", file=sys.stderr)
 
@@ -413,6 +445,7 @@ class Run:
                 )
         cfg = config_mod.load(TrainConfig, run_dir / "config.yaml", overrides)
         cfg.run_dir = str(run_dir)
+        cfg.resolve_paths(Path.cwd())  # an override names a file from here; the saved paths are absolute
         if cfg.task.reward_fn and not trust_reward_fn:
             raise ConfigError(
                 f"--resume {run_dir}: its config.yaml sets task.reward_fn={cfg.task.reward_fn}, which imports and "
@@ -438,7 +471,7 @@ class Run:
                 note(f"{k} {saved.get(k)!r} -> {current[k]!r}")
         if overrides:
             atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
-        run = cls(cfg, run_dir, progress)
+        run = cls(cfg, run_dir, progress, rewards)
         with run._closed_on_failure():
             run.record_numerics()
             state = restore_latest(run_dir, run.trainer, note, run.model_dir, run._shard_reader())
@@ -538,6 +571,10 @@ class Run:
         cfg, a = self.cfg, self.cfg.algorithm
         times: dict[str, float] = {}
         t0 = time.perf_counter()
+        t = cfg.trainer
+        if t.lr_schedule != "constant" or t.warmup_steps:  # a constant rate stays the optimizer's own
+            lr = scheduled_lr(t.lr, t.lr_schedule, t.warmup_steps, self.step_count, cfg.steps)
+            self.plan = dataclasses.replace(self.plan, lr=lr)
         problems, batch = self._rollouts(times)
 
         t = time.perf_counter()
@@ -554,6 +591,9 @@ class Run:
                 file=sys.stderr,
             )
         times["reward"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self._show_completions(batch, problems, result)
+        times["completions"] = time.perf_counter() - t
 
         t = time.perf_counter()
         old = resolve_old(batch, self.plan, self.trainer)
@@ -574,7 +614,7 @@ class Run:
                 result,
                 sampling_pi,
                 self.plan,
-                binary_reward=cfg.task.name in BINARY_REWARDS and not cfg.task.reward_fn,
+                binary_reward=binary_reward(cfg),
                 same_precision=cfg.trainer_precision == cfg.rollout_precision,
             )
         )
@@ -587,6 +627,24 @@ class Run:
         metrics["perf/tokens_per_s"] = batch.num_tokens / times["step"]
         metrics["perf/train_gflops"] = update.flops / 1e9 / times["train"]
         return metrics
+
+    def _show_completions(self, batch: RolloutBatch, problems: list[Problem], result) -> None:
+        """completions/step_N.jsonl with every completion of the step and its rewards; `log.completions`
+        of them printed as a table."""
+        groups = batch.group_index.tolist()
+        rows = completion_rows(
+            self.step_count + 1,
+            [problems[g].prompt for g in groups],
+            result.responses,
+            result.rewards,
+            result.per_function,
+            batch.response_lengths.tolist(),
+            batch.truncated.tolist(),
+        )
+        write_completions(self.run_dir, self.step_count + 1, rows)
+        if self.cfg.log.completions:
+            shown = markdown_table(sample_rows(rows, self.cfg.log.completions))
+            tqdm.write(f"step {self.step_count + 1} completions (log.completions=0 hides them):\n{shown}")
 
     def _verify_exact(
         self, batch: RolloutBatch, sampling_pi: torch.Tensor, rows: torch.Tensor, first_pass: torch.Tensor
@@ -638,9 +696,20 @@ class Run:
 
     # -- the loop -------------------------------------------------------------
 
-    def train(self, should_stop: Callable[[], bool] | None = None) -> list[dict[str, float]]:
-        """Train up to `cfg.steps`; `should_stop` (asked after every step) ends the run early, with a
-        checkpoint of the last step."""
+    def train(
+        self, should_stop: Callable[[], bool] | None = None, callbacks: list[Callback] | None = None
+    ) -> list[dict[str, float]]:
+        """Train up to `cfg.steps`; `should_stop` (asked after every step) or a callback's `on_step_end`
+        returning True ends the run early, with a checkpoint of the last step. A reward function that fails
+        its first batch stops the run before it trains, and a run directory this run made goes with it."""
+        try:
+            return self._train(should_stop, callbacks or [])
+        except RewardCheckError:
+            if self.created_dir and self.step_count == 0:
+                shutil.rmtree(self.run_dir, ignore_errors=True)  # nothing was trained: the run leaves nothing
+            raise
+
+    def _train(self, should_stop: Callable[[], bool] | None, callbacks: list[Callback]) -> list[dict[str, float]]:
         cfg = self.cfg
         if cfg.trainer_precision != cfg.rollout_precision:
             print(
@@ -654,8 +723,12 @@ class Run:
             while self.step_count < cfg.steps:
                 metrics = self.step()
                 if self.evaluator is not None and evaluation_due(self.step_count, cfg.steps, cfg.eval.every):
-                    metrics.update(self.evaluate())
+                    evaluated = self.evaluate()
+                    metrics.update(evaluated)
+                    for callback in callbacks:
+                        callback.on_eval(self.step_count, evaluated)
                 self.log.log(metrics)
+                self.last_metrics = metrics
                 history.append(metrics)
                 bar.update(1)
                 headline = {
@@ -680,7 +753,8 @@ class Run:
                 else:
                     self.zero_variance_warned = False
                 every = cfg.checkpoint_every
-                stopping = should_stop is not None and should_stop()
+                asked = [bool(callback.on_step_end(self.step_count, metrics)) for callback in callbacks]
+                stopping = any(asked) or (should_stop is not None and should_stop())
                 if every >= 0 and (
                     (every and self.step_count % every == 0) or self.step_count == cfg.steps or stopping
                 ):
@@ -707,7 +781,13 @@ class Run:
 
     def checkpoint(self) -> Path:
         self._gather_state()
-        state = RunState(self.step_count, self.data_position, self.trainer.weight_version, config_mod.to_dict(self.cfg))
+        state = RunState(
+            self.step_count,
+            self.data_position,
+            self.trainer.weight_version,
+            config_mod.to_dict(self.cfg),
+            metrics=self.last_metrics,
+        )
         return save_checkpoint(self.run_dir, self.trainer, state, self.model_dir, self.cfg.keep_checkpoints)
 
 

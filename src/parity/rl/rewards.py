@@ -22,7 +22,7 @@ import sys
 import threading
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from parity.rl.tasks import Problem, RewardFn
 
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _PARENT_CHECK_S = 1.0  # how often an idle worker checks that the run is still there
+WORKER_START_S = 300.0  # how long a worker may take to start (spawn: a fresh interpreter imports torch)
 
 
 class RewardError(RuntimeError):
@@ -47,6 +48,7 @@ class RewardResult:
     timeouts: int
     first_error: str | None = None  # the first failure of these samples, one line
     responses: list[str] = field(default_factory=list)  # the decoded responses scored (`score_rollouts`)
+    per_function: dict[str, list[float]] = field(default_factory=dict)  # each reward function's own scores
 
 
 class _Failure(NamedTuple):
@@ -55,9 +57,18 @@ class _Failure(NamedTuple):
     timed_out: bool = False
 
 
+def exception_summary(e: BaseException) -> str:
+    """`Type: message` on one line, even for multi-line messages."""
+    return " ".join(f"{type(e).__name__}: {e}".split())
+
+
 def _exception_failure(e: BaseException) -> _Failure:
-    summary = " ".join(f"{type(e).__name__}: {e}".split())  # one line, even for multi-line messages
-    return _Failure(summary, "".join(traceback.format_exception(e)))
+    return _Failure(exception_summary(e), "".join(traceback.format_exception(e)))
+
+
+def report_first_failure(header: str, trace: str) -> None:
+    """A reward's first failure on stderr, with its traceback: a broken reward is visible at once."""
+    print(header + (f"\n{trace.rstrip()}" if trace else ""), file=sys.stderr)
 
 
 def _death_failure(exit_code: int | None) -> _Failure:
@@ -83,9 +94,14 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker(fn: RewardFn, conn, parent_pid: int, die_with_parent: bool) -> None:
+def _unchecked(value: object) -> object:
+    return value
+
+
+def _worker(fn: RewardFn, conn, parent_pid: int, die_with_parent: bool, check=_check) -> None:
     if die_with_parent:
         _die_with_parent()
+    conn.send(None)  # started, `fn` imported: the parent's timeouts count from here
     # The worker holds a copy of the parent's end of the pipe (fork), so a dead parent
     # never shows up as EOF: check who the parent is instead. Checking before the first
     # wait also covers a parent that died before the death signal was set.
@@ -96,28 +112,44 @@ def _worker(fn: RewardFn, conn, parent_pid: int, die_with_parent: bool) -> None:
         if item is None:
             return
         try:
-            conn.send((_check(fn(*item)), None))
+            conn.send((check(fn(*item)), None))
         except BaseException as e:  # noqa: BLE001 - reported to the parent, never raised here
             conn.send((0.0, _exception_failure(e)))
 
 
 class RewardRunner:
-    def __init__(self, fn: RewardFn, isolate: bool, timeout_s: float = 5.0, strict: bool = False):
-        self.fn, self.isolate, self.timeout_s, self.strict = fn, isolate, timeout_s, strict
+    """`start`: how the worker process starts. `fork` (the built-in math reward: no torch in the child)
+    is quick; `spawn` starts a fresh interpreter, the only safe start for code that runs torch, whose
+    thread pools a forked child inherits locked (a judge model hangs in its forward)."""
+
+    def __init__(self, fn: RewardFn, isolate: bool, timeout_s: float = 5.0, strict: bool = False, start: str = "fork"):
+        self.fn, self.isolate, self.timeout_s, self.strict, self.start = fn, isolate, timeout_s, strict, start
         self._proc: mp.process.BaseProcess | None = None
         self._conn = None
         self._shown_failure = False
 
-    def _start(self) -> None:
-        ctx = mp.get_context("fork")
+    def _start(self, check=_check) -> None:
+        ctx = mp.get_context(self.start)
         parent, child = ctx.Pipe()
         # The death signal fires when the forking *thread* exits, so it is only safe to ask
         # for from the main thread, which lives as long as the run.
         from_main_thread = threading.current_thread() is threading.main_thread()
-        self._proc = ctx.Process(target=_worker, args=(self.fn, child, os.getpid(), from_main_thread), daemon=True)
+        args = (self.fn, child, os.getpid(), from_main_thread, check)
+        self._proc = ctx.Process(target=_worker, args=args, daemon=True)
         self._proc.start()
         child.close()
         self._conn = parent
+        # A spawned worker imports torch and the reward's module before it serves (seconds): that start is
+        # not the reward's time, so it has a budget of its own.
+        if not parent.poll(WORKER_START_S):
+            self._kill()
+            raise RewardError(f"the reward worker did not start within {WORKER_START_S:.0f}s")
+        try:
+            parent.recv()
+        except (EOFError, OSError):  # died while importing: its exit code says how
+            raise RewardError(
+                f"the reward worker died while starting ({_death_failure(self._kill()).summary})"
+            ) from None
 
     def _kill(self) -> int | None:
         """Stop the worker, if there is one; its exit code."""
@@ -143,9 +175,13 @@ class RewardRunner:
         except Exception as e:
             return 0.0, _exception_failure(e)
 
-    def _score_in_worker(self, item: tuple[Problem, str, int]) -> tuple[float, _Failure | None]:
+    def call(self, *args) -> tuple[Any, _Failure | None]:
+        """`fn(*args)` in the worker, its value unchecked (a batch's scores), or how the call failed."""
+        return self._score_in_worker(args, check=_unchecked)
+
+    def _score_in_worker(self, item: tuple, check=_check) -> tuple[Any, _Failure | None]:
         if self._proc is None:
-            self._start()
+            self._start(check)
         try:
             self._conn.send(item)
             reply = self._conn.recv() if self._conn.poll(self.timeout_s) else None
@@ -160,8 +196,7 @@ class RewardRunner:
         """Show the runner's first failure in full (later ones are only counted); under strict, stop."""
         if not self._shown_failure:
             self._shown_failure = True
-            header = f"reward: first failure (sample {index}): {failure.summary}"
-            print(header + (f"\n{failure.trace.rstrip()}" if failure.trace else ""), file=sys.stderr)
+            report_first_failure(f"reward: first failure (sample {index}): {failure.summary}", failure.trace)
         if self.strict:
             self.close()
             name = getattr(self.fn, "__qualname__", self.fn)

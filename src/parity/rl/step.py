@@ -59,6 +59,7 @@ class UpdatePlan:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     routing_replay: bool = False  # MoE: π_θ uses the experts the rollout engine chose
+    lr: float | None = None  # this step's learning rate (`trainer.lr_schedule`); None: the optimizer's own
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,8 @@ def train_on_batch(
     the single-learner gradient (the sharded optimizer sums them). `before_first_step` sees π_old of
     every row, and this learner's rows of the first mini-batch with their first π_θ pass, before the
     optimizer first steps (exact mode's check: a failure there moves no weight)."""
+    if plan.lr is not None:
+        trainer.set_lr(plan.lr)
     estimator = ESTIMATORS[plan.estimator]
     mu, old, loss_mask, advantages = (
         batch.rollout_logprobs,
@@ -338,6 +341,12 @@ def step_metrics(
         metrics["reward/correct_cut_off_frac"] = float((checked & (rewards < 1.0)).float().mean())
     if update.kls:  # per token over the step, whichever learner scored which tokens
         metrics["loss/kl"] = sum(update.kls) / max(sum(update.kl_tokens), 1.0)
+    for name, values in result.per_function.items():  # each reward function's own, unweighted scores
+        scores = torch.tensor(values, dtype=torch.float64)
+        metrics[f"reward/{name}/mean"] = float(scores.mean())
+        metrics[f"reward/{name}/std"] = float(scores.std()) if scores.numel() > 1 else 0.0
+    if plan.lr is not None:
+        metrics["trainer/lr"] = plan.lr
     for k, v in update.stats.items():  # the estimator's diagnostics, under their own names
         metrics[k] = max(v) if k.endswith("_max") else _mean(v)
     if batch.full_vocab is not None and batch.full_vocab.trainer_logprobs is not None:

@@ -12,22 +12,21 @@ rollout/trainer mismatch has a long sequence to accumulate over.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 import random
 import re
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
-from parity.config import ConfigError
 from parity.engines.tokenizer import ChatTemplateError
+from parity.files import atomic_write_text
 
 if TYPE_CHECKING:
     from parity.engines.tokenizer import Tokenizer
@@ -35,10 +34,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Problem:
-    """`prompt` is text, or a list of chat messages ({"role": ..., "content": ...}) for the chat template."""
+    """`prompt` is text, or a list of chat messages ({"role": ..., "content": ...}) for the chat template.
+    `answer` is the reference answer as text (what the built-in rewards compare with); `columns` holds every
+    column of a data file's row but the prompt, each value as the file gave it (an integer stays an integer),
+    for reward functions that name them."""
 
     prompt: str | list[dict[str, Any]]
     answer: str
+    columns: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 class ArithmeticTask:
@@ -74,7 +77,7 @@ class ArithmeticTask:
         while len(out) < n:
             a, b = self._draw(rng)
             if self._held_out(a, b) == (split == "eval"):
-                out.append(Problem(prompt=f"{a}+{b}=", answer=str(a + b)))
+                out.append(Problem(prompt=f"{a}+{b}=", answer=str(a + b), columns={"answer": a + b}))
         return out
 
     @staticmethod
@@ -242,7 +245,7 @@ class NumberTask:
         while len(out) < n:
             prompt, answer = self.draw(rng)
             if self._held_out(prompt) == (split == "eval"):
-                out.append(Problem(prompt=prompt, answer=str(answer)))
+                out.append(Problem(prompt=prompt, answer=str(answer), columns={"answer": answer}))
         return out
 
 
@@ -310,10 +313,12 @@ def load_problems(
     limit_reason: str | None = None,
     chat_template: str = "auto",
     chat_template_key: str = "task.chat_template",
+    columns: DataColumns | None = None,
 ) -> list[Problem]:
     """Problems from a JSONL or Parquet file whose rows have a `prompt` (a non-empty string, or a list of
-    chat messages {"role": ..., "content": ...}) and a string or number `answer`, every row checked now, so
-    that a bad one stops the run before it starts.
+    chat messages {"role": ..., "content": ...}) and a string or number `answer` (`columns` names them
+    otherwise, and may leave the answer out), every row checked now, so that a bad one stops the run before
+    it starts. Every other column of a row is kept in `Problem.columns`, with its type.
 
     With `tokenizer` and `max_prompt_tokens`, every prompt is encoded as training will encode it
     (`tokenizer.encode_prompt` under `chat_template`, the value of the config key `chat_template_key`): a
@@ -323,6 +328,7 @@ def load_problems(
     naming the file and line (JSONL) or row (Parquet, counted from 0).
     """
     path = Path(path)
+    columns = columns or DataColumns()
     if not path.is_file():
         raise DataError(f"task.data: file {str(path)!r} does not exist")
     if (tokenizer is None) != (max_prompt_tokens is None):
@@ -331,13 +337,13 @@ def load_problems(
     if limit is not None and limit.max_tokens < 1:
         raise DataError(f"{path}: no prompt can fit in {limit.max_tokens} tokens{limit.reason}")
     if path.suffix == ".parquet":
-        rows = _parquet_rows(path)
+        rows = _parquet_rows(path, columns)
     else:
         prompt_room = 0 if limit is None else JSON_BYTES_PER_TEXT_BYTE * limit.max_bytes
         rows = _jsonl_rows(path, ROW_BYTES + prompt_room)
     problems = []
     for where, row in rows:
-        problem = _problem(where, row)
+        problem = _problem(where, row, columns)
         if limit is not None:
             if not isinstance(problem.prompt, str) and not tokenizer.uses_chat_template(chat_template):
                 why = (
@@ -345,7 +351,9 @@ def load_problems(
                     if chat_template == "none"
                     else f"the model {tokenizer.source} has none ({chat_template_key}=auto)"
                 )
-                raise DataError(f"{where}: 'prompt' is a list of messages, which needs a chat template, and {why}")
+                raise DataError(
+                    f"{where}: '{columns.prompt}' is a list of messages, which needs a chat template, and {why}"
+                )
             limit.check(where, problem.prompt)
         problems.append(problem)
     if not problems:
@@ -386,17 +394,20 @@ def _line_length(start: bytes, f: BinaryIO) -> int:
     return length - 1 if part.endswith(b"\n") else length
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
+def _parquet_rows(path: Path, columns: DataColumns) -> Iterator[tuple[str, object]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         file = pq.ParquetFile(path)
-        missing = {"prompt", "answer"} - set(file.schema_arrow.names)
+        missing = set(columns.required) - set(file.schema_arrow.names)
         if missing:
-            raise DataError(f"{path}: missing column(s) {sorted(missing)}; need 'prompt' and 'answer'")
+            raise DataError(
+                f"{path}: missing column(s) {sorted(missing)}; need {columns.describe()} "
+                f"(the file has {', '.join(file.schema_arrow.names)})"
+            )
         index = 0
-        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=["prompt", "answer"]):
+        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS):
             for row in batch.to_pylist():
                 yield f"{path}: row {index}", row
                 index += 1
@@ -407,43 +418,63 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
 PROMPT_FORM = "non-empty string (or list of {role, content} messages)"  # what a row's prompt may be
 
 
-def _problem(where: str, row: object) -> Problem:
+@dataclass(frozen=True)
+class DataColumns:
+    """Which columns of a data file hold the prompt and the answer (`task.prompt_column`,
+    `task.answer_column`), and whether an answer is needed (the built-in rewards compare with it; reward
+    functions of your own read whichever columns they name)."""
+
+    prompt: str = "prompt"
+    answer: str = "answer"
+    answer_required: bool = True
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        return (self.prompt, self.answer) if self.answer_required else (self.prompt,)
+
+    def describe(self) -> str:
+        prompt = f"a {PROMPT_FORM} '{self.prompt}'"
+        return f"{prompt} and a string or number '{self.answer}'" if self.answer_required else prompt
+
+
+def _problem(where: str, row: object, columns: DataColumns) -> Problem:
     """The row as a Problem, or a DataError naming what is wrong with it."""
-    expected = f"{where}: expected an object with a {PROMPT_FORM} 'prompt' and a string or number 'answer'"
+    expected = f"{where}: expected an object with {columns.describe()}"
     if not isinstance(row, dict):
         raise DataError(f"{expected}; got {_kind(row)}")
-    for field in ("prompt", "answer"):
-        if field not in row:
-            raise DataError(f"{expected}; '{field}' is missing")
-    prompt = check_prompt(where, expected, row["prompt"])
-    answer = row["answer"]
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise DataError(f"{expected}; 'answer' is {_kind(answer)}")
-    return Problem(prompt=prompt, answer=str(answer))
+    for name in columns.required:
+        if name not in row:
+            raise DataError(f"{expected}; '{name}' is missing (it has {', '.join(map(repr, row)) or 'no keys'})")
+    prompt = check_prompt(where, expected, row[columns.prompt], columns.prompt)
+    answer = row.get(columns.answer, "")
+    if columns.answer_required and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
+        raise DataError(f"{expected}; '{columns.answer}' is {_kind(answer)}")
+    extra = {k: v for k, v in row.items() if k != columns.prompt}
+    return Problem(prompt=prompt, answer=str(answer) if answer is not None else "", columns=extra)
 
 
-def check_prompt(where: str, expected: str, prompt: object) -> str | list[dict[str, Any]]:
+def check_prompt(where: str, expected: str, prompt: object, name: str = "prompt") -> str | list[dict[str, Any]]:
     """`prompt` if it is a non-empty string or a non-empty list of messages, each an object with a string
     'role' and a string 'content' (other keys are kept for the chat template, null ones dropped); else a
     DataError that starts with `expected`."""
     if isinstance(prompt, list):
         if not prompt:
-            raise DataError(f"{expected}; 'prompt' is an empty list")
+            raise DataError(f"{expected}; '{name}' is an empty list")
         for i, message in enumerate(prompt):
             if not isinstance(message, dict):
-                raise DataError(f"{expected}; 'prompt' message {i} is {_kind(message)}")
+                raise DataError(f"{expected}; '{name}' message {i} is {_kind(message)}")
             for key in ("role", "content"):
                 if not isinstance(message.get(key), str):
                     got = "missing" if key not in message else _kind(message[key])
-                    raise DataError(f"{expected}; 'prompt' message {i}: '{key}' is {got}, not a string")
-                _check_unicode(where, f"'prompt' message {i} '{key}'", message[key])
+                    raise DataError(f"{expected}; '{name}' message {i}: '{key}' is {got}, not a string")
+                _check_unicode(where, f"'{name}' message {i} '{key}'", message[key])
         # A null field is no field (chat templates test for missing keys; Parquet structs fill them with null).
         return [{k: v for k, v in m.items() if v is not None} for m in prompt]
     if not isinstance(prompt, str):
-        raise DataError(f"{expected}; 'prompt' is {_kind(prompt)}")
+        raise DataError(f"{expected}; '{name}' is {_kind(prompt)}")
     if not prompt.strip():
-        raise DataError(f"{expected}; 'prompt' is {'empty' if not prompt else 'only whitespace'}")
-    _check_unicode(where, "'prompt'", prompt)
+        raise DataError(f"{expected}; '{name}' is {'empty' if not prompt else 'only whitespace'}")
+    _check_unicode(where, f"'{name}'", prompt)
     return prompt
 
 
@@ -473,6 +504,26 @@ def _kind(value: object) -> str:
         list: "an array",
     }
     return kinds.get(type(value), f"a {type(value).__name__}")
+
+
+DATA_DIR = "data"  # in a run directory: the datasets the Python API was given in memory, as JSONL
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]], split: str) -> Path:
+    """Rows (dicts of JSON values) as a JSONL file, atomically; a row JSON cannot hold is a DataError."""
+    lines = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(f"{split} dataset row {i}: expected a dict of columns, got {_kind(row)}")
+        try:
+            lines.append(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
+        except (TypeError, ValueError) as e:
+            raise DataError(f"{split} dataset row {i}: {e} (columns must hold JSON values)") from None
+    if not lines:
+        raise DataError(f"{split} dataset: no rows")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "".join(lines))
+    return path
 
 
 class DataOrder:
@@ -590,29 +641,6 @@ REWARDS: dict[str, RewardFn] = {
     "number": number_reward,
 }
 TRUSTED_REWARDS = {"builtin", "length", "exact", "number"}  # fast, pure: run in-process
-
-
-def import_reward_fn(spec: str) -> RewardFn:
-    """`module:function` -> the function, called as fn(prompt, response, answer) -> float."""
-    if spec.count(":") != 1:
-        raise ConfigError(f"task.reward_fn: expected 'module:function', got {spec!r}")
-    module_name, fn_name = spec.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # a missing module, a syntax error, or anything its top level raises
-        summary = " ".join(f"{type(e).__name__}: {e}".split())  # one line for the CLI's error message
-        raise ConfigError(f"task.reward_fn: importing {module_name!r} failed: {summary}") from None
-    if not hasattr(module, fn_name):
-        raise ConfigError(f"task.reward_fn: module {module_name!r} has no function {fn_name!r}")
-    fn = getattr(module, fn_name)
-    if not callable(fn):
-        raise ConfigError(f"task.reward_fn: {module_name}.{fn_name} is a {type(fn).__name__}, not a function")
-
-    def reward(problem: Problem, response: str, length: int) -> float:
-        return float(fn(problem.prompt, response, problem.answer))
-
-    reward.__qualname__ = spec
-    return reward
 
 
 # Characters of the built-in model's vocabulary (after the special tokens).

@@ -25,7 +25,21 @@ TRUNCATION_MODES = ("keep", "zero_reward", "drop")
 MICRO_BATCH_TOKENS = {"cpu": 8192, "cuda": 16384}
 # Keys `parity train --resume RUN key=value` may change: how long and how often, never what is trained.
 # The learner count changes only how the gradient's sum is split (round-off): sharded checkpoints reshard.
-RESUMABLE_KEYS = ("steps", "checkpoint_every", "keep_checkpoints", "tensorboard", "distributed.learners")
+# Data paths may change too (the same data moved, or the run resumed from another folder): the data order
+# is a position in the file's rows.
+RESUMABLE_KEYS = (
+    "steps",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "tensorboard",
+    "log.to",
+    "log.completions",
+    "distributed.learners",
+    "task.data",
+    "eval.data",
+)
+LR_SCHEDULES = ("constant", "linear", "cosine")
+TRACKERS = ("wandb", "trackio", "mlflow")
 RATIO_SOURCES = ("recompute", "shadow", "rollout")
 
 # ----------------------------------------------------------------------------- config
@@ -55,6 +69,10 @@ class TrainerSection:
     beta2: float = 0.999
     eps: float = 1e-8
     grad_clip: float = 1.0
+    # The learning rate over the run: constant, or down to 0 at the last step, linearly or along a cosine,
+    # after `warmup_steps` steps rising linearly from 0 (trainer/lr logs it every step)
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
     loss_scale_init: float = 65536.0
     loss_scale_growth_interval: int = 200
     # Tokens per forward/backward (a prompt counted once per micro-batch, responses in full); unset: 8,192
@@ -105,7 +123,13 @@ class TaskSection:
     data: str = "builtin"
     num_problems: int = 1024  # size of the generated builtin dataset
     difficulty: str = "standard"  # name=number's generated word problems: standard | easy | worked
-    reward_fn: str = ""  # module:function, called as fn(prompt, response, answer); overrides `name`
+    # Reward functions of your own, module:function each (a list, or comma-separated); they replace `name`'s
+    # reward. Batched fn(prompts, completions, **columns) -> list, or per sample fn(prompt, completion,
+    # **columns) -> float (docs/your-task.md)
+    reward_fn: list[str] = field(default_factory=list)
+    reward_weights: list[float] = field(default_factory=list)  # one per reward_fn: the weighted sum; empty: 1 each
+    prompt_column: str = "prompt"  # the data's column holding the prompt
+    answer_column: str = "answer"  # ... and the reference answer (needed by the built-in rewards only)
     chat_template: str = "auto"  # auto (the model's chat template, when it has one) | none (raw text)
 
 
@@ -116,6 +140,18 @@ class RewardSection:
     isolate: str = "auto"  # auto (user/math rewards in a worker process) | always | never
     warn_error_rate: float = 0.1  # warn when this share of a step's rewards failed or timed out
     max_failed_steps: int = 3  # stop after this many consecutive steps where every reward failed; 0 = never
+
+
+@dataclass
+class LogSection:
+    # Trackers that receive every step's metrics besides metrics.jsonl and TensorBoard (`tensorboard`),
+    # through their own libraries (installed separately): wandb, trackio, mlflow. Offline where the library
+    # allows it: WANDB_MODE=offline, MLFLOW_TRACKING_URI=file:..., trackio's local store.
+    to: list[str] = field(default_factory=list)
+    project: str = "parity"  # the tracker's project (wandb, trackio) or experiment (mlflow)
+    # Completions of each step printed as a table with their rewards (that many rows; 0 = none); every
+    # completion of the step is written to completions/step_N.jsonl either way
+    completions: int = 4
 
 
 @dataclass
@@ -219,6 +255,8 @@ NUMERIC_RANGES = (
     ("trainer.loss_scale_init", lambda v: v >= 1, ">= 1 (the scaler's floor)"),
     ("trainer.loss_scale_growth_interval", lambda v: v >= 1, ">= 1"),
     ("trainer.micro_batch_tokens", lambda v: v >= 1, ">= 1"),
+    ("trainer.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("log.completions", lambda v: v >= 0, ">= 0 (0 = print none)"),
     ("reward.timeout_s", lambda v: v > 0, "> 0 seconds"),
     ("reward.warn_error_rate", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("reward.max_failed_steps", lambda v: v >= 0, ">= 0 (0 = never stop)"),
@@ -270,6 +308,7 @@ class TrainConfig:
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     task: TaskSection = field(default_factory=TaskSection)
     reward: RewardSection = field(default_factory=RewardSection)
+    log: LogSection = field(default_factory=LogSection)
     health: HealthSection = field(default_factory=HealthSection)
     diagnostics: DiagnosticsSection = field(default_factory=DiagnosticsSection)
     eval: EvalSection = field(default_factory=EvalSection)
@@ -445,8 +484,10 @@ class TrainConfig:
                 f"rollout.group_size={self.rollout.group_size}: the group baseline of algorithm.advantage="
                 f"{self.algorithm.advantage} needs rollout.group_size >= 2 (with one sample every advantage is 0)"
             )
-        if self.task.reward_fn and self.task.reward_fn.count(":") != 1:
-            raise ConfigError(f"task.reward_fn: expected 'module:function', got {self.task.reward_fn!r}")
+        self._check_task()
+        _one_of("trainer.lr_schedule", self.trainer.lr_schedule, LR_SCHEDULES)
+        for i, name in enumerate(self.log.to):
+            _one_of(f"log.to[{i}]", name, TRACKERS)
         try:
             SamplingParams(
                 self.rollout.temperature, self.rollout.top_k, self.rollout.top_p, self.rollout.max_new_tokens
@@ -458,6 +499,35 @@ class TrainConfig:
         self._check_distributed()
         self._check_lora()
         self._check_exact()
+
+    def _check_task(self) -> None:
+        t = self.task
+        for i, spec in enumerate(t.reward_fn):
+            if spec.count(":") != 1:
+                raise ConfigError(
+                    f"task.reward_fn[{i}]: expected 'module:function' or 'file.py:function', got {spec!r}"
+                )
+        if t.reward_weights and len(t.reward_weights) != len(t.reward_fn):
+            raise ConfigError(
+                f"task.reward_weights: {len(t.reward_weights)} weights for {len(t.reward_fn)} reward functions "
+                "(task.reward_fn); give one per function, or none (1 each)"
+            )
+        if t.prompt_column == t.answer_column:
+            raise ConfigError(f"task.answer_column: the same column as task.prompt_column ({t.prompt_column!r})")
+
+    def resolve_paths(self, origin: Path) -> None:
+        """Data paths and a model directory made absolute against `origin` (the working directory the run
+        started in), so that config.yaml names the same files from anywhere."""
+        if self.model != "builtin" and (origin / Path(self.model).expanduser()).is_dir():
+            self.model = str((origin / Path(self.model).expanduser()).resolve())
+        if self.task.data != "builtin":
+            self.task.data = str((origin / Path(self.task.data).expanduser()).resolve())
+        if self.eval.data != "auto":
+            self.eval.data = str((origin / Path(self.eval.data).expanduser()).resolve())
+        for i, spec in enumerate(self.task.reward_fn):
+            module, function = spec.split(":")
+            if module.endswith(".py"):  # a reward file, found from anywhere
+                self.task.reward_fn[i] = f"{(origin / Path(module).expanduser()).resolve()}:{function}"
 
     def _check_eval(self) -> None:
         e = self.eval
@@ -482,7 +552,8 @@ class TrainConfig:
         (nothing to evaluate on: the run trains on a file of a task Parity does not generate)."""
         if self.eval.data != "auto":
             return self.eval.data
-        generated = self.task.data == "builtin" or self.task.name in ("builtin", "number")
+        # your reward functions score your data: generated problems of a built-in task would not fit them
+        generated = self.task.data == "builtin" or (self.task.name in ("builtin", "number") and not self.task.reward_fn)
         return "heldout" if generated else None
 
     def _check_exact(self) -> None:

@@ -1,0 +1,93 @@
+"""Each step's completions in view: every one written to `completions/step_N.jsonl` with its rewards,
+and a few printed as a table, so that a reward of 0 or a cut-off response is seen at once, not found
+later by loading a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from parity.files import atomic_write_text
+
+COMPLETIONS_DIR = "completions"
+CELL_CHARS = 60  # characters of a prompt or completion shown in the printed table
+
+
+def completion_rows(
+    step: int,
+    prompts: list[Any],
+    completions: list[str],
+    rewards: list[float],
+    per_function: dict[str, list[float]],
+    lengths: list[int],
+    truncated: list[bool],
+) -> list[dict[str, Any]]:
+    """One row per completion: its prompt, text, length, whether it was cut off at the length limit,
+    the reward it trained on and each reward function's score."""
+    rows = []
+    for i, completion in enumerate(completions):
+        row = {
+            "step": step,
+            "prompt": prompts[i],
+            "completion": completion,
+            "length": lengths[i],
+            "truncated": truncated[i],
+            "reward": rewards[i],
+        }
+        row.update({f"reward/{name}": values[i] for name, values in per_function.items()})
+        rows.append(row)
+    return rows
+
+
+def write_completions(run_dir: Path, step: int, rows: list[dict[str, Any]]) -> Path:
+    path = run_dir / COMPLETIONS_DIR / f"step_{step:06d}.jsonl"
+    path.parent.mkdir(exist_ok=True)
+    atomic_write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    return path
+
+
+def read_completions(run_dir: Path) -> list[dict[str, Any]]:
+    """The newest step's completions a run wrote (none if it wrote none)."""
+    files = sorted((run_dir / COMPLETIONS_DIR).glob("step_*.jsonl"))
+    if not files:
+        return []
+    rows = []
+    for line in files[-1].read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line a kill cut short
+    return rows
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, list):  # chat messages: their contents
+        value = " / ".join(str(m.get("content", m)) if isinstance(m, dict) else str(m) for m in value)
+    text = " ".join(str(value).split()).replace("|", "\\|")
+    return textwrap.shorten(text, CELL_CHARS, placeholder=" …") if len(text) > CELL_CHARS else text
+
+
+def sample_rows(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """`n` rows spread over the batch (one per prompt group before a second of any), the same each step."""
+    if n >= len(rows):
+        return rows
+    stride = len(rows) / n
+    return [rows[int(i * stride)] for i in range(n)]
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a Markdown table: prompt, completion, length (+ when cut off), each reward."""
+    if not rows:
+        return ""
+    scores = [k for k in rows[0] if k.startswith("reward")]
+    lines = [
+        "| prompt | completion | length | " + " | ".join(scores) + " |",
+        "|---|---|---|" + "---|" * len(scores),
+    ]
+    for r in rows:
+        length = f"{r['length']}{' (cut off)' if r['truncated'] else ''}"
+        values = " | ".join(f"{r[k]:.3g}" for k in scores)
+        lines.append(f"| {_cell(r['prompt'])} | {_cell(r['completion'])} | {length} | {values} |")
+    return "\n".join(lines) + "\n"

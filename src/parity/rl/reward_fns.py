@@ -1,0 +1,372 @@
+"""Reward functions of your own: the two forms a function may take, the data columns it is given, its
+check on the first batch, the weighted sum and each function's own scores.
+
+    batched      fn(prompts, completions, **columns) -> list of numbers, one per completion (TRL's form)
+    per sample   fn(prompt, completion, **columns) -> number
+
+A function is batched when a parameter is named `prompts` or `completions`; `Reward(fn, batched=...)`
+says so where the names do not. Each column of the data but the prompt is passed by its own name, as
+the file or dataset holds it (an integer answer stays an integer; a batched function gets a list per
+column); a function takes the columns it names, or every column with `**kwargs`. Its signature is
+checked against the data's columns before the run starts, and its first batch's result (a number per
+completion) before the first update: either failing stops the run with one line naming the function.
+Later failures score that function 0 on the samples concerned and are counted (`rl/rewards.py`).
+
+The reward a sample trains on is the weighted sum over the functions (`task.reward_weights`, 1 each
+when unset); `reward/<name>/mean` and `reward/<name>/std` log each function's unweighted scores.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from parity.config import ConfigError
+from parity.rl.rewards import RewardResult, RewardRunner, exception_summary, report_first_failure
+from parity.rl.step import BINARY_REWARDS
+from parity.rl.tasks import REWARDS, TRUSTED_REWARDS, DataColumns, Problem
+from parity.rl.train_config import TrainConfig
+
+PROMPT_NAMES = {True: "prompts", False: "prompt"}
+COMPLETION_NAMES = {True: "completions", False: "completion"}
+
+
+class RewardCheckError(ConfigError):
+    """A reward function whose signature or first batch is wrong: the run stops before it trains."""
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A reward function with its weight in the sum, the name its metrics go under (the function's own
+    name when unset), and its form (None: batched when a parameter is named `prompts` or `completions`)."""
+
+    fn: Callable[..., Any]
+    weight: float = 1.0
+    name: str | None = None
+    batched: bool | None = None
+
+
+@dataclass(frozen=True)
+class BoundReward:
+    """A reward function checked against the data: how it is called."""
+
+    fn: Callable[..., Any]
+    name: str
+    weight: float
+    batched: bool
+    positional: int  # leading parameters given positionally (a per-sample function's prompt, completion)
+    keywords: tuple[str, ...] | None  # the keyword arguments it takes; None: every one (**kwargs)
+
+
+def function_spec(fn: Callable[..., Any]) -> str:
+    """How config.yaml records a Python callable: `module:function`, or `/path/script.py:function` for one
+    defined in the script Python ran (its `__main__`), so that `--resume` and `parity eval` find it again."""
+    module = getattr(fn, "__module__", "?")
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if module == "__main__" and main_file:
+        module = str(Path(main_file).resolve())
+    return f"{module}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _import_file(path: Path) -> ModuleType:
+    """A Python file as a module named after it, its top level run (a script's `if __name__ == "__main__":`
+    part is not)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no file {str(path)!r}")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # pickling its functions (reward.isolate=always) finds them by this name
+    spec.loader.exec_module(module)
+    return module
+
+
+def import_reward_fn(spec: str) -> Callable[..., Any]:
+    """`module:function` or `path/file.py:function` -> the function. The working directory is searched
+    first for a module (as `python -m` does), so a reward module beside the data is found whether or not
+    Parity runs from a console script."""
+    if spec.count(":") != 1:
+        raise ConfigError(f"task.reward_fn: expected 'module:function' or 'file.py:function', got {spec!r}")
+    module_name, fn_name = spec.split(":")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        if module_name.endswith(".py"):
+            module = _import_file(Path(module_name).expanduser().resolve())
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as e:  # a missing module, a syntax error, or anything its top level raises
+        raise ConfigError(f"task.reward_fn: importing {module_name!r} failed: {exception_summary(e)}") from None
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        raise ConfigError(f"task.reward_fn: module {module_name!r} has no function {fn_name!r}")
+    if not callable(fn):
+        raise ConfigError(f"task.reward_fn: {module_name}.{fn_name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def bind(reward: Reward | Callable[..., Any], columns: Sequence[str]) -> BoundReward:
+    """Check a reward function's signature against the data's `columns`; a RewardCheckError names what
+    it asks for that the data does not hold."""
+    if not isinstance(reward, Reward):
+        reward = Reward(reward)
+    fn = reward.fn
+    name = reward.name or getattr(fn, "__name__", type(fn).__name__)
+    if not callable(fn):
+        raise RewardCheckError(f"reward {name!r}: a {type(fn).__name__} is not a function")
+    if not (isinstance(reward.weight, (int, float)) and math.isfinite(reward.weight)):
+        raise RewardCheckError(f"reward {name}: weight must be a finite number, got {reward.weight!r}")
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: trust it with every argument
+        batched = bool(reward.batched)
+        return BoundReward(fn, name, float(reward.weight), batched, 0 if batched else 2, None)
+    named = {p.name for p in params}
+    batched = reward.batched if reward.batched is not None else bool(named & {"prompts", "completions"})
+    positional = 0 if batched else 2
+    heads = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not batched and len(heads) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        raise RewardCheckError(
+            f"reward {name}: a per-sample reward takes (prompt, completion, **columns); its parameters are "
+            f"({', '.join(p.name for p in params)}) (a batched one names prompts or completions)"
+        )
+    given = {PROMPT_NAMES[batched], COMPLETION_NAMES[batched], *columns}
+    rest = [p for p in params[positional:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if not batched:
+        rest = [p for p in rest if p not in heads[:2]]
+    missing = [p.name for p in rest if p.default is p.empty and p.name not in given]
+    if missing or any(p.kind == p.POSITIONAL_ONLY for p in rest):
+        what = missing[0] if missing else next(p.name for p in rest if p.kind == p.POSITIONAL_ONLY)
+        raise RewardCheckError(
+            f"reward {name}: parameter {what!r} is not a column of the data (it has {', '.join(sorted(given))}); "
+            "rename it, give it a default, or map the data's columns (task.prompt_column, task.answer_column)"
+        )
+    takes_all = any(p.kind == p.VAR_KEYWORD for p in params)
+    keywords = None if takes_all else tuple(p.name for p in rest if p.name in given)
+    return BoundReward(fn, name, float(reward.weight), batched, positional, keywords)
+
+
+def bind_all(rewards: Sequence[Reward | Callable[..., Any]], columns: Sequence[str]) -> list[BoundReward]:
+    bound = [bind(r, columns) for r in rewards]
+    names = [b.name for b in bound]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise RewardCheckError(
+            f"two reward functions are named {twice[0]!r}; their metrics would mix: name one with Reward(fn, name=...)"
+        )
+    return bound
+
+
+def _number(value: object) -> float:
+    """A reward value as a float; a ValueError for anything else (a bool is not a reward)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise TypeError(f"returned {type(value).__name__} {value!r:.60}, not a number")
+    return float(value)
+
+
+@dataclass
+class Scores:
+    """One function's scores on a batch: a value per sample (0 where it failed) and its failures."""
+
+    values: list[float]
+    errors: int = 0
+    first_error: str | None = None
+    trace: str = ""
+    type_error: str | None = None  # the function returned something that is not a reward (a broken function)
+
+
+def score_batch(
+    reward: BoundReward, prompts: list[Any], completions: list[str], columns: dict[str, list[Any]]
+) -> Scores:
+    """Call `reward` on a batch, in its form, and collect what it returned and how it failed."""
+    n = len(completions)
+    if reward.batched:
+        kwargs = {PROMPT_NAMES[True]: prompts, COMPLETION_NAMES[True]: completions, **columns}
+        kwargs = kwargs if reward.keywords is None else {k: kwargs[k] for k in reward.keywords if k in kwargs}
+        try:
+            returned = reward.fn(**kwargs)
+        except Exception as e:
+            return Scores([0.0] * n, n, exception_summary(e), _trace(e))
+        if isinstance(returned, (str, bytes)) or not hasattr(returned, "__len__"):
+            what = f"returned {type(returned).__name__} {returned!r:.60}, not a list of {n} numbers"
+            return Scores([0.0] * n, n, what, type_error=what)
+        if len(returned) != n:
+            what = f"returned {len(returned)} values for {n} completions"
+            return Scores([0.0] * n, n, what, type_error=what)
+        calls = [lambda v=v: v for v in returned]
+    else:
+        calls = [
+            lambda i=i: reward.fn(
+                prompts[i],
+                completions[i],
+                **{k: v[i] for k, v in columns.items() if reward.keywords is None or k in reward.keywords},
+            )
+            for i in range(n)
+        ]
+    scores = Scores([0.0] * n)
+    for i, call in enumerate(calls):
+        try:
+            value = _number(call())
+            if not math.isfinite(value):
+                raise ValueError(f"reward is {value}")
+            scores.values[i] = value
+        except TypeError as e:
+            scores.errors += 1
+            if scores.type_error is None and str(e).startswith("returned"):
+                scores.type_error = f"sample {i}: {e}"
+            scores.first_error = scores.first_error or f"sample {i}: {exception_summary(e)}"
+            scores.trace = scores.trace or _trace(e)
+        except Exception as e:
+            scores.errors += 1
+            scores.first_error = scores.first_error or f"sample {i}: {exception_summary(e)}"
+            scores.trace = scores.trace or _trace(e)
+    return scores
+
+
+def _trace(e: BaseException) -> str:
+    import traceback
+
+    return "".join(traceback.format_exception(e))
+
+
+def score_all(
+    rewards: list[BoundReward], prompts: list[Any], completions: list[str], columns: dict[str, list[Any]]
+) -> list[Scores]:
+    """Every function on one batch (what a reward worker process runs per batch)."""
+    return [score_batch(r, prompts, completions, columns) for r in rewards]
+
+
+class UserRewards:
+    """The reward functions of a run, called on each step's batch: in this process, or with
+    `isolate` in a long-lived worker process started by spawn (it imports the functions once, and is
+    replaced after a timeout). Called like `RewardRunner` on (problem, completion, length) items."""
+
+    def __init__(self, rewards: list[BoundReward], isolate: bool = False, timeout_s: float = 5.0, strict=False):
+        self.rewards, self.strict, self.isolate = rewards, strict, isolate
+        self.worker = RewardRunner(_ScoreAll(rewards), True, timeout_s, strict, start="spawn") if isolate else None
+        self.checked = False  # the first batch passed its check
+        self._shown: set[str] = set()
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self.rewards]
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+    def _scores(self, prompts, completions, columns) -> tuple[list[Scores], bool]:
+        """Each function's scores, and whether the worker timed out on the batch (every score then failed)."""
+        if self.worker is None:
+            return score_all(self.rewards, prompts, completions, columns), False
+        reply, failure = self.worker.call((prompts, completions, columns))
+        if failure is None:
+            return reply, False
+        n = len(completions)
+        return [Scores([0.0] * n, n, failure.summary, failure.trace) for _ in self.rewards], failure.timed_out
+
+    def __call__(self, items: list[tuple[Problem, str, int]]) -> RewardResult:
+        n = len(items)
+        prompts = [p.prompt for p, _, _ in items]
+        completions = [c for _, c, _ in items]
+        names = sorted({k for p, _, _ in items for k in p.columns})
+        columns = {k: [p.columns.get(k) for p, _, _ in items] for k in names}
+        got, timed_out = self._scores(prompts, completions, columns)
+        if not self.checked:
+            self._check_first(got, n, timed_out)
+        result = RewardResult([0.0] * n, errors=0, timeouts=0)
+        for reward, scores in zip(self.rewards, got):
+            for i, v in enumerate(scores.values):
+                result.rewards[i] += reward.weight * v
+            result.per_function[reward.name] = scores.values
+            if timed_out:
+                result.timeouts += scores.errors
+            else:
+                result.errors += scores.errors
+            if scores.first_error:
+                line = f"{reward.name}: {scores.first_error}"
+                result.first_error = result.first_error or line
+                if reward.name not in self._shown:
+                    self._shown.add(reward.name)
+                    report_first_failure(f"reward {line}", scores.trace)
+                if self.strict:
+                    self.close()
+                    raise RewardCheckError(f"reward {line} (reward.strict=true)")
+        return result
+
+    def _check_first(self, got: list[Scores], n: int, timed_out: bool) -> None:
+        """The first batch: a function that returned no reward, or failed on every sample, is broken. A
+        batch that ran past `reward.timeout_s` says nothing of that: the next batch is checked instead."""
+        if timed_out:
+            return
+        for reward, scores in zip(self.rewards, got):
+            form = "batched" if reward.batched else "per-sample"
+            if scores.type_error is not None:
+                problem = scores.type_error
+            elif n and scores.errors == n:
+                problem = f"failed on every sample: {scores.first_error}"
+            else:
+                continue
+            self.close()
+            expected = "a list of one number per completion" if reward.batched else "a number"
+            raise RewardCheckError(
+                f"reward {reward.name} ({form}) on the first batch of {n} completions: {problem}; "
+                f"it must return {expected}; nothing was trained"
+            )
+        self.checked = True
+
+
+@dataclass(frozen=True)
+class _ScoreAll:
+    """`score_all` over fixed rewards, picklable by reference for the spawned worker."""
+
+    rewards: list[BoundReward]
+
+    def __call__(self, batch: tuple[list[Any], list[str], dict[str, list[Any]]]) -> list[Scores]:
+        return score_all(self.rewards, *batch)
+
+
+# ----------------------------------------------------------------------------- a run's rewards
+
+
+def data_columns(cfg: TrainConfig) -> DataColumns:
+    """The data's prompt and answer columns; the answer is needed by the built-in rewards that compare with it."""
+    checks_answer = not cfg.task.reward_fn and cfg.task.name != "length"
+    return DataColumns(cfg.task.prompt_column, cfg.task.answer_column, answer_required=checks_answer)
+
+
+def binary_reward(cfg: TrainConfig) -> bool:
+    """The run's reward is 1 for a correct response and 0 otherwise (then accuracy is logged)."""
+    return cfg.task.name in BINARY_REWARDS and not cfg.task.reward_fn
+
+
+def config_rewards(cfg: TrainConfig) -> list[Reward]:
+    """The reward functions `task.reward_fn` names, imported, with `task.reward_weights`."""
+    weights = cfg.task.reward_weights or [1.0] * len(cfg.task.reward_fn)
+    return [Reward(import_reward_fn(spec), weight=w) for spec, w in zip(cfg.task.reward_fn, weights)]
+
+
+def run_rewards(
+    cfg: TrainConfig, problems: list[Problem], rewards: list[Reward] | None = None
+) -> RewardRunner | UserRewards:
+    """What scores a run's samples: `rewards` (Python callables, from the API), else the functions
+    `task.reward_fn` names, else `task.name`'s built-in reward. Reward functions of your own run in this
+    process unless `reward.isolate=always` (a spawned worker; docs/your-task.md says why, with timings)."""
+    if rewards is None and cfg.task.reward_fn:
+        rewards = config_rewards(cfg)
+    if rewards:
+        columns = sorted({k for p in problems for k in p.columns})
+        bound = bind_all(rewards, columns)
+        return UserRewards(bound, cfg.reward.isolate == "always", cfg.reward.timeout_s, cfg.reward.strict)
+    trusted = cfg.task.name in TRUSTED_REWARDS
+    isolate = {"auto": not trusted, "always": True, "never": False}[cfg.reward.isolate]
+    return RewardRunner(REWARDS[cfg.task.name], isolate, cfg.reward.timeout_s, cfg.reward.strict)

@@ -1,0 +1,361 @@
+"""Your own task in Python (docs/your-task.md): the API, reward functions in both forms with the data's
+columns, their checks, completions in view, schedules, trackers, model cards, evaluation and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import parity
+from parity.cli import main
+from parity.config import ConfigError
+from parity.engines.models import ModelError, resolve_model_dir
+from parity.engines.trainer import scheduled_lr
+from parity.rl.reward_fns import RewardCheckError
+from parity.rl.tasks import DataError
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = dict(steps=1, prompts_per_step=4, rollout__group_size=4, rollout__max_new_tokens=40, tensorboard=False)
+CLI_SMALL = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=40", "tensorboard=false"]
+ROWS = [{"prompt": f"{a}+{b}=", "answer": a + b, "level": a % 3} for a in range(100, 140) for b in range(10, 13)]
+
+
+def _rows_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_batched_and_per_sample_rewards_get_typed_columns_weights_and_metrics(tmp_path):
+    seen = {}
+
+    def correct(prompts, completions, answer, level):
+        seen.update(answer=answer, level=level, prompts=prompts)
+        return [1.0 if c.rsplit(">", 1)[-1].strip() == str(a) else 0.0 for c, a in zip(completions, answer)]
+
+    def short(prompt, completion, **columns):
+        seen["columns"] = sorted(columns)
+        return -len(completion) / 100
+
+    result = parity.train(
+        "builtin", ROWS, [correct, parity.Reward(short, weight=0.5)], run_dir=tmp_path / "r", progress=False, **SMALL
+    )  # no eval: the rows hold no held-out split, and none is generated for your rewards
+    assert all(type(a) is int for a in seen["answer"]) and all(type(v) is int for v in seen["level"])
+    assert len(seen["prompts"]) == 16 and seen["columns"] == ["answer", "level"]
+    metrics = result.history[-1]
+    for name in ("correct", "short"):
+        assert f"reward/{name}/mean" in metrics and f"reward/{name}/std" in metrics
+    assert "reward/accuracy" not in metrics  # the sum of your rewards is no accuracy
+    rows = _rows_of(tmp_path / "r" / "completions" / "step_000001.jsonl")
+    assert len(rows) == 16
+    for row in rows:
+        assert row["reward"] == pytest.approx(row["reward/correct"] + 0.5 * row["reward/short"])
+    assert metrics["reward/short/mean"] == pytest.approx(sum(r["reward/short"] for r in rows) / 16)
+    # config.yaml records the functions by where they are defined, with their weights
+    saved = (tmp_path / "r" / "config.yaml").read_text()
+    assert f"{__name__}:test_batched_and_per_sample_rewards_get_typed_columns_weights_and_metrics" in saved
+    assert "- 0.5" in saved and str((tmp_path / "r" / "data" / "train.jsonl").resolve()) in saved
+
+
+def test_a_reward_asking_for_a_missing_column_is_refused_before_anything_is_written(tmp_path):
+    def grade(completions, solution):
+        return [0.0] * len(completions)
+
+    with pytest.raises(ConfigError, match=r"^reward grade: parameter 'solution' is not a column of the data \(it has"):
+        parity.train("builtin", ROWS, [grade], run_dir=tmp_path / "r", progress=False, **SMALL)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_batched_reward_of_the_wrong_length_stops_the_cli_before_training(tmp_path, capsys):
+    (tmp_path / "bad_reward.py").write_text("def score(prompts, completions, **kw):\n    return [1.0]\n")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    argv = ["train", f"run_dir={tmp_path / 'r'}", f"task.data={data}", f"task.reward_fn={tmp_path}/bad_reward.py:score"]
+    assert main([*argv, *CLI_SMALL, "steps=2"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "parity train: error: reward score (batched) on the first batch of 16 completions: returned 1 values for 16 "
+        "completions; it must return a list of one number per completion; nothing was trained"
+    )
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_reward_returning_text_is_named(tmp_path):
+    def label(prompt, completion):
+        return "good"
+
+    with pytest.raises(RewardCheckError, match=r"^reward label \(per-sample\) .*: sample 0: returned str 'good'"):
+        parity.train("builtin", ROWS, [label], run_dir=tmp_path / "r", progress=False, **SMALL)
+
+
+def test_column_mapping_for_the_prompt_and_the_builtin_rewards_answer(tmp_path):
+    rows = [{"question": r["prompt"], "solution": r["answer"]} for r in ROWS]
+    result = parity.train(
+        "builtin",
+        rows,
+        run_dir=tmp_path / "r",
+        progress=False,
+        task__prompt_column="question",
+        task__answer_column="solution",
+        **SMALL,
+    )
+    assert "reward/accuracy" in result.history[-1]  # the built-in reward compared with `solution`
+    with pytest.raises(DataError, match=r"train.jsonl:1: .*'prompt' is missing \(it has 'question', 'solution'\)"):
+        parity.train("builtin", rows, run_dir=tmp_path / "r2", progress=False, **SMALL)
+
+
+def test_the_parity_script_imports_a_reward_module_from_the_working_directory(tmp_path):
+    (tmp_path / "myreward.py").write_text(
+        "def score(prompt, completion, answer):\n    return float(len(completion) % 2)\n"
+    )
+    script = Path(sys.executable).parent / "parity"
+    args = [str(script), "train", "run_dir=r", "steps=1", "task.reward_fn=myreward:score", "log.completions=0"]
+    done = subprocess.run([*args, *CLI_SMALL], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "reward/score/mean" in (tmp_path / "r" / "metrics.jsonl").read_text()
+
+
+def test_completions_table_printed_and_off(tmp_path, capfd):
+    parity.train("builtin", None, run_dir=tmp_path / "a", progress=False, log__completions=3, **SMALL)
+    out = capfd.readouterr()
+    table = [line for line in (out.out + out.err).splitlines() if line.startswith("| ")]
+    assert table[0] == "| prompt | completion | length | reward |" and len(table) == 1 + 3
+    parity.train("builtin", None, run_dir=tmp_path / "b", progress=False, log__completions=0, **SMALL)
+    out = capfd.readouterr()
+    assert "| prompt |" not in out.out + out.err
+    assert (tmp_path / "b" / "completions" / "step_000001.jsonl").is_file()  # written either way
+
+
+def test_learning_rate_schedules():
+    assert [scheduled_lr(1.0, "constant", 2, s, 6) for s in range(6)] == [0.5, 1, 1, 1, 1, 1]
+    assert [scheduled_lr(1.0, "linear", 0, s, 4) for s in range(4)] == [1, 0.75, 0.5, 0.25]
+    cosine = [scheduled_lr(1.0, "cosine", 1, s, 5) for s in range(5)]
+    assert cosine[:2] == [1.0, 1.0] and cosine[2] == pytest.approx(0.5 + 0.5 * 0.7071067811865476)
+    assert all(a > b for a, b in zip(cosine[1:], cosine[2:])) and cosine[-1] > 0
+
+
+def test_the_schedule_reaches_the_optimizer(tmp_path):
+    keys = {**SMALL, "steps": 3, "checkpoint_every": -1, "eval__every": -1}
+    result = parity.train(
+        "builtin", None, run_dir=tmp_path / "r", progress=False, trainer__lr_schedule="linear", **keys
+    )
+    assert [m["trainer/lr"] for m in result.history] == pytest.approx([2e-4, 2e-4 * 2 / 3, 2e-4 / 3])
+
+
+def test_callbacks_see_steps_and_evaluations_and_can_stop(tmp_path):
+    class Stop(parity.Callback):
+        def __init__(self):
+            self.steps, self.evals = [], []
+
+        def on_step_end(self, step, metrics):
+            self.steps.append(step)
+            return step == 2
+
+        def on_eval(self, step, metrics):
+            self.evals.append((step, "eval/accuracy" in metrics))
+
+    stop = Stop()
+    keys = {**SMALL, "steps": 5, "eval__every": 1, "eval__num_prompts": 2, "eval__samples": 2}
+    result = parity.train("builtin", None, callbacks=[stop], run_dir=tmp_path / "r", progress=False, **keys)
+    assert stop.steps == [1, 2] and stop.evals == [(1, True), (2, True)]
+    assert result.model_dir == tmp_path / "r" / "checkpoints" / "step_000002" / "model"
+
+
+def test_model_card_is_written_and_transformers_loads_the_model(tmp_path, llama_dir):
+    transformers = pytest.importorskip("transformers")
+    rows = [{"prompt": "what is 2 plus 3?", "answer": 5}] * 4
+    result = parity.train(
+        llama_dir, rows, [lambda completions, **kw: [float(len(c)) for c in completions]], run_dir=tmp_path / "r",
+        progress=False, precision="fp32", eval__every=-1, **SMALL,
+    )  # fmt: skip
+    card = (result.model_dir / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: parity\n") and f"base_model: {llama_dir.resolve()}" in card
+    assert "trainer precision fp32" in card and "| reward/<lambda>/mean |" in card and "lr_schedule: constant" in card
+    model = transformers.AutoModelForCausalLM.from_pretrained(result.model_dir)
+    assert model.config.num_hidden_layers == 2
+
+
+def test_a_model_by_its_hugging_face_id_from_the_local_cache(tmp_path, llama_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--someone--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for f in llama_dir.iterdir():  # the cache's own layout: snapshot files link to blobs
+        shutil.copy(f, repo / "blobs" / f.name)
+        (snapshot / f.name).symlink_to(Path("../../blobs") / f.name)
+    assert resolve_model_dir("someone/tiny-llama") == snapshot
+    parity.train("someone/tiny-llama", None, run_dir=tmp_path / "r", progress=False, eval__every=-1, **SMALL)
+    with pytest.raises(ModelError, match=r"^model 'someone/absent': no such directory, and not in the local Hugging"):
+        resolve_model_dir("someone/absent")
+    assert main(["train", "model=someone/absent"]) == 2
+
+
+def test_push_to_hub_without_a_token_is_one_line(tmp_path, monkeypatch):
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    result = parity.train("builtin", None, run_dir=tmp_path / "r", progress=False, **SMALL)
+    with pytest.raises(ConfigError, match=r"^push_to_hub: no token; pass token=\.\.\. or set HF_TOKEN"):
+        parity.push_to_hub(result.model_dir, "me/my-model")
+    with pytest.raises(ConfigError, match=r"is not a saved model"):
+        parity.push_to_hub(tmp_path, "me/my-model", token="x")
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "mlflow", "trackio"])
+def test_trackers_log_offline(tmp_path, monkeypatch, tracker):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # trackio's local store (read at its import)
+    if tracker == "trackio" and "trackio" in sys.modules:
+        pytest.skip("trackio was imported before this test: its store is fixed at import")
+    pytest.importorskip(tracker)
+    keys = {**SMALL, "steps": 2, "eval__every": -1}
+    parity.train("builtin", None, run_dir=tmp_path / "r", progress=False, log__to=[tracker], **keys)
+    if tracker == "wandb":
+        assert list((tmp_path / "r" / "wandb").glob("offline-run-*/run-*.wandb"))
+    elif tracker == "mlflow":
+        assert list((tmp_path / "r" / "mlruns").glob("*/*/metrics/reward.mean"))
+    else:
+        assert (tmp_path / "trackio" / "parity.db").is_file()
+
+
+def test_an_uninstalled_tracker_is_refused(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert main(["train", f"run_dir={tmp_path / 'r'}", "log.to=wandb"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "parity train: error: log.to: wandb is not installed (pip install wandb), or leave it out"
+    )
+    assert not (tmp_path / "r").exists()
+
+
+def test_resume_from_another_folder_with_a_moved_data_file(tmp_path, monkeypatch):
+    origin, elsewhere = tmp_path / "origin", tmp_path / "elsewhere"
+    origin.mkdir(), elsewhere.mkdir()
+    (origin / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    monkeypatch.chdir(origin)
+    assert main(["train", "run_dir=r", "task.data=train.jsonl", "steps=1", *CLI_SMALL]) == 0
+    assert f"data: {origin / 'train.jsonl'}" in (origin / "r" / "config.yaml").read_text()
+    monkeypatch.chdir(elsewhere)
+    assert main(["train", "--resume", str(origin / "r"), "steps=2"]) == 0
+    shutil.move(origin / "train.jsonl", elsewhere / "moved.jsonl")
+    assert main(["train", "--resume", str(origin / "r"), "steps=3"]) == 2  # the data is gone: one line
+    assert main(["train", "--resume", str(origin / "r"), "steps=3", "task.data=moved.jsonl"]) == 0
+    assert f"data: {elsewhere / 'moved.jsonl'}" in (origin / "r" / "config.yaml").read_text()
+    steps = [json.loads(x)["step"] for x in (origin / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+def test_parity_eval_on_a_custom_reward_run_with_its_eval_data(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "scores.py").write_text(
+        "def closeness(completions, answer, **kw):\n"
+        "    return [1.0 if c.rsplit('>', 1)[-1].strip() == str(a) else 0.0 for c, a in zip(completions, answer)]\n"
+    )
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:60]))
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[60:]))
+    keys = ["run_dir=r", "task.data=train.jsonl", "eval.data=test.jsonl", "task.reward_fn=scores:closeness"]
+    assert main(["train", *keys, "steps=1", *CLI_SMALL]) == 0
+    capsys.readouterr()
+    args = ["eval", "r", "precisions=fp32", "num_prompts=4", "samples=2", "--out", "e"]
+    assert main(args) == 2
+    assert "confirm with --trust-reward-fn" in capsys.readouterr().err
+    assert main([*args, "--trust-reward-fn"]) == 0
+    result = json.loads((tmp_path / "e" / "eval.json").read_text())
+    assert result["data"] == str(tmp_path / "test.jsonl") and result["task"] == "reward functions: closeness"
+    assert [s["name"] for s in result["states"]] == ["base", "step_000001"]
+    assert f"({tmp_path / 'test.jsonl'})" in (tmp_path / "e" / "eval.md").read_text()
+
+
+def test_parity_eval_on_a_lora_adapter_folder(tmp_path, llama_dir):
+    rows = [{"prompt": f"what is {a} plus 2?", "answer": a + 2} for a in range(8)]
+    result = parity.train(
+        llama_dir, rows, run_dir=tmp_path / "r", progress=False, precision="fp32", lora__rank=4, task__name="exact",
+        eval__every=-1, **SMALL,
+    )  # fmt: skip
+    assert result.model_dir.name == "adapter" and (result.model_dir / "README.md").is_file()
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = parity.evaluate(
+        result.model_dir, task="exact", data=str(data), precisions=["fp32"], samples=2, progress=False
+    )
+    assert out["adapter"] == str(result.model_dir) and [s["name"] for s in out["states"]] == ["base", "adapter"]
+
+
+# ----------------------------------------------------------------------------- rewards that run a model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isolate", ["auto", "always"])
+def test_a_judge_model_reward(tmp_path, monkeypatch, isolate):
+    """The trial's judge: a torch model loaded at import scores each completion; in this process by
+    default, and in a spawned worker with reward.isolate=always (a forked one hung in the forward)."""
+    (tmp_path / "judge_reward.py").write_text(
+        "import torch\n\n"
+        "torch.manual_seed(0)\n"
+        "judge = torch.nn.Sequential(torch.nn.Linear(256, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))\n\n\n"
+        "@torch.no_grad()\n"
+        "def judged(completions, **columns):\n"
+        "    counts = [torch.bincount(torch.tensor(list(c.encode()) or [0]), minlength=256) for c in completions]\n"
+        "    return judge(torch.stack(counts).float()).squeeze(-1).tolist()\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    keys = ["run_dir=r", "steps=2", "task.reward_fn=judge_reward:judged", f"reward.isolate={isolate}", "eval.every=-1"]
+    assert main(["train", *keys, "reward.timeout_s=120", *CLI_SMALL]) == 0
+    metrics = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["reward/errors"] == 0 and m["reward/timeouts"] == 0 for m in metrics)
+    assert len({m["reward/judged/mean"] for m in metrics}) == 2  # real, varying scores
+
+
+# ----------------------------------------------------------------------------- the docs page, as written
+
+
+def _blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+
+
+@pytest.mark.slow
+def test_the_your_task_page_runs_as_written(tmp_path, llama_dir):
+    """docs/your-task.md's script and commands, with a small random Llama as the script's argument."""
+    pytest.importorskip("datasets")
+    page = (ROOT / "docs" / "your-task.md").read_text()
+    script = _blocks(page, "python")[0]
+    assert len(script.strip().splitlines()) <= 25
+    (tmp_path / "my_task.py").write_text(script)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    commands = _blocks(page, "bash")[0].strip().splitlines()
+    assert commands[0] == "python my_task.py"
+    commands[0] = f"python my_task.py {llama_dir}"
+    for command in commands:
+        done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+    run = tmp_path / "runs" / "my-task"
+    assert (run / "checkpoints" / "step_000006" / "model" / "README.md").is_file()
+    assert (tmp_path / "runs" / "my-task-eval" / "eval.md").is_file()
+    assert list((run / "completions").glob("step_*.jsonl"))
+
+
+def test_report_labels_a_mean_reward_and_shows_the_newest_completions(tmp_path, capsys):
+    def length(completions, **columns):
+        return [len(c) / 10 for c in completions]
+
+    parity.train("builtin", ROWS, [length], run_dir=tmp_path / "custom", progress=False, **{**SMALL, "steps": 2})
+    parity.train("builtin", None, run_dir=tmp_path / "builtin", progress=False, **SMALL)
+    assert main(["report", str(tmp_path / "custom"), str(tmp_path / "builtin"), "--out", str(tmp_path / "rep")]) == 0
+    report = (tmp_path / "rep" / "report.md").read_text()
+    assert "| run | accuracy or mean reward: start → final (best) |" in report
+    row = next(line for line in report.splitlines() if line.startswith("| custom |"))
+    assert row.split(" | ")[1].endswith(" mean reward") and "| builtin |" in report
+    assert (
+        "## custom: completions of step 2" in report
+        and "| prompt | completion | length | reward | reward/length |" in report
+    )
