@@ -33,8 +33,10 @@ from parity import config as config_mod
 from parity.config import ConfigError
 from parity.engines import kernels
 from parity.engines.batch import RolloutBatch
+from parity.engines.budget import check_rollout_memory
 from parity.engines.lora import AdapterError
-from parity.engines.models import ModelConfig, load_model, resolve_model_dir
+from parity.engines.models import ModelConfig, load_model, require_finite_logits, resolve_model_dir
+from parity.engines.precision import to_dtype
 from parity.engines.sampler import ExactnessError, Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
@@ -67,11 +69,11 @@ from parity.rl.tasks import (
     TRUSTED_REWARDS,
     DataOrder,
     Problem,
-    PromptLimit,
     builtin_problems,
     extract_boxed,
     import_reward_fn,
     load_problems,
+    prompt_limit,
 )
 from parity.rl.train_config import RESUMABLE_KEYS, TrainConfig
 from parity.rundir import RunLock, check_run_dir, clean_leftovers, foreign_entries
@@ -186,16 +188,28 @@ class Run:
             reference.numerics = self.numerics
             self.reference = Trainer(reference, cfg.trainer_precision, optim)
             self.reference.model.requires_grad_(False)
-        positions, max_new = model.config.max_position_embeddings, cfg.rollout.max_new_tokens
-        room = f"model max_position_embeddings {positions} minus rollout.max_new_tokens {max_new}"
+        positions = model.config.max_position_embeddings
+        limit = prompt_limit(
+            self.tokenizer, positions, cfg.rollout.max_new_tokens, "rollout.max_new_tokens", cfg.task.chat_template
+        )
         if cfg.task.data == "builtin":
             self.problems = builtin_problems(cfg.task.name, cfg.task.num_problems, cfg.seed, cfg.task.difficulty)
-            limit = PromptLimit(self.tokenizer, positions - max_new, room, cfg.task.chat_template)
             for i, problem in enumerate(self.problems):
                 limit.check(f"task.data=builtin: generated problem {i}", problem.prompt)
         else:
-            self.problems = load_problems(
-                cfg.task.data, self.tokenizer, positions - max_new, room, cfg.task.chat_template
+            self.problems = load_problems(cfg.task.data, limit)
+        first_prompt = limit.check("task.data: problem 0", self.problems[0].prompt)
+        precisions = {p: to_dtype(p) for p in (cfg.trainer_precision, cfg.rollout_precision)}
+        require_finite_logits(model, first_prompt, precisions, self.model_dir)
+        if not cfg.distributed.address:  # a joined cluster samples on its own machines, whose memory is not here
+            check_rollout_memory(
+                model.config,
+                cfg.prompts_per_step * cfg.rollout.group_size,
+                limit.longest,
+                cfg.rollout.max_new_tokens,
+                "prompts_per_step x rollout.group_size, rollout.max_new_tokens, diagnostics.full_vocab_positions",
+                cfg.device,
+                cfg.diagnostics.full_vocab_positions,
             )
         self.data = DataOrder(len(self.problems), cfg.seed)
         if cfg.task.reward_fn:
@@ -229,27 +243,29 @@ class Run:
             return None
         source = cfg.eval_data
         max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
-        positions = config.max_position_embeddings
-        room = f"model max_position_embeddings {positions} minus eval.max_new_tokens {max_new}"
-        limit = PromptLimit(self.tokenizer, positions - max_new, room, cfg.task.chat_template)
+        key = "eval.max_new_tokens" if e.max_new_tokens else "rollout.max_new_tokens"
+        limit = prompt_limit(self.tokenizer, config.max_position_embeddings, max_new, key, cfg.task.chat_template)
+        problems: list[Problem] = []
         if source == "heldout":
             trained = {str(p.prompt) for p in self.problems}
             problems = heldout_problems(cfg.task.name, cfg.task.difficulty, e.num_prompts, cfg.seed, trained)
             for i, problem in enumerate(problems):
                 limit.check(f"eval: held-out problem {i}", problem.prompt)
         elif source is not None:
-            problems = load_problems(source, self.tokenizer, positions - max_new, room, cfg.task.chat_template)
+            problems = load_problems(source, limit)
             problems = problems[: e.num_prompts]
-        if source is None or not problems:
+        if not problems:
             print(
                 f"eval: no held-out problems (task.data={cfg.task.data} with task.name={cfg.task.name}, whose "
                 "problems Parity does not generate); set eval.data=FILE to evaluate, or eval.every=-1",
                 file=sys.stderr,
             )
             return None
+        keys = f"eval.num_prompts x eval.samples, {key}"
+        check_rollout_memory(config, len(problems) * e.samples, limit.longest, max_new, keys, cfg.device)
         evalset = EvalSet(
             problems=problems,
-            prompts=[self.tokenizer.encode_prompt(p.prompt, cfg.task.chat_template) for p in problems],
+            prompts=[limit.check(f"eval: problem {i}", p.prompt) for i, p in enumerate(problems)],
             samples=e.samples,
             sampling=eval_sampling(e.temperature, max_new),
             binary=cfg.task.name in BINARY_REWARDS and not cfg.task.reward_fn,
@@ -436,10 +452,10 @@ class Run:
                 )
             for k in changed:
                 note(f"{k} {saved.get(k)!r} -> {current[k]!r}")
-        if overrides:
-            atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
-        run = cls(cfg, run_dir, progress)
+        run = cls(cfg, run_dir, progress)  # model, data and reward checked before anything is written
         with run._closed_on_failure():
+            if overrides:
+                atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
             run.record_numerics()
             state = restore_latest(run_dir, run.trainer, note, run.model_dir, run._shard_reader())
             if state is not None:
