@@ -151,6 +151,7 @@ DAMAGE = [
     ("step negative", False, _state(step=-5), True, "state.json: step must be an integer >= 0, got -5"),
     ("scaler a list", False, _state(scaler=[]), True, "state.json: scaler must be"),
     ("config a list", False, _state(config=[1]), True, "state.json: config must be an object"),
+    ("state.json nested 100k deep", False, lambda c: (c / "state.json").write_text("[" * 100_000), True, "nested"),
     ("rng cut short", True, _cut_rng, True, "rng.safetensors"),
     ("index names a missing shard", True, _garble_index, True, "its shard __7_0.safetensors is missing"),
     ("index not JSON", True, lambda c: (c / "sharded" / "metadata.json").write_text("{"), True, "invalid JSON"),
@@ -220,3 +221,14 @@ def test_eval_refuses_another_models_checkpoint_and_a_live_run(tmp_path, llama_d
         assert main(["eval", str(run_dir), *EVAL, f"out={tmp_path / 'eval'}"]) == 2
         assert f"in use by a running `parity train` (pid {holder.pid})" in _error_line(capsys.readouterr().err)
         assert not (tmp_path / "eval").exists()
+
+
+def test_a_resume_reads_only_the_steps_in_metrics_jsonl(tmp_path, capsys):
+    """A received run's metrics.jsonl with lines that are not steps (nested 100,000 deep, a step that is a
+    string, no mismatch/k3): they are dropped as a cut-short line is, and the run goes on."""
+    run_dir = _run(tmp_path)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write("[" * 100_000 + "\n" + '{"step": "abc"}\n' + '{"step": 1}\n' + '{"step": 2, "mismatch/k3": []}\n')
+    assert main(["train", "--resume", str(run_dir), "steps=3"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]

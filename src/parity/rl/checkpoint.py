@@ -194,13 +194,25 @@ def verify_checkpoint(path: Path) -> str | None:
         return problem
     for name, entry in entries.items():
         file = path / name
-        if file.is_symlink() or not file.is_file():
-            return f"{name} is missing" if not file.is_symlink() else f"{name} is a link, which Parity never writes"
+        if file.is_symlink():
+            return f"{name} is a link, which Parity never writes"
+        if not file.is_file():
+            return f"{name} is missing"
         if file.stat().st_size != entry["bytes"]:
             return f"{name} is {file.stat().st_size} bytes, the manifest says {entry['bytes']}"
         if _sha256(file) != entry["sha256"]:
             return f"{name} does not match its checksum"
     return None
+
+
+def saved_config(path: Path) -> dict[str, Any] | None:
+    """The run's config that the checkpoint at `path` stores, or None when its state.json does not read."""
+    try:
+        meta = _read_json(path / "state.json")
+    except (JSONError, OSError):
+        return None
+    config = meta.get("config") if isinstance(meta, dict) else None
+    return config if isinstance(config, dict) else None
 
 
 def _count(meta: dict[str, Any], key: str) -> int:

@@ -41,7 +41,7 @@ from parity.engines.sampler import ExactnessError, Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import Trainer
-from parity.files import atomic_write_json, atomic_write_text
+from parity.files import JSONError, atomic_write_json, atomic_write_text, parse_json
 from parity.rl.checkpoint import (
     RunState,
     checkpoints,
@@ -49,6 +49,7 @@ from parity.rl.checkpoint import (
     require_finite_weights,
     restore_latest,
     save_checkpoint,
+    saved_config,
 )
 from parity.rl.diagnostics import mismatch_alarm
 from parity.rl.evaluation import EVAL_SEED, EvalSet, Evaluator, eval_sampling, evaluation_due, heldout_problems
@@ -100,14 +101,12 @@ class MetricsLog:
         """Drop lines logged after `step` (a killed run's steps past its checkpoint)."""
         if not self.path.is_file():
             return
-        kept = []
-        for line in self.path.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line)
-            except (json.JSONDecodeError, KeyError):
-                continue  # a line cut short by the kill
+        kept = [line for line in self.path.read_text(errors="replace").splitlines() if _logged_step(line, step)]
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The steps logged (after `truncate_after`, every line is one)."""
+        return [parse_json(line) for line in self.path.read_text().splitlines()] if self.path.is_file() else []
 
     def log(self, metrics: dict[str, float]) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
@@ -137,14 +136,22 @@ def _flatten(obj: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _logged_step(line: str, last: int) -> bool:
+    """Whether `line` is a step logged at or before step `last`: a line cut short by a kill, or one that is
+    not a step's metrics at all, is not."""
+    try:
+        row = parse_json(line)
+    except JSONError:
+        return False
+    numbers = [row.get(k) for k in ("step", "mismatch/k3")] if isinstance(row, dict) else [None]
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers) and row["step"] <= last
+
+
 def _saved_config(run_dir: Path) -> dict[str, Any] | None:
     """The config stored in the newest checkpoint whose state.json reads, flattened."""
     for path in reversed(checkpoints(run_dir)):
-        try:
-            saved = json.loads((path / "state.json").read_text()).get("config")
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(saved, dict):
+        saved = saved_config(path)
+        if saved is not None:
             return _flatten(saved)
     return None
 
@@ -466,8 +473,7 @@ class Run:
             elif checkpoints(run_dir) or run.log.path.is_file():
                 note("no usable checkpoint; starting again from step 0")
             run.log.truncate_after(run.step_count)
-            for line in run.log.path.read_text().splitlines() if run.log.path.is_file() else []:
-                logged = json.loads(line)
+            for logged in run.log.rows():
                 run.alarm_series.append(logged["mismatch/k3"])
                 run.alarmed = run.alarmed or bool(logged.get("health/mismatch_alarm"))
         return run
