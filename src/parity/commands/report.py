@@ -33,9 +33,8 @@ TARGET_ACCURACY = 0.95
 SMOOTHING = 5  # steps in the moving average that "training accuracy" means
 
 
-# The metrics every step of `parity train` logs, which reports read.
+# The metrics every step of `parity train` logs, which reports read (and a reward: accuracy or mean).
 REPORTED = (
-    "reward/mean",
     "time/step",
     "mismatch/k3",
     "mismatch/seq_abs_log_ratio",
@@ -74,6 +73,8 @@ def load_history(run_dir: Path) -> list[dict]:
                 f"{path}:{lineno}: corrupt line (not valid JSON); only a killed run's last line may be cut short"
             ) from None
         missing = [k for k in ("step", *REPORTED) if not isinstance(row, dict) or _number(row.get(k)) is None]
+        if not missing and all(_number(row.get(k)) is None for k in ("reward/accuracy", "reward/mean")):
+            missing = ["reward/mean"]
         if missing:
             raise DataError(f"{path}:{lineno}: expected a JSON object of metrics with a number for {missing[0]!r}")
         history.append(row)
