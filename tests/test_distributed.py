@@ -269,7 +269,7 @@ def test_a_dead_learner_stops_the_run_and_resume_reproduces_it(tmp_path, numeric
     finally:
         run.close()
     shards = sorted(p.name for p in (tmp_path / "cut" / "checkpoints" / "step_000002" / "sharded").iterdir())
-    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file per learner, nothing gathered
+    assert shards == ["__0_0.safetensors", "__1_0.safetensors", "metadata.json"]  # one per learner, and the index
     assert main(["train", "--resume", str(tmp_path / "cut")]) == 0
     assert _trained(_metrics(tmp_path / "cut")) == _trained(_metrics(tmp_path / "whole"))
     if "exact=true" in numerics:
