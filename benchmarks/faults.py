@@ -50,6 +50,7 @@ that wrote a run directory or an output.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -574,13 +575,21 @@ RAY_RUN = [
     "distributed.rollout_workers=1",
     "distributed.learners=1",
 ]
-RAY_PROCESSES = "ray::|raylet|gcs_server|dashboard/agent|runtime_env/agent|default_worker"
 UNTIMED = ("async/", "sync/", "faults/")  # scheduling, not training: differs from run to run
+RUN_MARK = "PARITY_FAULTS_RUN"  # set in a trial's environment: its processes, and theirs, inherit it
 
 
-def ray_processes() -> dict[int, str]:
-    out = subprocess.run(["pgrep", "-af", RAY_PROCESSES], capture_output=True, text=True).stdout
-    return {int(line.split()[0]): line.split(None, 1)[1][:60] for line in out.splitlines()}
+def run_processes(mark: str) -> dict[int, str]:
+    """The processes of the trial marked `mark`, whatever they call themselves (a Ray worker renames
+    itself); never another user's Ray processes, which a trial must neither count nor kill."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_distributed import processes_with
+
+    found = {}
+    for proc in processes_with(RUN_MARK, mark):
+        with contextlib.suppress(Exception):
+            found[proc.pid] = " ".join(proc.cmdline())[:60]
+    return found
 
 
 def trained(rows: list[dict]) -> list[dict]:
@@ -598,7 +607,6 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> bool:
 
 def distributed_trials(root: Path, rng: random.Random) -> dict:
     """Faults of a Ray run, each compared with an uninterrupted Ray run of the same config."""
-    before = ray_processes()
     assert parity("train", f"run_dir={root / 'ray-reference'}", *RAY_RUN).returncode == 0
     reference = trained(metrics(root / "ray-reference"))
     out: dict = {"trials": 0, "exact_expected": 0, "resumes_exact": 0, "completed": 0, "steps_lost": 0}
@@ -606,8 +614,9 @@ def distributed_trials(root: Path, rng: random.Random) -> dict:
 
     def spawn(run_dir: Path, *extra: str) -> subprocess.Popen:
         args = [sys.executable, "-m", "parity", "train", f"run_dir={run_dir}", *RAY_RUN, *extra]
+        env = {**os.environ, RUN_MARK: run_dir.name}
         return subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
         )
 
     def settle(name: str, run_dir: Path, proc: subprocess.Popen, expect_exit: set[int], resume: bool) -> None:
@@ -616,9 +625,10 @@ def distributed_trials(root: Path, rng: random.Random) -> dict:
         code = proc.wait(timeout=300)
         err = proc.stderr.read()
         time.sleep(15)  # what the run left behind after this is an orphan
-        orphans = {pid: what for pid, what in ray_processes().items() if pid not in before}
+        orphans = run_processes(run_dir.name)
         for pid in orphans:
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         final_code = parity("train", "--resume", str(run_dir)).returncode if resume else 0
         got = trained(metrics(run_dir))
         exact = final_code == 0 and got == reference
@@ -642,7 +652,7 @@ def distributed_trials(root: Path, rng: random.Random) -> dict:
         run_dir = root / f"ray-worker-{t}"
         proc = spawn(run_dir)
         if wait_for_step(proc, run_dir, rng.randint(1, 5)):
-            workers = [pid for pid, what in ray_processes().items() if "RolloutWorker" in what and pid not in before]
+            workers = [pid for pid, what in run_processes(run_dir.name).items() if "RolloutWorker" in what]
             for pid in workers:
                 os.kill(pid, signal.SIGKILL)
         settle("rollout worker SIGKILLed", run_dir, proc, {0}, resume=False)
@@ -650,8 +660,8 @@ def distributed_trials(root: Path, rng: random.Random) -> dict:
     run_dir = root / "ray-learner"  # a learner: the run stops (exit 1) and resumes
     proc = spawn(run_dir)
     if wait_for_step(proc, run_dir, rng.randint(2, 5)):
-        for pid, what in ray_processes().items():
-            if "Learner" in what and pid not in before:
+        for pid, what in run_processes(run_dir.name).items():
+            if "Learner" in what:
                 os.kill(pid, signal.SIGKILL)
     settle("learner SIGKILLed", run_dir, proc, {1}, resume=True)
 

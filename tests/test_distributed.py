@@ -498,12 +498,25 @@ def test_a_cluster_with_too_few_cpus_is_named_not_waited_on(tmp_path):
         stop_cluster(ray_tmp)
 
 
-def stop_cluster(ray_tmp: Path) -> None:
-    """End the processes of the cluster whose RAY_TMPDIR is `ray_tmp` (their command lines name it), and
-    only those: `ray stop` would end every Ray process of the machine, others' included."""
+def processes_with(name: str, value: str) -> list:
+    """The processes whose environment sets `name` to `value`: those a process started with it started, and
+    what they started (a Ray worker renames itself, but keeps its environment), nobody else's."""
     import psutil
 
-    ours = [p for p in psutil.process_iter(["cmdline"]) if str(ray_tmp) in " ".join(p.info["cmdline"] or [])]
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(name) == value:
+                found.append(proc)
+    return found
+
+
+def stop_cluster(ray_tmp: Path) -> None:
+    """End the processes of the cluster started with RAY_TMPDIR=`ray_tmp`, and only those: `ray stop`
+    would end every Ray process of the machine, others' included."""
+    import psutil
+
+    ours = processes_with("RAY_TMPDIR", str(ray_tmp))
     for proc in ours:
         with contextlib.suppress(psutil.Error):
             proc.kill()
