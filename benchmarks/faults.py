@@ -14,11 +14,26 @@ on 2 cores at the defaults):
   run is going; exactly one may write;
 - bad input: values, files and directories that used to stall, fake or crash a
   run; each must end with one line on stderr, no traceback, exit code 1 or 2, and
-  no file of the user's touched;
-- hostile model directories: every case of tests/test_model_dirs.py, a chat
-  template linked to /etc/passwd, and templates that loop or grow without end,
-  applied to a copy of the built-in model; each must end in one line and exit 2
-  with no run directory written;
+  no file of the user's touched; among them (issue 43) config files that nest or
+  expand without end or hold a 3 GiB line, data nested 100,000 deep, a
+  5000-digit answer, a FIFO and /dev/zero as data, values no machine honours
+  (seed 2**64, group_size 10**9, ...), joins to addresses where no Ray cluster
+  answers, a user's folders and files given as outputs, and bad flags; each runs
+  with 8 GiB of address space and 300 s, so a memory bomb or a hang is counted,
+  not suffered;
+- hostile model directories: every case of tests/test_model_dirs.py (config
+  values, tokenizer files linked to a private key outside, a folder merely named
+  snapshots/REV, weights whose forward leaves FP32's or FP16's range, chat
+  templates that loop, grow through filters, render nothing or lengthen every
+  prompt past the context), applied to a copy of the tests' tiny Llama; each must
+  end in one line and exit 2 with no run directory or output written, and no byte
+  of the secret outside its home folder ("bytes leaked");
+- received run directories: the newest checkpoint of a finished run turned into
+  the sharded form, then forged (an index and a shard that are pickles writing a
+  marker: "code executed") or damaged as tests/test_checkpoint_files.py does;
+  `parity eval` must refuse the forged ones in one line and `--resume` set the
+  checkpoint aside and reproduce the run exactly; a user's folders under
+  checkpoints/ must be neither read nor pruned;
 - distributed runs (one Ray rollout worker, one learner): a rollout worker
   SIGKILLed (restarted, run completes), a learner SIGKILLed (clean stop, exact
   resume), the driver SIGKILLed, sent SIGINT as a terminal's Ctrl-C does (to its
@@ -28,15 +43,18 @@ on 2 cores at the defaults):
   `ray start --head`, which must be left running with every CPU free.
 
 "Data lost" counts a completed step missing or duplicated after the final resume,
-a user's file changed, or a refused run that wrote anything.
+and a user's file or folder changed; "crashes after writing", a refused command
+that wrote a run directory or an output.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import secrets
@@ -46,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 RUN = [
@@ -156,14 +175,22 @@ def corruption_trials(root: Path, reference: list[dict]) -> dict:
         run_dir = root / f"damaged-{how}"
         assert parity("train", f"run_dir={run_dir}", *RUN).returncode == 0
         damage(run_dir / "checkpoints" / "step_000008", how)
-        final = parity("train", "--resume", str(run_dir))
-        got = metrics(run_dir)
-        ok = final.returncode == 0 and got == reference and "moved it to" in final.stderr
-        out["trials"] += 1
-        out["fell_back_and_exact"] += ok
-        out["steps_lost"] += lost_or_duplicated(got, reference)
+        ok = resumed_past_it(run_dir, reference, out)
         print(f"  damaged checkpoint ({how}): {'fell back, exact' if ok else 'FAILED'}", flush=True)
     return out
+
+
+def resumed_past_it(run_dir: Path, reference: list[dict], out: dict) -> bool:
+    """`--resume` of a run whose newest checkpoint is damaged: it must be set aside, and the run end as the
+    reference did; counted into `out`."""
+    final = parity("train", "--resume", str(run_dir))
+    got = metrics(run_dir)
+    ok = final.returncode == 0 and got == reference and "moved it to" in final.stderr
+    out["trials"] += 1
+    out["fell_back_and_exact"] += ok
+    out["steps_lost"] += lost_or_duplicated(got, reference)
+    out["tracebacks"] = out.get("tracebacks", 0) + ("Traceback" in final.stderr)
+    return ok
 
 
 def disk_full_trial(root: Path, reference: list[dict]) -> dict:
@@ -218,9 +245,19 @@ def tree_digest(folder: Path) -> str:
     return h.hexdigest()
 
 
-def bad_input_cases(root: Path) -> list[tuple[str, list[str], Path | None]]:
-    """(name, argv, working directory) of each bad input; the files they need are written here.
-    A `parity train` case names its run directory RUN, replaced by a fresh one."""
+@dataclass
+class Case:
+    """One bad input: `argv` for `parity`, where RUN (in `run_dir=RUN`) and OUT stand for a fresh run
+    directory and output path that a refusal must leave unwritten."""
+
+    name: str
+    argv: list[str]
+    cwd: Path | None = None
+    env: dict[str, str] | None = None
+
+
+def bad_input_cases(root: Path) -> list[Case]:
+    """The bad inputs; the files they need are written here."""
     fast = ["steps=2", "prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "tensorboard=false"]
     (root / "user").mkdir()
     (root / "user" / "thesis.tex").write_text("years of work\n")
@@ -244,89 +281,284 @@ def bad_input_cases(root: Path) -> list[tuple[str, list[str], Path | None]]:
 
     return [
         *hostile_model_dir_cases(root, train),
-        ("trainer.lr=inf", train("trainer.lr=inf"), None),
-        ("trainer.lr=nan", train("trainer.lr=nan"), None),
-        ("trainer.lr=-1e-4", train("trainer.lr=-1e-4"), None),
-        ("trainer.loss_scale_init=inf", train("trainer.loss_scale_init=inf"), None),
-        ("trainer.loss_scale_init=nan", train("trainer.loss_scale_init=nan"), None),
-        ("reward.timeout_s=0", train("reward.timeout_s=0"), None),
-        ("algorithm.clip_high=nan", train("algorithm.clip_high=nan"), None),
-        ("algorithm.cap=-1", train("algorithm.name=grpo_seq_tis", "algorithm.cap=-1"), None),
-        ("over-long prompt", train(f"task.data={root / 'long.jsonl'}"), None),
-        ("non-UTF-8 data", train(f"task.data={root / 'latin1.jsonl'}"), None),
-        ("unimportable reward module", train("task.reward_fn=broken_reward_mod:score"), root),
-        ("run_dir=.", ["train", "run_dir=.", *fast], root / "user"),
-        ("run_dir holding a user's files", ["train", f"run_dir={root / 'user'}", *fast], None),
-        ("--resume a user's folder", ["train", "--resume", str(root / "user")], None),
-        ("a reward that always fails", train("task.reward_fn=failing_reward_mod:score", "steps=5"), root),
-        ("weights blow up (trainer.lr=1e38)", train("trainer.lr=1e38"), None),
-        ("cut model file", ["mismatch", "--model", str(root / "model-cut"), "--out", str(root / "mm")], None),
-        ("unwritable output", ["mismatch", "--out", "/sys/parity-fault", "num_prompts=2"], None),
-        ("report on a corrupt run", ["report", str(root / "corrupt-run"), "--out", str(root / "rep")], None),
+        *received_input_cases(root, train),
+        Case("trainer.lr=inf", train("trainer.lr=inf")),
+        Case("trainer.lr=nan", train("trainer.lr=nan")),
+        Case("trainer.lr=-1e-4", train("trainer.lr=-1e-4")),
+        Case("trainer.loss_scale_init=inf", train("trainer.loss_scale_init=inf")),
+        Case("trainer.loss_scale_init=nan", train("trainer.loss_scale_init=nan")),
+        Case("reward.timeout_s=0", train("reward.timeout_s=0")),
+        Case("algorithm.clip_high=nan", train("algorithm.clip_high=nan")),
+        Case("algorithm.cap=-1", train("algorithm.name=grpo_seq_tis", "algorithm.cap=-1")),
+        Case("over-long prompt", train(f"task.data={root / 'long.jsonl'}")),
+        Case("non-UTF-8 data", train(f"task.data={root / 'latin1.jsonl'}")),
+        Case("unimportable reward module", train("task.reward_fn=broken_reward_mod:score"), root),
+        Case("run_dir=.", ["train", "run_dir=.", *fast], root / "user"),
+        Case("run_dir holding a user's files", ["train", f"run_dir={root / 'user'}", *fast]),
+        Case("--resume a user's folder", ["train", "--resume", str(root / "user")]),
+        Case("a reward that always fails", train("task.reward_fn=failing_reward_mod:score", "steps=5"), root),
+        Case("weights blow up (trainer.lr=1e38)", train("trainer.lr=1e38")),
+        Case("cut model file", ["mismatch", "--model", str(root / "model-cut"), "--out", "OUT"]),
+        Case("unwritable output", ["mismatch", "--out", "/sys/parity-fault", "num_prompts=2"]),
+        Case("report on a corrupt run", ["report", str(root / "corrupt-run"), "--out", "OUT"]),
     ]
 
 
-def hostile_model_dir_cases(root: Path, train) -> list[tuple[str, list[str], Path | None]]:
-    """The cases of tests/test_model_dirs.py on the tests' tiny Llama, plus links out of the
-    directory and chat templates that never end, each tried by `parity train`."""
+def hostile_model_dir_cases(root: Path, train) -> list[Case]:
+    """The cases of tests/test_model_dirs.py on the tests' tiny Llama (hostile config values, links out of
+    the directory, chat templates that never end, grow without bound or render nothing, prompts longer than
+    the context), each tried by the command its test names, `parity train` for most."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from conftest import save_hf_model
-    from test_model_dirs import CASES
+    from test_model_dirs import BOMBS, CASES, EMPTY_TEMPLATES, LINKED, SECRET
 
     base = save_hf_model(root / "llama", "llama")
-    (root / "secret.txt").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    secrets_dir = root / "home" / ".ssh"
+    secrets_dir.mkdir(parents=True)
+    (secrets_dir / "id_rsa").write_bytes(SECRET)
+    (secrets_dir / "default.jinja").write_bytes(SECRET)  # a named template, for the linked templates' folder
+    (root / "home" / ".aws").mkdir()
+    (root / "home" / ".aws" / "credentials").write_bytes(SECRET)
+    linked = [
+        (f"{name} linked outside ({kind})", _linked(name, secrets_dir, relative=kind == "relative"))
+        for name in [*LINKED, "additional_chat_templates"]
+        for kind in ("absolute", "relative")
+    ]
     extra = [
-        (
-            "chat template linked to a file outside",
-            lambda d: (d / "chat_template.jinja").symlink_to(root / "secret.txt"),
-        ),
+        *linked,
         ("chat template looping 10^9 times", _template("{% for i in range(10**9) %}{% endfor %}")),
         ("chat template building 1 GB", _template("{{ 'x' * 10**9 }}")),
-        (
-            "chat template doubling a string",
-            _template(
-                "{% set ns = namespace(s='xx') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
-            ),
-        ),
+        *[(f"chat template bomb: {name}", _template(text)) for name, text in BOMBS.items()],
+        *[(f"empty chat template: {name}", _template(text)) for name, text in EMPTY_TEMPLATES.items()],
+        ("chat template lengthening every prompt past the context", _template("{{ 'x' * 300 }}{{ messages }}")),
     ]
     cases = []
     for i, (name, change, *_) in enumerate([*CASES, *extra]):
         model = root / f"hostile-{i}"
         shutil.copytree(base, model)
         change(model)
-        cases.append((f"model dir: {name}", train(f"model={model}", "task.name=number"), None))
+        cases.append(Case(f"model dir: {name}", train(f"model={model}", "task.name=number", "checkpoint_every=1")))
+        if name.startswith(("empty chat template", "chat template lengthening")):
+            for command in _commands_on(model, root / f"hostile-{i}-data.jsonl"):
+                cases.append(Case(f"model dir: {name} ({command[0]})", command))
+    fake = root / "home" / "snapshots" / "rev"  # not a cache: any folder named snapshots/REV
+    shutil.copytree(base, fake)
+    (fake / "chat_template.jinja").symlink_to(Path("../../.aws/credentials"))
+    cases.append(
+        Case("model dir: snapshots/rev linked to ~/.aws/credentials", train(f"model={fake}", "task.name=number"))
+    )
+    cases.append(Case("model weights overflowing FP16", train(f"model={_overflowing(base, root)}", "task.name=number")))
     return cases
+
+
+def _linked(name: str, secrets_dir: Path, relative: bool):
+    def apply(model: Path) -> None:
+        at = model / name
+        target = secrets_dir if name == "additional_chat_templates" else secrets_dir / "id_rsa"
+        at.parent.mkdir(parents=True, exist_ok=True)
+        at.symlink_to(Path(os.path.relpath(target, at.parent)) if relative else target)
+
+    return apply
+
+
+def _overflowing(base: Path, root: Path) -> Path:
+    from test_model_dirs import scale_weights
+
+    model = root / "hostile-fp16"
+    shutil.copytree(base, model)
+    scale_weights(model, 1e4)  # finite in FP32, past 65504 in FP16: the run's default precision
+    return model
+
+
+def _commands_on(model: Path, data: Path) -> list[list[str]]:
+    """Every other command that encodes prompts, on `model`, writing into OUT."""
+    data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    return [
+        ["mismatch", "--model", str(model), "--out", "OUT", "num_prompts=2"],
+        ["doctor", "--model", str(model), "--out", "OUT", "--prompts", "2"],
+        ["perfectible", f"model={model}", "task=number", "out=OUT"],
+        ["eval", str(model), f"data={data}", "num_prompts=1", "out=OUT"],
+    ]
 
 
 def _template(text: str):
     return lambda d: (d / "chat_template.jinja").write_text(text)
 
 
+def received_input_cases(root: Path, train) -> list[Case]:
+    """Config files, data files, values and addresses that used to crash, hang or exhaust memory
+    (tests/test_config.py, test_data.py, test_distributed.py), and a user's folders given as outputs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_config import HUGE, _alias_bomb
+
+    (root / "bomb.yaml").write_text(_alias_bomb())
+    (root / "nested.yaml").write_text("steps: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with open(root / "huge.yaml", "wb") as f:  # one 3 GiB line, sparse: no disk is used
+        f.write(b"steps: ")
+        f.truncate(3 * 2**30)
+    good_row = json.dumps({"prompt": "2+2=", "answer": "4"})
+    (root / "nested.jsonl").write_text(good_row + "\n" + good_row.replace('"4"', "[" * 100_000 + "]" * 100_000) + "\n")
+    (root / "huge-int.jsonl").write_text(good_row.replace('"4"', "9" * 5000) + "\n")
+    (root / "nested-run").mkdir()
+    (root / "nested-run" / "metrics.jsonl").write_text('{"step": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    os.mkfifo(root / "pipe.jsonl")
+    stale = root / "raytmp" / "ray"
+    stale.mkdir(parents=True)
+    (stale / "ray_current_cluster").write_text("127.0.0.1:9\n")  # a cluster that is gone
+    ray_env = {**os.environ, "RAY_TMPDIR": str(stale.parent)}
+    ray_env.pop("RAY_ADDRESS", None)
+    join = ["distributed.rollout_workers=1", "distributed.connect_timeout_s=10"]
+    user = root / "user"
+    cases = [
+        Case("config file: an alias bomb under a real key", ["train", str(root / "bomb.yaml"), "run_dir=RUN"]),
+        Case("config file: nested 100,000 deep", ["train", str(root / "nested.yaml"), "run_dir=RUN"]),
+        Case("config file: a 3 GiB line", ["train", str(root / "huge.yaml"), "run_dir=RUN"]),
+        Case("task.data nested 100,000 deep", train(f"task.data={root / 'nested.jsonl'}")),
+        Case("eval.data nested 100,000 deep", train(f"eval.data={root / 'nested.jsonl'}")),
+        Case("parity eval data= nested 100,000 deep", ["eval", "builtin", f"data={root / 'nested.jsonl'}", "out=OUT"]),
+        Case("metrics.jsonl nested 100,000 deep", ["report", str(root / "nested-run"), "--out", "OUT"]),
+        Case("a 5000-digit answer", train(f"task.data={root / 'huge-int.jsonl'}")),
+        Case("a FIFO as data", train(f"task.data={root / 'pipe.jsonl'}")),
+        Case("/dev/zero as data", train("task.data=/dev/zero")),
+        *[Case(f"value: {override}", train(override)) for override, _ in HUGE],
+        *[
+            Case(f"join {address}", train(*join, f"distributed.address={address}"), env=ray_env)
+            for address in ("127.0.0.1:1", "not-a-host:6379", "auto")
+        ],
+        Case("doctor --prompts -5", ["doctor", "--prompts", "-5", "--out", "OUT"]),
+        Case("phantom --eps nan", ["phantom", "--eps", "nan", "--out", "OUT"]),
+        Case("phantom --steps -1", ["phantom", "--steps", "-1", "--out", "OUT"]),
+        Case("sanity --jobs 0", ["sanity", "--quick", "--jobs", "0", "--out", "OUT"]),
+        Case("report on a missing run", ["report", str(root / "no-such-run"), "--out", "OUT"]),
+        Case("mismatch --out a user's folder", ["mismatch", "--out", str(user), "num_prompts=2"]),
+        Case("eval out= a user's folder", ["eval", "builtin", f"out={user}", "num_prompts=2"]),
+        Case("doctor --out a user's folder", ["doctor", "--out", str(user), "--prompts", "1"]),
+        Case("report --out a user's folder", ["report", str(root / "nested-run"), "--out", str(user)]),
+        Case("sanity --out a user's folder", ["sanity", "--quick", "--out", str(user)]),
+        Case("phantom --out a user's folder", ["phantom", "--steps", "1", "--out", str(user)]),
+        Case("perfectible out= a user's file", ["perfectible", f"out={user / 'thesis.tex'}"]),
+        Case("build-model --out a user's folder", ["build-model", "--out", str(user), "--steps", "1"]),
+    ]
+    return cases
+
+
 # Cases that fail at run time, after the run directory legitimately exists.
 RUNTIME_FAILURES = {"a reward that always fails", "weights blow up (trainer.lr=1e38)"}
+CASE_TIMEOUT_S = 300  # a case still running after this long has hung
+MEMORY_LIMIT = 8 * 2**30  # address space per case: a memory bomb fails in the case, not on the machine
 
 
 def bad_input_trials(root: Path) -> dict:
+    import resource
+
     cases = bad_input_cases(root)
     user_before = tree_digest(root / "user")
-    out = {"tried": len(cases), "clean": 0, "tracebacks": 0, "refused_runs_that_wrote": 0, "failures": []}
-    for i, (name, argv, cwd) in enumerate(cases):
-        run_dir = root / f"bad-{i}"
-        result = parity(*[a.replace("run_dir=RUN", f"run_dir={run_dir}") for a in argv], cwd=cwd)
-        lines = [x for x in result.stderr.splitlines() if x.startswith("parity ")]
-        clean = result.returncode in (1, 2) and "Traceback" not in result.stderr and len(lines) == 1
-        if name == "a reward that always fails":  # the first failure's traceback is shown on purpose
-            clean = result.returncode == 1 and len(lines) == 1
+    out = {"tried": len(cases), "clean": 0, "tracebacks": 0, "hangs": 0, "refused_runs_that_wrote": 0}
+    out["failures"] = []
+    for i, case in enumerate(cases):
+        run_dir, out_path = root / f"bad-{i}", root / f"out-{i}"
+        argv = [a.replace("run_dir=RUN", f"run_dir={run_dir}").replace("OUT", str(out_path)) for a in case.argv]
+        try:
+            result = subprocess.run(
+                [sys.executable, "-m", "parity", *argv],
+                capture_output=True,
+                text=True,
+                timeout=CASE_TIMEOUT_S,
+                cwd=case.cwd,
+                env=case.env,
+                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT)),
+            )
+            code, err = result.returncode, result.stderr
+        except subprocess.TimeoutExpired as e:
+            code, err = None, (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else ""
+            out["hangs"] += 1
+        lines = [x for x in err.splitlines() if x.startswith("parity ")]
+        clean = code in (1, 2) and "Traceback" not in err and len(lines) == 1
+        if case.name == "a reward that always fails":  # the first failure's traceback is shown on purpose
+            clean = code == 1 and len(lines) == 1
         out["clean"] += clean
-        out["tracebacks"] += (
-            "Traceback (most recent call last)" in result.stderr and "first failure" not in result.stderr
-        )
-        if name not in RUNTIME_FAILURES and run_dir.exists():
+        out["tracebacks"] += "Traceback (most recent call last)" in err and "first failure" not in err
+        if case.name not in RUNTIME_FAILURES and (run_dir.exists() or out_path.exists()):
             out["refused_runs_that_wrote"] += 1
         if not clean:
-            out["failures"].append({"case": name, "code": result.returncode, "stderr": result.stderr[-400:]})
-        print(f"  bad input {name!r}: exit {result.returncode}: {lines[-1] if lines else '(no error line)'}"[:220])
+            out["failures"].append({"case": case.name, "code": code, "stderr": err[-400:]})
+        print(f"  bad input {case.name!r}: exit {code}: {lines[-1] if lines else '(no error line)'}"[:220], flush=True)
     out["user_files_changed"] = int(tree_digest(root / "user") != user_before)
+    out["bytes_leaked"] = leaked_files(root)
+    return out
+
+
+def leaked_files(root: Path) -> int:
+    """Files, outside the home folder that holds the test secrets, that hold a secret's marker: what reached
+    a checkpoint or an output from outside a model directory. Links are not followed."""
+    from test_model_dirs import SECRET
+
+    marker, count = SECRET.split()[-1], 0
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if Path(folder, d) != root / "home"]
+        for name in files:
+            path = Path(folder, name)
+            if not path.is_symlink() and path.is_file() and path.stat().st_size < 2**30:
+                count += marker in path.read_bytes()
+    return count
+
+
+# ----------------------------------------------------------------------------- received run directories
+
+
+def received_run_trials(root: Path, reference: list[dict]) -> dict:
+    """A finished run directory received from someone, its newest checkpoint turned into the sharded form
+    and then forged or damaged as tests/test_checkpoint_files.py does (a pickled index and a shard that write
+    a marker when unpickled; state.json and manifest.json fields of the wrong kind; a cut RNG file; an index
+    naming a missing shard): `parity eval` refuses the forged ones in one line, and `--resume` sets the
+    checkpoint aside in one line and reproduces the reference exactly. No marker may ever appear. Last, the
+    user's own folders under checkpoints/ (step_best, step_000007.bak): a resume neither reads nor prunes them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_checkpoint_files import DAMAGE, _WritesMarker, damaged
+
+    marker = root / "code-ran"
+    forged = pickle.dumps(_WritesMarker(marker))
+
+    def forge_index(ckpt: Path) -> None:
+        (ckpt / "sharded" / "metadata.json").unlink()
+        (ckpt / "sharded" / ".metadata").write_bytes(forged)
+
+    def forge_shard(ckpt: Path) -> None:
+        next((ckpt / "sharded").glob("__*.safetensors")).write_bytes(forged)
+
+    cases = [(name, sharded, damage, reseal) for name, sharded, damage, reseal, _ in DAMAGE]
+    cases += [
+        ("forged pickled index", True, forge_index, True),
+        ("shard replaced by a pickle", True, forge_shard, True),
+    ]
+    out = {"trials": 0, "fell_back_and_exact": 0, "eval_refused": 0, "steps_lost": 0, "tracebacks": 0}
+    for i, (name, sharded, damage, reseal) in enumerate(cases):
+        run_dir = root / f"received-{i}"
+        shutil.copytree(root / "reference", run_dir)
+        damaged(run_dir / "checkpoints" / "step_000008", sharded, damage, reseal)
+        if name.startswith(("forged", "shard replaced")):
+            evaluated = parity("eval", str(run_dir), "num_prompts=2", "samples=1", f"out={root / f'received-eval-{i}'}")
+            lines = [x for x in evaluated.stderr.splitlines() if x.startswith("parity ")]
+            out["eval_refused"] += evaluated.returncode == 2 and len(lines) == 1
+            out["tracebacks"] += "Traceback" in evaluated.stderr
+        ok = resumed_past_it(run_dir, reference, out)
+        print(f"  received run ({name}): {'set aside, exact' if ok else 'FAILED'}", flush=True)
+    out["code_executed"] = int(marker.exists())
+
+    run_dir = root / "received-user-folders"
+    shutil.copytree(root / "reference", run_dir)
+    ckpts = run_dir / "checkpoints"
+    shutil.copytree(ckpts / "step_000007", ckpts / "step_best")
+    (ckpts / "step_000007.bak").mkdir()
+    (ckpts / "step_000007.bak" / "notes.txt").write_text("mine\n")
+    mine = {name: tree_digest(ckpts / name) for name in ("step_best", "step_000007.bak")}
+    final = parity("train", "--resume", str(run_dir), "steps=9")
+    kept = all((ckpts / n).is_dir() and tree_digest(ckpts / n) == d for n, d in mine.items())
+    ok = final.returncode == 0 and metrics(run_dir)[:8] == reference and kept
+    out["user_checkpoint_folders_changed"] = int(not kept)
+    out["trials"] += 1
+    out["fell_back_and_exact"] += ok
+    print(f"  received run (user folders under checkpoints/): {'untouched, exact' if ok else 'FAILED'}", flush=True)
     return out
 
 
@@ -343,13 +575,21 @@ RAY_RUN = [
     "distributed.rollout_workers=1",
     "distributed.learners=1",
 ]
-RAY_PROCESSES = "ray::|raylet|gcs_server|dashboard/agent|runtime_env/agent|default_worker"
 UNTIMED = ("async/", "sync/", "faults/")  # scheduling, not training: differs from run to run
+RUN_MARK = "PARITY_FAULTS_RUN"  # set in a trial's environment: its processes, and theirs, inherit it
 
 
-def ray_processes() -> dict[int, str]:
-    out = subprocess.run(["pgrep", "-af", RAY_PROCESSES], capture_output=True, text=True).stdout
-    return {int(line.split()[0]): line.split(None, 1)[1][:60] for line in out.splitlines()}
+def run_processes(mark: str) -> dict[int, str]:
+    """The processes of the trial marked `mark`, whatever they call themselves (a Ray worker renames
+    itself); never another user's Ray processes, which a trial must neither count nor kill."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_distributed import processes_with
+
+    found = {}
+    for proc in processes_with(RUN_MARK, mark):
+        with contextlib.suppress(Exception):
+            found[proc.pid] = " ".join(proc.cmdline())[:60]
+    return found
 
 
 def trained(rows: list[dict]) -> list[dict]:
@@ -367,7 +607,6 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> bool:
 
 def distributed_trials(root: Path, rng: random.Random) -> dict:
     """Faults of a Ray run, each compared with an uninterrupted Ray run of the same config."""
-    before = ray_processes()
     assert parity("train", f"run_dir={root / 'ray-reference'}", *RAY_RUN).returncode == 0
     reference = trained(metrics(root / "ray-reference"))
     out: dict = {"trials": 0, "exact_expected": 0, "resumes_exact": 0, "completed": 0, "steps_lost": 0}
@@ -375,8 +614,9 @@ def distributed_trials(root: Path, rng: random.Random) -> dict:
 
     def spawn(run_dir: Path, *extra: str) -> subprocess.Popen:
         args = [sys.executable, "-m", "parity", "train", f"run_dir={run_dir}", *RAY_RUN, *extra]
+        env = {**os.environ, RUN_MARK: run_dir.name}
         return subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
         )
 
     def settle(name: str, run_dir: Path, proc: subprocess.Popen, expect_exit: set[int], resume: bool) -> None:
@@ -385,9 +625,10 @@ def distributed_trials(root: Path, rng: random.Random) -> dict:
         code = proc.wait(timeout=300)
         err = proc.stderr.read()
         time.sleep(15)  # what the run left behind after this is an orphan
-        orphans = {pid: what for pid, what in ray_processes().items() if pid not in before}
+        orphans = run_processes(run_dir.name)
         for pid in orphans:
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         final_code = parity("train", "--resume", str(run_dir)).returncode if resume else 0
         got = trained(metrics(run_dir))
         exact = final_code == 0 and got == reference
@@ -411,7 +652,7 @@ def distributed_trials(root: Path, rng: random.Random) -> dict:
         run_dir = root / f"ray-worker-{t}"
         proc = spawn(run_dir)
         if wait_for_step(proc, run_dir, rng.randint(1, 5)):
-            workers = [pid for pid, what in ray_processes().items() if "RolloutWorker" in what and pid not in before]
+            workers = [pid for pid, what in run_processes(run_dir.name).items() if "RolloutWorker" in what]
             for pid in workers:
                 os.kill(pid, signal.SIGKILL)
         settle("rollout worker SIGKILLed", run_dir, proc, {0}, resume=False)
@@ -419,8 +660,8 @@ def distributed_trials(root: Path, rng: random.Random) -> dict:
     run_dir = root / "ray-learner"  # a learner: the run stops (exit 1) and resumes
     proc = spawn(run_dir)
     if wait_for_step(proc, run_dir, rng.randint(2, 5)):
-        for pid, what in ray_processes().items():
-            if "Learner" in what and pid not in before:
+        for pid, what in run_processes(run_dir.name).items():
+            if "Learner" in what:
                 os.kill(pid, signal.SIGKILL)
     settle("learner SIGKILLed", run_dir, proc, {1}, resume=True)
 
@@ -446,8 +687,12 @@ def distributed_trials(root: Path, rng: random.Random) -> dict:
 
 def joined_cluster_trial(root: Path, reference: list[dict]) -> dict:
     """`ray start --head` as a user runs it, a run joining it by address, and the cluster after."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_distributed import stop_cluster
+
     ray_cli = str(Path(sys.executable).with_name("ray"))
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    ray_tmp = Path(tempfile.mkdtemp(prefix="pf", dir="/tmp"))  # its own: stopped alone, and short for Ray's sockets
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_TMPDIR": str(ray_tmp)}
     port = 6390 + random.Random().randint(0, 99)
     address = f"127.0.0.1:{port}"
     start = [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=3", "--include-dashboard=false"]
@@ -473,12 +718,12 @@ def joined_cluster_trial(root: Path, reference: list[dict]) -> dict:
             "cpus_free": bool(re.search(r"\b0\.0/3\.0 CPU", status.stdout)),
         }
     finally:
-        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True)
+        stop_cluster(ray_tmp)
     print(f"  ray joined cluster: {result}")
     return result
 
 
-SECTIONS = ("kills", "damaged_checkpoints", "disk_full", "concurrency", "bad_inputs", "distributed")
+SECTIONS = ("kills", "damaged_checkpoints", "disk_full", "concurrency", "bad_inputs", "received_runs", "distributed")
 
 
 def main() -> None:
@@ -504,14 +749,20 @@ def main() -> None:
             "disk_full": lambda: disk_full_trial(root, reference),
             "concurrency": lambda: concurrency_trials(root, reference),
             "bad_inputs": lambda: bad_input_trials(root),
+            "received_runs": lambda: received_run_trials(root, reference),
             "distributed": lambda: distributed_trials(root, rng),
         }
         summary = {name: trials[name]() for name in args.sections}
     parts = list(summary.values())
     summary["data_lost"] = sum(
-        p.get("steps_lost", 0) + p.get("user_files_changed", 0) + p.get("refused_runs_that_wrote", 0) for p in parts
+        p.get("steps_lost", 0) + p.get("user_files_changed", 0) + p.get("user_checkpoint_folders_changed", 0)
+        for p in parts
     )
+    summary["crashes_after_writing"] = sum(p.get("refused_runs_that_wrote", 0) for p in parts)
     summary["tracebacks"] = sum(p.get("tracebacks", 0) for p in parts)
+    summary["hangs"] = sum(p.get("hangs", 0) for p in parts)
+    summary["bytes_leaked"] = sum(p.get("bytes_leaked", 0) for p in parts)
+    summary["code_executed"] = sum(p.get("code_executed", 0) for p in parts)
     summary["orphan_processes"] = sum(p.get("orphans", 0) for p in parts)
     summary["wall_seconds"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(summary, indent=2)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +99,24 @@ def llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory) -> Path:
     return save_hf_model(tmp_path_factory.mktemp("qwen2"), "qwen2", seed=1, tie=True)
+
+
+@contextlib.contextmanager
+def run_dir_held(run_dir: Path):
+    """Another process holding `run_dir`'s lock, as a run going on does; yields that process."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from pathlib import Path; from parity.rundir import RunLock; "
+            f"RunLock(Path({str(run_dir)!r})); print('locked', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()

@@ -11,7 +11,8 @@ names the file and lines it was transcribed from (the commits read):
           volcengine/verl@2f2996b verl/trainer/ppo/rollout_corr_helper.py
     VERLRC volcengine/verl@b178a3c verl/trainer/ppo/rollout_corr_helper.py (unchanged since PR #4544, 97eac90)
     SKYRL NovaSky-AI/SkyRL@a956457 skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py
-    VERLD verl-project/verl@1dda039 verl/trainer/ppo/core_algos.py (DPPO, after verl's rename)
+    VERLD verl-project/verl@1dda039 verl/trainer/ppo/core_algos.py (DPPO, after verl's rename; agg_loss,
+          whose global_batch_size verl/trainer/ppo/ray_trainer.py 1352-1362 sets to the mini-batch's rows)
     SLIME THUDM/slime@624b824 slime/backends/megatron_utils/loss.py
 """
 
@@ -80,11 +81,18 @@ def _ref_drgrpo_aggregate(per_token, mask):
 
 
 def _ref_seq_mean_token_mean(per_token, mask):
-    # VERL core_algos.py 1065-1071 (seq-mean-token-mean): per-sequence token mean, mean over the
-    # sequences that have tokens left
+    # VERLD 1194-1202 (seq-mean-token-mean): per-sequence token mean over the sequences with tokens left,
+    # summed, ÷ global_batch_size, every row of the mini-batch (ray_trainer.py 1352-1362). VeRL divides
+    # by count + 1e-8 (a guard for empty rows: 1e-8 relative); Parity's guard, clamp(min=1), is exact
     m = mask.double()
     per_seq = (per_token * m).sum(1) / m.sum(1).clamp(min=1)
-    return per_seq.sum() / (m.sum(1) > 0).sum()
+    return (per_seq * (m.sum(1) > 0)).sum() / m.shape[0]
+
+
+def _ref_token_mean(per_token, mask):
+    # VERLD 1170-1175 (token-mean): masked_sum(loss_mat, loss_mask) / batch_num_tokens
+    m = mask.double()
+    return (per_token * m).sum() / m.sum()
 
 
 def _reference(name: str, theta, old, mu, adv, mask, c: LossConfig) -> torch.Tensor:
@@ -154,7 +162,8 @@ def _reference(name: str, theta, old, mu, adv, mask, c: LossConfig) -> torch.Ten
         # 1 + high).detach(); pg_losses = −clipped·A·log_prob
         ratio = torch.exp(torch.clamp(theta - old, min=-20.0, max=20.0))
         clipped = torch.clamp(ratio, 1 - eps_lo, 1 + eps_hi).detach()
-        return _ref_drgrpo_aggregate(-clipped * a * theta, m)
+        # its recipe leaves loss_agg_mode at the actor's default, token-mean (VERLD actor.py 165)
+        return _ref_token_mean(-clipped * a * theta, m)
     if name in ("dppo_tv", "dppo_kl"):
         # VERLD 1417-1439 (dppo_tv), 1498-1523 (dppo_kl): ratio = exp(clamp(log_prob − old, ±20));
         # truncated = clamp(ratio, max=clip_ratio_c).detach(); the valid mask by the sign of A;
@@ -214,7 +223,7 @@ def _config(name: str, **kw) -> LossConfig:
 
 def _compare(name: str, cfg: LossConfig, seed: int = 0):
     est = ESTIMATORS[name]
-    aggregation = est.aggregation or "seq_mean_token_sum_norm"
+    aggregation = est.aggregation
     theta, old, mu, adv, mask = _batch(seed)
     mine = theta.clone().requires_grad_(True)
     loss = _parity_loss(name, mine, old, mu, adv, mask, cfg, aggregation)
@@ -311,6 +320,8 @@ def test_registry_and_reference_defaults():
     assert ESTIMATORS["cispo"].params == {"clip_low": 10.0, "clip_high": 0.2}
     for name in ("gspo", "sapo"):  # defined per sequence, with the group-normalised advantage
         assert ESTIMATORS[name].aggregation == "seq_mean_token_mean" and ESTIMATORS[name].advantage == "grpo"
+        assert ESTIMATORS[name].aggregation_fixed
+    assert [n for n, e in ESTIMATORS.items() if e.aggregation_fixed] == ["gspo", "sapo"]
     assert all(e.source for e in ESTIMATORS.values())
     # Every estimator with a clip names it; the PG family and SAPO (a soft gate) have none.
     no_clip = {n for n in ESTIMATORS if n.startswith("pg_")} | {"sapo", "reinforce"}
@@ -433,7 +444,7 @@ def test_aggregations_and_exact_accumulation():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0]])
     mask = torch.tensor([[True, True, True], [True, True, False]])
     norm = denominators(mask, 4)
-    assert norm == Denominators(sequences=2, sequences_with_tokens=2, tokens=5, max_length=4)
+    assert norm == Denominators(sequences=2, tokens=5, max_length=4)
     assert math.isclose(float(aggregate(loss, mask, "token_mean", norm)), 15 / 5)
     assert math.isclose(float(aggregate(loss, mask, "seq_mean_token_mean", norm)), (2 + 4.5) / 2)
     assert math.isclose(float(aggregate(loss, mask, "seq_mean_token_sum_norm", norm)), (6 / 4 + 9 / 4) / 2)
@@ -446,8 +457,8 @@ def test_aggregations_and_exact_accumulation():
 def test_rejected_sequences_stay_in_the_dr_grpo_denominator():
     """The audit's case: one group of 4 sequences x 3 tokens, 2 rejected by grpo_seq_geo_rs. Under
     seq_mean_token_sum_norm every Dr.GRPO reference (verl, SkyRL, Oat) gives a kept token
-    d loss / d log π = -A / (max_length x 4) = -0.0417 at A = 0.5, however many were rejected;
-    under seq_mean_token_mean (verl's sequence mask) the rejected leave the mean."""
+    d loss / d log π = -A / (max_length x 4) = -0.0417 at A = 0.5, however many were rejected; so does
+    seq_mean_token_mean, as verl's agg_loss divides by the mini-batch's size: -A / (3 tokens x 4)."""
     old = torch.full((4, 3), -1.0, dtype=torch.float64)
     mu = old.clone()
     mu[2:] -= 5.0  # π_old/μ = e^5 per token: the geometric mean is far outside the band
@@ -458,13 +469,69 @@ def test_rejected_sequences_stay_in_the_dr_grpo_denominator():
     rejected = rejected_sequences("grpo_seq_geo_rs", old, mu, loss_mask, cfg)
     assert rejected.tolist() == [False, False, True, True]
     loss_mask[rejected] = False
-    for mode, per_kept_token in (("seq_mean_token_sum_norm", -0.5 / (3 * 4)), ("seq_mean_token_mean", -0.5 / (3 * 2))):
+    for mode, per_kept_token in (("seq_mean_token_sum_norm", -0.5 / (3 * 4)), ("seq_mean_token_mean", -0.5 / (3 * 4))):
         theta = old.clone().requires_grad_(True)
         token_loss, _ = ESTIMATORS["grpo_seq_geo_rs"].loss(PolicyInputs(theta, old, mu, adv, loss_mask), cfg)
         aggregate(token_loss, loss_mask, mode, denominators(loss_mask, 3)).backward()
         assert torch.allclose(theta.grad[:2], torch.full((2, 3), per_kept_token, dtype=torch.float64), atol=1e-15)
         assert (theta.grad[2:] == 0).all()
     assert math.isclose(-0.5 / 12, -0.0417, abs_tol=5e-5)
+
+
+def _ref_agg_loss(loss_mat, loss_mask, mode: str, global_batch_size: int, loss_scale_factor: int):
+    # VERLD 1170-1202, dp_size 1, with the global batch info the trainer passes: batch_num_tokens the
+    # mini-batch's valid tokens, global_batch_size its rows (ray_trainer.py 1352-1362)
+    m = loss_mask.double()
+    if mode == "token_mean":
+        return (loss_mat * m).sum() / m.sum()
+    seq_mask = (m.sum(-1) > 0).double()
+    if mode == "seq_mean_token_sum_norm":
+        return ((loss_mat * m).sum(-1) * seq_mask).sum() / global_batch_size / loss_scale_factor
+    per_seq = (loss_mat * m).sum(-1) / m.sum(-1).clamp(min=1)  # VeRL: / (count + 1e-8); see above
+    return (per_seq * seq_mask).sum() / global_batch_size
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_every_aggregation_matches_verl_with_rejected_rows(mode):
+    """Rows a rejection emptied count in verl's sequence means (÷ the mini-batch's rows), not in its
+    token mean; loss and gradient against the transcription, micro-batched as training accumulates."""
+    gen = torch.Generator().manual_seed(3)
+    loss_mat = torch.randn(6, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(6, 5, generator=gen) < 0.7
+    mask[[1, 4]] = False  # two rejected sequences
+    ref = _ref_agg_loss(loss_mat, mask, mode, global_batch_size=6, loss_scale_factor=L_MAX)
+    (ref_grad,) = torch.autograd.grad(ref, loss_mat)
+    norm = denominators(mask, L_MAX)
+    ours = aggregate(loss_mat[:3], mask[:3], mode, norm) + aggregate(loss_mat[3:], mask[3:], mode, norm)
+    (grad,) = torch.autograd.grad(ours, loss_mat)
+    assert abs(float(ours.detach() - ref.detach())) < 1e-12 and torch.allclose(grad, ref_grad, rtol=0, atol=1e-12)
+
+
+# The recipes, as their scripts set them (the keys Parity's defaults come from), transcribed from
+# verl-project/verl@1dda039: examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh 57, 59, 76 and
+# examples/cispo_trainer/run_qwen3_8b_fsdp.sh 47, 65 (no loss_agg_mode, no norm_adv_by_std_in_grpo: the
+# defaults of verl/workers/config/actor.py 165, token-mean, and core_algos.py 273, True).
+RECIPES = {
+    "dppo_tv": {"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": False, "loss_agg_mode": "seq-mean-token-sum-norm"},
+    "dppo_kl": {"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": False, "loss_agg_mode": "seq-mean-token-sum-norm"},
+    "cispo": {"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": True, "loss_agg_mode": "token-mean"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_defaults_are_the_recipes(name):
+    from parity import config
+    from parity.rl.train_config import TrainConfig
+
+    recipe = RECIPES[name]
+    # GRPO's advantage without the std division is Dr.GRPO's (group_advantages above)
+    advantage = "grpo" if recipe["norm_adv_by_std_in_grpo"] else "drgrpo"
+    aggregation = recipe["loss_agg_mode"].replace("-", "_")
+    resolved = config.load(TrainConfig, None, [f"algorithm.name={name}"]).algorithm
+    assert (resolved.advantage, resolved.aggregation) == (advantage, aggregation)
+    # a default, not a rule: another aggregation may be asked for
+    other = config.load(TrainConfig, None, [f"algorithm.name={name}", "algorithm.aggregation=seq_mean_token_mean"])
+    assert other.algorithm.aggregation == "seq_mean_token_mean"
 
 
 def test_kl_estimators_as_losses():

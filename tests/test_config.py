@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from parity import config
@@ -91,7 +93,7 @@ def test_estimator_defaults_come_from_the_references():
     # Each estimator's own keys, from its registry line; the clip bounds too.
     assert (gspo.clip_low, gspo.clip_high) == (3e-4, 4e-4)
     tv = algo("algorithm.name=dppo_tv")
-    assert (tv.clip_low, tv.clip_high, tv.cap, tv.cap_low, tv.advantage) == (0.15, 0.15, 10000.0, None, "grpo")
+    assert (tv.clip_low, tv.clip_high, tv.cap, tv.cap_low, tv.advantage) == (0.15, 0.15, 10000.0, None, "drgrpo")
     sapo = algo("algorithm.name=sapo")
     assert (sapo.tau_pos, sapo.tau_neg, sapo.aggregation, sapo.clip_low) == (1.0, 1.05, "seq_mean_token_mean", None)
     assert algo("algorithm.name=grpo_opsm").delta == 0.5 and algo("algorithm.name=grpo_seq_max_k3").delta == 2.5
@@ -121,3 +123,93 @@ def test_algorithm_combinations_refused(keys, message):
 
     with pytest.raises(ConfigError, match=message):
         config.load(TrainConfig, None, keys)
+
+
+# ----------------------------------------------------------------------------- hostile config files and values
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    """A YAML file whose aliases name 10**levels values under a real key (lora.targets) in a few lines."""
+    lines = ["a0: &a0 [q_proj, q_proj, q_proj, q_proj, q_proj, q_proj, q_proj, q_proj, q_proj, q_proj]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\nlora:\n  targets: [{', '.join([f'*a{levels - 1}'] * 10)}]\n"
+
+
+@pytest.mark.parametrize(
+    ("write", "message"),
+    [
+        (lambda p: p.write_text(_alias_bomb()), "expands to more than 100,000 values"),
+        (lambda p: p.write_text("steps: " + "[" * 100_000 + "]" * 100_000 + "\n"), "YAML nested more than 32 deep"),
+        (lambda p: p.write_text("steps:\n  " + "- " * 50 + "1\n"), "YAML nested more than 32 deep"),
+        (lambda p: p.write_bytes(b"steps: \xff\n"), "not UTF-8 text"),
+    ],
+    ids=["alias bomb under a real key", "nested 100,000 deep", "nested 50 deep", "not UTF-8"],
+)
+def test_a_hostile_config_file_is_one_line(tmp_path, capsys, write, message):
+    from parity.cli import main
+
+    path = tmp_path / "CONFIG.yaml"
+    write(path)
+    assert main(["train", str(path), f"run_dir={tmp_path / 'run'}"]) == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("parity ")]
+    assert len(lines) == 1 and str(path) in lines[0] and message in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_config_file_of_3_gib_is_refused_unread(tmp_path, capsys):
+    """One 3 GiB line (a sparse file: no disk is used) is refused from its size, not read."""
+    import resource
+
+    from parity.cli import main
+
+    path = tmp_path / "CONFIG.yaml"
+    with open(path, "wb") as f:
+        f.write(b"steps: ")
+        f.truncate(3 * 2**30)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert main(["train", str(path), f"run_dir={tmp_path / 'run'}"]) == 2
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 * 2**10  # KiB: under 100 MiB more
+    assert "a config file holds at most 1,048,576" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_alias_bomb_in_an_override_is_one_line():
+    from parity.rl.train_config import TrainConfig
+
+    bomb = "&a [x, x, x, x, x, x, x, x, x, x]"
+    value = "[" + ", ".join(["*a"] * 10) + "]"
+    for _ in range(5):
+        value = "[" + ", ".join([value] * 10) + "]" if len(value) < 10**5 else value
+    with pytest.raises(ConfigError, match="override lora.targets: YAML expands to more than 100,000 values"):
+        config.load(TrainConfig, None, [f"lora.targets=[{bomb}, {value}]"])
+
+
+HUGE = [
+    ("seed=18446744073709551616", "seed: must be in [0, 4294967295]"),
+    ("seed=1180591620717411303424", "seed: must be in [0, 4294967295]"),
+    ("seed=-1", "seed: must be in [0, 4294967295]"),
+    ("lora.rank=100000", "lora.rank=100000: more than 64, the narrowest adapted projection's width"),
+    ("rollout.group_size=1000000000", "prompts_per_step x rollout.group_size"),
+    ("prompts_per_step=1000000000", "prompts_per_step x rollout.group_size"),
+    ("diagnostics.full_vocab_positions=1000000000000", "diagnostics.full_vocab_positions"),
+    ("task.num_problems=1000000000", "task.num_problems: must be in [1, 100,000]"),
+    ("eval.num_prompts=1000000000", "eval.num_prompts: must be in [1, 100,000]"),
+    ("eval.samples=1000000000", "eval.num_prompts x eval.samples"),
+    ("distributed.threads=1000000", "distributed.threads: must be in [0, "),
+    ("reward.timeout_s=1e300", "reward.timeout_s: must be in (0, 86400] seconds"),
+    ("reward.timeout_s=1e10", "reward.timeout_s: must be in (0, 86400] seconds"),
+    ("distributed.restart_timeout_s=1e300", "distributed.restart_timeout_s: must be in (0, 86400]"),
+    ("distributed.connect_timeout_s=0", "distributed.connect_timeout_s: must be in (0, 86400]"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), HUGE, ids=[h[0] for h in HUGE])
+def test_a_value_the_machine_cannot_honour_is_refused_before_anything_is_written(override, message, tmp_path, capsys):
+    """Values that passed validation and then crashed, hung or were killed for memory after the run started."""
+    from parity.cli import main
+
+    start = time.monotonic()
+    assert main(["train", f"run_dir={tmp_path / 'run'}", override, "steps=1", "tensorboard=false"]) == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("parity ")]
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not (tmp_path / "run").exists() and time.monotonic() - start < 120

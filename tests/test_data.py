@@ -17,7 +17,7 @@ from parity.commands.perfectible import PerfectibleConfig, candidate_problems
 from parity.config import ConfigError
 from parity.engines.tokenizer import load_tokenizer
 from parity.rl import tasks
-from parity.rl.tasks import WORKED_REQUEST, DataError, NumberTask, Problem, load_problems
+from parity.rl.tasks import WORKED_REQUEST, DataError, NumberTask, Problem, PromptLimit, load_problems
 from parity.rl.train_config import TrainConfig
 
 REASON = "model max_position_embeddings 128 minus rollout.max_new_tokens 120"
@@ -52,26 +52,29 @@ def test_valid_file_loads_intact(tmp_path, tokenizer):
     )
     expected = [Problem("12+3=", "15"), Problem("café ✓ =", "2.5"), Problem("1+1=", "2.0")]
     assert load_problems(jl) == expected
-    assert load_problems(jl, tokenizer, 8) == expected  # "café ✓ =" is 8 characters, so 8 tokens
+    assert load_problems(jl, PromptLimit(tokenizer, 8)) == expected  # "café ✓ =" is 8 characters, so 8 tokens
 
     pq.write_table(pa.table({"prompt": ["12+3=", "1+1="], "answer": [15, 2], "extra": [1, 2]}), tmp_path / "d.parquet")
-    assert load_problems(tmp_path / "d.parquet", tokenizer, 8) == [Problem("12+3=", "15"), Problem("1+1=", "2")]
+    assert load_problems(tmp_path / "d.parquet", PromptLimit(tokenizer, 8)) == [
+        Problem("12+3=", "15"),
+        Problem("1+1=", "2"),
+    ]
 
 
 def test_over_long_prompt_is_refused_at_load_jsonl(tmp_path, tokenizer):
     jl = tmp_path / "d.jsonl"
     write_jsonl(jl, [{"prompt": "1+1=", "answer": 2}, {"prompt": "12+3=", "answer": 15}, {"prompt": "1234567+1="}])
     (tmp_path / "e.jsonl").write_text(jl.read_text().replace('"1234567+1="}', '"1234567+1=", "answer": 1234568}'))
-    assert len(load_problems(tmp_path / "e.jsonl", tokenizer, 10)) == 3  # 10 tokens fit in 10
+    assert len(load_problems(tmp_path / "e.jsonl", PromptLimit(tokenizer, 10))) == 3  # 10 tokens fit in 10
     with pytest.raises(DataError, match=rf"^{tmp_path}/e.jsonl:3: prompt is 10 tokens; at most 9 fit \({REASON}\)$"):
-        load_problems(tmp_path / "e.jsonl", tokenizer, 9, REASON)
+        load_problems(tmp_path / "e.jsonl", PromptLimit(tokenizer, 9, REASON))
 
 
 def test_over_long_prompt_is_refused_at_load_parquet(tmp_path, tokenizer):
     path = tmp_path / "d.parquet"
     pq.write_table(pa.table({"prompt": ["1+1=", "1234567+1=", "2+2="], "answer": ["2", "1234568", "4"]}), path)
     with pytest.raises(DataError, match=rf"^{path}: row 1: prompt is 10 tokens; at most 9 fit \({REASON}\)$"):
-        load_problems(path, tokenizer, 9, REASON)
+        load_problems(path, PromptLimit(tokenizer, 9, REASON))
 
 
 def test_prompt_too_long_to_fit_is_refused_without_tokenizing(tmp_path, counted):
@@ -84,7 +87,7 @@ def test_prompt_too_long_to_fit_is_refused_without_tokenizing(tmp_path, counted)
         calls.clear()
         start = time.perf_counter()
         with pytest.raises(DataError, match=rf"{where}: prompt is 1000000 bytes, so at least 200000 tokens"):
-            load_problems(path, tokenizer, 8, REASON)
+            load_problems(path, PromptLimit(tokenizer, 8, REASON))
         assert time.perf_counter() - start < 0.5
         assert calls == [4]  # only "1+1=" was tokenized
 
@@ -100,7 +103,7 @@ def test_huge_line_is_refused_with_bounded_memory(tmp_path, counted, monkeypatch
         f.write(b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "')
         f.write(b"1" * (line_bytes - len(b'{"prompt": "') - len(b'", "answer": 1}')))
         f.write(b'", "answer": 1}\n{"prompt": "2+2=", "answer": 4}\n')
-    args = (tokenizer, 8) if with_limit else ()
+    args = (PromptLimit(tokenizer, 8),) if with_limit else ()
     message = rf"d.jsonl:2: line is {line_bytes} bytes, more than the {2**20 + 240 if with_limit else 2**20} a row"
     tracemalloc.start()
     start = time.perf_counter()
@@ -184,7 +187,7 @@ def test_empty_file_and_no_room_for_a_prompt(tmp_path, tokenizer):
         load_problems(path)
     write_jsonl(path, [{"prompt": "1+1=", "answer": 2}])
     with pytest.raises(DataError, match=rf"d.jsonl: no prompt can fit in 0 tokens \({REASON}\)"):
-        load_problems(path, tokenizer, 0, REASON)
+        load_problems(path, PromptLimit(tokenizer, 0, REASON))
 
 
 def test_perfectible_checks_prompts_against_the_model(tmp_path):
@@ -213,17 +216,17 @@ def test_prompts_as_messages_load_and_count_the_template(tmp_path, chat_tokenize
     expected = [Problem(MESSAGES, "4"), Problem("What is 3+3?", "6")]
     assert load_problems(jl) == expected
     pq.write_table(pa.table({"prompt": [MESSAGES], "answer": ["4"]}), tmp_path / "d.parquet")
-    assert load_problems(tmp_path / "d.parquet", chat_tokenizer, 100) == expected[:1]
+    assert load_problems(tmp_path / "d.parquet", PromptLimit(chat_tokenizer, 100)) == expected[:1]
     # The limit counts the prompt as training encodes it: the whole chat template (system turn included).
     longest = max(len(chat_tokenizer.encode_prompt(p.prompt, "auto")) for p in expected)
     assert longest > len(chat_tokenizer.encode("What is 3+3?")) + 10
-    assert load_problems(jl, chat_tokenizer, longest, REASON) == expected
+    assert load_problems(jl, PromptLimit(chat_tokenizer, longest, REASON)) == expected
     with pytest.raises(DataError, match=rf"d.jsonl:\d: prompt is {longest} tokens; at most {longest - 1} fit"):
-        load_problems(jl, chat_tokenizer, longest - 1, REASON)
+        load_problems(jl, PromptLimit(chat_tokenizer, longest - 1, REASON))
     # Raw text (chat_template=none) counts the prompt alone.
     write_jsonl(jl, [{"prompt": "What is 3+3?", "answer": 6}])
     raw = len(chat_tokenizer.encode("What is 3+3?"))
-    assert load_problems(jl, chat_tokenizer, raw, REASON, chat_template="none") == expected[1:]
+    assert load_problems(jl, PromptLimit(chat_tokenizer, raw, REASON, "none")) == expected[1:]
 
 
 def test_messages_need_a_chat_template(tmp_path, tokenizer, chat_tokenizer):
@@ -231,15 +234,15 @@ def test_messages_need_a_chat_template(tmp_path, tokenizer, chat_tokenizer):
     write_jsonl(jl, [{"prompt": "1+1=", "answer": 2}, {"prompt": MESSAGES, "answer": 4}])
     message = r"d.jsonl:2: 'prompt' is a list of messages, which needs a chat template, and the model .* has none"
     with pytest.raises(DataError, match=message + r" \(task.chat_template=auto\)$"):
-        load_problems(jl, tokenizer, 100, REASON)
+        load_problems(jl, PromptLimit(tokenizer, 100, REASON))
     with pytest.raises(DataError, match=r"d.jsonl:2: .* needs a chat template, and task.chat_template=none$"):
-        load_problems(jl, chat_tokenizer, 100, REASON, chat_template="none")
+        load_problems(jl, PromptLimit(chat_tokenizer, 100, REASON, "none"))
     with pytest.raises(DataError, match=r"and chat_template=none$"):
-        load_problems(jl, chat_tokenizer, 100, REASON, chat_template="none", chat_template_key="chat_template")
+        load_problems(jl, PromptLimit(chat_tokenizer, 100, REASON, "none"), chat_template_key="chat_template")
 
 
 def test_number_task_data_is_generated_and_held_out():
-    cfg = PerfectibleConfig(task="number", num_candidates=40, seed=3)
+    cfg = PerfectibleConfig(task="number", num_candidates=40, seed=3, max_new_tokens=16)
     problems = candidate_problems(cfg)
     assert problems == NumberTask().problems(40, seed=3, split="train")
     assert all(p.prompt.endswith("?") and p.answer.isdigit() for p in problems)
@@ -256,7 +259,8 @@ def test_easy_word_problems_are_one_step_on_small_numbers():
         assert max(a, b) < 16 and int(p.answer) in (a + b, a - b, a * b)
     held_out = {p.prompt for p in NumberTask("easy").problems(100, seed=0, split="eval")}
     assert not {p.prompt for p in problems} & held_out
-    assert candidate_problems(PerfectibleConfig(task="number", difficulty="easy", num_candidates=5)) == problems[:5]
+    easy = PerfectibleConfig(task="number", difficulty="easy", num_candidates=5, max_new_tokens=16)
+    assert candidate_problems(easy) == problems[:5]
     for p in NumberTask("worked").problems(100, seed=0):  # the same problems, asking for their working
         question, request = p.prompt.split("? ")
         a, b = (int(n) for n in re.findall(r"\d+", question))
@@ -266,3 +270,73 @@ def test_easy_word_problems_are_one_step_on_small_numbers():
     with pytest.raises(ConfigError, match="task.difficulty=easy: only the generated word problems"):
         config.load(TrainConfig, None, ["task.difficulty=easy"])
     assert config.load(TrainConfig, None, ["task.name=number", "task.difficulty=easy"]).task.difficulty == "easy"
+
+
+# ----------------------------------------------------------------------------- hostile data files
+
+
+def _nested(depth: int) -> str:
+    return json.dumps({"prompt": "1+1=", "answer": "x"}).replace('"x"', "[" * depth + "]" * depth)
+
+
+def _one_error(err: str) -> str:
+    lines = [x for x in err.splitlines() if x.startswith("parity ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (_nested(100_000), ":2: JSON nested more than 100 deep"),
+        ('{"prompt": "1+1=", "answer": ' + "9" * 5000 + "}", ":2: JSON value out of range"),
+    ],
+    ids=["nested 100,000 deep", "a 5000-digit answer"],
+)
+def test_a_hostile_row_names_its_file_and_line_everywhere(row, message, tmp_path, capsys):
+    """task.data, eval.data and `parity eval data=`: one line naming the file and line, nothing written."""
+    from parity.cli import main
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "2+2=", "answer": "4"}\n' + row + "\n")
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "2+2=", "answer": "4"}\n')
+    runs = [
+        ["train", f"run_dir={tmp_path / 'r1'}", f"task.data={path}"],
+        ["train", f"run_dir={tmp_path / 'r2'}", f"task.data={good}", f"eval.data={path}"],
+        ["eval", "builtin", f"data={path}", f"out={tmp_path / 'e'}"],
+    ]
+    for argv in runs:
+        assert main(argv) == 2, argv
+        assert f"{path}{message}" in _one_error(capsys.readouterr().err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "good.jsonl"]
+
+
+def test_a_metrics_file_nested_deep_is_one_line_in_report(tmp_path, capsys):
+    from parity.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": ' + "[" * 100_000 + "]" * 100_000 + "}\n{}\n")
+    assert main(["report", str(run), "--out", str(tmp_path / "rep")]) == 2
+    assert "metrics.jsonl:1: corrupt line" in _one_error(capsys.readouterr().err)
+    assert not (tmp_path / "rep").exists()
+
+
+def test_a_fifo_or_a_device_as_data_is_named_as_such(tmp_path, capsys):
+    import os
+
+    from parity.cli import main
+
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    for source in (fifo, "/dev/zero"):
+        for argv in (
+            ["train", f"run_dir={tmp_path / 'run'}", f"task.data={source}"],
+            ["eval", "builtin", f"data={source}", f"out={tmp_path / 'e'}"],
+            ["mismatch", f"prompts={source}", f"out={tmp_path / 'm'}"],
+            ["train", str(source), f"run_dir={tmp_path / 'run'}"],
+        ):
+            assert main(argv) == 2, argv
+            assert "is not a regular file (a FIFO, a socket or a device)" in _one_error(capsys.readouterr().err), argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe.jsonl"]

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -268,7 +269,7 @@ def test_a_dead_learner_stops_the_run_and_resume_reproduces_it(tmp_path, numeric
     finally:
         run.close()
     shards = sorted(p.name for p in (tmp_path / "cut" / "checkpoints" / "step_000002" / "sharded").iterdir())
-    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file per learner, nothing gathered
+    assert shards == ["__0_0.safetensors", "__1_0.safetensors", "metadata.json"]  # one per learner, and the index
     assert main(["train", "--resume", str(tmp_path / "cut")]) == 0
     assert _trained(_metrics(tmp_path / "cut")) == _trained(_metrics(tmp_path / "whole"))
     if "exact=true" in numerics:
@@ -415,3 +416,109 @@ def test_a_stray_ray_address_does_not_redirect_a_local_run(tmp_path, monkeypatch
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_free_port()}")
     args = [f"run_dir={tmp_path / 'run'}", *SMALL, "steps=1", "distributed.rollout_workers=1"]
     assert main(["train", *args]) == 0
+
+
+# ----------------------------------------------------------------------------- joins that cannot succeed
+
+JOIN = [*SMALL, "steps=1", "distributed.rollout_workers=1", "distributed.learners=1"]
+
+
+def _ray_env(ray_tmp: Path) -> dict[str, str]:
+    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}  # where `auto` looks for the last `ray start`
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "not-a-host:6379", "auto"])
+def test_a_join_that_cannot_succeed_is_one_line_within_the_timeout(address, tmp_path):
+    """Ray's client retries for ever where no cluster answers; the join is given connect_timeout_s. `auto`
+    here finds a stale record of a cluster that is gone (as `ray start` leaves it after a crash)."""
+    ray_tmp = tmp_path / "raytmp"
+    (ray_tmp / "ray").mkdir(parents=True)
+    (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{_free_port()}\n")
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "parity", "train", f"run_dir={run_dir}", *JOIN]
+    argv += [f"distributed.address={address}", "distributed.connect_timeout_s=8"]
+    start = time.monotonic()
+    done = subprocess.run(argv, env=_ray_env(ray_tmp), capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - start
+    lines = [x for x in done.stderr.splitlines() if x.startswith("parity ")]
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"distributed.address={address}: cannot join a Ray cluster there" in lines[0]
+    assert elapsed < 8 + 60 and not run_dir.exists()  # the timeout, and the model's load before it
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_join_at_once(tmp_path):
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "parity", "train", f"run_dir={run_dir}", *JOIN]
+    argv += ["distributed.address=127.0.0.1:1", "distributed.connect_timeout_s=600"]
+    proc = subprocess.Popen(argv, env=_ray_env(tmp_path), stderr=subprocess.PIPE, text=True)
+    time.sleep(15)  # the model loaded; the run waits on the join
+    assert proc.poll() is None
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 143 and time.monotonic() - sent < 10, err
+    assert "stopped by SIGTERM before the run started" in err and "Traceback" not in err
+    assert not run_dir.exists()
+    probes = subprocess.run(["pgrep", "-f", "parity.distributed.cluster --probe 127.0.0.1:1"], capture_output=True)
+    assert probes.stdout.strip() == b""  # the joining child went with it
+
+
+@pytest.mark.slow
+def test_a_cluster_with_too_few_cpus_is_named_not_waited_on(tmp_path):
+    """A user's cluster of 1 CPU, joined by address and by `auto`: the run needs 2 (a worker and a learner)
+    and is refused in one line; the cluster is the user's and keeps running. Only its own processes are
+    stopped afterwards (they are the ones whose command line names its temporary folder)."""
+    import secrets
+
+    ray_tmp = Path(tempfile.mkdtemp(prefix="pr", dir="/tmp"))  # Ray's socket paths must stay short
+    env = {**_ray_env(ray_tmp), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    port = _free_port()
+    start = [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false"]
+    started = subprocess.run([*start, "--disable-usage-stats"], env=env, capture_output=True, text=True)
+    try:
+        assert started.returncode == 0, started.stderr
+        for address in (f"127.0.0.1:{port}", "auto"):
+            run_dir = tmp_path / f"run-{address.replace(':', '-')}"
+            argv = [sys.executable, "-m", "parity", "train", f"run_dir={run_dir}", *JOIN]
+            done = subprocess.run(
+                [*argv, f"distributed.address={address}"], env=env, capture_output=True, text=True, timeout=300
+            )
+            lines = [x for x in done.stderr.splitlines() if x.startswith("parity ")]
+            assert done.returncode == 2 and len(lines) == 1, done.stderr
+            assert "the cluster has 1 free CPUs (1 in all), and the run needs 2" in lines[0]
+            assert not run_dir.exists()
+        status = subprocess.run([ray_cli, "status", f"--address=127.0.0.1:{port}"], env=env, capture_output=True)
+        assert status.returncode == 0
+    finally:
+        stop_cluster(ray_tmp)
+
+
+def processes_with(name: str, value: str) -> list:
+    """The processes whose environment sets `name` to `value`: those a process started with it started, and
+    what they started (a Ray worker renames itself, but keeps its environment), nobody else's."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(name) == value:
+                found.append(proc)
+    return found
+
+
+def stop_cluster(ray_tmp: Path) -> None:
+    """End the processes of the cluster started with RAY_TMPDIR=`ray_tmp`, and only those: `ray stop`
+    would end every Ray process of the machine, others' included."""
+    import psutil
+
+    ours = processes_with("RAY_TMPDIR", str(ray_tmp))
+    for proc in ours:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(ours, timeout=10)
+    shutil.rmtree(ray_tmp, ignore_errors=True)

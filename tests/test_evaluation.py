@@ -34,13 +34,14 @@ EVAL = ["eval.num_prompts=6", "eval.samples=2"]
     ("override", "message"),
     [
         ("eval.every=-2", "eval.every: must be >= -1"),
-        ("eval.num_prompts=0", "eval.num_prompts: must be >= 1"),
+        ("eval.num_prompts=0", "eval.num_prompts: must be in [1, 100,000]"),
+        ("eval.num_prompts=1000000000", "eval.num_prompts: must be in [1, 100,000]"),
         ("eval.samples=0", "eval.samples: must be >= 1"),
         ("eval.temperature=-1", "eval.temperature: must be >= 0"),
         ("eval.max_new_tokens=0", "eval.max_new_tokens: must be >= 1"),
         ("eval.precisions=[fp32,fp8]", "eval.precisions: expected distinct names from fp32, bf16, fp16"),
         ("eval.precisions=[fp16,fp16]", "eval.precisions: expected distinct names"),
-        ("eval.data=/no/such/file.jsonl", "eval.data: no file '/no/such/file.jsonl'"),
+        ("eval.data=/no/such/file.jsonl", "eval.data: '/no/such/file.jsonl' does not exist"),
         ("diagnostics.full_vocab_positions=-1", "diagnostics.full_vocab_positions: must be >= 0"),
     ],
 )

@@ -109,3 +109,15 @@ def test_long_prompt_set_and_the_length_table():
         counts += int(row[1].split("(")[1].rstrip(")"))
         assert row[3] == f"{bf16.by_length[key] / fp16.by_length[key]:.1f}× |"
     assert counts == 48
+
+
+def test_mismatch_on_a_checkpoint_of_the_built_in_model_takes_its_prompts(tmp_path):
+    """Only the literal `builtin` used to select the arithmetic prompts; a checkpoint of the built-in model
+    (its tokenizer byte for byte) was given chat questions longer than its 128 positions."""
+    run = tmp_path / "run"
+    assert main(["train", f"run_dir={run}", "steps=1", "prompts_per_step=2", "rollout.group_size=2"]) == 0
+    model = run / "checkpoints" / "step_000001" / "model"
+    args = [f"model={model}", "num_prompts=4", "group_size=1", "pairs=[fp32/fp32]", f"out={tmp_path / 'm'}"]
+    assert main(["mismatch", *args]) == 0
+    doc = json.loads((tmp_path / "m" / "mismatch.json").read_text())
+    assert doc["runs"][0]["num_sequences"] == 4

@@ -269,8 +269,8 @@ def test_copy_tokenizer_files(family_dirs, tmp_path):
     dst.mkdir()
     copied = copy_tokenizer_files(src, dst)
     present = [n for n in TOKENIZER_FILES if (src / n).is_file()]
-    assert copied == [*present, "additional_chat_templates"]
-    assert sorted(p.name for p in dst.iterdir()) == sorted(copied)
+    assert copied == [*present, "additional_chat_templates/tool_use.jinja"]
+    assert sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file()) == sorted(copied)
     assert (dst / "chat_template.jinja").read_text() == (src / "chat_template.jinja").read_text()
     assert (dst / "additional_chat_templates" / "tool_use.jinja").read_text() == "T"
 

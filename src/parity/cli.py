@@ -11,6 +11,7 @@ from pathlib import Path
 
 from parity.config import ConfigError
 from parity.engines.models import ModelError
+from parity.outdir import check_output_dir
 from parity.rl.checkpoint import CheckpointError, checkpoints
 from parity.rl.loop import TrainingError
 from parity.rl.rewards import RewardError
@@ -50,6 +51,7 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
     if args.out:
         overrides.append(f"out={args.out}")
     cfg = cfg_mod.load(MismatchConfig, config, overrides)
+    check_output_dir(Path(cfg.out), "out")
     results = run_mismatch(cfg, locate_rows=args.locate)
     out = write_outputs(cfg, results)
     print(markdown_table(results))
@@ -69,6 +71,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.out:
         overrides.append(f"out={args.out}")
     cfg = cfg_mod.load(EvalConfig, config, [f"target={args.target}", *overrides])
+    check_output_dir(Path(cfg.out), "out")
     result = run_eval(cfg, trust_reward_fn=args.trust_reward_fn)
     write_outputs(result, Path(cfg.out))
     print(markdown_table(result))
@@ -78,6 +81,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from parity import config as cfg_mod
+    from parity.distributed.cluster import JoinInterrupted
     from parity.distributed.driver import resume_class, run_class
     from parity.rl.loop import summary_line
     from parity.rl.train_config import TrainConfig
@@ -90,11 +94,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     stop = StopRequests()
     with stop.installed():
-        if args.resume:
-            run = resume_class(args.resume).resume(args.resume, overrides, trust_reward_fn=args.trust_reward_fn)
-        else:
-            cfg = cfg_mod.load(TrainConfig, config, overrides)
-            run = run_class(cfg).create(cfg)
+        try:
+            if args.resume:
+                run = resume_class(args.resume).resume(args.resume, overrides, trust_reward_fn=args.trust_reward_fn)
+            else:
+                cfg = cfg_mod.load(TrainConfig, config, overrides)
+                run = run_class(cfg).create(cfg)
+        except JoinInterrupted:  # the signal, noted by `stop`, came while the run waited for a cluster
+            print(f"parity train: {stop.stopped_line()}", file=sys.stderr)
+            return 128 + stop.signum
         stop.run = run
         if stop.signum is not None:  # the signal came while the run started
             run.close()
@@ -160,6 +168,7 @@ def cmd_perfectible(args: argparse.Namespace) -> int:
     from parity.commands.perfectible import (
         PerfectibleConfig,
         build_or_load,
+        check_out,
         filter_perfectible,
         format_histogram,
         histogram,
@@ -169,6 +178,7 @@ def cmd_perfectible(args: argparse.Namespace) -> int:
 
     config, overrides = _split_config(args)
     cfg = cfg_mod.load(PerfectibleConfig, config, overrides)
+    check_out(Path(cfg.out))
     # Through the cache that `parity sanity` reads: a search run here is not run again there.
     set_path, accuracies, cached = build_or_load(cfg)
     keep = filter_perfectible(accuracies, cfg.lo, cfg.hi)
@@ -214,11 +224,19 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _listed(text: str, kind: type, option: str) -> tuple:
+    """A comma-separated option's values, each of `kind` (int or float)."""
+    try:
+        return tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{option}: expected comma-separated {kind.__name__}s, got {text!r}") from None
+
+
 def cmd_phantom(args: argparse.Namespace) -> int:
     from parity.commands import phantom
 
     if args.model != "builtin":
-        seeds = tuple(int(x) for x in args.seeds.split(",") if x.strip())
+        seeds = _listed(args.seeds, int, "--seeds")
         summary = phantom.run_writeup(
             args.model,
             Path(args.out),
@@ -243,7 +261,7 @@ def cmd_phantom(args: argparse.Namespace) -> int:
         raise ConfigError(
             "parity phantom: key=value overrides and --no-async go with --model DIR (the write-up's runs)"
         )
-    eps = tuple(float(e) for e in args.eps.split(",") if e.strip())
+    eps = _listed(args.eps, float, "--eps")
     summary = phantom.run_phantom(
         Path(args.out), steps=args.steps or phantom.BUILTIN_STEPS, eps_sweep=eps, seed=args.seed, device=args.device
     )

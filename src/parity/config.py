@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from parity.files import regular_file_problem
+
 T = TypeVar("T")
 
 
@@ -24,15 +26,44 @@ class ConfigError(ValueError):
     """A config value that cannot be used; the message names the key."""
 
 
-def _yaml_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
-    """Parse YAML and remember the line of every mapping key, by dotted path."""
+# Bounds on a YAML text (a config file, or an override's value): its size, how deep it nests, and how many
+# values it expands to once aliases are followed (a few lines of anchors can name 10**9 values).
+MAX_CONFIG_BYTES = 2**20
+MAX_YAML_DEPTH = 32
+MAX_YAML_VALUES = 100_000
+
+
+def _parse_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
+    """The value of a YAML text and its node tree, within the bounds above; a one-line ConfigError naming
+    `source` (and the line, for a syntax error) otherwise."""
     try:
         node = yaml.compose(text)
-        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark else source
         raise ConfigError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: YAML nested more than {MAX_YAML_DEPTH} deep") from None
+    values, stack = 0, [(node, 1)] if node is not None else []
+    while stack:
+        n, depth = stack.pop()
+        values += 1
+        if depth > MAX_YAML_DEPTH:
+            raise ConfigError(f"{source}:{n.start_mark.line + 1}: YAML nested more than {MAX_YAML_DEPTH} deep")
+        if values > MAX_YAML_VALUES:
+            raise ConfigError(
+                f"{source}: YAML expands to more than {MAX_YAML_VALUES:,} values (an alias repeats all it names)"
+            )
+        if isinstance(n, yaml.MappingNode):
+            stack.extend((child, depth + 1) for pair in n.value for child in pair)
+        elif isinstance(n, yaml.SequenceNode):
+            stack.extend((child, depth + 1) for child in n.value)
+    return yaml.safe_load(text), node
+
+
+def _yaml_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
+    """Parse YAML and remember the line of every mapping key, by dotted path."""
+    data, node = _parse_yaml(text, source)
     lines: dict[str, int] = {}
 
     def walk(n: Any, prefix: str) -> None:
@@ -174,9 +205,15 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected KEY=VALUE (for example precision=fp16)")
         key, raw = item.split("=", 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"override {key.strip()}: a value of {len(raw):,} characters; at most {MAX_CONFIG_BYTES:,}"
+            )
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
+            value = _parse_yaml(raw, f"override {key.strip()}")[0] if raw != "" else ""
+        except ConfigError as e:
+            if "invalid YAML" not in str(e):
+                raise
             value = raw
         _set_dotted(out, key.strip(), value)
     return out
@@ -202,10 +239,19 @@ def load(
     source = ""
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
+        problem = regular_file_problem(path)
+        if problem is not None:
+            raise ConfigError(f"config file {str(path)!r} {problem}")
         source = str(path)
-        loaded, lines = _yaml_lines(path.read_text(), source)
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"{source}: {path.stat().st_size:,} bytes; a config file holds at most {MAX_CONFIG_BYTES:,}"
+            )
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{source}: not UTF-8 text (invalid byte at offset {e.start})") from None
+        loaded, lines = _yaml_lines(text, source)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{source}:1: the top level must be a mapping of config keys")
         data = loaded or {}

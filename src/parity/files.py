@@ -1,4 +1,4 @@
-"""Atomic file writes: a crash mid-write never leaves a half-written result."""
+"""Atomic file writes (a crash mid-write never leaves a half-written result), and JSON read with bounds."""
 
 from __future__ import annotations
 
@@ -38,6 +38,60 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+# Deeper than any file Parity reads needs; a value nested past it would break the code that walks it.
+MAX_JSON_DEPTH = 100
+
+
+class JSONError(ValueError):
+    """JSON text that cannot be used, said in one line; `lineno` is its line when the syntax is wrong."""
+
+    def __init__(self, message: str, lineno: int | None = None):
+        super().__init__(message)
+        self.lineno = lineno
+
+
+def parse_json(text: str) -> Any:
+    """`json.loads`, every failure a JSONError: bad syntax, nesting past MAX_JSON_DEPTH (where the
+    parser itself would overflow the stack), or an integer too long to convert."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        where = f"column {e.colno}" if e.lineno == 1 else f"line {e.lineno}, column {e.colno}"
+        raise JSONError(f"invalid JSON ({e.msg} at {where})", e.lineno) from None
+    except RecursionError:
+        raise JSONError(f"JSON nested more than {MAX_JSON_DEPTH} deep") from None
+    except ValueError as e:  # an integer past Python's digit limit for str -> int
+        raise JSONError(f"JSON value out of range ({e})") from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise JSONError(f"JSON nested more than {MAX_JSON_DEPTH} deep")
+    return value
+
+
+def regular_file_problem(path: Path) -> str | None:
+    """Why `path` cannot be read as an input file ("does not exist", "is a directory", ...), or None. A FIFO
+    or a device (/dev/zero) is refused: reading one may never end."""
+    if not path.exists():
+        return "does not exist"
+    if path.is_dir():
+        return "is a directory, not a file"
+    if not path.is_file():
+        return "is not a regular file (a FIFO, a socket or a device), which Parity does not read"
+    return None
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in `value`, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, level)
+            if level > MAX_JSON_DEPTH:
+                break
+            stack.extend((child, level + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 @contextlib.contextmanager

@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 from pathlib import Path
 
 from parity.config import ConfigError
 
 LOCK_NAME = ".lock"
+# A checkpoint folder is checkpoints/step_NNNNNN (six digits or more); `files.atomic_dir` writes it as
+# .step_NNNNNN.*.tmp and swaps an older one out as .step_NNNNNN.old. No other name under checkpoints/ is
+# Parity's: a user's step_best or step_000002.bak is neither read, nor pruned, nor cleaned.
+_CHECKPOINT = re.compile(r"step_(\d{6,})")
+_CHECKPOINT_TMP = re.compile(r"\.step_\d{6,}\..+\.tmp")
+_CHECKPOINT_OLD = re.compile(r"\.(step_\d{6,})\.old")
 RUN_ENTRIES = {
     "config.yaml",
     "numerics.json",
@@ -35,6 +42,16 @@ RUN_ENTRIES = {
 }
 # Temporary files of `files.atomic_write_text` that a kill can leave behind.
 TEMP_PATTERNS = (".config.yaml.*.tmp", ".numerics.json.*.tmp", ".metrics.jsonl.*.tmp")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint folder's name, or None when Parity does not write that name."""
+    match = _CHECKPOINT.fullmatch(name)
+    return int(match[1]) if match and checkpoint_name(int(match[1])) == name else None
 
 
 def foreign_entries(run_dir: Path) -> list[str]:
@@ -95,6 +112,21 @@ class RunLock:
             _held.discard(self.path)
 
 
+def in_use_by(run_dir: Path) -> str | None:
+    """The pid of the process that holds `run_dir` (a run going on), or None; takes nothing, writes nothing."""
+    path = run_dir / LOCK_NAME
+    if not path.is_file():
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # conflicts with a run's exclusive lock only
+    except OSError:
+        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)
+    return None
+
+
 def clean_leftovers(run_dir: Path) -> list[str]:
     """Remove what a killed run left half-written; return what was done, one line each.
 
@@ -104,11 +136,12 @@ def clean_leftovers(run_dir: Path) -> list[str]:
     """
     done = []
     ckpts = run_dir / "checkpoints"
-    for tmp in sorted(ckpts.glob(".step_*.tmp")):
+    names = sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else []
+    for tmp in [ckpts / n for n in names if _CHECKPOINT_TMP.fullmatch(n)]:
         shutil.rmtree(tmp, ignore_errors=True)
         done.append(f"removed {tmp.name}, a checkpoint left half-written by a crash")
-    for old in sorted(ckpts.glob(".step_*.old")):
-        target = ckpts / old.name[1 : -len(".old")]
+    for old in [ckpts / n for n in names if _CHECKPOINT_OLD.fullmatch(n)]:
+        target = ckpts / _CHECKPOINT_OLD.fullmatch(old.name)[1]
         if target.exists():
             shutil.rmtree(old, ignore_errors=True)
         else:
@@ -122,8 +155,9 @@ def clean_leftovers(run_dir: Path) -> list[str]:
 
 def remove_run(run_dir: Path) -> None:
     """Delete a finished run directory that a command is about to redo (`parity sanity`, `parity
-    phantom`); refused while a run holds it."""
+    phantom`); refused while a run holds it, and when it holds anything but a run's files."""
     if run_dir.exists():
+        check_run_dir(run_dir)
         lock = RunLock(run_dir)
         shutil.rmtree(run_dir)  # the lock file goes with it; our descriptor keeps the lock until closed
         lock.release()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import tempfile
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -20,10 +21,11 @@ import torch
 from tqdm import tqdm
 
 from parity.commands.perfectible import problem_accuracies
-from parity.engines.models import CausalLM, ModelConfig, save_model
+from parity.engines.models import BUILTIN_DIR, CausalLM, ModelConfig, save_model
 from parity.engines.rollout import RolloutEngine
 from parity.engines.tokenizer import copy_tokenizer_files, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
+from parity.outdir import check_output_dir, mark_output_dir
 from parity.rl.rewards import RewardRunner
 from parity.rl.tasks import BUILTIN_CHARS, BUILTIN_SPECIALS, ArithmeticTask, Problem, builtin_reward
 
@@ -116,11 +118,17 @@ def _slip(problem: Problem, prob: float, rng: random.Random) -> tuple[int, int] 
 
 
 def build_model(out_dir: str | Path, cfg: BuildConfig = BuildConfig(), log=print, on_eval=None) -> dict[str, float]:
-    """Train the built-in model from scratch and save it (HF format) to `out_dir`."""
-    torch.manual_seed(cfg.seed)
+    """Train the built-in model from scratch and save it (HF format) to `out_dir`, which it replaces: refused
+    unless it is new, empty, the shipped model's folder, or one `build-model` wrote (`outdir.py`)."""
     out_dir = Path(out_dir)
-    tok_dir = out_dir.parent / f".{out_dir.name}.tokenizer"
-    tok_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.resolve() != BUILTIN_DIR.resolve():  # the shipped model's folder is Parity's own
+        check_output_dir(out_dir)
+    torch.manual_seed(cfg.seed)
+    with tempfile.TemporaryDirectory(prefix="parity-tokenizer-") as tok_dir:
+        return _build(out_dir, Path(tok_dir), cfg, log, on_eval)
+
+
+def _build(out_dir: Path, tok_dir: Path, cfg: BuildConfig, log, on_eval) -> dict[str, float]:
     write_tokenizer(tok_dir)
     (tok_dir / "config.json").write_text(json.dumps(builtin_model_config().to_hf()))
     tok = load_tokenizer(tok_dir)
@@ -157,8 +165,11 @@ def build_model(out_dir: str | Path, cfg: BuildConfig = BuildConfig(), log=print
     log(f"pretrained {cfg.steps} steps in {time.time() - start:.0f}s")
     spread = accuracy_spread(model, tok_dir, cfg.eval_problems, cfg.eval_samples, cfg.seed)
     log("held-out accuracy: " + ", ".join(f"{k}={v:.3f}" for k, v in spread.items()))
-    save_model(model, out_dir, partial(copy_tokenizer_files, tok_dir))
-    for f in tok_dir.iterdir():
-        f.unlink()
-    tok_dir.rmdir()
+    save_model(model, out_dir, partial(_model_files, tok_dir))
     return spread
+
+
+def _model_files(tok_dir: Path, folder: Path) -> None:
+    """The tokenizer's files beside the weights, and the mark that makes the folder Parity's to replace."""
+    copy_tokenizer_files(tok_dir, folder)
+    mark_output_dir(folder, [p.name for p in folder.iterdir()])

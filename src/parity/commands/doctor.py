@@ -15,7 +15,8 @@ measures what decides between them instead of guessing from magnitudes:
 
 Verdict, first rule that applies:
 
-1. NaN/inf weights -> "none": no precision trains them; restore or fix the checkpoint.
+1. NaN/inf weights, or an FP32 forward that gives inf/NaN from finite weights (config.json's
+   RoPE or norm values) -> "none": no precision trains them; restore or fix the checkpoint.
 2. The FP16 forward gives inf/NaN (trainer or rollout engine) -> BF16: activations
    overflow FP16's range; the first layer that overflows is named.
 3. The FP16 backward gives inf/NaN even at the scaler's smallest loss scale -> BF16:
@@ -38,13 +39,19 @@ import torch
 from torch import nn
 
 from parity.commands.mismatch import MismatchConfig, SamplingConfig, load_prompts, run_mismatch
+from parity.config import ConfigError
 from parity.engines import kernels
-from parity.engines.models import CausalLM, load_model, resolve_model_dir
+from parity.engines.models import CausalLM, load_config, load_model, resolve_model_dir
 from parity.engines.packing import PackedBatch, pack
 from parity.engines.precision import FP16_MAX, FP16_MIN_NORMAL
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text
+from parity.outdir import check_output_dir, claim_output_dir
+from parity.rl.tasks import prompt_limit
+
+PROBE_NEW_TOKENS = 48  # each probe prompt's responses in the mismatch measurement
+MAX_PROMPTS = 1024  # --prompts: a probe, not an evaluation
 
 # Below this headroom the reason cautions that training may grow activations into overflow.
 MIN_HEADROOM = 16.0
@@ -189,6 +196,13 @@ def untrainable_reason(bad: list[tuple[str, int]]) -> str:
     return f"{named}{more}; no precision will train these weights: restore or fix the checkpoint"
 
 
+def fp32_overflow_reason(layer: str) -> str:
+    return (
+        f"the FP32 forward gives inf/NaN from {layer} on, with finite weights: config.json's values (RoPE, "
+        "norms) make the model compute nothing, in any precision; fix config.json"
+    )
+
+
 def recommend(reports: list[LayerReport], fp16_pass: FP16Pass, mismatch: dict[str, dict]) -> tuple[str, str]:
     """The precision and its reason from the measured FP16 pass and mismatch (rules 2-5 of the module doc)."""
     fp16, bf16 = mismatch["fp16"], mismatch["bf16"]
@@ -246,19 +260,26 @@ def run_doctor(
             print(f"doctor: {what} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
 
     kernels.check_device(device, "--device")
+    if out is not None:
+        check_output_dir(out)
+    if not 1 <= num_prompts <= MAX_PROMPTS:
+        raise ConfigError(f"--prompts: must be between 1 and {MAX_PROMPTS}, got {num_prompts}")
     model_dir = resolve_model_dir(model)
     tok = load_tokenizer(model_dir)
+    texts = load_prompts("builtin", num_prompts, seed, str(model))
+    positions = load_config(model_dir).max_position_embeddings
+    limit = prompt_limit(tok, positions, PROBE_NEW_TOKENS, "the doctor's new tokens", chat_template)
+    prompts = [limit.check(f"probe prompt {i + 1}", t) for i, t in enumerate(texts)]
     net = load_model(model_dir).to(device)
     net.numerics = kernels.numerics(device)
-    texts = load_prompts("builtin", num_prompts, seed, str(model))
-    prompts = [tok.encode_prompt(t, chat_template) for t in texts]
 
     stage(f"weights and activations of each layer, {len(prompts)} prompts")
     bad = non_finite_weights(net)
     reports = layer_reports(net, prompts)
-    if bad:
+    overflow = next((r.name for r in reports if not math.isfinite(r.activation_max)), None)
+    if bad or overflow:
         # The layer table shows where NaN/inf spread; a training pass or mismatch through them measures nothing.
-        precision, reason = UNTRAINABLE, untrainable_reason(bad)
+        precision, reason = UNTRAINABLE, untrainable_reason(bad) if bad else fp32_overflow_reason(overflow)
         fp16_pass, mismatch = None, {}
     else:
         stage("an FP16 training pass")
@@ -269,7 +290,7 @@ def run_doctor(
                 model=str(model),
                 group_size=2,
                 pairs=["fp32/fp32", "bf16/bf16", "fp16/fp16"],
-                sampling=SamplingConfig(max_new_tokens=48),
+                sampling=SamplingConfig(max_new_tokens=PROBE_NEW_TOKENS),
                 seed=seed,
                 chat_template=chat_template,
                 device=device,
@@ -299,7 +320,7 @@ def run_doctor(
         "mismatch": mismatch,
     }
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+        claim_output_dir(out, ("doctor.json", "doctor.md"))
         atomic_write_json(out / "doctor.json", result)
         atomic_write_text(out / "doctor.md", render(result))
     return result

@@ -26,9 +26,10 @@ from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.lora import AdapterError, LoRAConfig, load_adapter_state, read_adapter
 from parity.engines.models import CausalLM, load_config, load_model, resolve_model_dir
-from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, load_tokenizer
+from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, has_builtin_tokenizer, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
-from parity.files import atomic_write_json, atomic_write_text
+from parity.files import atomic_write_json, atomic_write_text, regular_file_problem
+from parity.outdir import claim_output_dir
 from parity.rl.checkpoint import checkpoints, load_checkpoint, require_finite_weights
 from parity.rl.evaluation import EVAL_SEED, TRAINER, EvalSet, Evaluator, eval_sampling, heldout_problems
 from parity.rl.reward_fns import Reward, UserRewards, bind_all, data_columns, import_reward_fn
@@ -39,11 +40,12 @@ from parity.rl.tasks import (
     REWARDS,
     TRUSTED_REWARDS,
     DataColumns,
-    PromptLimit,
     builtin_problems,
     load_problems,
+    prompt_limit,
 )
 from parity.rl.train_config import TrainConfig
+from parity.rundir import in_use_by
 
 BUILTIN_MAX_NEW_TOKENS = 96  # a model directory's default response budget (a run's is its own)
 
@@ -97,9 +99,10 @@ class EvalConfig:
                 raise ConfigError(f"{key}: must be >= {low}, got {getattr(self, key)}")
         if self.temperature < 0:
             raise ConfigError(f"temperature: must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.data != "auto" and not Path(self.data).expanduser().is_file():
+        problem = regular_file_problem(Path(self.data).expanduser()) if self.data != "auto" else None
+        if problem is not None:
             raise ConfigError(
-                f"data: no file {self.data!r} (use auto for the task's held-out split, or a JSONL/Parquet file)"
+                f"data: {self.data!r} {problem} (use auto for the task's held-out split, or a JSONL/Parquet file)"
             )
 
 
@@ -132,6 +135,12 @@ def resolve_target(cfg: EvalConfig) -> Target:
         return _adapter_target(path)
     started = (path / "metrics.jsonl").exists() or (path / "checkpoints").is_dir()
     if (path / "config.yaml").is_file() and started:
+        holder = in_use_by(path)
+        if holder is not None:
+            raise ConfigError(
+                f"{path}: in use by a running `parity train` (pid {holder}), which writes and prunes its "
+                "checkpoints; evaluate the run once it stops"
+            )
         run = config_mod.load(TrainConfig, path / "config.yaml")
         saved = checkpoints(path)
         if not saved:
@@ -157,19 +166,20 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
         else run.task.name
         if run
         else "builtin"
-        if str(cfg.target) == "builtin"
+        if has_builtin_tokenizer(target.model_dir)
         else "number"
     )
     difficulty = cfg.difficulty if cfg.difficulty != "auto" else run.task.difficulty if run else "standard"
     chat_template = run.task.chat_template if run and cfg.chat_template == "auto" else cfg.chat_template
     max_new = cfg.max_new_tokens or (run.rollout.max_new_tokens if run else BUILTIN_MAX_NEW_TOKENS)
+    key = "max_new_tokens" if cfg.max_new_tokens or not run else "the run's rollout.max_new_tokens"
     tokenizer = load_tokenizer(target.model_dir)
     positions = load_config(target.model_dir).max_position_embeddings
-    room = f"model max_position_embeddings {positions} minus max_new_tokens {max_new}"
+    limit = prompt_limit(tokenizer, positions, max_new, key, chat_template)
     columns = data_columns(run) if run is not None else DataColumns(answer_required=not cfg.reward_fn)
     data = cfg.data if cfg.data != "auto" else run.eval.data if run is not None and run.eval.data != "auto" else None
     if data is not None:
-        problems = load_problems(data, tokenizer, positions - max_new, room, chat_template, columns=columns)
+        problems = load_problems(data, limit, columns=columns)
         problems, source = problems[: cfg.num_prompts], str(Path(data).resolve())
     else:
         if run is not None and run.eval_data is None:
@@ -183,20 +193,14 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
             if run.task.data == "builtin":
                 trained = {str(p.prompt) for p in builtin_problems(task, run.task.num_problems, run.seed, difficulty)}
             else:
-                trained = {
-                    str(p.prompt)
-                    for p in load_problems(run.task.data, tokenizer, positions, room, chat_template, columns=columns)
-                }
+                trained = {str(p.prompt) for p in load_problems(run.task.data, columns=columns)}
         problems = heldout_problems(task, difficulty, cfg.num_prompts, run.seed if run else cfg.seed, trained)
         source = f"the held-out split of task {task} (generated)"
-        limit = PromptLimit(tokenizer, positions - max_new, room, chat_template)
-        for i, problem in enumerate(problems):
-            limit.check(f"held-out problem {i}", problem.prompt)
     if not problems:
         raise ConfigError(f"data: no problems to evaluate on ({cfg.data})")
     evalset = EvalSet(
         problems=problems,
-        prompts=[tokenizer.encode_prompt(p.prompt, chat_template) for p in problems],
+        prompts=[limit.check(f"held-out problem {i}", p.prompt) for i, p in enumerate(problems)],
         samples=cfg.samples,
         sampling=eval_sampling(cfg.temperature, max_new),
         binary=task in BINARY_REWARDS and not _reward_specs(cfg, target.run)[0],
@@ -327,8 +331,11 @@ def markdown_table(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+EVAL_OUTPUTS = ("eval.json", "eval.md", "eval.png")  # what `parity eval` writes into `out` (`outdir.py`)
+
+
 def write_outputs(result: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    claim_output_dir(out, EVAL_OUTPUTS, "out")
     atomic_write_json(out / "eval.json", result)
     md = (
         f"# Held-out evaluation: {result['target']}\n\n"

@@ -7,7 +7,6 @@ the same tokens with the trainer (π), and report every mismatch metric.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Sequence
@@ -24,12 +23,13 @@ from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.batch import RolloutBatch
 from parity.engines.locate import StageDiff, first_divergence, format_table, locate_row, worst_row
-from parity.engines.models import load_model, resolve_model_dir
+from parity.engines.models import load_config, load_model, require_finite_logits, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
-from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Prompt, load_tokenizer
+from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Prompt, has_builtin_tokenizer, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer, full_vocab_logprobs
-from parity.files import atomic_write_json, atomic_write_text
+from parity.files import JSONError, atomic_write_json, atomic_write_text, parse_json, regular_file_problem
+from parity.outdir import claim_output_dir
 from parity.rl.checkpoint import require_finite_weights
 from parity.rl.diagnostics import (
     LENGTH_BIN_EDGES,
@@ -38,7 +38,7 @@ from parity.rl.diagnostics import (
     mismatch_by_length,
     mismatch_metrics,
 )
-from parity.rl.tasks import PROMPT_FORM, ArithmeticTask, DataError, check_prompt
+from parity.rl.tasks import PROMPT_FORM, ArithmeticTask, DataError, check_prompt, prompt_limit
 
 # Metrics shown in the markdown table, with their ratio to the FP16 run.
 TABLE_METRICS = ("k3", "token_abs_log_ratio_mean", "seq_abs_log_ratio", "prob_abs_diff_mean", "chi2_token")
@@ -115,21 +115,23 @@ def parse_pair(pair: str) -> tuple[str, str]:
 
 
 def load_prompts(source: str, n: int, seed: int, model: str = "builtin") -> list[Prompt]:
-    """At most `n` prompts. `builtin`: `n` arithmetic problems for the built-in model, `n` of the shipped chat
+    """At most `n` prompts. `builtin`: `n` arithmetic problems for the built-in model (or a checkpoint trained
+    from it: `has_builtin_tokenizer`), `n` of the shipped chat
     questions (drawn with `seed`; all of them when `n` is more) for any other model. `long`: `n` of the shipped
     requests for long answers, drawn the same way. Otherwise a JSONL file
     (UTF-8): each non-blank line an object whose "prompt" is a non-empty string or a list of chat messages
     ({"role": ..., "content": ...}, for the model's chat template); other fields are ignored and the first
     `n` prompts are used."""
     if source == "builtin":
-        if str(model) == "builtin":
+        if str(model) == "builtin" or has_builtin_tokenizer(resolve_model_dir(model)):
             return [p.prompt for p in ArithmeticTask().problems(n, seed=seed, split="eval")]
         return random.Random(seed).sample(CHAT_QUESTIONS, min(n, len(CHAT_QUESTIONS)))
     if source == "long":
         return random.Random(seed).sample(LONG_ANSWER_REQUESTS, min(n, len(LONG_ANSWER_REQUESTS)))
     path = Path(source)
-    if not path.is_file():
-        raise ConfigError(f"prompts: file {source!r} does not exist (use 'builtin', 'long' or a JSONL file)")
+    problem = regular_file_problem(path)
+    if problem is not None:
+        raise ConfigError(f"prompts: {source!r} {problem} (use 'builtin', 'long' or a JSONL file)")
     prompts: list[Prompt] = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -142,9 +144,9 @@ def load_prompts(source: str, n: int, seed: int, model: str = "builtin") -> list
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: invalid JSON ({e.msg})") from None
+                row = parse_json(line)
+            except JSONError as e:
+                raise ConfigError(f"{where}: {e}") from None
             expected = f"{where}: expected an object with a {PROMPT_FORM} 'prompt'"
             if not isinstance(row, dict) or "prompt" not in row:
                 raise ConfigError(expected)
@@ -219,11 +221,15 @@ def run_mismatch(
     model_dir = resolve_model_dir(cfg.model)
     tokenizer = load_tokenizer(model_dir)
     texts = load_prompts(cfg.prompts, cfg.num_prompts, cfg.seed, cfg.model) if texts is None else texts
-    prompts = [tokenizer.encode_prompt(p, cfg.chat_template) for p in texts]
+    max_new = cfg.sampling.max_new_tokens
+    positions = load_config(model_dir).max_position_embeddings
+    limit = prompt_limit(tokenizer, positions, max_new, "sampling.max_new_tokens", cfg.chat_template)
+    prompts = [limit.check(f"prompts={cfg.prompts}: prompt {i + 1}", p) for i, p in enumerate(texts)]
     numerics = kernels.numerics(cfg.device, cfg.exact)
     model = load_model(model_dir).to(numerics.device)
     model.numerics = numerics
     require_finite_weights(model, model_dir, "no mismatch can be measured (`parity doctor` shows where)")
+    require_finite_logits(model, prompts[0], {"fp32": torch.float32}, model_dir)
     results: list[PairResult] = []
     for pair in tqdm(cfg.pairs, desc="mismatch", unit="pair", disable=not progress):
         train_p, roll_p = parse_pair(pair)
@@ -349,10 +355,12 @@ def length_table(results: list[PairResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
+# What `parity mismatch` writes into `out` (`outdir.py`).
+MISMATCH_OUTPUTS = ("mismatch.json", "mismatch.md", "mismatch_scatter.png", "seq_log_ratio_vs_length.png")
 
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+
+def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
+    out = claim_output_dir(Path(cfg.out), MISMATCH_OUTPUTS, "out")
     atomic_write_json(out / "mismatch.json", results_json(cfg.model, results))
     num_prompts = results[0].num_sequences // cfg.group_size if results else 0
     distributions, lengths = distribution_table(results), length_table(results)

@@ -25,7 +25,7 @@ from parity.engines.models import load_config, load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, load_tokenizer
-from parity.files import atomic_write_text
+from parity.files import JSONError, atomic_write_text, parse_json
 from parity.rl.rewards import RewardRunner, score_rollouts, training_rewards
 from parity.rl.tasks import (
     DIFFICULTIES,
@@ -35,6 +35,7 @@ from parity.rl.tasks import (
     builtin_problems,
     difficulty_has_no_effect,
     load_problems,
+    prompt_limit,
 )
 from parity.rl.train_config import TRUNCATION_MODES
 
@@ -105,18 +106,16 @@ def format_histogram(counts: list[int], lo: float, hi: float, width: int = 40) -
 
 
 def candidate_problems(cfg: PerfectibleConfig) -> list[Problem]:
-    if cfg.data == "builtin":
-        return builtin_problems(cfg.task, cfg.num_candidates, cfg.seed, cfg.difficulty)
+    """The problems to search, every prompt checked to fit the model with `max_new_tokens` after it."""
     model_dir = resolve_model_dir(cfg.model)
     positions = load_config(model_dir).max_position_embeddings
-    return load_problems(
-        cfg.data,
-        load_tokenizer(model_dir),
-        positions - cfg.max_new_tokens,
-        f"model max_position_embeddings {positions} minus max_new_tokens {cfg.max_new_tokens}",
-        cfg.chat_template,
-        "chat_template",
-    )
+    limit = prompt_limit(load_tokenizer(model_dir), positions, cfg.max_new_tokens, "max_new_tokens", cfg.chat_template)
+    if cfg.data != "builtin":
+        return load_problems(cfg.data, limit, "chat_template")
+    problems = builtin_problems(cfg.task, cfg.num_candidates, cfg.seed, cfg.difficulty)
+    for i, problem in enumerate(problems):
+        limit.check(f"generated problem {i}", problem.prompt)
+    return problems
 
 
 def problem_accuracies(
@@ -172,6 +171,30 @@ def measure_accuracies(cfg: PerfectibleConfig, problems: list[Problem], progress
         runner.close()
 
 
+SET_FIELDS = {"prompt", "answer", "base_accuracy"}  # each row `write_set` writes, and only those
+MAX_SET_BYTES = 256 * 2**20
+
+
+def check_out(path: Path) -> None:
+    """Refuse an existing `out` that is not a perfectible set (every line a row `write_set` writes): Parity
+    replaces only a file it wrote, never one of the user's under the same name."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_SET_BYTES:
+        raise ConfigError(f"out: {path} exists and is not a perfectible set Parity wrote; choose another out")
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                row = parse_json(line.decode("utf-8"))
+            except (JSONError, UnicodeDecodeError):
+                row = None
+            if not isinstance(row, dict) or row.keys() != SET_FIELDS:
+                raise ConfigError(
+                    f"out: {path}:{lineno} is not a row of a perfectible set, so the file is not one Parity "
+                    "wrote; it is left as it is: choose another out"
+                )
+
+
 def write_set(path: Path, problems: list[Problem], accuracies: list[float], keep: list[int]) -> None:
     rows = [
         json.dumps({"prompt": problems[i].prompt, "answer": problems[i].answer, "base_accuracy": accuracies[i]})
@@ -203,6 +226,18 @@ def search_path(cfg: PerfectibleConfig) -> Path:
     return cache_dir() / f"perfectible-{cache_key(cfg)}.json"
 
 
+def _cached_accuracies(meta: Path, cfg: PerfectibleConfig) -> list[float] | None:
+    """The accuracies a search cached, or None when the file is not one it wrote for `cfg` (then it is
+    measured again and rewritten: the cache is Parity's own folder)."""
+    try:
+        accuracies = parse_json(meta.read_text(encoding="utf-8")).get("accuracies")
+    except (JSONError, UnicodeDecodeError, AttributeError, OSError):
+        return None
+    count = cfg.num_candidates if cfg.data == "builtin" else None
+    ok = isinstance(accuracies, list) and all(isinstance(a, float) and 0 <= a <= 1 for a in accuracies)
+    return accuracies if ok and count in (None, len(accuracies)) else None
+
+
 def build_or_load(cfg: PerfectibleConfig, progress: bool = True) -> tuple[Path, list[float], bool]:
     """The perfectible set for `cfg`: its candidates' accuracies from the cache, or measured and cached,
     and the set they give within [lo, hi] written beside them. The bounds only filter, so other bounds
@@ -212,11 +247,10 @@ def build_or_load(cfg: PerfectibleConfig, progress: bool = True) -> tuple[Path, 
     """
     meta = search_path(cfg)
     path = meta.with_name(f"{meta.stem}-{cfg.lo:g}-{cfg.hi:g}.jsonl")
-    cached = meta.is_file()
+    accuracies = _cached_accuracies(meta, cfg) if meta.is_file() else None
+    cached = accuracies is not None
     problems = None  # the candidates are read (a data file tokenized) only when something needs them
-    if cached:
-        accuracies = json.loads(meta.read_text())["accuracies"]
-    else:
+    if not cached:
         problems = candidate_problems(cfg)
         accuracies = measure_accuracies(cfg, problems, progress)
         atomic_write_text(meta, json.dumps({"accuracies": accuracies}) + "\n")

@@ -20,6 +20,7 @@ questions through the model's chat template — in the arms of `writeup_arms`, f
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import torch
 from parity import config as config_mod
 from parity.commands.prompts import CHAT_QUESTIONS
 from parity.commands.report import Panel, load_history, plot_bars, plot_beta_distribution, plot_curves
+from parity.config import ConfigError
 from parity.distributed.driver import run_class
 from parity.engines import kernels
 from parity.engines.models import export_state, load_model, resolve_model_dir
@@ -37,9 +39,10 @@ from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.files import atomic_write_json, atomic_write_text
+from parity.outdir import check_output_dir, claim_output_dir
 from parity.rl.diagnostics import PROB_BIN_EDGES, gap_metrics
 from parity.rl.tasks import ArithmeticTask, DataError
-from parity.rl.train_config import MICRO_BATCH_TOKENS, TrainConfig
+from parity.rl.train_config import MAX_SEED, MICRO_BATCH_TOKENS, TrainConfig
 from parity.rundir import remove_run
 
 TARGET_LENGTH = 2.0
@@ -108,6 +111,28 @@ def _config(run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...]) ->
             *overrides,
         ],
     )
+
+
+# What `parity phantom --out DIR` writes into DIR (`outdir.py`).
+PHANTOM_OUTPUTS = (
+    "beta.png",
+    "beta_by_prob.png",
+    "one-update",
+    "runs",
+    "prompts.jsonl",
+    "phantom.png",
+    "summary.json",
+    "steps.jsonl",
+    "report.md",
+)
+
+
+def check_runs(steps: int, seeds: tuple[int, ...] = (0,)) -> None:
+    """Refuse --steps and --seeds that no run could take, before anything is written."""
+    if steps < 1:
+        raise ConfigError(f"--steps: must be >= 1, got {steps}")
+    if not seeds or any(not 0 <= s <= MAX_SEED for s in seeds):
+        raise ConfigError(f"--seeds: expected seeds in [0, {MAX_SEED}], comma-separated, got {list(seeds) or 'none'}")
 
 
 def train_length_task(
@@ -199,9 +224,14 @@ def run_phantom(
 ) -> dict:
     """The experiment (see the module's docstring); every model runs on `device`."""
     kernels.check_device(device, "--device")
-    out.mkdir(parents=True, exist_ok=True)
+    check_runs(steps)
+    bad_eps = [e for e in eps_sweep if not 0 < e < math.inf]
+    if bad_eps or not eps_sweep:
+        raise ConfigError(f"--eps: expected clip epsilons > 0, comma-separated, got {bad_eps or 'none'}")
+    check_output_dir(out)
     start = time.perf_counter()
     beta, probs, parts_bf16 = mismatch_parts("builtin", 64, seed, "bf16", device)
+    claim_output_dir(out, PHANTOM_OUTPUTS)
     plot_beta_distribution(beta.cpu(), probs.cpu(), out / "beta.png")
     parts_fp16 = mismatch_parts("builtin", 64, seed, "fp16", device)[2]
     device_key = (f"device={device}",)
@@ -423,8 +453,9 @@ def run_writeup(
     `writeup_arms` for every seed, `steps` steps each, on `prompts` (user messages); `overrides` are
     `parity train` keys for every run."""
     kernels.check_device(device, "--device")
+    check_runs(steps, seeds)
     model_dir = resolve_model_dir(model)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_output_dir(out, PHANTOM_OUTPUTS)
     prompt_file = out / "prompts.jsonl"
     atomic_write_text(prompt_file, "".join(json.dumps({"prompt": p, "answer": ""}) + "\n" for p in prompts))
     base = (f"model={model_dir}", f"task.data={prompt_file}", *WRITEUP_SETTINGS, f"device={device}")

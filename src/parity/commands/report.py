@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from parity.files import atomic_write_json, atomic_write_text  # noqa: E402
+from parity.files import JSONError, atomic_write_json, atomic_write_text, parse_json  # noqa: E402
+from parity.outdir import check_output_dir, claim_output_dir  # noqa: E402
 from parity.rl.completions import markdown_table, read_completions, sample_rows  # noqa: E402
 from parity.rl.tasks import DataError  # noqa: E402
 
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 
 def save_figure(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    tmp = path.with_name(f".{path.name}.fig.tmp")  # the temporary name of `files.atomic_write_text`'s form
+    fig.savefig(tmp, format=path.suffix.removeprefix("."), dpi=110, bbox_inches="tight")
     plt.close(fig)
     tmp.replace(path)
 
@@ -32,6 +32,20 @@ def save_figure(fig, path: Path) -> None:
 
 TARGET_ACCURACY = 0.95
 SMOOTHING = 5  # steps in the moving average that "training accuracy" means
+
+
+# The metrics every step of `parity train` logs, which reports read (and a reward: accuracy or mean).
+REPORTED = (
+    "time/step",
+    "mismatch/k3",
+    "mismatch/seq_abs_log_ratio",
+    "mismatch/token_abs_log_ratio_max",
+    "precision/skipped_steps",
+)
+
+
+def _number(value) -> float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def load_history(run_dir: Path) -> list[dict]:
@@ -48,8 +62,8 @@ def load_history(run_dir: Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except ValueError:  # invalid JSON or UTF-8
+            row = parse_json(line.decode("utf-8"))
+        except (JSONError, UnicodeDecodeError):
             if lineno == len(lines):  # no newline after it: its write never finished
                 if history:
                     steps = f"{history[0]['step']}-{history[-1]['step']}"
@@ -59,8 +73,11 @@ def load_history(run_dir: Path) -> list[dict]:
             raise DataError(
                 f"{path}:{lineno}: corrupt line (not valid JSON); only a killed run's last line may be cut short"
             ) from None
-        if not isinstance(row, dict) or "step" not in row:
-            raise DataError(f"{path}:{lineno}: expected a JSON object of metrics with a 'step'")
+        missing = [k for k in ("step", *REPORTED) if not isinstance(row, dict) or _number(row.get(k)) is None]
+        if not missing and all(_number(row.get(k)) is None for k in ("reward/accuracy", "reward/mean")):
+            missing = ["reward/mean"]
+        if missing:
+            raise DataError(f"{path}:{lineno}: expected a JSON object of metrics with a number for {missing[0]!r}")
         history.append(row)
     if not history:
         raise DataError(f"{path}: no complete step yet")
@@ -260,11 +277,15 @@ def completions_section(run_dirs: list[Path]) -> str:
     return "".join(parts)
 
 
+REPORT_OUTPUTS = ("accuracy.png", "mismatch.png", "summary.json", "report.md")  # what `parity report` writes
+
+
 def report_runs(run_dirs: list[Path], out: Path) -> dict[str, dict]:
     """`parity report`: summary table and plots for `parity train` runs, side by side."""
-    out.mkdir(parents=True, exist_ok=True)
-    histories = {Path(d).name: load_history(Path(d)) for d in run_dirs}
+    check_output_dir(out)
+    histories = {Path(d).name: load_history(Path(d)) for d in run_dirs}  # every run read before `out` is made
     summaries = {name: summarize(h) for name, h in histories.items()}
+    claim_output_dir(out, REPORT_OUTPUTS)
     plot_accuracy(histories, out / "accuracy.png")
     plot_mismatch_curves(histories, out / "mismatch.png")
     atomic_write_json(out / "summary.json", summaries)

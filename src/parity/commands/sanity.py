@@ -39,6 +39,7 @@ from parity.commands.report import (
 from parity.config import ConfigError
 from parity.engines.precision import PRECISIONS
 from parity.files import atomic_write_json, atomic_write_text
+from parity.outdir import check_output_dir, claim_output_dir
 from parity.rl.algorithms import ESTIMATORS
 from parity.rl.loop import Run, TrainingError
 from parity.rl.train_config import TrainConfig
@@ -89,6 +90,19 @@ def parse_runs(spec: str) -> list[tuple[str, str]]:
     return runs
 
 
+# What `parity sanity --out DIR` writes into DIR (`outdir.py`): the runs, and the report on them.
+SANITY_OUTPUTS = (
+    "perfectible.jsonl",
+    "perfectible_histogram.png",
+    "mismatch_scatter.png",
+    "runs",
+    "accuracy.png",
+    "mismatch.png",
+    "summary.json",
+    "report.md",
+)
+
+
 def run_sanity(
     out: Path,
     runs: list[tuple[str, str]],
@@ -115,7 +129,7 @@ def run_sanity(
     training)."""
     settings = QUICK if quick else FULL
     task = task or ("builtin" if model == "builtin" else "number")
-    out.mkdir(parents=True, exist_ok=True)
+    check_output_dir(out)
     start = time.perf_counter()
 
     pcfg = PerfectibleConfig(
@@ -150,6 +164,9 @@ def run_sanity(
 
     # Every run's config is checked before the first one starts: a bad override fails in a second.
     configs = {f"{p}/{e}": run_config(p, e, out / "runs" / f"{p}-{e}") for p, e in runs}
+    jobs = default_jobs(len(configs), device) if jobs is None else jobs
+    if jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {jobs}")
     # The search scores a cut-off response as the runs' loss does.
     pcfg.truncated = next(iter(configs.values())).algorithm.truncated
     set_path, accuracies, cached = build_or_load(pcfg)
@@ -166,6 +183,7 @@ def run_sanity(
         f"perfectible set: {len(keep)} of {len(accuracies)} problems ({'cached' if cached else 'measured'}): {set_path}"
     )
     log(format_histogram(counts, pcfg.lo, pcfg.hi))
+    claim_output_dir(out, SANITY_OUTPUTS)
     atomic_write_text(out / "perfectible.jsonl", set_path.read_text())
     plot_histogram(counts, pcfg.lo, pcfg.hi, out / "perfectible_histogram.png")
 
@@ -188,9 +206,6 @@ def run_sanity(
             pairs += run_mismatch(mcfg, progress=False)
     plot_mismatch_scatter(pairs, out / "mismatch_scatter.png")
 
-    jobs = default_jobs(len(configs), device) if jobs is None else jobs
-    if jobs < 1:
-        raise ConfigError(f"--jobs must be >= 1, got {jobs}")
     histories = train_runs(configs, jobs, log)
 
     summaries = {name: summarize(h) for name, h in histories.items()}

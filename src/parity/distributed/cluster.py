@@ -9,7 +9,13 @@ every process on its list, and what those started. A run that stops normally shu
 and dismisses the reaper.
 
 Joining a user's cluster (`distributed.address`) starts nothing and so reaps nothing: that
-cluster is the user's and stays as it was.
+cluster is the user's and stays as it was. A join is bounded: Ray's client retries for ever
+where no cluster answers (`127.0.0.1:1`, a host that does not resolve, `auto` with a stale
+`/tmp/ray/ray_current_cluster`), inside native code that a signal cannot interrupt. So a
+child process tries the join first (`python -m parity.distributed.cluster --probe ADDRESS`)
+and is killed after `distributed.connect_timeout_s`; only once it has joined does this
+process join, and a cluster with fewer free CPUs than the run's processes is named, not
+waited on.
 
 Run as `python -m parity.distributed.cluster DRIVER_PID`, this module is the reaper.
 """
@@ -23,6 +29,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 from parity.config import ConfigError
 
@@ -91,23 +99,122 @@ class LocalCluster:
             self.reaper.wait()
 
 
-def join(address: str) -> None:
-    """Connect to the user's running cluster at `address` (HOST:PORT, or "auto")."""
+class JoinInterrupted(Exception):
+    """SIGINT or SIGTERM came while the run waited to join a cluster: it stops before it starts (the signal
+    has also been passed to the handler in place, which noted it)."""
+
+
+_PROBE_POLL_S = 0.1
+
+
+def join(address: str, timeout_s: float) -> None:
+    """Connect to the user's running cluster at `address` (HOST:PORT, or "auto") within `timeout_s`."""
     ray = import_ray()
+    target = _bootstrap_address(address)
+    _probe(address, target, timeout_s)
     try:
         with _sigterm_left_alone(ray):
-            ray.init(address=address, logging_level="ERROR", log_to_driver=True)
+            ray.init(address=target, logging_level="ERROR", log_to_driver=True)
     except ConnectionError as e:
-        token = (
-            ""
-            if os.environ.get("RAY_AUTH_MODE")
-            else " If it runs with token authentication (what `ray start` sets up since Ray 2.59), set "
-            "RAY_AUTH_MODE=token here too (the token comes from RAY_AUTH_TOKEN or ~/.ray/auth_token)."
-        )
+        raise _cannot_join(address, str(e)) from None
+
+
+def _bootstrap_address(address: str) -> str:
+    """HOST:PORT for `address`: "auto" is RAY_ADDRESS when set, else the cluster the last `ray start` on this
+    machine recorded (Ray's own rule, without its fallback of joining any Ray process found running)."""
+    if address != "auto":
+        return address
+    from ray._common.utils import get_ray_address_file
+
+    recorded = get_ray_address_file(None)
+    found = os.environ.get("RAY_ADDRESS") or (Path(recorded).read_text().strip() if Path(recorded).is_file() else "")
+    if not found:
         raise ConfigError(
-            f"distributed.address={address}: cannot join a Ray cluster there ({e}). Is one running "
-            f"(`ray status --address {address}`)?{token}"
-        ) from None
+            f"distributed.address=auto: no cluster was started on this machine with `ray start` (Ray records it "
+            f"in {recorded}) and RAY_ADDRESS is not set; give its address as HOST:PORT"
+        )
+    return found
+
+
+def _cannot_join(address: str, why: str) -> ConfigError:
+    token = (
+        ""
+        if os.environ.get("RAY_AUTH_MODE")
+        else " If it runs with token authentication (what `ray start` sets up since Ray 2.59), set "
+        "RAY_AUTH_MODE=token here too (the token comes from RAY_AUTH_TOKEN or ~/.ray/auth_token)."
+    )
+    return ConfigError(
+        f"distributed.address={address}: cannot join a Ray cluster there ({why}). Is one running "
+        f"(`ray status --address {address}`)?{token}"
+    )
+
+
+def _probe(address: str, target: str, timeout_s: float) -> None:
+    """Join `target` (the HOST:PORT of `address`) from a child process, killed after `timeout_s`; a
+    ConfigError when it does not join, JoinInterrupted when a signal comes first."""
+    noted: list[int] = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def note(signum: int, frame) -> None:
+        noted.append(signum)
+        if callable(previous[signum]):
+            previous[signum](signum, frame)
+
+    probe = subprocess.Popen(
+        [sys.executable, "-m", "parity.distributed.cluster", "--probe", target],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # Ray's own retry messages
+        start_new_session=True,
+        text=True,
+    )
+    main = threading.current_thread() is threading.main_thread()
+    try:
+        if main:
+            for s in previous:
+                signal.signal(s, note)
+        deadline = time.monotonic() + timeout_s
+        while probe.poll() is None and not noted and time.monotonic() < deadline:
+            time.sleep(_PROBE_POLL_S)
+    finally:
+        if probe.poll() is None:
+            os.killpg(probe.pid, signal.SIGKILL)
+        probe.wait()
+        if main:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+    if noted:
+        raise JoinInterrupted(signal.Signals(noted[0]).name)
+    if probe.returncode != 0:
+        why = (probe.stdout.read().strip().splitlines() or [""])[-1] if probe.returncode > 0 else ""
+        if not why:
+            at = f" at {target}" if target != address else ""
+            why = f"no Ray cluster answered{at} within distributed.connect_timeout_s={timeout_s:g} s"
+        raise _cannot_join(address, why)
+
+
+def require_cpus(address: str, needed: int) -> None:
+    """Refuse a joined cluster with fewer free CPUs than the run's processes (one each): Ray would queue the
+    actors until CPUs free up, which may be never."""
+    import ray
+
+    free, total = ray.available_resources().get("CPU", 0), ray.cluster_resources().get("CPU", 0)
+    if free < needed:
+        ray.shutdown()
+        raise ConfigError(
+            f"distributed.address={address}: the cluster has {free:g} free CPUs ({total:g} in all), and the run "
+            f"needs {needed} (one per rollout worker and learner: distributed.rollout_workers + "
+            "distributed.learners); free some, or ask for fewer"
+        )
+
+
+def _probe_main(address: str) -> None:
+    ray = import_ray()
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    except Exception as e:  # noqa: BLE001 - any failure to join is the answer, in one line
+        print(" ".join(f"{type(e).__name__}: {e}".split()), flush=True)
+        sys.exit(3)
+    ray.shutdown()
 
 
 @contextlib.contextmanager
@@ -169,4 +276,7 @@ def _kill_all(procs: list) -> None:
 
 
 if __name__ == "__main__":
-    _reaper_main(int(sys.argv[1]))
+    if sys.argv[1] == "--probe":
+        _probe_main(sys.argv[2])
+    else:
+        _reaper_main(int(sys.argv[1]))

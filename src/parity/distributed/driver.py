@@ -32,7 +32,7 @@ import torch
 from parity import config as config_mod
 from parity.config import ConfigError
 from parity.distributed.actors import Learner, RolloutWorker
-from parity.distributed.cluster import LocalCluster, import_ray, join
+from parity.distributed.cluster import LocalCluster, import_ray, join, require_cpus
 from parity.engines.batch import RolloutBatch, concat_batches
 from parity.engines.models import load_config
 from parity.engines.partial import PoolRequest
@@ -123,7 +123,8 @@ class DistributedRun(Run):
         self.cluster = None  # set when this run starts (and so ends) its own cluster
         if not ray.is_initialized():
             if d.address:
-                join(d.address)
+                join(d.address, d.connect_timeout_s)
+                require_cpus(d.address, processes)
             else:  # a cluster of this machine for this run: `parity train` needs no setup
                 self.cluster = LocalCluster(num_cpus=max(os.cpu_count() or 1, processes))
         model_dir = str(self.model_dir)

@@ -128,6 +128,12 @@ def apply_lora(model: CausalLM, cfg: LoRAConfig, base_dtype: torch.dtype, seed: 
             f"onto the experts, which Parity does not adapt; set lora.targets={','.join(ATTENTION)}"
         )
     names = targeted(model, cfg.targets)
+    narrowest = min(min(model.get_submodule(name).weight.shape) for name in names)
+    if cfg.rank > narrowest:  # checked before anything is allocated: A and B grow with the rank
+        raise AdapterError(
+            f"lora.rank={cfg.rank}: more than {narrowest}, the narrowest adapted projection's width; a rank "
+            "above min(in, out) adds nothing but memory"
+        )
     model.requires_grad_(False)
     for p in model.parameters():  # a tied head shares its Parameter with the embedding: cast once
         p.data = p.data.to(base_dtype)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parity.engines import kernels
-from parity.engines.packing import PackedBatch, gather_rows
+from parity.engines.packing import PackedBatch, gather_rows, pack
 from parity.files import atomic_dir
 
 BUILTIN_DIR = Path(__file__).parent.parent / "builtin" / "model"
@@ -80,6 +80,17 @@ def _positive(hf: dict[str, Any], key: str, source: str, default: float | None) 
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ModelError(f"{source}: {key}: expected a positive number, got {value!r}")
     return float(value)
+
+
+def _bool(hf: dict[str, Any], key: str, source: str, default: bool) -> bool:
+    """config.json's true/false `key`; `default` when absent or null. A string "false" is refused, not read
+    as true (a tie_word_embeddings of "false" would drop the model's own lm_head)."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ModelError(f"{source}: {key}: expected true or false, got {value!r}")
+    return value
 
 
 def config_token_ids(hf: dict[str, Any], key: str, source: str, vocab: int, many: bool = False) -> Any:
@@ -154,7 +165,7 @@ class ModelConfig:
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
         if act not in ACTIVATIONS:
             raise ModelError(f"{source}: unsupported activation {act!r}; expected one of {', '.join(ACTIVATIONS)}")
-        if hf.get("use_bidirectional_attention"):
+        if _bool(hf, "use_bidirectional_attention", source, False):
             raise ModelError(f"{source}: bidirectional attention is not a causal LM; Parity runs causal models")
         full_rope, local_theta = _rope_parameters(hf, source)
         heads = _int(hf, "num_attention_heads", source)
@@ -179,9 +190,9 @@ class ModelConfig:
             if not isinstance(dense, list):
                 raise ModelError(f"{source}: mlp_only_layers: expected a list of layer numbers, got {dense!r}")
             moe_layers = tuple(i for i in range(num_layers) if i not in set(dense) and (i + 1) % step == 0)
-        bias = bool(hf.get("attention_bias", False))
+        bias = _bool(hf, "attention_bias", source, False)
         scalar = _positive(hf, "query_pre_attn_scalar", source, None)
-        return cls(
+        config = cls(
             architecture=arch,
             vocab_size=vocab,
             hidden_size=hidden,
@@ -193,10 +204,10 @@ class ModelConfig:
             rms_norm_eps=_positive(hf, "rms_norm_eps", source, 1e-6),
             rope_theta=float(full_rope.pop("rope_theta")),
             max_position_embeddings=_int(hf, "max_position_embeddings", source, default=2048, hi=MAX_POSITIONS),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+            tie_word_embeddings=_bool(hf, "tie_word_embeddings", source, gemma),
             qkv_bias=arch == "qwen2" or bias,
             o_bias=bias and arch != "qwen2",
-            mlp_bias=bool(hf.get("mlp_bias", False)),
+            mlp_bias=_bool(hf, "mlp_bias", source, False),
             bos_token_id=config_token_ids(hf, "bos_token_id", source, vocab),
             eos_token_id=config_token_ids(hf, "eos_token_id", source, vocab, many=True),
             pad_token_id=config_token_ids(hf, "pad_token_id", source, vocab),
@@ -213,10 +224,12 @@ class ModelConfig:
             num_experts=experts,
             experts_per_token=_int(hf, "num_experts_per_tok", source, lo=1, hi=experts) if experts else 0,
             moe_intermediate_size=_int(hf, "moe_intermediate_size", source) if experts else 0,
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            norm_topk_prob=_bool(hf, "norm_topk_prob", source, False),
             moe_layers=moe_layers,
             hf_config=dict(hf),
         )
+        _check_rope_angles(config, source)
+        return config
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json `transformers` needs to load these weights."""
@@ -295,12 +308,24 @@ def _rope_parameters(hf: dict[str, Any], source: str) -> tuple[dict[str, Any], f
     return full, None if local is None else float(local["rope_theta"])
 
 
+def _check_rope_angles(cfg: ModelConfig, source: str) -> None:
+    """Refuse RoPE values under which some position's angle is not a finite FP32 number (a rope_theta of
+    1e-300 or a factor of 1e-320 is positive, yet every output would be NaN)."""
+    for kind, inv_freq in rope_tables(cfg).items():
+        if not torch.isfinite(inv_freq * (cfg.max_position_embeddings - 1)).all():
+            layers = "sliding-window layers' " if kind == SLIDING else ""
+            raise ModelError(
+                f"{source}: the {layers}RoPE values (rope_theta {cfg.local_rope_theta if layers else cfg.rope_theta}"
+                f", scaling {dict(cfg.rope_scaling) or 'none'}) give rotation angles beyond FP32's range"
+            )
+
+
 def _attention_layout(
     hf: dict[str, Any], arch: str, num_layers: int, source: str
 ) -> tuple[int | None, tuple[str, ...]]:
     """The sliding window and each layer's attention type, as transformers derives them."""
     window = hf.get("sliding_window")
-    if arch in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and not _bool(hf, "use_sliding_window", source, False):
         window = None
     if window is None:
         return None, ()
@@ -650,20 +675,30 @@ def final_logits(head: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 def model_file(model_dir: Path, name: str) -> Path:
     """`model_dir / name`, refused when it resolves outside the model directory (a symlink to a file
-    elsewhere: a template linked to /etc/passwd would be read into every prompt). A snapshot in the
-    Hugging Face cache links its files to the cached repository's blobs, which stay allowed."""
+    elsewhere: a template linked to /etc/passwd would be read into every prompt, and a tokenizer file
+    copied into every checkpoint). A snapshot in the Hugging Face cache links its files to the cached
+    repository's blobs, which stay allowed (`_cache_blobs`)."""
     path = model_dir / name
     if not path.is_symlink() and not any(p.is_symlink() for p in path.parents if p != model_dir):
         return path
     real, root = path.resolve(), model_dir.resolve()
-    if root.parent.name == "snapshots":
-        root = root.parent.parent
-    if not real.is_relative_to(root):
+    blobs = _cache_blobs(root)
+    if not real.is_relative_to(root) and not (blobs is not None and real.is_relative_to(blobs)):
         raise ModelError(
             f"{path}: links to {real}, outside the model directory; Parity reads only files inside it "
             "(copy the file in instead of linking it)"
         )
     return path
+
+
+def _cache_blobs(snapshot: Path) -> Path | None:
+    """The blobs folder a Hugging Face cache snapshot links into, when `snapshot` (resolved) is one:
+    HUB/models--ORG--NAME/snapshots/REVISION beside HUB/models--ORG--NAME/blobs. Any other folder named
+    snapshots/X is an ordinary directory, whose links must stay inside it."""
+    snapshots, repo = snapshot.parent, snapshot.parent.parent
+    if snapshots.name == "snapshots" and repo.name.startswith("models--") and (repo / "blobs").is_dir():
+        return repo / "blobs"
+    return None
 
 
 def read_text(path: Path) -> str:
@@ -925,6 +960,25 @@ def _check_sizes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], model_dir
         held = stacked[0] if stacked else len({k[len(first) :].split(".")[0] for k in shapes if k.startswith(first)})
         if held != cfg.num_experts:
             raise ModelError(f"{differ} num_experts {cfg.num_experts}, but the weights hold {held}")
+
+
+# Tokens of the first forward that `require_finite_logits` runs: enough to pass every layer, cheap on any model.
+PROBE_TOKENS = 32
+
+
+def require_finite_logits(model: CausalLM, prompt: list[int], dtypes: dict[str, torch.dtype], source: Path) -> None:
+    """Refuse a model whose first forward gives inf/NaN logits in any of `dtypes` (precision name -> dtype),
+    before anything is computed or written. Positive config values can still make every output NaN (a RoPE
+    base too small for FP16's range, norms that divide by 0), and a run would then train on NaN while
+    exiting 0."""
+    packed = pack([prompt[:PROBE_TOKENS]], device=next(model.parameters()).device)
+    with torch.no_grad():
+        for name, dtype in dtypes.items():
+            if not torch.isfinite(model.logits(model.hidden_states(packed, dtype))).all():
+                raise ModelError(
+                    f"{source}: the first forward in {name} gives inf/NaN logits; nothing can be trained or "
+                    "measured from them (`parity doctor` names the first layer that overflows)"
+                )
 
 
 def export_state(

@@ -26,8 +26,10 @@ does, and so what this module does:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
 import shutil
 import time
 from datetime import datetime
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.engines.models import (
+    BUILTIN_DIR,
     ModelError,
     config_token_ids,
     model_file,
@@ -257,9 +260,11 @@ class Tokenizer:
                 parts.append(part)
             return "".join(parts)
         except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"{self.source}: chat template: {e}") from None
+            raise ChatTemplateError(f"{self.source}: chat template: {_one_line(str(e))}") from None
         except Exception as e:  # a template is code from the checkpoint: its failures are the model's
-            raise ChatTemplateError(f"{self.source}: chat template failed: {type(e).__name__}: {e}") from None
+            raise ChatTemplateError(
+                f"{self.source}: chat template failed: {type(e).__name__}: {_one_line(str(e))}"
+            ) from None
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
         """The chat template's text, encoded without added BOS/EOS: the template writes its own."""
@@ -294,6 +299,78 @@ class Tokenizer:
 # A chat template's budget per rendering: time, and characters of output (or of any string it builds).
 TEMPLATE_SECONDS = 5.0
 TEMPLATE_CHARS = 1_000_000
+MESSAGE_CHARS = 300  # of a template's own error message (raise_exception can pass it anything)
+# A field width or precision in a format string ("%1000000000d", "{:>1000000000}") builds that many
+# characters: more digits than TEMPLATE_CHARS has are refused before the string is formatted.
+_WIDE_FORMAT = re.compile(rf"\d{{{len(str(TEMPLATE_CHARS))},}}")
+
+
+def _one_line(message: str) -> str:
+    """A template's error message as one line of at most MESSAGE_CHARS characters."""
+    text = " ".join(message.split())
+    return text if len(text) <= MESSAGE_CHARS else text[:MESSAGE_CHARS] + "..."
+
+
+def printed_size(value: Any, limit: int = TEMPLATE_CHARS) -> int:
+    """About how many characters `value` prints as (strings whole, containers item by item, anything
+    else a few), counted without building it and without recursion; past `limit` it stops and returns
+    more than `limit` (a list holding itself, or a list of a million references to a long string)."""
+    size, seen, stack = 0, 0, [value]
+    while stack and size <= limit and seen <= limit:
+        item = stack.pop()
+        seen += 1
+        if isinstance(item, str):
+            size += len(item)
+        elif isinstance(item, dict):
+            size += 2
+            stack.extend(v for pair in item.items() for v in pair)
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            size += 2
+            stack.extend(item)
+        else:
+            size += 8
+    return size if size <= limit and seen <= limit else limit + 1
+
+
+def _growth(name: str, receiver: Any, args: tuple) -> int:
+    """The size a string operation named `name` builds from `receiver` and `args`, where it grows with
+    the receiver's content rather than with an argument's value (those are bounded by value)."""
+    if not isinstance(receiver, str):
+        return 0
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        count = receiver.count(args[0]) if args[0] else len(receiver) + 1
+        return len(receiver) + count * max(len(args[1]) - len(args[0]), 0)
+    if name == "indent" and args:
+        width = args[0] if isinstance(args[0], int) else printed_size(args[0])
+        return len(receiver) + (receiver.count("\n") + 1) * width
+    if name == "expandtabs" and args and isinstance(args[0], int):
+        return len(receiver) + receiver.count("\t") * args[0]
+    if name in ("format", "format_map", "%") and _WIDE_FORMAT.search(receiver):
+        return TEMPLATE_CHARS + 1
+    return 0
+
+
+def _check_arguments(name: str, receiver: Any, args: tuple, kwargs: dict) -> None:
+    """Refuse a filter or call whose result could pass TEMPLATE_CHARS, before it runs: an integer argument
+    past it (a width, a count), an argument that prints past it, or a growth `_growth` foresees."""
+    import jinja2
+
+    values = (receiver, *args, *kwargs.values())
+    too_big = any(isinstance(v, int) and not isinstance(v, bool) and abs(v) > TEMPLATE_CHARS for v in values)
+    if (
+        too_big
+        or any(printed_size(v) > TEMPLATE_CHARS for v in values)
+        or _growth(name, receiver, args) > TEMPLATE_CHARS
+    ):
+        raise jinja2.exceptions.TemplateError(f"{name!r} would build a value beyond the template's limits")
+
+
+def _check_result(name: str, value: Any) -> Any:
+    import jinja2
+
+    if printed_size(value) > TEMPLATE_CHARS:
+        raise jinja2.exceptions.TemplateError(f"{name!r} built a value beyond the template's limits")
+    return value
 
 
 @cache
@@ -308,6 +385,7 @@ def _environment():
     helpers templates call (raise_exception, strftime_now, tojson without HTML escaping, dict, namespace)."""
     import jinja2
     from jinja2 import nodes
+    from jinja2.compiler import CodeGenerator
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -360,7 +438,7 @@ def _environment():
         """A template is code from the checkpoint: it gets TEMPLATE_SECONDS (checked at every call, loop
         step over a range and operator) and strings and lists of TEMPLATE_CHARS, refused before they are built."""
 
-        intercepted_binops = frozenset({"*", "**", "+"})
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
         deadline = math.inf  # set before each render
 
         def tick(self) -> None:
@@ -369,18 +447,63 @@ def _environment():
 
         def call(self, __context, __obj, *args, **kwargs):
             self.tick()
-            return super().call(__context, __obj, *args, **kwargs)
+            if __obj is bounded_range:  # its arguments count steps, each one on the clock: they size nothing
+                return super().call(__context, __obj, *args, **kwargs)
+            name = getattr(__obj, "__name__", "call")
+            # a method's object; str.format comes wrapped by the sandbox (`wrap_str_format`)
+            receiver = getattr(__obj, "__self__", getattr(getattr(__obj, "__wrapped__", None), "__self__", None))
+            _check_arguments(name, receiver, args, kwargs)
+            return _check_result(name, super().call(__context, __obj, *args, **kwargs))
 
         def call_binop(self, context, operator, left, right):
             self.tick()
             sized = [x for x in (left, right) if isinstance(x, (str, list, tuple))]
             counts = [x for x in (left, right) if isinstance(x, int) and not isinstance(x, bool)]
-            too_big = (operator == "*" and sized and counts and len(sized[0]) * counts[0] > TEMPLATE_CHARS) or (
-                operator == "**" and len(counts) == 2 and abs(counts[1]) > 64
+            too_big = (
+                (operator == "*" and sized and counts and len(sized[0]) * counts[0] > TEMPLATE_CHARS)
+                or (operator == "**" and len(counts) == 2 and abs(counts[1]) > 64)
+                or (operator == "+" and printed_size(left) + printed_size(right) > TEMPLATE_CHARS)
+                or (operator == "%" and _growth("%", left, ()) > TEMPLATE_CHARS)
             )
             if too_big:
                 raise jinja2.exceptions.TemplateError(f"{operator!r} would build a value beyond the template's limits")
             return super().call_binop(context, operator, left, right)
+
+        def concat(self, parts: tuple) -> str:
+            """`a ~ b`: checked before the string is built (`BoundedCodeGenerator`)."""
+            self.tick()
+            if sum(printed_size(p) for p in parts) > TEMPLATE_CHARS:
+                raise jinja2.exceptions.TemplateError("'~' would build a value beyond the template's limits")
+            return "".join(map(str, parts))
+
+    class BoundedCodeGenerator(CodeGenerator):
+        # `~` compiles to a join of its operands in Jinja's runtime, out of the sandbox's reach: route it
+        # through `Bounded.concat` (autoescape is off in chat templates, so no Markup is lost).
+        def visit_Concat(self, node, frame):
+            self.write("environment.concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
+    def bounded(name: str, fn):
+        """Filter `fn` with its arguments and result held to the template's limits."""
+
+        @functools.wraps(fn)  # keeps the pass_context/pass_environment marks Jinja reads
+        def run(*args, **kwargs):
+            env.tick()
+            passed = (jinja2.runtime.Context, jinja2.nodes.EvalContext, jinja2.Environment)  # pass_* marks
+            values = [a for a in args if not isinstance(a, passed)]
+            _check_arguments(name, values[0] if values else None, tuple(values[1:]), kwargs)
+            return _check_result(name, fn(*args, **kwargs))
+
+        return run
+
+    def finalize(value):
+        # What `{{ ... }}` prints: a container prints item by item, so its size is checked first.
+        if printed_size(value) > TEMPLATE_CHARS:
+            raise jinja2.exceptions.TemplateError(f"it printed a value of more than {TEMPLATE_CHARS:,} characters")
+        return value
 
     def bounded_range(*args):
         env.tick()
@@ -388,8 +511,10 @@ def _environment():
             env.tick()
             yield i
 
-    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols])
+    Bounded.code_generator_class = BoundedCodeGenerator
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols], finalize=finalize)
     env.filters["tojson"] = tojson
+    env.filters = {name: bounded(name, fn) for name, fn in env.filters.items()}
     env.globals.update(
         range=bounded_range,
         raise_exception=raise_exception,
@@ -438,6 +563,7 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     from tokenizers import Tokenizer as Backend
 
     model_dir = resolve_model_dir(model_dir)
+    tokenizer_files(model_dir)  # every file a checkpoint will copy lies inside the directory: checked now
     path = model_file(model_dir, "tokenizer.json")
     if not path.is_file():
         raise ModelError(
@@ -505,16 +631,28 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     return Tokenizer(backend, tuple(eos), pad, special, _read_chat_template(model_dir, tok_cfg), str(model_dir))
 
 
+def tokenizer_files(model_dir: Path) -> list[str]:
+    """The tokenizer and chat-template files `model_dir` holds (TOKENIZER_FILES and the named templates,
+    CHAT_TEMPLATE_DIR/NAME.jinja), each checked to lie inside it (`model_file`): a checkpoint copies them,
+    and a checkpoint is what users share."""
+    names = [name for name in TOKENIZER_FILES if model_file(model_dir, name).is_file()]
+    templates = sorted((model_dir / CHAT_TEMPLATE_DIR).glob("*.jinja"))
+    names += [name for p in templates if model_file(model_dir, name := f"{CHAT_TEMPLATE_DIR}/{p.name}").is_file()]
+    return names
+
+
+def has_builtin_tokenizer(model_dir: Path) -> bool:
+    """Whether `model_dir` tokenizes as the built-in model does (it is that model, or a checkpoint trained
+    from it): its tokenizer.json is the built-in one's, byte for byte."""
+    own, builtin = model_dir / "tokenizer.json", BUILTIN_DIR / "tokenizer.json"
+    return own.is_file() and own.stat().st_size == builtin.stat().st_size and own.read_bytes() == builtin.read_bytes()
+
+
 def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
-    """Copy every tokenizer and chat-template file `src_dir` holds (TOKENIZER_FILES and the named
-    templates' folder) into `dst_dir`; returns the names copied."""
+    """Copy `tokenizer_files(src_dir)` into `dst_dir`, byte for byte; returns the names copied."""
     src, dst = resolve_model_dir(src_dir), Path(dst_dir)
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, dst / name)
-            copied.append(name)
-    if (src / CHAT_TEMPLATE_DIR).is_dir():
-        shutil.copytree(src / CHAT_TEMPLATE_DIR, dst / CHAT_TEMPLATE_DIR, dirs_exist_ok=True)
-        copied.append(CHAT_TEMPLATE_DIR)
-    return copied
+    names = tokenizer_files(src)
+    for name in names:
+        (dst / name).parent.mkdir(exist_ok=True)
+        shutil.copyfile(src / name, dst / name)
+    return names

@@ -69,7 +69,8 @@ class Estimator:
     source: str  # the reference code: repository, file (and option)
     params: dict[str, float]  # the reference's values of the TUNABLE keys it reads; the others it refuses
     advantage: str  # default advantage estimator
-    aggregation: str | None  # the only aggregation it is defined with, or None (any)
+    aggregation: str  # default aggregation: its reference's
+    aggregation_fixed: bool  # it is defined with that aggregation only (any other is refused)
     clipped: ClippedFn | None  # its clip, against a reference (phantom clipping); None: it has none
     reject: RejectFn | None  # its sequence rejection from π_old/μ, applied before the update
     corrects_mismatch: bool  # it reads π_old/μ: meaningless when the ratio is taken against μ
@@ -84,7 +85,8 @@ def register(
     source: str,
     params: dict[str, float] | None = None,
     advantage: str = "drgrpo",
-    aggregation: str | None = None,
+    aggregation: str = "seq_mean_token_sum_norm",
+    aggregation_fixed: bool = False,
     clipped: ClippedFn | None = None,
     reject: RejectFn | None = None,
     corrects_mismatch: bool = False,
@@ -94,7 +96,15 @@ def register(
 
     def wrap(fn: LossFn) -> LossFn:
         ESTIMATORS[name] = Estimator(
-            fn, source, dict(params or {}), advantage, aggregation, clipped, reject, corrects_mismatch or bool(reject)
+            fn,
+            source,
+            dict(params or {}),
+            advantage,
+            aggregation,
+            aggregation_fixed,
+            clipped,
+            reject,
+            corrects_mismatch or bool(reject),
         )
         return fn
 
@@ -385,6 +395,7 @@ def grpo_opsm(inp: PolicyInputs, cfg: LossConfig):
     params={"clip_low": 3e-4, "clip_high": 4e-4},
     advantage="grpo",
     aggregation="seq_mean_token_mean",
+    aggregation_fixed=True,
     source=f"{OAT} (use_gspo, bf16_gspo.sh); volcengine/verl, core_algos.py (gspo)",
 )
 def gspo(inp: PolicyInputs, cfg: LossConfig):
@@ -424,7 +435,9 @@ def _dppo(inp: PolicyInputs, cfg: LossConfig, *, outside: ClippedFn):
 
 
 # VeRL's DPPO recipe (examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh): δ in the ε keys, 0.15 for
-# TV and 0.05 for KL; clip_ratio_c 10000, so the truncation of r at C practically never acts.
+# TV and 0.05 for KL; clip_ratio_c 10000, so the truncation of r at C practically never acts; the GRPO
+# advantage without the std normalisation (norm_adv_by_std_in_grpo=False: Dr.GRPO's) and
+# seq-mean-token-sum-norm aggregation.
 DPPO_SOURCE = f"{VERL} (compute_policy_loss_dppo_*); examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh"
 
 
@@ -434,7 +447,7 @@ for _name, _outside, _delta in (("dppo_tv", dppo_tv_outside, 0.15), ("dppo_kl", 
         _name,
         clipped=_outside,
         params={"clip_low": _delta, "clip_high": _delta, "cap": 10000.0},
-        advantage="grpo",
+        advantage="drgrpo",
         source=f"{DPPO_SOURCE} (LOSS_MODE={_name})",
     )(functools.partial(_dppo, outside=_outside))
 
@@ -451,6 +464,7 @@ def cispo_clipped(logprobs, reference, advantages, mask, cfg: LossConfig) -> tor
     clipped=cispo_clipped,
     params={"clip_low": 10.0, "clip_high": 0.2},
     advantage="grpo",
+    aggregation="token_mean",  # the recipe leaves loss_agg_mode at the actor's token-mean; MiniMax-M1's, TRL's
     source=f"{VERL} (compute_policy_loss_cispo); examples/cispo_trainer/run_cispo_qwen2_5_0_5b_gsm8k.sh",
 )
 def cispo(inp: PolicyInputs, cfg: LossConfig):
@@ -471,6 +485,7 @@ def cispo(inp: PolicyInputs, cfg: LossConfig):
     params={"tau_pos": 1.0, "tau_neg": 1.05},
     advantage="grpo",
     aggregation="seq_mean_token_mean",
+    aggregation_fixed=True,
     source=f"{VERL} (compute_policy_loss_sapo; actor tau_pos, tau_neg)",
 )
 def sapo(inp: PolicyInputs, cfg: LossConfig):
@@ -585,15 +600,13 @@ class Denominators:
     """A mini-batch's normalisers, shared by its micro-batches so that accumulation is exact."""
 
     sequences: int  # every sequence of the mini-batch, rejected ones included
-    sequences_with_tokens: int  # those with a token left in the loss
     tokens: int  # tokens left in the loss
     max_length: int  # the generation budget (Dr.GRPO's constant)
 
 
 def denominators(loss_mask: torch.Tensor, max_length: int) -> Denominators:
     """The normalisers of the mini-batch whose loss mask (rejected rows already cleared) is `loss_mask`."""
-    with_tokens, tokens = torch.stack([loss_mask.any(-1).sum(), loss_mask.sum()]).tolist()  # one host read
-    return Denominators(loss_mask.shape[0], with_tokens, tokens, max_length)
+    return Denominators(loss_mask.shape[0], int(loss_mask.sum()), max_length)
 
 
 def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, d: Denominators) -> torch.Tensor:
@@ -603,18 +616,19 @@ def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, d: Denomi
     mini-batch loss (gradient accumulation is exact). A sequence a rejection rule removed
     has no token in `mask`; whether it still counts follows each mode's reference:
     - `token_mean`: Σ loss / tokens left (verl token-mean, Oat, TRL): it does not;
-    - `seq_mean_token_mean`: mean over the sequences with tokens left of each one's token
-      mean (verl seq-mean-token-mean, whose sequence mask excludes fully masked rows): it does not;
+    - `seq_mean_token_mean`: Σ over the sequences with tokens left of each one's token mean, / every
+      sequence (verl seq-mean-token-mean divides by the mini-batch's size, its global_batch_size;
+      TRL's mean runs over every row): it does;
     - `seq_mean_token_sum_norm`: Σ loss / (max_length · every sequence) (Dr.GRPO: verl divides
-      by the mini-batch's size, SkyRL averages over every row): it does, so the gradient of
-      a kept token does not grow as others are rejected.
+      by the mini-batch's size, SkyRL averages over every row): it does.
+    Where it does, the gradient of a kept token does not grow as others are rejected.
     """
     m = mask.to(token_loss.dtype)
     summed = token_loss * m
     if mode == "token_mean":
         return summed.sum() / max(d.tokens, 1)
     if mode == "seq_mean_token_mean":
-        return (summed.sum(-1) / m.sum(-1).clamp(min=1)).sum() / max(d.sequences_with_tokens, 1)
+        return (summed.sum(-1) / m.sum(-1).clamp(min=1)).sum() / max(d.sequences, 1)
     if mode == "seq_mean_token_sum_norm":
         return summed.sum() / (d.max_length * max(d.sequences, 1))
     raise ValueError(f"unknown aggregation {mode!r}; expected one of {', '.join(AGGREGATIONS)}")

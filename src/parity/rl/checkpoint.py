@@ -6,14 +6,20 @@ the run trains LoRA adapters, only the adapters in PEFT's format (`adapter/`: PE
 them onto the base model, which the run's `model` names and `state.json` fingerprints),
 the AdamW state as `optimizer.safetensors` plus JSON, `state.json` (step, data
 position, weight version, loss scaler, the run's config) and `manifest.json`
-(the SHA-256 and size of every other file). Nothing is pickled.
+(the SHA-256 and size of every other file). Nothing is pickled, and nothing read is unpickled.
 
 A run with distributed learners writes `sharded/` instead of `model/` and the optimizer
 file: each learner saves its own shards of the weights and AdamW state with
-`torch.distributed.checkpoint` (no learner gathers the whole model), and the driver the
-RNG state as `rng.safetensors`. DCP reshards on load, so any learner count, or one
-process (`parity eval`, a resume), reads it back; a learner group reads its own shards in
-place (`load_checkpoint(..., read_shards=)`), so no process holds the trained model whole.
+`torch.distributed.checkpoint` (no learner gathers the whole model) in Parity's own
+storage (`rl/shards.py`: safetensors shards, a JSON index), and the driver the RNG state as
+`rng.safetensors`. DCP reshards on load, so any learner count, or one process (`parity
+eval`, a resume), reads it back; a learner group reads its own shards in place
+(`load_checkpoint(..., read_shards=)`), so no process holds the trained model whole.
+
+A checkpoint is input like any other: a run directory may come from someone else. Only
+Parity's own names under `checkpoints/` are read (`rundir.checkpoint_step`), every field of
+`manifest.json` and `state.json` is checked before anything is loaded, and a checkpoint that
+fails a check is set aside on resume, or refused in one line by `parity eval`.
 
 A checkpoint directory appears only once complete (written to a temporary
 folder, then renamed), so a run killed mid-save leaves the previous one intact;
@@ -27,7 +33,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -44,11 +52,17 @@ from parity.engines.lora import AdapterError, load_adapter_state, read_adapter, 
 from parity.engines.models import ModelError, load_model, save_model
 from parity.engines.tokenizer import copy_tokenizer_files
 from parity.engines.trainer import Trainer
-from parity.files import atomic_dir
+from parity.files import JSONError, atomic_dir, parse_json
+from parity.rl import shards
 from parity.rl.model_card import model_card
+from parity.rundir import checkpoint_name, checkpoint_step
 
-FORMAT_VERSION = 2  # 2: manifest.json with checksums, the config in state.json
+# 2: manifest.json with checksums, the config in state.json; 3: sharded checkpoints in rl/shards.py's storage.
+# A format-2 checkpoint of one process reads as before; a format-2 sharded one holds a pickled index, not read.
+FORMAT_VERSION = 3
+READABLE_FORMATS = (2, 3)
 MANIFEST = "manifest.json"
+MAX_JSON_BYTES = 64 * 2**20  # manifest.json and state.json list files and settings: far below this
 ADAPTER_DIR = "adapter"
 SHARDED_DIR = "sharded"  # the weights and AdamW state as torch.distributed.checkpoint shards
 SHARDED_RNG = "rng.safetensors"
@@ -139,17 +153,51 @@ def _files_sha256(files: tuple[tuple[str, int, int], ...]) -> str:
     return digest.hexdigest()
 
 
+def _read_json(path: Path) -> Any:
+    """A checkpoint's small JSON file; a JSONError (or OSError) when it cannot be used."""
+    if path.is_symlink():
+        raise JSONError("a link, which Parity never writes")
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise JSONError(f"{path.stat().st_size} bytes, more than a checkpoint's {path.name} holds")
+    try:
+        return parse_json(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise JSONError(f"not UTF-8 (byte at offset {e.start})") from None
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _manifest_problem(entries: Any) -> str | None:
+    """What makes manifest.json's `files` unusable: not {relative path: {"bytes": N, "sha256": HEX}}."""
+    if not isinstance(entries, dict):
+        return f'{MANIFEST}: files must be an object {{"PATH": {{"bytes": N, "sha256": HEX}}}}'
+    for name, entry in entries.items():
+        parts = Path(name).parts
+        if not parts or Path(name).is_absolute() or ".." in parts:
+            return f"{MANIFEST}: {name!r} is not a path inside the checkpoint"
+        ok = isinstance(entry, dict) and type(entry.get("bytes")) is int and entry["bytes"] >= 0
+        if not ok or not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
+            return f'{MANIFEST}: {name}: expected {{"bytes": N, "sha256": HEX}}'
+    return None
+
+
 def verify_checkpoint(path: Path) -> str | None:
     """What is wrong with the checkpoint at `path` (a missing, changed or cut file), or None."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        entries = manifest["files"]
+        manifest = _read_json(path / MANIFEST)
     except FileNotFoundError:
         return f"no {MANIFEST} (not a complete checkpoint of this format)"
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return f"{MANIFEST} is unreadable"
+    except (JSONError, OSError) as e:
+        return f"{MANIFEST} is unreadable ({e})"
+    entries = manifest.get("files") if isinstance(manifest, dict) else None
+    problem = _manifest_problem(entries)
+    if problem is not None:
+        return problem
     for name, entry in entries.items():
         file = path / name
+        if file.is_symlink():
+            return f"{name} is a link, which Parity never writes"
         if not file.is_file():
             return f"{name} is missing"
         if file.stat().st_size != entry["bytes"]:
@@ -157,6 +205,88 @@ def verify_checkpoint(path: Path) -> str | None:
         if _sha256(file) != entry["sha256"]:
             return f"{name} does not match its checksum"
     return None
+
+
+def saved_config(path: Path) -> dict[str, Any] | None:
+    """The run's config that the checkpoint at `path` stores, or None when its state.json does not read."""
+    try:
+        meta = _read_json(path / "state.json")
+    except (JSONError, OSError):
+        return None
+    config = meta.get("config") if isinstance(meta, dict) else None
+    return config if isinstance(config, dict) else None
+
+
+def _count(meta: dict[str, Any], key: str) -> int:
+    value = meta.get(key)
+    if type(value) is not int or value < 0:
+        raise CheckpointError(f"state.json: {key} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _run_state(meta: Any) -> RunState:
+    """state.json's run state, every field checked (a CheckpointError names the first that is not usable)."""
+    if not isinstance(meta, dict):
+        raise CheckpointError("state.json: expected a JSON object")
+    if meta.get("format") not in READABLE_FORMATS:
+        raise CheckpointError(f"state.json: unsupported checkpoint format {meta.get('format')!r}")
+    scaler = meta.get("scaler")
+    counts = ("clean_steps", "skipped_steps")
+    if (
+        not isinstance(scaler, dict)
+        or not isinstance(scaler.get("scale"), (int, float))
+        or isinstance(scaler["scale"], bool)
+        or not (math.isfinite(scaler["scale"]) and scaler["scale"] > 0)
+        or any(type(scaler.get(k)) is not int or scaler[k] < 0 for k in counts)
+    ):
+        raise CheckpointError(
+            'state.json: scaler must be {"scale": a positive number, "clean_steps": N, "skipped_steps": N}'
+        )
+    if meta.get("config") is not None and not isinstance(meta["config"], dict):
+        raise CheckpointError("state.json: config must be an object")
+    return RunState(
+        _count(meta, "step"), _count(meta, "data_position"), _count(meta, "weight_version"), meta.get("config")
+    )
+
+
+def _tensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except SafetensorError as e:
+        raise CheckpointError(f"{file.name}: not a readable safetensors file ({e})") from None
+
+
+def _check_rng(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    rng, expected = tensors.pop("rng.torch", None), torch.get_rng_state()
+    if rng is None or rng.dtype != expected.dtype or rng.shape != expected.shape:
+        raise CheckpointError(f"rng.torch: expected the generator state, {tuple(expected.shape)} bytes")
+    return rng
+
+
+def _check_weights(trainer: Trainer, weights: dict[str, torch.Tensor]) -> None:
+    """A checkpoint's full weights must be this trainer's, name for name and shape for shape: a checkpoint
+    of another model in a run's folder is refused here, before any weight is replaced."""
+    own = {k: tuple(v.shape) for k, v in trainer.model.state_dict().items()}
+    held = {k: tuple(v.shape) for k, v in weights.items()}
+    if held != own:
+        name = sorted(k for k in own.keys() | held.keys() if own.get(k) != held.get(k))[0]
+        raise CheckpointError(f"holds another model's weights ({name}: {held.get(name)} there, {own.get(name)} here)")
+
+
+def _check_optimizer(trainer: Trainer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """optimizer.safetensors and state.json's param_groups must fit this trainer's optimizer."""
+    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    groups = (meta.get("optimizer") or {}).get("param_groups") if isinstance(meta.get("optimizer"), dict) else None
+    if not isinstance(groups, list) or [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups] != [
+        len(g["params"]) for g in trainer.optimizer.param_groups
+    ]:
+        raise CheckpointError("state.json: optimizer.param_groups do not fit this trainer's optimizer")
+    for key, value in tensors.items():
+        match = re.fullmatch(r"state\.(\d+)\.(\w+)", key)
+        if match is None or int(match[1]) >= len(params):
+            raise CheckpointError(f"optimizer.safetensors: {key} is not an optimizer state of this model")
+        if value.dim() and value.shape != params[int(match[1])].shape:
+            raise CheckpointError(f"optimizer.safetensors: {key} is {tuple(value.shape)}, its parameter not")
 
 
 def save_checkpoint(
@@ -175,13 +305,13 @@ def save_checkpoint(
         bad = non_finite_tensors({n: p for n, p in trainer.model.named_parameters() if p.requires_grad})
         if bad:
             raise CheckpointError(f"step {state.step}: not saving a checkpoint: inf/NaN in {', '.join(bad[:3])}")
-    target = ckpt_root / f"step_{state.step:06d}"
+    target = ckpt_root / checkpoint_name(state.step)
     try:
         _write_checkpoint(target, trainer, state, model_dir, write_shards)
     except (OSError, SafetensorError) as e:  # a full disk, a file-size limit: the earlier ones stay intact
         raise CheckpointError(f"{target}: could not be written ({e}); earlier checkpoints are intact") from None
     # Older ones go; `target`, just written from finite weights, is always the newest kept.
-    older = [p for p in sorted(ckpt_root.glob("step_*")) if p.name < target.name]
+    older = [p for p in checkpoints(run_dir) if checkpoint_step(p.name) < state.step]
     for old in older[: max(len(older) - (keep - 1), 0)]:
         shutil.rmtree(old, ignore_errors=True)
     return target
@@ -227,46 +357,56 @@ def _model_files(model_dir: Path, card: str, folder: Path) -> None:
     (folder / "README.md").write_text(card, encoding="utf-8")
 
 
-def _state_dicts(trainer: Trainer) -> dict[str, dict]:
-    """The trainer's weights and AdamW state keyed by parameter name, each tensor as this process holds it
-    (a shard under FSDP2): what torch.distributed.checkpoint saves and loads in place."""
+def _state_dicts(trainer: Trainer) -> tuple[dict[str, dict], list[dict]]:
+    """The trainer's tensors keyed by parameter name, each as this process holds it (a shard under FSDP2):
+    what a sharded checkpoint saves and loads in place; and the optimizer's param_groups, which it does not
+    store (`rl/shards.py`)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model, optim = get_state_dict(trainer.model, trainer.optimizer)
-    return {"model": model, "optim": optim}
+    return {"model": model, "optim": {"state": optim["state"]}}, optim["param_groups"]
 
 
 def save_shards(trainer: Trainer, folder: Path) -> None:
     """Write this learner's shards of the trainer's state into `folder`: a collective, every learner of
     the group calls it at once (rank 0 also writes the index of all shards)."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state_dicts(trainer), checkpoint_id=str(folder))
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(_state_dicts(trainer)[0], storage_writer=shards.ShardWriter(folder), no_dist=not dist.is_initialized())
 
 
 def load_shards(folder: Path, trainer: Trainer) -> list[str]:
     """Read a sharded checkpoint into `trainer` whatever its layout: one process, or a learner group
     of any size (DCP reshards; in a group, a collective). Returns the names of the non-finite tensors this
-    process now holds. Raises CheckpointError when the shards do not fit the model."""
+    process now holds. Raises CheckpointError when the shards are damaged or do not fit the model."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state = _state_dicts(trainer)
+    state, param_groups = _state_dicts(trainer)
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
-    except (CheckpointException, RuntimeError, ValueError) as e:  # a shard that does not fit this model
+            dcp.load(state, storage_reader=shards.ShardReader(folder), no_dist=not dist.is_initialized())
+    except CheckpointException as e:  # its text is every rank's traceback: name the first failure only
+        failure = next(iter(e.failures.values()))[0]
+        raise CheckpointError(f"{folder}: {failure}") from None
+    except (RuntimeError, ValueError) as e:  # a shard that does not fit this model
         raise CheckpointError(f"{folder}: {e}") from None
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    optim = {"state": state["optim"]["state"], "param_groups": param_groups}
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=optim)
     return non_finite_tensors(local_parameters(trainer.model))
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    """The run's checkpoint folders, oldest first."""
-    return sorted(p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
+    """The run's checkpoint folders, oldest first: Parity's names only (`rundir.checkpoint_step`)."""
+    folder = run_dir / "checkpoints"
+    found = [p for p in folder.iterdir() if checkpoint_step(p.name) is not None] if folder.is_dir() else []
+    return sorted((p for p in found if p.is_dir() and not p.is_symlink()), key=lambda p: checkpoint_step(p.name))
 
 
 def _check_kind(path: Path, trainer: Trainer, meta: dict[str, Any], base_dir: Path | None) -> None:
@@ -280,11 +420,11 @@ def _check_kind(path: Path, trainer: Trainer, meta: dict[str, Any], base_dir: Pa
         return
     if base_dir is None:
         raise ValueError(f"{path}: loading LoRA adapters needs base_dir, the base model they were trained on")
-    saved = meta.get("base_model", {}).get("sha256")
-    if saved != base_sha256(base_dir):
+    base = meta.get("base_model") if isinstance(meta.get("base_model"), dict) else {}
+    if base.get("sha256") != base_sha256(base_dir):
         raise ConfigError(
             f"model: the base model in {base_dir} is not the one this run's LoRA adapters were trained on "
-            f"({meta.get('base_model', {}).get('path')}, sha256 {str(saved)[:12]}); restore that base to resume"
+            f"({base.get('path')}, sha256 {str(base.get('sha256'))[:12]}); restore that base to resume"
         )
 
 
@@ -306,20 +446,28 @@ def load_checkpoint(
         raise CheckpointError(f"{path}: {problem}")
     sharded = (path / SHARDED_DIR).is_dir()
     try:
-        meta = json.loads((path / "state.json").read_text())
-        if meta.get("format") != FORMAT_VERSION:
-            raise CheckpointError(f"{path}/state.json: unsupported checkpoint format {meta.get('format')!r}")
+        meta = _read_json(path / "state.json")
+        state = _run_state(meta)
+        if checkpoint_step(path.name) not in (None, state.step):
+            raise CheckpointError(f"state.json: step {state.step} in the folder of step {checkpoint_step(path.name)}")
         _check_kind(path, trainer, meta, base_dir)
         if sharded:
+            shards.read_index(path / SHARDED_DIR)  # the index, checked here before any learner reads it
             weights = {}  # checked once loaded: DCP reads into the trainer's own tensors
-            tensors = load_file(str(path / SHARDED_RNG))
+            tensors = _tensors(path / SHARDED_RNG)
         else:
             if trainer.lora is None:
                 weights = load_model(path / "model").state_dict()
+                _check_weights(trainer, weights)
             else:
                 weights = read_adapter(path / ADAPTER_DIR, trainer.lora)
-            tensors = load_file(str(path / "optimizer.safetensors"))
-    except (ModelError, AdapterError, json.JSONDecodeError, OSError) as e:
+            tensors = _tensors(path / "optimizer.safetensors")
+        rng = _check_rng(tensors)
+        if not sharded:
+            _check_optimizer(trainer, tensors, meta)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    except (ModelError, AdapterError, JSONError, ValueError, OSError, SafetensorError) as e:
         raise CheckpointError(f"{path}: {e}") from None
     bad = non_finite_tensors(weights) + non_finite_tensors(tensors)
     if bad:
@@ -336,13 +484,13 @@ def load_checkpoint(
                 load_adapter_state(trainer.model, weights)
         except AdapterError as e:
             raise CheckpointError(f"{path}: {e}") from None
-    torch.set_rng_state(tensors.pop("rng.torch"))
+    torch.set_rng_state(rng)
     if not sharded:
         _load_optimizer(trainer.optimizer, tensors, meta["optimizer"])
     trainer.scaler.load_state_dict(meta["scaler"])
-    trainer.weight_version = meta["weight_version"]
-    in_place = sharded and read_shards is not None
-    return RunState(meta["step"], meta["data_position"], meta["weight_version"], meta.get("config"), in_place)
+    trainer.weight_version = state.weight_version
+    state.read_in_place = sharded and read_shards is not None
+    return state
 
 
 def restore_latest(

@@ -34,13 +34,15 @@ from parity import config as config_mod
 from parity.config import ConfigError
 from parity.engines import kernels
 from parity.engines.batch import RolloutBatch
+from parity.engines.budget import check_rollout_memory
 from parity.engines.lora import AdapterError
-from parity.engines.models import ModelConfig, load_model, resolve_model_dir
+from parity.engines.models import ModelConfig, load_model, require_finite_logits, resolve_model_dir
+from parity.engines.precision import to_dtype
 from parity.engines.sampler import ExactnessError, Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import Trainer, scheduled_lr
-from parity.files import atomic_write_json, atomic_write_text
+from parity.files import JSONError, atomic_write_json, atomic_write_text, parse_json
 from parity.rl.checkpoint import (
     RunState,
     checkpoints,
@@ -48,6 +50,7 @@ from parity.rl.checkpoint import (
     require_finite_weights,
     restore_latest,
     save_checkpoint,
+    saved_config,
 )
 from parity.rl.completions import completion_rows, markdown_table, sample_rows, write_completions
 from parity.rl.diagnostics import mismatch_alarm
@@ -68,10 +71,10 @@ from parity.rl.tasks import (
     DATA_DIR,
     DataOrder,
     Problem,
-    PromptLimit,
     builtin_problems,
     extract_boxed,
     load_problems,
+    prompt_limit,
     write_rows,
 )
 from parity.rl.trackers import Tracker, open_trackers
@@ -93,14 +96,12 @@ class MetricsLog:
         """Drop lines logged after `step` (a killed run's steps past its checkpoint)."""
         if not self.path.is_file():
             return
-        kept = []
-        for line in self.path.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line)
-            except (json.JSONDecodeError, KeyError):
-                continue  # a line cut short by the kill
+        kept = [line for line in self.path.read_text(errors="replace").splitlines() if _logged_step(line, step)]
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The steps logged (after `truncate_after`, every line is one)."""
+        return [parse_json(line) for line in self.path.read_text().splitlines()] if self.path.is_file() else []
 
     def log(self, metrics: dict[str, float]) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
@@ -140,14 +141,22 @@ def _flatten(obj: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _logged_step(line: str, last: int) -> bool:
+    """Whether `line` is a step logged at or before step `last`: a line cut short by a kill, or one that is
+    not a step's metrics at all, is not."""
+    try:
+        row = parse_json(line)
+    except JSONError:
+        return False
+    numbers = [row.get(k) for k in ("step", "mismatch/k3")] if isinstance(row, dict) else [None]
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers) and row["step"] <= last
+
+
 def _saved_config(run_dir: Path) -> dict[str, Any] | None:
     """The config stored in the newest checkpoint whose state.json reads, flattened."""
     for path in reversed(checkpoints(run_dir)):
-        try:
-            saved = json.loads((path / "state.json").read_text()).get("config")
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(saved, dict):
+        saved = saved_config(path)
+        if saved is not None:
             return _flatten(saved)
     return None
 
@@ -191,17 +200,29 @@ class Run:
             reference.numerics = self.numerics
             self.reference = Trainer(reference, cfg.trainer_precision, optim)
             self.reference.model.requires_grad_(False)
-        positions, max_new = model.config.max_position_embeddings, cfg.rollout.max_new_tokens
-        room = f"model max_position_embeddings {positions} minus rollout.max_new_tokens {max_new}"
+        positions = model.config.max_position_embeddings
+        limit = prompt_limit(
+            self.tokenizer, positions, cfg.rollout.max_new_tokens, "rollout.max_new_tokens", cfg.task.chat_template
+        )
         self.columns = data_columns(cfg)
         if cfg.task.data == "builtin":
             self.problems = builtin_problems(cfg.task.name, cfg.task.num_problems, cfg.seed, cfg.task.difficulty)
-            limit = PromptLimit(self.tokenizer, positions - max_new, room, cfg.task.chat_template)
             for i, problem in enumerate(self.problems):
                 limit.check(f"task.data=builtin: generated problem {i}", problem.prompt)
         else:
-            self.problems = load_problems(
-                cfg.task.data, self.tokenizer, positions - max_new, room, cfg.task.chat_template, columns=self.columns
+            self.problems = load_problems(cfg.task.data, limit, columns=self.columns)
+        first_prompt = limit.check("task.data: problem 0", self.problems[0].prompt)
+        precisions = {p: to_dtype(p) for p in (cfg.trainer_precision, cfg.rollout_precision)}
+        require_finite_logits(model, first_prompt, precisions, self.model_dir)
+        if not cfg.distributed.address:  # a joined cluster samples on its own machines, whose memory is not here
+            check_rollout_memory(
+                model.config,
+                cfg.prompts_per_step * cfg.rollout.group_size,
+                limit.longest,
+                cfg.rollout.max_new_tokens,
+                "prompts_per_step x rollout.group_size, rollout.max_new_tokens, diagnostics.full_vocab_positions",
+                cfg.device,
+                cfg.diagnostics.full_vocab_positions,
             )
         self.data = DataOrder(len(self.problems), cfg.seed)
         self.rewards = run_rewards(cfg, self.problems, rewards)
@@ -234,20 +255,18 @@ class Run:
             return None
         source = cfg.eval_data
         max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
-        positions = config.max_position_embeddings
-        room = f"model max_position_embeddings {positions} minus eval.max_new_tokens {max_new}"
-        limit = PromptLimit(self.tokenizer, positions - max_new, room, cfg.task.chat_template)
+        key = "eval.max_new_tokens" if e.max_new_tokens else "rollout.max_new_tokens"
+        limit = prompt_limit(self.tokenizer, config.max_position_embeddings, max_new, key, cfg.task.chat_template)
+        problems: list[Problem] = []
         if source == "heldout":
             trained = {str(p.prompt) for p in self.problems}
             problems = heldout_problems(cfg.task.name, cfg.task.difficulty, e.num_prompts, cfg.seed, trained)
             for i, problem in enumerate(problems):
                 limit.check(f"eval: held-out problem {i}", problem.prompt)
         elif source is not None:
-            problems = load_problems(
-                source, self.tokenizer, positions - max_new, room, cfg.task.chat_template, columns=self.columns
-            )
+            problems = load_problems(source, limit, columns=self.columns)
             problems = problems[: e.num_prompts]
-        if source is None or not problems:
+        if not problems:
             print(
                 f"eval: no held-out problems (task.data={cfg.task.data} "
                 + ("with your reward functions" if cfg.task.reward_fn else f"with task.name={cfg.task.name}")
@@ -256,9 +275,11 @@ class Run:
                 file=sys.stderr,
             )
             return None
+        keys = f"eval.num_prompts x eval.samples, {key}"
+        check_rollout_memory(config, len(problems) * e.samples, limit.longest, max_new, keys, cfg.device)
         evalset = EvalSet(
             problems=problems,
-            prompts=[self.tokenizer.encode_prompt(p.prompt, cfg.task.chat_template) for p in problems],
+            prompts=[limit.check(f"eval: problem {i}", p.prompt) for i, p in enumerate(problems)],
             samples=e.samples,
             sampling=eval_sampling(e.temperature, max_new),
             binary=binary_reward(cfg),
@@ -469,10 +490,10 @@ class Run:
                 )
             for k in changed:
                 note(f"{k} {saved.get(k)!r} -> {current[k]!r}")
-        if overrides:
-            atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
-        run = cls(cfg, run_dir, progress, rewards)
+        run = cls(cfg, run_dir, progress, rewards)  # model, data and reward checked before anything is written
         with run._closed_on_failure():
+            if overrides:
+                atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
             run.record_numerics()
             state = restore_latest(run_dir, run.trainer, note, run.model_dir, run._shard_reader())
             if state is not None:
@@ -483,8 +504,7 @@ class Run:
             elif checkpoints(run_dir) or run.log.path.is_file():
                 note("no usable checkpoint; starting again from step 0")
             run.log.truncate_after(run.step_count)
-            for line in run.log.path.read_text().splitlines() if run.log.path.is_file() else []:
-                logged = json.loads(line)
+            for logged in run.log.rows():
                 run.alarm_series.append(logged["mismatch/k3"])
                 run.alarmed = run.alarmed or bool(logged.get("health/mismatch_alarm"))
         return run

@@ -25,11 +25,16 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
+from parity.config import ConfigError
 from parity.engines.tokenizer import ChatTemplateError
-from parity.files import atomic_write_text
+from parity.files import JSONError, atomic_write_text, parse_json, regular_file_problem
 
 if TYPE_CHECKING:
     from parity.engines.tokenizer import Tokenizer
+
+
+# The most problems a command generates or evaluates at once: 10**9 would only hang before the first step.
+MAX_PROBLEMS = 100_000
 
 
 @dataclass(frozen=True)
@@ -286,11 +291,14 @@ class PromptLimit:
 
     def __init__(self, tokenizer: Tokenizer, max_tokens: int, reason: str | None = None, chat_template: str = "auto"):
         self.tokenizer, self.max_tokens, self.chat_template = tokenizer, max_tokens, chat_template
+        self.why = reason
         self.reason = f" ({reason})" if reason else ""
         self.token_bytes = tokenizer.longest_token_bytes()
         self.max_bytes = self.token_bytes * max_tokens
+        self.longest = 0  # tokens of the longest prompt checked so far
 
-    def check(self, where: str, prompt: str | list[dict[str, Any]]) -> None:
+    def check(self, where: str, prompt: str | list[dict[str, Any]]) -> list[int]:
+        """The prompt's token ids, or a DataError naming `where` when they do not fit (or cannot be made)."""
         # A chat template adds text around the messages, so their contents alone bound the tokens from below.
         num_bytes = sum(len(text.encode("utf-8")) for text in _prompt_texts(prompt))
         if num_bytes > self.max_bytes:
@@ -299,19 +307,36 @@ class PromptLimit:
                 f"(no token spans more than {self.token_bytes} bytes); at most {self.max_tokens} fit{self.reason}"
             )
         try:
-            num_tokens = len(self.tokenizer.encode_prompt(prompt, self.chat_template))
+            ids = self.tokenizer.encode_prompt(prompt, self.chat_template)
         except ChatTemplateError as e:
             raise DataError(f"{where}: {e}") from None
+        num_tokens = len(ids)
+        if not ids:  # an empty chat template, or one that renders only whitespace or comments: nothing to sample after
+            how = "the chat template renders it" if self.tokenizer.uses_chat_template(self.chat_template) else "it"
+            raise DataError(f"{where}: the prompt encodes as no tokens at all ({how} as nothing)")
         if num_tokens > self.max_tokens:
             raise DataError(f"{where}: prompt is {num_tokens} tokens; at most {self.max_tokens} fit{self.reason}")
+        self.longest = max(self.longest, num_tokens)
+        return ids
+
+
+def prompt_limit(
+    tokenizer: Tokenizer, positions: int, max_new_tokens: int, key: str, chat_template: str = "auto"
+) -> PromptLimit:
+    """The limit on prompts when responses may take `max_new_tokens` (the config key `key`) of the model's
+    `positions`; a ConfigError naming `key` when not even a one-token prompt would fit."""
+    if max_new_tokens >= positions:
+        raise ConfigError(
+            f"{key}={max_new_tokens}: the model's max_position_embeddings is {positions}, so at most "
+            f"{positions - 1} new tokens fit after a prompt"
+        )
+    room = f"model max_position_embeddings {positions} minus {key} {max_new_tokens}"
+    return PromptLimit(tokenizer, positions - max_new_tokens, room, chat_template)
 
 
 def load_problems(
     path: str | Path,
-    tokenizer: Tokenizer | None = None,
-    max_prompt_tokens: int | None = None,
-    limit_reason: str | None = None,
-    chat_template: str = "auto",
+    limit: PromptLimit | None = None,
     chat_template_key: str = "task.chat_template",
     columns: DataColumns | None = None,
 ) -> list[Problem]:
@@ -320,20 +345,16 @@ def load_problems(
     otherwise, and may leave the answer out), every row checked now, so that a bad one stops the run before
     it starts. Every other column of a row is kept in `Problem.columns`, with its type.
 
-    With `tokenizer` and `max_prompt_tokens`, every prompt is encoded as training will encode it
-    (`tokenizer.encode_prompt` under `chat_template`, the value of the config key `chat_template_key`): a
-    list of messages needs the model's chat template, and every prompt must fit in `max_prompt_tokens`
-    tokens (`limit_reason` says why that many, e.g. "model max_position_embeddings 2048 minus
-    rollout.max_new_tokens 512"). The file is read a row at a time, and every error is a `DataError`
-    naming the file and line (JSONL) or row (Parquet, counted from 0).
+    With `limit`, every prompt is encoded as training will encode it (under the limit's chat template, the
+    value of the config key `chat_template_key`): a list of messages needs the model's chat template, and
+    every prompt must fit the limit (`prompt_limit`). The file is read a row at a time, and every error is
+    a `DataError` naming the file and line (JSONL) or row (Parquet, counted from 0).
     """
     path = Path(path)
     columns = columns or DataColumns()
-    if not path.is_file():
-        raise DataError(f"task.data: file {str(path)!r} does not exist")
-    if (tokenizer is None) != (max_prompt_tokens is None):
-        raise ValueError("load_problems: pass tokenizer and max_prompt_tokens together")
-    limit = PromptLimit(tokenizer, max_prompt_tokens, limit_reason, chat_template) if tokenizer is not None else None
+    problem = regular_file_problem(path)
+    if problem is not None:
+        raise DataError(f"task.data: {str(path)!r} {problem}")
     if limit is not None and limit.max_tokens < 1:
         raise DataError(f"{path}: no prompt can fit in {limit.max_tokens} tokens{limit.reason}")
     if path.suffix == ".parquet":
@@ -345,11 +366,11 @@ def load_problems(
     for where, row in rows:
         problem = _problem(where, row, columns)
         if limit is not None:
-            if not isinstance(problem.prompt, str) and not tokenizer.uses_chat_template(chat_template):
+            if not isinstance(problem.prompt, str) and not limit.tokenizer.uses_chat_template(limit.chat_template):
                 why = (
                     f"{chat_template_key}=none"
-                    if chat_template == "none"
-                    else f"the model {tokenizer.source} has none ({chat_template_key}=auto)"
+                    if limit.chat_template == "none"
+                    else f"the model {limit.tokenizer.source} has none ({chat_template_key}=auto)"
                 )
                 raise DataError(
                     f"{where}: '{columns.prompt}' is a list of messages, which needs a chat template, and {why}"
@@ -381,9 +402,10 @@ def _jsonl_rows(path: Path, max_line_bytes: int) -> Iterator[tuple[str, object]]
             if not text.strip():
                 continue
             try:
-                yield f"{path}:{lineno}", json.loads(text)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+                row = parse_json(text)
+            except JSONError as e:
+                raise DataError(f"{path}:{lineno}: {e}") from None
+            yield f"{path}:{lineno}", row
 
 
 def _line_length(start: bytes, f: BinaryIO) -> int:

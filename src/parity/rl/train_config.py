@@ -5,6 +5,7 @@ key checked before any work (the error names the key and the expected form). `Tr
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,8 +18,9 @@ from parity.engines.models import BUILTIN_DIR
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES
 from parity.engines.trainer import OptimConfig
+from parity.files import regular_file_problem
 from parity.rl.algorithms import ADVANTAGES, AGGREGATIONS, ESTIMATORS, KL_ESTIMATORS, TUNABLE, LossConfig
-from parity.rl.tasks import DIFFICULTIES, REWARDS, difficulty_has_no_effect
+from parity.rl.tasks import DIFFICULTIES, MAX_PROBLEMS, REWARDS, difficulty_has_no_effect
 
 TRUNCATION_MODES = ("keep", "zero_reward", "drop")
 # trainer.micro_batch_tokens when unset, per device.
@@ -88,8 +90,8 @@ class AlgorithmSection:
     """Unset (null) keys take the estimator's reference value (docs/training.md, "Estimators")."""
 
     name: str = "pg_seq_is"
-    advantage: str | None = None  # the estimator's: drgrpo (the paper's recipe), grpo for gspo
-    aggregation: str | None = None  # the estimator's: seq_mean_token_sum_norm (÷ L_max), GSPO's per sequence
+    advantage: str | None = None  # the estimator's: drgrpo (the paper's recipe), grpo for gspo, cispo, sapo
+    aggregation: str | None = None  # the estimator's: seq_mean_token_sum_norm (÷ L_max), cispo token_mean, ...
     clip_low: float | None = None  # ε_low of the estimator's clip; its own (0.2; gspo 3e-4; cispo 10: none)
     clip_high: float | None = None  # ε_high (0.2; gspo 4e-4)
     cap: float | None = None  # C; the estimator's (grpo_token_tis 2, grpo_seq_mis 10, ...)
@@ -200,6 +202,9 @@ class DistributedSection:
     # How long a dead rollout worker may take to come back while Ray reports it restarting (a
     # busy machine is slow to start one); a worker Ray gives up on stops the run at once.
     restart_timeout_s: float = 900.0
+    # How long joining a user's cluster (`address`) may take before the run is refused in one line: a join
+    # to an address where no cluster answers would otherwise wait for ever (Ray's own client retries).
+    connect_timeout_s: float = 30.0
 
 
 @dataclass
@@ -244,7 +249,13 @@ def default_lr(model: str, lora: bool) -> float:
     return 1e-5 if lora else 1e-6
 
 
-# Every numeric key and its range (floats are already finite: `config._coerce`).
+MAX_SEED = 2**32 - 1  # the seeds are scaled and offset (`Run.rollout_seed`) and must stay within torch's int64
+MAX_WAIT_S = 86400  # timeouts: a day; far past it, the waits' own clocks overflow (a 1e10 s reward timeout crashed)
+CORES = os.cpu_count() or 1
+
+# Every numeric key and its range (floats are already finite: `config._coerce`). A count that sizes memory
+# (rows, positions, ranks) is checked against the machine where the model's sizes are known
+# (`engines.budget`, `engines.lora.apply_lora`).
 NUMERIC_RANGES = (
     ("trainer.lr", lambda v: v > 0, "> 0"),
     ("trainer.weight_decay", lambda v: v >= 0, ">= 0"),
@@ -257,13 +268,14 @@ NUMERIC_RANGES = (
     ("trainer.micro_batch_tokens", lambda v: v >= 1, ">= 1"),
     ("trainer.warmup_steps", lambda v: v >= 0, ">= 0"),
     ("log.completions", lambda v: v >= 0, ">= 0 (0 = print none)"),
-    ("reward.timeout_s", lambda v: v > 0, "> 0 seconds"),
+    ("reward.timeout_s", lambda v: 0 < v <= MAX_WAIT_S, f"in (0, {MAX_WAIT_S}] seconds"),
     ("reward.warn_error_rate", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("reward.max_failed_steps", lambda v: v >= 0, ">= 0 (0 = never stop)"),
     ("health.alarm_window", lambda v: v >= 2, ">= 2"),
     ("health.alarm_factor", lambda v: v >= 0, ">= 0"),
     ("health.max_skipped_steps", lambda v: v >= 1, ">= 1"),
     ("steps", lambda v: v >= 1, ">= 1"),
+    ("seed", lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]"),
     ("prompts_per_step", lambda v: v >= 1, ">= 1"),
     ("rollout.group_size", lambda v: v >= 1, ">= 1"),
     ("algorithm.ppo_epochs", lambda v: v >= 1, ">= 1"),
@@ -271,17 +283,18 @@ NUMERIC_RANGES = (
     ("algorithm.kl_coef", lambda v: v >= 0, ">= 0 (0 = no KL loss)"),
     ("keep_checkpoints", lambda v: v >= 1, ">= 1"),
     ("checkpoint_every", lambda v: v >= -1, ">= -1 (-1 = never)"),
-    ("task.num_problems", lambda v: v >= 1, ">= 1"),
+    ("task.num_problems", lambda v: 1 <= v <= MAX_PROBLEMS, f"in [1, {MAX_PROBLEMS:,}] (each one is generated)"),
     ("distributed.rollout_workers", lambda v: v >= 0, ">= 0 (0 = sample in this process)"),
     ("distributed.learners", lambda v: v >= 1, ">= 1"),
-    ("distributed.threads", lambda v: v >= 0, ">= 0 (0 = share the cores)"),
-    ("distributed.restart_timeout_s", lambda v: v > 0, "> 0 seconds"),
+    ("distributed.threads", lambda v: 0 <= v <= CORES, f"in [0, {CORES}] (this machine's cores; 0 = share them)"),
+    ("distributed.restart_timeout_s", lambda v: 0 < v <= MAX_WAIT_S, f"in (0, {MAX_WAIT_S}] seconds"),
+    ("distributed.connect_timeout_s", lambda v: 0 < v <= MAX_WAIT_S, f"in (0, {MAX_WAIT_S}] seconds"),
     ("async.max_staleness", lambda v: v >= 0, ">= 0 (0 = synchronous)"),
     ("async.partial_rollouts", lambda v: v == 0 or v >= 2, "0 (off) or >= 2 (weight versions one response may span)"),
     ("lora.rank", lambda v: v >= 0, ">= 0 (0 = off: full fine-tuning)"),
     ("diagnostics.full_vocab_positions", lambda v: v >= 0, ">= 0 (0 = off)"),
     ("eval.every", lambda v: v >= -1, ">= -1 (0 = after the last step only, -1 = never)"),
-    ("eval.num_prompts", lambda v: v >= 1, ">= 1"),
+    ("eval.num_prompts", lambda v: 1 <= v <= MAX_PROBLEMS, f"in [1, {MAX_PROBLEMS:,}]"),
     ("eval.samples", lambda v: v >= 1, ">= 1"),
     ("eval.temperature", lambda v: v >= 0, ">= 0 (0 = greedy)"),
 )
@@ -396,13 +409,13 @@ class TrainConfig:
         if "cap_low" in est.params and not 0 <= a.cap_low < a.cap:  # both finite: config._coerce refuses inf and NaN
             raise ConfigError(f"algorithm.cap_low={a.cap_low}, algorithm.cap={a.cap}: need 0 <= cap_low < cap")
         a.advantage = est.advantage if a.advantage is None else a.advantage
-        a.aggregation = (est.aggregation or "seq_mean_token_sum_norm") if a.aggregation is None else a.aggregation
+        a.aggregation = est.aggregation if a.aggregation is None else a.aggregation
         if a.truncated is None:
             a.truncated = "keep" if self.task.name == "length" else "zero_reward"
         _one_of("algorithm.advantage", a.advantage, ADVANTAGES)
         _one_of("algorithm.aggregation", a.aggregation, AGGREGATIONS)
         _one_of("algorithm.truncated", a.truncated, TRUNCATION_MODES)
-        if est.aggregation is not None and a.aggregation != est.aggregation:
+        if est.aggregation_fixed and a.aggregation != est.aggregation:
             raise ConfigError(
                 f"algorithm.aggregation={a.aggregation}: {a.name} is defined per sequence ({est.aggregation}); "
                 "any other aggregation weighs each sequence by its length (VeRL forces it, TRL warns)"
@@ -541,9 +554,10 @@ class TrainConfig:
                 f"eval.precisions: expected distinct names from {', '.join(prec.PRECISIONS)} (a list or a "
                 f"comma-separated string), got {','.join(e.precisions) or 'none'}"
             )
-        if e.data != "auto" and not Path(e.data).expanduser().is_file():
+        problem = regular_file_problem(Path(e.data).expanduser()) if e.data != "auto" else None
+        if problem is not None:
             raise ConfigError(
-                f"eval.data: no file {e.data!r} (use auto for the task's held-out split, or a JSONL/Parquet file)"
+                f"eval.data: {e.data!r} {problem} (use auto for the task's held-out split, or a JSONL/Parquet file)"
             )
 
     @property

@@ -1,0 +1,140 @@
+"""Parity writes and deletes only what it wrote: an output folder holding a user's files is refused before any
+work, a folder Parity wrote is written again, and a refused command writes nothing (issue 43)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from parity.builtin.build import BuildConfig, build_model
+from parity.cli import main
+from parity.config import ConfigError
+from parity.engines.models import BUILTIN_DIR
+from parity.outdir import MARK
+from parity.rundir import remove_run
+
+QUICK_MISMATCH = ["num_prompts=2", "group_size=1", "pairs=[fp32/fp32]", "sampling.max_new_tokens=8"]
+
+
+def _digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        h.update(str(p.relative_to(folder)).encode() + (p.read_bytes() if p.is_file() else b"/"))
+    return h.hexdigest()
+
+
+def _users_folder(path: Path, *names: str) -> Path:
+    """A folder of the user's holding `names` (results of their own under Parity's names, say) and a thesis."""
+    for name in (*names, "thesis.tex"):
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(f"the user's {name}\n")
+    return path
+
+
+def _refused(argv: list[str], capsys, message: str) -> None:
+    assert main(argv) == 2, argv
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("parity ")]
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+COMMANDS = {
+    "mismatch": (["mismatch", *QUICK_MISMATCH, "out=OUT"], "mismatch.json"),
+    "eval": (
+        ["eval", "builtin", "num_prompts=2", "samples=1", "max_new_tokens=8", "precisions=[fp32]", "out=OUT"],
+        "eval.json",
+    ),
+    "doctor": (["doctor", "--prompts", "1", "--out", "OUT"], "doctor.json"),
+    "sanity": (["sanity", "--quick", "--runs", "fp16/grpo", "--out", "OUT"], "summary.json"),
+    "phantom": (["phantom", "--steps", "1", "--out", "OUT"], "summary.json"),
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_an_output_folder_of_the_users_is_refused_untouched(command, tmp_path, capsys):
+    argv, result = COMMANDS[command]
+    out = _users_folder(tmp_path / "mine", result, "runs/fp16-grpo/config.yaml" if command == "sanity" else "a.txt")
+    before = _digest(out)
+    _refused([a.replace("OUT", str(out)) for a in argv], capsys, "holds files Parity did not write")
+    assert _digest(out) == before
+
+
+def _users_folder_with(path: Path, relative: str) -> None:
+    (path / relative).parent.mkdir(parents=True, exist_ok=True)
+    (path / relative).write_text("mine\n")
+
+
+def test_an_output_folder_parity_wrote_is_written_again_and_a_users_file_added_there_is_refused(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["mismatch", *QUICK_MISMATCH, f"out={out}"]
+    assert main(argv) == 0 and (out / MARK).is_file()
+    assert main(argv) == 0  # its own folder: written again
+    (out / "notes.md").write_text("mine\n")
+    capsys.readouterr()
+    _refused(argv, capsys, "holds files Parity did not write (notes.md)")
+    assert (out / "notes.md").read_text() == "mine\n"
+
+
+def test_report_refuses_a_missing_run_without_creating_its_folder(tmp_path, capsys):
+    out = tmp_path / "rep"
+    _refused(["report", str(tmp_path / "no-such-run"), "--out", str(out)], capsys, "no metrics.jsonl")
+    assert not out.exists()
+    run = tmp_path / "run"
+    assert main(["train", f"run_dir={run}", "steps=1", "prompts_per_step=2", "rollout.group_size=2"]) == 0
+    mine = _users_folder(tmp_path / "mine", "report.md")
+    _refused(["report", str(run), "--out", str(mine)], capsys, "holds files Parity did not write")
+    assert (mine / "report.md").read_text() == "the user's report.md\n"
+    assert main(["report", str(run), "--out", str(out)]) == 0 and (out / "report.md").is_file()
+
+
+def test_perfectible_replaces_only_a_set_it_wrote(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "set.jsonl"
+    out.write_text('{"prompt": "mine", "answer": "1"}\n')
+    argv = ["perfectible", "num_candidates=4", "samples=2", f"out={out}"]
+    _refused(argv, capsys, "set.jsonl:1 is not a row of a perfectible set")
+    assert out.read_text() == '{"prompt": "mine", "answer": "1"}\n'
+    out.unlink()
+    assert main(argv) == 0 and main(argv) == 0  # a set it wrote is replaced
+    assert all(json.loads(x).keys() == {"prompt", "answer", "base_accuracy"} for x in out.read_text().splitlines())
+
+
+def test_sanity_and_phantom_refuse_bad_flags_before_writing(tmp_path, capsys):
+    out = tmp_path / "out"
+    _refused(["sanity", "--quick", "--jobs", "0", "--out", str(out)], capsys, "--jobs must be >= 1, got 0")
+    _refused(["phantom", "--eps", "nan", "--out", str(out)], capsys, "--eps: expected clip epsilons > 0")
+    _refused(["phantom", "--eps", "0.1,x", "--out", str(out)], capsys, "--eps: expected comma-separated floats")
+    _refused(["phantom", "--steps", "-1", "--out", str(out)], capsys, "--steps: must be >= 1, got -1")
+    _refused(["phantom", "--model", "m", "--seeds", "-3", "--out", str(out)], capsys, "--seeds: expected seeds in")
+    _refused(["doctor", "--prompts", "-5", "--out", str(out)], capsys, "--prompts: must be between 1 and 1024")
+    assert not out.exists()
+
+
+def test_a_runs_folder_holding_anything_else_is_not_deleted(tmp_path):
+    """`parity sanity` and `parity phantom` redo their runs by deleting the previous ones: never a folder
+    holding anything but a run's files."""
+    run = tmp_path / "runs" / "fp16-grpo"
+    _users_folder_with(run, "config.yaml")
+    _users_folder_with(run, "results/table.csv")
+    with pytest.raises(ConfigError, match="holds files that are not a run's"):
+        remove_run(run)
+    assert (run / "results" / "table.csv").read_text() == "mine\n"
+
+
+def test_build_model_replaces_only_a_folder_it_wrote(tmp_path, capsys):
+    """`parity build-model --out DIR` deleted the whole of DIR: a folder of the user's (a model of theirs)
+    is refused before the three-minute build, and a folder build-model wrote is replaced."""
+    theirs = _users_folder(tmp_path / "my-llama", "config.json", "model.safetensors")
+    before = _digest(theirs)
+    _refused(["build-model", "--out", str(theirs), "--steps", "1"], capsys, "holds files Parity did not write")
+    assert _digest(theirs) == before
+    ours = tmp_path / "built"
+    cfg = BuildConfig(steps=2, eval_problems=4, eval_samples=2)
+    build_model(ours, cfg, log=lambda _: None)
+    first = (ours / "model.safetensors").read_bytes()
+    build_model(ours, BuildConfig(steps=3, eval_problems=4, eval_samples=2), log=lambda _: None)
+    assert (ours / "model.safetensors").read_bytes() != first and (ours / MARK).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["built", "my-llama"]  # no temporary folder left
+    assert BUILTIN_DIR.is_dir()
