@@ -212,7 +212,7 @@ def phantom(args) -> dict:
                 overrides = [
                     "task.name=length",
                     "algorithm.name=grpo",
-                    "algorithm.shadow_forward=true",
+                    "algorithm.probe=true",
                     f"algorithm.ratio_source={source}",
                     "trainer.precision=fp32",
                     "rollout.precision=bf16",

@@ -179,7 +179,7 @@ def exact_agreement(model, engine, precision: str, shapes, device: str) -> list[
     """μ against the trainer's π_old on the tokens the engine sampled (top-k/top-p): every token must agree."""
     from parity.engines import precision as prec
     from parity.engines.sampling import SamplingParams
-    from parity.engines.trainer import sequence_logprobs
+    from parity.engines.trainer import score_rows
 
     rows = []
     for prompts, group, new_tokens in shapes:
@@ -189,18 +189,7 @@ def exact_agreement(model, engine, precision: str, shapes, device: str) -> list[
         parts = []
         with torch.no_grad():
             for chunk in torch.arange(len(batch.prompt_ids)).split(32):
-                support = None if batch.support is None else batch.support[chunk]
-                parts.append(
-                    sequence_logprobs(
-                        model,
-                        [batch.prompt_ids[i] for i in chunk.tolist()],
-                        batch.response_ids[chunk],
-                        batch.response_mask[chunk],
-                        support,
-                        sampling.temperature,
-                        prec.to_dtype(precision),
-                    )[1]
-                )
+                parts.append(score_rows(model, batch, chunk, prec.to_dtype(precision))[1])
         mask = batch.response_mask
         pi, mu = torch.cat(parts)[mask], batch.rollout_logprobs[mask]
         rows.append(
@@ -268,9 +257,7 @@ def train_step(trainer, batch, budget: int | None) -> None:
     total = batch.num_tokens
     with scope:
         for part in parts:
-            logp = trainer.logprobs(
-                [batch.prompt_ids[i] for i in part.tolist()], batch.response_ids[part], batch.response_mask[part]
-            )
+            logp = trainer.batch_logprobs(batch, part)
             trainer.backward(-(logp * batch.response_mask[part]).sum() / total)
     trainer.step()
 

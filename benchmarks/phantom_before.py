@@ -47,7 +47,7 @@ def main(out: str) -> None:
                         "task.name=length",
                         "algorithm.name=grpo",
                         f"algorithm.ratio_source={source}",
-                        "algorithm.shadow_forward=true",
+                        "algorithm.probe=true",
                         "algorithm.clip_low=0.001",
                         "algorithm.clip_high=0.001",
                         "prompts_per_step=8",

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from parity.rl.algorithms import (
+    ADVANTAGE_FNS,
     ESTIMATORS,
     Denominators,
     LossConfig,
@@ -32,6 +33,8 @@ from parity.rl.algorithms import (
     denominators,
     group_advantages,
     kl_penalty,
+    register,
+    register_advantage,
     rejected_sequences,
     sequence_clipped,
     token_clipped,
@@ -438,6 +441,16 @@ def test_advantages():
     assert torch.allclose(gr[:3], dr[:3] / (std + 1e-6)) and (gr[3:] == 0).all()
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
         group_advantages(rewards, groups, "ppo")
+
+
+def test_a_name_is_registered_once():
+    """A second estimator or advantage under a taken name is refused, not silently swapped in."""
+    before = (dict(ESTIMATORS), dict(ADVANTAGE_FNS))
+    with pytest.raises(ValueError, match="estimator 'grpo' is already registered"):
+        register("grpo", source="a second copy")
+    with pytest.raises(ValueError, match="advantage estimator 'grpo' is already registered"):
+        register_advantage("grpo")
+    assert (ESTIMATORS, ADVANTAGE_FNS) == before
 
 
 def test_aggregations_and_exact_accumulation():

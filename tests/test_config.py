@@ -39,6 +39,20 @@ def test_unknown_key_names_file_line_and_allowed(tmp_path):
         config.load(MismatchConfig, f)
 
 
+def test_a_renamed_key_still_loads(tmp_path):
+    """`algorithm.shadow_forward` became `algorithm.probe`: a config.yaml saved before still loads (so a run
+    saved then resumes), and an error under the old name points at its line."""
+    from parity.rl.train_config import TrainConfig
+
+    f = tmp_path / "c.yaml"
+    f.write_text("steps: 3\nalgorithm:\n  shadow_forward: true\n")
+    assert config.load(TrainConfig, f).algorithm.probe is True
+    assert config.load(TrainConfig, None, ["algorithm.shadow_forward=true"]).algorithm.probe is True
+    f.write_text("steps: 3\nalgorithm:\n  shadow_forward: maybe\n")
+    with pytest.raises(ConfigError, match="c.yaml:3: algorithm.probe: expected true or false"):
+        config.load(TrainConfig, f)
+
+
 def test_wrong_type_names_key(tmp_path):
     with pytest.raises(ConfigError, match="num_prompts: expected an integer, got 'many'"):
         config.load(MismatchConfig, None, ["num_prompts=many"])

@@ -160,7 +160,8 @@ def test_weights_stored_in_rollout_precision(llama_dir):
     for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         _, trainer, engine = _setup(llama_dir, precision)
         layer = engine.weights.layers[0]
-        # Matmul weights are held in FP32 where the precision's matmuls run the FP32 kernel (`kernels.hold`).
+        # Matmul weights are kept in FP32 where the precision's matmuls run the FP32 kernel
+        # (`kernels.store_for_engine`).
         held = torch.float32 if dtype in cpu.emulated_dtypes() else dtype
         for weight in (engine.weights.embed, layer.qkv, layer.gate_up):
             assert weight.dtype == held and torch.equal(weight, weight.to(dtype).to(held))
@@ -173,12 +174,12 @@ def test_a_later_sync_fills_the_buffers_of_the_first(llama_dir, precision):
     """The second and later weight syncs copy into the buffers the first built (no new model on the
     device): the same bits as loading those weights into a fresh engine."""
     _, trainer, engine = _setup(llama_dir, precision)
-    buffers = {name: t.data_ptr() for name, t in engine.weights.held_views().items()}
+    buffers = {name: t.data_ptr() for name, t in engine.weights.stored_views().items()}
     with torch.no_grad():
         for p in trainer.model.parameters():
             p.add_(torch.randn_like(p) * 1e-2)
     engine.load_weights(*trainer.export_weights())
-    assert {name: t.data_ptr() for name, t in engine.weights.held_views().items()} == buffers
+    assert {name: t.data_ptr() for name, t in engine.weights.stored_views().items()} == buffers
     fresh = RolloutEngine(engine.config, precision, [engine.pad_id], engine.pad_id)
     fresh.load_weights(*trainer.export_weights())
     moved, expected = engine.named_weights(), fresh.named_weights()

@@ -83,7 +83,7 @@ def _ids(seed: int, n: int = 20) -> list[int]:
         (["lora.rank=4", "algorithm.ratio_source=shadow"], "ratio_source=shadow with lora.rank > 0"),
         (["lora.rank=4", "distributed.rollout_workers=1"], "lora.rank > 0 runs in one process only"),
         (["lora.merge=false"], "lora.merge=false has no effect with lora.rank=0"),
-        (["lora.rank=4", "lora.merge=false", "algorithm.shadow_forward=true"], "the probe scores merged weights"),
+        (["lora.rank=4", "lora.merge=false", "algorithm.probe=true"], "the probe scores merged weights"),
     ],
 )
 def test_bad_lora_keys_are_refused_naming_the_key(override, message):

@@ -260,6 +260,9 @@ def load(
     for key, value in (values or {}).items():
         _set_dotted(given, key, value)
     override_data = _merge(override_data, given)
+    renamed = getattr(cls, "RENAMED_KEYS", {})
+    for tree in (data, override_data):
+        _rename(tree, renamed, lines)
     data = _merge(data, override_data)
     try:
         return _build(cls, data)
@@ -270,6 +273,20 @@ def load(
         if key in lines and not _has_path(override_data, key):
             raise ConfigError(f"{source}:{lines[key]}: {msg}") from None
         raise
+
+
+def _rename(data: dict[str, Any], renamed: dict[str, str], lines: dict[str, int]) -> None:
+    """Keys a later version renamed (old dotted key -> new), moved to their new names, so that a config
+    file written before the rename still loads (and a resumed run still matches its checkpoints)."""
+    for old, new in renamed.items():
+        if _has_path(data, old):
+            *parents, last = old.split(".")
+            node = data
+            for part in parents:
+                node = node[part]
+            _set_dotted(data, new, node.pop(last))
+            if old in lines:
+                lines[new] = lines[old]
 
 
 def _has_path(data: dict[str, Any], dotted: str) -> bool:

@@ -44,7 +44,7 @@ from parity.rl.tasks import (
     load_problems,
     prompt_limit,
 )
-from parity.rl.train_config import TrainConfig
+from parity.rl.train_config import MICRO_BATCH_TOKENS, TrainConfig
 from parity.rundir import in_use_by
 
 BUILTIN_MAX_NEW_TOKENS = 96  # a model directory's default response budget (a run's is its own)
@@ -255,7 +255,10 @@ def run_eval(
     try:
         base = load_model(target.model_dir)
         require_finite_weights(base, target.model_dir, "nothing can be evaluated")
-        evaluator = Evaluator(base.config, tokenizer, evalset, scorer, None, cfg.precisions, reference, cfg.device)
+        micro_batch_tokens = run.trainer.micro_batch_tokens if run else MICRO_BATCH_TOKENS[cfg.device]
+        evaluator = Evaluator(
+            base.config, tokenizer, evalset, scorer, None, cfg.precisions, reference, micro_batch_tokens, cfg.device
+        )
         for name, step, path in tqdm(states, desc="checkpoints", unit="state", disable=not progress):
             trainer = _trainer(target, run, path, reference, cfg.device, base)
             weights, version = trainer.export_weights(merge=True)

@@ -195,17 +195,12 @@ def measure_pair(
     sampling = cfg.sampling.params()
     batch = engine.generate(prompts, cfg.group_size, sampling, seed=cfg.seed, full_vocab=cfg.full_vocab_positions)
 
-    def score(rows: torch.Tensor) -> torch.Tensor:
-        support = None if batch.support is None else batch.support[rows]
-        ids = [batch.prompt_ids[i] for i in rows.tolist()]
-        return trainer.logprobs(ids, batch.response_ids[rows], batch.response_mask[rows], support, sampling.temperature)
-
     everything = torch.arange(len(batch.prompt_ids), device=batch.response_ids.device)
     full_vocab, batch_shape = {}, {}
     with torch.no_grad():
-        pi = score(everything)
+        pi = trainer.batch_logprobs(batch, everything)
         if cfg.shape_micro_batch:
-            again = torch.cat([score(rows) for rows in everything.split(cfg.shape_micro_batch)])
+            again = torch.cat([trainer.batch_logprobs(batch, rows) for rows in everything.split(cfg.shape_micro_batch)])
             batch_shape = batch_shape_metrics(pi, again, batch.response_mask)
     if batch.full_vocab is not None:
         trainer_logprobs = full_vocab_logprobs(trainer.model, batch, trainer.dtype)

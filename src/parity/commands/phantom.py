@@ -100,7 +100,7 @@ def _config(run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...]) ->
         [
             "task.name=length",
             "algorithm.name=grpo",
-            "algorithm.shadow_forward=true",
+            "algorithm.probe=true",
             f"steps={steps}",
             "prompts_per_step=8",
             "rollout.group_size=8",

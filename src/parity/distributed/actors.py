@@ -33,8 +33,9 @@ from parity.rl.step import Prepared, UpdatePlan, UpdateResult, train_on_batch
 from parity.runtime import reuse_freed_memory
 
 
-def _quiet_process(threads: int | None) -> None:
-    """Settings for an actor's own process (None: leave them, as when built in a test)."""
+def _set_process_threads(threads: int | None) -> None:
+    """An actor process's torch threads, and freed memory returned to the system (None: leave the process
+    as it is, as when a test builds the actor in its own process)."""
     if threads is not None:
         torch.set_num_threads(threads)
         reuse_freed_memory()
@@ -68,7 +69,7 @@ class RolloutWorker:
         routing_replay: bool = False,
         exact: bool = False,
     ):
-        _quiet_process(threads)
+        _set_process_threads(threads)
         self.index, self.exact = index, exact
         self.where = f"rollout worker {index}"
         tokenizer = load_tokenizer(model_dir)
@@ -149,7 +150,7 @@ class Learner:
         exact: bool = False,
         reference: bool = False,
     ):
-        _quiet_process(threads)
+        _set_process_threads(threads)
         self.rank, self.world = rank, world
         self.model_dir, self.precision, self.optim = model_dir, precision, optim
         self.numerics = kernels.numerics("cpu", exact)

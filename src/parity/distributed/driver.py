@@ -140,7 +140,7 @@ class DistributedRun(Run):
                 model_dir,
                 cfg.rollout_precision,
                 cfg.trainer_precision,
-                cfg.algorithm.shadow_forward,
+                cfg.algorithm.probe,
                 cfg.trainer.micro_batch_tokens,
                 threads,
                 cfg.moe.routing_replay,

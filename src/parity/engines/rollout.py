@@ -213,7 +213,7 @@ class RolloutEngine:
 
     def _project(self, layer: LayerWeights, part: str, x: torch.Tensor) -> torch.Tensor:
         """The projection `part` of `layer` (qkv, o, gate_up, down), with its unmerged adapter."""
-        out = self.numerics.linear(x, getattr(layer, part), getattr(layer, part + "_bias"), held=True)
+        out = self.numerics.linear(x, getattr(layer, part), getattr(layer, part + "_bias"), prerounded=True)
         if part in layer.lora:
             out = self.numerics.add_adapter(out, x, *layer.lora[part])
         return out
@@ -226,16 +226,16 @@ class RolloutEngine:
         flat = x.reshape(-1, x.shape[-1])
         cfg = self.config
         used, weights, _ = route(
-            self.numerics.linear(flat, layer.router, held=True), cfg.experts_per_token, cfg.norm_topk_prob
+            self.numerics.linear(flat, layer.router, prerounded=True), cfg.experts_per_token, cfg.norm_topk_prob
         )
         routing.append(used.view(*x.shape[:-1], -1))
         weights = weights.to(x.dtype)
         out = torch.zeros_like(flat)
         for e in used.unique().tolist():
             token, slot = (used == e).nonzero(as_tuple=True)
-            gate, up = self.numerics.linear(flat[token], layer.experts_gate_up[e], held=True).chunk(2, dim=-1)
+            gate, up = self.numerics.linear(flat[token], layer.experts_gate_up[e], prerounded=True).chunk(2, dim=-1)
             y = (
-                self.numerics.linear(activation(act, gate) * up, layer.experts_down[e], held=True)
+                self.numerics.linear(activation(act, gate) * up, layer.experts_down[e], prerounded=True)
                 * weights[token, slot, None]
             )
             out.index_add_(0, token, y)
@@ -290,7 +290,7 @@ class RolloutEngine:
         """FP32 logits [B, V] from last hidden states [B, H]: final norm, LM head, soft-cap."""
         final = self._norm(hidden, self.weights.norm)
         logits = softcap(
-            self.numerics.linear(final, self.weights.lm_head, held=True).float(), self.config.final_softcap
+            self.numerics.linear(final, self.weights.lm_head, prerounded=True).float(), self.config.final_softcap
         )
         if self._tap is not None:
             self._tap("norm", final)

@@ -25,9 +25,10 @@ from parity.engines.batch import RolloutBatch
 from parity.engines.kernels import Numerics
 from parity.engines.locate import StageDiff, first_divergence, format_table, locate_row, worst_row
 from parity.engines.models import CausalLM, ModelConfig, routing_differs
+from parity.engines.packing import PackedBatch
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
-from parity.engines.trainer import full_vocab_logprobs, sequence_logprobs
+from parity.engines.trainer import full_vocab_logprobs, score_batch
 
 
 class ExactnessError(RuntimeError):
@@ -115,29 +116,20 @@ class Sampler:
         experts used are replayed, so a layer's inputs then come from replayed layers below)."""
         if self.scorer is None:
             raise RuntimeError("Sampler.score() needs score_old or probe")
-        dtype = prec.to_dtype(precision)
-        logprobs, differing, tokens = [], 0, 0
-        with self.scorer.casting_once():
-            for r in batch.micro_batches(torch.arange(batch.response_ids.shape[0]), self.micro_batch_tokens):
-                routing = None if batch.routing is None else batch.routing.rows(r)
-                packed, scored = sequence_logprobs(
-                    self.scorer,
-                    [batch.prompt_ids[i] for i in r.tolist()],
-                    batch.response_ids[r],
-                    batch.response_mask[r],
-                    None if batch.support is None else batch.support[r],
-                    batch.sampling.temperature,
-                    dtype,
-                    routing,
-                    self.routing_replay,
-                )
-                logprobs.append(scored)
-                if routing is not None:
-                    real = slice(0, packed.num_tokens)
-                    differing = differing + routing_differs(self.scorer.routing()[real], packed.routing[real]).sum(0)
-                    tokens += packed.num_tokens
+        differing, tokens = 0, 0
+
+        def count_routing(rows: torch.Tensor, packed: PackedBatch) -> None:
+            nonlocal differing, tokens
+            if packed.routing is not None:
+                real = slice(0, packed.num_tokens)
+                differing = differing + routing_differs(self.scorer.routing()[real], packed.routing[real]).sum(0)
+                tokens += packed.num_tokens
+
+        logprobs = score_batch(
+            self.scorer, batch, prec.to_dtype(precision), self.micro_batch_tokens, self.routing_replay, count_routing
+        )
         mismatch = differing / tokens if tokens else None
-        return torch.cat(logprobs), mismatch
+        return logprobs, mismatch
 
     def generate(
         self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, seed: int, full_vocab: int = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -202,6 +203,55 @@ def sequence_logprobs(
     return packed, out.masked_scatter(response_mask, scored)
 
 
+def score_rows(
+    model: CausalLM, batch: RolloutBatch, rows: torch.Tensor, dtype: torch.dtype, replay: bool = False
+) -> tuple[PackedBatch, torch.Tensor]:
+    """`sequence_logprobs` on `rows` of a rollout batch: their prompts and responses, at the temperature
+    they were sampled at, restricted to each token's recorded support, with the rollout engine's experts
+    (replayed when `replay`). The one way a batch's rows reach the trainer's code path."""
+    return sequence_logprobs(
+        model,
+        [batch.prompt_ids[i] for i in rows.tolist()],
+        batch.response_ids[rows],
+        batch.response_mask[rows],
+        None if batch.support is None else batch.support[rows],
+        batch.sampling.temperature,
+        dtype,
+        None if batch.routing is None else batch.routing.rows(rows),
+        replay,
+    )
+
+
+def casting_once(model: CausalLM):
+    """`CausalLM.casting_once` (weights cast once for several passes, not per pass) where the model is
+    whole: a sharded learner's weights are gathered anew by each forward."""
+    sharded = any(hasattr(p, "device_mesh") for p in model.parameters())
+    return contextlib.nullcontext() if sharded else model.casting_once()
+
+
+@torch.no_grad()
+def score_batch(
+    model: CausalLM,
+    batch: RolloutBatch,
+    dtype: torch.dtype,
+    micro_batch_tokens: int,
+    replay: bool = False,
+    each: Callable[[torch.Tensor, PackedBatch], None] | None = None,
+) -> torch.Tensor:
+    """Log-probs [B, T] of every row of the batch from the trainer's code path, in the micro-batches the
+    trainer trains in (`RolloutBatch.micro_batches`), so that a score and a training pass run the same
+    shapes (in exact mode, the same bits). `each(rows, packed)` sees every pass while the model still holds
+    what the pass recorded (a MoE model's routing)."""
+    parts = []
+    with casting_once(model):
+        for rows in batch.micro_batches(torch.arange(batch.response_ids.shape[0]), micro_batch_tokens):
+            packed, scored = score_rows(model, batch, rows, dtype, replay)
+            if each is not None:
+                each(rows, packed)
+            parts.append(scored)
+    return torch.cat(parts)
+
+
 @torch.no_grad()
 def full_vocab_logprobs(model: CausalLM, batch: RolloutBatch, dtype: torch.dtype) -> torch.Tensor:
     """The trainer's code path at the positions `batch.full_vocab` recorded: log-probs over the whole
@@ -306,16 +356,35 @@ class Trainer:
         packed, scored = sequence_logprobs(
             self.model, prompt_ids, response_ids, response_mask, support, temperature, self.dtype, routing, True
         )
-        # Backward costs 2x forward (input and weight gradients); a frozen base needs input gradients only.
-        passes = (2 if self.lora is not None else 3) if torch.is_grad_enabled() else 1
-        self.matmul_flops += passes * matmul_flops(self.model.config, packed, int(response_mask.sum()))
+        self._count_pass(packed, int(response_mask.sum()))
         return scored
 
+    def batch_logprobs(self, batch: RolloutBatch, rows: torch.Tensor, replay: bool = False) -> torch.Tensor:
+        """π of `rows` of a rollout batch (`score_rows`); differentiable when grad is on. `replay`: a MoE
+        model uses the experts the rollout engine chose."""
+        packed, scored = score_rows(self.model, batch, rows, self.dtype, replay)
+        self._count_pass(packed, int(batch.response_mask[rows].sum()))
+        return scored
+
+    def score(self, batch: RolloutBatch, micro_batch_tokens: int, replay: bool = False) -> torch.Tensor:
+        """π of every row of a rollout batch, without grad, in the trainer's micro-batches (`score_batch`)."""
+        return score_batch(
+            self.model,
+            batch,
+            self.dtype,
+            micro_batch_tokens,
+            replay,
+            lambda rows, packed: self._count_pass(packed, int(batch.response_mask[rows].sum())),
+        )
+
+    def _count_pass(self, packed: PackedBatch, scored: int) -> None:
+        # Backward costs 2x forward (input and weight gradients); a frozen base needs input gradients only.
+        passes = (2 if self.lora is not None else 3) if torch.is_grad_enabled() else 1
+        self.matmul_flops += passes * matmul_flops(self.model.config, packed, scored)
+
     def casting_once(self):
-        """The model's `casting_once` (weights cast once per update, not per micro-batch), where the model is
-        whole: a sharded learner's weights are gathered anew by each forward."""
-        sharded = any(hasattr(p, "device_mesh") for p in self.model.parameters())
-        return contextlib.nullcontext() if sharded else self.model.casting_once()
+        """Weights cast once for one update's micro-batches (`casting_once`)."""
+        return casting_once(self.model)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` times the current loss scale (1 unless FP16)."""

@@ -77,17 +77,17 @@ class RolloutWeights:
         if missing:
             raise ValueError(f"weight sync: missing {missing[:4]}")
         if self.layers and not any(layer.lora for layer in self.layers):
-            self._copy_into_held(state)
+            self._copy_into_stored(state)
             self.weight_version = version
             return
 
         def w(name: str, matrix: bool = False) -> torch.Tensor | None:
-            """The tensor in the rollout precision; a matmul weight as `kernels.hold` keeps it."""
+            """The tensor in the rollout precision; a matmul weight as `kernels.store_for_engine` keeps it."""
             if name not in state:
                 return None
             source = state[name].detach()
             t = source.to(self.device)
-            t = kernels.hold(t, self.dtype) if matrix else t.to(self.dtype)
+            t = kernels.store_for_engine(t, self.dtype) if matrix else t.to(self.dtype)
             # The engine owns its buffers (later syncs copy into them), never the sender's tensor.
             return t.clone() if t.data_ptr() == source.data_ptr() else t
 
@@ -134,15 +134,15 @@ class RolloutWeights:
         self.layout += 1
 
     @torch.no_grad()
-    def _copy_into_held(self, state: dict[str, torch.Tensor]) -> None:
+    def _copy_into_stored(self, state: dict[str, torch.Tensor]) -> None:
         """A later sync: each weight rounded to the rollout precision into the buffers the first load
         built, on their device (the same bits as a fresh load, without allocating the model again)."""
-        for name, held in self.held_views().items():
+        for name, stored in self.stored_views().items():
             new = state[name].detach()
-            if new.shape != held.shape:
-                raise ValueError(f"weight sync: {name} has shape {tuple(new.shape)}, expected {tuple(held.shape)}")
+            if new.shape != stored.shape:
+                raise ValueError(f"weight sync: {name} has shape {tuple(new.shape)}, expected {tuple(stored.shape)}")
             # copy_ rounds to a 16-bit buffer's dtype itself; an FP32-held weight takes the rounded values.
-            held.copy_(new.to(device=held.device, dtype=self.dtype) if held.dtype != self.dtype else new)
+            stored.copy_(new.to(device=stored.device, dtype=self.dtype) if stored.dtype != self.dtype else new)
 
     def load_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], version: int) -> None:
         """Apply LoRA unmerged on the loaded base: `adapters` maps a projection's Hugging Face module
@@ -178,10 +178,10 @@ class RolloutWeights:
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The weights as loaded, in the rollout precision, under their Hugging Face names (views
         into the fused projections), for checking a weight sync against the sender's checksums."""
-        # Weights held in FP32 (`kernels.hold`) are given in the rollout precision (copies), as sent.
-        return {name: t if t.dtype == self.dtype else t.to(self.dtype) for name, t in self.held_views().items()}
+        # Weights held in FP32 (`kernels.store_for_engine`) are given in the rollout precision (copies), as sent.
+        return {name: t if t.dtype == self.dtype else t.to(self.dtype) for name, t in self.stored_views().items()}
 
-    def held_views(self) -> dict[str, torch.Tensor]:
+    def stored_views(self) -> dict[str, torch.Tensor]:
         """Every stored weight as held (a matmul weight possibly in FP32), under its Hugging Face name:
         views into the fused projections."""
         cfg = self.config

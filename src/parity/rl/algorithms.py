@@ -93,6 +93,8 @@ def register(
 ) -> Callable[[LossFn], LossFn]:
     if set(params or {}) - set(TUNABLE):
         raise ValueError(f"{name}: params {sorted(set(params) - set(TUNABLE))} are not among {TUNABLE}")
+    if name in ESTIMATORS:  # a second registration would silently replace the first's loss
+        raise ValueError(f"estimator {name!r} is already registered ({ESTIMATORS[name].source})")
 
     def wrap(fn: LossFn) -> LossFn:
         ESTIMATORS[name] = Estimator(
@@ -553,28 +555,59 @@ def reinforce(inp: PolicyInputs, cfg: LossConfig):
     return -inp.advantages[:, None] * inp.logprobs, {}
 
 
-# ----------------------------------------------------------------------------- advantages, KL, aggregation
+# ----------------------------------------------------------------------------- advantages
+
+AdvantageFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rewards [B], group_index [B]) -> [B]
+ADVANTAGE_FNS: dict[str, AdvantageFn] = {}
+ADVANTAGE_EPS = 1e-6  # GRPO's guard against a group whose rewards are all equal
 
 
-def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, kind: str, eps: float = 1e-6) -> torch.Tensor:
-    """Per-sequence advantages from a group baseline.
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Add an advantage estimator under `name` (the values of `algorithm.advantage`)."""
+    if name in ADVANTAGE_FNS:
+        raise ValueError(f"advantage estimator {name!r} is already registered")
 
-    `drgrpo`: R − mean of the group; `grpo`: (R − mean) / (std + eps), std unbiased.
-    """
-    groups = int(group_index.max()) + 1
-    zeros = torch.zeros(groups, device=rewards.device)
-    count = zeros.index_add(0, group_index, torch.ones_like(rewards))
-    mean = zeros.index_add(0, group_index, rewards) / count
-    centred = rewards - mean[group_index]
-    if kind == "drgrpo":
-        return centred
-    if kind == "grpo":
-        var = zeros.index_add(0, group_index, centred**2) / (count - 1).clamp(min=1)
-        return centred / (var.sqrt()[group_index] + eps)
-    raise ValueError(f"unknown advantage estimator {kind!r}; expected one of {', '.join(ADVANTAGES)}")
+    def wrap(fn: AdvantageFn) -> AdvantageFn:
+        ADVANTAGE_FNS[name] = fn
+        return fn
+
+    return wrap
 
 
-ADVANTAGES = ("drgrpo", "grpo")
+def _group_sums(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(int(group_index.max()) + 1, device=values.device).index_add(0, group_index, values)
+
+
+def _centred(rewards: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each reward minus its group's mean, and each group's size."""
+    count = _group_sums(torch.ones_like(rewards), group_index)
+    return rewards - (_group_sums(rewards, group_index) / count)[group_index], count
+
+
+@register_advantage("drgrpo")
+def drgrpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO: R − the group's mean."""
+    return _centred(rewards, group_index)[0]
+
+
+@register_advantage("grpo")
+def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """GRPO: (R − the group's mean) / (the group's unbiased std + ε)."""
+    centred, count = _centred(rewards, group_index)
+    var = _group_sums(centred**2, group_index) / (count - 1).clamp(min=1)
+    return centred / (var.sqrt()[group_index] + ADVANTAGE_EPS)
+
+
+ADVANTAGES = tuple(ADVANTAGE_FNS)
+
+
+def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-sequence advantages from a group baseline, by the registered estimator `kind`."""
+    if kind not in ADVANTAGE_FNS:
+        raise ValueError(f"unknown advantage estimator {kind!r}; expected one of {', '.join(ADVANTAGE_FNS)}")
+    return ADVANTAGE_FNS[kind](rewards, group_index)
+
+
 KL_ESTIMATORS = ("k2", "k3")
 AGGREGATIONS = ("seq_mean_token_sum_norm", "token_mean", "seq_mean_token_mean")
 

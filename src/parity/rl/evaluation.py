@@ -26,7 +26,7 @@ from parity.engines.models import CausalLM, ModelConfig
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import Tokenizer
-from parity.engines.trainer import sequence_logprobs
+from parity.engines.trainer import score_batch
 from parity.rl.diagnostics import mismatch_metrics
 from parity.rl.rewards import RewardRunner, score_rollouts
 from parity.rl.tasks import ArithmeticTask, NumberTask, Problem
@@ -117,10 +117,12 @@ class Evaluator:
         served: tuple[str, kernels.Numerics] | None,
         precisions: list[str],
         trainer_precision: str,
+        micro_batch_tokens: int,
         device: str | torch.device = "cpu",
     ):
         self.tokenizer, self.evalset, self.rewards = tokenizer, evalset, rewards
         self.trainer_precision = trainer_precision
+        self.micro_batch_tokens = micro_batch_tokens  # the trainer's, for the KL to its policy
         # label -> (precision, numerics): each served precision as an inference engine runs it, and the
         # trainer's policy: its precision with exact mode's arithmetic (the trainer's forms of every op).
         policies = {p: (p, kernels.numerics(device)) for p in precisions}
@@ -176,24 +178,10 @@ class Evaluator:
             metrics["deploy/kl_trainer"] = self._kl_to_trainer(batches[TRAINER], trainer_model)
         return metrics
 
-    @torch.no_grad()
-    def _kl_to_trainer(self, batch: RolloutBatch, model: CausalLM, micro_batch: int = 64) -> float:
+    def _kl_to_trainer(self, batch: RolloutBatch, model: CausalLM) -> float:
         """Per-token KL(μ ‖ π) on `batch`'s tokens (k3), π from the trainer's code path and precision."""
-        dtype = prec.to_dtype(self.trainer_precision)
-        parts = []
-        for rows in torch.arange(len(batch.prompt_ids), device=batch.response_ids.device).split(micro_batch):
-            parts.append(
-                sequence_logprobs(
-                    model,
-                    [batch.prompt_ids[i] for i in rows.tolist()],
-                    batch.response_ids[rows],
-                    batch.response_mask[rows],
-                    None if batch.support is None else batch.support[rows],
-                    batch.sampling.temperature,
-                    dtype,
-                )[1]
-            )
-        return mismatch_metrics(torch.cat(parts), batch.rollout_logprobs, batch.response_mask)["k3"]
+        pi = score_batch(model, batch, prec.to_dtype(self.trainer_precision), self.micro_batch_tokens)
+        return mismatch_metrics(pi, batch.rollout_logprobs, batch.response_mask)["k3"]
 
 
 def changed_responses(batch: RolloutBatch, other: RolloutBatch) -> float:

@@ -61,9 +61,9 @@ from parity.rl.step import (
     Prepared,
     UpdatePlan,
     UpdateResult,
+    old_policy,
     prepare,
     resolve_old,
-    sampling_policy,
     step_metrics,
     train_on_batch,
 )
@@ -157,7 +157,7 @@ def _saved_config(run_dir: Path) -> dict[str, Any] | None:
     for path in reversed(checkpoints(run_dir)):
         saved = saved_config(path)
         if saved is not None:
-            return _flatten(saved)
+            return {TrainConfig.RENAMED_KEYS.get(k, k): v for k, v in _flatten(saved).items()}
     return None
 
 
@@ -286,7 +286,15 @@ class Run:
         )
         served = (cfg.rollout_precision, self.numerics)
         return Evaluator(
-            config, self.tokenizer, evalset, self.rewards, served, e.precisions, cfg.trainer_precision, cfg.device
+            config,
+            self.tokenizer,
+            evalset,
+            self.rewards,
+            served,
+            e.precisions,
+            cfg.trainer_precision,
+            cfg.trainer.micro_batch_tokens,
+            cfg.device,
         )
 
     def evaluate(self) -> dict[str, float]:
@@ -329,7 +337,7 @@ class Run:
             self.tokenizer.eos_ids,
             self.tokenizer.pad_id,
             score_old=cfg.algorithm.ratio_source == "shadow",
-            probe=cfg.algorithm.shadow_forward,
+            probe=cfg.algorithm.probe,
             micro_batch_tokens=cfg.trainer.micro_batch_tokens,
             routing_replay=cfg.moe.routing_replay,
             numerics=self.numerics,
@@ -620,7 +628,7 @@ class Run:
         prepared = prepare(batch, result, self.plan, a.advantage, a.truncated, old)
         update = self._update(batch, prepared)
         times["train"] = time.perf_counter() - t
-        sampling_pi = sampling_policy(prepared, update)
+        pi_old = old_policy(prepared, update)
         extra = self._sync(times)
         self.step_count += 1
         times["step"] = time.perf_counter() - t0
@@ -632,7 +640,7 @@ class Run:
                 prepared,
                 update,
                 result,
-                sampling_pi,
+                pi_old,
                 self.plan,
                 binary_reward=binary_reward(cfg),
                 same_precision=cfg.trainer_precision == cfg.rollout_precision,
@@ -667,12 +675,12 @@ class Run:
             tqdm.write(f"step {self.step_count + 1} completions (log.completions=0 hides them):\n{shown}")
 
     def _verify_exact(
-        self, batch: RolloutBatch, sampling_pi: torch.Tensor, rows: torch.Tensor, first_pass: torch.Tensor
+        self, batch: RolloutBatch, pi_old: torch.Tensor, rows: torch.Tensor, first_pass: torch.Tensor
     ) -> None:
         """exact=true: stop before the optimizer steps when a token's μ and π_old differ (or a checked
         whole distribution, or the first π_θ pass and π_old), naming where (`Sampler.verify_exact`)."""
         try:
-            self.sampler.verify_exact(batch, sampling_pi, rows, first_pass)
+            self.sampler.verify_exact(batch, pi_old, rows, first_pass)
         except ExactnessError as e:
             raise TrainingError(f"step {self.step_count + 1}: {e}") from None
 

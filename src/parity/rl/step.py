@@ -128,7 +128,7 @@ def resolve_old(batch: RolloutBatch, plan: UpdatePlan, trainer: Trainer) -> tupl
     if batch.old_logprobs is not None:
         return batch.old_logprobs, "sampler"
     if plan.ppo_epochs * plan.num_minibatches > 1 or needs_old_before_update(plan.estimator, plan.loss):
-        return no_grad_logprobs(trainer, batch, plan), "learner_pass"
+        return trainer.score(batch, plan.micro_batch_tokens, plan.routing_replay), "learner_pass"
     return None, "first_pass"
 
 
@@ -157,35 +157,9 @@ def prepare(
     return Prepared(rewards, advantages, loss_mask, rejected, old_logprobs, old_source)
 
 
-def sampling_policy(prepared: Prepared, update: UpdateResult) -> torch.Tensor:
+def old_policy(prepared: Prepared, update: UpdateResult) -> torch.Tensor:
     """π_old of every row: known before the update, or the first π_θ pass of it."""
     return prepared.old_logprobs if prepared.old_logprobs is not None else update.first_pass
-
-
-def batch_logprobs(
-    trainer: Trainer, batch: RolloutBatch, rows: torch.Tensor, temperature: float, replay: bool = False
-) -> torch.Tensor:
-    """π of `rows` of the batch on the trainer's current weights (differentiable when grad is on);
-    `replay`: a MoE model uses the experts the rollout engine chose."""
-    return trainer.logprobs(
-        [batch.prompt_ids[i] for i in rows.tolist()],
-        batch.response_ids[rows],
-        batch.response_mask[rows],
-        None if batch.support is None else batch.support[rows],
-        temperature,
-        batch.routing.rows(rows) if replay and batch.routing is not None else None,
-    )
-
-
-def no_grad_logprobs(trainer: Trainer, batch: RolloutBatch, plan: UpdatePlan) -> torch.Tensor:
-    rows = torch.arange(batch.response_ids.shape[0])
-    with torch.no_grad(), trainer.casting_once():
-        return torch.cat(
-            [
-                batch_logprobs(trainer, batch, r, plan.temperature, plan.routing_replay)
-                for r in batch.micro_batches(rows, plan.micro_batch_tokens)
-            ]
-        )
 
 
 def train_on_batch(
@@ -218,11 +192,11 @@ def train_on_batch(
     )
     out = UpdateResult()
     first_pass = torch.zeros_like(mu) if old is None else None
-    sampling_pi = old if old is not None else first_pass
-    loss_old = mu if plan.ratio_source == "rollout" else sampling_pi
+    pi_old = old if old is not None else first_pass
+    loss_old = mu if plan.ratio_source == "rollout" else pi_old
     ref = None
     if reference is not None:
-        ref = no_grad_logprobs(reference, batch, plan)
+        ref = reference.score(batch, plan.micro_batch_tokens, plan.routing_replay)
     rows_per_mb = batch.response_ids.shape[0] // plan.num_minibatches
     order_gen = torch.Generator().manual_seed(order_seed)
     pending: list[tuple[list[float], torch.Tensor | float]] = []  # (where it goes, scalar) until the update ends
@@ -236,7 +210,7 @@ def train_on_batch(
             with trainer.casting_once():
                 micro_batches = batch.micro_batches(mb.tensor_split(world)[rank], plan.micro_batch_tokens)
                 for rows in micro_batches:
-                    logp = batch_logprobs(trainer, batch, rows, plan.temperature, plan.routing_replay)
+                    logp = trainer.batch_logprobs(batch, rows, plan.routing_replay)
                     if first_pass is not None and epoch == 0:
                         first_pass[rows] = logp.detach()
                     if before_first_step is not None and out.updates == 0:
@@ -252,11 +226,11 @@ def train_on_batch(
                     token_loss, loss_stats = estimator.loss(inputs, plan.loss)
                     # α, the real policy change, and phantom clipping, on every ratio source.
                     n = mask.sum().clamp(min=1)
-                    loss_stats["alpha/abs_mean"] = ((logp.detach() - sampling_pi[rows]).abs() * mask).sum() / n
+                    loss_stats["alpha/abs_mean"] = ((logp.detach() - pi_old[rows]).abs() * mask).sum() / n
                     if estimator.clipped is not None:
                         by_gap, by_policy = (
                             estimator.clipped(logp.detach(), ref, advantages[rows], mask, plan.loss)
-                            for ref in (mu[rows], sampling_pi[rows])
+                            for ref in (mu[rows], pi_old[rows])
                         )
                         loss_stats["phantom/clip_frac"] = phantom_clip_frac(by_gap, by_policy, mask)
                     if ref is not None:
@@ -269,7 +243,7 @@ def train_on_batch(
                     pending += [(out.stats.setdefault(k, []), v) for k, v in loss_stats.items()]
             if before_first_step is not None and out.updates == 0:
                 # π_old is known for every row now: given, or this first mini-batch's pass
-                before_first_step(sampling_pi, *(torch.cat(parts) for parts in zip(*first_update)))
+                before_first_step(pi_old, *(torch.cat(parts) for parts in zip(*first_update)))
             out.step_stats = trainer.step()
             # The micro-batches' figures reach the host once per update, after the step has waited for them.
             for (target, _), value in zip(pending, host_floats([v for _, v in pending], trainer.device)):
@@ -298,14 +272,14 @@ def step_metrics(
     prepared: Prepared,
     update: UpdateResult,
     result: RewardResult,
-    sampling_pi: torch.Tensor,
+    pi_old: torch.Tensor,
     plan: UpdatePlan,
     binary_reward: bool,
     same_precision: bool,
 ) -> dict[str, float]:
     """Everything logged about a step, from tensors the step already computed.
 
-    `sampling_pi` is π_old, the trainer's code path on the sampling weights; `same_precision`:
+    `pi_old` is π_old, the trainer's code path on the sampling weights; `same_precision`:
     the trainer and the rollout engine share a precision (then β = 0 without a probe)."""
     rewards, advantages, mu = prepared.rewards, prepared.advantages, batch.rollout_logprobs
     # Rows are grouped contiguously, one group per prompt.
@@ -353,16 +327,16 @@ def step_metrics(
         full = full_vocab_metrics(batch.full_vocab.rollout_logprobs, batch.full_vocab.trainer_logprobs)
         metrics.update({f"full_vocab/{k}": v for k, v in full.items()})
     response_mask = batch.response_mask
-    mm = mismatch_metrics(sampling_pi, mu, response_mask)
+    mm = mismatch_metrics(pi_old, mu, response_mask)
     metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
-    metrics.update({f"mismatch/{k}": v for k, v in mismatch_by_length(sampling_pi, mu, response_mask).items()})
+    metrics.update({f"mismatch/{k}": v for k, v in mismatch_by_length(pi_old, mu, response_mask).items()})
     # g = π_old − μ = β + κ. β is known without a probe when the precisions match (it is 0).
     probe = batch.probe_logprobs
     if probe is None and same_precision:
-        probe = sampling_pi
-    parts = {"gap": sampling_pi - mu}
+        probe = pi_old
+    parts = {"gap": pi_old - mu}
     if probe is not None:
-        parts.update(beta=sampling_pi - probe, kappa=probe - mu)
+        parts.update(beta=pi_old - probe, kappa=probe - mu)
     for name, part in parts.items():
         metrics.update(gap_metrics(name, part, mu, advantages, response_mask))
     return metrics

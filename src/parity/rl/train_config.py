@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from parity import config as config_mod
 from parity.config import ConfigError, check_range
@@ -115,7 +116,7 @@ class AlgorithmSection:
     ratio_source: str = "recompute"
     # The probe: the sampler also scores its samples in the rollout precision, splitting the
     # mismatch g = π_old − μ into β (precision) and κ (engine). Free when the precisions match.
-    shadow_forward: bool = False
+    probe: bool = False
 
 
 @dataclass
@@ -302,6 +303,9 @@ NUMERIC_RANGES = (
 
 @dataclass
 class TrainConfig:
+    # Keys renamed since a run could have saved them (old -> new): its config.yaml still loads and resumes.
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {"algorithm.shadow_forward": "algorithm.probe"}
+
     model: str = "builtin"
     precision: str = "fp16"  # both engines; rollout.precision / trainer.precision override one side
     device: str = "cpu"  # cpu | cuda: where both engines run (the batch and the RL arithmetic stay on the CPU)
@@ -358,9 +362,9 @@ class TrainConfig:
                 raise ConfigError("lora.merge=false has no effect with lora.rank=0 (LoRA off); set lora.rank")
             return
         r.alpha = 2.0 * r.rank if r.alpha is None else r.alpha
-        if not r.merge and self.algorithm.shadow_forward:
+        if not r.merge and self.algorithm.probe:
             raise ConfigError(
-                "lora.merge=false with algorithm.shadow_forward=true: the probe scores merged weights; "
+                "lora.merge=false with algorithm.probe=true: the probe scores merged weights; "
                 "set lora.merge=true or drop the probe"
             )
         if self.algorithm.ratio_source == "shadow":

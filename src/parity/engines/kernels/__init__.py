@@ -78,8 +78,8 @@ def _pad(x: torch.Tensor, dim: int, size: int = MIN_ROWS) -> torch.Tensor:
     return F.pad(x, (0, 0) * (-dim - 1) + (0, short)) if short > 0 else x
 
 
-def hold(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A matmul weight as an inference engine stores it for `linear(..., held=True)`: rounded to
+def store_for_engine(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A matmul weight as an inference engine stores it for `linear(..., prerounded=True)`: rounded to
     `dtype`, and kept in FP32 where `dtype`'s matmuls run the FP32 kernel, so that no call upcasts
     it again (that upcast read and wrote every weight twice per decode step)."""
     w = weight.to(dtype)
@@ -90,15 +90,15 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    held: bool = False,
+    prerounded: bool = False,
     row_blocks: bool = False,
 ) -> torch.Tensor:
     """`x @ weight.T + bias` in the dtype of `x`, accumulating in FP32; each output element
-    is independent of the other rows and columns (see MIN_ROWS). `held`: `weight` is as `hold`
+    is independent of the other rows and columns (see MIN_ROWS). `prerounded`: `weight` is as `store_for_engine`
     stores it (already rounded to the dtype of `x`). `row_blocks` (exact mode on the CPU): every
     matmul call gets exactly EXACT_CPU_ROWS rows, so a row's bits cannot depend on its batch."""
     rows, cols = x.shape[:-1], weight.shape[0]
-    x2, weight = x.reshape(-1, x.shape[-1]), weight if held else weight.to(x.dtype)
+    x2, weight = x.reshape(-1, x.shape[-1]), weight if prerounded else weight.to(x.dtype)
     bias = None if bias is None else bias.to(x.dtype)
     if row_blocks:
         # Without gradients (the rollout engine, π_old) the blocks are called directly: a decode
@@ -185,10 +185,10 @@ class Numerics:
         return "slots" if self.device.type == "cuda" else "dense"
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, held: bool = False
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prerounded: bool = False
     ) -> torch.Tensor:
         """`linear` (above)."""
-        return linear(x, weight, bias, held)
+        return linear(x, weight, bias, prerounded)
 
     def mean_square(self, x: torch.Tensor) -> torch.Tensor:
         """mean(x², last dimension, keepdim) of an FP32 tensor: RMSNorm's statistic."""
@@ -378,9 +378,9 @@ class CpuExact(_Exact):
     spelled out in every precision, padded where the CPU's kernels would pick another path for a short row."""
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, held: bool = False
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prerounded: bool = False
     ) -> torch.Tensor:
-        return linear(x, weight, bias, held, row_blocks=True)
+        return linear(x, weight, bias, prerounded, row_blocks=True)
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Elements that depend neither on the other rows and columns nor on trailing zero terms (MIN_ROWS)."""
@@ -410,11 +410,13 @@ class TritonExact(_Exact):
     _cuda_matmul_path = "triton batch-invariant"
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, held: bool = False
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prerounded: bool = False
     ) -> torch.Tensor:
         from parity.engines.kernels import invariant
 
-        return invariant.linear(x, weight if held else weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        return invariant.linear(
+            x, weight if prerounded else weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
+        )
 
     def mean_square(self, x: torch.Tensor) -> torch.Tensor:
         from parity.engines.kernels import invariant
