@@ -58,8 +58,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engines import make_llama_4m  # noqa: E402
 from parity import config  # noqa: E402
 from parity.commands.report import SMOOTHING, TARGET_ACCURACY, moving_average  # noqa: E402
-from parity.distributed.driver import run_class  # noqa: E402
+from parity.distributed.driver import backend_for  # noqa: E402
 from parity.engines import kernels  # noqa: E402
+from parity.rl.loop import Run  # noqa: E402
 from parity.rl.train_config import TrainConfig  # noqa: E402
 from vs_trl import _perfectible_problems  # noqa: E402
 
@@ -78,7 +79,7 @@ def _run(overrides: list[str], steps: int, tmp: Path, stop=None, started=None) -
         [f"run_dir={tmp / 'run'}", f"steps={steps}", "checkpoint_every=-1", "tensorboard=false", *overrides],
     )
     t0 = time.perf_counter()
-    run = run_class(cfg).create(cfg, progress=False)
+    run = Run.create(cfg, progress=False, backend=backend_for(cfg))
     startup = time.perf_counter() - t0
     extra = started(run) if started is not None else {}
     history, start = [], time.perf_counter()
@@ -91,7 +92,7 @@ def _run(overrides: list[str], steps: int, tmp: Path, stop=None, started=None) -
         if started is not None:
             extra = started(run, extra)
     finally:
-        run._stop_engines()
+        run.backend.close()
         run.rewards.close()
         run.lock.release()
     return {"startup_s": startup, "history": history, **extra}
@@ -244,7 +245,7 @@ def _ray_processes(run) -> list:
     import psutil
     import ray
 
-    mine = set(run.worker_pids) | set(ray.get([learner.pid.remote() for learner in run.learners]))
+    mine = set(run.backend.worker_pids) | set(ray.get([learner.pid.remote() for learner in run.backend.learners]))
     return [
         p
         for p in psutil.Process().children(recursive=True)
@@ -290,8 +291,8 @@ def pipeline(args) -> dict:
     def pinned(run, before=None):
         """At the start: pin the worker to core 0 and the learner to core 1; at the end: Ray's CPU seconds."""
         if before is None:
-            os.sched_setaffinity(run.worker_pids[0], {0})
-            os.sched_setaffinity(ray.get(run.learners[0].pid.remote()), {1})
+            os.sched_setaffinity(run.backend.worker_pids[0], {0})
+            os.sched_setaffinity(ray.get(run.backend.learners[0].pid.remote()), {1})
             return accounting(run)
         return accounting(run, before)
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from engines import make_llama_4m  # noqa: E402
 from parity import config  # noqa: E402
-from parity.distributed.driver import run_class  # noqa: E402
+from parity.distributed.driver import backend_for  # noqa: E402
 from parity.rl.loop import Run  # noqa: E402
 from parity.rl.train_config import TrainConfig  # noqa: E402
 
@@ -79,7 +79,7 @@ def create(model: str, precision: str, exact: bool, steps: int, workload: list[s
             *workload,
         ],
     )
-    return run_class(cfg).create(cfg, progress=False)
+    return Run.create(cfg, progress=False, backend=backend_for(cfg))
 
 
 def measure(model: str, precision: str, rounds: int, steps: int, workload: list[str], tmp: Path) -> dict:

@@ -57,13 +57,13 @@ def main() -> None:
         cfg = config.load(TrainConfig, None, keys)
         run = Run.create(cfg, progress=False, rewards=rewards, datasets={"train": rows})
         captured = {}
-        rollouts = run._rollouts
+        rollouts = run.backend.rollouts
 
-        def capture(times):
-            captured["step"] = rollouts(times)
+        def capture(step, times):
+            captured["step"] = rollouts(step, times)
             return captured["step"]
 
-        run._rollouts = capture
+        run.backend.rollouts = capture
         tok = run.tokenizer
         parity_path, plain, steps = [], [], []
         try:

@@ -21,7 +21,7 @@ from parity import config
 from parity.cli import main
 from parity.config import ConfigError
 from parity.distributed.actors import RolloutWorker
-from parity.distributed.driver import DistributedRun
+from parity.distributed.driver import RayBackend
 from parity.distributed.sync import SyncError, pack_weights
 from parity.engines.batch import concat_batches
 from parity.engines.models import load_model, resolve_model_dir
@@ -29,7 +29,7 @@ from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.checkpoint import _write_manifest, load_checkpoint, save_shards
-from parity.rl.loop import TrainingError
+from parity.rl.loop import Run, TrainingError
 from parity.rl.train_config import TrainConfig
 
 SMALL = ["prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
@@ -148,7 +148,7 @@ def test_exact_mode_with_a_worker_and_two_learners(tmp_path, staleness):
     """μ = π_old for every token and every checked distribution on the worker; at staleness 0 the learners'
     first π_θ pass is π_old's bits too (checked before they step: the run would stop)."""
     overrides = [f"run_dir={tmp_path / 'run'}", *SMALL, *EXACT, f"async.max_staleness={staleness}", "steps=3"]
-    history = DistributedRun.create(config.load(TrainConfig, None, overrides), progress=False).train()
+    history = Run.create(config.load(TrainConfig, None, overrides), progress=False, backend=RayBackend).train()
     assert [m["mismatch/exact_tokens_frac"] for m in history] == [1.0] * 3
     assert all(m["full_vocab/max_abs_log_ratio"] == 0.0 and m["sync/verified"] == 1 for m in history)
     assert [m["async/staleness_max"] for m in history] == ([0, 0, 0] if staleness == 0 else [0, 1, 1])
@@ -171,18 +171,18 @@ def test_exact_mode_fails_closed_on_a_worker_or_a_learner(tmp_path, where):
     import ray
 
     overrides = [f"run_dir={tmp_path / 'run'}", *SMALL, *EXACT, "steps=2", "eval.every=-1"]
-    run = DistributedRun.create(config.load(TrainConfig, None, overrides), progress=False)
+    run = Run.create(config.load(TrainConfig, None, overrides), progress=False, backend=RayBackend)
     try:
         start = {n: t.clone() for n, t in run.trainer.full_weights().items()}
         if where == "worker":
-            ray.get(run.workers[0].__ray_call__.remote(_break(lambda w: w.sampler.engine)))
+            ray.get(run.backend.workers[0].__ray_call__.remote(_break(lambda w: w.sampler.engine)))
             message = "sampled tokens have μ != π_old on rollout worker 0"
         else:
-            ray.get(run.learners[1].__ray_call__.remote(_break(lambda learner: learner.trainer.model)))
+            ray.get(run.backend.learners[1].__ray_call__.remote(_break(lambda learner: learner.trainer.model)))
             message = "first π_θ pass differs from π_old"
         with pytest.raises(TrainingError, match=f"step 1: exact=true, but .*{message}"):
             run.step()
-        run._gather_state()
+        run.backend.gather()
         assert run.trainer.weight_version == 0
         assert all(torch.equal(t, start[n]) for n, t in run.trainer.full_weights().items())
     finally:
@@ -211,13 +211,13 @@ def test_a_killed_rollout_worker_is_restarted_and_no_sample_is_lost(tmp_path, ho
         + [f"run_dir={tmp_path / 'r'}", "steps=5", "checkpoint_every=-1"]
         + ["distributed.rollout_workers=1", "async.max_staleness=1"],
     )
-    run = DistributedRun.create(cfg, progress=False)
+    run = Run.create(cfg, progress=False, backend=RayBackend)
     history = []
     try:
         with _cpu_hog(hogs):
             for step in range(cfg.steps):
                 if step == 2:
-                    os.kill(run.worker_pids[0], signal.SIGKILL)
+                    os.kill(run.backend.worker_pids[0], signal.SIGKILL)
                     time.sleep(0.5)
                 history.append(run.step())
     finally:
@@ -225,7 +225,7 @@ def test_a_killed_rollout_worker_is_restarted_and_no_sample_is_lost(tmp_path, ho
     assert [m["step"] for m in history] == [1, 2, 3, 4, 5]
     assert history[-1]["faults/worker_restarts"] == 1
     assert all(m["train/samples"] == 8 * 4 for m in history)  # every step trained a whole batch, once
-    assert run.data_position == 5 * 8  # each step's prompts taken once: none repeated, none skipped
+    assert run.backend.data_position == 5 * 8  # each step's prompts taken once: none repeated, none skipped
     assert all(m["async/staleness_max"] <= 1 and m["sync/verified"] == 1 for m in history)
 
 
@@ -238,10 +238,10 @@ def test_a_worker_still_restarting_after_the_limit_stops_the_run_and_names_the_k
         + [f"run_dir={tmp_path / 'r'}", "steps=3", "checkpoint_every=-1", "distributed.restart_timeout_s=0.001"]
         + ["distributed.rollout_workers=1", "async.max_staleness=0"],
     )
-    run = DistributedRun.create(cfg, progress=False)
+    run = Run.create(cfg, progress=False, backend=RayBackend)
     try:
         run.step()
-        os.kill(run.worker_pids[0], signal.SIGKILL)
+        os.kill(run.backend.worker_pids[0], signal.SIGKILL)
         with pytest.raises(TrainingError, match=r"still restarting it after \d+ s .*distributed.restart_timeout_s"):
             run.step()
     finally:
@@ -257,12 +257,14 @@ def test_a_dead_learner_stops_the_run_and_resume_reproduces_it(tmp_path, numeric
     common += ["distributed.rollout_workers=1", "distributed.learners=2", "async.max_staleness=0"]
     assert main(["train", f"run_dir={tmp_path / 'whole'}", *common]) == 0
 
-    run = DistributedRun.create(config.load(TrainConfig, None, [*common, f"run_dir={tmp_path / 'cut'}"]), False)
+    run = Run.create(
+        config.load(TrainConfig, None, [*common, f"run_dir={tmp_path / 'cut'}"]), False, backend=RayBackend
+    )
     try:
         for _ in range(2):
             run.log.log(run.step())
         run.checkpoint()
-        learner_pid = __import__("ray").get(run.learners[1].pid.remote())
+        learner_pid = __import__("ray").get(run.backend.learners[1].pid.remote())
         os.kill(learner_pid, signal.SIGKILL)
         with pytest.raises(TrainingError, match=r"a learner process died.*--resume"):
             run.step()
@@ -284,13 +286,13 @@ def test_a_sharded_checkpoint_resumes_with_another_learner_count(tmp_path):
     common += ["distributed.rollout_workers=1", "distributed.learners=2"]
     assert main(["train", f"run_dir={tmp_path / 'whole'}", *common]) == 0
     assert main(["train", f"run_dir={tmp_path / 'cut'}", *common, "steps=2"]) == 0
-    run = DistributedRun.resume(tmp_path / "cut", ["steps=4", "distributed.learners=1"])
+    run = Run.resume(tmp_path / "cut", ["steps=4", "distributed.learners=1"], backend=RayBackend)
     try:
         # The learner read its shards in place: the driver, which never read the trained weights, still
         # holds the base model's; gathered from the learner they are the checkpoint's.
         base = load_model(resolve_model_dir("builtin")).state_dict()
         assert all(torch.equal(w, base[n]) for n, w in run.trainer.model.state_dict().items())
-        run._gather_state()
+        run.backend.gather()
         saved = Trainer(load_model(resolve_model_dir("builtin")), "fp32", OptimConfig())
         load_checkpoint(tmp_path / "cut" / "checkpoints" / "step_000002", saved)
         restored = saved.model.state_dict()
@@ -332,13 +334,13 @@ def test_sharded_shards_holding_nan_are_set_aside_and_the_learners_start_from_th
     _write_manifest(ckpt)
     capsys.readouterr()
 
-    run = DistributedRun.resume(tmp_path / "r")
+    run = Run.resume(tmp_path / "r", backend=RayBackend)
     try:
         err = capsys.readouterr().err
         assert "checkpoint step_000001 is unusable" in err and "inf/NaN in model.norm.weight" in err
         assert "starting again from step 0" in err and run.step_count == 0
         assert (tmp_path / "r" / "checkpoints" / "corrupt" / "step_000001").is_dir()
-        run._gather_state()
+        run.backend.gather()
         base = load_model(resolve_model_dir("builtin")).state_dict()
         assert all(torch.equal(w, base[n]) for n, w in run.trainer.model.state_dict().items())
     finally:

@@ -225,7 +225,7 @@ def test_exact_mode_stops_when_a_whole_distribution_differs(tmp_path):
     step before the optimizer moves."""
     cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path / 'r'}", "exact=true", "steps=2", *SMALL])
     run = Run.create(cfg, progress=False)
-    generate = run.sampler.engine.generate
+    generate = run.backend.sampler.engine.generate
 
     def tampered(*args, **kwargs):
         batch = generate(*args, **kwargs)
@@ -236,7 +236,7 @@ def test_exact_mode_stops_when_a_whole_distribution_differs(tmp_path):
         record.rollout_logprobs[i, j, other] += 1e-3
         return batch
 
-    run.sampler.engine.generate = tampered
+    run.backend.sampler.engine.generate = tampered
     before = {n: p.detach().clone() for n, p in run.trainer.model.named_parameters()}
     with pytest.raises(TrainingError, match="the whole next-token distribution differs though every sampled token"):
         run.train()

@@ -179,7 +179,7 @@ def test_the_runtime_check_stops_the_run_and_names_the_stage(tmp_path):
     nothing is synced or saved."""
     cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path / 'run'}", "exact=true", "steps=3", *TINY_RUN])
     run = Run.create(cfg, progress=False)
-    run.sampler.engine.numerics = kernels.numerics(exact=False)
+    run.backend.sampler.engine.numerics = kernels.numerics(exact=False)
     before = {n: p.detach().clone() for n, p in run.trainer.model.named_parameters()}
     with pytest.raises(TrainingError, match=r"step 1: exact=true, but .* engines first part at layer0\.input_norm"):
         run.train()

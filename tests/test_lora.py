@@ -180,7 +180,7 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(tmp_path):
     # The sync sent the merged weights: the engine's projection is W + scale·B·A rounded to BF16.
     q = model.model.layers[0].self_attn.q_proj
     merged = (q.weight.float() + (q.lora_B @ q.lora_A) * q.scale).to(torch.bfloat16)
-    assert torch.equal(run.sampler.engine.named_weights()["model.layers.0.self_attn.q_proj.weight"], merged)
+    assert torch.equal(run.backend.sampler.engine.named_weights()["model.layers.0.self_attn.q_proj.weight"], merged)
 
 
 def test_merged_weights_give_the_rollout_engine_the_trainers_pi(llama_dir):
@@ -232,7 +232,7 @@ def test_unmerged_lora_shares_the_base_and_syncs_only_adapters(tmp_path, monkeyp
         ),
         progress=False,
     )
-    model, engine = run.trainer.model, run.sampler.engine
+    model, engine = run.trainer.model, run.backend.sampler.engine
     o_proj = model.model.layers[0].self_attn.o_proj
     # The frozen base is held once: a projection the engine does not fuse is the trainer's own BF16
     # tensor, and the trainer's Q, K, V, gate and up are views into the engine's fused projections.

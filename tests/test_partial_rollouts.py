@@ -13,7 +13,7 @@ import torch
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
-from parity.distributed.driver import DistributedRun
+from parity.distributed.driver import RayBackend
 from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.models import CausalLM, load_model, resolve_model_dir
@@ -21,6 +21,7 @@ from parity.engines.partial import PartialRollouts, PoolRequest
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.trainer import sequence_logprobs
+from parity.rl.loop import Run
 from parity.rl.train_config import TrainConfig
 
 # Built-in arithmetic prompts ("954+4302=" ...): the model answers some in a few tokens, rambles on others.
@@ -170,12 +171,12 @@ def test_a_killed_worker_loses_no_prompt_of_its_pool(tmp_path):
         + [f"run_dir={tmp_path / 'r'}", "steps=6", "checkpoint_every=-1", "distributed.rollout_workers=1"]
         + ["async.max_staleness=1", "async.partial_rollouts=2"],
     )
-    run = DistributedRun.create(cfg, progress=False)
+    run = Run.create(cfg, progress=False, backend=RayBackend)
     history = []
     try:
         for step in range(cfg.steps):
             if step == 3:
-                os.kill(run.worker_pids[0], signal.SIGKILL)
+                os.kill(run.backend.worker_pids[0], signal.SIGKILL)
                 time.sleep(0.5)
             history.append(run.step())
         trained = sum(m["train/samples"] for m in history) // 4

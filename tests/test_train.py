@@ -118,7 +118,7 @@ def test_a_rejection_rule_gets_old_before_the_update_and_the_prepared_batch_is_f
     cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path}", "algorithm.name=grpo_seq_max_k2", *TINY])
     run = Run.create(cfg, progress=False)
     try:
-        problems, batch = run._rollouts({})
+        problems, batch = run.backend.rollouts(run.step_count, {})
         old, source = resolve_old(batch, run.plan, run.trainer)
         assert source == "learner_pass" and old.shape == batch.rollout_logprobs.shape
         result = score_rollouts(batch, problems, run.tokenizer, run.rewards)

@@ -17,9 +17,9 @@ from typing import Any
 from parity import config as config_mod
 from parity.commands.evaluate import EvalConfig, run_eval, write_outputs
 from parity.config import ConfigError
-from parity.distributed.driver import resume_class, run_class
+from parity.distributed.driver import backend_for, backend_for_run
 from parity.rl.checkpoint import checkpoints
-from parity.rl.loop import Callback
+from parity.rl.loop import Callback, Run
 from parity.rl.reward_fns import Reward, function_spec
 from parity.rl.tasks import DataError
 from parity.rl.train_config import TrainConfig
@@ -90,7 +90,8 @@ def train(
         if config is not None or dataset is not None or eval_dataset is not None:
             raise ConfigError("resume: a resumed run keeps its config and data; pass only keys that may change")
         overrides = [f"{k}={v}" for k, v in values.items()]
-        run = resume_class(resume).resume(resume, overrides, progress=progress, rewards=bound or None)
+        backend = backend_for_run(resume)
+        run = Run.resume(resume, overrides, progress=progress, rewards=bound or None, backend=backend)
     else:
         if model != "builtin" or "model" not in values:
             values["model"] = str(model)
@@ -108,7 +109,7 @@ def train(
                 datasets[split] = rows
                 values[key] = "builtin" if split == "train" else "auto"  # until written into the run
         cfg = _config(config, values)
-        run = run_class(cfg).create(cfg, progress=progress, rewards=bound or None, datasets=datasets)
+        run = Run.create(cfg, progress=progress, rewards=bound or None, datasets=datasets, backend=backend_for(cfg))
     if run.step_count >= run.cfg.steps:
         run.close()
         history = []

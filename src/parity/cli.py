@@ -82,8 +82,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from parity import config as cfg_mod
     from parity.distributed.cluster import JoinInterrupted
-    from parity.distributed.driver import resume_class, run_class
-    from parity.rl.loop import summary_line
+    from parity.distributed.driver import backend_for, backend_for_run
+    from parity.rl.loop import Run, summary_line
     from parity.rl.train_config import TrainConfig
 
     config, overrides = _split_config(args)
@@ -96,10 +96,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     with stop.installed():
         try:
             if args.resume:
-                run = resume_class(args.resume).resume(args.resume, overrides, trust_reward_fn=args.trust_reward_fn)
+                run = Run.resume(
+                    args.resume,
+                    overrides,
+                    trust_reward_fn=args.trust_reward_fn,
+                    backend=backend_for_run(args.resume),
+                )
             else:
                 cfg = cfg_mod.load(TrainConfig, config, overrides)
-                run = run_class(cfg).create(cfg)
+                run = Run.create(cfg, backend=backend_for(cfg))
         except JoinInterrupted:  # the signal, noted by `stop`, came while the run waited for a cluster
             print(f"parity train: {stop.stopped_line()}", file=sys.stderr)
             return 128 + stop.signum

@@ -181,6 +181,12 @@ def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     return obj
 
 
+def one_of(key: str, value: str, allowed) -> None:
+    """Raise a ConfigError naming `key` unless `value` is one of `allowed`."""
+    if value not in allowed:
+        raise ConfigError(f"{key}: unknown value {value!r}; allowed: {', '.join(sorted(allowed))}")
+
+
 def check_range(key: str, value: float, ok: bool, expected: str) -> None:
     """Raise a ConfigError naming `key` unless `ok`; `expected` says what is allowed."""
     if not ok:

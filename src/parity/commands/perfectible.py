@@ -26,6 +26,7 @@ from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, load_tokenizer
 from parity.files import JSONError, atomic_write_text, parse_json
+from parity.rl.algorithms import TRUNCATION_MODES
 from parity.rl.rewards import RewardRunner, score_rollouts, training_rewards
 from parity.rl.tasks import (
     DIFFICULTIES,
@@ -37,7 +38,6 @@ from parity.rl.tasks import (
     load_problems,
     prompt_limit,
 )
-from parity.rl.train_config import TRUNCATION_MODES
 
 
 @dataclass

@@ -32,7 +32,7 @@ from parity import config as config_mod
 from parity.commands.prompts import CHAT_QUESTIONS
 from parity.commands.report import Panel, load_history, plot_bars, plot_beta_distribution, plot_curves
 from parity.config import ConfigError
-from parity.distributed.driver import run_class
+from parity.distributed.driver import backend_for
 from parity.engines import kernels
 from parity.engines.models import export_state, load_model, resolve_model_dir
 from parity.engines.sampler import Sampler
@@ -41,6 +41,7 @@ from parity.engines.tokenizer import load_tokenizer
 from parity.files import atomic_write_json, atomic_write_text
 from parity.outdir import check_output_dir, claim_output_dir
 from parity.rl.diagnostics import PROB_BIN_EDGES, gap_metrics
+from parity.rl.loop import Run
 from parity.rl.tasks import ArithmeticTask, DataError
 from parity.rl.train_config import MAX_SEED, MICRO_BATCH_TOKENS, TrainConfig
 from parity.rundir import remove_run
@@ -141,7 +142,7 @@ def train_length_task(
     """Train on the length task in `run_dir`, replacing what is there."""
     cfg = _config(run_dir, steps, seed, overrides)
     remove_run(run_dir)
-    return run_class(cfg).create(cfg, progress=progress).train()
+    return Run.create(cfg, progress=progress, backend=backend_for(cfg)).train()
 
 
 def finished_run(run_dir: Path, cfg: TrainConfig) -> bool:

@@ -1,8 +1,8 @@
 """`parity train` across processes: rollout workers on Ray, learners under torch.distributed.
 
-`DistributedRun` is `Run` with its engines elsewhere; the step itself (`Run.step`, the
-pieces in `parity.rl.step`) is unchanged. This process keeps the data, the rewards, the
-metrics, the checkpoints and a pipeline of rollout requests:
+`RayBackend` is the backend (`parity.rl.backend`) of a run whose engines are elsewhere; the step itself
+(`Run.step`, the pieces in `parity.rl.step`) is the one-process run's. This process keeps the data, the
+rewards, the metrics, the checkpoints and a pipeline of rollout requests:
 
     step s:  collect the samples for step s (sampled at version s − staleness, π_old scored
              by the worker that sampled them) ─► rewards, advantages ─► every learner trains
@@ -37,9 +37,9 @@ from parity.engines.batch import RolloutBatch, concat_batches
 from parity.engines.models import load_config
 from parity.engines.partial import PoolRequest
 from parity.engines.sampler import ExactnessError
+from parity.rl.backend import Backend, LocalBackend, RunParts, TrainingError
 from parity.rl.checkpoint import CheckpointError, RunState, save_checkpoint
-from parity.rl.loop import Run, TrainingError
-from parity.rl.step import Prepared, UpdateResult
+from parity.rl.step import Prepared, UpdatePlan, UpdateResult, resolve_old
 from parity.rl.tasks import Problem
 from parity.rl.train_config import TrainConfig
 
@@ -104,28 +104,34 @@ def _actor_death(ref) -> str | None:
     return None
 
 
-class DistributedRun(Run):
-    """A run whose samples come from Ray rollout workers and whose updates run on FSDP2 learners."""
+class RayBackend:
+    """Samples on Ray rollout workers, trains on FSDP2 learners. The driver's `trainer` holds the run's
+    state between checkpoints (the scaler, the version) and, gathered, the weights an evaluation reads."""
 
-    distributed = True
+    def __init__(self, parts: RunParts):
+        self.parts, self.trainer = parts, parts.trainer
+        self.cfg, self.model_dir, self.run_dir = parts.cfg, parts.model_dir, parts.run_dir
+        self.step = 0  # the step under way (0-based), for messages
+        self.cluster, self.workers, self.learners = None, [], []
+        try:
+            self._start()
+        except BaseException:  # a start that fails or is interrupted leaves no Ray process running
+            self.close()
+            raise
 
-    # -- engines ----------------------------------------------------------------
-
-    def _start_engines(self) -> None:
+    def _start(self) -> None:
         ray = import_ray()
-
-        cfg, d = self.cfg, self.cfg.distributed
+        parts, cfg, d = self.parts, self.cfg, self.cfg.distributed
         processes = d.rollout_workers + d.learners
         # Threads: the cores shared among the processes that compute at the same time (the
         # workers only overlap the learners when they may sample ahead).
         busy = d.learners + (d.rollout_workers if cfg.async_.max_staleness else 0)
         threads = d.threads or max(1, (os.cpu_count() or 1) // busy)
-        self.cluster = None  # set when this run starts (and so ends) its own cluster
         if not ray.is_initialized():
             if d.address:
                 join(d.address, d.connect_timeout_s)
                 require_cpus(d.address, processes)
-            else:  # a cluster of this machine for this run: `parity train` needs no setup
+            else:  # a cluster of this machine for this run (and so ended by it): `parity train` needs no setup
                 self.cluster = LocalCluster(num_cpus=max(os.cpu_count() or 1, processes))
         model_dir = str(self.model_dir)
         worker_cls = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=0)(RolloutWorker)
@@ -152,7 +158,7 @@ class DistributedRun(Run):
         reference = cfg.algorithm.kl_coef > 0
         self.learners = [
             learner_cls.remote(
-                r, d.learners, model_dir, cfg.trainer_precision, cfg.optim_config(), threads, cfg.exact, reference
+                r, d.learners, model_dir, cfg.trainer_precision, cfg.trainer, threads, cfg.exact, reference
             )
             for r in range(d.learners)
         ]
@@ -171,11 +177,13 @@ class DistributedRun(Run):
         self.outstanding: dict[int, tuple[Problem, int, int]] = {}
         self.spare = [0] * len(self.workers)
         self.next_key = 0
-        self.consumed_position = self.data.position
+        self.consumed_position = parts.data.position
         self.step_end = time.perf_counter()
-        self._push_weights(version=self.step_count)
+        self.sync_metrics: dict[str, float] = {}
+        self.async_metrics: dict[str, float] = {}
+        self._push_weights(version=0)
 
-    def _shard_reader(self) -> Callable[[Path], list[str]]:
+    def shard_reader(self) -> Callable[[Path], list[str]]:
         """The learners read a sharded checkpoint's weights and AdamW state in place, each its own shards:
         no process holds the trained model whole. The driver's trainer keeps the base model and a fresh
         optimizer, so a checkpoint the resume sets aside is undone by handing the learners that."""
@@ -195,24 +203,22 @@ class DistributedRun(Run):
     def _learners_take_driver_state(self) -> None:
         self._learners_call("load_state", self.trainer.full_state())
 
-    def _weights_restored(self, state: RunState) -> None:
+    def restored(self, state: RunState) -> None:
+        self.step = state.step
         if state.read_in_place:  # the learners hold the shards; the scaler and version came to the driver
             self._learners_call("set_run_state", self.trainer.scaler.state_dict(), self.trainer.weight_version)
         else:  # a one-process checkpoint: the driver read it whole
             self._learners_take_driver_state()
-        self.consumed_position = self.data.position
-        self._push_weights(version=self.step_count)
+        self.consumed_position = self.parts.data.position
+        self._push_weights(version=state.step)
 
-    def _gather_state(self) -> None:
+    def gather(self) -> None:
         self.trainer.load_full_state(self._learners_call("full_state")[0])
 
-    def checkpoint(self) -> Path:
+    def save(self, run_dir: Path, state: RunState, keep: int) -> Path:
         """A sharded checkpoint: the learners write their own shards (nothing is gathered), the
         driver the run's state beside them (`rl.checkpoint`)."""
-        state = RunState(self.step_count, self.data_position, self.trainer.weight_version, config_mod.to_dict(self.cfg))
-        return save_checkpoint(
-            self.run_dir, self.trainer, state, self.model_dir, self.cfg.keep_checkpoints, self._save_shards
-        )
+        return save_checkpoint(run_dir, self.trainer, state, self.model_dir, keep, self._save_shards)
 
     def _save_shards(self, folder: Path) -> list[str]:
         parts = self._learners_call("save_shards", str(folder))
@@ -221,13 +227,14 @@ class DistributedRun(Run):
         self.trainer.weight_version = version
         return sorted({name for bad, _, _ in parts for name in bad})
 
-    def _stop_engines(self) -> None:
-        import ray
+    def close(self) -> None:
+        if self.workers or self.learners:
+            import ray
 
-        for actor in getattr(self, "workers", []) + getattr(self, "learners", []):
-            ray.kill(actor)
+            for actor in self.workers + self.learners:
+                ray.kill(actor)
         self.workers, self.learners = [], []
-        if getattr(self, "cluster", None) is not None:
+        if self.cluster is not None:
             self.cluster.stop()
             self.cluster = None
 
@@ -256,7 +263,7 @@ class DistributedRun(Run):
             raise self._learner_died(type(e).__name__) from None
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, ExactnessError):  # before any learner stepped: no weight moved
-                raise TrainingError(f"step {self.step_count + 1}: {e.cause}") from None
+                raise TrainingError(f"step {self.step + 1}: {e.cause}") from None
             if isinstance(e.cause, CheckpointError):  # shards that do not fit: the resume sets them aside
                 raise e.cause from None
             # A learner whose peer died fails in the collective (connection reset) before Ray reports the
@@ -264,26 +271,26 @@ class DistributedRun(Run):
             dead = next((d for d in map(_actor_death, refs) if d is not None), None)
             if dead is not None:
                 raise self._learner_died(dead) from None
-            raise TrainingError(f"step {self.step_count + 1}: a learner failed: {e.cause}") from None
+            raise TrainingError(f"step {self.step + 1}: a learner failed: {e.cause}") from None
 
     def _learner_died(self, error_name: str) -> TrainingError:
         return TrainingError(
-            f"step {self.step_count + 1}: a learner process died ({error_name}); the run stopped. "
+            f"step {self.step + 1}: a learner process died ({error_name}); the run stopped. "
             f"Continue from the last checkpoint with `parity train --resume {self.run_dir}`"
         )
 
-    def _update(self, batch: RolloutBatch, prepared: Prepared) -> UpdateResult:
+    def old_logprobs(self, batch: RolloutBatch, plan: UpdatePlan) -> tuple[torch.Tensor | None, str]:
+        return resolve_old(batch, plan, self.trainer)  # the worker that sampled scored π_old
+
+    def update(self, step: int, batch: RolloutBatch, prepared: Prepared, plan: UpdatePlan) -> UpdateResult:
         import ray
 
-        cfg = self.cfg
+        self.step = step
         batch_ref, prepared_ref = ray.put(batch), ray.put(prepared)
         # Exact mode, the samples from the weights the learners hold: their first π_θ pass must be π_old.
-        check = cfg.exact and batch.weight_version == self.step_count
-        seed = cfg.seed * 7919 + self.step_count
-        parts = self._learners_call("update", batch_ref, prepared_ref, self.plan, seed, check)
-        update = UpdateResult.merge(parts)
-        self._check_finite(update)
-        return update
+        check = self.cfg.exact and batch.weight_version == step
+        parts = self._learners_call("update", batch_ref, prepared_ref, plan, self.parts.order_seed(step), check)
+        return UpdateResult.merge(parts)
 
     # -- weights to the workers -----------------------------------------------------
 
@@ -313,22 +320,30 @@ class DistributedRun(Run):
                 except _worker_gone():
                     continue  # the worker died; `_recover` reloads it
                 except ray.exceptions.RayTaskError as e:
-                    raise TrainingError(f"step {self.step_count + 1}: {e.cause}") from None
+                    raise TrainingError(f"step {self.step + 1}: {e.cause}") from None
 
-    def _sync(self, times: dict[str, float]) -> dict[str, float]:
+    def sync(self, step: int, times: dict[str, float]) -> None:
+        self.step = step
         t = time.perf_counter()
-        pushed = self._push_weights(version=self.step_count + 1)
+        pushed = self._push_weights(version=step + 1)
         times["sync"] = time.perf_counter() - t
         self._check_loads()
-        next_step = self.step_count + 1 + self.cfg.async_.max_staleness
+        next_step = step + 1 + self.cfg.async_.max_staleness
         if next_step < self.cfg.steps:
             self._request(next_step)
-        return {
+        self.sync_metrics = {
             "sync/verified": self.last_load.get("verified", 0.0),
             "sync/seconds": pushed["export_seconds"] + self.last_load.get("seconds", 0.0),
             "sync/bytes": pushed["bytes"],
             "faults/worker_restarts": self.restarts,
         }
+
+    def step_metrics(self, times: dict[str, float]) -> dict[str, float]:
+        """Sync and pipeline metrics; the learners' idle time: the part of this step's wall time (since the
+        previous step ended) they did not train."""
+        start, self.step_end = self.step_end, time.perf_counter()
+        idle = max(self.step_end - start - times["train"], 0.0)
+        return {**self.sync_metrics, **self.async_metrics, "time/learner_idle": idle}
 
     # -- rollouts -------------------------------------------------------------------
 
@@ -339,14 +354,14 @@ class DistributedRun(Run):
         # Partial rollouts: a worker's pool holds twice the groups a request takes back, so that a request
         # can end once the quickest half is complete (its first request brings the spare half).
         sends = [n + max(n - self.spare[w], 0) if cfg.async_.partial_rollouts else n for w, n in enumerate(shares)]
-        start = self.data.position
-        problems = [self.problems[i] for i in self.data.take(sum(sends))]
-        prompts = [self.tokenizer.encode_prompt(p.prompt, cfg.task.chat_template) for p in problems]
-        request = _Request(step, problems, self.data.position)
+        start = self.parts.data.position
+        problems = [self.parts.problems[i] for i in self.parts.data.take(sum(sends))]
+        prompts = [self.parts.encode(p) for p in problems]
+        request = _Request(step, problems, self.parts.data.position)
         first = 0
         for w, (n, need) in enumerate(zip(sends, shares)):
             # Worker 0 uses the single-process seed, so one worker samples what one process would.
-            shard = _Shard(w, prompts[first : first + n], self.rollout_seed(step) + 7_777_777 * w)
+            shard = _Shard(w, prompts[first : first + n], self.parts.rollout_seed(step) + 7_777_777 * w)
             if cfg.async_.partial_rollouts:
                 shard.keys = list(range(self.next_key, self.next_key + n))
                 shard.need, shard.min_version = need, step - cfg.async_.max_token_staleness
@@ -369,14 +384,16 @@ class DistributedRun(Run):
                 shard.keys,
                 shard.need,
                 cfg.rollout.group_size,
-                self.sampling,
+                self.parts.sampling,
                 shard.seed,
                 shard.min_version,
                 full_vocab,
             )
             shard.ref = worker.generate_partial.remote(request)
             return
-        shard.ref = worker.generate.remote(shard.prompts, cfg.rollout.group_size, self.sampling, shard.seed, full_vocab)
+        shard.ref = worker.generate.remote(
+            shard.prompts, cfg.rollout.group_size, self.parts.sampling, shard.seed, full_vocab
+        )
 
     def _recover(self, worker: int) -> None:
         """After worker `worker` died: wait for Ray's restart, give it the newest weights and
@@ -401,20 +418,20 @@ class DistributedRun(Run):
                 ref = actor.pid.remote()
             if _actor_state(actor) == "DEAD":
                 raise TrainingError(
-                    f"step {self.step_count + 1}: rollout worker {worker} died and Ray gave up restarting it "
+                    f"step {self.step + 1}: rollout worker {worker} died and Ray gave up restarting it "
                     "(its actor is DEAD); the Ray logs (/tmp/ray/session_latest/logs) say why"
                 )
             waited = time.monotonic() - started
             if waited > limit:
                 raise TrainingError(
-                    f"step {self.step_count + 1}: rollout worker {worker} died and Ray was still restarting it "
+                    f"step {self.step + 1}: rollout worker {worker} died and Ray was still restarting it "
                     f"after {waited:.0f} s (its actor is {_actor_state(actor) or 'in an unknown state'}); on a "
                     f"machine this busy, raise distributed.restart_timeout_s (now {limit:g})"
                 )
             if time.monotonic() > next_note:
                 next_note += RESTART_NOTE_EVERY_S
                 print(
-                    f"step {self.step_count + 1}: waiting for Ray to restart rollout worker {worker} "
+                    f"step {self.step + 1}: waiting for Ray to restart rollout worker {worker} "
                     f"({waited:.0f} s of distributed.restart_timeout_s={limit:g})",
                     file=sys.stderr,
                 )
@@ -423,7 +440,7 @@ class DistributedRun(Run):
         self.worker_pids[worker] = pid
         self.restarts += 1
         print(
-            f"WARNING step {self.step_count + 1}: rollout worker {worker} died and was restarted "
+            f"WARNING step {self.step + 1}: rollout worker {worker} died and was restarted "
             f"(faults/worker_restarts = {self.restarts}); its unfinished requests are sampled again",
             file=sys.stderr,
         )
@@ -434,19 +451,18 @@ class DistributedRun(Run):
             queued = {k for s in resend for k in s.keys}
             lost = [k for k, (_, _, w) in self.outstanding.items() if w == worker and k not in queued]
             resend[0].keys = lost + resend[0].keys
-            resend[0].prompts = [
-                self.tokenizer.encode_prompt(self.outstanding[k][0].prompt, self.cfg.task.chat_template) for k in lost
-            ] + resend[0].prompts
+            resend[0].prompts = [self.parts.encode(self.outstanding[k][0]) for k in lost] + resend[0].prompts
         for shard in resend:
             self._send(shard)
 
-    def _rollouts(self, times: dict[str, float]) -> tuple[list[Problem], RolloutBatch]:
+    def rollouts(self, step: int, times: dict[str, float]) -> tuple[list[Problem], RolloutBatch]:
         import ray
 
         cfg = self.cfg
+        self.step = step
         if not self.pending:  # the first step, or after a resume: fill the pipeline
-            for step in range(self.step_count, min(self.step_count + 1 + cfg.async_.max_staleness, cfg.steps)):
-                self._request(step)
+            for ahead in range(step, min(step + 1 + cfg.async_.max_staleness, cfg.steps)):
+                self._request(ahead)
         # Requests already answered before this step waited for them: how far the workers are ahead.
         queue_depth = sum(
             all(ray.wait([s.ref], timeout=0)[0] for s in request.shards) for request in list(self.pending)[1:]
@@ -462,8 +478,8 @@ class DistributedRun(Run):
                     self._recover(shard.worker)
                     continue
                 except ray.exceptions.RayTaskError as e:  # exact mode's check on the worker, before training
-                    raise TrainingError(f"step {self.step_count + 1}: {e.cause}") from None
-                if self.step_count - batch.weight_version > cfg.async_.max_token_staleness:
+                    raise TrainingError(f"step {self.step + 1}: {e.cause}") from None
+                if self.step - batch.weight_version > cfg.async_.max_token_staleness:
                     self.dropped += batch.response_ids.shape[0]  # too old (only after a restart): sample again
                     self._send(shard)
                     continue
@@ -479,7 +495,7 @@ class DistributedRun(Run):
             self.dropped_tokens += sum(info["dropped_tokens"] for info in infos)
             # A resume samples again from the oldest prompt not yet trained on (and some after it twice).
             taken = [position for _, position, _ in self.outstanding.values()]
-            self.consumed_position = min(taken, default=self.data.position)
+            self.consumed_position = min(taken, default=self.parts.data.position)
         times["rollout"] = time.perf_counter() - t  # the learners wait this long for samples
         times["score"] = max(i["score"] for i in infos)
         times["worker_rollout"] = max(i["rollout"] for i in infos)
@@ -487,7 +503,7 @@ class DistributedRun(Run):
         self._check_loads()
         batch = concat_batches(parts) if len(parts) > 1 else parts[0]
         versions = batch.versions()
-        staleness = (self.step_count - versions[batch.response_mask]).float()
+        staleness = (self.step - versions[batch.response_mask]).float()
         self.async_metrics = {
             "async/staleness_mean": float(staleness.mean()),
             "async/staleness_max": float(staleness.max()),
@@ -505,26 +521,16 @@ class DistributedRun(Run):
             )
         return problems, batch
 
-    def step(self) -> dict[str, float]:
-        start = self.step_end
-        metrics = super().step()
-        self.step_end = time.perf_counter()
-        metrics.update(self.async_metrics)
-        busy = metrics["time/train"]
-        # Learner idle: the part of this step's wall time (since the previous step ended) the learners did not train.
-        metrics["time/learner_idle"] = max(self.step_end - start - busy, 0.0)
-        return metrics
+
+def backend_for(cfg: TrainConfig) -> type[Backend]:
+    """Where a config's engines run: in this process, or on Ray."""
+    return RayBackend if cfg.distributed_mode else LocalBackend
 
 
-def run_class(cfg: TrainConfig) -> type[Run]:
-    """The run for a config: one process, or distributed."""
-    return DistributedRun if cfg.distributed_mode else Run
-
-
-def resume_class(run_dir: str | Path) -> type[Run]:
-    """The run class a run directory's config.yaml asks for (`Run` when it cannot be read:
+def backend_for_run(run_dir: str | Path) -> type[Backend]:
+    """The backend a run directory's config.yaml asks for (the one-process one when it cannot be read:
     `Run.resume` then says what is wrong)."""
     try:
-        return run_class(config_mod.load(TrainConfig, Path(run_dir) / "config.yaml"))
+        return backend_for(config_mod.load(TrainConfig, Path(run_dir) / "config.yaml"))
     except ConfigError:
-        return Run
+        return LocalBackend

@@ -24,8 +24,10 @@ from parity.engines.models import CausalLM, ModelConfig, export_state, final_log
 from parity.engines.packing import PackedBatch, Routing, pack
 
 
-@dataclass(frozen=True)
+@dataclass
 class OptimConfig:
+    """The trainer's optimizer and loss scaler (a run's `trainer.*` keys extend it: `rl/train_config.py`)."""
+
     lr: float = 1e-5
     weight_decay: float = 0.0
     beta1: float = 0.9

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from parity.config import ConfigError, one_of
+
 LOG_RATIO_CLAMP = 20.0  # every log-ratio is clamped before exp
 
 
@@ -665,3 +667,99 @@ def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, d: Denomi
     if mode == "seq_mean_token_sum_norm":
         return summed.sum() / (d.max_length * max(d.sequences, 1))
     raise ValueError(f"unknown aggregation {mode!r}; expected one of {', '.join(AGGREGATIONS)}")
+
+
+# ----------------------------------------------------------------------------- the config
+
+TRUNCATION_MODES = ("keep", "zero_reward", "drop")  # what a response cut off at the length limit gets
+RATIO_SOURCES = ("recompute", "shadow", "rollout")  # what the PPO ratio is taken against
+
+
+@dataclass
+class AlgorithmConfig:
+    """`algorithm.*`: the estimator and its keys, the advantage, the aggregation, the update's epochs and
+    mini-batches, the KL loss. Unset (null) keys take the estimator's reference value (`resolve`;
+    docs/training.md, "Estimators")."""
+
+    name: str = "pg_seq_is"
+    advantage: str | None = None  # the estimator's: drgrpo (the paper's recipe), grpo for gspo, cispo, sapo
+    aggregation: str | None = None  # the estimator's: seq_mean_token_sum_norm (÷ L_max), cispo token_mean, ...
+    clip_low: float | None = None  # ε_low of the estimator's clip; its own (0.2; gspo 3e-4; cispo 10: none)
+    clip_high: float | None = None  # ε_high (0.2; gspo 4e-4)
+    cap: float | None = None  # C; the estimator's (grpo_token_tis 2, grpo_seq_mis 10, ...)
+    cap_low: float | None = None  # C_min; the estimator's (0, or 0.99 for grpo_seq_geo_rs)
+    delta: float | None = None  # δ: the trust region / masking threshold of dppo_*, grpo_opsm, grpo_seq_max_k*
+    tau_pos: float | None = None  # sapo's gate temperature for A > 0
+    tau_neg: float | None = None  # ... and for A < 0
+    token_veto: float = 0.0  # reject a sequence if a token's exp(π_old − μ) is below this (VeRL: 1e-4); 0 = off
+    ppo_epochs: int = 1
+    num_minibatches: int = 1
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"  # as a loss: k2 or k3 (k1 has zero expected gradient)
+    # Responses without EOS: zero_reward (the paper's recipe) | keep | drop (from the loss).
+    # Unset: zero_reward, or keep on task.name=length (where a zero reward would be the best one).
+    truncated: str | None = None
+    # What the PPO ratio π_θ/π_old is taken against. recompute: π_old from the learner on the
+    # sampling weights; shadow: π_old scored by the sampler with the trainer's code path and
+    # precision on the weights that sampled (the research's fix; what asynchronous training
+    # needs); rollout: μ itself, as TRL's AsyncGRPO does (the mismatch enters the clip and
+    # importance weights become 1), for ablation.
+    ratio_source: str = "recompute"
+    # The probe: the sampler also scores its samples in the rollout precision, splitting the
+    # mismatch g = π_old − μ into β (precision) and κ (engine). Free when the precisions match.
+    probe: bool = False
+
+    def resolve(self, task_name: str) -> None:
+        """Fill unset keys from the estimator's reference values, then check them (`task_name`: the
+        reward, which sets what a cut-off response gets)."""
+        a = self
+        est = ESTIMATORS[a.name]
+        for key in TUNABLE:
+            if key in est.params:
+                setattr(a, key, est.params[key] if getattr(a, key) is None else getattr(a, key))
+            elif getattr(a, key) is not None:
+                owners = ", ".join(n for n, e in ESTIMATORS.items() if key in e.params)
+                raise ConfigError(f"algorithm.{key}: {a.name} does not use it (the estimators that do: {owners})")
+        if "cap_low" in est.params and not 0 <= a.cap_low < a.cap:  # both finite: config._coerce refuses inf and NaN
+            raise ConfigError(f"algorithm.cap_low={a.cap_low}, algorithm.cap={a.cap}: need 0 <= cap_low < cap")
+        a.advantage = est.advantage if a.advantage is None else a.advantage
+        a.aggregation = est.aggregation if a.aggregation is None else a.aggregation
+        if a.truncated is None:
+            a.truncated = "keep" if task_name == "length" else "zero_reward"
+        one_of("algorithm.advantage", a.advantage, ADVANTAGES)
+        one_of("algorithm.aggregation", a.aggregation, AGGREGATIONS)
+        one_of("algorithm.truncated", a.truncated, TRUNCATION_MODES)
+        if est.aggregation_fixed and a.aggregation != est.aggregation:
+            raise ConfigError(
+                f"algorithm.aggregation={a.aggregation}: {a.name} is defined per sequence ({est.aggregation}); "
+                "any other aggregation weighs each sequence by its length (VeRL forces it, TRL warns)"
+            )
+        if a.kl_estimator == "k1":
+            raise ConfigError(
+                "algorithm.kl_estimator=k1: as a loss term k1 has zero expected gradient (E[∇ log π] = 0), so it "
+                "regularises nothing; use k2 or k3"
+            )
+        one_of("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
+        if task_name == "length" and a.truncated == "zero_reward":
+            raise ConfigError("algorithm.truncated=zero_reward would reward the longest responses on task.name=length")
+        for key in (k for k in TUNABLE if k != "cap_low"):  # cap_low may be 0
+            value = getattr(a, key)
+            if value is not None and not value > 0:
+                raise ConfigError(f"algorithm.{key}: must be > 0, got {value}")
+        if not 0 <= a.token_veto < 1:
+            raise ConfigError(f"algorithm.token_veto: must be in [0, 1) (0 = off; VeRL uses 1e-4), got {a.token_veto}")
+        one_of("algorithm.ratio_source", a.ratio_source, RATIO_SOURCES)
+        if a.ratio_source == "rollout" and (est.corrects_mismatch or a.token_veto > 0):
+            rule = f"algorithm.name={a.name}" if est.corrects_mismatch else f"algorithm.token_veto={a.token_veto:g}"
+            raise ConfigError(
+                f"{rule} corrects by π_old/μ, which algorithm.ratio_source=rollout makes 1 (π_old is μ there), "
+                "so it would do nothing; use ratio_source=recompute or shadow"
+            )
+
+    def loss_config(self) -> LossConfig:
+        """The estimator's parameters, as its loss function takes them."""
+        a = self
+        return LossConfig(
+            token_veto=a.token_veto,
+            **{key: getattr(a, key) for key in TUNABLE if getattr(a, key) is not None},
+        )

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import shutil
@@ -27,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from parity import config as config_mod
@@ -38,18 +36,16 @@ from parity.engines.budget import check_rollout_memory
 from parity.engines.lora import AdapterError
 from parity.engines.models import ModelConfig, load_model, require_finite_logits, resolve_model_dir
 from parity.engines.precision import to_dtype
-from parity.engines.sampler import ExactnessError, Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import Trainer, scheduled_lr
 from parity.files import JSONError, atomic_write_json, atomic_write_text, parse_json
+from parity.rl.backend import Backend, LocalBackend, RunParts, TrainingError
 from parity.rl.checkpoint import (
     RunState,
     checkpoints,
-    non_finite_tensors,
     require_finite_weights,
     restore_latest,
-    save_checkpoint,
     saved_config,
 )
 from parity.rl.completions import completion_rows, markdown_table, sample_rows, write_completions
@@ -58,14 +54,11 @@ from parity.rl.evaluation import EVAL_SEED, EvalSet, Evaluator, eval_sampling, e
 from parity.rl.reward_fns import Reward, RewardCheckError, binary_reward, data_columns, run_rewards
 from parity.rl.rewards import RewardHealth, score_rollouts
 from parity.rl.step import (
-    Prepared,
     UpdatePlan,
     UpdateResult,
     old_policy,
     prepare,
-    resolve_old,
     step_metrics,
-    train_on_batch,
 )
 from parity.rl.tasks import (
     DATA_DIR,
@@ -119,10 +112,6 @@ class MetricsLog:
 # ----------------------------------------------------------------------------- the run
 
 
-class TrainingError(RuntimeError):
-    """The run stopped because going on would train on garbage (non-finite loss or weights)."""
-
-
 class Callback:
     """Hooks into a run (the Python API's `callbacks=`): subclass and override what you need. Returning
     True from `on_step_end` stops the run after that step, with a checkpoint."""
@@ -162,19 +151,17 @@ def _saved_config(run_dir: Path) -> dict[str, Any] | None:
 
 
 class Run:
-    """A training run: engines, data, rewards and the step. Build with `Run.create`/`Run.resume`."""
+    """A training run: data, rewards and the step, over a backend that holds the engines
+    (`rl/backend.py`: in this process, or on Ray). Build with `Run.create`/`Run.resume`."""
 
-    distributed = False  # this class runs every part in one process (`DistributedRun` does not)
-
-    def __init__(self, cfg: TrainConfig, run_dir: Path, progress: bool = True, rewards: list[Reward] | None = None):
-        if cfg.distributed_mode and not self.distributed:
-            # A config asking for workers or learners must not quietly train in one process.
-            d = cfg.distributed
-            raise ConfigError(
-                f"distributed.rollout_workers={d.rollout_workers}, distributed.learners={d.learners} ask for a "
-                "distributed run, which a one-process Run cannot give; build it with "
-                "parity.distributed.driver.run_class(cfg) (as `parity train` does)"
-            )
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        run_dir: Path,
+        progress: bool = True,
+        rewards: list[Reward] | None = None,
+        backend: type[Backend] = LocalBackend,
+    ):
         reuse_freed_memory()
         self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
         self.model_dir = resolve_model_dir(cfg.model)
@@ -189,17 +176,10 @@ class Run:
             raise ConfigError(
                 f"moe.routing_replay=true: {cfg.model} is a dense {model.config.architecture} model with no experts"
             )
-        optim = cfg.optim_config()
         try:
-            self.trainer = Trainer(model, cfg.trainer_precision, optim, cfg.lora_config(), cfg.seed)
+            self.trainer = Trainer(model, cfg.trainer_precision, cfg.trainer, cfg.lora_config(), cfg.seed)
         except AdapterError as e:
             raise ConfigError(str(e)) from None
-        self.reference = None
-        if cfg.algorithm.kl_coef > 0:
-            reference = load_model(self.model_dir).to(cfg.device)
-            reference.numerics = self.numerics
-            self.reference = Trainer(reference, cfg.trainer_precision, optim)
-            self.reference.model.requires_grad_(False)
         positions = model.config.max_position_embeddings
         limit = prompt_limit(
             self.tokenizer, positions, cfg.rollout.max_new_tokens, "rollout.max_new_tokens", cfg.task.chat_template
@@ -243,10 +223,23 @@ class Run:
         self.lock: RunLock | None = None  # set by create/resume; released when train() ends
         self.created_dir = False  # create() made run_dir: a run that stops before its first step removes it
         self.log = MetricsLog(run_dir, [])
+        self.backend: Backend | None = None
         with self._closed_on_failure():
             flat = _flatten(config_mod.to_dict(cfg))
             self.log.trackers = open_trackers(cfg.tensorboard, cfg.log.to, run_dir, cfg.log.project, flat)
-            self._start_engines()
+            self.backend = backend(
+                RunParts(
+                    cfg,
+                    run_dir,
+                    self.model_dir,
+                    self.tokenizer,
+                    self.numerics,
+                    self.trainer,
+                    self.problems,
+                    self.data,
+                    self.sampling,
+                )
+            )
 
     def _evaluator(self, config: ModelConfig) -> Evaluator | None:
         """The held-out evaluation `eval.*` asks for, or None (eval.every=-1, or nothing held out)."""
@@ -300,7 +293,7 @@ class Run:
     def evaluate(self) -> dict[str, float]:
         """The held-out evaluation of the current weights (`eval.*`): eval/* and deploy/* metrics."""
         t = time.perf_counter()
-        self._gather_state()
+        self.backend.gather()
         weights, version = self.trainer.export_weights(merge=True)
         seed = self.cfg.seed + EVAL_SEED
         metrics = self.evaluator.evaluate(weights, version, seed, self.trainer.model, self.progress)
@@ -310,7 +303,8 @@ class Run:
     def close(self) -> None:
         """Stop the engines (and a Ray cluster this run started), the reward runner and the log, and
         release the run directory."""
-        self._stop_engines()
+        if self.backend is not None:
+            self.backend.close()
         self.rewards.close()
         self.log.close()
         if self.lock is not None:
@@ -326,58 +320,10 @@ class Run:
             self.close()
             raise
 
-    # -- engines: in this process (here) or on Ray (`parity.distributed.driver.DistributedRun`) --
-
-    def _start_engines(self) -> None:
-        cfg = self.cfg
-        self.sampler = Sampler(
-            self.trainer.model.config,
-            cfg.rollout_precision,
-            cfg.trainer_precision,
-            self.tokenizer.eos_ids,
-            self.tokenizer.pad_id,
-            score_old=cfg.algorithm.ratio_source == "shadow",
-            probe=cfg.algorithm.probe,
-            micro_batch_tokens=cfg.trainer.micro_batch_tokens,
-            routing_replay=cfg.moe.routing_replay,
-            numerics=self.numerics,
-        )
-        self._push_weights(base=True)
-
-    def _push_weights(self, base: bool) -> None:
-        """The trainer's weights to the sampler. Unmerged LoRA sends the frozen base only when `base`
-        (at the start), then the adapters alone; otherwise every sync sends every weight."""
-        unmerged = self.cfg.lora.rank > 0 and not self.cfg.lora.merge
-        if base or not unmerged:
-            self.sampler.load_weights(*self.trainer.export_weights(merge=not unmerged))
-        if unmerged and base:  # the frozen base once: the trainer takes the engine's (fused) copy
-            self.trainer.share_frozen(self.sampler.engine.named_weights())
-        if unmerged:
-            self.sampler.load_adapters(*self.trainer.export_adapters())
-
-    def _shard_reader(self) -> Callable[[Path], list[str]] | None:
-        """Who reads a sharded checkpoint's weights on resume: None, `self.trainer` (`rl.checkpoint`)."""
-        return None
-
-    def _weights_restored(self, state: RunState) -> None:
-        """`self.trainer` now holds a checkpoint's state: hand the weights on."""
-        self._push_weights(base=False)
-
-    def _gather_state(self) -> None:
-        """Bring the newest trainer state into `self.trainer` before a checkpoint (here it is)."""
-
-    def _stop_engines(self) -> None:
-        """Release what the engines hold beyond this process (nothing here)."""
-
     def record_numerics(self) -> None:
         """numerics.json: the device, processor and kernel path per precision this process runs
         (a resumed run on another machine records its own)."""
         atomic_write_json(self.run_dir / "numerics.json", self.numerics.describe())
-
-    @property
-    def data_position(self) -> int:
-        """Where the data order stands after the steps already trained (what a checkpoint records)."""
-        return self.data.position
 
     # -- construction ---------------------------------------------------------
 
@@ -388,10 +334,12 @@ class Run:
         progress: bool = True,
         rewards: list[Reward] | None = None,
         datasets: dict[str, list[dict[str, Any]]] | None = None,
+        backend: type[Backend] = LocalBackend,
     ) -> Run:
         """A new run of `cfg`. `rewards`: Python callables for the functions `task.reward_fn` names (the
         API's). `datasets`: rows for "train" (and "eval") held in memory, written into the run directory's
-        data/ so that config.yaml names files that `--resume` and `parity eval` read."""
+        data/ so that config.yaml names files that `--resume` and `parity eval` read. `backend`: where the
+        engines run (`parity.distributed.driver.backend_for(cfg)` picks it from the config)."""
         run_dir = Path(cfg.run_dir or time.strftime("runs/train-%Y%m%d-%H%M%S"))
         check_run_dir(run_dir)
         created = not run_dir.exists()
@@ -411,7 +359,9 @@ class Run:
                     cfg.task.data = str(path.resolve())
                 else:
                     cfg.eval.data = str(path.resolve())
-            run = cls(cfg, run_dir, progress, rewards)  # model, data and reward are checked before anything is written
+            run = cls(
+                cfg, run_dir, progress, rewards, backend
+            )  # model, data, reward checked before anything is written
             run.created_dir = created
             with run._closed_on_failure():
                 atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
@@ -432,6 +382,7 @@ class Run:
         trust_reward_fn: bool = False,
         progress: bool = True,
         rewards: list[Reward] | None = None,
+        backend: type[Backend] = LocalBackend,
     ) -> Run:
         """Continue the run in `run_dir` from its newest intact checkpoint, with exactly its
         saved config; `overrides` may set only RESUMABLE_KEYS (data paths relative to the working
@@ -448,7 +399,7 @@ class Run:
         lock = RunLock(run_dir)
         try:
             run = cls._resume_locked(
-                run_dir, overrides or [], trust_reward_fn or rewards is not None, progress, rewards
+                run_dir, overrides or [], trust_reward_fn or rewards is not None, progress, rewards, backend
             )
         except BaseException:
             lock.release()
@@ -458,7 +409,13 @@ class Run:
 
     @classmethod
     def _resume_locked(
-        cls, run_dir: Path, overrides: list[str], trust_reward_fn: bool, progress: bool, rewards: list[Reward] | None
+        cls,
+        run_dir: Path,
+        overrides: list[str],
+        trust_reward_fn: bool,
+        progress: bool,
+        rewards: list[Reward] | None,
+        backend: type[Backend],
     ) -> Run:
         def note(line: str) -> None:
             print(f"resume: {line}", file=sys.stderr)
@@ -498,16 +455,16 @@ class Run:
                 )
             for k in changed:
                 note(f"{k} {saved.get(k)!r} -> {current[k]!r}")
-        run = cls(cfg, run_dir, progress, rewards)  # model, data and reward checked before anything is written
+        run = cls(cfg, run_dir, progress, rewards, backend)  # checks model, data, reward before writing anything
         with run._closed_on_failure():
             if overrides:
                 atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
             run.record_numerics()
-            state = restore_latest(run_dir, run.trainer, note, run.model_dir, run._shard_reader())
+            state = restore_latest(run_dir, run.trainer, note, run.model_dir, run.backend.shard_reader())
             if state is not None:
                 run.step_count = state.step
                 run.data.position = state.data_position
-                run._weights_restored(state)
+                run.backend.restored(state)
                 note(f"continuing from step {state.step}")
             elif checkpoints(run_dir) or run.log.path.is_file():
                 note("no usable checkpoint; starting again from step 0")
@@ -520,80 +477,15 @@ class Run:
     # -- one step -------------------------------------------------------------
 
     def _update_plan(self) -> UpdatePlan:
-        cfg, a = self.cfg, self.cfg.algorithm
+        cfg = self.cfg
         return UpdatePlan(
-            estimator=a.name,
-            loss=cfg.loss_config(),
-            ratio_source=a.ratio_source,
-            aggregation=a.aggregation,
-            ppo_epochs=a.ppo_epochs,
-            num_minibatches=a.num_minibatches,
+            algorithm=cfg.algorithm,
             micro_batch_tokens=cfg.trainer.micro_batch_tokens,
             prompts=cfg.prompts_per_step,
             group_size=cfg.rollout.group_size,
             max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            kl_coef=a.kl_coef,
-            kl_estimator=a.kl_estimator,
             routing_replay=cfg.moe.routing_replay,
         )
-
-    def _rollouts(self, times: dict[str, float]) -> tuple[list[Problem], RolloutBatch]:
-        """This step's problems and their samples, scored by the sampler (π_old when it is the
-        ratio's source, and the probe) on the weights that sampled."""
-        cfg = self.cfg
-        problems = [self.problems[i] for i in self.data.take(cfg.prompts_per_step)]
-        t = time.perf_counter()
-        batch = self.sampler.generate(
-            [self.tokenizer.encode_prompt(p.prompt, cfg.task.chat_template) for p in problems],
-            cfg.rollout.group_size,
-            self.sampling,
-            seed=self.rollout_seed(self.step_count),
-            full_vocab=cfg.diagnostics.full_vocab_positions,
-        )
-        times["rollout"] = time.perf_counter() - t
-        t = time.perf_counter()
-        self.sampler.score_samples(batch)
-        times["score"] = time.perf_counter() - t
-        if batch.full_vocab is not None:
-            t = time.perf_counter()
-            # The trainer still holds the weights that sampled: it updates after this.
-            self.sampler.score_full_vocab(batch, None if self.sampler.scorer is not None else self.trainer.model)
-            times["full_vocab"] = time.perf_counter() - t
-        return problems, batch
-
-    def rollout_seed(self, step: int) -> int:
-        return self.cfg.seed * 1_000_003 + step
-
-    def _update(self, batch: RolloutBatch, prepared: Prepared) -> UpdateResult:
-        """The optimizer updates of this step, on the in-process trainer."""
-        plan = self.plan
-        trainers = [self.trainer] + ([self.reference] if self.reference is not None else [])
-        flops_before = sum(tr.matmul_flops for tr in trainers)
-        # Exact mode checks μ = π_old before the optimizer steps: a failing step moves, syncs and saves nothing.
-        check = functools.partial(self._verify_exact, batch) if self.cfg.exact else None
-        update = train_on_batch(
-            self.trainer,
-            batch,
-            prepared,
-            plan,
-            self.cfg.seed * 7919 + self.step_count,
-            self.reference,
-            before_first_step=check,
-        )
-        update.flops = sum(tr.matmul_flops for tr in trainers) - flops_before
-        # Only trained weights can turn non-finite: a LoRA run's frozen base is not scanned every step.
-        trained = {n: p for n, p in self.trainer.model.named_parameters() if p.requires_grad}
-        update.non_finite_weights = non_finite_tensors(trained)
-        self._check_finite(update)
-        return update
-
-    def _sync(self, times: dict[str, float]) -> dict[str, float]:
-        """The new weights to the sampler; returns sync metrics (none in one process)."""
-        t = time.perf_counter()
-        self._push_weights(base=False)
-        times["sync"] = time.perf_counter() - t
-        return {}
 
     def step(self) -> dict[str, float]:
         cfg, a = self.cfg, self.cfg.algorithm
@@ -603,7 +495,7 @@ class Run:
         if t.lr_schedule != "constant" or t.warmup_steps:  # a constant rate stays the optimizer's own
             lr = scheduled_lr(t.lr, t.lr_schedule, t.warmup_steps, self.step_count, cfg.steps)
             self.plan = dataclasses.replace(self.plan, lr=lr)
-        problems, batch = self._rollouts(times)
+        problems, batch = self.backend.rollouts(self.step_count, times)
 
         t = time.perf_counter()
         result = score_rollouts(batch, problems, self.tokenizer, self.rewards)
@@ -624,12 +516,13 @@ class Run:
         times["completions"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        old = resolve_old(batch, self.plan, self.trainer)
+        old = self.backend.old_logprobs(batch, self.plan)
         prepared = prepare(batch, result, self.plan, a.advantage, a.truncated, old)
-        update = self._update(batch, prepared)
+        update = self.backend.update(self.step_count, batch, prepared, self.plan)
+        self._check_finite(update)
         times["train"] = time.perf_counter() - t
         pi_old = old_policy(prepared, update)
-        extra = self._sync(times)
+        self.backend.sync(self.step_count, times)
         self.step_count += 1
         times["step"] = time.perf_counter() - t0
 
@@ -650,7 +543,7 @@ class Run:
         metrics["health/mismatch_alarm"] = int(
             mismatch_alarm(self.alarm_series, cfg.health.alarm_window, cfg.health.alarm_factor)
         )
-        metrics.update(extra)
+        metrics.update(self.backend.step_metrics(times))
         metrics.update({f"time/{k}": v for k, v in times.items()})
         metrics["perf/tokens_per_s"] = batch.num_tokens / times["step"]
         metrics["perf/train_gflops"] = update.flops / 1e9 / times["train"]
@@ -673,16 +566,6 @@ class Run:
         if self.cfg.log.completions:
             shown = markdown_table(sample_rows(rows, self.cfg.log.completions))
             tqdm.write(f"step {self.step_count + 1} completions (log.completions=0 hides them):\n{shown}")
-
-    def _verify_exact(
-        self, batch: RolloutBatch, pi_old: torch.Tensor, rows: torch.Tensor, first_pass: torch.Tensor
-    ) -> None:
-        """exact=true: stop before the optimizer steps when a token's μ and π_old differ (or a checked
-        whole distribution, or the first π_θ pass and π_old), naming where (`Sampler.verify_exact`)."""
-        try:
-            self.sampler.verify_exact(batch, pi_old, rows, first_pass)
-        except ExactnessError as e:
-            raise TrainingError(f"step {self.step_count + 1}: {e}") from None
 
     def _check_finite(self, update: UpdateResult) -> None:
         """Stop before a non-finite update is synced, logged or saved.
@@ -808,15 +691,14 @@ class Run:
         return history
 
     def checkpoint(self) -> Path:
-        self._gather_state()
         state = RunState(
             self.step_count,
-            self.data_position,
+            self.backend.data_position,
             self.trainer.weight_version,
             config_mod.to_dict(self.cfg),
             metrics=self.last_metrics,
         )
-        return save_checkpoint(self.run_dir, self.trainer, state, self.model_dir, self.cfg.keep_checkpoints)
+        return self.backend.save(self.run_dir, state, self.cfg.keep_checkpoints)
 
 
 def summary_line(history: list[dict[str, Any]]) -> str:

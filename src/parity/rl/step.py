@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from parity.engines.batch import RolloutBatch
 from parity.engines.trainer import StepStats, Trainer
 from parity.rl.algorithms import (
     ESTIMATORS,
+    AlgorithmConfig,
     LossConfig,
     PolicyInputs,
     aggregate,
@@ -43,23 +45,20 @@ BINARY_REWARDS = {"builtin", "exact", "math", "number"}
 
 @dataclass(frozen=True)
 class UpdatePlan:
-    """What `train_on_batch` needs besides the batch: the algorithm's keys, resolved."""
+    """What `train_on_batch` needs besides the batch: the algorithm's resolved keys and the batch's shape."""
 
-    estimator: str
-    loss: LossConfig
-    ratio_source: str  # recompute | shadow | rollout
-    aggregation: str
-    ppo_epochs: int
-    num_minibatches: int
+    algorithm: AlgorithmConfig  # resolved (`AlgorithmConfig.resolve`)
     micro_batch_tokens: int
     prompts: int
     group_size: int
     max_new_tokens: int
-    temperature: float
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
     routing_replay: bool = False  # MoE: π_θ uses the experts the rollout engine chose
     lr: float | None = None  # this step's learning rate (`trainer.lr_schedule`); None: the optimizer's own
+
+    @functools.cached_property
+    def loss(self) -> LossConfig:
+        """The estimator's parameters, as its loss function takes them."""
+        return self.algorithm.loss_config()
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,9 @@ def resolve_old(batch: RolloutBatch, plan: UpdatePlan, trainer: Trainer) -> tupl
     The loss takes μ in its place when the ratio is against the rollout (`train_on_batch`)."""
     if batch.old_logprobs is not None:
         return batch.old_logprobs, "sampler"
-    if plan.ppo_epochs * plan.num_minibatches > 1 or needs_old_before_update(plan.estimator, plan.loss):
+    if plan.algorithm.ppo_epochs * plan.algorithm.num_minibatches > 1 or needs_old_before_update(
+        plan.algorithm.name, plan.loss
+    ):
         return trainer.score(batch, plan.micro_batch_tokens, plan.routing_replay), "learner_pass"
     return None, "first_pass"
 
@@ -151,8 +152,8 @@ def prepare(
     if truncated == "drop":
         loss_mask[batch.truncated] = False
     rejected = None
-    if needs_old_before_update(plan.estimator, plan.loss):  # then resolve_old gave π_old
-        rejected = rejected_sequences(plan.estimator, old_logprobs, batch.rollout_logprobs, loss_mask, plan.loss)
+    if needs_old_before_update(plan.algorithm.name, plan.loss):  # then resolve_old gave π_old
+        rejected = rejected_sequences(plan.algorithm.name, old_logprobs, batch.rollout_logprobs, loss_mask, plan.loss)
         loss_mask[rejected] = False
     return Prepared(rewards, advantages, loss_mask, rejected, old_logprobs, old_source)
 
@@ -183,7 +184,7 @@ def train_on_batch(
     optimizer first steps (exact mode's check: a failure there moves no weight)."""
     if plan.lr is not None:
         trainer.set_lr(plan.lr)
-    estimator = ESTIMATORS[plan.estimator]
+    estimator = ESTIMATORS[plan.algorithm.name]
     mu, old, loss_mask, advantages = (
         batch.rollout_logprobs,
         prepared.old_logprobs,
@@ -193,15 +194,15 @@ def train_on_batch(
     out = UpdateResult()
     first_pass = torch.zeros_like(mu) if old is None else None
     pi_old = old if old is not None else first_pass
-    loss_old = mu if plan.ratio_source == "rollout" else pi_old
+    loss_old = mu if plan.algorithm.ratio_source == "rollout" else pi_old
     ref = None
     if reference is not None:
         ref = reference.score(batch, plan.micro_batch_tokens, plan.routing_replay)
-    rows_per_mb = batch.response_ids.shape[0] // plan.num_minibatches
+    rows_per_mb = batch.response_ids.shape[0] // plan.algorithm.num_minibatches
     order_gen = torch.Generator().manual_seed(order_seed)
     pending: list[tuple[list[float], torch.Tensor | float]] = []  # (where it goes, scalar) until the update ends
     first_update: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, π_θ) of the first update's passes
-    for epoch in range(plan.ppo_epochs):
+    for epoch in range(plan.algorithm.ppo_epochs):
         # Mini-batches hold whole groups, shuffled per epoch.
         groups = torch.randperm(plan.prompts, generator=order_gen) if epoch else torch.arange(plan.prompts)
         row_order = (groups[:, None] * plan.group_size + torch.arange(plan.group_size)).flatten()
@@ -234,10 +235,10 @@ def train_on_batch(
                         )
                         loss_stats["phantom/clip_frac"] = phantom_clip_frac(by_gap, by_policy, mask)
                     if ref is not None:
-                        kl = kl_penalty(logp, ref[rows], plan.kl_estimator)
+                        kl = kl_penalty(logp, ref[rows], plan.algorithm.kl_estimator)
                         pending += [(out.kls, (kl.detach() * mask).sum()), (out.kl_tokens, mask.sum())]
-                        token_loss = token_loss + plan.kl_coef * kl
-                    loss = aggregate(token_loss, mask, plan.aggregation, norm)
+                        token_loss = token_loss + plan.algorithm.kl_coef * kl
+                    loss = aggregate(token_loss, mask, plan.algorithm.aggregation, norm)
                     trainer.backward(loss)
                     pending.append((out.losses, loss.detach()))
                     pending += [(out.stats.setdefault(k, []), v) for k, v in loss_stats.items()]

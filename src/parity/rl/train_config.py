@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from parity import config as config_mod
-from parity.config import ConfigError, check_range
+from parity.config import ConfigError, check_range, one_of
 from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.lora import TARGETS, LoRAConfig
@@ -20,10 +20,9 @@ from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES
 from parity.engines.trainer import OptimConfig
 from parity.files import regular_file_problem
-from parity.rl.algorithms import ADVANTAGES, AGGREGATIONS, ESTIMATORS, KL_ESTIMATORS, TUNABLE, LossConfig
+from parity.rl.algorithms import ESTIMATORS, AlgorithmConfig
 from parity.rl.tasks import DIFFICULTIES, MAX_PROBLEMS, REWARDS, difficulty_has_no_effect
 
-TRUNCATION_MODES = ("keep", "zero_reward", "drop")
 # trainer.micro_batch_tokens when unset, per device.
 MICRO_BATCH_TOKENS = {"cpu": 8192, "cuda": 16384}
 # Keys `parity train --resume RUN key=value` may change: how long and how often, never what is trained.
@@ -43,14 +42,8 @@ RESUMABLE_KEYS = (
 )
 LR_SCHEDULES = ("constant", "linear", "cosine")
 TRACKERS = ("wandb", "trackio", "mlflow")
-RATIO_SOURCES = ("recompute", "shadow", "rollout")
 
 # ----------------------------------------------------------------------------- config
-
-
-def _one_of(key: str, value: str, allowed) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}: unknown value {value!r}; allowed: {', '.join(sorted(allowed))}")
 
 
 @dataclass
@@ -64,59 +57,22 @@ class RolloutSection:
 
 
 @dataclass
-class TrainerSection:
+class TrainerSection(OptimConfig):
+    """`trainer.*`: the trainer's own config (`OptimConfig`: AdamW, the clip, FP16's loss scaler) and the
+    run's use of it."""
+
     precision: str | None = None  # overrides `precision` for the trainer
     lr: float | None = None  # unset: 2e-4 on the built-in model; on any other 1e-6, or 1e-5 with LoRA
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    grad_clip: float = 1.0
     # The learning rate over the run: constant, or down to 0 at the last step, linearly or along a cosine,
     # after `warmup_steps` steps rising linearly from 0 (trainer/lr logs it every step)
     lr_schedule: str = "constant"
     warmup_steps: int = 0
-    loss_scale_init: float = 65536.0
-    loss_scale_growth_interval: int = 200
     # Tokens per forward/backward (a prompt counted once per micro-batch, responses in full); unset: 8,192
     # on the CPU, 16,384 on CUDA (large enough for the matmuls to fill the GPU).
     micro_batch_tokens: int | None = None
     # Keep only each decoder layer's input through the forward and recompute the layer in the
     # backward: activation memory of one layer instead of all, for about one more forward.
     activation_checkpointing: bool = False
-
-
-@dataclass
-class AlgorithmSection:
-    """Unset (null) keys take the estimator's reference value (docs/training.md, "Estimators")."""
-
-    name: str = "pg_seq_is"
-    advantage: str | None = None  # the estimator's: drgrpo (the paper's recipe), grpo for gspo, cispo, sapo
-    aggregation: str | None = None  # the estimator's: seq_mean_token_sum_norm (÷ L_max), cispo token_mean, ...
-    clip_low: float | None = None  # ε_low of the estimator's clip; its own (0.2; gspo 3e-4; cispo 10: none)
-    clip_high: float | None = None  # ε_high (0.2; gspo 4e-4)
-    cap: float | None = None  # C; the estimator's (grpo_token_tis 2, grpo_seq_mis 10, ...)
-    cap_low: float | None = None  # C_min; the estimator's (0, or 0.99 for grpo_seq_geo_rs)
-    delta: float | None = None  # δ: the trust region / masking threshold of dppo_*, grpo_opsm, grpo_seq_max_k*
-    tau_pos: float | None = None  # sapo's gate temperature for A > 0
-    tau_neg: float | None = None  # ... and for A < 0
-    token_veto: float = 0.0  # reject a sequence if a token's exp(π_old − μ) is below this (VeRL: 1e-4); 0 = off
-    ppo_epochs: int = 1
-    num_minibatches: int = 1
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"  # as a loss: k2 or k3 (k1 has zero expected gradient)
-    # Responses without EOS: zero_reward (the paper's recipe) | keep | drop (from the loss).
-    # Unset: zero_reward, or keep on task.name=length (where a zero reward would be the best one).
-    truncated: str | None = None
-    # What the PPO ratio π_θ/π_old is taken against. recompute: π_old from the learner on the
-    # sampling weights; shadow: π_old scored by the sampler with the trainer's code path and
-    # precision on the weights that sampled (the research's fix; what asynchronous training
-    # needs); rollout: μ itself, as TRL's AsyncGRPO does (the mismatch enters the clip and
-    # importance weights become 1), for ablation.
-    ratio_source: str = "recompute"
-    # The probe: the sampler also scores its samples in the rollout precision, splitting the
-    # mismatch g = π_old − μ into β (precision) and κ (engine). Free when the precisions match.
-    probe: bool = False
 
 
 @dataclass
@@ -322,7 +278,7 @@ class TrainConfig:
     tensorboard: bool = True  # when the tensorboard package is installed
     rollout: RolloutSection = field(default_factory=RolloutSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
-    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     task: TaskSection = field(default_factory=TaskSection)
     reward: RewardSection = field(default_factory=RewardSection)
     log: LogSection = field(default_factory=LogSection)
@@ -379,19 +335,6 @@ class TrainConfig:
                 "set distributed.rollout_workers=0 and distributed.learners=1"
             )
 
-    def optim_config(self) -> OptimConfig:
-        t = self.trainer
-        return OptimConfig(
-            lr=t.lr,
-            weight_decay=t.weight_decay,
-            beta1=t.beta1,
-            beta2=t.beta2,
-            eps=t.eps,
-            grad_clip=t.grad_clip,
-            loss_scale_init=t.loss_scale_init,
-            loss_scale_growth_interval=t.loss_scale_growth_interval,
-        )
-
     @property
     def rollout_precision(self) -> str:
         return self.rollout.precision or self.precision
@@ -399,52 +342,6 @@ class TrainConfig:
     @property
     def trainer_precision(self) -> str:
         return self.trainer.precision or self.precision
-
-    def _resolve_algorithm(self) -> None:
-        """Fill unset algorithm keys from the estimator's reference values, then check them."""
-        a = self.algorithm
-        est = ESTIMATORS[a.name]
-        for key in TUNABLE:
-            if key in est.params:
-                setattr(a, key, est.params[key] if getattr(a, key) is None else getattr(a, key))
-            elif getattr(a, key) is not None:
-                owners = ", ".join(n for n, e in ESTIMATORS.items() if key in e.params)
-                raise ConfigError(f"algorithm.{key}: {a.name} does not use it (the estimators that do: {owners})")
-        if "cap_low" in est.params and not 0 <= a.cap_low < a.cap:  # both finite: config._coerce refuses inf and NaN
-            raise ConfigError(f"algorithm.cap_low={a.cap_low}, algorithm.cap={a.cap}: need 0 <= cap_low < cap")
-        a.advantage = est.advantage if a.advantage is None else a.advantage
-        a.aggregation = est.aggregation if a.aggregation is None else a.aggregation
-        if a.truncated is None:
-            a.truncated = "keep" if self.task.name == "length" else "zero_reward"
-        _one_of("algorithm.advantage", a.advantage, ADVANTAGES)
-        _one_of("algorithm.aggregation", a.aggregation, AGGREGATIONS)
-        _one_of("algorithm.truncated", a.truncated, TRUNCATION_MODES)
-        if est.aggregation_fixed and a.aggregation != est.aggregation:
-            raise ConfigError(
-                f"algorithm.aggregation={a.aggregation}: {a.name} is defined per sequence ({est.aggregation}); "
-                "any other aggregation weighs each sequence by its length (VeRL forces it, TRL warns)"
-            )
-        if a.kl_estimator == "k1":
-            raise ConfigError(
-                "algorithm.kl_estimator=k1: as a loss term k1 has zero expected gradient (E[∇ log π] = 0), so it "
-                "regularises nothing; use k2 or k3"
-            )
-        _one_of("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
-        if self.task.name == "length" and a.truncated == "zero_reward":
-            raise ConfigError("algorithm.truncated=zero_reward would reward the longest responses on task.name=length")
-        for key in (k for k in TUNABLE if k != "cap_low"):  # cap_low may be 0
-            value = getattr(a, key)
-            if value is not None and not value > 0:
-                raise ConfigError(f"algorithm.{key}: must be > 0, got {value}")
-        if not 0 <= a.token_veto < 1:
-            raise ConfigError(f"algorithm.token_veto: must be in [0, 1) (0 = off; VeRL uses 1e-4), got {a.token_veto}")
-
-    def loss_config(self) -> LossConfig:
-        a = self.algorithm
-        return LossConfig(
-            token_veto=a.token_veto,
-            **{key: getattr(a, key) for key in TUNABLE if getattr(a, key) is not None},
-        )
 
     def _check_ranges(self) -> None:
         for key, ok, expected in NUMERIC_RANGES:
@@ -459,37 +356,28 @@ class TrainConfig:
             ("rollout.precision", self.rollout_precision),
             ("trainer.precision", self.trainer_precision),
         ):
-            _one_of(key, value, prec.PRECISIONS)
+            one_of(key, value, prec.PRECISIONS)
         if self.rollout_precision != self.trainer_precision and not self.allow_precision_mismatch:
             raise ConfigError(
                 f"rollout.precision={self.rollout_precision} and trainer.precision={self.trainer_precision} differ; "
                 "a mismatched pair is an ablation: set allow_precision_mismatch=true to run it on purpose"
             )
-        _one_of("algorithm.name", self.algorithm.name, ESTIMATORS)
-        _one_of("task.name", self.task.name, REWARDS)
-        _one_of("task.chat_template", self.task.chat_template, CHAT_TEMPLATE_MODES)
-        _one_of("task.difficulty", self.task.difficulty, DIFFICULTIES)
+        one_of("algorithm.name", self.algorithm.name, ESTIMATORS)
+        one_of("task.name", self.task.name, REWARDS)
+        one_of("task.chat_template", self.task.chat_template, CHAT_TEMPLATE_MODES)
+        one_of("task.difficulty", self.task.difficulty, DIFFICULTIES)
         if difficulty_has_no_effect(self.task.difficulty, self.task.name, self.task.data):
             raise ConfigError(
                 f"task.difficulty={self.task.difficulty}: only the generated word problems of task.name=number "
                 "(task.data=builtin) have levels"
             )
-        self._resolve_algorithm()
+        self.algorithm.resolve(self.task.name)
         if self.trainer.lr is None:
             self.trainer.lr = default_lr(self.model, self.lora.rank > 0)
         if self.trainer.micro_batch_tokens is None:
             self.trainer.micro_batch_tokens = MICRO_BATCH_TOKENS[self.device]
-        _one_of("reward.isolate", self.reward.isolate, ("auto", "always", "never"))
-        _one_of("algorithm.ratio_source", self.algorithm.ratio_source, RATIO_SOURCES)
-        a = self.algorithm
-        corrects = ESTIMATORS[a.name].corrects_mismatch
-        if a.ratio_source == "rollout" and (corrects or a.token_veto > 0):
-            rule = f"algorithm.name={a.name}" if corrects else f"algorithm.token_veto={a.token_veto:g}"
-            raise ConfigError(
-                f"{rule} corrects by π_old/μ, which algorithm.ratio_source=rollout makes 1 (π_old is μ there), "
-                "so it would do nothing; use ratio_source=recompute or shadow"
-            )
-        _one_of("health.on_alarm", self.health.on_alarm, ("warn", "checkpoint", "stop"))
+        one_of("reward.isolate", self.reward.isolate, ("auto", "always", "never"))
+        one_of("health.on_alarm", self.health.on_alarm, ("warn", "checkpoint", "stop"))
         self._check_ranges()
         if self.prompts_per_step % self.algorithm.num_minibatches:
             raise ConfigError(
@@ -502,9 +390,9 @@ class TrainConfig:
                 f"{self.algorithm.advantage} needs rollout.group_size >= 2 (with one sample every advantage is 0)"
             )
         self._check_task()
-        _one_of("trainer.lr_schedule", self.trainer.lr_schedule, LR_SCHEDULES)
+        one_of("trainer.lr_schedule", self.trainer.lr_schedule, LR_SCHEDULES)
         for i, name in enumerate(self.log.to):
-            _one_of(f"log.to[{i}]", name, TRACKERS)
+            one_of(f"log.to[{i}]", name, TRACKERS)
         try:
             SamplingParams(
                 self.rollout.temperature, self.rollout.top_k, self.rollout.top_p, self.rollout.max_new_tokens
