@@ -5,8 +5,8 @@ async.max_staleness 0, 1 and 2, on
 - the built-in model on its perfectible set at `parity sanity` settings (16 prompts × 8, 96 new
   tokens, FP16), trained until the 5-step mean training accuracy reaches 95% (or --max-steps):
   samples/s and seconds to 95%;
-- the 4.4M Llama of DESIGN.md (random weights: it cannot learn the task, so samples/s only) on
-  the built-in arithmetic prompts, 8 prompts × 8, 16 new tokens, --llama-steps steps.
+- the 4.4M Llama (docs/design.md, "Precision semantics"; random weights: it cannot learn the task, so
+  samples/s only) on the built-in arithmetic prompts, 8 prompts × 8, 16 new tokens, --llama-steps steps.
 Seconds count from the first step's start (after Ray and the actors are up); the start-up
 is reported apart.
 

@@ -32,7 +32,7 @@ import torch
 
 MODELS = {
     "builtin": dict(path="builtin", prompts=16, group=4, new_tokens=64),
-    # The 4.4M-parameter Llama of DESIGN.md (6 layers, hidden 256), random weights.
+    # The 4.4M-parameter Llama of docs/design.md, "Precision semantics" (6 layers, hidden 256), random weights.
     "llama-4.4M": dict(path=None, prompts=16, group=4, new_tokens=16),
 }
 
@@ -55,7 +55,7 @@ def save_random_model(model_class: str, out: Path, **config) -> Path:
 
 
 def make_llama_4m(out: Path) -> Path:
-    """The 4.4M-parameter Llama of DESIGN.md (6 layers, hidden 256), random weights."""
+    """The 4.4M-parameter Llama of docs/design.md, "Precision semantics" (6 layers, hidden 256), random weights."""
     return save_random_model(
         "Llama",
         out,

@@ -8,7 +8,7 @@ forward, backward, optimizer), and the exact/plain ratio of each. Exact runs mus
 mismatch on every step (the run stops otherwise), which the benchmark also checks.
 
 - the built-in model on its arithmetic task (16 prompts × 8 samples, up to 32 new tokens);
-- the 4.4M Llama of DESIGN.md (random weights) on the same prompts, 8 prompts × 8 samples,
+- the 4.4M Llama (docs/design.md, "Precision semantics"; random weights) on the same prompts, 8 prompts × 8 samples,
   16 new tokens (random weights rarely stop early, so both kinds do the same work);
 - any model directory (e.g. SmolLM2-135M-Instruct) on easy word problems through its chat template,
   4 prompts × 4 samples, 64 new tokens.

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 ATTENTION_CHUNKS = 4  # length-sorted row chunks for attention: less padding, few kernel calls
 # With `bucket=True` the stream is padded to a multiple of STREAM_MULTIPLE tokens and each
 # chunk's rows to a multiple of ROW_MULTIPLE slots, so that a run sees a few shapes over
-# and over (for kernels built per shape; see `precision.per_shape_kernels`).
+# and over (for kernels built per shape; see `kernels.per_shape_kernels`).
 STREAM_MULTIPLE = 64
 ROW_MULTIPLE = 16
 

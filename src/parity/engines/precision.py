@@ -37,7 +37,7 @@ class LossScaleState:
 
 
 class DynamicLossScaler:
-    """Dynamic loss scaling for FP16 training (DESIGN.md, precision semantics).
+    """Dynamic loss scaling for FP16 training (docs/design.md, "Precision semantics").
 
     Start at `init_scale`; after `growth_interval` consecutive clean steps double the
     scale; on any inf/NaN gradient halve it and skip the optimizer step. With

@@ -1,6 +1,6 @@
 """The sampling side of a step: the rollout engine, and the trainer's code path on the same weights.
 
-Three policies enter a step (DESIGN.md): μ, the rollout engine's log-probs while it
+Three policies enter a step (docs/design.md, "One step"): μ, the rollout engine's log-probs while it
 samples; π_old, the trainer's code path and precision on the weights that sampled;
 π_θ, the policy being trained. The sampler owns the weights that sampled, so it is
 where π_old can be computed without the learner keeping old weights: after

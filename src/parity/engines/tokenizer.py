@@ -1,7 +1,7 @@
 """Tokenizers: a model directory's tokenizer files, read as `transformers` 5 reads them.
 
 Every id a step sees comes from here, so it must tokenize exactly as `transformers` does for the same
-directory (DESIGN.md: a different prompt is a different policy): `encode(text)` is
+directory (docs/design.md, "Rules the code keeps": a different prompt is a different policy): `encode(text)` is
 `AutoTokenizer.from_pretrained(DIR)(text)["input_ids"]`, and `encode_chat(messages)` is
 `apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`. What transformers (5.x)
 does, and so what this module does:

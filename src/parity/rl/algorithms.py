@@ -6,7 +6,7 @@ losses [B, T] and a dict of diagnostics; `aggregate` reduces them. There is no
 engine or I/O in this module: a new estimator is one function and one
 `@register` line, testable on hand-made tensors.
 
-Notation (DESIGN.md): π_θ = `logprobs` (with grad), π_old = `old_logprobs` (the
+Notation (docs/design.md, "One step" and "Estimators"): π_θ = `logprobs` (with grad), π_old = `old_logprobs` (the
 trainer's code path and precision on the weights that sampled), μ =
 `rollout_logprobs` (the rollout engine at sampling time), A = advantage, C = `cap`,
 C_min = `cap_low`. The PPO ratio is π_θ/π_old; importance weights correct π_old

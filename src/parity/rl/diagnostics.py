@@ -1,4 +1,4 @@
-"""Training-inference mismatch metrics (DESIGN.md, "Mismatch metrics").
+"""Training-inference mismatch metrics (docs/design.md, "Mismatch metrics").
 
 All functions are pure: they take per-token log-probs of the sampled tokens,
 `trainer_logprobs` (π, the trainer on the sampling weights) and `rollout_logprobs`
@@ -186,7 +186,7 @@ def phantom_clip_frac(
 
 
 def mismatch_alarm(series: list[float], window: int, factor: float) -> bool:
-    """A rising mismatch relative to its early level (DESIGN.md: the early warning of collapse).
+    """A rising mismatch relative to its early level (docs/design.md, "Mismatch metrics": the collapse warning).
 
     Fires when, with at least 2·`window` values,
     1. the median of the last `window` values exceeds `factor` × the median of the first

@@ -1,4 +1,4 @@
-"""Held-out evaluation and the deployment gap (DESIGN.md, "Evaluation and the deployment gap").
+"""Held-out evaluation and the deployment gap (docs/design.md, "Evaluation and the deployment gap").
 
 Training accuracy is measured on the samples being trained on. Here held-out prompts are answered by a
 rollout engine, the policy that is served, and the same weights are served in each of a list of

@@ -1,4 +1,4 @@
-"""CUDA settings that make the GPU compute what DESIGN.md's precision semantics say.
+"""CUDA settings that make the GPU compute what docs/design.md, "Precision semantics", says.
 
 By default PyTorch lets cuBLAS accumulate FP16/BF16 matmuls with reduced-precision reductions
 and run FP32 matmuls on TF32; both break "products accumulated in FP32" (and TF32 makes FP32
