@@ -209,7 +209,7 @@ def test_parity_eval_on_a_run_directory(tmp_path, capsys):
     data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     _run(tmp_path, "math", "steps=1", f"task.data={data}", "task.name=exact", "rollout.group_size=2")
     assert main(["eval", str(tmp_path / "math"), f"out={out}"]) == 2
-    assert "has no held-out split Parity generates; pass data=FILE" in capsys.readouterr().err
+    assert "and Parity generates no held-out split for it; pass data=FILE" in capsys.readouterr().err
 
 
 def test_exact_mode_compares_whole_distributions_and_finds_them_equal(tmp_path):

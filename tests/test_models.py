@@ -76,7 +76,7 @@ def test_builtin_model_loads():
 
 
 def test_missing_directory():
-    with pytest.raises(ModelError, match="does not exist"):
+    with pytest.raises(ModelError, match="no such directory"):
         resolve_model_dir("/nonexistent/model")
 
 
@@ -122,7 +122,7 @@ def test_cli_reports_model_error_in_one_line(capsys):
 
     assert main(["mismatch", "--model", "/nonexistent/model"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "does not exist" in err
+    assert err.count("\n") == 0 and "no such directory" in err
 
 
 def _stack_experts(src, dst):

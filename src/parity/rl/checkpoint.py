@@ -467,6 +467,8 @@ def load_checkpoint(
             _check_optimizer(trainer, tensors, meta)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
+    except ConfigError:  # a sound checkpoint that does not fit this trainer: not to be set aside
+        raise
     except (ModelError, AdapterError, JSONError, ValueError, OSError, SafetensorError) as e:
         raise CheckpointError(f"{path}: {e}") from None
     bad = non_finite_tensors(weights) + non_finite_tensors(tensors)
