@@ -89,7 +89,8 @@ def test_weight_sync_verification_names_the_damaged_tensor():
     """A worker loads a sync, checks both of its copies, and refuses one damaged in transit."""
     model_dir = resolve_model_dir("builtin")
     state = {k: v for k, v in load_model(model_dir).named_parameters()}
-    worker = RolloutWorker(0, str(model_dir), "bf16", "bf16", probe=False, micro_batch_tokens=8192, threads=None)
+    bf16 = config.load(TrainConfig, None, ["precision=bf16"])
+    worker = RolloutWorker(0, str(model_dir), bf16, threads=None)
     tensors, manifest = pack_weights(state, 3, "bf16", "bf16")
     assert manifest.wire_dtype == "bfloat16" and manifest.engine == manifest.scorer
     assert worker.load_weights(tensors, manifest)["verified"] == 1.0
@@ -104,7 +105,9 @@ def test_weight_sync_verification_names_the_damaged_tensor():
     # Mixed precisions send FP32 (the π_old scorer needs the master weights) with two checksum sets.
     tensors, manifest = pack_weights(state, 4, "bf16", "fp32")
     assert manifest.wire_dtype == "float32" and manifest.engine != manifest.scorer
-    worker = RolloutWorker(1, str(model_dir), "bf16", "fp32", probe=True, micro_batch_tokens=8192, threads=None)
+    mixed = ["rollout.precision=bf16", "trainer.precision=fp32", "allow_precision_mismatch=true"]
+    mixed.append("algorithm.probe=true")
+    worker = RolloutWorker(1, str(model_dir), config.load(TrainConfig, None, mixed), threads=None)
     assert worker.load_weights(tensors, manifest)["verified"] == 1.0
 
 

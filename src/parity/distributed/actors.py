@@ -24,12 +24,14 @@ from parity.engines import kernels
 from parity.engines.batch import RolloutBatch
 from parity.engines.models import CausalLM, load_config, load_model
 from parity.engines.partial import PartialRollouts, PoolRequest
-from parity.engines.sampler import ExactnessError, Sampler, check_first_pass
+from parity.engines.sampler import ExactnessError, check_first_pass
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
-from parity.engines.trainer import OptimConfig, Trainer, TrainerState
+from parity.engines.trainer import Trainer, TrainerState
+from parity.rl.backend import build_sampler
 from parity.rl.checkpoint import load_shards, local_parameters, non_finite_tensors, save_shards
 from parity.rl.step import Prepared, UpdatePlan, UpdateResult, train_on_batch
+from parity.rl.train_config import TrainConfig
 from parity.runtime import reuse_freed_memory
 
 
@@ -57,34 +59,12 @@ def load_sharded(model_dir: Path, mesh) -> CausalLM:
 class RolloutWorker:
     """Samples with the rollout engine and scores its own samples (π_old, the probe)."""
 
-    def __init__(
-        self,
-        index: int,
-        model_dir: str,
-        rollout_precision: str,
-        trainer_precision: str,
-        probe: bool,
-        micro_batch_tokens: int,
-        threads: int | None,
-        routing_replay: bool = False,
-        exact: bool = False,
-    ):
+    def __init__(self, index: int, model_dir: str, cfg: TrainConfig, threads: int | None):
         _set_process_threads(threads)
-        self.index, self.exact = index, exact
+        self.index, self.exact = index, cfg.exact
         self.where = f"rollout worker {index}"
-        tokenizer = load_tokenizer(model_dir)
-        self.sampler = Sampler(
-            load_config(model_dir),
-            rollout_precision,
-            trainer_precision,
-            tokenizer.eos_ids,
-            tokenizer.pad_id,
-            score_old=True,
-            probe=probe,
-            micro_batch_tokens=micro_batch_tokens,
-            routing_replay=routing_replay,
-            numerics=kernels.numerics("cpu", exact),
-        )
+        numerics = kernels.numerics("cpu", cfg.exact)
+        self.sampler = build_sampler(cfg, load_config(model_dir), load_tokenizer(model_dir), numerics, score_old=True)
         self.pool = PartialRollouts(self.sampler)  # used by `generate_partial` only
         self.idle_since = time.perf_counter()
 
@@ -139,22 +119,12 @@ class RolloutWorker:
 class Learner:
     """One rank of the learner group: a Trainer over an FSDP2-sharded model."""
 
-    def __init__(
-        self,
-        rank: int,
-        world: int,
-        model_dir: str,
-        precision: str,
-        optim: OptimConfig,
-        threads: int,
-        exact: bool = False,
-        reference: bool = False,
-    ):
+    def __init__(self, rank: int, world: int, model_dir: str, cfg: TrainConfig, threads: int):
         _set_process_threads(threads)
         self.rank, self.world = rank, world
-        self.model_dir, self.precision, self.optim = model_dir, precision, optim
-        self.numerics = kernels.numerics("cpu", exact)
-        self.with_reference = reference  # a frozen copy of the starting model, for algorithm.kl_coef > 0
+        self.model_dir, self.precision, self.optim = model_dir, cfg.trainer_precision, cfg.trainer
+        self.numerics = kernels.numerics("cpu", cfg.exact)
+        self.with_reference = cfg.algorithm.kl_coef > 0  # a frozen copy of the starting model, for the KL loss
         self.trainer: Trainer | None = None
         self.reference: Trainer | None = None
 

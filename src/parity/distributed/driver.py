@@ -140,28 +140,9 @@ class RayBackend:
                 f"async.partial_rollouts={cfg.async_.partial_rollouts} with a mixture-of-experts model: a continued "
                 "response's routing record would span weight versions, which routing replay cannot take; set it to 0"
             )
-        self.workers = [
-            worker_cls.remote(
-                i,
-                model_dir,
-                cfg.rollout_precision,
-                cfg.trainer_precision,
-                cfg.algorithm.probe,
-                cfg.trainer.micro_batch_tokens,
-                threads,
-                cfg.moe.routing_replay,
-                cfg.exact,
-            )
-            for i in range(d.rollout_workers)
-        ]
+        self.workers = [worker_cls.remote(i, model_dir, cfg, threads) for i in range(d.rollout_workers)]
         learner_cls = ray.remote(num_cpus=1, max_restarts=0)(Learner)
-        reference = cfg.algorithm.kl_coef > 0
-        self.learners = [
-            learner_cls.remote(
-                r, d.learners, model_dir, cfg.trainer_precision, cfg.trainer, threads, cfg.exact, reference
-            )
-            for r in range(d.learners)
-        ]
+        self.learners = [learner_cls.remote(r, d.learners, model_dir, cfg, threads) for r in range(d.learners)]
         host, port = ray.get(self.learners[0].rendezvous.remote())
         self._learners_call("setup", host, port)
         self.worker_pids = ray.get([w.pid.remote() for w in self.workers])

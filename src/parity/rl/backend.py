@@ -26,7 +26,7 @@ import torch
 from parity.config import ConfigError
 from parity.engines.batch import RolloutBatch
 from parity.engines.kernels import Numerics
-from parity.engines.models import load_model
+from parity.engines.models import ModelConfig, load_model
 from parity.engines.sampler import ExactnessError, Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import Tokenizer
@@ -66,6 +66,25 @@ class RunParts:
 
     def encode(self, problem: Problem) -> list[int]:
         return self.tokenizer.encode_prompt(problem.prompt, self.cfg.task.chat_template)
+
+
+def build_sampler(
+    cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer, numerics: Numerics, score_old: bool
+) -> Sampler:
+    """A run's sampler, in this process or on a rollout worker: the rollout engine in the rollout
+    precision, and the trainer's code path for π_old (when `score_old`) and the probe."""
+    return Sampler(
+        model,
+        cfg.rollout_precision,
+        cfg.trainer_precision,
+        tokenizer.eos_ids,
+        tokenizer.pad_id,
+        score_old=score_old,
+        probe=cfg.algorithm.probe,
+        micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        routing_replay=cfg.moe.routing_replay,
+        numerics=numerics,
+    )
 
 
 class Backend(Protocol):
@@ -140,18 +159,8 @@ class LocalBackend:
             reference.numerics = parts.numerics
             self.reference = Trainer(reference, cfg.trainer_precision, self.trainer.optim_config)
             self.reference.model.requires_grad_(False)
-        self.sampler = Sampler(
-            self.trainer.model.config,
-            cfg.rollout_precision,
-            cfg.trainer_precision,
-            parts.tokenizer.eos_ids,
-            parts.tokenizer.pad_id,
-            score_old=cfg.algorithm.ratio_source == "shadow",
-            probe=cfg.algorithm.probe,
-            micro_batch_tokens=cfg.trainer.micro_batch_tokens,
-            routing_replay=cfg.moe.routing_replay,
-            numerics=parts.numerics,
-        )
+        score_old = cfg.algorithm.ratio_source == "shadow"
+        self.sampler = build_sampler(cfg, self.trainer.model.config, parts.tokenizer, parts.numerics, score_old)
         self._push_weights(base=True)
 
     def _push_weights(self, base: bool) -> None:
