@@ -237,3 +237,22 @@ def test_the_gumbel_draw_samples_the_softmax_and_a_row_alone_gets_the_same_token
     logp = torch.log_softmax(randn(7, 300), -1)
     picked, values = gumbel.sample(logp, uniforms[:7], normalised=True)
     assert torch.equal(values, logp.gather(-1, picked[:, None])[:, 0])
+
+
+def test_the_gumbel_draw_gives_the_same_token_however_the_vocabulary_is_split():
+    """One program per span of the vocabulary, then the best span: the same tokens as one pass over the whole
+    row (the same bits for log-probabilities given; the log-sum-exp of logits to rounding), ties included."""
+    from parity.engines.kernels import gumbel
+
+    z = randn(64, 1000) * 3
+    z[:, 500:] = float("-inf")  # whole spans with no finite entry
+    z[:8] = z[:8].round()  # equal values: ties decided by the noise, the same in any split
+    uniforms = torch.rand(64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    one = gumbel.sample(z, uniforms, normalised=False, temperature=0.9, span=1024)
+    logp = torch.log_softmax(z, -1)
+    one_normalised = gumbel.sample(logp, uniforms, normalised=True, span=1024)
+    for span in (32, 96, 256):
+        tokens, logprobs = gumbel.sample(z, uniforms, normalised=False, temperature=0.9, span=span)
+        assert torch.equal(tokens, one[0]) and torch.allclose(logprobs, one[1], atol=1e-6, rtol=0)
+        tokens, values = gumbel.sample(logp, uniforms, normalised=True, span=span)
+        assert torch.equal(tokens, one_normalised[0]) and torch.equal(values, one_normalised[1])

@@ -117,7 +117,7 @@ def log_distribution(logits: torch.Tensor, sampling: SamplingParams) -> torch.Te
 
 def _pick(logp: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A token per row of log-probabilities [N, V] and its log-probability: by inverse CDF on the CPU (what the
-    engine always drew), the Gumbel-max draw in one pass on CUDA (`kernels/gumbel.py`)."""
+    engine always drew), the Gumbel-max draw on CUDA (`kernels/gumbel.py`)."""
     if logp.is_cuda:
         from parity.engines.kernels import gumbel
 

@@ -1,4 +1,4 @@
-"""Sampling a token per row on CUDA in one pass over the vocabulary (Triton): the Gumbel-max draw.
+"""Sampling a token per row on CUDA over the vocabulary (Triton): the Gumbel-max draw.
 
 argmax_v (z_v + g_v), with g_v = -log(-log u_v) and u_v uniform, is a draw from softmax(z): no
 cumulative sum over the vocabulary (a [B, V] scan was the decode step's costliest kernel), no
@@ -8,6 +8,11 @@ number), so a row's token never depends on which rows share its batch. Given raw
 pass keeps a running log-sum-exp and returns the token's log-probability; given log-probabilities
 (exact mode's log-softmax, or a filtered distribution with -inf outside its support), it reads the
 token's own.
+
+Each row's vocabulary is split into spans of `SPAN` entries, one program each, so that a batch of a
+few rows still fills the GPU (one program per row ran 128 programs over 19M entries at batch 128); a
+second pass picks each row's best span. The noise of entry v is the same whichever span holds it, and
+ties go to the lowest entry as in one pass, so the token is the same for any span.
 """
 
 from __future__ import annotations
@@ -16,14 +21,29 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 4096
+BLOCK = 4096  # entries a program reads at once
+SPAN = 8192  # entries per program: 19 programs per row at Qwen2's 151,936
 
 
-@triton.jit(do_not_specialize=["vocab", "stride"])
-def _gumbel_kernel(
-    scores, uniforms, tokens, logprobs, vocab, stride, scale, NORMALISED: tl.constexpr, BLOCK: tl.constexpr
+@triton.jit(do_not_specialize=["vocab", "stride", "span", "spans"])
+def _gumbel_span_kernel(
+    scores,
+    uniforms,
+    keys,
+    indices,
+    picked,
+    tops,
+    totals,
+    vocab,
+    stride,
+    span,
+    spans,
+    scale,
+    NORMALISED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     seed = (tl.load(uniforms + row) * 2147483647.0).to(tl.int32)
     lanes = tl.arange(0, BLOCK)
     best = tl.full((), float("-inf"), tl.float32)
@@ -31,9 +51,11 @@ def _gumbel_kernel(
     best_index = tl.full((), 0, tl.int32)
     top = tl.full((), float("-inf"), tl.float32)
     total = tl.full((), 0.0, tl.float32)
-    for start in tl.range(0, vocab, BLOCK):
+    first = part * span
+    end = tl.minimum(first + span, vocab)
+    for start in tl.range(first, end, BLOCK):
         v = start + lanes
-        ok = v < vocab
+        ok = v < end
         z = tl.load(scores + row * stride + v, mask=ok, other=float("-inf")).to(tl.float32) * scale
         noise = -tl.log(-tl.log(tl.rand(seed, v)))
         key = tl.where(ok & (z > float("-inf")), z + noise, float("-inf"))
@@ -46,26 +68,38 @@ def _gumbel_kernel(
         if not NORMALISED:  # a running log-sum-exp of the logits
             chunk_top = tl.max(z, 0)
             new_top = tl.maximum(top, chunk_top)
-            total = total * tl.exp(top - new_top) + tl.sum(tl.where(ok, tl.exp(z - new_top), 0.0), 0)
+            safe = tl.where(new_top > float("-inf"), new_top, 0.0)  # a span with no finite logit adds 0
+            total = total * tl.exp(top - safe) + tl.sum(tl.where(ok, tl.exp(z - safe), 0.0), 0)
             top = new_top
-    tl.store(tokens + row, best_index.to(tl.int64))
-    if NORMALISED:
-        tl.store(logprobs + row, best_score)
-    else:
-        tl.store(logprobs + row, best_score - top - tl.log(total))
+    out = row * spans + part
+    tl.store(keys + out, best)
+    tl.store(indices + out, best_index.to(tl.int64))
+    tl.store(picked + out, best_score)
+    if not NORMALISED:
+        tl.store(tops + out, top)
+        tl.store(totals + out, total)
 
 
-def sample(scores: torch.Tensor, uniforms: torch.Tensor, normalised: bool, temperature: float = 1.0):
+def sample(scores: torch.Tensor, uniforms: torch.Tensor, normalised: bool, temperature: float = 1.0, span: int = SPAN):
     """One token per row of `scores` [N, V] (logits, scaled by 1/temperature here; or with `normalised` the
     log-probabilities themselves), from each row's number `uniforms` [N]: (tokens [N] int64, their
-    log-probabilities [N] FP32)."""
+    log-probabilities [N] FP32). `span`: vocabulary entries per program (the token does not depend on it)."""
     n, vocab = scores.shape
-    tokens = torch.empty(n, dtype=torch.long, device=scores.device)
-    logprobs = torch.empty(n, dtype=torch.float32, device=scores.device)
+    spans = triton.cdiv(vocab, span)
+    keys = torch.empty(n, spans, dtype=torch.float32, device=scores.device)
+    indices = torch.empty(n, spans, dtype=torch.long, device=scores.device)
+    picked = torch.empty(n, spans, dtype=torch.float32, device=scores.device)
+    tops = torch.empty(n, spans, dtype=torch.float32, device=scores.device)
+    totals = torch.empty(n, spans, dtype=torch.float32, device=scores.device)
     if n:
         scale = 1.0 if normalised else 1.0 / temperature
-        _gumbel_kernel[(n,)](
-            scores, uniforms.contiguous(), tokens, logprobs, vocab, scores.stride(0), scale,
-            NORMALISED=normalised, BLOCK=BLOCK,
+        _gumbel_span_kernel[(n, spans)](
+            scores, uniforms.contiguous(), keys, indices, picked, tops, totals, vocab, scores.stride(0), span,
+            spans, scale, NORMALISED=normalised, BLOCK=min(BLOCK, triton.next_power_of_2(span)),
         )  # fmt: skip
-    return tokens, logprobs
+    best = keys.argmax(-1, keepdim=True)  # the first of equal keys: the lowest entry, as one pass keeps
+    tokens, logprobs = indices.gather(-1, best)[:, 0], picked.gather(-1, best)[:, 0]
+    if normalised:
+        return tokens, logprobs
+    top = tops.max(-1, keepdim=True).values
+    return tokens, logprobs - top[:, 0] - (totals * torch.exp(tops - top)).sum(-1).log()
