@@ -464,7 +464,7 @@ def step_table(args) -> dict:
 
 
 def _model_dir(model: str, tmp: Path) -> Path:
-    from parity.engines.models import resolve_model_dir
+    from parity.engines.models.io import resolve_model_dir
 
     if model == "llama-4.4M":
         return make_llama_4m(tmp / model)
@@ -489,7 +489,7 @@ def _model_dir(model: str, tmp: Path) -> Path:
 
 def solve_work(precision: str, max_steps: int, seed: int) -> Work:
     """The built-in model on its perfectible set, at `parity sanity` settings."""
-    from parity.engines.models import resolve_model_dir
+    from parity.engines.models.io import resolve_model_dir
 
     _, prompts, group, new_tokens = CONFIGS["builtin (sanity settings)"]
     problems = _perfectible_problems()

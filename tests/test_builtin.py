@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from parity.builtin.build import BuildConfig, accuracy_spread, build_model
-from parity.engines.models import BUILTIN_DIR, load_model
+from parity.engines.models.io import BUILTIN_DIR, load_model
 from parity.engines.tokenizer import load_tokenizer
 from parity.rl.tasks import ArithmeticTask, Problem
 

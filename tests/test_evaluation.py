@@ -15,7 +15,7 @@ import torch
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
-from parity.engines.models import BUILTIN_DIR, export_state, load_model
+from parity.engines.models.io import BUILTIN_DIR, export_state, load_model
 from parity.engines.rollout import FULL_VOCAB_PER_ROW, RolloutEngine, _FullVocabRecorder
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer

@@ -13,7 +13,7 @@ from parity.cli import main
 from parity.commands.perfectible import filter_perfectible, format_histogram, histogram
 from parity.commands.sanity import parse_runs, reading, run_sanity, train_runs
 from parity.config import ConfigError
-from parity.engines.models import BUILTIN_DIR
+from parity.engines.models.io import BUILTIN_DIR
 from parity.rl.loop import TrainingError
 from parity.rl.train_config import TrainConfig
 

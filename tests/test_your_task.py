@@ -16,7 +16,8 @@ import pytest
 import parity
 from parity.cli import main
 from parity.config import ConfigError
-from parity.engines.models import ModelError, resolve_model_dir
+from parity.engines.models.config import ModelError
+from parity.engines.models.io import resolve_model_dir
 from parity.engines.trainer import scheduled_lr
 from parity.rl.reward_fns import RewardCheckError
 from parity.rl.tasks import DataError

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from parity.config import ConfigError
-from parity.engines.models import ModelError
+from parity.engines.models.config import ModelError
 from parity.outdir import check_output_dir
 from parity.rl.checkpoint import CheckpointError, checkpoints
 from parity.rl.loop import TrainingError
@@ -506,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_doctor)
 
     from parity.builtin.build import BuildConfig
-    from parity.engines.models import BUILTIN_DIR
+    from parity.engines.models.io import BUILTIN_DIR
 
     p = sub.add_parser(
         "build-model",

@@ -21,7 +21,9 @@ import torch
 from tqdm import tqdm
 
 from parity.commands.perfectible import problem_accuracies
-from parity.engines.models import BUILTIN_DIR, CausalLM, ModelConfig, save_model
+from parity.engines.models.config import ModelConfig
+from parity.engines.models.io import BUILTIN_DIR, save_model
+from parity.engines.models.modules import CausalLM
 from parity.engines.rollout import RolloutEngine
 from parity.engines.tokenizer import copy_tokenizer_files, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer

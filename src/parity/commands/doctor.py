@@ -41,7 +41,8 @@ from torch import nn
 from parity.commands.mismatch import MismatchConfig, SamplingConfig, load_prompts, run_mismatch
 from parity.config import ConfigError
 from parity.engines import kernels
-from parity.engines.models import CausalLM, load_config, load_model, resolve_model_dir
+from parity.engines.models.io import load_config, load_model, resolve_model_dir
+from parity.engines.models.modules import CausalLM
 from parity.engines.packing import PackedBatch, pack
 from parity.engines.precision import FP16_MAX, FP16_MIN_NORMAL
 from parity.engines.tokenizer import load_tokenizer

@@ -25,7 +25,8 @@ from parity.config import ConfigError
 from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.lora import AdapterError, LoRAConfig, load_adapter_state, read_adapter
-from parity.engines.models import CausalLM, load_config, load_model, resolve_model_dir
+from parity.engines.models.io import load_config, load_model, resolve_model_dir
+from parity.engines.models.modules import CausalLM
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, has_builtin_tokenizer, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text, regular_file_problem

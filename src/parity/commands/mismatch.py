@@ -23,7 +23,7 @@ from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.batch import RolloutBatch
 from parity.engines.locate import StageDiff, first_divergence, format_table, locate_row, worst_row
-from parity.engines.models import load_config, load_model, require_finite_logits, resolve_model_dir
+from parity.engines.models.io import load_config, load_model, require_finite_logits, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Prompt, has_builtin_tokenizer, load_tokenizer

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from parity.config import ConfigError
 from parity.engines import kernels
-from parity.engines.models import load_config, load_model, resolve_model_dir
+from parity.engines.models.io import load_config, load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, load_tokenizer

@@ -34,7 +34,7 @@ from parity.commands.report import Panel, load_history, plot_bars, plot_beta_dis
 from parity.config import ConfigError
 from parity.distributed.driver import run_class
 from parity.engines import kernels
-from parity.engines.models import export_state, load_model, resolve_model_dir
+from parity.engines.models.io import export_state, load_model, resolve_model_dir
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer

@@ -34,7 +34,7 @@ from parity.config import ConfigError
 from parity.distributed.actors import Learner, RolloutWorker
 from parity.distributed.cluster import LocalCluster, import_ray, join, require_cpus
 from parity.engines.batch import RolloutBatch, concat_batches
-from parity.engines.models import load_config
+from parity.engines.models.io import load_config
 from parity.engines.partial import PoolRequest
 from parity.engines.sampler import ExactnessError
 from parity.rl.checkpoint import CheckpointError, RunState, save_checkpoint

@@ -22,7 +22,8 @@ from tqdm import tqdm
 from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.batch import RolloutBatch
-from parity.engines.models import CausalLM, ModelConfig
+from parity.engines.models.config import ModelConfig
+from parity.engines.models.modules import CausalLM
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import Tokenizer

@@ -36,7 +36,8 @@ from parity.engines import kernels
 from parity.engines.batch import RolloutBatch
 from parity.engines.budget import check_rollout_memory
 from parity.engines.lora import AdapterError
-from parity.engines.models import ModelConfig, load_model, require_finite_logits, resolve_model_dir
+from parity.engines.models.config import ModelConfig
+from parity.engines.models.io import load_model, require_finite_logits, resolve_model_dir
 from parity.engines.precision import to_dtype
 from parity.engines.sampler import ExactnessError, Sampler
 from parity.engines.sampling import SamplingParams

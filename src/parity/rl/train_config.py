@@ -14,7 +14,7 @@ from parity.config import ConfigError, check_range
 from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.lora import TARGETS, LoRAConfig
-from parity.engines.models import BUILTIN_DIR
+from parity.engines.models.io import BUILTIN_DIR
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES
 from parity.engines.trainer import OptimConfig
