@@ -75,7 +75,7 @@ class Workloads:
 
     def __init__(self, model_dir: str, spec: dict):
         from parity.engines.tokenizer import load_tokenizer
-        from parity.rl.tasks import ArithmeticTask
+        from parity.rl.problems import ArithmeticTask
 
         self.model_dir, self.spec = model_dir, spec
         self.tok = load_tokenizer(model_dir)

@@ -38,7 +38,7 @@ class Setup:
         from parity.engines.sampling import SamplingParams
         from parity.engines.tokenizer import load_tokenizer
         from parity.engines.trainer import OptimConfig, Trainer
-        from parity.rl.tasks import ArithmeticTask
+        from parity.rl.problems import ArithmeticTask
 
         tok = load_tokenizer(model_dir)
         prompts = [tok.encode(p.prompt) for p in ArithmeticTask().problems(spec["prompts"], seed=0, split="eval")]

@@ -69,7 +69,7 @@ def _max_rss_mb() -> float:
 
 def _eval_problems(n: int, chat: bool = False) -> list[dict]:
     """Arithmetic problems; `chat`: the word problems of `task.name=number`, as one user message each."""
-    from parity.rl.tasks import ArithmeticTask, NumberTask
+    from parity.rl.problems import ArithmeticTask, NumberTask
 
     if chat:
         problems = NumberTask().problems(n, seed=0, split="eval")
@@ -221,7 +221,8 @@ def trl_trainer(work: Work, callbacks: list, on_accuracy=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from parity.rl.tasks import ArithmeticTask, Problem, number_reward
+    from parity.rl.builtin_rewards import number_reward
+    from parity.rl.problems import ArithmeticTask, Problem
 
     task = ArithmeticTask()
 

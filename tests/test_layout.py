@@ -14,6 +14,9 @@ ROOT_LAYER = 6  # `parity` itself (__init__.py): above everything it re-exports
 # Modules split out of one along its seams, lowest first: each imports only those before it in its row.
 SPLITS = [
     ("parity.engines.models.config", "parity.engines.models.modules", "parity.engines.models.io"),
+    # rl/tasks.py: data files and the built-in rewards both build on the problems, and not on each other
+    ("parity.rl.problems", "parity.rl.data"),
+    ("parity.rl.problems", "parity.rl.builtin_rewards"),
 ]
 
 

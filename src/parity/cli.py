@@ -13,9 +13,10 @@ from parity.config import ConfigError
 from parity.engines.models.config import ModelError
 from parity.outdir import check_output_dir
 from parity.rl.checkpoint import CheckpointError, checkpoints
+from parity.rl.data import DataError
 from parity.rl.loop import TrainingError
+from parity.rl.problems import DIFFICULTIES
 from parity.rl.rewards import RewardError
-from parity.rl.tasks import DIFFICULTIES, DataError
 from parity.runtime import reuse_freed_memory, use_free_cores
 
 

@@ -49,7 +49,7 @@ from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text
 from parity.outdir import check_output_dir, claim_output_dir
-from parity.rl.tasks import prompt_limit
+from parity.rl.data import prompt_limit
 
 PROBE_NEW_TOKENS = 48  # each probe prompt's responses in the mismatch measurement
 MAX_PROMPTS = 1024  # --prompts: a probe, not an evaluation

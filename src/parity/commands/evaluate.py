@@ -31,20 +31,14 @@ from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, has_builtin_tokenizer,
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text, regular_file_problem
 from parity.outdir import claim_output_dir
+from parity.rl.builtin_rewards import REWARDS, TRUSTED_REWARDS
 from parity.rl.checkpoint import checkpoints, load_checkpoint, require_finite_weights
+from parity.rl.data import DataColumns, load_problems, prompt_limit
 from parity.rl.evaluation import EVAL_SEED, TRAINER, EvalSet, Evaluator, eval_sampling, heldout_problems
+from parity.rl.problems import DIFFICULTIES, builtin_problems
 from parity.rl.reward_fns import Reward, UserRewards, bind_all, data_columns, import_reward_fn
 from parity.rl.rewards import RewardRunner
 from parity.rl.step import BINARY_REWARDS
-from parity.rl.tasks import (
-    DIFFICULTIES,
-    REWARDS,
-    TRUSTED_REWARDS,
-    DataColumns,
-    builtin_problems,
-    load_problems,
-    prompt_limit,
-)
 from parity.rl.train_config import TrainConfig
 from parity.rundir import in_use_by
 

@@ -26,17 +26,10 @@ from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, load_tokenizer
 from parity.files import JSONError, atomic_write_text, parse_json
+from parity.rl.builtin_rewards import REWARDS, TRUSTED_REWARDS
+from parity.rl.data import load_problems, prompt_limit
+from parity.rl.problems import DIFFICULTIES, Problem, builtin_problems, difficulty_has_no_effect
 from parity.rl.rewards import RewardRunner, score_rollouts, training_rewards
-from parity.rl.tasks import (
-    DIFFICULTIES,
-    REWARDS,
-    TRUSTED_REWARDS,
-    Problem,
-    builtin_problems,
-    difficulty_has_no_effect,
-    load_problems,
-    prompt_limit,
-)
 from parity.rl.train_config import TRUNCATION_MODES
 
 

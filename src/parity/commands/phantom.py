@@ -40,8 +40,9 @@ from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.files import atomic_write_json, atomic_write_text
 from parity.outdir import check_output_dir, claim_output_dir
+from parity.rl.data import DataError
 from parity.rl.diagnostics import PROB_BIN_EDGES, gap_metrics
-from parity.rl.tasks import ArithmeticTask, DataError
+from parity.rl.problems import ArithmeticTask
 from parity.rl.train_config import MAX_SEED, MICRO_BATCH_TOKENS, TrainConfig
 from parity.rundir import remove_run
 

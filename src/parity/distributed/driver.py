@@ -39,8 +39,8 @@ from parity.engines.partial import PoolRequest
 from parity.engines.sampler import ExactnessError
 from parity.rl.checkpoint import CheckpointError, RunState, save_checkpoint
 from parity.rl.loop import Run, TrainingError
+from parity.rl.problems import Problem
 from parity.rl.step import Prepared, UpdateResult
-from parity.rl.tasks import Problem
 from parity.rl.train_config import TrainConfig
 
 RESTART_POLL_S = 1.0  # how long one wait for a restarting worker's answer lasts

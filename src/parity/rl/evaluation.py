@@ -29,8 +29,8 @@ from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import Tokenizer
 from parity.engines.trainer import sequence_logprobs
 from parity.rl.diagnostics import mismatch_metrics
+from parity.rl.problems import ArithmeticTask, NumberTask, Problem
 from parity.rl.rewards import RewardRunner, score_rollouts
-from parity.rl.tasks import ArithmeticTask, NumberTask, Problem
 
 TRAINER = "trainer"  # the label of the trainer's policy among the evaluated ones
 EVAL_SEED = 0xE7A1  # added to the run's seed: evaluation's own random stream

@@ -44,6 +44,7 @@ from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import Trainer, scheduled_lr
 from parity.files import JSONError, atomic_write_json, atomic_write_text, parse_json
+from parity.rl.builtin_rewards import extract_boxed
 from parity.rl.checkpoint import (
     RunState,
     checkpoints,
@@ -54,8 +55,10 @@ from parity.rl.checkpoint import (
     saved_config,
 )
 from parity.rl.completions import completion_rows, markdown_table, sample_rows, write_completions
+from parity.rl.data import DATA_DIR, DataOrder, load_problems, prompt_limit, write_rows
 from parity.rl.diagnostics import mismatch_alarm
 from parity.rl.evaluation import EVAL_SEED, EvalSet, Evaluator, eval_sampling, evaluation_due, heldout_problems
+from parity.rl.problems import Problem, builtin_problems
 from parity.rl.reward_fns import Reward, RewardCheckError, binary_reward, data_columns, run_rewards
 from parity.rl.rewards import RewardHealth, score_rollouts
 from parity.rl.step import (
@@ -67,16 +70,6 @@ from parity.rl.step import (
     sampling_policy,
     step_metrics,
     train_on_batch,
-)
-from parity.rl.tasks import (
-    DATA_DIR,
-    DataOrder,
-    Problem,
-    builtin_problems,
-    extract_boxed,
-    load_problems,
-    prompt_limit,
-    write_rows,
 )
 from parity.rl.trackers import Tracker, open_trackers
 from parity.rl.train_config import RESUMABLE_KEYS, TrainConfig

@@ -20,7 +20,8 @@ from parity.engines.tokenizer import CHAT_TEMPLATE_MODES
 from parity.engines.trainer import OptimConfig
 from parity.files import regular_file_problem
 from parity.rl.algorithms import ADVANTAGES, AGGREGATIONS, ESTIMATORS, KL_ESTIMATORS, TUNABLE, LossConfig
-from parity.rl.tasks import DIFFICULTIES, MAX_PROBLEMS, REWARDS, difficulty_has_no_effect
+from parity.rl.builtin_rewards import REWARDS
+from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, difficulty_has_no_effect
 
 TRUNCATION_MODES = ("keep", "zero_reward", "drop")
 # trainer.micro_batch_tokens when unset, per device.
