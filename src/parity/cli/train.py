@@ -11,6 +11,9 @@ import sys
 from parity.cli.config_args import add_config_args, split_config
 from parity.config import ConfigError
 from parity.rl.checkpoint import checkpoints
+from parity.rl.train_config import RESUMABLE_KEYS
+
+RESUMABLE = ", ".join(f"{key}=" for key in RESUMABLE_KEYS)  # the keys --resume lets a run change, as given
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -29,8 +32,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--resume",
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its newest intact checkpoint, with its saved config "
-        "(only steps=, checkpoint_every=, keep_checkpoints=, log.to=, log.completions=, "
-        "distributed.learners=, task.data=, eval.data= may be overridden)",
+        f"(only {RESUMABLE} may be overridden)",
     )
     p.add_argument(
         "--trust-reward-fn",
@@ -50,8 +52,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config, overrides = split_config(args)
     if args.resume and config is not None:
         raise ConfigError(
-            f"--resume continues a run with its saved config.yaml; drop {config} (only "
-            "steps=, checkpoint_every=, keep_checkpoints=, log.to=, task.data=, eval.data= and a few more may be given)"
+            f"--resume continues a run with its saved config.yaml; drop {config} (only {RESUMABLE} may be given)"
         )
     stop = StopRequests()
     with stop.installed():
