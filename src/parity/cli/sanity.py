@@ -58,12 +58,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def cmd_sanity(args: argparse.Namespace) -> int:
-    from parity.commands.sanity import DEFAULT_RUNS, parse_runs, run_sanity
+    from parity.commands.sanity import DEFAULT_RUNS, SanityOptions, parse_runs, run_sanity
 
-    runs = parse_runs(args.runs or ",".join(DEFAULT_RUNS))
-    summary = run_sanity(
-        Path(args.out),
-        runs,
+    options = SanityOptions(
+        out=Path(args.out),
+        runs=parse_runs(args.runs or ",".join(DEFAULT_RUNS)),
         quick=args.quick,
         seed=args.seed,
         model=args.model,
@@ -72,10 +71,11 @@ def cmd_sanity(args: argparse.Namespace) -> int:
         difficulty=args.difficulty,
         candidates=args.candidates,
         lo=args.lo,
-        overrides=args.overrides,
+        overrides=tuple(args.overrides),
         jobs=args.jobs,
         device=args.device,
     )
+    summary = run_sanity(options)
     from parity.commands.report import summary_table
 
     print(summary_table(summary["runs"]))
