@@ -42,7 +42,7 @@ def save_random_model(model_class: str, out: Path, **config) -> Path:
     `out` with the built-in model's tokenizer (its ids are a subset of any vocabulary here)."""
     import transformers
 
-    from parity.engines.models import BUILTIN_DIR
+    from parity.engines.models.io import BUILTIN_DIR
 
     torch.manual_seed(0)
     hf_config = getattr(transformers, f"{model_class}Config")(
@@ -75,7 +75,7 @@ class Workloads:
 
     def __init__(self, model_dir: str, spec: dict):
         from parity.engines.tokenizer import load_tokenizer
-        from parity.rl.tasks import ArithmeticTask
+        from parity.rl.problems import ArithmeticTask
 
         self.model_dir, self.spec = model_dir, spec
         self.tok = load_tokenizer(model_dir)
@@ -84,7 +84,7 @@ class Workloads:
         self.seed = 0
 
     def parity_rollout(self, precision: str, eos: bool):
-        from parity.engines.models import load_model
+        from parity.engines.models.io import load_model
         from parity.engines.rollout import RolloutEngine
         from parity.engines.sampling import SamplingParams
 
@@ -136,7 +136,7 @@ class Workloads:
         return run
 
     def train_step(self, precision: str):
-        from parity.engines.models import load_model
+        from parity.engines.models.io import load_model
         from parity.engines.rollout import RolloutEngine
         from parity.engines.sampling import SamplingParams
         from parity.engines.trainer import OptimConfig, Trainer
@@ -244,7 +244,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    from parity.engines.models import resolve_model_dir
+    from parity.engines.models.io import resolve_model_dir
 
     results: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "models": {}}
     results["matmul_gflops"] = isolated(matmul_job, 20)

@@ -266,7 +266,7 @@ def bad_input_cases(root: Path) -> list[Case]:
     (root / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n')
     (root / "broken_reward_mod.py").write_text("def score(p, r, a)\n    return 1\n")
     (root / "failing_reward_mod.py").write_text("def score(p, r, a):\n    raise RuntimeError('no grader')\n")
-    from parity.engines.models import BUILTIN_DIR
+    from parity.engines.models.io import BUILTIN_DIR
 
     (root / "model-cut").mkdir()
     for f in BUILTIN_DIR.iterdir():

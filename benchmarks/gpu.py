@@ -53,7 +53,7 @@ from engines import make_llama_4m, save_random_model  # noqa: E402
 from parity import config  # noqa: E402
 from parity.engines import kernels  # noqa: E402
 from parity.engines import precision as prec  # noqa: E402
-from parity.engines.models import load_model, resolve_model_dir  # noqa: E402
+from parity.engines.models.io import load_model, resolve_model_dir  # noqa: E402
 from parity.engines.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from parity.engines.tokenizer import load_tokenizer  # noqa: E402
 from parity.rl.loop import Run, TrainingError  # noqa: E402

@@ -92,7 +92,7 @@ def section_device(args) -> dict:
 
 def engine_for(model_dir: str, precision: str, device: str, exact: bool, graphs: bool = True):
     from parity.engines import kernels
-    from parity.engines.models import load_model
+    from parity.engines.models.io import load_model
     from parity.engines.rollout import RolloutEngine
 
     model = load_model(model_dir).to(device)
@@ -270,7 +270,7 @@ def _varlen_on() -> bool:
 
 def section_train(args) -> dict:
     from parity.engines import kernels
-    from parity.engines.models import load_model
+    from parity.engines.models.io import load_model
     from parity.engines.trainer import OptimConfig, Trainer
 
     budget = None
@@ -346,7 +346,7 @@ def tflops_of(fn, flops: int, device: str) -> float:
 def section_matmul(args) -> dict:
     """cuBLAS and exact mode's matmul at the model's projection shapes; other tile shapes' speed and bits."""
     from parity.engines.kernels import invariant
-    from parity.engines.models import load_config
+    from parity.engines.models.io import load_config
 
     cfg = load_config(args.model_dir)
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

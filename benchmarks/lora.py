@@ -33,12 +33,12 @@ class Setup:
 
     def __init__(self, model_dir: str, spec: dict, precision: str, rank: int):
         from parity.engines.lora import LoRAConfig
-        from parity.engines.models import load_model
+        from parity.engines.models.io import load_model
         from parity.engines.rollout import RolloutEngine
         from parity.engines.sampling import SamplingParams
         from parity.engines.tokenizer import load_tokenizer
         from parity.engines.trainer import OptimConfig, Trainer
-        from parity.rl.tasks import ArithmeticTask
+        from parity.rl.problems import ArithmeticTask
 
         tok = load_tokenizer(model_dir)
         prompts = [tok.encode(p.prompt) for p in ArithmeticTask().problems(spec["prompts"], seed=0, split="eval")]
@@ -98,7 +98,7 @@ def main() -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     args = parser.parse_args()
 
-    from parity.engines.models import resolve_model_dir
+    from parity.engines.models.io import resolve_model_dir
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

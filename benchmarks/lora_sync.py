@@ -26,7 +26,7 @@ import torch
 
 from parity.commands.mismatch import load_prompts
 from parity.engines.lora import LoRAConfig, adapted
-from parity.engines.models import load_model, resolve_model_dir
+from parity.engines.models.io import load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer

@@ -45,7 +45,7 @@ def judged(completions, **columns):
 
 
 def _completions(n: int) -> list[str]:
-    from parity.rl.tasks import ArithmeticTask
+    from parity.rl.problems import ArithmeticTask
 
     problems = ArithmeticTask().problems(n, seed=0)
     return [ArithmeticTask.solution(p) for p in problems]
@@ -68,9 +68,9 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
 
+    from parity.rl.problems import Problem
     from parity.rl.reward_fns import Reward, UserRewards, bind_all
     from parity.rl.rewards import RewardRunner
-    from parity.rl.tasks import Problem
 
     folder = Path(tempfile.mkdtemp())
     (folder / "judge_reward.py").write_text(JUDGE)

@@ -41,8 +41,8 @@ def main() -> None:
 
     from parity import config
     from parity.rl.loop import Run
+    from parity.rl.problems import ArithmeticTask
     from parity.rl.reward_fns import Reward
-    from parity.rl.tasks import ArithmeticTask
     from parity.rl.train_config import TrainConfig
     from parity.runtime import reuse_freed_memory, use_free_cores
 

@@ -44,7 +44,7 @@ def _learner(rank: int, world: int, model_dir: str, way: str, folder: Path) -> N
     from torch.distributed.fsdp import fully_shard
 
     from parity.distributed.actors import load_sharded
-    from parity.engines.models import load_model
+    from parity.engines.models.io import load_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder / 'rendezvous'}", rank=rank, world_size=world)

@@ -32,7 +32,7 @@ import reference_rollout  # noqa: E402
 from engines import make_llama_4m  # noqa: E402
 from parity.engines import kernels  # noqa: E402
 from parity.engines.kernels import cpu  # noqa: E402
-from parity.engines.models import export_state, load_model, resolve_model_dir  # noqa: E402
+from parity.engines.models.io import export_state, load_model, resolve_model_dir  # noqa: E402
 from parity.engines.rollout import RolloutEngine  # noqa: E402
 from parity.engines.sampling import SamplingParams  # noqa: E402
 from parity.engines.tokenizer import load_tokenizer  # noqa: E402

@@ -69,7 +69,7 @@ def _max_rss_mb() -> float:
 
 def _eval_problems(n: int, chat: bool = False) -> list[dict]:
     """Arithmetic problems; `chat`: the word problems of `task.name=number`, as one user message each."""
-    from parity.rl.tasks import ArithmeticTask, NumberTask
+    from parity.rl.problems import ArithmeticTask, NumberTask
 
     if chat:
         problems = NumberTask().problems(n, seed=0, split="eval")
@@ -221,7 +221,8 @@ def trl_trainer(work: Work, callbacks: list, on_accuracy=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from parity.rl.tasks import ArithmeticTask, Problem, number_reward
+    from parity.rl.builtin_rewards import number_reward
+    from parity.rl.problems import ArithmeticTask, Problem
 
     task = ArithmeticTask()
 
@@ -464,7 +465,7 @@ def step_table(args) -> dict:
 
 
 def _model_dir(model: str, tmp: Path) -> Path:
-    from parity.engines.models import resolve_model_dir
+    from parity.engines.models.io import resolve_model_dir
 
     if model == "llama-4.4M":
         return make_llama_4m(tmp / model)
@@ -489,7 +490,7 @@ def _model_dir(model: str, tmp: Path) -> Path:
 
 def solve_work(precision: str, max_steps: int, seed: int) -> Work:
     """The built-in model on its perfectible set, at `parity sanity` settings."""
-    from parity.engines.models import resolve_model_dir
+    from parity.engines.models.io import resolve_model_dir
 
     _, prompts, group, new_tokens = CONFIGS["builtin (sanity settings)"]
     problems = _perfectible_problems()

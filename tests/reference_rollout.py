@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 
 from parity.engines.batch import FullVocab, RolloutBatch
-from parity.engines.models import FULL, SLIDING, apply_rope, rope_angles, rope_tables, softcap
+from parity.engines.models.config import FULL, SLIDING, rope_tables
+from parity.engines.models.modules import apply_rope, rope_angles, softcap
 from parity.engines.packing import Routing
 from parity.engines.sampling import SamplingParams, filter_logits, sample_categorical
 

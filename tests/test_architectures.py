@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from architectures import ARCHITECTURES, reference, save_random_model
-from parity.engines.models import final_logits, load_model
+from parity.engines.models.io import load_model
+from parity.engines.models.modules import final_logits
 from parity.engines.packing import pack
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
@@ -74,7 +75,7 @@ def test_rollout_engine_matches_transformers(arch_dir):
 
 
 def test_saved_checkpoint_loads_in_transformers(arch_dir, tmp_path):
-    from parity.engines.models import save_model
+    from parity.engines.models.io import save_model
 
     _, path = arch_dir
     ours = load_model(path)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from parity.builtin.build import BuildConfig, accuracy_spread, build_model
-from parity.engines.models import BUILTIN_DIR, load_model
+from parity.engines.models.io import BUILTIN_DIR, load_model
 from parity.engines.tokenizer import load_tokenizer
-from parity.rl.tasks import ArithmeticTask, Problem
+from parity.rl.problems import ArithmeticTask, Problem
 
 
 def test_task_solutions_check_exactly():

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from conftest import run_dir_held
 from parity.cli import main
-from parity.engines.models import load_model, resolve_model_dir
+from parity.engines.models.io import load_model, resolve_model_dir
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.checkpoint import MANIFEST, _write_manifest, load_checkpoint, save_shards
 

@@ -16,8 +16,9 @@ from parity import config
 from parity.commands.perfectible import PerfectibleConfig, candidate_problems
 from parity.config import ConfigError
 from parity.engines.tokenizer import load_tokenizer
-from parity.rl import tasks
-from parity.rl.tasks import WORKED_REQUEST, DataError, NumberTask, Problem, PromptLimit, load_problems
+from parity.rl import data
+from parity.rl.data import DataError, PromptLimit, load_problems
+from parity.rl.problems import WORKED_REQUEST, NumberTask, Problem
 from parity.rl.train_config import TrainConfig
 
 REASON = "model max_position_embeddings 128 minus rollout.max_new_tokens 120"
@@ -96,7 +97,7 @@ def test_prompt_too_long_to_fit_is_refused_without_tokenizing(tmp_path, counted)
 def test_huge_line_is_refused_with_bounded_memory(tmp_path, counted, monkeypatch, with_limit):
     """A 50 MiB line is refused after reading one row's worth of it (the cap lowered to 1 MiB here)."""
     tokenizer, calls = counted
-    monkeypatch.setattr(tasks, "ROW_BYTES", 2**20)
+    monkeypatch.setattr(data, "ROW_BYTES", 2**20)
     line_bytes = 50 * 2**20
     path = tmp_path / "d.jsonl"
     with open(path, "wb") as f:

@@ -24,7 +24,7 @@ from parity.distributed.actors import RolloutWorker
 from parity.distributed.driver import RayBackend
 from parity.distributed.sync import SyncError, pack_weights
 from parity.engines.batch import concat_batches
-from parity.engines.models import load_model, resolve_model_dir
+from parity.engines.models.io import load_model, resolve_model_dir
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.trainer import OptimConfig, Trainer

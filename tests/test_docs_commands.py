@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from parity import config as config_mod
-from parity.cli import _split_config, build_parser, main, parse_args
+from parity.cli import build_parser, main, parse_args
+from parity.cli.config_args import split_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -91,7 +92,7 @@ def test_each_printed_command_parses_and_its_keys_load(source, command):
     if args.command in ("sanity", "phantom"):  # their key=value are `parity train` keys for every run
         config, overrides = None, list(args.overrides)
     else:
-        config, overrides = _split_config(args)
+        config, overrides = split_config(args)
     if config is not None:
         return  # a YAML file of the reader's
     if args.command == "eval":

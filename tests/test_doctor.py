@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from parity.cli import main
 from parity.commands.doctor import FP16Pass, LayerReport, measure_fp16_pass, recommend, run_doctor
-from parity.engines.models import load_model
+from parity.engines.models.io import load_model
 from parity.engines.tokenizer import load_tokenizer
 
 

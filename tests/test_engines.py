@@ -9,7 +9,7 @@ import torch
 
 from parity.engines import trainer as trainer_mod
 from parity.engines.kernels import cpu
-from parity.engines.models import load_model
+from parity.engines.models.io import load_model
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams, filter_logits
 from parity.engines.tokenizer import load_tokenizer
@@ -229,7 +229,7 @@ def test_activation_checkpointing_gives_the_same_gradients(arch, llama_dir, tmp_
 def test_weights_cast_once_per_update_give_the_same_gradients(qwen2_dir):
     """Two micro-batches with each weight cast once for both (`CausalLM.casting_once`, a tied head too) give
     the gradients of casting it in every forward, bit for bit, and the casts are made once."""
-    from parity.engines.models import Linear
+    from parity.engines.models.modules import Linear
     from parity.engines.packing import pack
 
     micro_batches = [

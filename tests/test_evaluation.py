@@ -15,14 +15,14 @@ import torch
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
-from parity.engines.models import BUILTIN_DIR, export_state, load_model
+from parity.engines.models.io import BUILTIN_DIR, export_state, load_model
 from parity.engines.rollout import FULL_VOCAB_PER_ROW, RolloutEngine, _FullVocabRecorder
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.rl.diagnostics import batch_shape_metrics, full_vocab_metrics
 from parity.rl.evaluation import changed_responses, evaluation_due, gap_standard_error, heldout_problems
 from parity.rl.loop import Run, TrainingError
-from parity.rl.tasks import builtin_problems
+from parity.rl.problems import builtin_problems
 from parity.rl.train_config import TrainConfig
 
 DOCS = Path(__file__).parent.parent / "docs"

@@ -13,7 +13,7 @@ from parity.config import ConfigError
 from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.locate import first_divergence, locate
-from parity.engines.models import export_state, load_model, resolve_model_dir
+from parity.engines.models.io import export_state, load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer

@@ -15,11 +15,7 @@ pytest.importorskip("triton")
 
 from parity.engines import kernels  # noqa: E402
 from parity.engines.kernels import invariant  # noqa: E402
-from parity.engines.models import (  # noqa: E402
-    BUILTIN_DIR,  # noqa: E402
-    export_state,
-    load_model,
-)
+from parity.engines.models.io import BUILTIN_DIR, export_state, load_model  # noqa: E402
 from parity.engines.rollout import RolloutEngine  # noqa: E402
 from parity.engines.tokenizer import load_tokenizer  # noqa: E402
 
@@ -200,7 +196,7 @@ def test_fused_rope_and_cache_write_give_the_eager_bits(dtype):
     """The decode step's fused kernel ropes as `apply_rope` does, op by op, and writes each row's key and value
     to its slot. (Triton's interpreter converts FP32 to BF16 by its own rounding: BF16 is checked on a GPU.)"""
     from parity.engines.kernels import fused
-    from parity.engines.models import apply_rope
+    from parity.engines.models.modules import apply_rope
 
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("the interpreter's BF16 conversion is not round-to-nearest-even")

@@ -172,7 +172,7 @@ def test_cuda_numerics_accumulate_in_fp32():
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_exact_mode_on_cuda(precision):
     """The rollout engine and the trainer compute the same bits on a GPU too."""
-    from parity.engines.models import BUILTIN_DIR, export_state, load_model
+    from parity.engines.models.io import BUILTIN_DIR, export_state, load_model
     from parity.engines.rollout import RolloutEngine
     from parity.engines.tokenizer import load_tokenizer
     from test_exact import FILTERED, random_prompts, trainer_logprobs

@@ -11,6 +11,13 @@ LAYERS = {"engines": 1, "rl": 2, "distributed": 3, "commands": 4, "builtin": 4} 
 # api: the Python front door, on the commands and runs the CLI uses; the package root re-exports it (lazily)
 TOP = {"cli": 5, "__main__": 5, "api": 5}  # every other top-level module is a foundation (0)
 ROOT_LAYER = 6  # `parity` itself (__init__.py): above everything it re-exports
+# Modules split out of one along its seams, lowest first: each imports only those before it in its row.
+SPLITS = [
+    ("parity.engines.models.config", "parity.engines.models.modules", "parity.engines.models.io"),
+    # rl/tasks.py: data files and the built-in rewards both build on the problems, and not on each other
+    ("parity.rl.problems", "parity.rl.data"),
+    ("parity.rl.problems", "parity.rl.builtin_rewards"),
+]
 
 
 def _layer(module: str) -> int:
@@ -44,6 +51,16 @@ def test_imports_point_down_the_layers():
             if _layer(target) > _layer(name):
                 upward.append(f"{name} imports {target}")
     assert not upward, "imports against the layering: " + "; ".join(sorted(upward))
+
+
+def test_split_modules_import_down_their_row():
+    backward = []
+    for row in SPLITS:
+        for i, name in enumerate(row):
+            path = ROOT.parent.joinpath(*name.split(".")).with_suffix(".py")
+            assert path.is_file(), f"{name}: no such module (update SPLITS)"
+            backward += [f"{name} imports {t}" for t in _imports(path) if t in row[i + 1 :]]
+    assert not backward, "imports against a split's order: " + "; ".join(sorted(backward))
 
 
 def test_no_import_cycles():

@@ -24,7 +24,7 @@ from parity.engines.lora import (
     adapted,
     save_adapter,
 )
-from parity.engines.models import BUILTIN_DIR, load_model
+from parity.engines.models.io import BUILTIN_DIR, load_model
 from parity.engines.packing import pack
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams

@@ -14,7 +14,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from parity.cli import main
-from parity.engines.models import ModelError, load_model
+from parity.engines.models.config import ModelError
+from parity.engines.models.io import load_model
 from parity.engines.tokenizer import TEMPLATE_CHARS, ChatTemplateError, load_tokenizer
 
 

@@ -9,7 +9,8 @@ from functools import partial
 import pytest
 import torch
 
-from parity.engines.models import ModelError, load_model, resolve_model_dir, save_model
+from parity.engines.models.config import ModelError
+from parity.engines.models.io import load_model, resolve_model_dir, save_model
 from parity.engines.packing import pack
 from parity.engines.tokenizer import copy_tokenizer_files, load_tokenizer
 
@@ -163,25 +164,25 @@ def _load_on_rank(rank: int, world: int, model_dir, init_file, out_dir) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from parity.distributed.actors import load_sharded
-    from parity.engines import models
+    from parity.engines.models import io as model_io
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     reads = []
-    real_read = models._WeightFiles.read
+    real_read = model_io._WeightFiles.read
 
     def recorded(self, name, start, stop):
         reads.append((name, start, stop))
         return real_read(self, name, start, stop)
 
-    models._WeightFiles.read = recorded
+    model_io._WeightFiles.read = recorded
     try:
         sharded = load_sharded(model_dir, init_device_mesh("cpu", (world,)))
-        models._WeightFiles.read = real_read
+        model_io._WeightFiles.read = real_read
         whole = load_model(model_dir)
         expected = whole.state_dict()
         local_equal, full_equal, rows_read = [], [], {}
         for name, param in sharded.state_dict().items():
-            local, first = models._local_rows(param)
+            local, first = model_io._local_rows(param)
             local_equal.append(torch.equal(local, expected[name][first : first + local.shape[0]]))
             full_equal.append(torch.equal(param.full_tensor(), expected[name]))
         for name, start, stop in reads:
@@ -200,7 +201,7 @@ def _load_on_rank(rank: int, world: int, model_dir, init_file, out_dir) -> None:
         }
         (out_dir / f"{rank}.json").write_text(json.dumps(found))
     finally:
-        models._WeightFiles.read = real_read
+        model_io._WeightFiles.read = real_read
         dist.destroy_process_group()
 
 

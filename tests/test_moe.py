@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from architectures import save_random_model
-from parity.engines.models import load_model
+from parity.engines.models.io import load_model
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer

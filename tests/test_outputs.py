@@ -12,7 +12,7 @@ import pytest
 from parity.builtin.build import BuildConfig, build_model
 from parity.cli import main
 from parity.config import ConfigError
-from parity.engines.models import BUILTIN_DIR
+from parity.engines.models.io import BUILTIN_DIR
 from parity.outdir import MARK
 from parity.rundir import remove_run
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import parity.engines.kernels
-from parity.engines.models import load_model
+from parity.engines.models.io import load_model
 from parity.engines.packing import ROW_MULTIPLE, STREAM_MULTIPLE, pack
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer, matmul_flops

@@ -16,7 +16,8 @@ from parity.config import ConfigError
 from parity.distributed.driver import RayBackend
 from parity.engines import kernels
 from parity.engines import precision as prec
-from parity.engines.models import CausalLM, load_model, resolve_model_dir
+from parity.engines.models.io import load_model, resolve_model_dir
+from parity.engines.models.modules import CausalLM
 from parity.engines.partial import PartialRollouts, PoolRequest
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from parity.engines import kernels, precision
-from parity.engines.models import load_model
+from parity.engines.models.io import load_model
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 

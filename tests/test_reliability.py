@@ -22,7 +22,7 @@ from conftest import run_dir_held
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
-from parity.engines.models import load_model, resolve_model_dir
+from parity.engines.models.io import load_model, resolve_model_dir
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.checkpoint import CheckpointError, RunState, checkpoints, load_shards, save_checkpoint, save_shards
 from parity.rl.loop import Run, TrainingError
@@ -384,7 +384,7 @@ def test_a_checkpoint_write_that_fails_for_space_keeps_the_earlier_ones(tmp_path
 
 
 def _damaged_model(tmp_path: Path, how: str) -> Path:
-    from parity.engines.models import BUILTIN_DIR
+    from parity.engines.models.io import BUILTIN_DIR
 
     out = tmp_path / f"model-{how}"
     shutil.copytree(BUILTIN_DIR, out)

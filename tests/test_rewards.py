@@ -17,19 +17,11 @@ import torch
 
 from parity.cli import main
 from parity.config import ConfigError
+from parity.rl.builtin_rewards import extract_boxed, extract_number, length_reward, math_reward, number_reward
+from parity.rl.data import DataError, DataOrder, load_problems
+from parity.rl.problems import Problem
 from parity.rl.reward_fns import import_reward_fn
 from parity.rl.rewards import RewardError, RewardHealth, RewardResult, RewardRunner, training_rewards
-from parity.rl.tasks import (
-    DataError,
-    DataOrder,
-    Problem,
-    extract_boxed,
-    extract_number,
-    length_reward,
-    load_problems,
-    math_reward,
-    number_reward,
-)
 
 P = Problem("1+1=", "2")
 
@@ -164,7 +156,7 @@ def test_worker_exits_when_the_run_is_killed(only):
     script = textwrap.dedent(f"""
         import os, time
         from parity.rl import rewards
-        from parity.rl.tasks import Problem
+        from parity.rl.problems import Problem
         {only}
         runner = rewards.RewardRunner(lambda p, r, n: os.getpid(), isolate=True)
         print(int(runner([(Problem("q", "a"), "r", 1)]).rewards[0]), flush=True)

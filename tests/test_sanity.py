@@ -11,9 +11,9 @@ from PIL import Image
 from parity import config
 from parity.cli import main
 from parity.commands.perfectible import filter_perfectible, format_histogram, histogram
-from parity.commands.sanity import parse_runs, reading, run_sanity, train_runs
+from parity.commands.sanity import SanityOptions, parse_runs, reading, run_sanity, train_runs
 from parity.config import ConfigError
-from parity.engines.models import BUILTIN_DIR
+from parity.engines.models.io import BUILTIN_DIR
 from parity.rl.loop import TrainingError
 from parity.rl.train_config import TrainConfig
 
@@ -71,7 +71,7 @@ def test_a_bad_override_fails_before_any_work(tmp_path, monkeypatch, capsys):
     assert "trainer.lr: expected a number, got 'fast'" in capsys.readouterr().err
     assert not (tmp_path / "cache").exists() and not (tmp_path / "s" / "perfectible.jsonl").exists()
     with pytest.raises(ConfigError, match="only the generated word problems of task=number"):
-        run_sanity(tmp_path / "s", [("fp16", "grpo")], quick=True, difficulty="easy")
+        run_sanity(SanityOptions(tmp_path / "s", [("fp16", "grpo")], quick=True, difficulty="easy"))
 
 
 def test_bad_runs_are_rejected():

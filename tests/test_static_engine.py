@@ -12,7 +12,7 @@ from architectures import ARCHITECTURES, save_random_model
 from conftest import save_hf_model
 from parity.engines import kernels
 from parity.engines.lora import LoRAConfig, adapter_pairs, apply_lora
-from parity.engines.models import export_state, load_model, resolve_model_dir
+from parity.engines.models.io import export_state, load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import normalizers
 
 from families import FAMILIES, Family, write_config, write_tokenizer
-from parity.engines.models import ModelError
+from parity.engines.models.config import ModelError
 from parity.engines.tokenizer import (
     TOKENIZER_FILES,
     ChatTemplateError,

@@ -16,10 +16,10 @@ import pytest
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
+from parity.rl.data import DataError
 from parity.rl.loop import Run
 from parity.rl.rewards import score_rollouts
 from parity.rl.step import prepare, resolve_old
-from parity.rl.tasks import DataError
 from parity.rl.train_config import TrainConfig
 
 TINY = ["steps=4", "prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=48", "tensorboard=false"]

@@ -16,10 +16,11 @@ import pytest
 import parity
 from parity.cli import main
 from parity.config import ConfigError
-from parity.engines.models import ModelError, resolve_model_dir
+from parity.engines.models.config import ModelError
+from parity.engines.models.io import resolve_model_dir
 from parity.engines.trainer import scheduled_lr
+from parity.rl.data import DataError
 from parity.rl.reward_fns import RewardCheckError
-from parity.rl.tasks import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(steps=1, prompts_per_step=4, rollout__group_size=4, rollout__max_new_tokens=40, tensorboard=False)

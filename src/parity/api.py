@@ -19,9 +19,9 @@ from parity.commands.evaluate import EvalConfig, run_eval, write_outputs
 from parity.config import ConfigError
 from parity.distributed.driver import backend_for, backend_for_run
 from parity.rl.checkpoint import checkpoints
+from parity.rl.data import DataError
 from parity.rl.loop import Callback, Run
 from parity.rl.reward_fns import Reward, function_spec
-from parity.rl.tasks import DataError
 from parity.rl.train_config import TrainConfig
 from parity.runtime import use_free_cores
 

@@ -21,13 +21,16 @@ import torch
 from tqdm import tqdm
 
 from parity.commands.perfectible import problem_accuracies
-from parity.engines.models import BUILTIN_DIR, CausalLM, ModelConfig, save_model
+from parity.engines.models.config import ModelConfig
+from parity.engines.models.io import BUILTIN_DIR, save_model
+from parity.engines.models.modules import CausalLM
 from parity.engines.rollout import RolloutEngine
 from parity.engines.tokenizer import copy_tokenizer_files, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.outdir import check_output_dir, mark_output_dir
+from parity.rl.builtin_rewards import builtin_reward
+from parity.rl.problems import BUILTIN_CHARS, BUILTIN_SPECIALS, ArithmeticTask, Problem
 from parity.rl.rewards import RewardRunner
-from parity.rl.tasks import BUILTIN_CHARS, BUILTIN_SPECIALS, ArithmeticTask, Problem, builtin_reward
 
 
 @dataclass(frozen=True)

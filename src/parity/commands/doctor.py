@@ -41,14 +41,15 @@ from torch import nn
 from parity.commands.mismatch import MismatchConfig, SamplingConfig, load_prompts, run_mismatch
 from parity.config import ConfigError
 from parity.engines import kernels
-from parity.engines.models import CausalLM, load_config, load_model, resolve_model_dir
+from parity.engines.models.io import load_config, load_model, resolve_model_dir
+from parity.engines.models.modules import CausalLM
 from parity.engines.packing import PackedBatch, pack
 from parity.engines.precision import FP16_MAX, FP16_MIN_NORMAL
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text
 from parity.outdir import check_output_dir, claim_output_dir
-from parity.rl.tasks import prompt_limit
+from parity.rl.data import prompt_limit
 
 PROBE_NEW_TOKENS = 48  # each probe prompt's responses in the mismatch measurement
 MAX_PROMPTS = 1024  # --prompts: a probe, not an evaluation

@@ -25,25 +25,20 @@ from parity.config import ConfigError
 from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.lora import AdapterError, LoRAConfig, load_adapter_state, read_adapter
-from parity.engines.models import CausalLM, load_config, load_model, resolve_model_dir
+from parity.engines.models.io import load_config, load_model, resolve_model_dir
+from parity.engines.models.modules import CausalLM
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, has_builtin_tokenizer, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import atomic_write_json, atomic_write_text, regular_file_problem
 from parity.outdir import claim_output_dir
+from parity.rl.builtin_rewards import REWARDS, TRUSTED_REWARDS
 from parity.rl.checkpoint import checkpoints, load_checkpoint, require_finite_weights
+from parity.rl.data import DataColumns, load_problems, prompt_limit
 from parity.rl.evaluation import EVAL_SEED, TRAINER, EvalSet, Evaluator, eval_sampling, heldout_problems
+from parity.rl.problems import DIFFICULTIES, builtin_problems
 from parity.rl.reward_fns import Reward, UserRewards, bind_all, data_columns, import_reward_fn
 from parity.rl.rewards import RewardRunner
 from parity.rl.step import BINARY_REWARDS
-from parity.rl.tasks import (
-    DIFFICULTIES,
-    REWARDS,
-    TRUSTED_REWARDS,
-    DataColumns,
-    builtin_problems,
-    load_problems,
-    prompt_limit,
-)
 from parity.rl.train_config import MICRO_BATCH_TOKENS, TrainConfig
 from parity.rundir import in_use_by
 

@@ -23,7 +23,7 @@ from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.batch import RolloutBatch
 from parity.engines.locate import StageDiff, first_divergence, format_table, locate_row, worst_row
-from parity.engines.models import load_config, load_model, require_finite_logits, resolve_model_dir
+from parity.engines.models.io import load_config, load_model, require_finite_logits, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Prompt, has_builtin_tokenizer, load_tokenizer
@@ -31,6 +31,7 @@ from parity.engines.trainer import OptimConfig, Trainer, full_vocab_logprobs
 from parity.files import JSONError, atomic_write_json, atomic_write_text, parse_json, regular_file_problem
 from parity.outdir import claim_output_dir
 from parity.rl.checkpoint import require_finite_weights
+from parity.rl.data import PROMPT_FORM, DataError, check_prompt, prompt_limit
 from parity.rl.diagnostics import (
     LENGTH_BIN_EDGES,
     batch_shape_metrics,
@@ -38,7 +39,7 @@ from parity.rl.diagnostics import (
     mismatch_by_length,
     mismatch_metrics,
 )
-from parity.rl.tasks import PROMPT_FORM, ArithmeticTask, DataError, check_prompt, prompt_limit
+from parity.rl.problems import ArithmeticTask
 
 # Metrics shown in the markdown table, with their ratio to the FP16 run.
 TABLE_METRICS = ("k3", "token_abs_log_ratio_mean", "seq_abs_log_ratio", "prob_abs_diff_mean", "chi2_token")

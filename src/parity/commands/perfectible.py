@@ -21,23 +21,16 @@ from tqdm import tqdm
 
 from parity.config import ConfigError
 from parity.engines import kernels
-from parity.engines.models import load_config, load_model, resolve_model_dir
+from parity.engines.models.io import load_config, load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, load_tokenizer
 from parity.files import JSONError, atomic_write_text, parse_json
 from parity.rl.algorithms import TRUNCATION_MODES
+from parity.rl.builtin_rewards import REWARDS, TRUSTED_REWARDS
+from parity.rl.data import load_problems, prompt_limit
+from parity.rl.problems import DIFFICULTIES, Problem, builtin_problems, difficulty_has_no_effect
 from parity.rl.rewards import RewardRunner, score_rollouts, training_rewards
-from parity.rl.tasks import (
-    DIFFICULTIES,
-    REWARDS,
-    TRUSTED_REWARDS,
-    Problem,
-    builtin_problems,
-    difficulty_has_no_effect,
-    load_problems,
-    prompt_limit,
-)
 
 
 @dataclass

@@ -34,15 +34,16 @@ from parity.commands.report import Panel, load_history, plot_bars, plot_beta_dis
 from parity.config import ConfigError
 from parity.distributed.driver import backend_for
 from parity.engines import kernels
-from parity.engines.models import export_state, load_model, resolve_model_dir
+from parity.engines.models.io import export_state, load_model, resolve_model_dir
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.files import atomic_write_json, atomic_write_text
 from parity.outdir import check_output_dir, claim_output_dir
+from parity.rl.data import DataError
 from parity.rl.diagnostics import PROB_BIN_EDGES, gap_metrics
 from parity.rl.loop import Run
-from parity.rl.tasks import ArithmeticTask, DataError
+from parity.rl.problems import ArithmeticTask
 from parity.rl.train_config import MAX_SEED, MICRO_BATCH_TOKENS, TrainConfig
 from parity.rundir import remove_run
 

@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from parity.files import JSONError, atomic_write_json, atomic_write_text, parse_json  # noqa: E402
 from parity.outdir import check_output_dir, claim_output_dir  # noqa: E402
 from parity.rl.completions import markdown_table, read_completions, sample_rows  # noqa: E402
-from parity.rl.tasks import DataError  # noqa: E402
+from parity.rl.data import DataError  # noqa: E402
 
 if TYPE_CHECKING:
     import torch

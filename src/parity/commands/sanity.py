@@ -103,68 +103,77 @@ SANITY_OUTPUTS = (
 )
 
 
-def run_sanity(
-    out: Path,
-    runs: list[tuple[str, str]],
-    quick: bool,
-    seed: int = 0,
-    log=print,
-    model: str = "builtin",
-    task: str | None = None,
-    max_new_tokens: int = 96,
-    difficulty: str = "standard",
-    candidates: int | None = None,
-    lo: float | None = None,
-    overrides: list[str] = (),
-    jobs: int | None = None,
-    device: str = "cpu",
-) -> dict:
-    """The sanity test of `model` (default: the built-in one) on `task`'s generated problems (default:
-    the built-in task for the built-in model, word problems of `difficulty` with `task.name=number` for
-    any other), sampling at most `max_new_tokens` per response everywhere. `candidates`: how many
-    problems the perfectible search tries (its default when None); `lo`: the perfectible set's lowest
-    base accuracy (its default when None); `overrides`: `parity train` keys
-    (KEY=VALUE) applied to every run after the test's own, e.g. trainer.lr or steps. `jobs`: training runs
-    at once (default `default_jobs`); `device`: where every model runs (perfectible search, base mismatch,
-    training)."""
-    settings = QUICK if quick else FULL
-    task = task or ("builtin" if model == "builtin" else "number")
-    check_output_dir(out)
+@dataclass(frozen=True)
+class SanityOptions:
+    """What `parity sanity` runs (its flags): the test of `model` (default: the built-in one) on `task`'s
+    generated problems (default: the built-in task for the built-in model, word problems of `difficulty`
+    with `task.name=number` for any other), sampling at most `max_new_tokens` per response everywhere, for
+    each (precision, estimator) of `runs`. `candidates`: how many problems the perfectible search tries
+    (its default when None); `lo`: the perfectible set's lowest base accuracy (its default when None);
+    `overrides`: `parity train` keys (KEY=VALUE) applied to every run after the test's own, e.g.
+    trainer.lr or steps. `jobs`: training runs at once (default `default_jobs`); `device`: where every
+    model runs (perfectible search, base mismatch, training)."""
+
+    out: Path
+    runs: list[tuple[str, str]]
+    quick: bool
+    seed: int = 0
+    model: str = "builtin"
+    task: str | None = None
+    max_new_tokens: int = 96
+    difficulty: str = "standard"
+    candidates: int | None = None
+    lo: float | None = None
+    overrides: tuple[str, ...] = ()
+    jobs: int | None = None
+    device: str = "cpu"
+
+
+def run_sanity(options: SanityOptions, log=print) -> dict:
+    """The sanity test as `options` says; writes its outputs to `options.out` and returns the summary."""
+    settings = QUICK if options.quick else FULL
+    task = options.task or ("builtin" if options.model == "builtin" else "number")
+    check_output_dir(options.out)
     start = time.perf_counter()
 
     pcfg = PerfectibleConfig(
-        model=model, task=task, seed=seed, max_new_tokens=max_new_tokens, difficulty=difficulty, device=device
+        model=options.model,
+        task=task,
+        seed=options.seed,
+        max_new_tokens=options.max_new_tokens,
+        difficulty=options.difficulty,
+        device=options.device,
     )
-    if candidates is not None:
-        pcfg.num_candidates = candidates
-    if lo is not None:
-        pcfg.lo = lo
+    if options.candidates is not None:
+        pcfg.num_candidates = options.candidates
+    if options.lo is not None:
+        pcfg.lo = options.lo
     pcfg.validate()
 
     def run_config(precision: str, estimator: str, run_dir: Path) -> TrainConfig:
         keys = [
-            f"model={model}",
+            f"model={options.model}",
             f"task.name={task}",
-            f"rollout.max_new_tokens={max_new_tokens}",
+            f"rollout.max_new_tokens={options.max_new_tokens}",
             f"precision={precision.removesuffix(EXACT_SUFFIX)}",
             f"exact={str(precision.endswith(EXACT_SUFFIX)).lower()}",
             f"algorithm.name={estimator}",
-            f"task.data={out / 'perfectible.jsonl'}",
+            f"task.data={options.out / 'perfectible.jsonl'}",
             f"steps={settings.steps}",
             f"prompts_per_step={settings.prompts_per_step}",
             f"rollout.group_size={settings.group_size}",
             f"algorithm.num_minibatches={UPDATES_PER_ROLLOUT}",
-            f"seed={seed}",
+            f"seed={options.seed}",
             f"run_dir={run_dir}",
             "checkpoint_every=-1",
             "tensorboard=false",
-            f"device={device}",
+            f"device={options.device}",
         ]
-        return config_mod.load(TrainConfig, None, [*keys, *overrides])
+        return config_mod.load(TrainConfig, None, [*keys, *options.overrides])
 
     # Every run's config is checked before the first one starts: a bad override fails in a second.
-    configs = {f"{p}/{e}": run_config(p, e, out / "runs" / f"{p}-{e}") for p, e in runs}
-    jobs = default_jobs(len(configs), device) if jobs is None else jobs
+    configs = {f"{p}/{e}": run_config(p, e, options.out / "runs" / f"{p}-{e}") for p, e in options.runs}
+    jobs = default_jobs(len(configs), options.device) if options.jobs is None else options.jobs
     if jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {jobs}")
     # The search scores a cut-off response as the runs' loss does.
@@ -173,7 +182,7 @@ def run_sanity(
     keep = filter_perfectible(accuracies, pcfg.lo, pcfg.hi)
     if not keep:
         raise ConfigError(
-            f"--model {model} --task {task}: no perfectible problem (accuracy in [{pcfg.lo}, {pcfg.hi}] over "
+            f"--model {options.model} --task {task}: no perfectible problem (accuracy in [{pcfg.lo}, {pcfg.hi}] over "
             f"{pcfg.samples} samples) among {len(accuracies)}, so there is nothing to train on; the accuracies "
             f"are in {search_path(pcfg)}. A larger --max-new-tokens helps when answers are cut off, a lower --lo "
             "when the model solves some problems rarely"
@@ -183,51 +192,51 @@ def run_sanity(
         f"perfectible set: {len(keep)} of {len(accuracies)} problems ({'cached' if cached else 'measured'}): {set_path}"
     )
     log(format_histogram(counts, pcfg.lo, pcfg.hi))
-    claim_output_dir(out, SANITY_OUTPUTS)
-    atomic_write_text(out / "perfectible.jsonl", set_path.read_text())
-    plot_histogram(counts, pcfg.lo, pcfg.hi, out / "perfectible_histogram.png")
+    claim_output_dir(options.out, SANITY_OUTPUTS)
+    atomic_write_text(options.out / "perfectible.jsonl", set_path.read_text())
+    plot_histogram(counts, pcfg.lo, pcfg.hi, options.out / "perfectible_histogram.png")
 
     # Token-level μ vs π on the base model, per precision (exact mode apart), over the perfectible prompts.
     pairs = []
     for exact in (False, True):
-        precisions = sorted({p for p, _ in runs if p.endswith(EXACT_SUFFIX) == exact})
+        precisions = sorted({p for p, _ in options.runs if p.endswith(EXACT_SUFFIX) == exact})
         if precisions:
             mcfg = MismatchConfig(
-                model=model,
-                prompts=str(out / "perfectible.jsonl"),
+                model=options.model,
+                prompts=str(options.out / "perfectible.jsonl"),
                 num_prompts=32,
                 group_size=4,
                 pairs=[f"{p}/{p}" for p in (p.removesuffix(EXACT_SUFFIX) for p in precisions)],
-                sampling=SamplingConfig(max_new_tokens=max_new_tokens),
-                seed=seed,
+                sampling=SamplingConfig(max_new_tokens=options.max_new_tokens),
+                seed=options.seed,
                 exact=exact,
-                device=device,
+                device=options.device,
             )
             pairs += run_mismatch(mcfg, progress=False)
-    plot_mismatch_scatter(pairs, out / "mismatch_scatter.png")
+    plot_mismatch_scatter(pairs, options.out / "mismatch_scatter.png")
 
     histories = train_runs(configs, jobs, log)
 
     summaries = {name: summarize(h) for name, h in histories.items()}
-    plot_accuracy(histories, out / "accuracy.png")
-    plot_mismatch_curves(histories, out / "mismatch.png")
+    plot_accuracy(histories, options.out / "accuracy.png")
+    plot_mismatch_curves(histories, options.out / "mismatch.png")
     first = next(iter(configs.values()))  # the settings every run shares
     summary = {
         "settings": {
-            "model": model,
+            "model": options.model,
             "task": task,
-            "difficulty": difficulty,
+            "difficulty": options.difficulty,
             "max_new_tokens": first.rollout.max_new_tokens,
-            "quick": quick,
+            "quick": options.quick,
             "steps": first.steps,
             "prompts_per_step": first.prompts_per_step,
             "group_size": first.rollout.group_size,
             "updates_per_rollout": first.algorithm.num_minibatches,
             "lr": first.trainer.lr,
-            "overrides": list(overrides),
-            "seed": seed,
+            "overrides": list(options.overrides),
+            "seed": options.seed,
             "jobs": jobs,
-            "device": device,
+            "device": options.device,
         },
         "perfectible": {
             "num_problems": len(keep),
@@ -241,8 +250,8 @@ def run_sanity(
         "runs": summaries,
         "wall_seconds": round(time.perf_counter() - start, 1),
     }
-    atomic_write_json(out / "summary.json", summary)
-    atomic_write_text(out / "report.md", render_report(summary))
+    atomic_write_json(options.out / "summary.json", summary)
+    atomic_write_text(options.out / "report.md", render_report(summary))
     return summary
 
 

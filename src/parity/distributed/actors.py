@@ -22,7 +22,8 @@ import torch
 
 from parity.engines import kernels
 from parity.engines.batch import RolloutBatch
-from parity.engines.models import CausalLM, load_config, load_model
+from parity.engines.models.io import load_config, load_model
+from parity.engines.models.modules import CausalLM
 from parity.engines.partial import PartialRollouts, PoolRequest
 from parity.engines.sampler import ExactnessError, check_first_pass
 from parity.engines.sampling import SamplingParams

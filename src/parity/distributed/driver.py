@@ -34,13 +34,13 @@ from parity.config import ConfigError
 from parity.distributed.actors import Learner, RolloutWorker
 from parity.distributed.cluster import LocalCluster, import_ray, join, require_cpus
 from parity.engines.batch import RolloutBatch, concat_batches
-from parity.engines.models import load_config
+from parity.engines.models.io import load_config
 from parity.engines.partial import PoolRequest
 from parity.engines.sampler import ExactnessError
 from parity.rl.backend import Backend, LocalBackend, RunParts, TrainingError
 from parity.rl.checkpoint import CheckpointError, RunState, save_checkpoint
+from parity.rl.problems import Problem
 from parity.rl.step import Prepared, UpdatePlan, UpdateResult, resolve_old
-from parity.rl.tasks import Problem
 from parity.rl.train_config import TrainConfig
 
 RESTART_POLL_S = 1.0  # how long one wait for a restarting worker's answer lasts

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from parity.config import ConfigError
-from parity.engines.models import ModelConfig
+from parity.engines.models.config import ModelConfig
 
 # Vocabulary-wide rows of FP32 per sampled row in a decode step: the logits, the filtered logits, their
 # log-softmax and its exponential (what `sampling.filter_logits` and the sampler hold at once).

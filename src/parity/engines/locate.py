@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.engines.batch import RolloutBatch
-from parity.engines.models import CausalLM, final_logits
+from parity.engines.models.modules import CausalLM, final_logits
 from parity.engines.packing import pack
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams

@@ -5,7 +5,7 @@ trainer precision (a BF16/FP16 base takes half the memory of FP32 and needs no c
 each forward), and replaces each targeted projection by a `LoRALinear`: the base matmul
 plus scale · (x·Aᵀ)·Bᵀ, both in the compute dtype through `kernels.linear`, where A
 (rank × in) and B (out × rank) are FP32 master parameters and scale = alpha / rank.
-`models.py` needs no change: a `LoRALinear` is a `Linear`.
+`models/modules.py` needs no change: a `LoRALinear` is a `Linear`.
 
 The rollout engine is sent either merged weights, W + scale·B·A computed in FP32
 (`merged_state`), which it casts to the rollout precision like any other sync, or
@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from parity.engines import kernels
-from parity.engines.models import CausalLM, Linear
+from parity.engines.models.modules import CausalLM, Linear
 from parity.files import atomic_dir
 
 # The attention and MLP projections LoRA may adapt (PEFT's usual `target_modules` for the Llama family).

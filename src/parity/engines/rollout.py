@@ -32,15 +32,8 @@ from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.batch import FullVocab, RolloutBatch
 from parity.engines.kvcache import StepContext, kv_cache
-from parity.engines.models import (
-    SLIDING,
-    ModelConfig,
-    activation,
-    rope_angles,
-    rope_tables,
-    route,
-    softcap,
-)
+from parity.engines.models.config import SLIDING, ModelConfig, rope_tables
+from parity.engines.models.modules import activation, rope_angles, route, softcap
 from parity.engines.packing import Routing
 from parity.engines.sampling import (
     SamplingParams,

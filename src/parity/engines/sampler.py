@@ -24,7 +24,8 @@ from parity.engines import precision as prec
 from parity.engines.batch import RolloutBatch
 from parity.engines.kernels import Numerics
 from parity.engines.locate import StageDiff, first_divergence, format_table, locate_row, worst_row
-from parity.engines.models import CausalLM, ModelConfig, routing_differs
+from parity.engines.models.config import ModelConfig
+from parity.engines.models.modules import CausalLM, routing_differs
 from parity.engines.packing import PackedBatch
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams

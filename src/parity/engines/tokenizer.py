@@ -37,15 +37,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from parity.engines.models import (
-    BUILTIN_DIR,
-    ModelError,
-    config_token_ids,
-    model_file,
-    read_json,
-    read_text,
-    resolve_model_dir,
-)
+from parity.engines.models.config import ModelError, config_token_ids
+from parity.engines.models.io import BUILTIN_DIR, model_file, read_json, read_text, resolve_model_dir
 
 # task.chat_template (and mismatch/perfectible `chat_template`, doctor --chat-template): `auto` applies the
 # model's chat template when it has one, `none` encodes prompts as raw text.

@@ -20,7 +20,9 @@ from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.batch import RolloutBatch
 from parity.engines.lora import LoRAConfig, adapter_pairs, apply_lora, base_state, merged_state
-from parity.engines.models import CausalLM, ModelConfig, export_state, final_logits
+from parity.engines.models.config import ModelConfig
+from parity.engines.models.io import export_state
+from parity.engines.models.modules import CausalLM, final_logits
 from parity.engines.packing import PackedBatch, Routing, pack
 
 

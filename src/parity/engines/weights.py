@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from parity.engines import kernels
-from parity.engines.models import CausalLM, ModelConfig
+from parity.engines.models.config import ModelConfig
+from parity.engines.models.modules import CausalLM
 
 
 @dataclass

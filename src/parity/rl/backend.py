@@ -26,14 +26,16 @@ import torch
 from parity.config import ConfigError
 from parity.engines.batch import RolloutBatch
 from parity.engines.kernels import Numerics
-from parity.engines.models import ModelConfig, load_model
+from parity.engines.models.config import ModelConfig
+from parity.engines.models.io import load_model
 from parity.engines.sampler import ExactnessError, Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import Tokenizer
 from parity.engines.trainer import Trainer
 from parity.rl.checkpoint import RunState, non_finite_tensors, save_checkpoint
+from parity.rl.data import DataOrder
+from parity.rl.problems import Problem
 from parity.rl.step import Prepared, UpdatePlan, UpdateResult, resolve_old, train_on_batch
-from parity.rl.tasks import DataOrder, Problem
 from parity.rl.train_config import TrainConfig
 
 

@@ -49,7 +49,8 @@ from safetensors.torch import load_file, save_file
 
 from parity.config import ConfigError
 from parity.engines.lora import AdapterError, load_adapter_state, read_adapter, save_adapter
-from parity.engines.models import ModelError, load_model, save_model
+from parity.engines.models.config import ModelError
+from parity.engines.models.io import load_model, save_model
 from parity.engines.tokenizer import copy_tokenizer_files
 from parity.engines.trainer import Trainer
 from parity.files import JSONError, atomic_dir, parse_json

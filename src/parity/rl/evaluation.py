@@ -22,14 +22,15 @@ from tqdm import tqdm
 from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.batch import RolloutBatch
-from parity.engines.models import CausalLM, ModelConfig
+from parity.engines.models.config import ModelConfig
+from parity.engines.models.modules import CausalLM
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import Tokenizer
 from parity.engines.trainer import score_batch
 from parity.rl.diagnostics import mismatch_metrics
+from parity.rl.problems import ArithmeticTask, NumberTask, Problem
 from parity.rl.rewards import RewardRunner, score_rollouts
-from parity.rl.tasks import ArithmeticTask, NumberTask, Problem
 
 TRAINER = "trainer"  # the label of the trainer's policy among the evaluated ones
 EVAL_SEED = 0xE7A1  # added to the run's seed: evaluation's own random stream

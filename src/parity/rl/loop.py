@@ -34,13 +34,15 @@ from parity.engines import kernels
 from parity.engines.batch import RolloutBatch
 from parity.engines.budget import check_rollout_memory
 from parity.engines.lora import AdapterError
-from parity.engines.models import ModelConfig, load_model, require_finite_logits, resolve_model_dir
+from parity.engines.models.config import ModelConfig
+from parity.engines.models.io import load_model, require_finite_logits, resolve_model_dir
 from parity.engines.precision import to_dtype
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import Trainer, scheduled_lr
 from parity.files import JSONError, atomic_write_json, atomic_write_text, parse_json
 from parity.rl.backend import Backend, LocalBackend, RunParts, TrainingError
+from parity.rl.builtin_rewards import extract_boxed
 from parity.rl.checkpoint import (
     RunState,
     checkpoints,
@@ -49,8 +51,10 @@ from parity.rl.checkpoint import (
     saved_config,
 )
 from parity.rl.completions import completion_rows, markdown_table, sample_rows, write_completions
+from parity.rl.data import DATA_DIR, DataOrder, load_problems, prompt_limit, write_rows
 from parity.rl.diagnostics import mismatch_alarm
 from parity.rl.evaluation import EVAL_SEED, EvalSet, Evaluator, eval_sampling, evaluation_due, heldout_problems
+from parity.rl.problems import Problem, builtin_problems
 from parity.rl.reward_fns import Reward, RewardCheckError, binary_reward, data_columns, run_rewards
 from parity.rl.rewards import RewardHealth, score_rollouts
 from parity.rl.step import (
@@ -59,16 +63,6 @@ from parity.rl.step import (
     old_policy,
     prepare,
     step_metrics,
-)
-from parity.rl.tasks import (
-    DATA_DIR,
-    DataOrder,
-    Problem,
-    builtin_problems,
-    extract_boxed,
-    load_problems,
-    prompt_limit,
-    write_rows,
 )
 from parity.rl.trackers import Tracker, open_trackers
 from parity.rl.train_config import RESUMABLE_KEYS, TrainConfig

@@ -31,9 +31,11 @@ from types import ModuleType
 from typing import Any
 
 from parity.config import ConfigError
+from parity.rl.builtin_rewards import REWARDS, TRUSTED_REWARDS
+from parity.rl.data import DataColumns
+from parity.rl.problems import Problem
 from parity.rl.rewards import RewardResult, RewardRunner, exception_summary, report_first_failure
 from parity.rl.step import BINARY_REWARDS
-from parity.rl.tasks import REWARDS, TRUSTED_REWARDS, DataColumns, Problem
 from parity.rl.train_config import TrainConfig
 
 PROMPT_NAMES = {True: "prompts", False: "prompt"}

@@ -24,7 +24,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from parity.rl.tasks import Problem, RewardFn
+from parity.rl.builtin_rewards import RewardFn
+from parity.rl.problems import Problem
 
 if TYPE_CHECKING:
     import torch

@@ -15,13 +15,14 @@ from parity.config import ConfigError, check_range, one_of
 from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.lora import TARGETS, LoRAConfig
-from parity.engines.models import BUILTIN_DIR
+from parity.engines.models.io import BUILTIN_DIR
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES
 from parity.engines.trainer import OptimConfig
 from parity.files import regular_file_problem
 from parity.rl.algorithms import ESTIMATORS, AlgorithmConfig
-from parity.rl.tasks import DIFFICULTIES, MAX_PROBLEMS, REWARDS, difficulty_has_no_effect
+from parity.rl.builtin_rewards import REWARDS
+from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, difficulty_has_no_effect
 
 # trainer.micro_batch_tokens when unset, per device.
 MICRO_BATCH_TOKENS = {"cpu": 8192, "cuda": 16384}

@@ -1,0 +1,20 @@
+"""The positionals of the commands that read a config: an optional YAML file, then key=value overrides."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="optional YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. precision=bf16")
+
+
+def split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """A first positional containing '=' is an override, not a config file."""
+    overrides = list(args.overrides)
+    config = args.config
+    if config is not None and "=" in config:
+        overrides.insert(0, config)
+        config = None
+    return config, overrides

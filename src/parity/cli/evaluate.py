@@ -1,0 +1,53 @@
+"""`parity eval`: its flags and the call to `commands/evaluate.py`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from parity.cli.config_args import add_config_args, split_config
+from parity.outdir import check_output_dir
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="held-out accuracy of a model or of every checkpoint of a run, per serving precision: the deployment gap",
+        description=(
+            "Answer held-out problems with the same weights served in each precision and under the trainer's "
+            "policy; report accuracy, pass@k, length, the gap to the trainer's policy and the per-token KL. "
+            "TARGET is a model directory ('builtin', or a Hugging Face id in the local cache), a LoRA adapter "
+            "folder (its base and adapters), or a `parity train` run directory (its base model and every "
+            "checkpoint it kept, scored by the run's own rewards). Config keys: precisions (default "
+            "[fp32,bf16,fp16]), reference (auto: a run's trainer precision, fp32 for a model), data (auto: a run's "
+            "eval.data, else the task's held-out split; or a JSONL/Parquet file), task, difficulty, reward_fn "
+            "(module:function, several comma-separated; default a run's own), reward_weights, num_prompts, "
+            "samples, temperature (0 = greedy), max_new_tokens, chat_template, device, seed. "
+            "Example: parity eval runs/my-run --trust-reward-fn precisions=fp32,bf16 --out eval-my-run"
+        ),
+    )
+    p.add_argument("target", metavar="MODEL_OR_RUN_DIR")
+    add_config_args(p)
+    p.add_argument("--out", help="output directory (default parity-eval); same as out=DIR")
+    p.add_argument(
+        "--trust-reward-fn",
+        action="store_true",
+        help="score a run with its own task.reward_fn, Python code that Parity imports and runs",
+    )
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from parity import config as cfg_mod
+    from parity.commands.evaluate import EvalConfig, markdown_table, run_eval, write_outputs
+
+    config, overrides = split_config(args)
+    if args.out:
+        overrides.append(f"out={args.out}")
+    cfg = cfg_mod.load(EvalConfig, config, [f"target={args.target}", *overrides])
+    check_output_dir(Path(cfg.out), "out")
+    result = run_eval(cfg, trust_reward_fn=args.trust_reward_fn)
+    write_outputs(result, Path(cfg.out))
+    print(markdown_table(result))
+    print(f"wrote {cfg.out}/eval.json, eval.md, eval.png")
+    return 0

@@ -1,0 +1,130 @@
+"""`parity train`: its flags, the run it starts or resumes, and what SIGINT/SIGTERM do to it."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+
+from parity.cli.config_args import add_config_args, split_config
+from parity.config import ConfigError
+from parity.rl.checkpoint import checkpoints
+from parity.rl.train_config import RESUMABLE_KEYS
+
+RESUMABLE = ", ".join(f"{key}=" for key in RESUMABLE_KEYS)  # the keys --resume lets a run change, as given
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "train",
+        help="RL fine-tuning: rollout, rewards, estimator, mismatch metrics, checkpoints",
+        description=(
+            "Run RL fine-tuning. Config sections: rollout, trainer, algorithm, task, reward, log, eval (see "
+            "docs/training.md); top-level keys: model (a directory, a Hugging Face id in the local cache, or "
+            "builtin), precision, steps, prompts_per_step, seed, run_dir, checkpoint_every. "
+            "Example: parity train precision=fp16 algorithm.name=grpo rollout.top_k=5 steps=100"
+        ),
+    )
+    add_config_args(p)
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its newest intact checkpoint, with its saved config "
+        f"(only {RESUMABLE} may be overridden)",
+    )
+    p.add_argument(
+        "--trust-reward-fn",
+        action="store_true",
+        help="with --resume: allow the run's task.reward_fn, Python code that Parity imports and runs",
+    )
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from parity import config as cfg_mod
+    from parity.distributed.cluster import JoinInterrupted
+    from parity.distributed.driver import backend_for, backend_for_run
+    from parity.rl.loop import Run, summary_line
+    from parity.rl.train_config import TrainConfig
+
+    config, overrides = split_config(args)
+    if args.resume and config is not None:
+        raise ConfigError(
+            f"--resume continues a run with its saved config.yaml; drop {config} (only {RESUMABLE} may be given)"
+        )
+    stop = StopRequests()
+    with stop.installed():
+        try:
+            if args.resume:
+                run = Run.resume(
+                    args.resume,
+                    overrides,
+                    trust_reward_fn=args.trust_reward_fn,
+                    backend=backend_for_run(args.resume),
+                )
+            else:
+                cfg = cfg_mod.load(TrainConfig, config, overrides)
+                run = Run.create(cfg, backend=backend_for(cfg))
+        except JoinInterrupted:  # the signal, noted by `stop`, came while the run waited for a cluster
+            print(f"parity train: {stop.stopped_line()}", file=sys.stderr)
+            return 128 + stop.signum
+        stop.run = run
+        if stop.signum is not None:  # the signal came while the run started
+            run.close()
+            print(f"parity train: {stop.stopped_line()}", file=sys.stderr)
+            return 128 + stop.signum
+        print(f"run directory: {run.run_dir}")
+        if run.step_count >= run.cfg.steps:
+            run.close()
+            done = run.cfg.steps
+            print(f"the run already completed its {done} steps; go further with --resume {run.run_dir} steps=N")
+            return 0
+        history = run.train(should_stop=lambda: stop.signum is not None)
+        if stop.signum is not None:
+            print(f"parity train: {stop.stopped_line()}", file=sys.stderr)
+            return 128 + stop.signum
+    print(summary_line(history))
+    return 0
+
+
+class StopRequests:
+    """SIGINT (Ctrl-C) and SIGTERM for `parity train`. The first asks the run to stop after the step under
+    way, with a checkpoint; a second stops the process at once (the newest checkpoint stays intact, and the
+    run's Ray processes are reaped by `parity.distributed.cluster`). A signal is only noted where it lands:
+    raising into Ray's or torch's native code is what left runs going on, or ending in tracebacks."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.run = None  # the run once started: the stop line names its newest checkpoint
+
+    def __call__(self, signum: int, _frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is None:
+            self.signum = signum
+            when = "after the step under way, with a checkpoint" if self.run else "before the first step"
+            print(f"\nparity train: {name}: stopping {when}; send it again to stop at once", file=sys.stderr)
+            return
+        self.signum = signum
+        print(f"\nparity train: {self.stopped_line(at_once=True)}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    @contextlib.contextmanager
+    def installed(self):
+        previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def stopped_line(self, at_once: bool = False) -> str:
+        """Where the stopped run stands and how to continue it."""
+        name = signal.Signals(self.signum).name
+        if self.run is None:
+            return f"stopped by {name} before the run started"
+        saved = checkpoints(self.run.run_dir)
+        newest = f"the newest checkpoint is {saved[-1].name}" if saved else "no checkpoint was written"
+        when = f"during step {self.run.step_count + 1}" if at_once else f"after step {self.run.step_count}"
+        return f"stopped by {name} {when}; {newest}; continue with `parity train --resume {self.run.run_dir}`"

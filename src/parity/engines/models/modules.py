@@ -1,0 +1,316 @@
+"""The torch modules of the one decoder transformer Parity runs for every supported family, and `CausalLM`.
+
+Parity runs its own compact implementation of the Llama family and its relatives
+(Llama, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 2/3) rather than the
+`transformers` modelling code, so that every matmul goes through the kernels of
+`engines.kernels` (`linear`, `Numerics.attention`) and the rollout engine can keep a
+KV cache. Parameter names match Hugging Face's, so checkpoints load and
+save in the Hugging Face format with no conversion (`models.io`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from parity.engines import kernels
+from parity.engines.models.config import FULL, ModelConfig, rope_tables
+from parity.engines.packing import PackedBatch, gather_rows
+
+# Elementwise kernels with an exp or tanh run vector code on most elements and scalar code on
+# the tail of each contiguous run (the last `width % 32` elements of a row, on AVX-512), and
+# the two can round differently: a token's activations would depend on the tensor's shape.
+# Rows padded to a multiple of this many elements keep every element on the vector path.
+ACTIVATION_ROW_MULTIPLE = 64
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    width = x.shape[-1]
+    if width % ACTIVATION_ROW_MULTIPLE:
+        return activation(name, F.pad(x, (0, -width % ACTIVATION_ROW_MULTIPLE)))[..., :width]
+    return F.silu(x) if name == "silu" else F.gelu(x, approximate="tanh")
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def rope_angles(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., head_dim] for integer positions, computed in FP32 and rounded to `dtype`."""
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, gemma: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+        self.eps, self.gemma = eps, gemma
+        self.numerics = kernels.numerics()  # set through CausalLM.numerics
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.numerics.rms_norm(x, self.weight, self.eps, self.gemma)
+
+
+class Linear(nn.Module):
+    """A linear layer whose matmul follows the precision policy of its input."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+        self.numerics = kernels.numerics()  # set through CausalLM.numerics
+        self.casts: dict | None = None  # set through CausalLM.casting_once
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.numerics.linear(x, cast_once(self.casts, self.weight, x.dtype), self.bias)
+
+
+def cast_once(casts: dict | None, weight: torch.Tensor, dtype: torch.dtype, use: str = "matmul") -> torch.Tensor:
+    """`weight` in `dtype`; inside `CausalLM.casting_once` (`casts` its dict) cast once and reused, autograd's
+    cast node with it (a backward through it reaches the FP32 master each time; it saves no tensor). A tied
+    weight's two uses (`use`) keep a cast each, so that their gradients meet in FP32, as without the scope."""
+    if casts is None or weight.dtype == dtype:
+        return weight.to(dtype)
+    key = (id(weight), dtype, torch.is_grad_enabled(), use)
+    if key not in casts:
+        casts[key] = weight.to(dtype)
+    return casts[key]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, window: int | None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window, self.scale, self.softcap = window, cfg.query_scale, cfg.attn_softcap
+        self.numerics = kernels.numerics()  # set through CausalLM.numerics
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+        """`x` [N, H] is the packed token stream; attention runs on its rows."""
+        n, d = x.shape[0], self.head_dim
+        q, k = self.q_proj(x).view(n, self.num_heads, d), self.k_proj(x).view(n, self.num_kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        v = self.v_proj(x).view(n, self.num_kv_heads, d)
+        out = self.numerics.packed_attention(q, k, v, packed, self.window, self.scale, self.softcap)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
+        super().__init__()
+        width = intermediate_size or cfg.intermediate_size
+        self.activation = cfg.activation
+        self.gate_proj = Linear(cfg.hidden_size, width, cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, width, cfg.mlp_bias)
+        self.down_proj = Linear(width, cfg.hidden_size, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(activation(self.activation, self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, normalise: bool, replay: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k routing: (experts used [N, k], their weights [N, k] FP32, experts chosen [N, k]).
+    Softmax in FP32 over all experts; `replay` (another engine's choice) replaces the chosen
+    experts, and their weights are still this router's probabilities, so the router trains."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    chosen = torch.topk(probs, top_k, dim=-1).indices
+    used = chosen if replay is None else replay
+    weights = probs.gather(-1, used)
+    if normalise:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return used, weights, chosen
+
+
+def routing_differs(chosen: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """[N, layers] True where two routings [N, layers, k] picked different expert sets."""
+    return (chosen.sort(-1).values != other.sort(-1).values).any(-1)
+
+
+class SparseMoE(nn.Module):
+    """A mixture of experts MLP (Qwen3-MoE): each token's output is the weighted sum of its
+    top-k experts'. `chosen` keeps the last forward's routing (what this router picked)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.normalise = cfg.experts_per_token, cfg.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.chosen: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> torch.Tensor:
+        used, weights, chosen = route(self.gate(x), self.top_k, self.normalise, replay)
+        self.chosen = chosen.detach()
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = (used == e).nonzero(as_tuple=True)
+            if token.numel():
+                y = expert(gather_rows(x, token)) * weights[token, slot, None]
+                out = out.index_add(0, token, y)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, cfg.window(index))
+        self.mlp = SparseMoE(cfg) if index in cfg.moe_layers else MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        if cfg.gemma:  # Gemma: norms after attention and around the MLP
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma=True)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma=True)
+        self.gemma = cfg.gemma
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch, replay: torch.Tensor | None
+    ) -> torch.Tensor:
+        mlp = partial(self.mlp, replay=replay) if isinstance(self.mlp, SparseMoE) else self.mlp
+        if self.gemma:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, packed))
+            return x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, packed)
+        return x + mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only causal LM (the Llama family and its relatives), as the trainer runs it.
+    The compute dtype is chosen per call: the FP32 master weights are cast on the fly
+    (autograd flows through the cast). The rollout engine has its own inference path
+    over the same weights."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.init_buffers()
+        # Recompute each decoder layer in the backward instead of keeping its activations.
+        self.activation_checkpointing = False
+        self._casts: dict | None = None
+        self.numerics = kernels.numerics()
+
+    @property
+    def numerics(self) -> kernels.Numerics:
+        """How the model computes (device, exact mode); set it when the model is placed. In exact
+        mode attention and log-probs are computed as the rollout engine computes them, so that
+        both give the same bits (docs/exact.md)."""
+        return self._numerics
+
+    @numerics.setter
+    def numerics(self, value: kernels.Numerics) -> None:
+        self._numerics = value
+        for module in self.modules():
+            if isinstance(module, (Attention, Linear, RMSNorm)):
+                module.numerics = value
+
+    @contextlib.contextmanager
+    def casting_once(self):
+        """Within: each FP32 weight is cast to a compute dtype once, by the first forward that needs it, and the
+        cast is reused by every later forward and backward (the same values: the bits do not change). The
+        trainer wraps one optimizer update's micro-batches in it; the weights must not change inside."""
+        casts: dict = {}
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for module in linears:
+            module.casts = casts
+        self._casts = casts
+        try:
+            yield
+        finally:
+            for module in linears:
+                module.casts = None
+            self._casts = None
+
+    def init_buffers(self) -> None:
+        """Compute the RoPE tables (again after `to_empty`, which leaves a model built on the meta
+        device with uninitialised buffers)."""
+        for kind, inv_freq in rope_tables(self.config).items():
+            self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
+
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(0.0 if self.config.gemma else 1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def hidden_states(self, packed: PackedBatch, dtype: torch.dtype, replay: bool = False) -> torch.Tensor:
+        """Final normalised hidden states [N, H] in `dtype` of the packed token stream.
+        `replay`: the MoE layers use the experts in `packed.routing` (the rollout engine's)."""
+        cfg = self.config
+        x = gather_rows(cast_once(self._casts, self.model.embed_tokens.weight, dtype, "embedding"), packed.token_ids)
+        if cfg.gemma:
+            x = x * torch.tensor(cfg.hidden_size**0.5, dtype=dtype)
+        angles = {}
+        for kind in set(cfg.layer_types) or {FULL}:
+            cos, sin = rope_angles(packed.positions, getattr(self, f"inv_freq_{kind}"), dtype)
+            angles[kind] = cos[:, None], sin[:, None]  # broadcast over heads
+        for i, layer in enumerate(self.model.layers):
+            experts = None
+            if replay and packed.routing is not None and i in cfg.moe_layers:
+                experts = packed.routing[:, cfg.moe_layers.index(i)]
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, *angles[cfg.layer_type(i)], packed, experts, use_reentrant=False)
+            else:
+                x = layer(x, *angles[cfg.layer_type(i)], packed, experts)
+        return self.model.norm(x)
+
+    def routing(self) -> torch.Tensor | None:
+        """The experts each MoE layer chose in the last forward, [N, MoE layers, k]."""
+        moe = [layer.mlp.chosen for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
+        return torch.stack(moe, dim=1) if moe and all(c is not None for c in moe) else None
+
+    def forward(self, packed: PackedBatch, dtype: torch.dtype, replay: bool = False) -> torch.Tensor:
+        """The LM head's output [len(packed.score_index), V] at the stream's scored positions, in
+        `dtype`, before the final soft-cap (`final_logits` makes logits of it). One module call, so
+        that a sharding wrapper (FSDP2) gathers the weights around all of it."""
+        return self.lm_head(gather_rows(self.hidden_states(packed, dtype, replay), packed.score_index))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits in FP32 from hidden states (the matmul in the hidden dtype)."""
+        return final_logits(self.lm_head(hidden), self.config.final_softcap)
+
+
+def final_logits(head: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """FP32 logits from the LM head's output: upcast, then the final soft-cap (Gemma 2) if any."""
+    return softcap(head.float(), cap)
