@@ -3,7 +3,7 @@ heads and the cache write of its key and value, one kernel per layer instead of 
 
 Each element is computed as PyTorch's eager ops compute it, operation by operation: x·cos and
 rotate(x)·sin each rounded to the compute dtype, then their sum rounded (no fused multiply-add), so
-the roped query and key are the bits `models.apply_rope` gives, which exact mode needs (the trainer
+the roped query and key are the bits `models.modules.apply_rope` gives, which exact mode needs (the trainer
 ropes eagerly).
 """
 
