@@ -443,14 +443,15 @@ def run_section(name: str, args, record: dict, env: dict | None = None, key: str
 
 def run_tests(args, record: dict) -> None:
     tests = HERE.parent / "tests"
-    files = [tests / f for f in ("test_engines.py", "test_kernels.py", "test_static_engine.py")]
+    files = [tests / "unit" / f for f in ("test_engines.py", "test_kernels.py", "test_static_engine.py")]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     start = time.perf_counter()
     entry: dict = {}
     try:
         cuda = subprocess.run([*command, "-m", "cuda", *map(str, files)], timeout=DEADLINES["tests"] * 0.6,
                               capture_output=True, text=True)  # fmt: skip
-        invariant = subprocess.run([*command, str(tests / "test_invariant.py")], timeout=DEADLINES["tests"] * 0.4,
+        invariant = subprocess.run([*command, str(tests / "unit" / "test_invariant.py")],
+                                   timeout=DEADLINES["tests"] * 0.4,
                                    capture_output=True, text=True)  # fmt: skip
         entry = {"cuda_rc": cuda.returncode, "invariant_rc": invariant.returncode,
                  "cuda_tail": cuda.stdout[-3000:], "invariant_tail": invariant.stdout[-3000:]}  # fmt: skip

@@ -16,7 +16,7 @@ import pytest
 from parity import config as config_mod
 from parity.cli import _split_config, build_parser, main, parse_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Words a reader replaces with their own model, run, file or folder.
 PLACEHOLDERS = ("DIR", "RUN_DIR", "MODEL_DIR", "FILE", "OUT", "CONFIG.yaml", "smollm2", "train.jsonl", "runs/my-task")

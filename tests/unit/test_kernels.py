@@ -191,7 +191,7 @@ def test_exact_mode_on_cuda(precision):
 def test_the_acceptance_run_works_on_the_cpu(tmp_path):
     """benchmarks/gpu.py at small sizes on the CPU: every arm trains, exact mode logs no mismatch,
     and the decode figures and the numerics record come out."""
-    script = Path(__file__).parent.parent / "benchmarks" / "gpu.py"
+    script = Path(__file__).parents[2] / "benchmarks" / "gpu.py"
     out = tmp_path / "gpu.json"
     args = ["--device", "cpu", "--models", "builtin", "--arms", "fp32,bf16,fp16-exact", "--rounds", "1"]
     subprocess.run(
@@ -215,8 +215,8 @@ def test_the_acceptance_run_works_on_the_cpu(tmp_path):
 def test_the_gpu_probe_runs_on_the_cpu(tmp_path):
     """benchmarks/gpu_probe.py at toy sizes on the CPU (the previous code measured beside by this checkout
     itself): every section finishes, exact mode's μ equals π_old, and the summary has the issue's figures."""
-    script = Path(__file__).parent.parent / "benchmarks" / "gpu_probe.py"
-    src = Path(__file__).parent.parent / "src"
+    script = Path(__file__).parents[2] / "benchmarks" / "gpu_probe.py"
+    src = Path(__file__).parents[2] / "src"
     subprocess.run(
         [sys.executable, str(script), "--small", "--device", "cpu", "--out", str(tmp_path), "--baseline-src", str(src)],
         check=True,

@@ -21,7 +21,7 @@ from parity.engines.trainer import scheduled_lr
 from parity.rl.reward_fns import RewardCheckError
 from parity.rl.tasks import DataError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(steps=1, prompts_per_step=4, rollout__group_size=4, rollout__max_new_tokens=40, tensorboard=False)
 CLI_SMALL = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=40", "tensorboard=false"]
 ROWS = [{"prompt": f"{a}+{b}=", "answer": a + b, "level": a % 3} for a in range(100, 140) for b in range(10, 13)]

@@ -25,7 +25,7 @@ from parity.rl.loop import Run, TrainingError
 from parity.rl.tasks import builtin_problems
 from parity.rl.train_config import TrainConfig
 
-DOCS = Path(__file__).parent.parent / "docs"
+DOCS = Path(__file__).parents[2] / "docs"
 SMALL = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=40", "tensorboard=false"]
 EVAL = ["eval.num_prompts=6", "eval.samples=2"]
 
