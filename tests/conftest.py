@@ -28,6 +28,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# The tiny run of the tests that train, written once: 4 prompts a step, 4 samples each, at most 32 new tokens,
+# no TensorBoard. A test that needs another value appends its own override (the last one given wins).
+TINY = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
+# The same with 8 prompts a step, which distributed runs split between rollout workers and learners.
+SMALL = ["prompts_per_step=8", *TINY[1:]]
+
+
 VOCAB_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +=,.>?"
 
 

@@ -12,13 +12,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import run_dir_held
+from conftest import TINY, run_dir_held
 from parity.cli import main
 from parity.engines.models import load_model, resolve_model_dir
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.checkpoint import MANIFEST, _write_manifest, load_checkpoint, save_shards
 
-TINY = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
 EVAL = ["num_prompts=2", "samples=1", "max_new_tokens=8", "precisions=[fp32]"]
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import SMALL
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -32,7 +33,6 @@ from parity.rl.checkpoint import _write_manifest, load_checkpoint, save_shards
 from parity.rl.loop import TrainingError
 from parity.rl.train_config import TrainConfig
 
-SMALL = ["prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
 UNTIMED = ("time/", "perf/", "async/", "sync/", "faults/")
 ROUND_OFF = ("mismatch/", "gap/", "kappa/", "beta/", "alpha/", "full_vocab/")  # μ − π in FP32 is itself round-off
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import TINY
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -26,7 +27,7 @@ from parity.rl.tasks import builtin_problems
 from parity.rl.train_config import TrainConfig
 
 DOCS = Path(__file__).parents[2] / "docs"
-SMALL = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=40", "tensorboard=false"]
+SMALL = [*TINY, "rollout.max_new_tokens=40"]
 EVAL = ["eval.num_prompts=6", "eval.samples=2"]
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import TINY
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -34,7 +35,6 @@ from parity.rl.checkpoint import RunState, checkpoints, load_checkpoint, save_ch
 from parity.rl.loop import Run
 from parity.rl.train_config import TrainConfig
 
-TINY = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
 LORA = LoRAConfig(rank=4, alpha=8.0)
 
 

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from conftest import SMALL
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -147,8 +148,7 @@ def test_exact_partial_rollouts_on_a_worker_and_two_learners(tmp_path):
     """1 rollout worker + 2 FSDP2 learners at staleness 1 with partial rollouts over 2 versions, exact FP16:
     responses continued across weight syncs, each token at most 2 versions old, μ = π_old on every token."""
     run_dir = tmp_path / "run"
-    args = ["prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
-    args += ["steps=8", "checkpoint_every=-1", "precision=fp16", "exact=true", "distributed.rollout_workers=1"]
+    args = [*SMALL, "steps=8", "checkpoint_every=-1", "precision=fp16", "exact=true", "distributed.rollout_workers=1"]
     args += ["distributed.learners=2", "async.max_staleness=1", "async.partial_rollouts=2"]
     assert main(["train", f"run_dir={run_dir}", *args]) == 0
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -166,7 +166,7 @@ def test_a_killed_worker_loses_no_prompt_of_its_pool(tmp_path):
     cfg = config.load(
         TrainConfig,
         None,
-        ["prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
+        SMALL
         + [f"run_dir={tmp_path / 'r'}", "steps=6", "checkpoint_every=-1", "distributed.rollout_workers=1"]
         + ["async.max_staleness=1", "async.partial_rollouts=2"],
     )

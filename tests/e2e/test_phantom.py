@@ -8,13 +8,14 @@ import random
 import pytest
 import torch
 
+from conftest import TINY
 from parity import config
 from parity.rl.algorithms import LossConfig, clip_active, token_clipped
 from parity.rl.diagnostics import gap_metrics, mismatch_alarm, phantom_clip_frac
 from parity.rl.loop import Run
 from parity.rl.train_config import TrainConfig
 
-SMALL = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=48", "tensorboard=false"]
+SMALL = [*TINY, "rollout.max_new_tokens=48"]
 PAIRS = {
     "fp32/bf16": ["precision=fp32", "rollout.precision=bf16", "allow_precision_mismatch=true"],
     "bf16/bf16": ["precision=bf16"],

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import run_dir_held
+from conftest import TINY, run_dir_held
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -27,8 +27,6 @@ from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.checkpoint import CheckpointError, RunState, checkpoints, load_shards, save_checkpoint, save_shards
 from parity.rl.loop import Run, TrainingError
 from parity.rl.train_config import TrainConfig
-
-TINY = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
 
 
 def _train(run_dir: Path, *overrides: str) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY as TINY_RUN
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -22,7 +23,7 @@ from parity.rl.step import prepare, resolve_old
 from parity.rl.tasks import DataError
 from parity.rl.train_config import TrainConfig
 
-TINY = ["steps=4", "prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=48", "tensorboard=false"]
+TINY = [*TINY_RUN, "rollout.max_new_tokens=48", "steps=4"]
 
 
 @pytest.mark.parametrize(
@@ -252,7 +253,7 @@ def test_kl_penalty_to_reference(tmp_path):
 def test_tensorboard_events_written(tmp_path):
     pytest.importorskip("tensorboard")
     run_dir = tmp_path / "tb"
-    assert main(["train", f"run_dir={run_dir}", *TINY[:-1], "steps=1"]) == 0
+    assert main(["train", f"run_dir={run_dir}", *TINY, "tensorboard=true", "steps=1"]) == 0
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
@@ -294,7 +295,7 @@ def test_runs_are_bitwise_reproducible(tmp_path, precision):
         cfg = config.load(
             TrainConfig,
             None,
-            [f"run_dir={tmp_path / name}", f"precision={precision}", "steps=3", "checkpoint_every=-1", *TINY[1:]],
+            [f"run_dir={tmp_path / name}", f"precision={precision}", *TINY, "steps=3", "checkpoint_every=-1"],
         )
         run = Run.create(cfg, progress=False)
         histories.append([{k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))} for m in run.train()])

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from conftest import TINY
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -126,7 +127,7 @@ def test_without_exact_mode_the_engines_differ_and_locate_says_where():
     assert first_divergence(diffs) is None and all(d.max_abs == 0 for d in diffs)
 
 
-TINY_RUN = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=24", "checkpoint_every=-1"]
+TINY_RUN = [*TINY, "rollout.max_new_tokens=24", "checkpoint_every=-1"]
 
 
 @pytest.mark.slow
