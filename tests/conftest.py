@@ -35,6 +35,21 @@ TINY = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=32
 SMALL = ["prompts_per_step=8", *TINY[1:]]
 
 
+TIMING = ("time/", "perf/")  # wall-clock metrics: two runs of the same steps differ only there
+
+
+def metrics(run_dir: Path, drop: tuple[str, ...] = ()) -> list[dict]:
+    """The steps a run logged, read as `parity report` reads them (`load_history`: each line a JSON object
+    holding the reported metrics), and each line whole (no test's run is cut off mid-write); keys that
+    start with one of `drop` are left out."""
+    from parity.commands.report import load_history
+
+    text = (Path(run_dir) / "metrics.jsonl").read_text()
+    whole = text.endswith("\n") and all(line.strip() for line in text.splitlines())
+    assert whole, f"{run_dir}/metrics.jsonl: a line cut short or empty"
+    return [{k: v for k, v in row.items() if not k.startswith(drop)} for row in load_history(run_dir)]
+
+
 VOCAB_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +=,.>?"
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import TINY, run_dir_held
+from conftest import TINY, metrics, run_dir_held
 from parity.cli import main
 from parity.engines.models import load_model, resolve_model_dir
 from parity.engines.trainer import OptimConfig, Trainer
@@ -173,7 +173,7 @@ def test_a_damaged_checkpoint_is_set_aside_in_one_line(case, sharded, damage, re
     assert line.startswith("resume: checkpoint step_000002 is unusable (") and message in line, line
     assert "continuing from step 1" in err and "Traceback" not in err
     assert (run_dir / "checkpoints" / "corrupt" / "step_000002").is_dir()
-    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3]
 
 
 def test_only_parity_names_under_checkpoints_are_read_pruned_or_evaluated(tmp_path, capsys):
@@ -195,7 +195,7 @@ def test_only_parity_names_under_checkpoints_are_read_pruned_or_evaluated(tmp_pa
     capsys.readouterr()
     assert main(["train", "--resume", str(run_dir), "steps=5", "keep_checkpoints=1"]) == 0
     assert "continuing from step 2" in capsys.readouterr().err
-    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4, 5]
     assert sorted(p.name for p in ckpts.iterdir()) == sorted([*mine, "step_000009", "step_000005"])
     assert all(sorted(q.name for q in (ckpts / n).rglob("*")) == before[n] for n in mine)
     assert main(["eval", str(run_dir), *EVAL, f"out={tmp_path / 'eval'}"]) == 0
@@ -230,4 +230,4 @@ def test_a_resume_reads_only_the_steps_in_metrics_jsonl(tmp_path, capsys):
         f.write("[" * 100_000 + "\n" + '{"step": "abc"}\n' + '{"step": 1}\n' + '{"step": 2, "mismatch/k3": []}\n')
     assert main(["train", "--resume", str(run_dir), "steps=3"]) == 0
     assert "Traceback" not in capsys.readouterr().err
-    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3]

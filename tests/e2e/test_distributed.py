@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL
+from conftest import SMALL, metrics
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -35,10 +34,6 @@ from parity.rl.train_config import TrainConfig
 
 UNTIMED = ("time/", "perf/", "async/", "sync/", "faults/")
 ROUND_OFF = ("mismatch/", "gap/", "kappa/", "beta/", "alpha/", "full_vocab/")  # μ − π in FP32 is itself round-off
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _trained(metrics: list[dict]) -> list[dict]:
@@ -120,7 +115,7 @@ def test_two_fsdp2_learners_match_one_process(tmp_path, kl):
     assert main(["train", f"run_dir={tmp_path / 'one'}", *common]) == 0
     two = ["distributed.rollout_workers=1", "distributed.learners=2"]
     assert main(["train", f"run_dir={tmp_path / 'two'}", *common, *two]) == 0
-    one, dist = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    one, dist = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert len(one) == len(dist) == 10
     assert all(m["sync/verified"] == 1 and m["async/staleness_max"] == 0 for m in dist)
     worst = 0.0
@@ -271,9 +266,9 @@ def test_a_dead_learner_stops_the_run_and_resume_reproduces_it(tmp_path, numeric
     shards = sorted(p.name for p in (tmp_path / "cut" / "checkpoints" / "step_000002" / "sharded").iterdir())
     assert shards == ["__0_0.safetensors", "__1_0.safetensors", "metadata.json"]  # one per learner, and the index
     assert main(["train", "--resume", str(tmp_path / "cut")]) == 0
-    assert _trained(_metrics(tmp_path / "cut")) == _trained(_metrics(tmp_path / "whole"))
+    assert _trained(metrics(tmp_path / "cut")) == _trained(metrics(tmp_path / "whole"))
     if "exact=true" in numerics:
-        assert all(m["mismatch/exact_tokens_frac"] == 1.0 for m in _metrics(tmp_path / "cut"))
+        assert all(m["mismatch/exact_tokens_frac"] == 1.0 for m in metrics(tmp_path / "cut"))
 
 
 @pytest.mark.slow
@@ -299,7 +294,7 @@ def test_a_sharded_checkpoint_resumes_with_another_learner_count(tmp_path):
         run.train()
     finally:
         run.close()
-    whole, cut = _trained(_metrics(tmp_path / "whole")), _trained(_metrics(tmp_path / "cut"))
+    whole, cut = _trained(metrics(tmp_path / "whole")), _trained(metrics(tmp_path / "cut"))
     assert cut[:2] == whole[:2] and len(cut) == 4
     for a, b in zip(whole[2:], cut[2:]):
         for key in a:
@@ -380,7 +375,7 @@ def test_a_run_joins_a_users_cluster_and_leaves_it_running(tmp_path):
         train += ["distributed.rollout_workers=1", "distributed.learners=1", f"distributed.address={address}"]
         done = subprocess.run(train, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr
-        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+        assert len(metrics(run_dir)) == 2
         # Without the token setting the join is refused in one line that says what to set.
         refused = subprocess.run(
             [*train[:4], f"run_dir={tmp_path / 'refused'}", *train[5:]],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -10,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import SMALL
+from conftest import SMALL, metrics
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -151,12 +150,12 @@ def test_exact_partial_rollouts_on_a_worker_and_two_learners(tmp_path):
     args = [*SMALL, "steps=8", "checkpoint_every=-1", "precision=fp16", "exact=true", "distributed.rollout_workers=1"]
     args += ["distributed.learners=2", "async.max_staleness=1", "async.partial_rollouts=2"]
     assert main(["train", f"run_dir={run_dir}", *args]) == 0
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 8
-    assert max(m["async/continued_frac"] for m in metrics) > 0
-    assert all(m["async/staleness_max"] <= 2 for m in metrics)
-    assert max(m["async/staleness_max"] for m in metrics) == 2
-    assert all(m["mismatch/exact_tokens_frac"] == 1.0 and m["train/samples"] == 32 for m in metrics)
+    logged = metrics(run_dir)
+    assert len(logged) == 8
+    assert max(m["async/continued_frac"] for m in logged) > 0
+    assert all(m["async/staleness_max"] <= 2 for m in logged)
+    assert max(m["async/staleness_max"] for m in logged) == 2
+    assert all(m["mismatch/exact_tokens_frac"] == 1.0 and m["train/samples"] == 32 for m in logged)
 
 
 @pytest.mark.slow

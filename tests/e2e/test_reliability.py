@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY, run_dir_held
+from conftest import TIMING, TINY, metrics, run_dir_held
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -34,16 +34,7 @@ def _train(run_dir: Path, *overrides: str) -> int:
 
 
 def _steps(run_dir: Path) -> list[int]:
-    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _timeless_text(text: str) -> list[dict]:
-    rows = [json.loads(x) for x in text.splitlines()]
-    return [{k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))} for m in rows]
-
-
-def _timeless(path: Path) -> list[dict]:
-    return _timeless_text(path.read_text())
+    return [m["step"] for m in metrics(run_dir)]
 
 
 def _parity(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -333,7 +324,7 @@ def test_resume_cleans_half_written_checkpoints_and_restores_a_swapped_one(tmp_p
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(tmp_path, capsys, damage):
     run_dir = tmp_path / "r"
     assert _train(run_dir, "steps=3", "checkpoint_every=1", "keep_checkpoints=3") == 0
-    reference = (run_dir / "metrics.jsonl").read_text()
+    reference = metrics(run_dir, drop=TIMING)
     latest = run_dir / "checkpoints" / "step_000003"
     target = latest / "optimizer.safetensors"
     if damage == "flip":
@@ -350,7 +341,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(tmp_path, c
     err = capsys.readouterr().err
     assert "checkpoint step_000003 is unusable" in err and "continuing from step 2" in err
     assert (run_dir / "checkpoints" / "corrupt" / "step_000003").is_dir()
-    assert _timeless(run_dir / "metrics.jsonl") == _timeless_text(reference)
+    assert metrics(run_dir, drop=TIMING) == reference
 
 
 def test_a_checkpoint_write_that_fails_for_space_keeps_the_earlier_ones(tmp_path):

@@ -9,10 +9,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from conftest import TIMING, metrics
 from conftest import TINY as TINY_RUN
 from parity import config
 from parity.cli import main
@@ -80,7 +80,7 @@ def test_run_writes_config_metrics_and_loadable_checkpoint(tmp_path):
     assert main(["train", f"run_dir={run_dir}", "checkpoint_every=2", *TINY]) == 0
     cfg = config.load(TrainConfig, run_dir / "config.yaml")
     assert cfg.steps == 4 and cfg.run_dir == str(run_dir)
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = metrics(run_dir)
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
     for key in (
         "reward/accuracy",
@@ -133,11 +133,6 @@ def test_a_rejection_rule_gets_old_before_the_update_and_the_prepared_batch_is_f
         run.rewards.close()
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))} for m in lines]
-
-
 @pytest.mark.slow
 def test_sigkill_mid_run_then_resume_reproduces_metrics(tmp_path):
     args = [
@@ -170,10 +165,10 @@ def test_sigkill_mid_run_then_resume_reproduces_metrics(tmp_path):
     time.sleep(0.15)  # land somewhere inside a later step
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert len(_metrics(killed)) < 8, "the run finished before it could be killed"
+    assert len(metrics(killed)) < 8, "the run finished before it could be killed"
 
     assert main(["train", "--resume", str(killed)]) == 0
-    assert _metrics(killed) == _metrics(reference)
+    assert metrics(killed, drop=TIMING) == metrics(reference, drop=TIMING)
 
 
 def test_loop_contains_a_hanging_user_reward_and_runs_math(tmp_path, monkeypatch):
