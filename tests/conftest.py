@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +124,57 @@ def llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory) -> Path:
     return save_hf_model(tmp_path_factory.mktemp("qwen2"), "qwen2", seed=1, tie=True)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """`trained_run(*overrides)`: the directory of a `parity train` run with these overrides, trained once in
+    the session and shared by every test whose overrides give the same config. It is read-only: a test
+    that changes a run (resumes it, damages it, locks it) works on its own `copy_run` of it."""
+    from parity import config
+    from parity.cli import main
+    from parity.rl.train_config import TrainConfig
+
+    runs: dict[str, Path] = {}
+
+    def train(*overrides: str) -> Path:
+        key = config.dump_yaml(config.load(TrainConfig, None, list(overrides)))
+        if key not in runs:
+            run_dir = tmp_path_factory.mktemp("trained") / "run"
+            # Its output is no test's: kept out of the capsys of the test that first asks for it.
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+                code = main(["train", f"run_dir={run_dir}", *overrides])
+            assert code == 0, err.getvalue()
+            _set_writable(run_dir, False)
+            runs[key] = run_dir
+        return runs[key]
+
+    return train
+
+
+# The shared tiny run of the tests that read a trained run (report, eval, mismatch) or change a copy of
+# one (checkpoint damage, resume): TINY, 2 steps, a checkpoint after each, no evaluation.
+TINY_RUN = [*TINY, "steps=2", "checkpoint_every=1", "eval.every=-1"]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(trained_run) -> Path:
+    return trained_run(*TINY_RUN)
+
+
+def copy_run(run_dir: Path, to: Path) -> Path:
+    """A writable copy of a (shared, read-only) run directory at `to`; a resume continues the copy."""
+    shutil.copytree(run_dir, to, symlinks=True)
+    _set_writable(to, True)
+    return to
+
+
+def _set_writable(root: Path, writable: bool) -> None:
+    write = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
+    for path in [root, *root.rglob("*")]:
+        if not path.is_symlink():
+            mode = path.stat().st_mode
+            path.chmod(mode | stat.S_IWUSR if writable else mode & ~write)
 
 
 @contextlib.contextmanager
