@@ -21,7 +21,7 @@ on 2 cores at the defaults):
   answers, a user's folders and files given as outputs, and bad flags; each runs
   with 8 GiB of address space and 300 s, so a memory bomb or a hang is counted,
   not suffered;
-- hostile model directories: every case of tests/test_model_dirs.py (config
+- hostile model directories: every case of tests/unit/test_model_dirs.py (config
   values, tokenizer files linked to a private key outside, a folder merely named
   snapshots/REV, weights whose forward leaves FP32's or FP16's range, chat
   templates that loop, grow through filters, render nothing or lengthen every
@@ -30,7 +30,7 @@ on 2 cores at the defaults):
   of the secret outside its home folder ("bytes leaked");
 - received run directories: the newest checkpoint of a finished run turned into
   the sharded form, then forged (an index and a shard that are pickles writing a
-  marker: "code executed") or damaged as tests/test_checkpoint_files.py does;
+  marker: "code executed") or damaged as tests/e2e/test_checkpoint_files.py does;
   `parity eval` must refuse the forged ones in one line and `--resume` set the
   checkpoint aside and reproduce the run exactly; a user's folders under
   checkpoints/ must be neither read nor pruned;
@@ -305,7 +305,7 @@ def bad_input_cases(root: Path) -> list[Case]:
 
 
 def hostile_model_dir_cases(root: Path, train) -> list[Case]:
-    """The cases of tests/test_model_dirs.py on the tests' tiny Llama (hostile config values, links out of
+    """The cases of tests/unit/test_model_dirs.py on the tests' tiny Llama (hostile config values, links out of
     the directory, chat templates that never end, grow without bound or render nothing, prompts longer than
     the context), each tried by the command its test names, `parity train` for most."""
     sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("", "unit")]
@@ -387,7 +387,7 @@ def _template(text: str):
 
 def received_input_cases(root: Path, train) -> list[Case]:
     """Config files, data files, values and addresses that used to crash, hang or exhaust memory
-    (tests/test_config.py, test_data.py, test_distributed.py), and a user's folders given as outputs."""
+    (tests/unit/test_config.py, test_data.py, tests/e2e/test_distributed.py), and a user's folders given as outputs."""
     sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("", "unit")]
     from test_config import HUGE, _alias_bomb
 
@@ -508,7 +508,7 @@ def leaked_files(root: Path) -> int:
 
 def received_run_trials(root: Path, reference: list[dict]) -> dict:
     """A finished run directory received from someone, its newest checkpoint turned into the sharded form
-    and then forged or damaged as tests/test_checkpoint_files.py does (a pickled index and a shard that write
+    and then forged or damaged as tests/e2e/test_checkpoint_files.py does (a pickled index and a shard that write
     a marker when unpickled; state.json and manifest.json fields of the wrong kind; a cut RNG file; an index
     naming a missing shard): `parity eval` refuses the forged ones in one line, and `--resume` sets the
     checkpoint aside in one line and reproduces the reference exactly. No marker may ever appear. Last, the

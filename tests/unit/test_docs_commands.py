@@ -25,9 +25,9 @@ RUN = {"parity mismatch --locate", "parity doctor --model builtin"}
 NOT_RUN = {
     "placeholder": "names a model, run, file or folder the reader provides (its keys are checked)",
     "minutes": "trains or measures for minutes on 2 cores (its keys are checked; the figures are in docs/)",
-    "distributed": "starts a Ray cluster and learner processes (tests/test_distributed.py runs such runs small)",
+    "distributed": "starts a Ray cluster and learner processes (tests/e2e/test_distributed.py runs such runs small)",
     "synopsis": "a synopsis ([optional] parts, alternatives), not a command",
-    "your-task": "tests/test_your_task.py runs docs/your-task.md's blocks as written",
+    "your-task": "tests/e2e/test_your_task.py runs docs/your-task.md's blocks as written",
 }
 
 
