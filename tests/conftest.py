@@ -10,6 +10,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,60 @@ def _set_writable(root: Path, writable: bool) -> None:
         if not path.is_symlink():
             mode = path.stat().st_mode
             path.chmod(mode | stat.S_IWUSR if writable else mode & ~write)
+
+
+class _SharedRay:
+    """The session's Ray cluster: started by the first test that asks for `ray_cluster`, ended before any
+    test that does not (so that a run there starts, and cleans up, its own) and at the session's end."""
+
+    cluster = None
+    CPUS = max(os.cpu_count() or 1, 3)  # a rollout worker and two learners, the most a test asks for
+
+    @classmethod
+    def start(cls) -> None:
+        if cls.cluster is None:
+            from parity.distributed.cluster import LocalCluster  # the cluster a run starts for itself
+
+            cls.cluster = LocalCluster(num_cpus=cls.CPUS)
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.cluster is not None:
+            cls.cluster.stop()
+            cls.cluster = None
+
+    @classmethod
+    def all_free(cls, wait_s: float = 10.0) -> bool:
+        import ray
+
+        deadline = time.monotonic() + wait_s
+        while ray.available_resources().get("CPU", 0) < cls.CPUS:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
+
+@pytest.fixture
+def ray_cluster():
+    """A Ray cluster of this machine shared by the session: an in-process distributed run finds Ray
+    initialized and runs on it instead of starting its own (a `ray.init` costs seconds). Tests of how a
+    run starts, stops or cleans up its cluster, or that kill its processes, do not ask for it."""
+    _SharedRay.start()
+    yield
+    if not _SharedRay.all_free():  # actors left behind: the next test gets a fresh cluster
+        _SharedRay.stop()
+
+
+@pytest.fixture(autouse=True)
+def _shared_ray_only_where_asked(request):
+    if "ray_cluster" not in request.fixturenames:
+        _SharedRay.stop()
+    yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _SharedRay.stop()
 
 
 @contextlib.contextmanager

@@ -108,7 +108,7 @@ def test_weight_sync_verification_names_the_damaged_tensor():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kl", [[], ["algorithm.kl_coef=0.1"]], ids=["", "kl-to-the-reference"])
-def test_two_fsdp2_learners_match_one_process(tmp_path, kl):
+def test_two_fsdp2_learners_match_one_process(tmp_path, kl, ray_cluster):
     """Synchronous, FP32, same seed: 1 worker + 2 FSDP2 learners (gloo) against one process, 10 steps; with
     a KL loss, the learners hold their own sharded reference model."""
     common = SMALL + ["precision=fp32", "steps=10", "checkpoint_every=-1", "algorithm.name=grpo", *kl]
@@ -139,7 +139,7 @@ EXACT = ["exact=true", "precision=fp16", "distributed.rollout_workers=1", "distr
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
-def test_exact_mode_with_a_worker_and_two_learners(tmp_path, staleness):
+def test_exact_mode_with_a_worker_and_two_learners(tmp_path, staleness, ray_cluster):
     """μ = π_old for every token and every checked distribution on the worker; at staleness 0 the learners'
     first π_θ pass is π_old's bits too (checked before they step: the run would stop)."""
     overrides = [f"run_dir={tmp_path / 'run'}", *SMALL, *EXACT, f"async.max_staleness={staleness}", "steps=3"]
@@ -160,7 +160,7 @@ def _break(numerics_of):
 
 
 @pytest.mark.parametrize("where", ["worker", "learner"])
-def test_exact_mode_fails_closed_on_a_worker_or_a_learner(tmp_path, where):
+def test_exact_mode_fails_closed_on_a_worker_or_a_learner(tmp_path, where, ray_cluster):
     """A worker's engine or one learner's model forced off exact mode: the step stops before any learner's
     optimizer steps, naming where, and every learner still holds the weights it started with."""
     import ray
@@ -272,7 +272,7 @@ def test_a_dead_learner_stops_the_run_and_resume_reproduces_it(tmp_path, numeric
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_resumes_with_another_learner_count(tmp_path):
+def test_a_sharded_checkpoint_resumes_with_another_learner_count(tmp_path, ray_cluster):
     """Saved by 2 learners, resumed by 1 (DCP reshards): the run goes on as the uninterrupted 2-learner run,
     to the round-off that splitting the gradient's sum between learners makes; one process reads it too."""
     common = SMALL + ["precision=fp32", "steps=4", "checkpoint_every=2", "algorithm.name=grpo", "eval.every=-1"]
@@ -310,7 +310,7 @@ def test_a_sharded_checkpoint_resumes_with_another_learner_count(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_sharded_shards_holding_nan_are_set_aside_and_the_learners_start_from_the_base(tmp_path, capsys):
+def test_sharded_shards_holding_nan_are_set_aside_and_the_learners_start_from_the_base(tmp_path, capsys, ray_cluster):
     """A checkpoint whose shards hold NaN (its manifest matching): the learners read it in place, the resume
     sets it aside, and the run starts again from step 0 with the base weights on the learners."""
     common = SMALL + ["precision=fp32", "steps=1", "checkpoint_every=1", "eval.every=-1"]

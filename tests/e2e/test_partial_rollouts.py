@@ -143,7 +143,7 @@ def test_partial_rollouts_settings_are_checked(overrides, message):
 
 
 @pytest.mark.slow
-def test_exact_partial_rollouts_on_a_worker_and_two_learners(tmp_path):
+def test_exact_partial_rollouts_on_a_worker_and_two_learners(tmp_path, ray_cluster):
     """1 rollout worker + 2 FSDP2 learners at staleness 1 with partial rollouts over 2 versions, exact FP16:
     responses continued across weight syncs, each token at most 2 versions old, μ = π_old on every token."""
     run_dir = tmp_path / "run"
