@@ -22,8 +22,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+TIERS = {"unit", "e2e"}  # tests/unit and tests/e2e (docs/testing.md)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` need a GPU: skipped, and said so, where PyTorch sees none."""
+    """Each test is marked with its tier (`-m unit`, `-m e2e`). Tests marked `cuda` need a GPU: skipped, and
+    said so, where PyTorch sees none."""
+    here = Path(__file__).parent
+    for item in items:
+        tier = item.path.relative_to(here).parts[0] if item.path.is_relative_to(here) else None
+        if tier in TIERS:
+            item.add_marker(tier)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
