@@ -450,7 +450,8 @@ def run_tests(args, record: dict) -> None:
     try:
         cuda = subprocess.run([*command, "-m", "cuda", *map(str, files)], timeout=DEADLINES["tests"] * 0.6,
                               capture_output=True, text=True)  # fmt: skip
-        invariant = subprocess.run([*command, str(tests / "unit" / "test_invariant.py")],
+        invariant_files = [str(tests / "unit" / "test_invariant.py"), str(tests / "e2e" / "test_invariant_engines.py")]
+        invariant = subprocess.run([*command, *invariant_files],
                                    timeout=DEADLINES["tests"] * 0.4,
                                    capture_output=True, text=True)  # fmt: skip
         entry = {"cuda_rc": cuda.returncode, "invariant_rc": invariant.returncode,
