@@ -21,7 +21,7 @@ on 2 cores at the defaults):
   answers, a user's folders and files given as outputs, and bad flags; each runs
   with 8 GiB of address space and 300 s, so a memory bomb or a hang is counted,
   not suffered;
-- hostile model directories: every case of tests/test_model_dirs.py (config
+- hostile model directories: every case of tests/unit/test_model_dirs.py (config
   values, tokenizer files linked to a private key outside, a folder merely named
   snapshots/REV, weights whose forward leaves FP32's or FP16's range, chat
   templates that loop, grow through filters, render nothing or lengthen every
@@ -30,7 +30,7 @@ on 2 cores at the defaults):
   of the secret outside its home folder ("bytes leaked");
 - received run directories: the newest checkpoint of a finished run turned into
   the sharded form, then forged (an index and a shard that are pickles writing a
-  marker: "code executed") or damaged as tests/test_checkpoint_files.py does;
+  marker: "code executed") or damaged as tests/e2e/test_checkpoint_files.py does;
   `parity eval` must refuse the forged ones in one line and `--resume` set the
   checkpoint aside and reproduce the run exactly; a user's folders under
   checkpoints/ must be neither read nor pruned;
@@ -305,10 +305,10 @@ def bad_input_cases(root: Path) -> list[Case]:
 
 
 def hostile_model_dir_cases(root: Path, train) -> list[Case]:
-    """The cases of tests/test_model_dirs.py on the tests' tiny Llama (hostile config values, links out of
+    """The cases of tests/unit/test_model_dirs.py on the tests' tiny Llama (hostile config values, links out of
     the directory, chat templates that never end, grow without bound or render nothing, prompts longer than
     the context), each tried by the command its test names, `parity train` for most."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("", "unit")]
     from conftest import save_hf_model
     from test_model_dirs import BOMBS, CASES, EMPTY_TEMPLATES, LINKED, SECRET
 
@@ -387,8 +387,8 @@ def _template(text: str):
 
 def received_input_cases(root: Path, train) -> list[Case]:
     """Config files, data files, values and addresses that used to crash, hang or exhaust memory
-    (tests/test_config.py, test_data.py, test_distributed.py), and a user's folders given as outputs."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    (tests/unit/test_config.py, test_data.py, tests/e2e/test_distributed.py), and a user's folders given as outputs."""
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("", "unit")]
     from test_config import HUGE, _alias_bomb
 
     (root / "bomb.yaml").write_text(_alias_bomb())
@@ -508,12 +508,12 @@ def leaked_files(root: Path) -> int:
 
 def received_run_trials(root: Path, reference: list[dict]) -> dict:
     """A finished run directory received from someone, its newest checkpoint turned into the sharded form
-    and then forged or damaged as tests/test_checkpoint_files.py does (a pickled index and a shard that write
+    and then forged or damaged as tests/e2e/test_checkpoint_files.py does (a pickled index and a shard that write
     a marker when unpickled; state.json and manifest.json fields of the wrong kind; a cut RNG file; an index
     naming a missing shard): `parity eval` refuses the forged ones in one line, and `--resume` sets the
     checkpoint aside in one line and reproduces the reference exactly. No marker may ever appear. Last, the
     user's own folders under checkpoints/ (step_best, step_000007.bak): a resume neither reads nor prunes them."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("", "e2e")]
     from test_checkpoint_files import DAMAGE, _WritesMarker, damaged
 
     marker = root / "code-ran"
@@ -582,7 +582,7 @@ RUN_MARK = "PARITY_FAULTS_RUN"  # set in a trial's environment: its processes, a
 def run_processes(mark: str) -> dict[int, str]:
     """The processes of the trial marked `mark`, whatever they call themselves (a Ray worker renames
     itself); never another user's Ray processes, which a trial must neither count nor kill."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("", "e2e")]
     from test_distributed import processes_with
 
     found = {}
@@ -687,7 +687,7 @@ def distributed_trials(root: Path, rng: random.Random) -> dict:
 
 def joined_cluster_trial(root: Path, reference: list[dict]) -> dict:
     """`ray start --head` as a user runs it, a run joining it by address, and the cluster after."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("", "e2e")]
     from test_distributed import stop_cluster
 
     ray_cli = str(Path(sys.executable).with_name("ray"))

@@ -395,8 +395,8 @@ def main() -> None:
                 "-q",
                 "-m",
                 "cuda",
-                str(tests / "test_engines.py"),
-                str(tests / "test_kernels.py"),
+                str(tests / "unit" / "test_engines.py"),
+                str(tests / "unit" / "test_kernels.py"),
             ]
         ).returncode
     bytes_per_s = bandwidth(args.device)

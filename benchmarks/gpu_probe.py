@@ -6,7 +6,7 @@ today's code re-measured beside the previous code on the same card.
 Sections, each in a process of its own with a deadline (a section that fails or runs out of time is
 recorded as such and the others still run):
 
-- `tests`: the CUDA tests (`pytest -m cuda`) and the whole of tests/test_invariant.py on the card;
+- `tests`: the CUDA tests (`pytest -m cuda`) and the whole of tests/unit/test_invariant.py on the card;
 - `device`: the card, a device-to-device copy's bandwidth (bytes read + written) and the dense matmul rate
   per precision: the ceilings every figure is read against;
 - `engine`: on a Qwen2.5-0.5B-shaped model (random weights): ms per decode step at batch 128, read off the
@@ -430,14 +430,16 @@ def run_section(name: str, args, record: dict, env: dict | None = None, key: str
 
 def run_tests(args, record: dict) -> None:
     tests = HERE.parent / "tests"
-    files = [tests / f for f in ("test_engines.py", "test_kernels.py", "test_static_engine.py")]
+    files = [tests / "unit" / f for f in ("test_engines.py", "test_kernels.py", "test_static_engine.py")]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     start = time.perf_counter()
     entry: dict = {}
     try:
         cuda = subprocess.run([*command, "-m", "cuda", *map(str, files)], timeout=DEADLINES["tests"] * 0.6,
                               capture_output=True, text=True)  # fmt: skip
-        invariant = subprocess.run([*command, str(tests / "test_invariant.py")], timeout=DEADLINES["tests"] * 0.4,
+        invariant_files = [str(tests / "unit" / "test_invariant.py"), str(tests / "e2e" / "test_invariant_engines.py")]
+        invariant = subprocess.run([*command, *invariant_files],
+                                   timeout=DEADLINES["tests"] * 0.4,
                                    capture_output=True, text=True)  # fmt: skip
         entry = {"cuda_rc": cuda.returncode, "invariant_rc": invariant.returncode,
                  "cuda_tail": cuda.stdout[-3000:], "invariant_tail": invariant.stdout[-3000:]}  # fmt: skip
@@ -525,7 +527,9 @@ def main() -> None:
     parser.add_argument("--out", default="gpu-probe")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--baseline-src", help="a source tree of the previous code (its src/), measured beside")
-    parser.add_argument("--tests", action="store_true", help="run the CUDA tests and tests/test_invariant.py first")
+    parser.add_argument(
+        "--tests", action="store_true", help="run the CUDA tests and tests/unit/test_invariant.py first"
+    )
     parser.add_argument("--small", action="store_true", help="toy sizes (the CPU smoke run)")
     parser.add_argument("--sections", default="device,engine,train,matmul")
     parser.add_argument("--model-dir")

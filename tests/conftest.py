@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,14 +22,45 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+TIERS = {"unit", "e2e"}  # tests/unit and tests/e2e (docs/testing.md)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` need a GPU: skipped, and said so, where PyTorch sees none."""
+    """Each test is marked with its tier (`-m unit`, `-m e2e`). Tests marked `cuda` need a GPU: skipped, and
+    said so, where PyTorch sees none."""
+    here = Path(__file__).parent
+    for item in items:
+        tier = item.path.relative_to(here).parts[0] if item.path.is_relative_to(here) else None
+        if tier in TIERS:
+            item.add_marker(tier)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if item.get_closest_marker("cuda"):
             item.add_marker(skip)
+
+
+# The tiny run of the tests that train, written once: 4 prompts a step, 4 samples each, at most 32 new tokens,
+# no TensorBoard. A test that needs another value appends its own override (the last one given wins).
+TINY = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
+# The same with 8 prompts a step, which distributed runs split between rollout workers and learners.
+SMALL = ["prompts_per_step=8", *TINY[1:]]
+
+
+TIMING = ("time/", "perf/")  # wall-clock metrics: two runs of the same steps differ only there
+
+
+def metrics(run_dir: Path, drop: tuple[str, ...] = ()) -> list[dict]:
+    """The steps a run logged, read as `parity report` reads them (`load_history`: each line a JSON object
+    holding the reported metrics), and each line whole (no test's run is cut off mid-write); keys that
+    start with one of `drop` are left out."""
+    from parity.commands.report import load_history
+
+    text = (Path(run_dir) / "metrics.jsonl").read_text()
+    whole = text.endswith("\n") and all(line.strip() for line in text.splitlines())
+    assert whole, f"{run_dir}/metrics.jsonl: a line cut short or empty"
+    return [{k: v for k, v in row.items() if not k.startswith(drop)} for row in load_history(run_dir)]
 
 
 VOCAB_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +=,.>?"
@@ -99,6 +134,111 @@ def llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory) -> Path:
     return save_hf_model(tmp_path_factory.mktemp("qwen2"), "qwen2", seed=1, tie=True)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """`trained_run(*overrides)`: the directory of a `parity train` run with these overrides, trained once in
+    the session and shared by every test whose overrides give the same config. It is read-only: a test
+    that changes a run (resumes it, damages it, locks it) works on its own `copy_run` of it."""
+    from parity import config
+    from parity.cli import main
+    from parity.rl.train_config import TrainConfig
+
+    runs: dict[str, Path] = {}
+
+    def train(*overrides: str) -> Path:
+        key = config.dump_yaml(config.load(TrainConfig, None, list(overrides)))
+        if key not in runs:
+            run_dir = tmp_path_factory.mktemp("trained") / "run"
+            # Its output is no test's: kept out of the capsys of the test that first asks for it.
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+                code = main(["train", f"run_dir={run_dir}", *overrides])
+            assert code == 0, err.getvalue()
+            _set_writable(run_dir, False)
+            runs[key] = run_dir
+        return runs[key]
+
+    return train
+
+
+# The shared tiny run of the tests that read a trained run (report, eval, mismatch) or change a copy of
+# one (checkpoint damage, resume): TINY, 2 steps, a checkpoint after each, no evaluation.
+TINY_RUN = [*TINY, "steps=2", "checkpoint_every=1", "eval.every=-1"]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(trained_run) -> Path:
+    return trained_run(*TINY_RUN)
+
+
+def copy_run(run_dir: Path, to: Path) -> Path:
+    """A writable copy of a (shared, read-only) run directory at `to`; a resume continues the copy."""
+    shutil.copytree(run_dir, to, symlinks=True)
+    _set_writable(to, True)
+    return to
+
+
+def _set_writable(root: Path, writable: bool) -> None:
+    write = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
+    for path in [root, *root.rglob("*")]:
+        if not path.is_symlink():
+            mode = path.stat().st_mode
+            path.chmod(mode | stat.S_IWUSR if writable else mode & ~write)
+
+
+class _SharedRay:
+    """The session's Ray cluster: started by the first test that asks for `ray_cluster`, ended before any
+    test that does not (so that a run there starts, and cleans up, its own) and at the session's end."""
+
+    cluster = None
+    CPUS = max(os.cpu_count() or 1, 3)  # a rollout worker and two learners, the most a test asks for
+
+    @classmethod
+    def start(cls) -> None:
+        if cls.cluster is None:
+            from parity.distributed.cluster import LocalCluster  # the cluster a run starts for itself
+
+            cls.cluster = LocalCluster(num_cpus=cls.CPUS)
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.cluster is not None:
+            cls.cluster.stop()
+            cls.cluster = None
+
+    @classmethod
+    def all_free(cls, wait_s: float = 10.0) -> bool:
+        import ray
+
+        deadline = time.monotonic() + wait_s
+        while ray.available_resources().get("CPU", 0) < cls.CPUS:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
+
+@pytest.fixture
+def ray_cluster():
+    """A Ray cluster of this machine shared by the session: an in-process distributed run finds Ray
+    initialized and runs on it instead of starting its own (a `ray.init` costs seconds). Tests of how a
+    run starts, stops or cleans up its cluster, or that kill its processes, do not ask for it."""
+    _SharedRay.start()
+    yield
+    if not _SharedRay.all_free():  # actors left behind: the next test gets a fresh cluster
+        _SharedRay.stop()
+
+
+@pytest.fixture(autouse=True)
+def _shared_ray_only_where_asked(request):
+    if "ray_cluster" not in request.fixturenames:
+        _SharedRay.stop()
+    yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _SharedRay.stop()
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import run_dir_held
+from conftest import TIMING, TINY, copy_run, metrics, run_dir_held
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -28,24 +28,13 @@ from parity.rl.checkpoint import CheckpointError, RunState, checkpoints, load_sh
 from parity.rl.loop import Run, TrainingError
 from parity.rl.train_config import TrainConfig
 
-TINY = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
-
 
 def _train(run_dir: Path, *overrides: str) -> int:
     return main(["train", f"run_dir={run_dir}", *TINY, *overrides])
 
 
 def _steps(run_dir: Path) -> list[int]:
-    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _timeless_text(text: str) -> list[dict]:
-    rows = [json.loads(x) for x in text.splitlines()]
-    return [{k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))} for m in rows]
-
-
-def _timeless(path: Path) -> list[dict]:
-    return _timeless_text(path.read_text())
+    return [m["step"] for m in metrics(run_dir)]
 
 
 def _parity(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -55,10 +44,10 @@ def _parity(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 # ----------------------------------------------------------------------------- 1. one run per directory
 
 
-def test_a_locked_run_dir_is_refused_naming_the_holder(tmp_path):
+def test_a_locked_run_dir_is_refused_naming_the_holder(trained_run, tmp_path):
     """Two real processes: one holds the run directory, `parity train` and `--resume` are refused."""
     run_dir = tmp_path / "run"
-    assert _train(run_dir, "steps=1") == 0
+    copy_run(trained_run(*TINY, "steps=1"), run_dir)
     with run_dir_held(run_dir) as holder:
         resumed = _parity("train", "--resume", str(run_dir), "steps=2")
         assert resumed.returncode == 2
@@ -230,9 +219,9 @@ def test_every_numeric_key_is_range_checked():
 # ----------------------------------------------------------------------------- 4. resume exactly
 
 
-def test_resume_refuses_an_edited_config_and_changes_outside_the_allow_list(tmp_path, capsys):
+def test_resume_refuses_an_edited_config_and_changes_outside_the_allow_list(trained_run, tmp_path, capsys):
     run_dir = tmp_path / "r"
-    assert _train(run_dir, "steps=1") == 0
+    copy_run(trained_run(*TINY, "steps=1"), run_dir)
     cfg = run_dir / "config.yaml"
     original = cfg.read_text()
     cfg.write_text(original.replace("lr: 0.0002", "lr: 0.001"))
@@ -248,7 +237,7 @@ def test_resume_refuses_an_edited_config_and_changes_outside_the_allow_list(tmp_
     assert config.load(TrainConfig, cfg).steps == 2 and _steps(run_dir) == [1, 2]
 
 
-def test_resume_accepts_a_run_saved_before_a_key_existed(tmp_path, capsys):
+def test_resume_accepts_a_run_saved_before_a_key_existed(trained_run, tmp_path, capsys):
     """A run saved by an earlier version has no entry for a key added since (here `exact`): at its
     default the key changes nothing, so the run resumes."""
     import json
@@ -256,7 +245,7 @@ def test_resume_accepts_a_run_saved_before_a_key_existed(tmp_path, capsys):
     from parity.rl.checkpoint import checkpoints
 
     run_dir = tmp_path / "r"
-    assert _train(run_dir, "steps=1") == 0
+    copy_run(trained_run(*TINY, "steps=1"), run_dir)
     cfg = run_dir / "config.yaml"
     cfg.write_text("".join(line for line in cfg.read_text().splitlines(True) if not line.startswith("exact:")))
     state_file = checkpoints(run_dir)[-1] / "state.json"
@@ -315,9 +304,9 @@ def test_zero_reward_variance_is_warned_with_the_reason(tmp_path, monkeypatch, c
 # ----------------------------------------------------------------------------- 7, 8. crash leftovers
 
 
-def test_resume_cleans_half_written_checkpoints_and_restores_a_swapped_one(tmp_path, capsys):
+def test_resume_cleans_half_written_checkpoints_and_restores_a_swapped_one(trained_run, tmp_path, capsys):
     run_dir = tmp_path / "r"
-    assert _train(run_dir, "steps=2", "checkpoint_every=1") == 0
+    copy_run(trained_run(*TINY, "steps=2", "checkpoint_every=1"), run_dir)
     ckpts = run_dir / "checkpoints"
     (ckpts / ".step_000003.x1y2.tmp" / "model").mkdir(parents=True)
     (run_dir / ".metrics.jsonl.abc.tmp").write_text("half")
@@ -332,10 +321,10 @@ def test_resume_cleans_half_written_checkpoints_and_restores_a_swapped_one(tmp_p
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest"])
-def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(tmp_path, capsys, damage):
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(trained_run, tmp_path, capsys, damage):
     run_dir = tmp_path / "r"
-    assert _train(run_dir, "steps=3", "checkpoint_every=1", "keep_checkpoints=3") == 0
-    reference = (run_dir / "metrics.jsonl").read_text()
+    copy_run(trained_run(*TINY, "steps=3", "checkpoint_every=1", "keep_checkpoints=3"), run_dir)
+    reference = metrics(run_dir, drop=TIMING)
     latest = run_dir / "checkpoints" / "step_000003"
     target = latest / "optimizer.safetensors"
     if damage == "flip":
@@ -352,15 +341,15 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(tmp_path, c
     err = capsys.readouterr().err
     assert "checkpoint step_000003 is unusable" in err and "continuing from step 2" in err
     assert (run_dir / "checkpoints" / "corrupt" / "step_000003").is_dir()
-    assert _timeless(run_dir / "metrics.jsonl") == _timeless_text(reference)
+    assert metrics(run_dir, drop=TIMING) == reference
 
 
-def test_a_checkpoint_write_that_fails_for_space_keeps_the_earlier_ones(tmp_path):
+def test_a_checkpoint_write_that_fails_for_space_keeps_the_earlier_ones(trained_run, tmp_path):
     """A file-size limit (as a full disk would) fails the step-3 save: one line, exit 2, step 2 intact."""
     import resource
 
     run_dir = tmp_path / "r"
-    assert _train(run_dir, "steps=2", "checkpoint_every=1") == 0
+    copy_run(trained_run(*TINY, "steps=2", "checkpoint_every=1"), run_dir)
     limit = 4 * 2**20  # the model file (3 MB) fits, the optimizer state (6 MB) does not
 
     def small_files() -> None:

@@ -18,7 +18,6 @@ from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import sequence_logprobs
-from parity.rl.loop import Run, TrainingError
 from parity.rl.train_config import TrainConfig
 
 PLAIN = SamplingParams(max_new_tokens=20)
@@ -124,67 +123,6 @@ def test_without_exact_mode_the_engines_differ_and_locate_says_where():
     model, engine = engines("builtin", "bf16")
     diffs = locate(model, engine, batch.prompt_ids[0], response, PLAIN, torch.bfloat16)
     assert first_divergence(diffs) is None and all(d.max_abs == 0 for d in diffs)
-
-
-TINY_RUN = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=24", "checkpoint_every=-1"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_training_with_exact_mode_has_zero_mismatch_on_every_step(tmp_path, precision):
-    """10 steps, 4 optimizer updates each (π_old from a learner pass), top-k/top-p sampling."""
-    cfg = config.load(
-        TrainConfig,
-        None,
-        [
-            f"run_dir={tmp_path / 'run'}",
-            f"precision={precision}",
-            "exact=true",
-            "steps=10",
-            "algorithm.num_minibatches=4",
-            "rollout.top_k=8",
-            "rollout.top_p=0.95",
-            *TINY_RUN,
-        ],
-    )
-    history = Run.create(cfg, progress=False).train()
-    assert len(history) == 10
-    assert all(m["mismatch/token_abs_log_ratio_max"] == 0.0 for m in history)
-    assert all(m["mismatch/exact_tokens_frac"] == 1.0 for m in history)
-    assert all(m["mismatch/k3"] == 0.0 for m in history)
-    assert history[-1]["weights/version"] == 40
-
-
-@pytest.mark.parametrize("merge", ["true", "false"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_exact_mode_with_lora_merged_and_unmerged(tmp_path, precision, merge):
-    """LoRA adapters trained in exact mode: merged, both engines multiply by W + scale·B·A as merged in
-    FP32; unmerged, the rollout engine adds each projection's adapter as the trainer does. The runtime
-    check stops any step where a token's μ differs from π_old, or a checked distribution anywhere."""
-    overrides = [f"run_dir={tmp_path / 'run'}", "exact=true", f"precision={precision}", "lora.rank=4"]
-    overrides += [f"lora.merge={merge}", "lora.targets=q_proj,v_proj,down_proj", "trainer.lr=5e-3", "steps=3"]
-    # 64 tokens: the built-in task's answers fit, so rewards vary and the adapters get a gradient
-    cfg = config.load(TrainConfig, None, [*overrides, *TINY_RUN, "rollout.max_new_tokens=64", "eval.every=-1"])
-    run = Run.create(cfg, progress=False)
-    history = run.train()
-    assert [m["mismatch/exact_tokens_frac"] for m in history] == [1.0] * 3
-    assert all(m["full_vocab/max_abs_log_ratio"] == 0.0 for m in history)
-    trained = [p for n, p in run.trainer.model.named_parameters() if n.endswith("lora_B")]
-    assert trained and all(float(p.detach().abs().max()) > 0 for p in trained)  # the adapters moved off zero
-
-
-def test_the_runtime_check_stops_the_run_and_names_the_stage(tmp_path):
-    """A rollout engine that leaves exact mode (here: its fused RMSNorm) stops the run at the first
-    step, with the stage where the engines part, before the optimizer steps: no weight moves and
-    nothing is synced or saved."""
-    cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path / 'run'}", "exact=true", "steps=3", *TINY_RUN])
-    run = Run.create(cfg, progress=False)
-    run.backend.sampler.engine.numerics = kernels.numerics(exact=False)
-    before = {n: p.detach().clone() for n, p in run.trainer.model.named_parameters()}
-    with pytest.raises(TrainingError, match=r"step 1: exact=true, but .* engines first part at layer0\.input_norm"):
-        run.train()
-    assert all(torch.equal(p, before[n]) for n, p in run.trainer.model.named_parameters())
-    assert run.trainer.weight_version == 0 and not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.parametrize(

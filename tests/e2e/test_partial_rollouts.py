@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -10,6 +9,7 @@ import time
 import pytest
 import torch
 
+from conftest import SMALL, metrics
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -145,20 +145,19 @@ def test_partial_rollouts_settings_are_checked(overrides, message):
 
 
 @pytest.mark.slow
-def test_exact_partial_rollouts_on_a_worker_and_two_learners(tmp_path):
+def test_exact_partial_rollouts_on_a_worker_and_two_learners(tmp_path, ray_cluster):
     """1 rollout worker + 2 FSDP2 learners at staleness 1 with partial rollouts over 2 versions, exact FP16:
     responses continued across weight syncs, each token at most 2 versions old, μ = π_old on every token."""
     run_dir = tmp_path / "run"
-    args = ["prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
-    args += ["steps=8", "checkpoint_every=-1", "precision=fp16", "exact=true", "distributed.rollout_workers=1"]
+    args = [*SMALL, "steps=8", "checkpoint_every=-1", "precision=fp16", "exact=true", "distributed.rollout_workers=1"]
     args += ["distributed.learners=2", "async.max_staleness=1", "async.partial_rollouts=2"]
     assert main(["train", f"run_dir={run_dir}", *args]) == 0
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 8
-    assert max(m["async/continued_frac"] for m in metrics) > 0
-    assert all(m["async/staleness_max"] <= 2 for m in metrics)
-    assert max(m["async/staleness_max"] for m in metrics) == 2
-    assert all(m["mismatch/exact_tokens_frac"] == 1.0 and m["train/samples"] == 32 for m in metrics)
+    logged = metrics(run_dir)
+    assert len(logged) == 8
+    assert max(m["async/continued_frac"] for m in logged) > 0
+    assert all(m["async/staleness_max"] <= 2 for m in logged)
+    assert max(m["async/staleness_max"] for m in logged) == 2
+    assert all(m["mismatch/exact_tokens_frac"] == 1.0 and m["train/samples"] == 32 for m in logged)
 
 
 @pytest.mark.slow
@@ -168,7 +167,7 @@ def test_a_killed_worker_loses_no_prompt_of_its_pool(tmp_path):
     cfg = config.load(
         TrainConfig,
         None,
-        ["prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
+        SMALL
         + [f"run_dir={tmp_path / 'r'}", "steps=6", "checkpoint_every=-1", "distributed.rollout_workers=1"]
         + ["async.max_staleness=1", "async.partial_rollouts=2"],
     )

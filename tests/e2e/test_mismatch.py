@@ -111,11 +111,10 @@ def test_long_prompt_set_and_the_length_table():
     assert counts == 48
 
 
-def test_mismatch_on_a_checkpoint_of_the_built_in_model_takes_its_prompts(tmp_path):
+def test_mismatch_on_a_checkpoint_of_the_built_in_model_takes_its_prompts(tiny_run, tmp_path):
     """Only the literal `builtin` used to select the arithmetic prompts; a checkpoint of the built-in model
     (its tokenizer byte for byte) was given chat questions longer than its 128 positions."""
-    run = tmp_path / "run"
-    assert main(["train", f"run_dir={run}", "steps=1", "prompts_per_step=2", "rollout.group_size=2"]) == 0
+    run = tiny_run
     model = run / "checkpoints" / "step_000001" / "model"
     args = [f"model={model}", "num_prompts=4", "group_size=1", "pairs=[fp32/fp32]", f"out={tmp_path / 'm'}"]
     assert main(["mismatch", *args]) == 0

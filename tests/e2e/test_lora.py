@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import TIMING, TINY, metrics
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -34,7 +35,6 @@ from parity.rl.checkpoint import RunState, checkpoints, load_checkpoint, save_ch
 from parity.rl.loop import Run
 from parity.rl.train_config import TrainConfig
 
-TINY = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
 LORA = LoRAConfig(rank=4, alpha=8.0)
 
 
@@ -257,11 +257,6 @@ def test_unmerged_lora_shares_the_base_and_syncs_only_adapters(tmp_path, monkeyp
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _timeless(run_dir) -> list[dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))} for m in rows]
-
-
 def test_resume_with_lora_is_exact_and_refuses_a_changed_base(tmp_path, capsys):
     base_dir = tmp_path / "base"
     shutil.copytree(BUILTIN_DIR, base_dir)
@@ -273,7 +268,7 @@ def test_resume_with_lora_is_exact_and_refuses_a_changed_base(tmp_path, capsys):
     assert main(["train", f"run_dir={resumed}", "steps=1", *args]) == 0
     assert main(["train", "--resume", str(resumed), "steps=3"]) == 0
     assert "continuing from step 1" in capsys.readouterr().err
-    assert _timeless(resumed) == _timeless(reference)
+    assert metrics(resumed, drop=TIMING) == metrics(reference, drop=TIMING)
     for name in ("adapter/adapter_model.safetensors", "optimizer.safetensors"):
         a, b = (load_file(str(checkpoints(r)[-1] / name)) for r in (reference, resumed))
         for saved in (a, b):  # the global RNG state differs after any resume; sampling has its own seeds

@@ -77,12 +77,11 @@ def test_an_output_folder_parity_wrote_is_written_again_and_a_users_file_added_t
     assert (out / "notes.md").read_text() == "mine\n"
 
 
-def test_report_refuses_a_missing_run_without_creating_its_folder(tmp_path, capsys):
+def test_report_refuses_a_missing_run_without_creating_its_folder(tiny_run, tmp_path, capsys):
     out = tmp_path / "rep"
     _refused(["report", str(tmp_path / "no-such-run"), "--out", str(out)], capsys, "no metrics.jsonl")
     assert not out.exists()
-    run = tmp_path / "run"
-    assert main(["train", f"run_dir={run}", "steps=1", "prompts_per_step=2", "rollout.group_size=2"]) == 0
+    run = tiny_run
     mine = _users_folder(tmp_path / "mine", "report.md")
     _refused(["report", str(run), "--out", str(mine)], capsys, "holds files Parity did not write")
     assert (mine / "report.md").read_text() == "the user's report.md\n"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import TIMING, TINY, metrics
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -25,8 +26,8 @@ from parity.rl.loop import Run, TrainingError
 from parity.rl.problems import builtin_problems
 from parity.rl.train_config import TrainConfig
 
-DOCS = Path(__file__).parent.parent / "docs"
-SMALL = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=40", "tensorboard=false"]
+DOCS = Path(__file__).parents[2] / "docs"
+SMALL = [*TINY, "rollout.max_new_tokens=40"]
 EVAL = ["eval.num_prompts=6", "eval.samples=2"]
 
 
@@ -155,14 +156,10 @@ def test_a_recorded_row_that_leaves_the_decode_batch_is_never_live_again():
     assert recorder.steps[:, 0].tolist() == [-1, 0] and recorder.logprobs[1, 0].tolist() == [5, 6, 7, 8, 9]
 
 
-def _without_timing(lines: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))} for m in lines]
-
-
 def _run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
     cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path / name}", *SMALL, *overrides])
     Run.create(cfg, progress=False).train()
-    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return metrics(tmp_path / name)
 
 
 @pytest.mark.slow
@@ -173,14 +170,16 @@ def test_evaluation_leaves_training_untouched_and_a_resumed_run_exact(tmp_path):
     whole = _run(tmp_path, "whole", *common)
     assert [("eval/accuracy" in m, "deploy/gap_bf16" in m) for m in whole] == [(False, False), (True, True)] * 2
     assert all("full_vocab/tv" in m for m in whole)
-    without = _run(tmp_path, "without", *common[:2], "eval.every=-1", *EVAL)
-    trained = [{k: v for k, v in m.items() if not k.startswith(("eval/", "deploy/"))} for m in _without_timing(whole)]
-    assert trained == _without_timing(without)
+    _run(tmp_path, "without", *common[:2], "eval.every=-1", *EVAL)
+    trained = [
+        {k: v for k, v in m.items() if not k.startswith(("eval/", "deploy/"))}
+        for m in metrics(tmp_path / "whole", drop=TIMING)
+    ]
+    assert trained == metrics(tmp_path / "without", drop=TIMING)
 
     _run(tmp_path, "resumed", *[c.replace("steps=4", "steps=2") for c in common])
     assert main(["train", "--resume", str(tmp_path / "resumed"), "steps=4"]) == 0
-    resumed = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
-    assert _without_timing(resumed) == _without_timing(whole)
+    assert metrics(tmp_path / "resumed", drop=TIMING) == metrics(tmp_path / "whole", drop=TIMING)
 
 
 @pytest.mark.slow

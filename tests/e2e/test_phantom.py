@@ -8,13 +8,14 @@ import random
 import pytest
 import torch
 
+from conftest import TINY, metrics
 from parity import config
 from parity.rl.algorithms import LossConfig, clip_active, token_clipped
 from parity.rl.diagnostics import gap_metrics, mismatch_alarm, phantom_clip_frac
 from parity.rl.loop import Run
 from parity.rl.train_config import TrainConfig
 
-SMALL = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=48", "tensorboard=false"]
+SMALL = [*TINY, "rollout.max_new_tokens=48"]
 PAIRS = {
     "fp32/bf16": ["precision=fp32", "rollout.precision=bf16", "allow_precision_mismatch=true"],
     "bf16/bf16": ["precision=bf16"],
@@ -211,7 +212,7 @@ def test_writeup_experiment_on_a_checkpoint(llama_dir, tmp_path):
     assert {name: arm["seeds"]["0"] for name, arm in again["arms"].items()} == {k: arms[k] for k in list(arms)[:4]}
     assert {p: p.stat().st_mtime_ns for p in out.glob("runs/*/metrics.jsonl")} == logged
     writeup(steps=3, with_async=False)
-    assert len((out / "runs" / "no-clip-seed0" / "metrics.jsonl").read_text().splitlines()) == 3
+    assert len(metrics(out / "runs" / "no-clip-seed0")) == 3
 
 
 def test_phantom_refuses_overrides_without_a_model(capsys):

@@ -17,7 +17,7 @@ from parity import config as config_mod
 from parity.cli import build_parser, main, parse_args
 from parity.cli.config_args import split_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Words a reader replaces with their own model, run, file or folder.
 PLACEHOLDERS = ("DIR", "RUN_DIR", "MODEL_DIR", "FILE", "OUT", "CONFIG.yaml", "smollm2", "train.jsonl", "runs/my-task")
@@ -26,9 +26,9 @@ RUN = {"parity mismatch --locate", "parity doctor --model builtin"}
 NOT_RUN = {
     "placeholder": "names a model, run, file or folder the reader provides (its keys are checked)",
     "minutes": "trains or measures for minutes on 2 cores (its keys are checked; the figures are in docs/)",
-    "distributed": "starts a Ray cluster and learner processes (tests/test_distributed.py runs such runs small)",
+    "distributed": "starts a Ray cluster and learner processes (tests/e2e/test_distributed.py runs such runs small)",
     "synopsis": "a synopsis ([optional] parts, alternatives), not a command",
-    "your-task": "tests/test_your_task.py runs docs/your-task.md's blocks as written",
+    "your-task": "tests/e2e/test_your_task.py runs docs/your-task.md's blocks as written",
 }
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from architectures import save_random_model
+from conftest import metrics
 from parity.engines.models.io import load_model
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
@@ -79,9 +80,7 @@ def test_train_with_replay_logs_routing_and_trains_the_router(moe_dir, tmp_path)
     before = run.trainer.model.model.layers[0].mlp.gate.weight.detach().clone()
     run.train()
     assert not torch.equal(before, run.trainer.model.model.layers[0].mlp.gate.weight.detach())
-    import json
-
-    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = metrics(tmp_path / "run")
     assert all(row["moe/routing_mismatch"] == 0.0 for row in logged)  # FP32 both sides
     assert "moe/routing_mismatch_layer1" in logged[0]
 

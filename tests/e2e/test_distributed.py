@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import SMALL, metrics
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -32,13 +32,8 @@ from parity.rl.checkpoint import _write_manifest, load_checkpoint, save_shards
 from parity.rl.loop import Run, TrainingError
 from parity.rl.train_config import TrainConfig
 
-SMALL = ["prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
 UNTIMED = ("time/", "perf/", "async/", "sync/", "faults/")
 ROUND_OFF = ("mismatch/", "gap/", "kappa/", "beta/", "alpha/", "full_vocab/")  # μ − π in FP32 is itself round-off
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _trained(metrics: list[dict]) -> list[dict]:
@@ -116,14 +111,14 @@ def test_weight_sync_verification_names_the_damaged_tensor():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kl", [[], ["algorithm.kl_coef=0.1"]], ids=["", "kl-to-the-reference"])
-def test_two_fsdp2_learners_match_one_process(tmp_path, kl):
+def test_two_fsdp2_learners_match_one_process(tmp_path, kl, ray_cluster):
     """Synchronous, FP32, same seed: 1 worker + 2 FSDP2 learners (gloo) against one process, 10 steps; with
     a KL loss, the learners hold their own sharded reference model."""
     common = SMALL + ["precision=fp32", "steps=10", "checkpoint_every=-1", "algorithm.name=grpo", *kl]
     assert main(["train", f"run_dir={tmp_path / 'one'}", *common]) == 0
     two = ["distributed.rollout_workers=1", "distributed.learners=2"]
     assert main(["train", f"run_dir={tmp_path / 'two'}", *common, *two]) == 0
-    one, dist = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    one, dist = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert len(one) == len(dist) == 10
     assert all(m["sync/verified"] == 1 and m["async/staleness_max"] == 0 for m in dist)
     worst = 0.0
@@ -147,7 +142,7 @@ EXACT = ["exact=true", "precision=fp16", "distributed.rollout_workers=1", "distr
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
-def test_exact_mode_with_a_worker_and_two_learners(tmp_path, staleness):
+def test_exact_mode_with_a_worker_and_two_learners(tmp_path, staleness, ray_cluster):
     """μ = π_old for every token and every checked distribution on the worker; at staleness 0 the learners'
     first π_θ pass is π_old's bits too (checked before they step: the run would stop)."""
     overrides = [f"run_dir={tmp_path / 'run'}", *SMALL, *EXACT, f"async.max_staleness={staleness}", "steps=3"]
@@ -168,7 +163,7 @@ def _break(numerics_of):
 
 
 @pytest.mark.parametrize("where", ["worker", "learner"])
-def test_exact_mode_fails_closed_on_a_worker_or_a_learner(tmp_path, where):
+def test_exact_mode_fails_closed_on_a_worker_or_a_learner(tmp_path, where, ray_cluster):
     """A worker's engine or one learner's model forced off exact mode: the step stops before any learner's
     optimizer steps, naming where, and every learner still holds the weights it started with."""
     import ray
@@ -276,13 +271,13 @@ def test_a_dead_learner_stops_the_run_and_resume_reproduces_it(tmp_path, numeric
     shards = sorted(p.name for p in (tmp_path / "cut" / "checkpoints" / "step_000002" / "sharded").iterdir())
     assert shards == ["__0_0.safetensors", "__1_0.safetensors", "metadata.json"]  # one per learner, and the index
     assert main(["train", "--resume", str(tmp_path / "cut")]) == 0
-    assert _trained(_metrics(tmp_path / "cut")) == _trained(_metrics(tmp_path / "whole"))
+    assert _trained(metrics(tmp_path / "cut")) == _trained(metrics(tmp_path / "whole"))
     if "exact=true" in numerics:
-        assert all(m["mismatch/exact_tokens_frac"] == 1.0 for m in _metrics(tmp_path / "cut"))
+        assert all(m["mismatch/exact_tokens_frac"] == 1.0 for m in metrics(tmp_path / "cut"))
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_resumes_with_another_learner_count(tmp_path):
+def test_a_sharded_checkpoint_resumes_with_another_learner_count(tmp_path, ray_cluster):
     """Saved by 2 learners, resumed by 1 (DCP reshards): the run goes on as the uninterrupted 2-learner run,
     to the round-off that splitting the gradient's sum between learners makes; one process reads it too."""
     common = SMALL + ["precision=fp32", "steps=4", "checkpoint_every=2", "algorithm.name=grpo", "eval.every=-1"]
@@ -304,7 +299,7 @@ def test_a_sharded_checkpoint_resumes_with_another_learner_count(tmp_path):
         run.train()
     finally:
         run.close()
-    whole, cut = _trained(_metrics(tmp_path / "whole")), _trained(_metrics(tmp_path / "cut"))
+    whole, cut = _trained(metrics(tmp_path / "whole")), _trained(metrics(tmp_path / "cut"))
     assert cut[:2] == whole[:2] and len(cut) == 4
     for a, b in zip(whole[2:], cut[2:]):
         for key in a:
@@ -320,7 +315,7 @@ def test_a_sharded_checkpoint_resumes_with_another_learner_count(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_sharded_shards_holding_nan_are_set_aside_and_the_learners_start_from_the_base(tmp_path, capsys):
+def test_sharded_shards_holding_nan_are_set_aside_and_the_learners_start_from_the_base(tmp_path, capsys, ray_cluster):
     """A checkpoint whose shards hold NaN (its manifest matching): the learners read it in place, the resume
     sets it aside, and the run starts again from step 0 with the base weights on the learners."""
     common = SMALL + ["precision=fp32", "steps=1", "checkpoint_every=1", "eval.every=-1"]
@@ -385,7 +380,7 @@ def test_a_run_joins_a_users_cluster_and_leaves_it_running(tmp_path):
         train += ["distributed.rollout_workers=1", "distributed.learners=1", f"distributed.address={address}"]
         done = subprocess.run(train, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr
-        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+        assert len(metrics(run_dir)) == 2
         # Without the token setting the join is refused in one line that says what to set.
         refused = subprocess.run(
             [*train[:4], f"run_dir={tmp_path / 'refused'}", *train[5:]],

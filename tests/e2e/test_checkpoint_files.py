@@ -12,13 +12,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import run_dir_held
+from conftest import TINY, TINY_RUN, copy_run, metrics, run_dir_held
 from parity.cli import main
 from parity.engines.models.io import load_model, resolve_model_dir
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.checkpoint import MANIFEST, _write_manifest, load_checkpoint, save_shards
 
-TINY = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=32", "tensorboard=false"]
 EVAL = ["num_prompts=2", "samples=1", "max_new_tokens=8", "precisions=[fp32]"]
 
 
@@ -39,10 +38,10 @@ def _error_line(err: str) -> str:
     return lines[0]
 
 
-def _run(tmp_path: Path, steps: int = 2) -> Path:
-    run_dir = tmp_path / "run"
-    assert main(["train", f"run_dir={run_dir}", *TINY, f"steps={steps}", "checkpoint_every=1", "eval.every=-1"]) == 0
-    return run_dir
+def _run(trained_run, tmp_path: Path, steps: int = 2) -> Path:
+    """A copy of the session's tiny run (TINY_RUN: 2 steps, a checkpoint after each), or of one as long as
+    it for `steps` steps."""
+    return copy_run(trained_run(*TINY_RUN, f"steps={steps}"), tmp_path / "run")
 
 
 def _reseal(ckpt: Path) -> None:
@@ -66,10 +65,10 @@ def _as_sharded(ckpt: Path) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_a_forged_sharded_index_runs_no_code_on_resume_or_eval(tmp_path, capsys):
+def test_a_forged_sharded_index_runs_no_code_on_resume_or_eval(trained_run, tmp_path, capsys):
     """torch's reader unpickles sharded/.metadata. A forged one (its manifest entry rewritten) whose
     unpickling writes a marker: `parity train --resume` and `parity eval` never run it."""
-    run_dir = _run(tmp_path)
+    run_dir = _run(trained_run, tmp_path)
     ckpt = run_dir / "checkpoints" / "step_000002"
     _as_sharded(ckpt)
     assert main(["eval", str(run_dir), *EVAL, f"out={tmp_path / 'ok'}"]) == 0  # the sharded form reads back
@@ -95,8 +94,8 @@ def test_a_forged_sharded_index_runs_no_code_on_resume_or_eval(tmp_path, capsys)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_a_shard_replaced_by_a_pickle_runs_no_code(tmp_path, capsys):
-    run_dir = _run(tmp_path)
+def test_a_shard_replaced_by_a_pickle_runs_no_code(trained_run, tmp_path, capsys):
+    run_dir = _run(trained_run, tmp_path)
     ckpt = run_dir / "checkpoints" / "step_000002"
     _as_sharded(ckpt)
     marker = tmp_path / "marker"
@@ -164,8 +163,10 @@ DAMAGE = [
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("case, sharded, damage, reseal, message", DAMAGE, ids=[d[0] for d in DAMAGE])
-def test_a_damaged_checkpoint_is_set_aside_in_one_line(case, sharded, damage, reseal, message, tmp_path, capsys):
-    run_dir = _run(tmp_path)
+def test_a_damaged_checkpoint_is_set_aside_in_one_line(
+    case, sharded, damage, reseal, message, trained_run, tmp_path, capsys
+):
+    run_dir = _run(trained_run, tmp_path)
     damaged(run_dir / "checkpoints" / "step_000002", sharded, damage, reseal)
     capsys.readouterr()
     assert main(["train", "--resume", str(run_dir), "steps=3"]) == 0
@@ -174,13 +175,13 @@ def test_a_damaged_checkpoint_is_set_aside_in_one_line(case, sharded, damage, re
     assert line.startswith("resume: checkpoint step_000002 is unusable (") and message in line, line
     assert "continuing from step 1" in err and "Traceback" not in err
     assert (run_dir / "checkpoints" / "corrupt" / "step_000002").is_dir()
-    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3]
 
 
-def test_only_parity_names_under_checkpoints_are_read_pruned_or_evaluated(tmp_path, capsys):
+def test_only_parity_names_under_checkpoints_are_read_pruned_or_evaluated(trained_run, tmp_path, capsys):
     """A user's step_best (a copy of step 2), step_000001.bak, step_000001-keep and a file: resume continues
     from the newest real checkpoint, pruning leaves them, and `parity eval` evaluates the real ones only."""
-    run_dir = _run(tmp_path, steps=3)
+    run_dir = _run(trained_run, tmp_path, steps=3)
     ckpts = run_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000003"]
     shutil.rmtree(ckpts / "step_000003")  # as if killed after step 3's log line, before its checkpoint
@@ -196,7 +197,7 @@ def test_only_parity_names_under_checkpoints_are_read_pruned_or_evaluated(tmp_pa
     capsys.readouterr()
     assert main(["train", "--resume", str(run_dir), "steps=5", "keep_checkpoints=1"]) == 0
     assert "continuing from step 2" in capsys.readouterr().err
-    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4, 5]
     assert sorted(p.name for p in ckpts.iterdir()) == sorted([*mine, "step_000009", "step_000005"])
     assert all(sorted(q.name for q in (ckpts / n).rglob("*")) == before[n] for n in mine)
     assert main(["eval", str(run_dir), *EVAL, f"out={tmp_path / 'eval'}"]) == 0
@@ -204,8 +205,8 @@ def test_only_parity_names_under_checkpoints_are_read_pruned_or_evaluated(tmp_pa
     assert states == ["base", "step_000005"]
 
 
-def test_eval_refuses_another_models_checkpoint_and_a_live_run(tmp_path, llama_dir, capsys):
-    run_dir = _run(tmp_path)
+def test_eval_refuses_another_models_checkpoint_and_a_live_run(trained_run, tmp_path, llama_dir, capsys):
+    run_dir = _run(trained_run, tmp_path)
     other = tmp_path / "other"
     assert main(["train", f"run_dir={other}", *TINY, f"model={llama_dir}", "task.name=number", "steps=1"]) == 0
     ckpts = run_dir / "checkpoints"
@@ -223,12 +224,12 @@ def test_eval_refuses_another_models_checkpoint_and_a_live_run(tmp_path, llama_d
         assert not (tmp_path / "eval").exists()
 
 
-def test_a_resume_reads_only_the_steps_in_metrics_jsonl(tmp_path, capsys):
+def test_a_resume_reads_only_the_steps_in_metrics_jsonl(trained_run, tmp_path, capsys):
     """A received run's metrics.jsonl with lines that are not steps (nested 100,000 deep, a step that is a
     string, no mismatch/k3): they are dropped as a cut-short line is, and the run goes on."""
-    run_dir = _run(tmp_path)
+    run_dir = _run(trained_run, tmp_path)
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write("[" * 100_000 + "\n" + '{"step": "abc"}\n' + '{"step": 1}\n' + '{"step": 2, "mismatch/k3": []}\n')
     assert main(["train", "--resume", str(run_dir), "steps=3"]) == 0
     assert "Traceback" not in capsys.readouterr().err
-    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3]

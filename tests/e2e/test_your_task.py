@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import parity
+from conftest import TINY
 from parity.cli import main
 from parity.config import ConfigError
 from parity.engines.models.config import ModelError
@@ -22,9 +23,9 @@ from parity.engines.trainer import scheduled_lr
 from parity.rl.data import DataError
 from parity.rl.reward_fns import RewardCheckError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(steps=1, prompts_per_step=4, rollout__group_size=4, rollout__max_new_tokens=40, tensorboard=False)
-CLI_SMALL = ["prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=40", "tensorboard=false"]
+CLI_SMALL = [*TINY, "rollout.max_new_tokens=40"]
 ROWS = [{"prompt": f"{a}+{b}=", "answer": a + b, "level": a % 3} for a in range(100, 140) for b in range(10, 13)]
 
 

@@ -1,0 +1,58 @@
+"""The benchmark scripts run on the CPU at toy sizes: benchmarks/gpu.py (the acceptance run) and
+benchmarks/gpu_probe.py, each in its own process (the numerics they measure: tests/unit/test_kernels.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_the_acceptance_run_works_on_the_cpu(tmp_path):
+    """benchmarks/gpu.py at small sizes on the CPU: every arm trains, exact mode logs no mismatch,
+    and the decode figures and the numerics record come out."""
+    script = Path(__file__).parents[2] / "benchmarks" / "gpu.py"
+    out = tmp_path / "gpu.json"
+    args = ["--device", "cpu", "--models", "builtin", "--arms", "fp32,bf16,fp16-exact", "--rounds", "1"]
+    subprocess.run(
+        [sys.executable, str(script), *args, "--steps", "1", "--small", "--json", str(out)],
+        check=True,
+        capture_output=True,
+    )
+    record = json.loads(out.read_text())
+    assert record["numerics"]["device"] == "cpu" and record["bandwidth_gb_s"] > 0
+    arms = record["models"]["builtin"]["arms"]
+    assert set(arms) == {"fp32", "bf16", "fp16-exact"}
+    assert arms["fp32"]["rollout_vs_fp32"] == 1.0 and arms["bf16"]["train_tokens_per_s"] > 0
+    assert arms["fp16-exact"]["max_token_abs_log_ratio"] == 0.0
+    decode = record["models"]["builtin"]["decode"]
+    assert set(decode) == {"fp32", "bf16", "fp16"} and all(
+        d["step_ms"] > 0 and d["floor_ms"] > 0 for d in decode.values()
+    )
+
+
+@pytest.mark.slow
+def test_the_gpu_probe_runs_on_the_cpu(tmp_path):
+    """benchmarks/gpu_probe.py at toy sizes on the CPU (the previous code measured beside by this checkout
+    itself): every section finishes, exact mode's μ equals π_old, and the summary has the issue's figures."""
+    script = Path(__file__).parents[2] / "benchmarks" / "gpu_probe.py"
+    src = Path(__file__).parents[2] / "src"
+    subprocess.run(
+        [sys.executable, str(script), "--small", "--device", "cpu", "--out", str(tmp_path), "--baseline-src", str(src)],
+        check=True,
+        capture_output=True,
+    )
+    record = json.loads((tmp_path / "probe.json").read_text())
+    sections = record["sections"]
+    assert set(sections) == {"device", "engine", "train", "matmul", "baseline-engine", "baseline-train"}
+    assert all("result" in s and not s.get("error") for s in sections.values()), sections
+    engine = sections["engine"]["result"]
+    assert all(r["differing"] == 0 for r in engine["exact_agreement"])
+    assert all(d["step_ms"] > 0 for d in engine["decode"].values())
+    assert all(r["fused_columns_same_bits"] for r in sections["matmul"]["result"].values())
+    summary = (tmp_path / "summary.md").read_text()
+    assert "decode step, batch 16, bf16" in summary and "train bf16@8k" in summary

@@ -1,0 +1,101 @@
+"""The batch-invariant kernels of exact mode on CUDA at sizes that take the Triton CPU interpreter a minute or
+more (conftest sets TRITON_INTERPRET without a GPU): the large and small tiles, the Gumbel draw over
+thousands of rows, and both engines of the built-in model through the kernels. The kernels' other
+tests: tests/unit/test_invariant.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from parity.engines import kernels  # noqa: E402
+from parity.engines.kernels import invariant  # noqa: E402
+from parity.engines.models.io import BUILTIN_DIR, export_state, load_model  # noqa: E402
+from parity.engines.rollout import RolloutEngine  # noqa: E402
+from parity.engines.tokenizer import load_tokenizer  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_a_row_gets_the_same_bits_from_the_small_and_the_large_tiles(dtype):
+    """Thousands of rows take the large tiles, a few rows the small ones (`invariant.tiles_for`): every row the
+    same bits either way, and under every other tile shape."""
+    x, w = randn(1500, 896, dtype=dtype), randn(1152, 896, dtype=dtype, seed=1)
+    many = invariant.linear(x, w)
+    assert (
+        invariant.tiles_for(1500, dtype) != invariant.tiles_for(7, dtype) or dtype == torch.float32 or DEVICE == "cpu"
+    )
+    for rows in (slice(0, 7), slice(700, 830), slice(1499, 1500)):
+        assert torch.equal(invariant.linear(x[rows], w), many[rows])
+    if DEVICE == "cuda":  # the interpreter sums each K chunk as one NumPy dot: its chunks set its bits
+        for t in invariant.TILES.values():
+            if (t == invariant.TILES["fma"]) == (dtype == torch.float32):
+                assert torch.equal(invariant.matmul(x[:200], w.t(), tiles=t), many[:200])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16"] if DEVICE == "cpu" else ["fp32", "bf16", "fp16"])
+def test_the_two_engines_agree_bit_for_bit_through_the_invariant_kernels(precision):
+    """The built-in model with every matmul, softmax and norm statistic through these kernels in both
+    engines (as exact mode runs on CUDA): μ = π_old for every token, top-k/top-p sampling, rows
+    finishing and compacted, scored in micro-batches of another size. (The interpreter takes a minute
+    for one precision; a GPU runs all three.)"""
+    from test_exact import FILTERED, random_prompts, trainer_logprobs
+
+    model = load_model("builtin").to(DEVICE)
+    model.numerics = kernels.TritonExact(torch.device(DEVICE))
+    tok = load_tokenizer(BUILTIN_DIR)
+    engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, model.numerics)
+    engine.load_weights(export_state(model), version=0)
+    batch = engine.generate(random_prompts(5, model.config.vocab_size, seed=4), 3, FILTERED, seed=0)
+    assert batch.response_lengths.min() < batch.response_lengths.max()
+    pi = trainer_logprobs(model, batch, precision, micro_batch=7)
+    assert torch.equal(pi[batch.response_mask], batch.rollout_logprobs[batch.response_mask])
+
+
+def test_the_gumbel_draw_samples_the_softmax_and_a_row_alone_gets_the_same_token():
+    """Token frequencies follow softmax(z / T); the log-probability returned is the token's under it (or, given
+    log-probabilities, exactly theirs); -inf is never drawn; and a row's token depends on its number only."""
+    from parity.engines.kernels import gumbel
+
+    z = torch.tensor([1.0, float("-inf"), 2.5, 0.3, -1.0, 2.0] * 20, device=DEVICE)[:100]
+    rows = 3000
+    uniforms = torch.rand(rows, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    tokens, logprobs = gumbel.sample(z.expand(rows, -1), uniforms, normalised=False, temperature=0.7)
+    expected = torch.softmax(z / 0.7, -1)
+    freq = torch.bincount(tokens, minlength=100).float() / rows
+    assert (freq[torch.isinf(z)] == 0).all()
+    assert (freq - expected).abs().max() < 0.03
+    assert torch.allclose(logprobs, torch.log_softmax(z / 0.7, -1)[tokens], atol=1e-5)
+    alone, _ = gumbel.sample(z.expand(5, -1), uniforms[100:105], normalised=False, temperature=0.7)
+    assert torch.equal(alone, tokens[100:105])
+    logp = torch.log_softmax(randn(7, 300), -1)
+    picked, values = gumbel.sample(logp, uniforms[:7], normalised=True)
+    assert torch.equal(values, logp.gather(-1, picked[:, None])[:, 0])
+
+
+def test_the_gumbel_draw_gives_the_same_token_however_the_vocabulary_is_split():
+    """One program per span of the vocabulary, then the best span: the same tokens as one pass over the whole
+    row (the same bits for log-probabilities given; the log-sum-exp of logits to rounding), ties included."""
+    from parity.engines.kernels import gumbel
+
+    z = randn(64, 1000) * 3
+    z[:, 500:] = float("-inf")  # whole spans with no finite entry
+    z[:8] = z[:8].round()  # equal values: ties decided by the noise, the same in any split
+    uniforms = torch.rand(64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    one = gumbel.sample(z, uniforms, normalised=False, temperature=0.9, span=1024)
+    logp = torch.log_softmax(z, -1)
+    one_normalised = gumbel.sample(logp, uniforms, normalised=True, span=1024)
+    for span in (32, 96, 256):
+        tokens, logprobs = gumbel.sample(z, uniforms, normalised=False, temperature=0.9, span=span)
+        assert torch.equal(tokens, one[0]) and torch.allclose(logprobs, one[1], atol=1e-6, rtol=0)
+        tokens, values = gumbel.sample(logp, uniforms, normalised=True, span=span)
+        assert torch.equal(tokens, one_normalised[0]) and torch.equal(values, one_normalised[1])
