@@ -5,7 +5,7 @@ and run FP32 matmuls on TF32; both break "products accumulated in FP32" (and TF3
 no longer FP32). `configure` turns them off once per process. Exact mode also asks for
 deterministic algorithms and a fixed cuBLAS workspace, so that a kernel's sum order cannot
 change from call to call; its batch invariance comes from `invariant.py`. Checked on an H200
-(tests/test_kernels.py's CUDA tests; docs/benchmarks.md, "On a GPU").
+(tests/unit/test_kernels.py's CUDA tests; docs/benchmarks.md, "On a GPU").
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ element by the same code whatever the shape around it:
   fused projection's columns give its members' bits. The tile shape follows the row count (`tiles_for`:
   small tiles for a decode step's few rows, large ones for the trainer's thousands); measured on an
   H200, every tile shape gave every element the same bits at each of the model's projection shapes
-  (docs/benchmarks.md, "On a GPU"; tests/test_invariant.py checks it on the card).
+  (docs/benchmarks.md, "On a GPU"; tests/unit/test_invariant.py and tests/e2e/test_invariant_engines.py
+  check it on the card).
 * `mean_square`: one program per row walking it in fixed chunks, each lane summing its own elements,
   one fixed tree at the end.
 
