@@ -15,13 +15,7 @@ from parity.engines.kernels import invariant  # noqa: E402
 from parity.engines.models.io import BUILTIN_DIR, export_state, load_model  # noqa: E402
 from parity.engines.rollout import RolloutEngine  # noqa: E402
 from parity.engines.tokenizer import load_tokenizer  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def randn(*shape, dtype=torch.float32, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=DEVICE, dtype=dtype)
+from test_invariant import DEVICE, DTYPES, randn  # noqa: E402  (tests/unit, on pytest's pythonpath)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
