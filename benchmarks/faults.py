@@ -265,7 +265,7 @@ def bad_input_cases(root: Path) -> list[Case]:
     (root / "long.jsonl").write_text(json.dumps({"prompt": "1+1=" * 1000, "answer": "2"}) + "\n")
     (root / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n')
     (root / "broken_reward_mod.py").write_text("def score(p, r, a)\n    return 1\n")
-    (root / "failing_reward_mod.py").write_text("def score(p, r, a):\n    raise RuntimeError('no grader')\n")
+    (root / "failing_reward_mod.py").write_text("def score(prompt, completion, answer):\n    raise RuntimeError('no grader')\n")
     from parity.engines.models.io import BUILTIN_DIR
 
     (root / "model-cut").mkdir()
