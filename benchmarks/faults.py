@@ -265,7 +265,8 @@ def bad_input_cases(root: Path) -> list[Case]:
     (root / "long.jsonl").write_text(json.dumps({"prompt": "1+1=" * 1000, "answer": "2"}) + "\n")
     (root / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n')
     (root / "broken_reward_mod.py").write_text("def score(p, r, a)\n    return 1\n")
-    (root / "failing_reward_mod.py").write_text("def score(prompt, completion, answer):\n    raise RuntimeError('no grader')\n")
+    failing = "def score(prompt, completion, answer):\n    raise RuntimeError('no grader')\n"
+    (root / "failing_reward_mod.py").write_text(failing)
     from parity.engines.models.io import BUILTIN_DIR
 
     (root / "model-cut").mkdir()
@@ -642,7 +643,8 @@ def distributed_trials(root: Path, rng: random.Random) -> dict:
         out["unexpected_exits"] += code not in expect_exit
         out["tracebacks"] += traceback
         out["orphans"] += len(orphans)
-        last = err.strip().splitlines()[-1] if err.strip() else ""
+        said = [line for line in err.splitlines() if line.strip() and "%|" not in line]  # not progress bars
+        last = said[-1] if said else ""
         row = {"case": name, "exit": code, "exit_expected": code in expect_exit, "exact": exact, "orphans": orphans}
         row["completed_without_loss"] = final_code == 0 and lost == 0
         out["cases"].append({**row, "last_line": last[:200]})
