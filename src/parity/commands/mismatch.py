@@ -28,10 +28,10 @@ from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Prompt, has_builtin_tokenizer, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer, full_vocab_logprobs
-from parity.files import JSONError, atomic_write_json, atomic_write_text, parse_json, regular_file_problem
+from parity.files import atomic_write_json, atomic_write_text, regular_file_problem
 from parity.outdir import claim_output_dir
 from parity.rl.checkpoint import require_finite_weights
-from parity.rl.data import PROMPT_FORM, DataError, check_prompt, prompt_limit
+from parity.rl.data import PROMPT_FORM, ROW_BYTES, DataError, check_prompt, jsonl_rows, prompt_limit
 from parity.rl.diagnostics import (
     LENGTH_BIN_EDGES,
     batch_shape_metrics,
@@ -134,29 +134,16 @@ def load_prompts(source: str, n: int, seed: int, model: str = "builtin") -> list
     if problem is not None:
         raise ConfigError(f"prompts: {source!r} {problem} (use 'builtin', 'long' or a JSONL file)")
     prompts: list[Prompt] = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                byte = f"0x{raw[e.start]:02x}"
-                raise ConfigError(f"{where}: not valid UTF-8 (byte {byte} at column {e.start + 1})") from None
-            if not line.strip():
-                continue
-            try:
-                row = parse_json(line)
-            except JSONError as e:
-                raise ConfigError(f"{where}: {e}") from None
+    try:
+        for where, row in jsonl_rows(path, ROW_BYTES):
             expected = f"{where}: expected an object with a {PROMPT_FORM} 'prompt'"
             if not isinstance(row, dict) or "prompt" not in row:
                 raise ConfigError(expected)
-            try:
-                prompts.append(check_prompt(where, expected, row["prompt"]))
-            except DataError as e:
-                raise ConfigError(str(e)) from None
+            prompts.append(check_prompt(where, expected, row["prompt"]))
             if len(prompts) == n:
                 break
+    except DataError as e:  # a line that is not UTF-8 or JSON, or too long; a prompt of the wrong form
+        raise ConfigError(str(e)) from None
     if not prompts:
         raise ConfigError(f"{path}: no prompts found")
     return prompts

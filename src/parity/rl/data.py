@@ -121,7 +121,7 @@ def load_problems(
         rows = _parquet_rows(path, columns)
     else:
         prompt_room = 0 if limit is None else JSON_BYTES_PER_TEXT_BYTE * limit.max_bytes
-        rows = _jsonl_rows(path, ROW_BYTES + prompt_room)
+        rows = jsonl_rows(path, ROW_BYTES + prompt_room)
     problems = []
     for where, row in rows:
         problem = _problem(where, row, columns)
@@ -142,7 +142,7 @@ def load_problems(
     return problems
 
 
-def _jsonl_rows(path: Path, max_line_bytes: int) -> Iterator[tuple[str, object]]:
+def jsonl_rows(path: Path, max_line_bytes: int) -> Iterator[tuple[str, object]]:
     with open(path, "rb") as f:
         for lineno in itertools.count(1):
             line = f.readline(max_line_bytes + 1)  # room for the newline
