@@ -24,15 +24,33 @@ if not torch.cuda.is_available():
 
 TIERS = {"unit", "e2e"}  # tests/unit and tests/e2e (docs/testing.md)
 
+# pytest-xdist runs the suite in one process per core (`-n auto` in pyproject.toml). Each takes its share of
+# the cores for torch, and so do the `parity` commands the tests start (PARITY_THREADS): more threads than
+# cores would make every op wait for a descheduled thread, and a thread count read from the load average
+# could differ between two runs a test compares bit for bit.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    _threads = str(max(1, len(os.sched_getaffinity(0)) // WORKERS))
+    os.environ.setdefault("PARITY_THREADS", _threads)  # `parity` commands (runtime.use_free_cores)
+    os.environ.setdefault("OMP_NUM_THREADS", _threads)  # the benchmark scripts and other child processes
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# The tests that start Ray or count this machine's Ray processes run one after another in one process
+# (`--dist loadgroup`): a cluster another test started would be counted as left behind.
+ONE_RAY_AT_A_TIME = pytest.mark.xdist_group("ray")
+
 
 def pytest_collection_modifyitems(config, items):
     """Each test is marked with its tier (`-m unit`, `-m e2e`). Tests marked `cuda` need a GPU: skipped, and
-    said so, where PyTorch sees none."""
+    said so, where PyTorch sees none. In several processes, the Ray tests go first: they run one after
+    another in one process, the longest stretch of the suite, while the other processes share the rest."""
     here = Path(__file__).parent
     for item in items:
         tier = item.path.relative_to(here).parts[0] if item.path.is_relative_to(here) else None
         if tier in TIERS:
             item.add_marker(tier)
+    if WORKERS > 1:
+        items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)  # stable: otherwise in order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

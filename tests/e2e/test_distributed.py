@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL, metrics
+from conftest import ONE_RAY_AT_A_TIME, SMALL, metrics
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -31,6 +31,8 @@ from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.checkpoint import _write_manifest, load_checkpoint, save_shards
 from parity.rl.loop import Run, TrainingError
 from parity.rl.train_config import TrainConfig
+
+pytestmark = ONE_RAY_AT_A_TIME  # tests/conftest.py
 
 UNTIMED = ("time/", "perf/", "async/", "sync/", "faults/")
 ROUND_OFF = ("mismatch/", "gap/", "kappa/", "beta/", "alpha/", "full_vocab/")  # μ − π in FP32 is itself round-off

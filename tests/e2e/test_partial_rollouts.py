@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import SMALL, metrics
+from conftest import ONE_RAY_AT_A_TIME, SMALL, metrics
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -24,6 +24,8 @@ from parity.engines.sampling import SamplingParams
 from parity.engines.trainer import sequence_logprobs
 from parity.rl.loop import Run
 from parity.rl.train_config import TrainConfig
+
+pytestmark = ONE_RAY_AT_A_TIME  # tests/conftest.py
 
 # Built-in arithmetic prompts ("954+4302=" ...): the model answers some in a few tokens, rambles on others.
 PROMPTS = [

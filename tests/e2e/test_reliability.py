@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TIMING, TINY, copy_run, metrics, run_dir_held
+from conftest import ONE_RAY_AT_A_TIME, TIMING, TINY, copy_run, metrics, run_dir_held
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -508,6 +508,7 @@ def _gone_within(before: set[int], seconds: float) -> set[int]:
 RAY = ["distributed.rollout_workers=1", "distributed.learners=1"]
 
 
+@ONE_RAY_AT_A_TIME
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "sig, how, extra",
@@ -547,6 +548,7 @@ def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path, sig, 
     assert _steps(run_dir) == list(range(1, stopped_at + 2))
 
 
+@ONE_RAY_AT_A_TIME
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["twice", "sigkill"])
 def test_a_run_stopped_at_once_leaves_no_ray_process_and_resumes(tmp_path, how):
