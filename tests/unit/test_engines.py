@@ -7,6 +7,7 @@ import contextlib
 import pytest
 import torch
 
+from parity.engines import kernels
 from parity.engines import trainer as trainer_mod
 from parity.engines.kernels import cpu
 from parity.engines.models.io import load_model
@@ -273,11 +274,12 @@ def test_chunked_head_logprobs_equal_autograds_log_softmax(dtype, temperature, c
         kept = torch.cat([tokens[:, None], (tokens[:, None] + offsets) % 50], 1)
         kept = kept.masked_fill(torch.arange(6) > torch.arange(37)[:, None] % 6, -1)
     fused = head.clone().requires_grad_()
-    logprobs = trainer_mod.token_logprobs(fused, tokens, kept, temperature, cap=cap, exact=exact)
+    numerics = kernels.numerics(exact=exact)
+    logprobs = trainer_mod.token_logprobs(fused, tokens, kept, temperature, cap=cap, numerics=numerics)
     (logprobs * g).sum().backward()
     plain = head.clone().requires_grad_()
     logits = plain.float() if cap is None else torch.tanh(plain.float() / cap) * cap
-    expected = torch.log_softmax(trainer_mod.restrict(logits / temperature, kept), -1).gather(-1, tokens[:, None])[:, 0]
+    expected = torch.log_softmax(kernels.restrict(logits / temperature, kept), -1).gather(-1, tokens[:, None])[:, 0]
     (expected * g).sum().backward()
     assert logprobs.dtype == torch.float32 and fused.grad.dtype == dtype
     if exact:

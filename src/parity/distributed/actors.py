@@ -29,9 +29,8 @@ from parity.engines.sampler import ExactnessError, check_first_pass
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import Trainer, TrainerState
-from parity.rl.backend import build_sampler
 from parity.rl.checkpoint import load_shards, local_parameters, non_finite_tensors, save_shards
-from parity.rl.step import Prepared, UpdatePlan, UpdateResult, train_on_batch
+from parity.rl.step import Prepared, UpdatePlan, UpdateResult, build_sampler, train_on_batch
 from parity.rl.train_config import TrainConfig
 from parity.runtime import reuse_freed_memory
 

@@ -1,6 +1,6 @@
 """`parity train` across processes: rollout workers on Ray, learners under torch.distributed.
 
-`RayBackend` is the backend (`parity.rl.backend`) of a run whose engines are elsewhere; the step itself
+`RayBackend` is the backend (`parity.rl.loop.Backend`) of a run whose engines are elsewhere; the step itself
 (`Run.step`, the pieces in `parity.rl.step`) is the one-process run's. This process keeps the data, the
 rewards, the metrics, the checkpoints and a pipeline of rollout requests:
 
@@ -37,10 +37,10 @@ from parity.engines.batch import RolloutBatch, concat_batches
 from parity.engines.models.io import load_config
 from parity.engines.partial import PoolRequest
 from parity.engines.sampler import ExactnessError
-from parity.rl.backend import Backend, LocalBackend, RunParts, TrainingError
 from parity.rl.checkpoint import CheckpointError, RunState, save_checkpoint
+from parity.rl.loop import Backend
 from parity.rl.problems import Problem
-from parity.rl.step import Prepared, UpdatePlan, UpdateResult, resolve_old
+from parity.rl.step import LocalBackend, Prepared, RunParts, TrainingError, UpdatePlan, UpdateResult, resolve_old
 from parity.rl.train_config import TrainConfig
 
 RESTART_POLL_S = 1.0  # how long one wait for a restarting worker's answer lasts

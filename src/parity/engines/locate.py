@@ -79,7 +79,7 @@ def trainer_trace(
     stages["norm"] = stages["norm"][packed.score_index]
     cap = model.config.final_softcap
     stages["logits"] = final_logits(logits, cap)
-    stages["logprob"] = token_logprobs(logits, tokens[0], support, temperature, cap, model.numerics.exact)[:, None]
+    stages["logprob"] = token_logprobs(logits, tokens[0], support, temperature, cap, model.numerics)[:, None]
     return {name: value.cpu() for name, value in stages.items()}
 
 

@@ -437,7 +437,7 @@ class RolloutEngine:
         t, rows = ws.step, ws.order[:n]
         column = t.expand(n)
         uniforms = ws.uniforms.index_select(0, t)[0, rows][:, None]
-        sampled = draw(logits, ws.sampling, uniforms, ws.widths, exact=self.numerics.exact)
+        sampled = draw(logits, ws.sampling, uniforms, ws.widths, self.numerics)
         live = ~ws.done[:n]
         # Rows that finished earlier keep their (pad) outputs.
         ws.tokens.index_put_((rows, column), torch.where(live, sampled.token, self.pad_id))

@@ -11,8 +11,12 @@ the same log-softmax), so the trainer can score π on the recorded support.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from parity.engines.kernels import Numerics
 
 # Top-k's candidates: the k largest logits and this many more, for logits equal to the k-th (a tie, frequent
 # in 16-bit logits), which top-k keeps as well. A step that ties more than this asks for a wider buffer
@@ -127,17 +131,19 @@ def _pick(logp: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def draw(
-    logits: torch.Tensor, sampling: SamplingParams, uniforms: torch.Tensor, widths: Widths | None, exact: bool = False
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    uniforms: torch.Tensor,
+    widths: Widths | None,
+    numerics: Numerics | None = None,
 ) -> Draw:
     """Sample one token per row of FP32 logits [N, V] from `filter_logits`'s distribution with `uniforms`
-    [N, 1]. Device ops only, fixed shapes: safe inside a CUDA graph. `exact`: μ is read off the log-softmax
-    of the whole row, the trainer's arithmetic (otherwise, unfiltered on CUDA, the draw's own pass gives it)."""
+    [N, 1]. Device ops only, fixed shapes: safe inside a CUDA graph. Unfiltered, `numerics` may draw in one
+    fused pass (`Numerics.draw_unfiltered`); otherwise μ is read off the log-softmax of the whole row."""
     if not sampling.filtered:
-        if logits.is_cuda and not exact:
-            from parity.engines.kernels import gumbel
-
-            token, logprob = gumbel.sample(logits, uniforms[:, 0], normalised=False, temperature=sampling.temperature)
-            return Draw(token, logprob, None)
+        fused = None if numerics is None else numerics.draw_unfiltered(logits, uniforms[:, 0], sampling.temperature)
+        if fused is not None:
+            return Draw(*fused, None)
         logp = log_distribution(logits, sampling)
         return Draw(*_pick(logp, uniforms), logp)
     z = logits / sampling.temperature if sampling.temperature != 1.0 else logits

@@ -75,8 +75,8 @@ LOGPROB_CHUNK_ELEMENTS = {"cpu": 2**23, "cuda": 2**26}
 class HeadLogProbs(torch.autograd.Function):
     """log p(token) from the LM head's output `head` [M, V] (any dtype), with the soft-cap `cap` and
     `temperature` applied in FP32, over the whole vocabulary or over each row's `support` [M, K] (token
-    ids, -1 = padding): [M] FP32. `exact`: the rollout engine's arithmetic (a log-softmax over the
-    whole vocabulary with the tokens outside the support at -inf), for the same bits.
+    ids, -1 = padding): [M] FP32, with `numerics`' arithmetic (`Numerics.token_logprobs`: exact mode's is
+    the rollout engine's, for the same bits).
 
     Autograd's log-softmax would hold [M, V] FP32 tensors three times over (the upcast logits,
     the saved output, the gradient; 300 MB each for 1,536 tokens of a 49k vocabulary). This keeps
@@ -84,20 +84,14 @@ class HeadLogProbs(torch.autograd.Function):
     row chunks of LOGPROB_CHUNK_ELEMENTS, forward and backward: the same function and gradient."""
 
     @staticmethod
-    def forward(ctx, head, tokens, support, temperature: float, cap: float | None, exact: bool):
+    def forward(ctx, head, tokens, support, temperature: float, cap: float | None, numerics: kernels.Numerics):
         picked = torch.empty(head.shape[0], device=head.device)
         lse = torch.empty_like(picked)
         for chunk in _row_chunks(head):
             z = _scaled(head[chunk], temperature, cap)
-            rows = None if support is None else support[chunk]
-            if exact:
-                logp = torch.log_softmax(restrict(z, rows), dim=-1)
-                picked[chunk] = logp.gather(-1, tokens[chunk, None]).squeeze(-1)
-                lse[chunk] = z.gather(-1, tokens[chunk, None]).squeeze(-1) - picked[chunk]
-                continue
-            kept = z if rows is None else z.gather(-1, rows.clamp(min=0)).masked_fill(rows < 0, float("-inf"))
-            lse[chunk] = torch.logsumexp(kept, dim=-1)
-            picked[chunk] = z.gather(-1, tokens[chunk, None]).squeeze(-1) - lse[chunk]
+            picked[chunk], lse[chunk] = numerics.token_logprobs(
+                z, tokens[chunk], None if support is None else support[chunk]
+            )
         ctx.save_for_backward(head, tokens, lse, *(() if support is None else (support,)))
         ctx.temperature, ctx.cap = temperature, cap
         return picked
@@ -112,7 +106,7 @@ class HeadLogProbs(torch.autograd.Function):
             # d log p(t) / dz = onehot(t) - softmax(z) over the support, times the incoming gradient
             z = _scaled(head[chunk], ctx.temperature, ctx.cap)
             if support is not None:
-                z = restrict(z, support[chunk])
+                z = kernels.restrict(z, support[chunk])
             dz = torch.exp(z - lse[chunk, None]).mul_(-g)
             dz.scatter_add_(-1, tokens[chunk, None], g)
             if ctx.temperature != 1.0:
@@ -139,26 +133,15 @@ def token_logprobs(
     support: torch.Tensor | None,
     temperature: float,
     cap: float | None = None,
-    exact: bool = False,
+    numerics: kernels.Numerics | None = None,
 ) -> torch.Tensor:
     """log p(token) under softmax(logits / temperature) restricted to `support`, [M] FP32 (`HeadLogProbs`).
 
     `head` [M, V] is the LM head's output (`CausalLM.forward`; its final soft-cap `cap` not yet
     applied), `tokens` [M]; `support` [M, K] token ids (-1 = padding) or None for the full
-    vocabulary. `exact`: the rollout engine's arithmetic, for the same bits.
+    vocabulary. `numerics`: the model's (default: the plain arithmetic of `head`'s device).
     """
-    return HeadLogProbs.apply(head, tokens, support, temperature, cap, exact)
-
-
-def restrict(logits: torch.Tensor, support: torch.Tensor | None) -> torch.Tensor:
-    """`logits` [M, V] with every token outside `support` [M, K] (ids, -1 = padding) at -inf: the
-    distribution the rollout engine sampled from after top-k/top-p, as its log-softmax sees it."""
-    if support is None:
-        return logits
-    vocab = logits.shape[-1]
-    columns = support.masked_fill(support < 0, vocab)  # padding goes to a column dropped below
-    kept = torch.zeros((logits.shape[0], vocab + 1), dtype=torch.bool, device=logits.device)
-    return logits.masked_fill(~kept.scatter_(-1, columns, True)[:, :vocab], float("-inf"))
+    return HeadLogProbs.apply(head, tokens, support, temperature, cap, numerics or kernels.numerics(head.device))
 
 
 def matmul_flops(cfg: ModelConfig, packed: PackedBatch, scored: int) -> float:
@@ -201,7 +184,7 @@ def sequence_logprobs(
         None if support is None else support[response_mask],
         temperature,
         model.config.final_softcap,
-        model.numerics.exact,
+        model.numerics,
     )
     out = torch.zeros(response_ids.shape, dtype=scored.dtype, device=scored.device)
     return packed, out.masked_scatter(response_mask, scored)
@@ -278,7 +261,7 @@ def full_vocab_logprobs(model: CausalLM, batch: RolloutBatch, dtype: torch.dtype
     support = None
     if batch.support is not None:
         support = batch.support.to(device)[rows[:, None], steps.clamp(min=0)].flatten(0, 1)
-    logits = restrict(_scaled(head, batch.sampling.temperature, model.config.final_softcap), support)
+    logits = kernels.restrict(_scaled(head, batch.sampling.temperature, model.config.final_softcap), support)
     logprobs = torch.log_softmax(logits, dim=-1).view(*steps.shape, -1)
     return logprobs.masked_fill(~valid[..., None], float("nan"))
 

@@ -24,8 +24,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from tqdm import tqdm
 
 from parity import config as config_mod
@@ -41,7 +42,6 @@ from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import Trainer, scheduled_lr
 from parity.files import JSONError, atomic_write_json, atomic_write_text, parse_json
-from parity.rl.backend import Backend, LocalBackend, RunParts, TrainingError
 from parity.rl.builtin_rewards import extract_boxed
 from parity.rl.checkpoint import (
     RunState,
@@ -58,6 +58,10 @@ from parity.rl.problems import Problem, builtin_problems
 from parity.rl.reward_fns import Reward, RewardCheckError, binary_reward, data_columns, run_rewards
 from parity.rl.rewards import RewardHealth, score_rollouts
 from parity.rl.step import (
+    LocalBackend,
+    Prepared,
+    RunParts,
+    TrainingError,
     UpdatePlan,
     UpdateResult,
     old_policy,
@@ -144,9 +148,62 @@ def _saved_config(run_dir: Path) -> dict[str, Any] | None:
     return None
 
 
+class Backend(Protocol):
+    """The engines of a run, wherever they are. `step` is the 0-based index of the step under way."""
+
+    trainer: Trainer  # holds the trained state after `gather`
+
+    def rollouts(self, step: int, times: dict[str, float]) -> tuple[list[Problem], RolloutBatch]:
+        """Step `step`'s problems and their samples, scored by the sampler where it scores (π_old, the
+        probe, the full-vocabulary record) on the weights that sampled; `times` gets the parts' seconds."""
+        ...
+
+    def old_logprobs(self, batch: RolloutBatch, plan: UpdatePlan) -> tuple[torch.Tensor | None, str]:
+        """π_old and its source (`step.resolve_old`)."""
+        ...
+
+    def update(self, step: int, batch: RolloutBatch, prepared: Prepared, plan: UpdatePlan) -> UpdateResult:
+        """Every optimizer update of the step; exact mode's check runs before the first (TrainingError)."""
+        ...
+
+    def sync(self, step: int, times: dict[str, float]) -> None:
+        """The weights after step `step`'s updates to the sampler(s)."""
+        ...
+
+    def step_metrics(self, times: dict[str, float]) -> dict[str, float]:
+        """The backend's own metrics of the step just done (sync, async pipeline, faults)."""
+        ...
+
+    @property
+    def data_position(self) -> int:
+        """Where the data order stands for a checkpoint: the problems trained on so far."""
+        ...
+
+    def gather(self) -> None:
+        """Bring the newest trained state into `trainer` (before an evaluation)."""
+        ...
+
+    def save(self, run_dir: Path, state: RunState, keep: int) -> Path:
+        """Write a checkpoint of the trained state and `state`; its folder."""
+        ...
+
+    def shard_reader(self) -> Callable[[Path], list[str]] | None:
+        """Who reads a sharded checkpoint on resume (`rl.checkpoint.restore_latest`); None: `trainer`."""
+        ...
+
+    def restored(self, state: RunState) -> None:
+        """`trainer` (or the learners) now hold a checkpoint's state: hand the weights on."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engines hold beyond this process."""
+        ...
+
+
 class Run:
     """A training run: data, rewards and the step, over a backend that holds the engines
-    (`rl/backend.py`: in this process, or on Ray). Build with `Run.create`/`Run.resume`."""
+    (`Backend`: `rl/step.LocalBackend` in this process, `distributed/driver.RayBackend` on Ray).
+    Build with `Run.create`/`Run.resume`."""
 
     def __init__(
         self,

@@ -165,6 +165,17 @@ def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
+def restrict(logits: torch.Tensor, support: torch.Tensor | None) -> torch.Tensor:
+    """`logits` [M, V] with every token outside `support` [M, K] (ids, -1 = padding) at -inf: the
+    distribution the rollout engine sampled from after top-k/top-p, as its log-softmax sees it."""
+    if support is None:
+        return logits
+    vocab = logits.shape[-1]
+    columns = support.masked_fill(support < 0, vocab)  # padding goes to a column dropped below
+    kept = torch.zeros((logits.shape[0], vocab + 1), dtype=torch.bool, device=logits.device)
+    return logits.masked_fill(~kept.scatter_(-1, columns, True)[:, :vocab], float("-inf"))
+
+
 class Numerics:
     """How an engine computes on `device`: each precision's matmul path for the device and processor (see
     the module docstring), PyTorch's attention, the rollout engine's fused RMSNorm. One object per device and
@@ -231,6 +242,28 @@ class Numerics:
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Batched `a @ b` (attention's)."""
         return torch.matmul(a, b)
+
+    def token_logprobs(
+        self, z: torch.Tensor, tokens: torch.Tensor, support: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p(token) [M] and the log-normaliser [M] of FP32 logits `z` [M, V] restricted to each row's
+        `support` [M, K] (token ids, -1 = padding; None: the whole vocabulary): a log-sum-exp of the kept
+        logits alone, which reads K of them rather than V."""
+        kept = z if support is None else z.gather(-1, support.clamp(min=0)).masked_fill(support < 0, float("-inf"))
+        lse = torch.logsumexp(kept, dim=-1)
+        return z.gather(-1, tokens[:, None]).squeeze(-1) - lse, lse
+
+    def draw_unfiltered(
+        self, logits: torch.Tensor, uniforms: torch.Tensor, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A token per row of FP32 logits [N, V] from softmax(logits / temperature) with `uniforms` [N], and
+        its log-probability, in one fused pass where this device has one (the Gumbel kernel on CUDA);
+        None: the caller draws from the log-softmax (`sampling.draw`)."""
+        if not logits.is_cuda:
+            return None
+        from parity.engines.kernels import gumbel
+
+        return gumbel.sample(logits, uniforms, normalised=False, temperature=temperature)
 
     def attention(
         self,
@@ -371,6 +404,17 @@ class _Exact(Numerics):
 
     def adapter_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype
+
+    def token_logprobs(
+        self, z: torch.Tensor, tokens: torch.Tensor, support: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The rollout engine's arithmetic: a log-softmax of the whole row, the tokens outside the support at -inf.
+        logp = torch.log_softmax(restrict(z, support), dim=-1)
+        picked = logp.gather(-1, tokens[:, None]).squeeze(-1)
+        return picked, z.gather(-1, tokens[:, None]).squeeze(-1) - picked
+
+    def draw_unfiltered(self, logits, uniforms, temperature):
+        return None  # μ is read off the log-softmax of the whole row, as the trainer computes it
 
 
 class CpuExact(_Exact):
