@@ -35,6 +35,12 @@ if WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", _threads)  # the benchmark scripts and other child processes
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a process per core this process may run on (xdist's own count is of physical cores: 1
+    on a machine of two hyper-threads)."""
+    return len(os.sched_getaffinity(0))
+
+
 # The tests that start Ray or count this machine's Ray processes run one after another in one process
 # (`--dist loadgroup`): a cluster another test started would be counted as left behind.
 ONE_RAY_AT_A_TIME = pytest.mark.xdist_group("ray")
