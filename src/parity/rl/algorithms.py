@@ -17,6 +17,7 @@ reproduces (repository, file) and the values that code runs with.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -56,8 +57,9 @@ LossFn = Callable[[PolicyInputs, LossConfig], tuple[torch.Tensor, dict[str, torc
 ClippedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossConfig], torch.Tensor]
 # (π_old, μ, mask, cfg) -> [B] bool: the sequences to take out of the loss before the first update.
 RejectFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LossConfig], torch.Tensor]
-# The LossConfig fields an estimator may own (its registry line gives their values).
-TUNABLE = ("clip_low", "clip_high", "cap", "cap_low", "delta", "tau_pos", "tau_neg")
+# The LossConfig fields an estimator may own (its registry line gives their values): all but the rejection
+# rule's veto, which any estimator takes. A new one is a LossConfig field and its AlgorithmConfig key.
+TUNABLE = tuple(f.name for f in dataclasses.fields(LossConfig) if f.name != "token_veto")
 
 
 @dataclass(frozen=True)
