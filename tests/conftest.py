@@ -35,6 +35,7 @@ if WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", _threads)  # the benchmark scripts and other child processes
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: a process per core this process may run on (xdist's own count is of physical cores: 1
     on a machine of two hyper-threads)."""
