@@ -18,6 +18,7 @@ loads them.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from parity.engines import kernels
-from parity.engines.models.modules import CausalLM, Linear
+from parity.engines.models.modules import CausalLM, Linear, cast_once
 from parity.files import atomic_dir
 
 # The attention and MLP projections LoRA may adapt (PEFT's usual `target_modules` for the Llama family).
@@ -60,20 +61,6 @@ class LoRAConfig:
 # ----------------------------------------------------------------------------- tensor functions
 
 
-def lora_delta(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, numerics: kernels.Numerics
-) -> torch.Tensor:
-    """(x·Aᵀ)·(scale·B)ᵀ in the dtype of `x`, each matmul under the precision policy. Scaling B
-    (rank columns) rather than the output (one more pass over every token's activations) is
-    bit-identical to PEFT's order when scale is a power of two, as at the default alpha = 2 x rank."""
-    return numerics.linear(numerics.linear(x, a), b * scale)
-
-
-def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """W + scale · B·A in FP32, as PEFT merges."""
-    return weight.float() + (b.float() @ a.float()) * scale
-
-
 def init_a(rank: int, fan_in: int, generator: torch.Generator) -> torch.Tensor:
     """A's start: PEFT's Kaiming-uniform with a = √5, which is U(−1/√fan_in, 1/√fan_in). With B = 0
     the adapted model starts as the base exactly."""
@@ -99,11 +86,9 @@ class LoRALinear(Linear):
         self.merge = merge
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.merge and self.numerics.exact:
-            # Exact mode, merged adapters: the rollout engine multiplies by W + scale·B·A as merged in
-            # FP32 and rounded; so does this (gradients reach A and B through the merge).
-            return self.numerics.linear(x, merged_weight(self.weight, self.lora_A, self.lora_B, self.scale), self.bias)
-        return super().forward(x) + lora_delta(x, self.lora_A, self.lora_B, self.scale, self.numerics)
+        a, b = self.lora_A, self.lora_B
+        cast = functools.partial(cast_once, self.casts, dtype=x.dtype)
+        return self.numerics.lora_linear(x, self.weight, self.bias, a, b, self.scale, self.merge, cast)
 
 
 def targeted(model: CausalLM, targets: tuple[str, ...]) -> list[str]:
@@ -196,14 +181,14 @@ def merged_state(model: CausalLM) -> dict[str, torch.Tensor]:
         module, _, leaf = name.rpartition(".")
         m = lora.get(module)
         if m is not None and leaf == "weight":
-            out[name] = merged_weight(m.weight, m.lora_A, m.lora_B, m.scale).detach()
+            out[name] = kernels.merged_weight(m.weight, m.lora_A, m.lora_B, m.scale).detach()
     return out
 
 
 @torch.no_grad()
 def adapter_pairs(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Each adapted projection's (A, scale·B), FP32, under its module name: what the rollout engine
-    applies unmerged (`RolloutEngine.load_adapters`), with B scaled as `lora_delta` scales it."""
+    applies unmerged (`RolloutEngine.load_adapters`), with B scaled as `Numerics.lora_linear` scales it."""
     return {name: (m.lora_A.detach().clone(), m.lora_B * m.scale) for name, m in adapted(model)}
 
 

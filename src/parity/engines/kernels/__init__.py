@@ -24,6 +24,7 @@ reductions choose their order by shape).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -176,6 +177,11 @@ def restrict(logits: torch.Tensor, support: torch.Tensor | None) -> torch.Tensor
     return logits.masked_fill(~kept.scatter_(-1, columns, True)[:, :vocab], float("-inf"))
 
 
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """A LoRA projection's W + scale · B·A in FP32, as PEFT merges (and as `lora.merge` syncs it)."""
+    return weight.float() + (b.float() @ a.float()) * scale
+
+
 class Numerics:
     """How an engine computes on `device`: each precision's matmul path for the device and processor (see
     the module docstring), PyTorch's attention, the rollout engine's fused RMSNorm. One object per device and
@@ -233,6 +239,24 @@ class Numerics:
         # product rounded to BF16, computes what the BF16 kernel does, to the order of its sums.
         low = linear(x.float(), a).to(x.dtype)
         return out + linear(low.float(), b).to(x.dtype)
+
+    def lora_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scale: float,
+        merged: bool,
+        cast: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """A LoRA projection in the trainer: x·Wᵀ (+ bias) + (x·Aᵀ)·(scale·B)ᵀ, each matmul in x's dtype; `weight`
+        is the frozen FP32 W and `cast(W)` its copy in x's dtype; `merged`: the rollout engine multiplies by
+        `merged_weight` (`lora.merge`). Scaling B (rank columns) rather than the output (one more pass over
+        every token's activations) is bit-identical to PEFT's order when scale is a power of two, as at the
+        default alpha = 2 × rank."""
+        return self.linear(x, cast(weight), bias) + self.linear(self.linear(x, a), b * scale)
 
     def adapter_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype the rollout engine holds an adapter's A and B in (rounded to `dtype` first): FP32 where
@@ -404,6 +428,11 @@ class _Exact(Numerics):
 
     def adapter_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype
+
+    def lora_linear(self, x, weight, bias, a, b, scale, merged, cast):
+        if merged:  # the rollout engine multiplies by the merged weight, rounded: so does this (A, B get gradients)
+            return self.linear(x, merged_weight(weight, a, b, scale), bias)
+        return super().lora_linear(x, weight, bias, a, b, scale, merged, cast)
 
     def token_logprobs(
         self, z: torch.Tensor, tokens: torch.Tensor, support: torch.Tensor | None
