@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 
 TIERS = {"unit", "e2e"}  # tests/unit and tests/e2e (docs/testing.md)
 
-# pytest-xdist runs the suite in one process per core (`-n auto` in pyproject.toml). Each takes its share of
+# With `-n auto --dist loadgroup`, pytest-xdist runs the suite in one process per core. Each takes its share of
 # the cores for torch, and so do the `parity` commands the tests start (PARITY_THREADS): more threads than
 # cores would make every op wait for a descheduled thread, and a thread count read from the load average
 # could differ between two runs a test compares bit for bit.
