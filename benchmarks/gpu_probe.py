@@ -64,6 +64,7 @@ SIZES = {
 }
 DEADLINES = {"tests": 150, "device": 60, "engine": 150, "train": 150, "matmul": 90, "baseline": 150}
 EXACT_SAMPLING = dict(temperature=0.8, top_k=50, top_p=0.9)
+ROUNDS = 7  # train steps per arm, the arms in turn (5 left the 8k ratios 10% apart run to run on an H100)
 
 
 def sync(device: str) -> None:
@@ -90,9 +91,16 @@ def section_device(args) -> dict:
     return out
 
 
+def load_model(model_dir: str):
+    try:
+        from parity.engines.models.io import load_model
+    except ImportError:  # a baseline from before the models package (issue 45)
+        from parity.engines.models import load_model
+    return load_model(model_dir)
+
+
 def engine_for(model_dir: str, precision: str, device: str, exact: bool, graphs: bool = True):
     from parity.engines import kernels
-    from parity.engines.models.io import load_model
     from parity.engines.rollout import RolloutEngine
 
     model = load_model(model_dir).to(device)
@@ -219,6 +227,10 @@ def section_engine(args) -> dict:
         if name == "bf16-exact" and not args.baseline:
             out["exact_agreement"] = exact_agreement(model, engine, precision, size["exact"], args.device)
             print(f"exact agreement: {out['exact_agreement']}", flush=True)
+        if name == "bf16-exact" and args.device == "cuda" and not args.baseline:
+            engine.use_graphs = False  # the same engine's step eagerly, for the profiler
+            engine._workspace = None
+            out["decode_profile_exact"] = kernel_profile(engine, rows, prompt)
         del model, engine
         if args.device == "cuda":
             torch.cuda.empty_cache()
@@ -257,7 +269,11 @@ def train_step(trainer, batch, budget: int | None) -> None:
     total = batch.num_tokens
     with scope:
         for part in parts:
-            logp = trainer.batch_logprobs(batch, part)
+            if hasattr(trainer, "batch_logprobs"):
+                logp = trainer.batch_logprobs(batch, part)
+            else:  # the trainer before issue 45's score_rows
+                logp = trainer.logprobs([batch.prompt_ids[i] for i in part.tolist()], batch.response_ids[part],
+                                        batch.response_mask[part])  # fmt: skip
             trainer.backward(-(logp * batch.response_mask[part]).sum() / total)
     trainer.step()
 
@@ -270,7 +286,6 @@ def _varlen_on() -> bool:
 
 def section_train(args) -> dict:
     from parity.engines import kernels
-    from parity.engines.models.io import load_model
     from parity.engines.trainer import OptimConfig, Trainer
 
     budget = None
@@ -305,7 +320,7 @@ def section_train(args) -> dict:
         # The arms step in turn, the order rotating each round, so that the card's slow spells fall on all alike.
         times: dict[str, list[float]] = {arm: [] for arm in arms}
         flops: dict[str, list[float]] = {arm: [] for arm in arms}
-        for r in range(5):
+        for r in range(ROUNDS):
             for arm in arms[r % 3 :] + arms[: r % 3]:
                 before = trainers[arm].matmul_flops
                 sync(args.device)
@@ -326,10 +341,53 @@ def section_train(args) -> dict:
                 "tflops": tflops, "mfu": tflops / peak[precision], "micro_batch_tokens": budget,
             }  # fmt: skip
             print(f"train {arm} at {size_name}: {seconds:.3f} s/step, MFU {tflops / peak[precision]:.1%}", flush=True)
+        if not args.baseline and size_name == list(sizes)[-1]:
+            # One trainer on the card, as in a run: the others' weights and optimizer states go first.
+            trainer, batch = trainers.pop("bf16"), batches["bf16"]
+            trainers.clear()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+                out[f"train_profile@{size_name}"] = train_profile(trainer, batch, budget)
+            out[f"bf16@{size_name}/micro_batch_tokens"] = budget_sweep(trainer, batch, 2 * budget, peak=peak["bf16"],
+                                                                       device=args.device)  # fmt: skip
+            del trainer
         del trainers, batches
         if args.device == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+def budget_sweep(trainer, batch, *budgets: int, peak: float, device: str) -> dict:
+    """The same step at other micro-batch token budgets (median of 3 after a warm-up), one trainer on the card:
+    is the default the fastest? (At 8k tokens per micro-batch, the 32k step took 0.84 s against 0.60 s at 16k:
+    H100, call 1.)"""
+    out = {}
+    for tokens in budgets:
+        times, flops = [], []
+        for i in range(4):
+            before = trainer.matmul_flops
+            sync(device)
+            start = time.perf_counter()
+            train_step(trainer, batch, tokens)
+            sync(device)
+            if i:
+                times.append(time.perf_counter() - start)
+                flops.append(trainer.matmul_flops - before)
+        seconds = statistics.median(times)
+        out[str(tokens)] = {"seconds": seconds, "mfu": statistics.median(flops) / seconds / 1e12 / peak}
+        print(f"train bf16 at {tokens} tokens per micro-batch: {seconds:.3f} s/step", flush=True)
+    return out
+
+
+def train_profile(trainer, batch, budget: int) -> list[dict]:
+    """Where a train step's GPU time goes: the kernels with the most device time in one step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train_step(trainer, batch, budget)
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:30]
+    return [{"kernel": e.key[:120], "us": e.device_time_total, "calls": e.count} for e in events]
 
 
 def tflops_of(fn, flops: int, device: str) -> float:
@@ -357,14 +415,19 @@ def section_matmul(args) -> dict:
         "down": (cfg.hidden_size, cfg.intermediate_size),
         "lm_head": (cfg.vocab_size, cfg.hidden_size),
     }
-    others = [
-        invariant.Tiles(64, 128, 64, 4, 3),
-        invariant.Tiles(128, 64, 64, 4, 3),
-        invariant.Tiles(128, 128, 64, 8, 3),
-        invariant.Tiles(64, 64, 64, 8, 4),
+    # For a decode step's few rows: narrower tiles, more programs over the same weight read (the o and down
+    # projections ran 28 programs on 132 multiprocessors at 64 x 64); K's chunk stays 64.
+    few = [
+        invariant.Tiles(64, 32, 64, 4, 4),
+        invariant.Tiles(64, 16, 64, 4, 4),
+        invariant.Tiles(32, 64, 64, 4, 4),
+        invariant.Tiles(32, 32, 64, 2, 4),
+        invariant.Tiles(16, 64, 64, 4, 4),
+        invariant.Tiles(16, 32, 64, 2, 5),
     ]
     out = {}
     for m in SIZES[args.size]["matmul_rows"]:
+        others = few if m < invariant.MANY_ROWS else []
         for name, (n, k) in shapes.items():
             a = torch.randn(m, k, device=args.device).bfloat16()
             w = torch.randn(n, k, device=args.device).bfloat16()
@@ -485,7 +548,7 @@ def summary(record: dict) -> str:
         lines.append(f"| exact mode: tokens whose μ ≠ π_old | | {sum(r['differing'] for r in new['exact_agreement'])} "
                      f"of {sum(r['tokens'] for r in new['exact_agreement'])} |")  # fmt: skip
     t_new, t_old = s.get("train", {}).get("result", {}), s.get("baseline-train", {}).get("result", {})
-    for key in t_new or t_old:
+    for key in [k for k in t_new or t_old if "/" not in k and "@" in k and not k.startswith("train_profile")]:
         cells = [
             f"{r[key]['mfu']:.1%} MFU, {r[key]['tokens_per_s']:.0f} tok/s" if key in r else "—" for r in (t_old, t_new)
         ]
@@ -527,6 +590,7 @@ def main() -> None:
     parser.add_argument("--out", default="gpu-probe")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--baseline-src", help="a source tree of the previous code (its src/), measured beside")
+    parser.add_argument("--baseline-sections", default="engine,train", help="the sections measured on it too")
     parser.add_argument(
         "--tests", action="store_true", help="run the CUDA tests and tests/unit/test_invariant.py first"
     )
@@ -560,7 +624,7 @@ def main() -> None:
         run_section(name, args, record)
     if args.baseline_src:
         env = {**os.environ, "PYTHONPATH": str(Path(args.baseline_src).resolve())}
-        for name in ("engine", "train"):
+        for name in args.baseline_sections.split(","):
             if name in args.sections.split(","):
                 run_section(name, args, record, env=env, key=f"baseline-{name}")
     text = summary(record)
