@@ -155,7 +155,10 @@ class SlotKVCache:
             q = q[:, :, 0]
         window = self.config.sliding_window if kind == SLIDING else None
         scale = d**-0.5 if scale is None else scale
-        out = attention.rows_attention(q, self.k[layer], self.v[layer], ctx.rows, scale, window, softcap)
+        # every row's one query has its tile: nothing to zero first
+        out = attention.rows_attention(
+            q, self.k[layer], self.v[layer], ctx.rows, scale, window, softcap, out=torch.empty_like(q)
+        )
         return out[:, :, None]
 
     def keep(self, keep: torch.Tensor, n: int, filled: int) -> None:

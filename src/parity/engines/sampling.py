@@ -137,13 +137,16 @@ def draw(
     widths: Widths | None,
     numerics: Numerics | None = None,
 ) -> Draw:
-    """Sample one token per row of FP32 logits [N, V] from `filter_logits`'s distribution with `uniforms`
-    [N, 1]. Device ops only, fixed shapes: safe inside a CUDA graph. Unfiltered, `numerics` may draw in one
-    fused pass (`Numerics.draw_unfiltered`); otherwise μ is read off the log-softmax of the whole row."""
+    """Sample one token per row of logits [N, V] (any float dtype, read as FP32) from `filter_logits`'s
+    distribution with `uniforms` [N, 1]. Device ops only, fixed shapes: safe inside a CUDA graph. Unfiltered,
+    `numerics` may draw in one fused pass (`Numerics.draw_unfiltered`); otherwise μ is read off the log-softmax
+    of the whole row."""
     if not sampling.filtered:
         fused = None if numerics is None else numerics.draw_unfiltered(logits, uniforms[:, 0], sampling.temperature)
         if fused is not None:
             return Draw(*fused, None)
+    logits = logits.float()
+    if not sampling.filtered:
         logp = log_distribution(logits, sampling)
         return Draw(*_pick(logp, uniforms), logp)
     z = logits / sampling.temperature if sampling.temperature != 1.0 else logits

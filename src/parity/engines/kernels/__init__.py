@@ -55,6 +55,11 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 # to MIN_ROWS had sufficed on an AMD EPYC; within one shape every row is computed alike. One shape for
 # every call makes a token's bits independent of its batch by construction, for some speed.
 EXACT_CPU_ROWS = 64
+# Elementwise kernels with an exp or tanh run vector code on most elements and scalar code on
+# the tail of each contiguous run (the last `width % 32` elements of a row, on AVX-512), and
+# the two can round differently: a token's activations would depend on the tensor's shape.
+# Rows padded to a multiple of this many elements keep every element on the vector path.
+ACTIVATION_ROW_MULTIPLE = 64
 # Batched matmuls (attention) take another path, whose results vary only below 4 rows: a
 # decode step's few query rows per KV head need less padding than MIN_ROWS.
 MIN_BATCHED_ROWS = 4
@@ -77,6 +82,14 @@ def _pad(x: torch.Tensor, dim: int, size: int = MIN_ROWS) -> torch.Tensor:
     """`x` padded with zeros along `dim` (negative) to `size` entries."""
     short = size - x.shape[dim]
     return F.pad(x, (0, 0) * (-dim - 1) + (0, short)) if short > 0 else x
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation ("silu" or "gelu_tanh") in x's dtype (see ACTIVATION_ROW_MULTIPLE)."""
+    width = x.shape[-1]
+    if width % ACTIVATION_ROW_MULTIPLE:
+        return activation(name, F.pad(x, (0, -width % ACTIVATION_ROW_MULTIPLE)))[..., :width]
+    return F.silu(x) if name == "silu" else F.gelu(x, approximate="tanh")
 
 
 def store_for_engine(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -207,16 +220,22 @@ class Numerics:
         """`linear` (above)."""
         return linear(x, weight, bias, prerounded)
 
-    def mean_square(self, x: torch.Tensor) -> torch.Tensor:
-        """mean(x², last dimension, keepdim) of an FP32 tensor: RMSNorm's statistic."""
-        return x.pow(2).mean(-1, keepdim=True)
+    def fused_rows(self, x: torch.Tensor) -> bool:
+        """Whether RMSNorm and SiLU · up run as one Triton pass per row (`fused.py`), in both engines: on
+        CUDA (a few kernels fewer per layer, forward and backward, and a row's bits whatever its batch); the
+        eager ops on the CPU, whose bits the engines are tested against."""
+        return x.is_cuda
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
         """RMSNorm as the trainer (and Hugging Face) computes it: normalise in FP32, then scale: Llama rounds
         to the compute dtype and multiplies by w; Gemma multiplies by (1 + w) in FP32 and rounds once. Either
         way w is the weight as the compute dtype holds it."""
+        if self.fused_rows(x):
+            from parity.engines.kernels import fused
+
+            return fused.rms_norm(x, weight, eps, gemma)
         xf = x.float()
-        xf = xf * torch.rsqrt(self.mean_square(xf) + eps)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         if gemma:
             return (xf * (1.0 + weight.to(x.dtype).float())).to(x.dtype)
         return weight.to(x.dtype) * xf.to(x.dtype)
@@ -227,6 +246,32 @@ class Numerics:
         if gemma:
             return self.rms_norm(x, weight, eps, gemma)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def engine_add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rollout engine's residual addition and the (Llama) norm after it: (x + delta, its `engine_norm`),
+        in one pass on CUDA."""
+        if x.is_cuda:
+            from parity.engines.kernels import fused
+
+            return fused.norm_rows(x, weight, eps, delta=delta, one_rounding=True)
+        return self._add_then_norm(x, delta, weight, eps)
+
+    def _add_then_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + delta
+        return x, self.engine_norm(x, weight, eps)
+
+    def gated_activation(self, name: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The gated MLP's activation(gate) · up, in both engines: SiLU's in one pass where `fused_rows`, two
+        eager ops otherwise."""
+        if name == "silu" and self.fused_rows(gate):
+            from parity.engines.kernels import fused
+
+            return fused.silu_mul(gate, up)
+        return activation(name, gate) * up
 
     def add_adapter(
         self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, blocks: list
@@ -280,9 +325,9 @@ class Numerics:
     def draw_unfiltered(
         self, logits: torch.Tensor, uniforms: torch.Tensor, temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A token per row of FP32 logits [N, V] from softmax(logits / temperature) with `uniforms` [N], and
-        its log-probability, in one fused pass where this device has one (the Gumbel kernel on CUDA);
-        None: the caller draws from the log-softmax (`sampling.draw`)."""
+        """A token per row of logits [N, V] (16-bit or FP32, read as FP32) from softmax(logits / temperature)
+        with `uniforms` [N], and its log-probability, in one fused pass where this device has one (the Gumbel
+        kernel on CUDA); None: the caller draws from the log-softmax (`sampling.draw`)."""
         if not logits.is_cuda:
             return None
         from parity.engines.kernels import gumbel
@@ -416,6 +461,8 @@ class _Exact(Numerics):
     def engine_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
         return self.rms_norm(x, weight, eps, gemma)
 
+    engine_add_norm = Numerics._add_then_norm  # the trainer's two steps: its addition, then its norm
+
     def add_adapter(
         self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, blocks: list
     ) -> torch.Tensor:
@@ -491,10 +538,8 @@ class TritonExact(_Exact):
             x, weight if prerounded else weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
         )
 
-    def mean_square(self, x: torch.Tensor) -> torch.Tensor:
-        from parity.engines.kernels import invariant
-
-        return invariant.mean_square(x)
+    def fused_rows(self, x: torch.Tensor) -> bool:
+        return True  # on the CPU too, in Triton's interpreter, as the tests run exact mode's kernels
 
     def attention(self, q, k, v, window=None, scale=None, softcap=None) -> torch.Tensor:
         """The kernel of `attention.py`, which gives each query the bits the decode step and the trainer

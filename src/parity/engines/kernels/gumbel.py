@@ -2,9 +2,9 @@
 
 argmax_v (z_v + g_v), with g_v = -log(-log u_v) and u_v uniform, is a draw from softmax(z): no
 cumulative sum over the vocabulary (a [B, V] scan was the decode step's costliest kernel), no
-normaliser before the draw. The noise of row i comes from a counter-based generator seeded by that
-row's own number for the step (`uniforms[i]`, drawn per (row, step) as the engine draws every
-number), so a row's token never depends on which rows share its batch. Given raw logits, the same
+normaliser before the draw. The noise of row i comes from a counter-based generator (Philox, four
+numbers per call) seeded by that row's own number for the step (`uniforms[i]`, drawn per (row, step) as
+the engine draws every number), so a row's token never depends on which rows share its batch. Given raw logits, the same
 pass keeps a running log-sum-exp and returns the token's log-probability; given log-probabilities
 (exact mode's log-softmax, or a filtered distribution with -inf outside its support), it reads the
 token's own.
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 4096  # entries a program reads at once
+BLOCK = 1024  # entries a program reads at once: 8 per thread, its running state in registers
 SPAN = 8192  # entries per program: 19 programs per row at Qwen2's 151,936
 
 
@@ -42,48 +42,56 @@ def _gumbel_span_kernel(
     NORMALISED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # Each lane keeps its own best key and running log-sum-exp over the span; one reduction at the end.
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     seed = (tl.load(uniforms + row) * 2147483647.0).to(tl.int32)
     lanes = tl.arange(0, BLOCK)
-    best = tl.full((), float("-inf"), tl.float32)
-    best_score = tl.full((), float("-inf"), tl.float32)
-    best_index = tl.full((), 0, tl.int32)
-    top = tl.full((), float("-inf"), tl.float32)
-    total = tl.full((), 0.0, tl.float32)
+    quads = tl.arange(0, BLOCK // 4)
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_index = tl.full((BLOCK,), 2147483647, tl.int32)
+    top = tl.full((BLOCK,), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK,), tl.float32)
     first = part * span
     end = tl.minimum(first + span, vocab)
     for start in tl.range(first, end, BLOCK):
         v = start + lanes
         ok = v < end
         z = tl.load(scores + row * stride + v, mask=ok, other=float("-inf")).to(tl.float32) * scale
-        noise = -tl.log(-tl.log(tl.rand(seed, v)))
+        # One Philox call gives four numbers: entry 4i + j takes the j-th of counter i, whichever span holds it.
+        r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + quads)
+        bits = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
+        noise = -tl.log(-tl.log(tl.uint_to_uniform_float(bits)))
         key = tl.where(ok & (z > float("-inf")), z + noise, float("-inf"))
-        chunk_best = tl.max(key, 0)
-        at = tl.argmax(key, 0)
-        take = chunk_best > best
-        best = tl.where(take, chunk_best, best)
-        best_index = tl.where(take, start + at, best_index)
-        best_score = tl.where(take, tl.sum(tl.where(lanes == at, z, 0.0), 0), best_score)
-        if not NORMALISED:  # a running log-sum-exp of the logits
-            chunk_top = tl.max(z, 0)
-            new_top = tl.maximum(top, chunk_top)
-            safe = tl.where(new_top > float("-inf"), new_top, 0.0)  # a span with no finite logit adds 0
-            total = total * tl.exp(top - safe) + tl.sum(tl.where(ok, tl.exp(z - safe), 0.0), 0)
+        take = key > best  # strictly: a lane keeps its earliest entry of equal keys
+        best = tl.where(take, key, best)
+        best_index = tl.where(take, v, best_index)
+        if not NORMALISED:  # a running log-sum-exp of the logits, per lane
+            new_top = tl.maximum(top, z)
+            safe = tl.where(new_top > float("-inf"), new_top, 0.0)
+            total = total * tl.exp(top - safe) + tl.where(ok, tl.exp(z - safe), 0.0)
             top = new_top
+    span_best = tl.max(best, 0)
+    # the lowest entry among equal keys, as one pass over the row keeps
+    index = tl.min(tl.where(best == span_best, best_index, 2147483647), 0)
+    index = tl.where(span_best > float("-inf"), index, first)
     out = row * spans + part
-    tl.store(keys + out, best)
-    tl.store(indices + out, best_index.to(tl.int64))
-    tl.store(picked + out, best_score)
+    tl.store(keys + out, span_best)
+    tl.store(indices + out, index.to(tl.int64))
+    tl.store(picked + out, tl.load(scores + row * stride + index).to(tl.float32) * scale)
     if not NORMALISED:
-        tl.store(tops + out, top)
-        tl.store(totals + out, total)
+        span_top = tl.max(top, 0)
+        safe = tl.where(span_top > float("-inf"), span_top, 0.0)
+        tl.store(tops + out, span_top)
+        tl.store(totals + out, tl.sum(total * tl.exp(top - safe), 0))
 
 
 def sample(scores: torch.Tensor, uniforms: torch.Tensor, normalised: bool, temperature: float = 1.0, span: int = SPAN):
     """One token per row of `scores` [N, V] (logits, scaled by 1/temperature here; or with `normalised` the
     log-probabilities themselves), from each row's number `uniforms` [N]: (tokens [N] int64, their
     log-probabilities [N] FP32). `span`: vocabulary entries per program (the token does not depend on it)."""
+    if span % 4:
+        raise ValueError(f"span must be a multiple of 4 (one Philox call per 4 entries), got {span}")
     n, vocab = scores.shape
     spans = triton.cdiv(vocab, span)
     keys = torch.empty(n, spans, dtype=torch.float32, device=scores.device)

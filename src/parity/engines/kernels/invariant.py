@@ -1,5 +1,5 @@
-"""Batch-invariant kernels for exact mode on CUDA (Triton): the matmul of every linear layer and
-RMSNorm's mean square. (Attention's is `attention.py`.)
+"""Batch-invariant kernels for exact mode on CUDA (Triton): the matmul of every linear layer. (Attention's is
+`attention.py`; RMSNorm's and SiLU · up's, which both engines run on CUDA in every mode, `fused.py`.)
 
 cuBLAS picks its GEMM algorithm from the whole shape (tile sizes, split-K, stream-K), and PyTorch's
 row reductions pick their thread layout from the row count and row length, so on a GPU a token's
@@ -16,8 +16,6 @@ element by the same code whatever the shape around it:
   H200, every tile shape gave every element the same bits at each of the model's projection shapes
   (docs/benchmarks.md, "On a GPU"; tests/unit/test_invariant.py and tests/e2e/test_invariant_engines.py
   check it on the card).
-* `mean_square`: one program per row walking it in fixed chunks, each lane summing its own elements,
-  one fixed tree at the end.
 
 Forward values are what exact mode needs; the backward passes are plain PyTorch (autograd.Function),
 because gradients do not enter μ = π_old. Imported only where exact mode runs the CUDA kernels
@@ -48,14 +46,20 @@ class Tiles:
 
 
 # 16-bit inputs on the tensor cores: small tiles for a few rows (more programs share the weight read), large
-# ones for many; FP32 as FMAs in order, narrower in K for the registers.
+# ones for many; FP32 as FMAs in order, narrower in K for the registers. For a few rows the weight's shape
+# picks: a narrow output over a long sum (the MLP's down projection, 896 <- 4864) needs thin tiles to give
+# the GPU enough programs, a narrow output over a short sum (attention's qkv and o) narrower columns. Measured
+# on an H100 at 128 rows (docs/benchmarks.md, "The engines on a GPU"): down 32 -> 53 TFLOP/s, o 20 -> 24,
+# qkv 25 -> 26, every element the same bits as the 64 x 64 tiles.
 TILES = {
     "few_rows": Tiles(64, 64, 64, warps=4, stages=3),
+    "few_rows_narrow": Tiles(64, 32, 64, warps=4, stages=4),
+    "few_rows_long": Tiles(16, 32, 64, warps=2, stages=5),
     "many_rows": Tiles(128, 128, 64, warps=8, stages=3),
     "fma": Tiles(64, 64, 32, warps=4, stages=2),
 }
+NARROW = 2048  # output columns up to which a few rows' matmul takes narrower tiles
 MANY_ROWS = 512  # rows from which a 16-bit matmul takes the large tiles
-ROW_BLOCK = 1024  # elements per chunk of a row in `mean_square`
 # Triton's CPU interpreter multiplies 16-bit tiles as integers: there the FP32 path runs for every dtype.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -66,15 +70,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # (a softmax over the keys). Row counts, whose variants a batch would pick, are never specialised; the
 # strides and pointers of the matmul are (16-byte loads), which does not touch its sums (measured: every
 # tile shape, every layout, the same bits).
-_INTS = {"matmul": ["M"], "mean_square": ["length", "stride_x"]}
-_POINTERS = {"matmul": [], "mean_square": ["x", "y"]}
-
-
-def _invariant_jit(name: str):
-    return triton.jit(do_not_specialize=_INTS[name], do_not_specialize_on_alignment=_POINTERS[name])
-
-
-@_invariant_jit("matmul")
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     a, b, c, bias, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -109,11 +105,16 @@ def _matmul_kernel(
     tl.store(out, acc.to(c.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def tiles_for(rows: int, dtype: torch.dtype) -> Tiles:
-    """The tile configuration of a matmul of `rows` rows in `dtype` (see the module docstring)."""
+def tiles_for(rows: int, dtype: torch.dtype, n: int = 0, k: int = 0) -> Tiles:
+    """The tile configuration of a matmul of `rows` rows in `dtype` by a [k, n] weight (see TILES and the
+    module docstring: the tile changes which program computes an element, never the order of its sums)."""
     if dtype == torch.float32 or INTERPRETED:
         return TILES["fma"]
-    return TILES["many_rows" if rows >= MANY_ROWS else "few_rows"]
+    if rows >= MANY_ROWS:
+        return TILES["many_rows"]
+    if n <= NARROW:
+        return TILES["few_rows_long" if k >= 2 * n else "few_rows_narrow"]
+    return TILES["few_rows"]
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, tiles: Tiles | None = None):
@@ -124,7 +125,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, t
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if c.numel() == 0:
         return c
-    t = tiles or tiles_for(m, a.dtype)
+    t = tiles or tiles_for(m, a.dtype, n, k)
     grid = (triton.cdiv(m, t.m) * triton.cdiv(n, t.n),)
     _matmul_kernel[grid](
         a, b, c, c if bias is None else bias, m, n, k, *a.stride(), *b.stride(), *c.stride(),
@@ -152,41 +153,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.shape[:-1]
     out = _Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
     return out.reshape(*rows, weight.shape[0])
-
-
-@_invariant_jit("mean_square")
-def _mean_square_kernel(x, y, length, stride_x, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    lanes = tl.arange(0, BLOCK)
-    total = tl.zeros((BLOCK,), tl.float32)
-    for start in tl.range(0, length, BLOCK):
-        v = tl.load(x + row * stride_x + start + lanes, mask=start + lanes < length, other=0.0)
-        total += v * v
-    tl.store(y + row, tl.sum(total, 0) / length)
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """`x` as contiguous FP32 rows [R, L]."""
-    return x.reshape(-1, x.shape[-1]).float().contiguous()
-
-
-class _MeanSquare(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        rows = _rows(x)
-        out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
-        if rows.numel():
-            _mean_square_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=ROW_BLOCK)
-        ctx.save_for_backward(x)
-        return out.view(*x.shape[:-1], 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return grad * x * (2.0 / x.shape[-1])
-
-
-def mean_square(x: torch.Tensor) -> torch.Tensor:
-    """mean(x², last dimension, keepdim) of an FP32 tensor, each row by the same code whatever the
-    number of rows."""
-    return _MeanSquare.apply(x)

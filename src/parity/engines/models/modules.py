@@ -14,26 +14,12 @@ import contextlib
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parity.engines import kernels
 from parity.engines.models.config import FULL, ModelConfig, rope_tables
 from parity.engines.packing import PackedBatch, gather_rows
-
-# Elementwise kernels with an exp or tanh run vector code on most elements and scalar code on
-# the tail of each contiguous run (the last `width % 32` elements of a row, on AVX-512), and
-# the two can round differently: a token's activations would depend on the tensor's shape.
-# Rows padded to a multiple of this many elements keep every element on the vector path.
-ACTIVATION_ROW_MULTIPLE = 64
-
-
-def activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    width = x.shape[-1]
-    if width % ACTIVATION_ROW_MULTIPLE:
-        return activation(name, F.pad(x, (0, -width % ACTIVATION_ROW_MULTIPLE)))[..., :width]
-    return F.silu(x) if name == "silu" else F.gelu(x, approximate="tanh")
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -127,9 +113,10 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, width, cfg.mlp_bias)
         self.up_proj = Linear(cfg.hidden_size, width, cfg.mlp_bias)
         self.down_proj = Linear(width, cfg.hidden_size, cfg.mlp_bias)
+        self.numerics = kernels.numerics()  # set through CausalLM.numerics
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(activation(self.activation, self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.numerics.gated_activation(self.activation, self.gate_proj(x), self.up_proj(x)))
 
 
 def route(
@@ -237,7 +224,7 @@ class CausalLM(nn.Module):
     def numerics(self, value: kernels.Numerics) -> None:
         self._numerics = value
         for module in self.modules():
-            if isinstance(module, (Attention, Linear, RMSNorm)):
+            if isinstance(module, (Attention, Linear, MLP, RMSNorm)):
                 module.numerics = value
 
     @contextlib.contextmanager
