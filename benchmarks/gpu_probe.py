@@ -348,8 +348,8 @@ def section_train(args) -> dict:
             if args.device == "cuda":
                 torch.cuda.empty_cache()
                 out[f"train_profile@{size_name}"] = train_profile(trainer, batch, budget)
-            out[f"bf16@{size_name}/micro_batch_tokens"] = budget_sweep(trainer, batch, 2 * budget, peak=peak["bf16"],
-                                                                       device=args.device)  # fmt: skip
+            sweep = budget_sweep(trainer, batch, budget, 2 * budget, peak=peak["bf16"], device=args.device)
+            out[f"bf16@{size_name}/micro_batch_tokens"] = sweep
             del trainer
         del trainers, batches
         if args.device == "cuda":
@@ -364,6 +364,8 @@ def budget_sweep(trainer, batch, *budgets: int, peak: float, device: str) -> dic
     out = {}
     for tokens in budgets:
         times, flops = [], []
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         for i in range(4):
             before = trainer.matmul_flops
             sync(device)
@@ -375,7 +377,9 @@ def budget_sweep(trainer, batch, *budgets: int, peak: float, device: str) -> dic
                 flops.append(trainer.matmul_flops - before)
         seconds = statistics.median(times)
         out[str(tokens)] = {"seconds": seconds, "mfu": statistics.median(flops) / seconds / 1e12 / peak}
-        print(f"train bf16 at {tokens} tokens per micro-batch: {seconds:.3f} s/step", flush=True)
+        if device == "cuda":  # the whole process: the model, its gradients, AdamW's state and the step's activations
+            out[str(tokens)]["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        print(f"train bf16 at {tokens} tokens per micro-batch: {seconds:.3f} s/step {out[str(tokens)]}", flush=True)
     return out
 
 
