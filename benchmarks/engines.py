@@ -84,12 +84,15 @@ class Workloads:
         self.seed = 0
 
     def parity_rollout(self, precision: str, eos: bool):
+        from parity.engines import kernels
         from parity.engines.models.io import load_model
         from parity.engines.rollout import RolloutEngine
         from parity.engines.sampling import SamplingParams
 
-        model = load_model(self.model_dir)
-        engine = RolloutEngine(model.config, precision, self.tok.eos_ids if eos else (-1,), self.tok.pad_id)
+        model = load_model(self.model_dir, kernels.numerics())
+        engine = RolloutEngine(
+            model.config, precision, self.tok.eos_ids if eos else (-1,), self.tok.pad_id, kernels.numerics()
+        )
         engine.load_weights(model.state_dict(), 0)
         sampling = SamplingParams(temperature=1.0, max_new_tokens=self.spec["new_tokens"])
 
@@ -136,13 +139,14 @@ class Workloads:
         return run
 
     def train_step(self, precision: str):
+        from parity.engines import kernels
         from parity.engines.models.io import load_model
         from parity.engines.rollout import RolloutEngine
         from parity.engines.sampling import SamplingParams
         from parity.engines.trainer import OptimConfig, Trainer
 
-        model = load_model(self.model_dir)
-        engine = RolloutEngine(model.config, precision, -1, self.tok.pad_id)
+        model = load_model(self.model_dir, kernels.numerics())
+        engine = RolloutEngine(model.config, precision, -1, self.tok.pad_id, kernels.numerics())
         trainer = Trainer(model, precision, OptimConfig(lr=1e-6))
         engine.load_weights(*trainer.export_weights())
         sampling = SamplingParams(max_new_tokens=self.spec["new_tokens"])

@@ -220,7 +220,7 @@ def bandwidth(device: str) -> float:
 def decode_figures(model: str, precision: str, device: str, batch: int, bytes_per_s: float) -> dict:
     """ms per decode step at `batch` rows (two generation lengths differenced, so the prefill
     cancels) against parameter bytes ÷ bandwidth, and host syncs per decode step on CUDA."""
-    net = load_model(model).to(device)
+    net = load_model(model, kernels.numerics()).to(device)
     tok = load_tokenizer(resolve_model_dir(model))
     engine = RolloutEngine(net.config, precision, (-1,), tok.pad_id, kernels.numerics(device))
     engine.load_weights(net.state_dict(), version=0)
@@ -264,7 +264,7 @@ def rollout_vs_generate(model: str, precision: str, device: str, shapes: list[tu
 
     dtype = prec.to_dtype(precision)
     hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(model), dtype=dtype).to(device).eval()
-    net = load_model(model)
+    net = load_model(model, kernels.numerics())
     engine = RolloutEngine(net.config, precision, (-1,), 0, kernels.numerics(device))
     engine.load_weights(net.state_dict(), version=0)
     del net
@@ -310,7 +310,7 @@ def exact_sweep(model: str, precision: str, device: str, shapes: list[tuple[int,
     the same tokens in micro-batches of 8 rows; the tokens whose μ and π_old differ (must be none)."""
     from parity.engines.trainer import score_rows
 
-    net = load_model(model).to(device).requires_grad_(False)
+    net = load_model(model, kernels.numerics()).to(device).requires_grad_(False)
     net.numerics = kernels.numerics(device, exact=True)
     engine = RolloutEngine(net.config, precision, (-1,), 0, net.numerics)
     engine.load_weights(net.state_dict(), version=0)

@@ -92,11 +92,16 @@ def section_device(args) -> dict:
 
 
 def load_model(model_dir: str):
+    """The model's weights on the CPU (the caller places it and gives it its numerics)."""
+    from parity.engines import kernels
+
     try:
         from parity.engines.models.io import load_model
     except ImportError:  # a baseline from before the models package (issue 45)
         from parity.engines.models import load_model
-    return load_model(model_dir)
+
+        return load_model(model_dir)
+    return load_model(model_dir, kernels.numerics())
 
 
 def engine_for(model_dir: str, precision: str, device: str, exact: bool, graphs: bool = True):

@@ -32,6 +32,7 @@ class Setup:
     """A trainer (full, or LoRA of `rank`), a rollout engine fed by it, and one rollout batch."""
 
     def __init__(self, model_dir: str, spec: dict, precision: str, rank: int):
+        from parity.engines import kernels
         from parity.engines.lora import LoRAConfig
         from parity.engines.models.io import load_model
         from parity.engines.rollout import RolloutEngine
@@ -42,10 +43,10 @@ class Setup:
 
         tok = load_tokenizer(model_dir)
         prompts = [tok.encode(p.prompt) for p in ArithmeticTask().problems(spec["prompts"], seed=0, split="eval")]
-        model = load_model(model_dir)
+        model = load_model(model_dir, kernels.numerics())
         lora = LoRAConfig(rank, 2.0 * rank) if rank else None
         self.trainer = Trainer(model, precision, OptimConfig(lr=1e-6), lora)
-        self.engine = RolloutEngine(model.config, precision, (-1,), tok.pad_id)  # no EOS: fixed work
+        self.engine = RolloutEngine(model.config, precision, (-1,), tok.pad_id, kernels.numerics())  # no EOS
         self.sync()
         sampling = SamplingParams(max_new_tokens=spec["new_tokens"])
         self.batch = self.engine.generate(prompts, spec["group"], sampling, seed=0)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from parity.commands.mismatch import load_prompts
+from parity.engines import kernels
 from parity.engines.lora import LoRAConfig, adapted
 from parity.engines.models.io import load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
@@ -38,14 +39,21 @@ from parity.runtime import reuse_freed_memory
 def measure(model_dir: Path, precision: str, args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(model_dir)
     prompts = [tokenizer.encode_prompt(p) for p in load_prompts("builtin", args.prompts, 0, str(model_dir))]
-    trainer = Trainer(load_model(model_dir), precision, OptimConfig(), LoRAConfig(args.rank, 2.0 * args.rank), seed=0)
+    trainer = Trainer(
+        load_model(model_dir, kernels.numerics()),
+        precision,
+        OptimConfig(),
+        LoRAConfig(args.rank, 2.0 * args.rank),
+        seed=0,
+    )
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for _, m in adapted(trainer.model):
             m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=gen) * args.b_std)
     config = trainer.model.config
     engines = {
-        kind: RolloutEngine(config, precision, tokenizer.eos_ids, tokenizer.pad_id) for kind in ("merged", "unmerged")
+        kind: RolloutEngine(config, precision, tokenizer.eos_ids, tokenizer.pad_id, kernels.numerics())
+        for kind in ("merged", "unmerged")
     }
     engines["unmerged"].load_weights(*trainer.export_weights(merge=False))  # the base, once
 

@@ -60,12 +60,12 @@ def _learner(rank: int, world: int, model_dir: str, way: str, folder: Path) -> N
     sampler.start()
     start = time.perf_counter()
     if way == "whole-then-sharded":
-        model = load_model(model_dir)
+        model = load_model(model_dir, kernels.numerics())
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     else:
-        model = load_sharded(Path(model_dir), mesh)
+        model = load_sharded(Path(model_dir), mesh, kernels.numerics())
     seconds = time.perf_counter() - start
     done.set()
     sampler.join()

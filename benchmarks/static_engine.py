@@ -79,7 +79,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, prompts, group, new_tokens in [w for w in WORKLOADS if w[0] in args.models.split(",")]:
             path = "builtin" if name == "builtin" else str(make_llama_4m(Path(tmp) / "llama"))
-            model = load_model(path)
+            model = load_model(path, kernels.numerics())
             tok = load_tokenizer(resolve_model_dir(path))
             gen = torch.Generator().manual_seed(0)
             ids = [torch.randint(3, model.config.vocab_size, (12,), generator=gen).tolist() for _ in range(prompts)]

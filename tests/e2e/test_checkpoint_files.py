@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from conftest import TINY, TINY_RUN, copy_run, metrics, run_dir_held
 from parity.cli import main
+from parity.engines import kernels
 from parity.engines.models.io import load_model, resolve_model_dir
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.checkpoint import MANIFEST, _write_manifest, load_checkpoint, save_shards
@@ -52,7 +53,7 @@ def _reseal(ckpt: Path) -> None:
 
 def _as_sharded(ckpt: Path) -> None:
     """Turn a one-process checkpoint into the sharded form distributed learners write (one shard here)."""
-    trainer = Trainer(load_model(resolve_model_dir("builtin")), "fp32", OptimConfig())
+    trainer = Trainer(load_model(resolve_model_dir("builtin"), kernels.numerics()), "fp32", OptimConfig())
     load_checkpoint(ckpt, trainer)
     shutil.rmtree(ckpt / "model")
     (ckpt / "optimizer.safetensors").unlink()

@@ -23,6 +23,7 @@ from parity.config import ConfigError
 from parity.distributed.actors import RolloutWorker
 from parity.distributed.driver import RayBackend
 from parity.distributed.sync import SyncError, pack_weights
+from parity.engines import kernels
 from parity.engines.batch import concat_batches
 from parity.engines.models.io import load_model, resolve_model_dir
 from parity.engines.sampler import Sampler
@@ -65,8 +66,18 @@ def test_bad_distributed_combinations_are_refused_before_any_work(overrides, mes
 
 def test_concat_batches_keeps_rows_and_groups():
     model_dir = resolve_model_dir("builtin")
-    model = load_model(model_dir)
-    sampler = Sampler(model.config, "fp32", "fp32", (2,), 0, score_old=True, probe=False, micro_batch_tokens=8192)
+    model = load_model(model_dir, kernels.numerics())
+    sampler = Sampler(
+        model.config,
+        "fp32",
+        "fp32",
+        (2,),
+        0,
+        score_old=True,
+        probe=False,
+        micro_batch_tokens=8192,
+        numerics=kernels.numerics(),
+    )
     sampler.load_weights({k: v for k, v in model.state_dict().items()}, 0)
     sampling = SamplingParams(max_new_tokens=12, top_k=8)
     a = sampler.generate([[5, 6, 7]], 2, sampling, seed=1)
@@ -85,7 +96,7 @@ def test_concat_batches_keeps_rows_and_groups():
 def test_weight_sync_verification_names_the_damaged_tensor():
     """A worker loads a sync, checks both of its copies, and refuses one damaged in transit."""
     model_dir = resolve_model_dir("builtin")
-    state = {k: v for k, v in load_model(model_dir).named_parameters()}
+    state = {k: v for k, v in load_model(model_dir, kernels.numerics()).named_parameters()}
     bf16 = config.load(TrainConfig, None, ["precision=bf16"])
     worker = RolloutWorker(0, str(model_dir), bf16, threads=None)
     tensors, manifest = pack_weights(state, 3, "bf16", "bf16")
@@ -290,10 +301,10 @@ def test_a_sharded_checkpoint_resumes_with_another_learner_count(tmp_path, ray_c
     try:
         # The learner read its shards in place: the driver, which never read the trained weights, still
         # holds the base model's; gathered from the learner they are the checkpoint's.
-        base = load_model(resolve_model_dir("builtin")).state_dict()
+        base = load_model(resolve_model_dir("builtin"), kernels.numerics()).state_dict()
         assert all(torch.equal(w, base[n]) for n, w in run.trainer.model.state_dict().items())
         run.backend.gather()
-        saved = Trainer(load_model(resolve_model_dir("builtin")), "fp32", OptimConfig())
+        saved = Trainer(load_model(resolve_model_dir("builtin"), kernels.numerics()), "fp32", OptimConfig())
         load_checkpoint(tmp_path / "cut" / "checkpoints" / "step_000002", saved)
         restored = saved.model.state_dict()
         assert all(torch.equal(w, restored[n]) for n, w in run.trainer.model.state_dict().items())
@@ -310,7 +321,7 @@ def test_a_sharded_checkpoint_resumes_with_another_learner_count(tmp_path, ray_c
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-8), (a["step"], key)
 
     # One process reads the shards too (parity eval, a resume into the driver's full copy).
-    trainer = Trainer(load_model(resolve_model_dir("builtin")), "fp32", OptimConfig())
+    trainer = Trainer(load_model(resolve_model_dir("builtin"), kernels.numerics()), "fp32", OptimConfig())
     state = load_checkpoint(tmp_path / "whole" / "checkpoints" / "step_000004", trainer)
     assert state.step == 4 and trainer.weight_version == 4 and len(trainer.optimizer.state) == len(trainer.params)
 
@@ -324,7 +335,7 @@ def test_sharded_shards_holding_nan_are_set_aside_and_the_learners_start_from_th
     common += ["distributed.rollout_workers=1", "distributed.learners=2"]
     assert main(["train", f"run_dir={tmp_path / 'r'}", *common]) == 0
     ckpt = tmp_path / "r" / "checkpoints" / "step_000001"
-    trainer = Trainer(load_model(resolve_model_dir("builtin")), "fp32", OptimConfig())
+    trainer = Trainer(load_model(resolve_model_dir("builtin"), kernels.numerics()), "fp32", OptimConfig())
     load_checkpoint(ckpt, trainer)
     with torch.no_grad():
         trainer.model.model.norm.weight[0] = float("nan")
@@ -341,7 +352,7 @@ def test_sharded_shards_holding_nan_are_set_aside_and_the_learners_start_from_th
         assert "starting again from step 0" in err and run.step_count == 0
         assert (tmp_path / "r" / "checkpoints" / "corrupt" / "step_000001").is_dir()
         run.backend.gather()
-        base = load_model(resolve_model_dir("builtin")).state_dict()
+        base = load_model(resolve_model_dir("builtin"), kernels.numerics()).state_dict()
         assert all(torch.equal(w, base[n]) for n, w in run.trainer.model.state_dict().items())
     finally:
         run.close()

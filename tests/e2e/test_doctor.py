@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from parity.cli import main
 from parity.commands.doctor import FP16Pass, LayerReport, measure_fp16_pass, recommend, run_doctor
+from parity.engines import kernels
 from parity.engines.models.io import load_model
 from parity.engines.tokenizer import load_tokenizer
 
@@ -101,7 +102,7 @@ def test_gradient_overflow_backs_off_the_loss_scale(llama_dir, tmp_path):
         # Logits 100x larger: their gradient times 65536 overflows FP16 until the scale comes down.
         state["lm_head.weight"] *= 100
 
-    model = load_model(edited_copy(llama_dir, tmp_path / "sharp", sharpen))
+    model = load_model(edited_copy(llama_dir, tmp_path / "sharp", sharpen), kernels.numerics())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tok = load_tokenizer(llama_dir)
     fp16 = measure_fp16_pass(model, [tok.encode(t) for t in ("the quick brown fox", "once upon a time", "12 + 35 =")])

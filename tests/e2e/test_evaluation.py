@@ -16,6 +16,7 @@ from conftest import TIMING, TINY, metrics
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
+from parity.engines import kernels
 from parity.engines.models.io import BUILTIN_DIR, export_state, load_model
 from parity.engines.rollout import FULL_VOCAB_PER_ROW, RolloutEngine, _FullVocabRecorder
 from parity.engines.sampling import SamplingParams
@@ -120,8 +121,8 @@ def test_batch_shape_metrics_against_a_hand_computation():
 
 
 def test_recording_the_whole_distribution_changes_no_sample():
-    model, tok = load_model("builtin"), load_tokenizer(BUILTIN_DIR)
-    engine = RolloutEngine(model.config, "bf16", tok.eos_ids, tok.pad_id)
+    model, tok = load_model("builtin", kernels.numerics()), load_tokenizer(BUILTIN_DIR)
+    engine = RolloutEngine(model.config, "bf16", tok.eos_ids, tok.pad_id, kernels.numerics())
     engine.load_weights(export_state(model), version=0)
     # 48 rows: finished rows leave the decode batch (16 at a time) while recorded rows are still sampling
     prompts = [tok.encode(f"{a}+{b}=") for a, b in ((4705, 386), (12, 9), (99, 999), (5, 123456))] * 2

@@ -46,8 +46,7 @@ def test_the_two_engines_agree_bit_for_bit_through_the_invariant_kernels(precisi
     for one precision; a GPU runs all three.)"""
     from test_exact import FILTERED, random_prompts, trainer_logprobs
 
-    model = load_model("builtin").to(DEVICE)
-    model.numerics = kernels.TritonExact(torch.device(DEVICE))
+    model = load_model("builtin", kernels.TritonExact(torch.device(DEVICE)))
     tok = load_tokenizer(BUILTIN_DIR)
     engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, model.numerics)
     engine.load_weights(export_state(model), version=0)

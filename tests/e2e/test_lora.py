@@ -14,6 +14,7 @@ from conftest import TIMING, TINY, metrics
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
+from parity.engines import kernels
 from parity.engines.kernels import cpu
 from parity.engines.lora import (
     ATTENTION,
@@ -123,20 +124,20 @@ def test_peft_computes_the_trainer_logits_from_saved_adapters(fixture, request, 
     with Parity's adapters are the trainer's."""
     path = request.getfixturevalue(fixture)
     lora = LoRAConfig(4, 8.0, ATTENTION) if fixture == "moe_dir" else LORA
-    trainer = Trainer(load_model(path), "fp32", OptimConfig(), lora, seed=1)
+    trainer = Trainer(load_model(path, kernels.numerics()), "fp32", OptimConfig(), lora, seed=1)
     _random_adapters(trainer, seed=2)
     adapter = save_adapter(trainer.model, lora, tmp_path / "adapter", base_model=str(path))
     ours, tokens = _stream_logits(trainer.model, _ids(0))
     theirs = _peft_logits(path, adapter, tokens)
     assert (ours - theirs).abs().max() < 2e-5
-    base, _ = _stream_logits(load_model(path), _ids(0))
+    base, _ = _stream_logits(load_model(path, kernels.numerics()), _ids(0))
     assert (ours - base).abs().max() > 1e-2  # the adapters matter at this tolerance
 
 
 def test_mlp_targets_are_refused_on_a_moe_model(moe_dir):
     """PEFT (transformers 5) reads gate/up/down_proj on a MoE model as the stacked experts."""
     with pytest.raises(AdapterError, match="lora.targets: gate_proj, up_proj, down_proj on a qwen3_moe"):
-        Trainer(load_model(moe_dir), "fp32", OptimConfig(), LORA)
+        Trainer(load_model(moe_dir, kernels.numerics()), "fp32", OptimConfig(), LORA)
 
 
 def test_a_parity_train_checkpoint_loads_in_peft(llama_dir, tmp_path):
@@ -149,7 +150,7 @@ def test_a_parity_train_checkpoint_loads_in_peft(llama_dir, tmp_path):
     assert (saved["peft_type"], saved["r"], saved["lora_alpha"], saved["task_type"]) == ("LORA", 4, 8.0, "CAUSAL_LM")
     keys = load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
     assert f"{PEFT_PREFIX}model.layers.0.self_attn.q_proj.lora_A.weight" in keys and len(keys) == 2 * 7 * 2
-    trainer = Trainer(load_model(llama_dir), "fp32", OptimConfig(), LoRAConfig(4, 8.0), seed=0)
+    trainer = Trainer(load_model(llama_dir, kernels.numerics()), "fp32", OptimConfig(), LoRAConfig(4, 8.0), seed=0)
     load_checkpoint(ckpt, trainer, base_dir=llama_dir)
     assert any(m.lora_B.abs().max() > 0 for _, m in adapted(trainer.model))  # it trained
     ours, tokens = _stream_logits(trainer.model, _ids(1))
@@ -185,27 +186,29 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(tmp_path):
 
 def test_merged_weights_give_the_rollout_engine_the_trainers_pi(llama_dir):
     tok = load_tokenizer(llama_dir)
-    trainer = Trainer(load_model(llama_dir), "fp32", OptimConfig(), LORA, seed=0)
+    trainer = Trainer(load_model(llama_dir, kernels.numerics()), "fp32", OptimConfig(), LORA, seed=0)
     _random_adapters(trainer, seed=3)
     state, version = trainer.export_weights()
     assert not any(k.endswith(("lora_A", "lora_B")) for k in state) and "lm_head.weight" in state
     assert isinstance(trainer.model.model.layers[0].mlp.down_proj, LoRALinear)
-    engine = RolloutEngine(trainer.model.config, "fp32", tok.eos_ids, tok.pad_id)
+    engine = RolloutEngine(trainer.model.config, "fp32", tok.eos_ids, tok.pad_id, kernels.numerics())
     engine.load_weights(state, version)
     batch = engine.generate([tok.encode(p) for p in ("12+34=", "7+8=")], 4, SamplingParams(max_new_tokens=24), 0)
     with torch.no_grad():
         pi = trainer.logprobs(batch.prompt_ids, batch.response_ids, batch.response_mask)
     assert (pi - batch.rollout_logprobs).abs().max() < 2e-5
-    base = load_model(llama_dir).state_dict()["model.layers.0.mlp.down_proj.weight"]
+    base = load_model(llama_dir, kernels.numerics()).state_dict()["model.layers.0.mlp.down_proj.weight"]
     assert (state["model.layers.0.mlp.down_proj.weight"] - base).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("targets", [TARGETS, ("q_proj", "v_proj", "down_proj")])
 def test_unmerged_adapters_give_the_rollout_engine_the_trainers_pi(llama_dir, targets):
     tok = load_tokenizer(llama_dir)
-    trainer = Trainer(load_model(llama_dir), "fp32", OptimConfig(), LoRAConfig(4, 8.0, targets), seed=0)
+    trainer = Trainer(
+        load_model(llama_dir, kernels.numerics()), "fp32", OptimConfig(), LoRAConfig(4, 8.0, targets), seed=0
+    )
     _random_adapters(trainer, seed=3)
-    engine = RolloutEngine(trainer.model.config, "fp32", tok.eos_ids, tok.pad_id)
+    engine = RolloutEngine(trainer.model.config, "fp32", tok.eos_ids, tok.pad_id, kernels.numerics())
     engine.load_weights(*trainer.export_weights(merge=False))
     engine.load_adapters(*trainer.export_adapters())
     parts = {"q_proj": "qkv", "v_proj": "qkv", "k_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up"}
@@ -286,7 +289,7 @@ def test_resume_with_lora_is_exact_and_refuses_a_changed_base(tmp_path, capsys):
 
 def test_lora_and_full_checkpoints_do_not_cross(tmp_path):
     def trainer(lora):
-        return Trainer(load_model("builtin"), "fp16", OptimConfig(), lora)
+        return Trainer(load_model("builtin", kernels.numerics()), "fp16", OptimConfig(), lora)
 
     lora_ckpt = save_checkpoint(tmp_path / "a", trainer(LORA), RunState(1, 0, 0), BUILTIN_DIR, keep=1)
     full_ckpt = save_checkpoint(tmp_path / "b", trainer(None), RunState(1, 0, 0), BUILTIN_DIR, keep=1)

@@ -7,6 +7,7 @@ import torch
 
 from architectures import save_random_model
 from conftest import metrics
+from parity.engines import kernels
 from parity.engines.models.io import load_model
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
@@ -21,7 +22,7 @@ def moe_dir(tmp_path_factory):
 
 
 def _sample(path, rollout: str, trainer: str, replay: bool):
-    tok, model = load_tokenizer(path), load_model(path)
+    tok, model = load_tokenizer(path), load_model(path, kernels.numerics())
     sampler = Sampler(
         model.config,
         rollout,
@@ -31,6 +32,7 @@ def _sample(path, rollout: str, trainer: str, replay: bool):
         score_old=False,
         probe=False,
         micro_batch_tokens=256,
+        numerics=kernels.numerics(),
         routing_replay=replay,
     )
     sampler.load_weights(model.state_dict(), version=0)

@@ -39,7 +39,7 @@ LATER = [[5, 10, 9, 6, 3, 6, 12, 4, 5, 6, 13]]
 
 def _two_versions():
     """The built-in model's weights (version 0) and a moved copy (version 1)."""
-    model = load_model(resolve_model_dir("builtin"))
+    model = load_model(resolve_model_dir("builtin"), kernels.numerics())
     v0 = {k: v.detach().clone() for k, v in model.named_parameters()}
     gen = torch.Generator().manual_seed(0)
     v1 = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in v0.items()}
@@ -83,9 +83,8 @@ def test_a_continued_response_is_scored_on_the_weights_that_sampled_each_token(p
     for batch in (first, second):
         assert torch.equal(batch.rollout_logprobs, batch.old_logprobs)  # μ = π_old, every token
         for version, weights in ((0, v0), (1, v1)):
-            model = CausalLM(cfg).requires_grad_(False)
+            model = CausalLM(cfg, numerics).requires_grad_(False)
             model.load_state_dict(weights, strict=False)
-            model.numerics = numerics
             _, scored = sequence_logprobs(
                 model, batch.prompt_ids, batch.response_ids, batch.response_mask, None, 1.0, dtype
             )
@@ -116,7 +115,9 @@ def test_tokens_older_than_the_bound_start_again():
 
 def test_row_limits_and_a_stop_end_the_engine_where_asked():
     cfg, v0, _ = _two_versions()
-    sampler = Sampler(cfg, "fp32", "fp32", (1,), 0, score_old=False, probe=False, micro_batch_tokens=8192)
+    sampler = Sampler(
+        cfg, "fp32", "fp32", (1,), 0, score_old=False, probe=False, micro_batch_tokens=8192, numerics=kernels.numerics()
+    )
     sampler.load_weights(v0, 0)
     sampling = SamplingParams(max_new_tokens=40)
     free = sampler.engine.generate(PROMPTS, 1, sampling, 5)

@@ -22,6 +22,7 @@ from conftest import ONE_RAY_AT_A_TIME, TIMING, TINY, copy_run, metrics, run_dir
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
+from parity.engines import kernels
 from parity.engines.models.io import load_model, resolve_model_dir
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.checkpoint import CheckpointError, RunState, checkpoints, load_shards, save_checkpoint, save_shards
@@ -142,13 +143,15 @@ def test_shards_holding_nan_or_another_model_are_refused(tmp_path, llama_dir):
     """The shard reader that sharded learners call in place (one process here): it names the non-finite
     tensors it read, and a checkpoint of another model is a CheckpointError naming the folder."""
     builtin = resolve_model_dir("builtin")
-    trainer = Trainer(load_model(builtin), "fp32", OptimConfig())
+    trainer = Trainer(load_model(builtin, kernels.numerics()), "fp32", OptimConfig())
     with torch.no_grad():
         trainer.model.model.norm.weight[0] = float("nan")
     save_shards(trainer, tmp_path / "nan")
-    assert load_shards(tmp_path / "nan", Trainer(load_model(builtin), "fp32", OptimConfig())) == ["model.norm.weight"]
+    assert load_shards(tmp_path / "nan", Trainer(load_model(builtin, kernels.numerics()), "fp32", OptimConfig())) == [
+        "model.norm.weight"
+    ]
     with pytest.raises(CheckpointError, match=re.escape(str(tmp_path / "nan"))):
-        load_shards(tmp_path / "nan", Trainer(load_model(llama_dir), "fp32", OptimConfig()))
+        load_shards(tmp_path / "nan", Trainer(load_model(llama_dir, kernels.numerics()), "fp32", OptimConfig()))
 
 
 def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
@@ -574,3 +577,4 @@ def test_a_run_stopped_at_once_leaves_no_ray_process_and_resumes(tmp_path, how):
     target = max(_steps(run_dir)) + 2
     assert main(["train", "--resume", str(run_dir), f"steps={target}"]) == 0
     assert _steps(run_dir) == list(range(1, target + 1))  # none missing, none twice
+

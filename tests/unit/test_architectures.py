@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from architectures import ARCHITECTURES, reference, save_random_model
+from parity.engines import kernels
 from parity.engines.models.io import load_model
 from parity.engines.models.modules import final_logits
 from parity.engines.packing import pack
@@ -28,7 +29,7 @@ def test_trainer_logits_match_transformers(arch_dir):
     """The trainer's packed forward: every stream position's logits equal transformers' on the
     sequence written out in full (sequences longer than any sliding window)."""
     _, path = arch_dir
-    ours, ref = load_model(path), reference(path)
+    ours, ref = load_model(path, kernels.numerics()), reference(path)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 60, (n,), generator=gen).tolist() for n in (5, 5, 14)]
     responses = torch.randint(3, 60, (3, 12), generator=gen)
@@ -50,8 +51,8 @@ def test_rollout_engine_matches_transformers(arch_dir):
     dropped as they finish) equals transformers' log-probs of the sampled tokens, and the
     trainer's code path agrees."""
     arch, path = arch_dir
-    tok, model, ref = load_tokenizer(path), load_model(path), reference(path)
-    engine = RolloutEngine(model.config, "fp32", tok.eos_ids, tok.pad_id)
+    tok, model, ref = load_tokenizer(path), load_model(path, kernels.numerics()), reference(path)
+    engine = RolloutEngine(model.config, "fp32", tok.eos_ids, tok.pad_id, kernels.numerics())
     engine.load_weights(model.state_dict(), version=0)
     prompts = [tok.encode(p) for p in PROMPTS]
     batch = engine.generate(prompts, 3, SamplingParams(max_new_tokens=20), seed=0)
@@ -78,7 +79,7 @@ def test_saved_checkpoint_loads_in_transformers(arch_dir, tmp_path):
     from parity.engines.models.io import save_model
 
     _, path = arch_dir
-    ours = load_model(path)
+    ours = load_model(path, kernels.numerics())
     out = save_model(ours, tmp_path / "copy", partial(copy_tokenizer_files, path))
     ref = reference(out)
     ids = torch.tensor([load_tokenizer(path).encode("123+45=67")])

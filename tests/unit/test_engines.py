@@ -22,9 +22,9 @@ PROMPTS = ["12+34=", "7+8=", "123+4567=", "5+5="]
 
 def _setup(path, precision="fp32"):
     tok = load_tokenizer(path)
-    model = load_model(path)
+    model = load_model(path, kernels.numerics())
     trainer = Trainer(model, precision, OptimConfig(lr=1e-3))
-    engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id)
+    engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, kernels.numerics())
     engine.load_weights(*trainer.export_weights())
     return tok, trainer, engine
 
@@ -181,7 +181,7 @@ def test_a_later_sync_fills_the_buffers_of_the_first(llama_dir, precision):
             p.add_(torch.randn_like(p) * 1e-2)
     engine.load_weights(*trainer.export_weights())
     assert {name: t.data_ptr() for name, t in engine.weights.stored_views().items()} == buffers
-    fresh = RolloutEngine(engine.config, precision, [engine.pad_id], engine.pad_id)
+    fresh = RolloutEngine(engine.config, precision, [engine.pad_id], engine.pad_id, kernels.numerics())
     fresh.load_weights(*trainer.export_weights())
     moved, expected = engine.named_weights(), fresh.named_weights()
     assert moved.keys() == expected.keys()
@@ -213,7 +213,7 @@ def test_activation_checkpointing_gives_the_same_gradients(arch, llama_dir, tmp_
     path = llama_dir if arch == "llama" else save_random_model(tmp_path / arch, arch)
     grads = []
     for checkpointing in (False, True):
-        model = load_model(path)
+        model = load_model(path, kernels.numerics())
         model.activation_checkpointing = checkpointing
         packed = pack(
             [[3, 4, 5, 6], [7, 8]],
@@ -243,7 +243,7 @@ def test_weights_cast_once_per_update_give_the_same_gradients(qwen2_dir):
     ]
     grads, casts = [], []
     for once in (False, True):
-        model = load_model(qwen2_dir)
+        model = load_model(qwen2_dir, kernels.numerics())
         with model.casting_once() if once else contextlib.nullcontext():
             for packed in micro_batches:
                 model(packed, torch.bfloat16).logsumexp(-1).sum().backward()

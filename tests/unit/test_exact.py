@@ -25,8 +25,7 @@ FILTERED = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_new_tokens=20
 
 
 def engines(model_dir, precision: str, exact: bool = True):
-    model = load_model(model_dir)
-    model.numerics = kernels.numerics(exact=exact)
+    model = load_model(model_dir, kernels.numerics(exact=exact))
     tok = load_tokenizer(resolve_model_dir(model_dir))
     engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, model.numerics)
     engine.load_weights(export_state(model), version=0)

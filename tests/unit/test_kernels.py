@@ -176,8 +176,7 @@ def test_exact_mode_on_cuda(precision):
     from parity.engines.tokenizer import load_tokenizer
     from test_exact import FILTERED, random_prompts, trainer_logprobs
 
-    model = load_model("builtin").to("cuda")
-    model.numerics = kernels.numerics("cuda", exact=True)
+    model = load_model("builtin", kernels.numerics("cuda", exact=True))
     tok = load_tokenizer(BUILTIN_DIR)
     engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, model.numerics)
     engine.load_weights(export_state(model), version=0)

@@ -9,6 +9,7 @@ from functools import partial
 import pytest
 import torch
 
+from parity.engines import kernels
 from parity.engines.models.config import ModelError
 from parity.engines.models.io import load_model, resolve_model_dir, save_model
 from parity.engines.packing import pack
@@ -22,7 +23,7 @@ def test_packed_logits_match_transformers_fp32(fixture, request):
     from transformers import AutoModelForCausalLM
 
     path = request.getfixturevalue(fixture)
-    ours = load_model(path)
+    ours = load_model(path, kernels.numerics())
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
     short, long = torch.randint(3, 40, (3,), generator=gen).tolist(), torch.randint(3, 40, (9,), generator=gen).tolist()
@@ -50,7 +51,7 @@ def test_packed_logits_match_transformers_fp32(fixture, request):
 def test_save_roundtrip_loads_in_transformers(llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    ours = load_model(llama_dir)
+    ours = load_model(llama_dir, kernels.numerics())
     out = save_model(ours, tmp_path / "copy", partial(copy_tokenizer_files, llama_dir))
     ref = AutoModelForCausalLM.from_pretrained(out)
     for name, p in ref.state_dict().items():
@@ -66,7 +67,7 @@ def test_tokenizer_special_ids(llama_dir):
 
 
 def test_builtin_model_loads():
-    model = load_model("builtin")
+    model = load_model("builtin", kernels.numerics())
     tok = load_tokenizer("builtin")
     assert model.config.architecture == "llama"
     assert sum(p.numel() for p in model.parameters()) < 2_000_000
@@ -99,7 +100,7 @@ def test_pickle_only_weights_refused(llama_dir, tmp_path):
     (d / "model.safetensors").unlink()
     torch.save({"x": torch.zeros(1)}, d / "pytorch_model.bin")
     with pytest.raises(ModelError, match="pickle files.*never unpickles"):
-        load_model(d)
+        load_model(d, kernels.numerics())
 
 
 def test_unsupported_architecture(llama_dir, tmp_path):
@@ -108,14 +109,14 @@ def test_unsupported_architecture(llama_dir, tmp_path):
     cfg["model_type"] = "gpt2"
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelError, match="unsupported architecture model_type=.gpt2.*llama, mistral, qwen2"):
-        load_model(d)
+        load_model(d, kernels.numerics())
 
 
 def test_missing_config(llama_dir, tmp_path):
     d = _copy(llama_dir, tmp_path)
     (d / "config.json").unlink()
     with pytest.raises(ModelError, match="no config.json"):
-        load_model(d)
+        load_model(d, kernels.numerics())
 
 
 def test_cli_reports_model_error_in_one_line(capsys):
@@ -152,7 +153,10 @@ def test_stacked_experts_load_as_the_per_expert_checkpoint(tmp_path):
 
     per_expert = save_random_model(tmp_path / "per-expert", "qwen3_moe")
     stacked = _stack_experts(per_expert, tmp_path / "stacked")
-    expected, got = load_model(per_expert).state_dict(), load_model(stacked).state_dict()
+    expected, got = (
+        load_model(per_expert, kernels.numerics()).state_dict(),
+        load_model(stacked, kernels.numerics()).state_dict(),
+    )
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
@@ -176,9 +180,9 @@ def _load_on_rank(rank: int, world: int, model_dir, init_file, out_dir) -> None:
 
     model_io._WeightFiles.read = recorded
     try:
-        sharded = load_sharded(model_dir, init_device_mesh("cpu", (world,)))
+        sharded = load_sharded(model_dir, init_device_mesh("cpu", (world,)), kernels.numerics())
         model_io._WeightFiles.read = real_read
-        whole = load_model(model_dir)
+        whole = load_model(model_dir, kernels.numerics())
         expected = whole.state_dict()
         local_equal, full_equal, rows_read = [], [], {}
         for name, param in sharded.state_dict().items():
@@ -221,7 +225,7 @@ def test_each_learner_reads_only_its_rows(tmp_path, arch):
     world = 3
     mp.spawn(_load_on_rank, args=(world, model_dir, tmp_path / "init", tmp_path), nprocs=world, join=True)
     found = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
-    tied = load_model(model_dir).config.tie_word_embeddings
+    tied = load_model(model_dir, kernels.numerics()).config.tie_word_embeddings
     for rank in found:
         assert rank["local_equal"] and rank["full_equal"] and rank["buffers_equal"] and rank["logits_equal"]
         assert rank["tied"] == tied
@@ -244,4 +248,4 @@ def test_stacked_experts_without_their_down_projection_are_refused(tmp_path):
     del state["model.layers.0.mlp.experts.down_proj"]
     save_file(state, str(stacked / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelError, match=r"model.safetensors: stacked experts must be .*found \(4, 64, 64\) and None"):
-        load_model(stacked)
+        load_model(stacked, kernels.numerics())

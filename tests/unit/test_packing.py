@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import parity.engines.kernels
+from parity.engines import kernels
 from parity.engines.models.io import load_model
 from parity.engines.packing import ROW_MULTIPLE, STREAM_MULTIPLE, pack
 from parity.engines.tokenizer import load_tokenizer
@@ -26,7 +27,7 @@ def test_packed_logprobs_and_grads_equal_one_row_at_a_time(llama_dir):
     """Sharing prompts and dropping padding changes nothing but round-off: π and the
     gradient of a loss equal those computed row by row, each row alone."""
     tok = load_tokenizer(llama_dir)
-    trainer = Trainer(load_model(llama_dir), "fp32", OptimConfig())
+    trainer = Trainer(load_model(llama_dir, kernels.numerics()), "fp32", OptimConfig())
     prompt_ids, response_ids, mask = _batch(tok)
 
     packed = trainer.logprobs(prompt_ids, response_ids, mask)
@@ -69,7 +70,7 @@ def test_bucketed_layout_changes_nothing_but_round_off(llama_dir, monkeypatch):
     (what BF16 on the CPU runs, so that oneDNN reuses its kernels) leaves π and the
     gradients as they are."""
     tok = load_tokenizer(llama_dir)
-    trainer = Trainer(load_model(llama_dir), "fp32", OptimConfig())
+    trainer = Trainer(load_model(llama_dir, kernels.numerics()), "fp32", OptimConfig())
     prompt_ids, response_ids, mask = _batch(tok)
 
     def logprobs_and_grads():
@@ -98,7 +99,7 @@ def test_empty_prompt_is_an_error():
 
 
 def test_matmul_flops_by_hand(llama_dir):
-    model = load_model(llama_dir)
+    model = load_model(llama_dir, kernels.numerics())
     cfg = model.config  # hidden 64, MLP 128, 2 layers, 4 heads / 2 KV heads of 16, vocabulary 64
     packed = pack([[5, 6, 7]], torch.tensor([[8, 9]]), torch.tensor([[True, True]]))
     # Stream: 3 prompt tokens + 1 response token; one row of length 4; 2 scored tokens.

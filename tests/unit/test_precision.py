@@ -68,7 +68,9 @@ def test_scaler_grows_after_clean_steps_and_backs_off():
 def _fp16_trainer(path):
     tok = load_tokenizer(path)
     trainer = Trainer(
-        load_model(path), "fp16", OptimConfig(lr=1e-2, loss_scale_init=2.0**10, loss_scale_growth_interval=1000)
+        load_model(path, kernels.numerics()),
+        "fp16",
+        OptimConfig(lr=1e-2, loss_scale_init=2.0**10, loss_scale_growth_interval=1000),
     )
     ids = [tok.encode("12+34=")] * 2
     resp = torch.tensor([tok.encode("46")[1:] + [tok.eos_id]] * 2)

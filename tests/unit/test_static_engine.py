@@ -27,7 +27,7 @@ SAMPLINGS = {
 
 
 def engine_for(model_dir, precision: str, exact: bool) -> tuple[torch.nn.Module, RolloutEngine]:
-    model = load_model(model_dir)
+    model = load_model(model_dir, kernels.numerics())
     tok = load_tokenizer(resolve_model_dir(model_dir))
     engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, kernels.numerics(exact=exact))
     engine.load_weights(export_state(model), version=0)
@@ -148,7 +148,7 @@ def test_cuda_graphs_replay_what_eager_steps_compute(exact, sampling):
     """On a GPU each batch size's decode step is captured once and replayed: the same tokens, μ, supports and
     recorded distributions as running every step eagerly, over calls whose rows finish (several batch sizes)
     and a second call that replays the first's graphs."""
-    model = load_model("builtin")
+    model = load_model("builtin", kernels.numerics())
     tok = load_tokenizer(resolve_model_dir("builtin"))
     numerics = kernels.numerics("cuda", exact=exact)
     engines = []

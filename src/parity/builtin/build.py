@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from parity.commands.perfectible import problem_accuracies
+from parity.engines import kernels
 from parity.engines.models.config import ModelConfig
 from parity.engines.models.io import BUILTIN_DIR, save_model
 from parity.engines.models.modules import CausalLM
@@ -98,7 +99,7 @@ def accuracy_spread(model: CausalLM, tokenizer_dir: Path, problems: int, samples
     """Per-problem accuracy over `samples` draws at temperature 1 on held-out problems."""
     tok = load_tokenizer(tokenizer_dir)
     probs = ArithmeticTask().problems(problems, seed=seed, split="eval")
-    engine = RolloutEngine(model.config, "fp32", tok.eos_ids, tok.pad_id)
+    engine = RolloutEngine(model.config, "fp32", tok.eos_ids, tok.pad_id, kernels.numerics())
     engine.load_weights(model.state_dict(), version=0)
     runner = RewardRunner(builtin_reward, isolate=False)
     acc = torch.tensor(problem_accuracies(engine, tok, probs, runner, samples, seed=seed, batch_prompts=problems))
@@ -136,7 +137,7 @@ def _build(out_dir: Path, tok_dir: Path, cfg: BuildConfig, log, on_eval) -> dict
     (tok_dir / "config.json").write_text(json.dumps(builtin_model_config().to_hf()))
     tok = load_tokenizer(tok_dir)
 
-    model = CausalLM(builtin_model_config())
+    model = CausalLM(builtin_model_config(), kernels.numerics())  # trained on the CPU
     model.init_weights(cfg.seed)
     trainer = Trainer(model, "fp32", OptimConfig(lr=cfg.lr, weight_decay=0.1, beta2=0.98, grad_clip=1.0))
     task = ArithmeticTask()

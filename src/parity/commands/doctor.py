@@ -271,8 +271,7 @@ def run_doctor(
     positions = load_config(model_dir).max_position_embeddings
     limit = prompt_limit(tok, positions, PROBE_NEW_TOKENS, "the doctor's new tokens", chat_template)
     prompts = [limit.check(f"probe prompt {i + 1}", t) for i, t in enumerate(texts)]
-    net = load_model(model_dir).to(device)
-    net.numerics = kernels.numerics(device)
+    net = load_model(model_dir, kernels.numerics(device))
 
     stage(f"weights and activations of each layer, {len(prompts)} prompts")
     bad = non_finite_weights(net)

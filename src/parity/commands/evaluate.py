@@ -248,7 +248,7 @@ def run_eval(
         states = [("base", 0, None), (target.adapter[0].name, 0, target.adapter[0])]
     results = []
     try:
-        base = load_model(target.model_dir)
+        base = load_model(target.model_dir, kernels.numerics())
         require_finite_weights(base, target.model_dir, "nothing can be evaluated")
         micro_batch_tokens = run.trainer.micro_batch_tokens if run else MICRO_BATCH_TOKENS[cfg.device]
         evaluator = Evaluator(

@@ -209,8 +209,7 @@ def run_mismatch(
     limit = prompt_limit(tokenizer, positions, max_new, "sampling.max_new_tokens", cfg.chat_template)
     prompts = [limit.check(f"prompts={cfg.prompts}: prompt {i + 1}", p) for i, p in enumerate(texts)]
     numerics = kernels.numerics(cfg.device, cfg.exact)
-    model = load_model(model_dir).to(numerics.device)
-    model.numerics = numerics
+    model = load_model(model_dir, numerics)
     require_finite_weights(model, model_dir, "no mismatch can be measured (`parity doctor` shows where)")
     require_finite_logits(model, prompts[0], {"fp32": torch.float32}, model_dir)
     results: list[PairResult] = []

@@ -142,7 +142,7 @@ def problem_accuracies(
 def measure_accuracies(cfg: PerfectibleConfig, problems: list[Problem], progress: bool = True) -> list[float]:
     model_dir = resolve_model_dir(cfg.model)
     tok = load_tokenizer(model_dir)
-    model = load_model(model_dir)
+    model = load_model(model_dir, kernels.numerics())
     engine = RolloutEngine(model.config, cfg.precision, tok.eos_ids, tok.pad_id, kernels.numerics(cfg.device))
     engine.load_weights(model.state_dict(), version=0)
     runner = RewardRunner(REWARDS[cfg.task], isolate=cfg.task not in TRUSTED_REWARDS)

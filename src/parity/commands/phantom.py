@@ -192,7 +192,7 @@ def mismatch_parts(
     weights) and κ (that probe against the rollout engine's μ), on samples the engine drew."""
     model_dir = resolve_model_dir(model)
     tok = load_tokenizer(model_dir)
-    base = load_model(model_dir).to(device)
+    base = load_model(model_dir, kernels.numerics(device))  # its weights, for the sampler
     sampler = Sampler(
         base.config,
         rollout_precision,

@@ -43,7 +43,7 @@ def _set_process_threads(threads: int | None) -> None:
         reuse_freed_memory()
 
 
-def load_sharded(model_dir: Path, mesh) -> CausalLM:
+def load_sharded(model_dir: Path, mesh, numerics: kernels.Numerics) -> CausalLM:
     """The model in `model_dir` sharded by FSDP2 over `mesh` (each decoder layer, then the root), this
     process reading only its own rows of every weight: no learner holds the base model whole."""
     from torch.distributed.fsdp import fully_shard
@@ -53,7 +53,7 @@ def load_sharded(model_dir: Path, mesh) -> CausalLM:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
 
-    return load_model(model_dir, shard=shard)
+    return load_model(model_dir, numerics, shard=shard)
 
 
 class RolloutWorker:
@@ -148,9 +148,7 @@ class Learner:
         mesh = init_device_mesh("cpu", (self.world,))
 
         def sharded() -> torch.nn.Module:
-            model = load_sharded(Path(self.model_dir), mesh)
-            model.numerics = self.numerics
-            return model
+            return load_sharded(Path(self.model_dir), mesh, self.numerics)
 
         self.trainer = Trainer(sharded(), self.precision, self.optim)
         self.trainer.grad_sum_factor = float(self.world)  # FSDP averages; the losses want the sum

@@ -158,13 +158,13 @@ class RolloutEngine:
         precision: str,
         eos_ids: Sequence[int],
         pad_id: int,
-        numerics: kernels.Numerics | None = None,
+        numerics: kernels.Numerics,
     ):
         self.config = config
         self.precision = precision
         # The device, and exact mode: the trainer's norm and attention numerics, so that μ is the
-        # trainer's π bit for bit.
-        self.numerics = numerics or kernels.numerics()
+        # trainer's π bit for bit. No default: an engine never computes with another mode's kernels by omission.
+        self.numerics = numerics
         self.dtype = prec.to_dtype(precision)
         self.device = self.numerics.device
         self.pad_id = pad_id

@@ -70,8 +70,8 @@ class Sampler:
         score_old: bool,
         probe: bool,
         micro_batch_tokens: int,
+        numerics: Numerics,
         routing_replay: bool = False,
-        numerics: Numerics | None = None,
     ):
         self.engine = RolloutEngine(config, rollout_precision, eos_ids, pad_id, numerics)
         self.trainer_precision = trainer_precision
@@ -83,8 +83,7 @@ class Sampler:
         # The trainer's model at the sampling weights (FP32 master copy), only when scoring.
         self.scorer = None
         if self.score_old or self.probe:
-            self.scorer = CausalLM(config).requires_grad_(False).to(self.engine.device)
-            self.scorer.numerics = self.engine.numerics
+            self.scorer = CausalLM(config, self.engine.numerics).requires_grad_(False).to(self.engine.device)
 
     @property
     def precision(self) -> str:
@@ -214,7 +213,6 @@ class Sampler:
         weights that sampled) first differ on one row of `batch`, stage by stage (`engines.locate`).
         The trainer's model is rebuilt from the engine's own weights: in the engine's precision
         they are the trainer's FP32 weights cast as the trainer casts them."""
-        model = CausalLM(self.engine.config).requires_grad_(False).to(self.engine.device)
+        model = CausalLM(self.engine.config, self.engine.numerics).requires_grad_(False).to(self.engine.device)
         model.load_state_dict({k: v.float() for k, v in self.engine.named_weights().items()}, strict=False)
-        model.numerics = self.engine.numerics
         return locate_row(model, self.engine, batch, row, self.engine.dtype)

@@ -65,7 +65,7 @@ class RolloutWeights:
         self.numerics = numerics
         self.device = numerics.device
         with torch.device("meta"):
-            names = CausalLM(config).state_dict().keys()
+            names = CausalLM(config, numerics).state_dict().keys()
         self._expected = {n for n in names if not (config.tie_word_embeddings and n == "lm_head.weight")}
         self.layers: list[LayerWeights] = []
         self.weight_version = -1

@@ -48,6 +48,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from parity.config import ConfigError
+from parity.engines import kernels
 from parity.engines.lora import AdapterError, load_adapter_state, read_adapter, save_adapter
 from parity.engines.models.config import ModelError
 from parity.engines.models.io import load_model, save_model
@@ -458,7 +459,7 @@ def load_checkpoint(
             tensors = _tensors(path / SHARDED_RNG)
         else:
             if trainer.lora is None:
-                weights = load_model(path / "model").state_dict()
+                weights = load_model(path / "model", kernels.numerics()).state_dict()
                 _check_weights(trainer, weights)
             else:
                 weights = read_adapter(path / ADAPTER_DIR, trainer.lora)

@@ -219,10 +219,9 @@ class Run:
         self.tokenizer = load_tokenizer(self.model_dir)
         # The kernels every engine of this run computes with, decided once (numerics.json records them).
         self.numerics = kernels.numerics(cfg.device, cfg.exact)
-        model = load_model(self.model_dir).to(cfg.device)
+        model = load_model(self.model_dir, self.numerics)
         require_finite_weights(model, self.model_dir, "nothing can be trained from them (`parity doctor` shows where)")
         model.activation_checkpointing = cfg.trainer.activation_checkpointing
-        model.numerics = self.numerics
         if cfg.moe.routing_replay and not model.config.num_experts:
             raise ConfigError(
                 f"moe.routing_replay=true: {cfg.model} is a dense {model.config.architecture} model with no experts"

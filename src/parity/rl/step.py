@@ -425,8 +425,7 @@ class LocalBackend:
         self.parts, self.trainer = parts, parts.trainer
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
-            reference = load_model(parts.model_dir).to(cfg.device)
-            reference.numerics = parts.numerics
+            reference = load_model(parts.model_dir, parts.numerics)
             self.reference = Trainer(reference, cfg.trainer_precision, self.trainer.optim_config)
             self.reference.model.requires_grad_(False)
         score_old = cfg.algorithm.ratio_source == "shadow"

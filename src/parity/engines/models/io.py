@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from parity.engines import kernels
 from parity.engines.models.config import ModelConfig, ModelError
 from parity.engines.models.modules import CausalLM
 from parity.engines.packing import pack
@@ -144,20 +145,23 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise ModelError(f"{model_dir}: no model.safetensors (or sharded index) found")
 
 
-def load_model(model_dir: str | Path, shard: Callable[[CausalLM], object] | None = None) -> CausalLM:
-    """Load FP32 weights from a Hugging Face directory, one tensor at a time. `trust_remote_code`
-    is never used. `shard` (FSDP2's `fully_shard` of each learner) is applied to the model before
-    any weight is read: the model is built on the meta device, sharded, given memory for its shards
-    only, and each process then reads only the rows of each tensor that its shards hold."""
+def load_model(
+    model_dir: str | Path, numerics: kernels.Numerics, shard: Callable[[CausalLM], object] | None = None
+) -> CausalLM:
+    """Load FP32 weights from a Hugging Face directory, one tensor at a time, into a model that computes with
+    `numerics` on its device (`kernels.numerics()`, the CPU's plain kernels, where only the weights are
+    wanted). `trust_remote_code` is never used. `shard` (FSDP2's `fully_shard` of each learner) is applied to
+    the model before any weight is read: the model is built on the meta device, sharded, given memory for its
+    shards only, and each process then reads only the rows of each tensor that its shards hold."""
     model_dir = resolve_model_dir(model_dir)
     cfg = load_config(model_dir)
     with _WeightFiles(_weight_files(model_dir)) as files:
         _check_sizes(cfg, files.file_shapes, model_dir)
         if shard is None:
-            model = CausalLM(cfg)
+            model = CausalLM(cfg, numerics)
         else:
             with torch.device("meta"):
-                model = CausalLM(cfg)
+                model = CausalLM(cfg, numerics)
             shard(model)
             model.to_empty(device="cpu")
             model.init_buffers()
@@ -188,7 +192,7 @@ def load_model(model_dir: str | Path, shard: Callable[[CausalLM], object] | None
             for name, param in params.items():
                 local, first = _local_rows(param)
                 local.copy_(files.read(name, first, first + local.shape[0]))
-    return model
+    return model if numerics.device.type == "cpu" else model.to(numerics.device)
 
 
 def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:

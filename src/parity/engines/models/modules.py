@@ -200,7 +200,7 @@ class CausalLM(nn.Module):
     (autograd flows through the cast). The rollout engine has its own inference path
     over the same weights."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, numerics: kernels.Numerics):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
@@ -211,13 +211,14 @@ class CausalLM(nn.Module):
         # Recompute each decoder layer in the backward instead of keeping its activations.
         self.activation_checkpointing = False
         self._casts: dict | None = None
-        self.numerics = kernels.numerics()
+        self.numerics = numerics
 
     @property
     def numerics(self) -> kernels.Numerics:
-        """How the model computes (device, exact mode); set it when the model is placed. In exact
-        mode attention and log-probs are computed as the rollout engine computes them, so that
-        both give the same bits (docs/exact.md)."""
+        """How the model computes (device, exact mode): given when the model is built (`load_model`), with no
+        default, so that no model runs on another mode's kernels by omission; a copy placed on another device
+        gets that device's. In exact mode attention and log-probs are computed as the rollout engine computes
+        them, so that both give the same bits (docs/exact.md)."""
         return self._numerics
 
     @numerics.setter
