@@ -578,3 +578,44 @@ def test_a_run_stopped_at_once_leaves_no_ray_process_and_resumes(tmp_path, how):
     assert main(["train", "--resume", str(run_dir), f"steps={target}"]) == 0
     assert _steps(run_dir) == list(range(1, target + 1))  # none missing, none twice
 
+
+# What PyTorch raises when a CUDA allocation fails (its message as an H100 gave it, shortened).
+CUDA_OOM = (
+    "CUDA out of memory. Tried to allocate 9.13 GiB. GPU 0 has a total capacity of 79.18 GiB of which 798.19 MiB "
+    "is free. Including non-PyTorch memory, this process has 78.39 GiB memory in use. If reserved but unallocated "
+    "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+)
+
+
+@pytest.mark.parametrize("phase", ["sampling", "update"])
+def test_a_device_out_of_memory_stops_the_run_in_one_line_naming_the_sizes(tmp_path, monkeypatch, capsys, phase):
+    """No GPU here: the allocation failure is raised where the GPU would raise it (the rollout engine's
+    generate, the trainer's backward); the run stops with exit 1 and one line that says how much was asked
+    and which keys set it, and the checkpoint written before it stays whole."""
+    from parity.engines.rollout import RolloutEngine
+
+    calls = {"n": 0}
+
+    def fail_from_step_2(original):
+        def wrapped(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] > 1:
+                raise torch.OutOfMemoryError(CUDA_OOM)
+            return original(*args, **kwargs)
+
+        return wrapped
+
+    if phase == "sampling":  # one generate a step: the second step's fails
+        monkeypatch.setattr(RolloutEngine, "generate", fail_from_step_2(RolloutEngine.generate))
+    else:  # one backward a step at this size
+        monkeypatch.setattr(Trainer, "backward", fail_from_step_2(Trainer.backward))
+    run_dir = tmp_path / "run"
+    assert _train(run_dir, "steps=3", "checkpoint_every=1", "eval.every=-1", "trainer.micro_batch_tokens=4096") == 1
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("parity")]  # beside the progress bar
+    assert len(said) == 1 and "Traceback" not in err, err
+    assert said[0].startswith("parity train: the run stopped: step 2: the device ran out of memory")
+    assert "Tried to allocate 9.13 GiB" in said[0] and "Including non-PyTorch" not in said[0]
+    key = "rollout.max_new_tokens=32" if phase == "sampling" else "trainer.micro_batch_tokens=4096"
+    assert key in said[0]
+    assert [c.name for c in checkpoints(run_dir)] == ["step_000001"]

@@ -148,6 +148,17 @@ def _saved_config(run_dir: Path) -> dict[str, Any] | None:
     return None
 
 
+@contextlib.contextmanager
+def _out_of_memory(step: int, phase: str, sizes: str):
+    """A device out of memory during `phase` of step `step` (0-based) as one line naming the sizes that set
+    its memory (TrainingError): PyTorch's own message runs to a paragraph of allocator advice."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        what = str(e).split(" Including ")[0].split(" See documentation")[0].strip()
+        raise TrainingError(f"step {step + 1}: the device ran out of memory {phase} ({what}); {sizes}") from None
+
+
 class Backend(Protocol):
     """The engines of a run, wherever they are. `step` is the 0-based index of the step under way."""
 
@@ -545,7 +556,15 @@ class Run:
         if t.lr_schedule != "constant" or t.warmup_steps:  # a constant rate stays the optimizer's own
             lr = scheduled_lr(t.lr, t.lr_schedule, t.warmup_steps, self.step_count, cfg.steps)
             self.plan = dataclasses.replace(self.plan, lr=lr)
-        problems, batch = self.backend.rollouts(self.step_count, times)
+        r = cfg.rollout
+        with _out_of_memory(
+            self.step_count,
+            "while sampling",
+            f"{cfg.prompts_per_step * r.group_size} rows (prompts_per_step × rollout.group_size) of up to "
+            f"rollout.max_new_tokens={r.max_new_tokens} new tokens, scored in micro-batches of "
+            f"trainer.micro_batch_tokens={cfg.trainer.micro_batch_tokens}: lower one of them",
+        ):
+            problems, batch = self.backend.rollouts(self.step_count, times)
 
         t = time.perf_counter()
         result = score_rollouts(batch, problems, self.tokenizer, self.rewards)
@@ -566,9 +585,15 @@ class Run:
         times["completions"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        old = self.backend.old_logprobs(batch, self.plan)
-        prepared = prepare(batch, result, self.plan, a.advantage, a.truncated, old)
-        update = self.backend.update(self.step_count, batch, prepared, self.plan)
+        with _out_of_memory(
+            self.step_count,
+            "in the update",
+            f"trainer.micro_batch_tokens={cfg.trainer.micro_batch_tokens} tokens per forward and backward: lower it "
+            "(or set trainer.activation_checkpointing=true)",
+        ):
+            old = self.backend.old_logprobs(batch, self.plan)
+            prepared = prepare(batch, result, self.plan, a.advantage, a.truncated, old)
+            update = self.backend.update(self.step_count, batch, prepared, self.plan)
         self._check_finite(update)
         times["train"] = time.perf_counter() - t
         pi_old = old_policy(prepared, update)
