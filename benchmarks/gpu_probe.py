@@ -424,6 +424,8 @@ def section_matmul(args) -> dict:
         "down": (cfg.hidden_size, cfg.intermediate_size),
         "lm_head": (cfg.vocab_size, cfg.hidden_size),
     }
+    if args.small:  # the CPU smoke, in Triton's interpreter: a short sum and a long one
+        shapes = {k: shapes[k] for k in ("qkv", "down")}
     # For a decode step's few rows: narrower tiles, more programs over the same weight read (the o and down
     # projections ran 28 programs on 132 multiprocessors at 64 x 64); K's chunk stays 64.
     few = [
@@ -436,7 +438,7 @@ def section_matmul(args) -> dict:
     ]
     out = {}
     for m in SIZES[args.size]["matmul_rows"]:
-        others = few if m < invariant.MANY_ROWS else []
+        others = (few[:2] if args.small else few) if m < invariant.MANY_ROWS else []
         for name, (n, k) in shapes.items():
             a = torch.randn(m, k, device=args.device).bfloat16()
             w = torch.randn(n, k, device=args.device).bfloat16()

@@ -500,10 +500,31 @@ def _start_and_wait_for_steps(run_dir: Path, extra: list[str], steps: int = 2) -
     return proc
 
 
+def _parent(pid: int) -> int:
+    try:  # /proc/PID/stat: "pid (name) state ppid ...", the name may hold spaces and parentheses
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):  # gone meanwhile
+        return 0
+
+
+def _new_ray_processes(before: set[int]) -> set[int]:
+    """Ray processes that appeared after `before` outside the process trees of those in it: a Ray cluster
+    already running (the tests' shared one, or the last test's on its way out) starts workers at any time,
+    while a run's processes left behind have lost their parent (they hang from init)."""
+    new = set()
+    for pid in _ray_processes() - before:
+        ancestor = _parent(pid)
+        while ancestor > 1 and ancestor not in before:
+            ancestor = _parent(ancestor)
+        if ancestor not in before:
+            new.add(pid)
+    return new
+
+
 def _gone_within(before: set[int], seconds: float) -> set[int]:
-    """Ray processes that appeared after `before` and are still running `seconds` later (at most)."""
+    """The run's Ray processes (`_new_ray_processes`) still running `seconds` later (at most)."""
     deadline = time.monotonic() + seconds
-    while (left := _ray_processes() - before) and time.monotonic() < deadline:
+    while (left := _new_ray_processes(before)) and time.monotonic() < deadline:
         time.sleep(0.5)
     return left
 
