@@ -145,10 +145,9 @@ def draw(
         fused = None if numerics is None else numerics.draw_unfiltered(logits, uniforms[:, 0], sampling.temperature)
         if fused is not None:
             return Draw(*fused, None)
-    logits = logits.float()
-    if not sampling.filtered:
-        logp = log_distribution(logits, sampling)
+        logp = log_distribution(logits.float(), sampling)
         return Draw(*_pick(logp, uniforms), logp)
+    logits = logits.float()
     z = logits / sampling.temperature if sampling.temperature != 1.0 else logits
     vocab = z.shape[-1]
     if widths.candidates >= vocab:

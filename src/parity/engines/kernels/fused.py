@@ -1,11 +1,12 @@
 """Fused elementwise work on CUDA (Triton): RoPE on the new token's query and key heads and the cache
-write of its key and value (one kernel per layer instead of nine); RMSNorm in one pass; SiLU(gate) · up
-in one pass (the rollout engine's, and in exact mode both engines', so that they agree by construction).
+write of its key and value (one kernel per layer instead of nine); RMSNorm, and the rollout engine's
+residual addition with it, in one pass; SiLU(gate) · up in one pass. RMSNorm and SiLU · up run in both
+engines in every mode on CUDA (`Numerics.fused_rows`), with backward kernels for the trainer, so that the
+engines agree on them by construction.
 
-Each element is computed as PyTorch's eager ops compute it, operation by operation: x·cos and
-rotate(x)·sin each rounded to the compute dtype, then their sum rounded (no fused multiply-add), so
-the roped query and key are the bits `models.modules.apply_rope` gives, which exact mode needs (the trainer
-ropes eagerly).
+RoPE computes each element as PyTorch's eager ops do, operation by operation: x·cos and rotate(x)·sin
+each rounded to the compute dtype, then their sum rounded (no fused multiply-add), so the roped query and
+key are the bits `models.modules.apply_rope` gives, which exact mode needs (the trainer ropes eagerly).
 """
 
 from __future__ import annotations
