@@ -248,7 +248,9 @@ class _SharedRay:
 def ray_cluster():
     """A Ray cluster of this machine shared by the session: an in-process distributed run finds Ray
     initialized and runs on it instead of starting its own (a `ray.init` costs seconds). Tests of how a
-    run starts, stops or cleans up its cluster, or that kill its processes, do not ask for it."""
+    run starts, stops or cleans up its own cluster (signals, the driver killed, Ray processes counted) do
+    not ask for it; a test that kills a rollout worker or a learner may: the run's `close()` kills its
+    other actors, and a cluster left with a CPU taken is replaced before the next test."""
     _SharedRay.start()
     yield
     if not _SharedRay.all_free():  # actors left behind: the next test gets a fresh cluster
@@ -256,9 +258,20 @@ def ray_cluster():
 
 
 @pytest.fixture(autouse=True)
-def _shared_ray_only_where_asked(request):
+def _shared_ray_only_where_asked(request, monkeypatch):
     if "ray_cluster" not in request.fixturenames:
         _SharedRay.stop()
+    if request.node.get_closest_marker("xdist_group") is None:
+        # A test outside ONE_RAY_AT_A_TIME that starts Ray in this process would run beside the tests that
+        # count Ray processes (in several processes) and fail them at random: fail it instead, by name.
+        from parity.distributed import cluster, driver
+
+        def refused(*_args, **_kwargs):
+            raise AssertionError(f"{request.node.nodeid} starts Ray: mark it ONE_RAY_AT_A_TIME (tests/conftest.py)")
+
+        monkeypatch.setattr(cluster.LocalCluster, "__init__", refused)
+        monkeypatch.setattr(cluster, "join", refused)
+        monkeypatch.setattr(driver, "join", refused)
     yield
 
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from conftest import TINY, metrics
+from conftest import ONE_RAY_AT_A_TIME, TINY, metrics
 from parity import config
 from parity.rl.algorithms import LossConfig, clip_active, token_clipped
 from parity.rl.diagnostics import gap_metrics, mismatch_alarm, phantom_clip_frac
@@ -143,7 +143,7 @@ def test_phantom_command_end_to_end(tmp_path):
     from parity.cli import main
 
     out = tmp_path / "phantom"
-    assert main(["phantom", "--out", str(out), "--steps", "6", "--eps", "0.001"]) == 0
+    assert main(["phantom", "--out", str(out), "--steps", "1", "--eps", "0.001"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     one = summary["one_update"]
     assert len(one) == 9
@@ -160,8 +160,9 @@ def test_phantom_command_end_to_end(tmp_path):
         assert (out / name).stat().st_size > 0
 
 
+@ONE_RAY_AT_A_TIME
 @pytest.mark.slow
-def test_writeup_experiment_on_a_checkpoint(llama_dir, tmp_path):
+def test_writeup_experiment_on_a_checkpoint(llama_dir, tmp_path, ray_cluster):
     """`parity phantom --model`'s arms on a real (tiny) checkpoint, synchronous and on Ray: with one update per
     rollout every clip of the ratio against μ is phantom, the ratio against π_old clips nothing at step 1, the
     clip can be switched off, and matched FP16 has no precision gap β."""

@@ -89,11 +89,11 @@ def test_sanity_quick_end_to_end(tmp_path, monkeypatch):
     # The built-in model named as a directory, and its task named: what `--model DIR` runs.
     model = ["--model", str(BUILTIN_DIR), "--task", "builtin"]
     runs = ["--runs", "fp16/pg_seq_is,bf16/grpo"]
-    assert main(["sanity", "--quick", "--out", str(out), *runs, *model, "steps=40"]) == 0
+    assert main(["sanity", "--quick", "--out", str(out), *runs, *model, "steps=8"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["settings"]["model"] == str(BUILTIN_DIR) and summary["settings"]["task"] == "builtin"
     # The override reached every run; the built-in model named as a directory keeps its learning rate.
-    assert summary["settings"]["steps"] == 40 and summary["settings"]["lr"] == 2e-4
+    assert summary["settings"]["steps"] == 8 and summary["settings"]["lr"] == 2e-4
     assert summary["perfectible"]["num_problems"] >= 64
     assert set(summary["runs"]) == {"fp16/pg_seq_is", "bf16/grpo"}
     for s in summary["runs"].values():

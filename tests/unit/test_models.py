@@ -161,16 +161,26 @@ def test_stacked_experts_load_as_the_per_expert_checkpoint(tmp_path):
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 
-def _load_on_rank(rank: int, world: int, model_dir, init_file, out_dir) -> None:
-    """One learner's side of test_each_learner_reads_only_its_rows: the FSDP2 model loaded as learners
-    load it, against the model loaded whole; what it found goes to out_dir/RANK.json."""
+def _load_on_rank(rank: int, world: int, model_dirs: dict, init_file, out_dir) -> None:
+    """One learner's side of test_each_learner_reads_only_its_rows, for each model of `model_dirs` in turn
+    (one process group for all: starting processes costs more than loading these models): the FSDP2 model
+    loaded as learners load it, against the model loaded whole; what it found goes to out_dir/NAME-RANK.json."""
     import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for name, model_dir in model_dirs.items():
+            (out_dir / f"{name}-{rank}.json").write_text(json.dumps(_sharded_load_findings(world, model_dir)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded_load_findings(world: int, model_dir) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from parity.distributed.actors import load_sharded
     from parity.engines.models import io as model_io
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     reads = []
     real_read = model_io._WeightFiles.read
 
@@ -194,7 +204,7 @@ def _load_on_rank(rank: int, world: int, model_dir, init_file, out_dir) -> None:
         packed = pack([[5, 6, 7, 8]], torch.tensor([[9, 10, 11]]), torch.ones(1, 3, dtype=torch.bool))
         with torch.no_grad():
             logits_equal = torch.equal(sharded(packed, torch.float32), whole(packed, torch.float32))
-        found = {
+        return {
             "local_equal": all(local_equal),
             "full_equal": all(full_equal),
             "buffers_equal": all(torch.equal(b, dict(whole.named_buffers())[n]) for n, b in sharded.named_buffers()),
@@ -203,28 +213,44 @@ def _load_on_rank(rank: int, world: int, model_dir, init_file, out_dir) -> None:
             "rows": {k: v.shape[0] for k, v in expected.items()},
             "logits_equal": logits_equal,
         }
-        (out_dir / f"{rank}.json").write_text(json.dumps(found))
     finally:
         model_io._WeightFiles.read = real_read
-        dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3_moe-stacked"])
-def test_each_learner_reads_only_its_rows(tmp_path, arch):
-    """FSDP2 learners build the model on the meta device, shard it and read only their own rows of each
-    weight (3 ranks: uneven shards, and a rank with no row of a short tensor); the shards make the
-    model loaded whole, bit for bit: tied embeddings stay tied, the RoPE tables are recomputed, and the
-    forward pass gives the same logits."""
+SHARDED_ARCHS = ("llama3", "qwen2", "qwen3_moe-stacked")
+SHARDED_WORLD = 3
+
+
+@pytest.fixture(scope="module")
+def sharded_loads(tmp_path_factory):
+    """Each of SHARDED_ARCHS loaded by 3 FSDP2 ranks (one spawn for all): {arch: (model_dir, [found per rank])}."""
     import torch.multiprocessing as mp
 
     from architectures import save_random_model
 
-    model_dir = save_random_model(tmp_path / "model", arch.removesuffix("-stacked"))
-    if arch.endswith("-stacked"):
-        model_dir = _stack_experts(model_dir, tmp_path / "stacked")
-    world = 3
-    mp.spawn(_load_on_rank, args=(world, model_dir, tmp_path / "init", tmp_path), nprocs=world, join=True)
-    found = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
+    root = tmp_path_factory.mktemp("sharded")
+    model_dirs = {}
+    for arch in SHARDED_ARCHS:
+        model_dir = save_random_model(root / arch / "model", arch.removesuffix("-stacked"))
+        if arch.endswith("-stacked"):
+            model_dir = _stack_experts(model_dir, root / arch / "stacked")
+        model_dirs[arch] = model_dir
+    world = SHARDED_WORLD
+    mp.spawn(_load_on_rank, args=(world, model_dirs, root / "init", root), nprocs=world, join=True)
+    return {
+        arch: (model_dir, [json.loads((root / f"{arch}-{r}.json").read_text()) for r in range(world)])
+        for arch, model_dir in model_dirs.items()
+    }
+
+
+@pytest.mark.parametrize("arch", SHARDED_ARCHS)
+def test_each_learner_reads_only_its_rows(sharded_loads, arch):
+    """FSDP2 learners build the model on the meta device, shard it and read only their own rows of each
+    weight (3 ranks: uneven shards, and a rank with no row of a short tensor); the shards make the
+    model loaded whole, bit for bit: tied embeddings stay tied, the RoPE tables are recomputed, and the
+    forward pass gives the same logits."""
+    model_dir, found = sharded_loads[arch]
+    world = SHARDED_WORLD
     tied = load_model(model_dir, kernels.numerics()).config.tie_word_embeddings
     for rank in found:
         assert rank["local_equal"] and rank["full_equal"] and rank["buffers_equal"] and rank["logits_equal"]

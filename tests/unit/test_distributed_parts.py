@@ -1,0 +1,94 @@
+"""The parts of a distributed run that need no cluster: the config's refusals, joining batches, and a
+rollout worker's check of the weights it is sent."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from conftest import SMALL
+from parity import config
+from parity.config import ConfigError
+from parity.distributed.actors import RolloutWorker
+from parity.distributed.sync import SyncError, pack_weights
+from parity.engines import kernels
+from parity.engines.batch import concat_batches
+from parity.engines.models.io import load_model, resolve_model_dir
+from parity.engines.sampler import Sampler
+from parity.engines.sampling import SamplingParams
+from parity.rl.train_config import TrainConfig
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["distributed.learners=2"], "needs distributed.rollout_workers >= 1"),
+        (["async.max_staleness=1"], "asynchronous training needs rollout workers"),
+        (["distributed.rollout_workers=1", "distributed.learners=3"], "must divide the rows of a mini-batch"),
+        (["distributed.rollout_workers=9"], "more than prompts_per_step"),
+        (["async.max_staleness=-1"], r"async\.max_staleness"),
+    ],
+)
+def test_bad_distributed_combinations_are_refused_before_any_work(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config.load(TrainConfig, None, SMALL + overrides)
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def test_concat_batches_keeps_rows_and_groups():
+    model_dir = resolve_model_dir("builtin")
+    model = load_model(model_dir, kernels.numerics())
+    sampler = Sampler(
+        model.config,
+        "fp32",
+        "fp32",
+        (2,),
+        0,
+        score_old=True,
+        probe=False,
+        micro_batch_tokens=8192,
+        numerics=kernels.numerics(),
+    )
+    sampler.load_weights({k: v for k, v in model.state_dict().items()}, 0)
+    sampling = SamplingParams(max_new_tokens=12, top_k=8)
+    a = sampler.generate([[5, 6, 7]], 2, sampling, seed=1)
+    b = sampler.generate([[5, 6], [9, 9, 9, 9]], 3, sampling, seed=2)
+    for part in (a, b):
+        sampler.score_samples(part)
+    both = concat_batches([a, b])
+    assert both.response_ids.shape[0] == 2 + 6
+    assert both.group_index.tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
+    assert both.num_tokens == a.num_tokens + b.num_tokens
+    assert torch.equal(both.rollout_logprobs[2:, : b.response_ids.shape[1]], b.rollout_logprobs)
+    assert torch.equal(both.old_logprobs[:2, : a.response_ids.shape[1]], a.old_logprobs)
+    assert (both.support[:2, a.support.shape[1] :] == -1).all()
+
+
+def test_weight_sync_verification_names_the_damaged_tensor():
+    """A worker loads a sync, checks both of its copies, and refuses one damaged in transit."""
+    model_dir = resolve_model_dir("builtin")
+    state = {k: v for k, v in load_model(model_dir, kernels.numerics()).named_parameters()}
+    bf16 = config.load(TrainConfig, None, ["precision=bf16"])
+    worker = RolloutWorker(0, str(model_dir), bf16, threads=None)
+    tensors, manifest = pack_weights(state, 3, "bf16", "bf16")
+    assert manifest.wire_dtype == "bfloat16" and manifest.engine == manifest.scorer
+    assert worker.load_weights(tensors, manifest)["verified"] == 1.0
+    assert worker.sampler.weight_version == 3
+
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name] = tensors[name].clone()
+    tensors[name][3, 5] += 1.0  # one value damaged after the checksums were taken
+    with pytest.raises(SyncError, match=re.escape(f"v3: {name} in rollout worker 0 (rollout engine)")):
+        worker.load_weights(tensors, manifest)
+
+    # Mixed precisions send FP32 (the π_old scorer needs the master weights) with two checksum sets.
+    tensors, manifest = pack_weights(state, 4, "bf16", "fp32")
+    assert manifest.wire_dtype == "float32" and manifest.engine != manifest.scorer
+    mixed = ["rollout.precision=bf16", "trainer.precision=fp32", "allow_precision_mismatch=true"]
+    mixed.append("algorithm.probe=true")
+    worker = RolloutWorker(1, str(model_dir), config.load(TrainConfig, None, mixed), threads=None)
+    assert worker.load_weights(tensors, manifest)["verified"] == 1.0
