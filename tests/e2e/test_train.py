@@ -211,7 +211,8 @@ def _mean_last(history: list[dict], key: str, n: int = 5) -> float:
 @pytest.mark.slow
 def test_fp16_pg_seq_is_raises_accuracy(tmp_path):
     run = Run.create(
-        config.load(TrainConfig, None, [f"run_dir={tmp_path}", "steps=40", "checkpoint_every=0", "tensorboard=false"]),
+        # 30 steps: accuracy +0.27 on AVX-512, +0.28 on AVX2 (the test asks for +0.2)
+        config.load(TrainConfig, None, [f"run_dir={tmp_path}", "steps=30", "checkpoint_every=0", "tensorboard=false"]),
         progress=False,
     )
     history = run.train()
