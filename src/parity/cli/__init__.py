@@ -8,6 +8,7 @@ import sys
 
 from parity.cli import build_model, doctor, evaluate, mismatch, perfectible, phantom, report, sanity, train
 from parity.config import ConfigError
+from parity.distributed.cluster import ClusterStartError
 from parity.engines.models.config import ModelError
 from parity.rl.checkpoint import CheckpointError
 from parity.rl.data import DataError
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     reuse_freed_memory()  # every command allocates tensors of a few MiB per step
     use_free_cores()  # threads for the cores other processes leave free
     # Exit codes: 2 for input that cannot be used (config, model, data, checkpoint files, an
-    # unwritable path), 1 for a run that stopped because going on would train on garbage.
+    # unwritable path), 1 for a run that stopped because going on would train on garbage, or that
+    # could not start the Ray cluster it computes on.
     try:
         return args.func(args)
     except (ConfigError, ModelError, DataError, CheckpointError) as e:
@@ -60,4 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (TrainingError, RewardError) as e:
         print(f"parity {args.command}: the run stopped: {e}", file=sys.stderr)
+        return 1
+    except ClusterStartError as e:
+        print(f"parity {args.command}: error: {e}", file=sys.stderr)
         return 1

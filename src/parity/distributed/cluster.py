@@ -28,6 +28,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -85,6 +86,9 @@ class LocalCluster:
                     logging_level="ERROR",
                     log_to_driver=True,
                 )
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its node does not come up
+            self.stop()
+            raise ClusterStartError(_cannot_start(e)) from None
         except BaseException:
             self.stop()
             raise
@@ -97,6 +101,20 @@ class LocalCluster:
         if self.reaper.poll() is None:
             self.reaper.kill()  # killed, not told: a closed pipe is its signal to reap
             self.reaper.wait()
+
+
+class ClusterStartError(RuntimeError):
+    """Ray could not start a cluster on this machine for the run."""
+
+
+def _cannot_start(error: Exception) -> str:
+    logs = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" / "session_latest" / "logs"
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return (
+        f"Ray could not start a cluster on this machine ({first}); its logs are in {logs}. A machine too busy "
+        "to start Ray's processes in its 30 s, or a RAY_TMPDIR whose socket paths exceed 107 bytes, does this; "
+        "or run on a cluster you start (`ray start --head`, then distributed.address=HOST:PORT)"
+    )
 
 
 class JoinInterrupted(Exception):
