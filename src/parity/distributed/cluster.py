@@ -112,8 +112,9 @@ def _cannot_start(error: Exception) -> str:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return (
         f"Ray could not start a cluster on this machine ({first}); its logs are in {logs}. A machine too busy "
-        "to start Ray's processes in its 30 s, or a RAY_TMPDIR whose socket paths exceed 107 bytes, does this; "
-        "or run on a cluster you start (`ray start --head`, then distributed.address=HOST:PORT)"
+        "to start Ray's processes within Ray's 30 s, or a RAY_TMPDIR whose socket paths exceed 107 bytes, "
+        "causes this: try again, or run on a cluster you start (`ray start --head`, then "
+        "distributed.address=HOST:PORT)"
     )
 
 
