@@ -3,6 +3,7 @@ damaged checkpoints, leftovers, clean errors and hostile run directories (issue 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -521,12 +522,20 @@ def _new_ray_processes(before: set[int]) -> set[int]:
     return new
 
 
-def _gone_within(before: set[int], seconds: float) -> set[int]:
-    """The run's Ray processes (`_new_ray_processes`) still running `seconds` later (at most)."""
+def _gone_within(before: set[int], seconds: float) -> dict[int, str]:
+    """The run's Ray processes (`_new_ray_processes`) still running `seconds` later (at most), with their
+    command lines and parents, so that a failure says whose they are."""
+    import psutil
+
     deadline = time.monotonic() + seconds
     while (left := _new_ray_processes(before)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    return left
+    described = {}
+    for pid in left:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            described[pid] = f"{' '.join(proc.cmdline())[:200]} (parent {proc.ppid()})"
+    return described
 
 
 RAY = ["distributed.rollout_workers=1", "distributed.learners=1"]
@@ -567,7 +576,7 @@ def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path, sig, 
         f"step_{stopped_at:06d}; continue with `parity train --resume {run_dir}`"
     ), err
     assert [c.name for c in checkpoints(run_dir)] == [f"step_{stopped_at:06d}"]
-    assert _gone_within(before, 10) == set()
+    assert _gone_within(before, 10) == {}
     assert main(["train", "--resume", str(run_dir), f"steps={stopped_at + 1}"]) == 0
     assert _steps(run_dir) == list(range(1, stopped_at + 2))
 
@@ -594,7 +603,7 @@ def test_a_run_stopped_at_once_leaves_no_ray_process_and_resumes(tmp_path, how):
         assert re.search(r"stopped by SIGTERM (during|after) step \d+; the newest checkpoint is step_", err), err
     else:
         assert code == -signal.SIGKILL
-    assert _gone_within(before, 15) == set()
+    assert _gone_within(before, 15) == {}
     target = max(_steps(run_dir)) + 2
     assert main(["train", "--resume", str(run_dir), f"steps={target}"]) == 0
     assert _steps(run_dir) == list(range(1, target + 1))  # none missing, none twice
