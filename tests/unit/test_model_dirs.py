@@ -439,13 +439,13 @@ with open(root / "results.jsonl", "a") as results:
 
 @pytest.fixture(scope="module")
 def bombs_rendered(llama_dir, tmp_path_factory) -> dict[str, dict]:
-    root = tmp_path_factory.mktemp("bombs")
-    for i, name in enumerate(sorted(BOMBS)):
+    root, names = tmp_path_factory.mktemp("bombs"), sorted(BOMBS)
+    for i, name in enumerate(names):
         shutil.copytree(llama_dir, root / f"{i:02d}")
         (root / f"{i:02d}" / "chat_template.jinja").write_text(BOMBS[name])
     done = subprocess.run([sys.executable, "-c", BOMB_RUNNER, str(root)], capture_output=True, text=True, timeout=600)
     lines = (root / "results.jsonl").read_text().splitlines() if (root / "results.jsonl").exists() else []
-    found = {sorted(BOMBS)[int(r["model"])]: r for r in map(json.loads, lines)}
+    found = {names[int(r["model"])]: r for r in map(json.loads, lines)}
     return {name: found.get(name, {"died": done.stderr[-2000:]}) for name in BOMBS}
 
 
