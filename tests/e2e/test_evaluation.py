@@ -237,10 +237,10 @@ def test_exact_mode_stops_when_a_whole_distribution_differs(tmp_path):
         return batch
 
     run.backend.sampler.engine.generate = tampered
-    before = {n: p.detach().clone() for n, p in run.trainer.model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in run.backend.trainer.model.named_parameters()}
     with pytest.raises(TrainingError, match="the whole next-token distribution differs though every sampled token"):
         run.train()
-    assert all(torch.equal(p, before[n]) for n, p in run.trainer.model.named_parameters())
+    assert all(torch.equal(p, before[n]) for n, p in run.backend.trainer.model.named_parameters())
 
 
 def test_mismatch_reports_full_vocabulary_and_batch_shape(tmp_path):

@@ -55,7 +55,7 @@ def test_exact_mode_with_lora_merged_and_unmerged(tmp_path, precision, merge):
     history = run.train()
     assert [m["mismatch/exact_tokens_frac"] for m in history] == [1.0] * 3
     assert all(m["full_vocab/max_abs_log_ratio"] == 0.0 for m in history)
-    trained = [p for n, p in run.trainer.model.named_parameters() if n.endswith("lora_B")]
+    trained = [p for n, p in run.backend.trainer.model.named_parameters() if n.endswith("lora_B")]
     assert trained and all(float(p.detach().abs().max()) > 0 for p in trained)  # the adapters moved off zero
 
 
@@ -66,8 +66,8 @@ def test_the_runtime_check_stops_the_run_and_names_the_stage(tmp_path):
     cfg = config.load(TrainConfig, None, [f"run_dir={tmp_path / 'run'}", "exact=true", "steps=3", *TINY_RUN])
     run = Run.create(cfg, progress=False)
     run.backend.sampler.engine.numerics = kernels.numerics(exact=False)
-    before = {n: p.detach().clone() for n, p in run.trainer.model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in run.backend.trainer.model.named_parameters()}
     with pytest.raises(TrainingError, match=r"step 1: exact=true, but .* engines first part at layer0\.input_norm"):
         run.train()
-    assert all(torch.equal(p, before[n]) for n, p in run.trainer.model.named_parameters())
-    assert run.trainer.weight_version == 0 and not (tmp_path / "run" / "checkpoints").exists()
+    assert all(torch.equal(p, before[n]) for n, p in run.backend.trainer.model.named_parameters())
+    assert run.backend.trainer.weight_version == 0 and not (tmp_path / "run" / "checkpoints").exists()

@@ -165,12 +165,12 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(tmp_path):
         config.load(TrainConfig, None, [f"run_dir={tmp_path}", "precision=bf16", "lora.rank=4", "steps=2", *TINY]),
         progress=False,
     )
-    model = run.trainer.model
+    model = run.backend.trainer.model
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not n.endswith(("lora_A", "lora_B"))}
     start = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(("lora_A", "lora_B"))}
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for n, p in model.named_parameters() if n in base)
     assert all(p.dtype == torch.float32 and p.requires_grad for n, p in model.named_parameters() if n in start)
-    assert {id(p) for p in run.trainer.params} == {id(p) for n, p in model.named_parameters() if n in start}
+    assert {id(p) for p in run.backend.trainer.params} == {id(p) for n, p in model.named_parameters() if n in start}
     assert len(start) == 2 * 7 * model.config.num_layers
     run.step()
     run.step()
@@ -235,7 +235,7 @@ def test_unmerged_lora_shares_the_base_and_syncs_only_adapters(tmp_path, monkeyp
         ),
         progress=False,
     )
-    model, engine = run.trainer.model, run.backend.sampler.engine
+    model, engine = run.backend.trainer.model, run.backend.sampler.engine
     o_proj = model.model.layers[0].self_attn.o_proj
     # The frozen base is held once: a projection the engine does not fuse is the trainer's own BF16
     # tensor, and the trainer's Q, K, V, gate and up are views into the engine's fused projections.
@@ -254,7 +254,7 @@ def test_unmerged_lora_shares_the_base_and_syncs_only_adapters(tmp_path, monkeyp
     assert a.dtype == b.dtype == torch.float32
     assert torch.equal(a, o_proj.lora_A.to(torch.bfloat16).float())
     assert torch.equal(b, (o_proj.lora_B * o_proj.scale).to(torch.bfloat16).float()) and b.abs().max() > 0
-    assert engine.weight_version == run.trainer.weight_version == 2
+    assert engine.weight_version == run.backend.trainer.weight_version == 2
 
 
 # ----------------------------------------------------------------------------- checkpoints

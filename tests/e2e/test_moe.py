@@ -79,9 +79,9 @@ def test_train_with_replay_logs_routing_and_trains_the_router(moe_dir, tmp_path)
     cfg.task.name, cfg.moe.routing_replay = "length", True
     cfg.validate()
     run = Run.create(cfg, progress=False)
-    before = run.trainer.model.model.layers[0].mlp.gate.weight.detach().clone()
+    before = run.backend.trainer.model.model.layers[0].mlp.gate.weight.detach().clone()
     run.train()
-    assert not torch.equal(before, run.trainer.model.model.layers[0].mlp.gate.weight.detach())
+    assert not torch.equal(before, run.backend.trainer.model.model.layers[0].mlp.gate.weight.detach())
     logged = metrics(tmp_path / "run")
     assert all(row["moe/routing_mismatch"] == 0.0 for row in logged)  # FP32 both sides
     assert "moe/routing_mismatch_layer1" in logged[0]

@@ -81,7 +81,7 @@ def test_non_finite_weights_stop_the_run_and_are_never_saved(tmp_path):
     run = Run.create(config.load(TrainConfig, None, [f"run_dir={tmp_path / 'r'}", "precision=fp32", *TINY]), False)
     run.step()
     run.checkpoint()
-    run.trainer.optimizer.param_groups[0]["lr"] = float("inf")  # a divergence, past the config's checks
+    run.backend.trainer.optimizer.param_groups[0]["lr"] = float("inf")  # a divergence, past the config's checks
     with pytest.raises(TrainingError, match=r"step 2: the weights hold inf/NaN .* newest checkpoint is step_000001"):
         run.step()
     assert run.step_count == 1  # the bad step is not counted, synced or logged
@@ -160,7 +160,7 @@ def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
     ckpts = tmp_path / "r" / "checkpoints"
     for step in (1, 2, 3):
         run.step_count = step
-        save_checkpoint(run.run_dir, run.trainer, RunState(step, 0, 0), run.model_dir, keep=1)
+        save_checkpoint(run.run_dir, run.backend.trainer, RunState(step, 0, 0), run.model_dir, keep=1)
         assert [p.name for p in ckpts.glob("step_*")] == [f"step_{step:06d}"]
     run.rewards.close()
 

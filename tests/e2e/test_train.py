@@ -72,7 +72,7 @@ def test_a_rejection_rule_gets_old_before_the_update_and_the_prepared_batch_is_f
     run = Run.create(cfg, progress=False)
     try:
         problems, batch = run.backend.rollouts(run.step_count, {})
-        old, source = resolve_old(batch, run.plan, run.trainer)
+        old, source = resolve_old(batch, run.plan, run.backend.trainer)
         assert source == "learner_pass" and old.shape == batch.rollout_logprobs.shape
         result = score_rollouts(batch, problems, run.tokenizer, run.rewards)
         prepared = prepare(batch, result, run.plan, "drgrpo", "zero_reward", (old, source))

@@ -154,7 +154,7 @@ def test_a_run_records_its_numerics(tmp_path):
     recorded = json.loads((tmp_path / "run" / "numerics.json").read_text())
     assert recorded == kernels.numerics("cpu", True).describe()
     assert recorded["exact"] == "true" and recorded["matmul_fp32"] == cpu.NATIVE
-    assert run.trainer.model.numerics is run.backend.sampler.engine.numerics is run.numerics
+    assert run.backend.trainer.model.numerics is run.backend.sampler.engine.numerics is run.numerics
 
 
 @pytest.mark.cuda

@@ -14,6 +14,8 @@ from parity.engines.models.config import ModelError
 from parity.engines.models.io import load_model, resolve_model_dir, save_model
 from parity.engines.packing import pack
 from parity.engines.tokenizer import copy_tokenizer_files, load_tokenizer
+from parity.engines.trainer import OptimConfig, Trainer
+from parity.rl.checkpoint import RunState, save_checkpoint
 
 
 @pytest.mark.parametrize("fixture", ["llama_dir", "qwen2_dir"])
@@ -170,16 +172,20 @@ def _load_on_rank(rank: int, world: int, model_dirs: dict, init_file, out_dir) -
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         for name, model_dir in model_dirs.items():
-            (out_dir / f"{name}-{rank}.json").write_text(json.dumps(_sharded_load_findings(world, model_dir)))
+            checkpoint = out_dir / f"{name}-run" / "checkpoints" / "step_000001"
+            found = _sharded_load_findings(world, model_dir, checkpoint)
+            (out_dir / f"{name}-{rank}.json").write_text(json.dumps(found))
     finally:
         dist.destroy_process_group()
 
 
-def _sharded_load_findings(world: int, model_dir) -> dict:
+def _sharded_load_findings(world: int, model_dir, checkpoint) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
+    from parity.config import ConfigError
     from parity.distributed.actors import load_sharded
     from parity.engines.models import io as model_io
+    from parity.rl.checkpoint import load_checkpoint
 
     reads = []
     real_read = model_io._WeightFiles.read
@@ -204,7 +210,13 @@ def _sharded_load_findings(world: int, model_dir) -> dict:
         packed = pack([[5, 6, 7, 8]], torch.tensor([[9, 10, 11]]), torch.ones(1, 3, dtype=torch.bool))
         with torch.no_grad():
             logits_equal = torch.equal(sharded(packed, torch.float32), whole(packed, torch.float32))
+        try:  # a learner given a one-process checkpoint (a learner group writes sharded ones only)
+            load_checkpoint(checkpoint, Trainer(sharded, "fp32", OptimConfig()))
+            refused = None
+        except ConfigError as e:
+            refused = str(e)
         return {
+            "whole_checkpoint_refused": refused,
             "local_equal": all(local_equal),
             "full_equal": all(full_equal),
             "buffers_equal": all(torch.equal(b, dict(whole.named_buffers())[n]) for n, b in sharded.named_buffers()),
@@ -235,6 +247,8 @@ def sharded_loads(tmp_path_factory):
         if arch.endswith("-stacked"):
             model_dir = _stack_experts(model_dir, root / arch / "stacked")
         model_dirs[arch] = model_dir
+        whole = Trainer(load_model(model_dir, kernels.numerics()), "fp32", OptimConfig())
+        save_checkpoint(root / f"{arch}-run", whole, RunState(1, 0), model_dir, keep=1)
     world = SHARDED_WORLD
     mp.spawn(_load_on_rank, args=(world, model_dirs, root / "init", root), nprocs=world, join=True)
     return {
@@ -248,13 +262,16 @@ def test_each_learner_reads_only_its_rows(sharded_loads, arch):
     """FSDP2 learners build the model on the meta device, shard it and read only their own rows of each
     weight (3 ranks: uneven shards, and a rank with no row of a short tensor); the shards make the
     model loaded whole, bit for bit: tied embeddings stay tied, the RoPE tables are recomputed, and the
-    forward pass gives the same logits."""
+    forward pass gives the same logits. A learner given a one-process checkpoint refuses it in one line."""
     model_dir, found = sharded_loads[arch]
     world = SHARDED_WORLD
     tied = load_model(model_dir, kernels.numerics()).config.tie_word_embeddings
     for rank in found:
         assert rank["local_equal"] and rank["full_equal"] and rank["buffers_equal"] and rank["logits_equal"]
         assert rank["tied"] == tied
+        assert (
+            "a one-process checkpoint; a learner group resumes its own sharded ones" in rank["whole_checkpoint_refused"]
+        )
     rows = found[0]["rows"]
     for name, total in rows.items():
         if tied and name == "lm_head.weight":

@@ -28,8 +28,8 @@ from parity.engines.partial import PartialRollouts, PoolRequest
 from parity.engines.sampler import ExactnessError, check_first_pass
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
-from parity.engines.trainer import Trainer, TrainerState
-from parity.rl.checkpoint import load_shards, local_parameters, non_finite_tensors, save_shards
+from parity.engines.trainer import Trainer
+from parity.rl.checkpoint import RunState, load_checkpoint, local_parameters, non_finite_tensors, save_shards
 from parity.rl.step import Prepared, UpdatePlan, UpdateResult, build_sampler, train_on_batch
 from parity.rl.train_config import TrainConfig
 from parity.runtime import reuse_freed_memory
@@ -140,40 +140,37 @@ class Learner:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def setup(self, host: str, port: int) -> None:
-        """Join the process group, load the model, shard it, build the trainer."""
+        """Join the process group and build the trainer on the base model."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world)
-        mesh = init_device_mesh("cpu", (self.world,))
-
-        def sharded() -> torch.nn.Module:
-            return load_sharded(Path(self.model_dir), mesh, self.numerics)
-
-        self.trainer = Trainer(sharded(), self.precision, self.optim)
-        self.trainer.grad_sum_factor = float(self.world)  # FSDP averages; the losses want the sum
+        self.mesh = init_device_mesh("cpu", (self.world,))
+        self.reset()
         if self.with_reference:
-            self.reference = Trainer(sharded(), self.precision, self.optim)
+            self.reference = Trainer(self._sharded_base(), self.precision, self.optim)
             self.reference.model.requires_grad_(False)
 
-    def load_state(self, state: TrainerState) -> None:
-        self.trainer.load_full_state(state)
+    def _sharded_base(self) -> CausalLM:
+        model = load_sharded(Path(self.model_dir), self.mesh, self.numerics)
+        model.activation_checkpointing = self.optim.activation_checkpointing
+        return model
 
-    def read_shards(self, folder: str) -> list[str]:
-        """This learner's shards of a sharded checkpoint, read in place (every learner at once; DCP reshards
-        from any learner count): the weights and AdamW state, never the whole model. Returns the names of
-        non-finite local tensors."""
-        return load_shards(Path(folder), self.trainer)
+    def reset(self) -> None:
+        """A trainer on the base model, as at the start (after a checkpoint's read failed part way)."""
+        self.trainer = None  # the old one's memory goes before the new one is read
+        self.trainer = Trainer(self._sharded_base(), self.precision, self.optim)
+        self.trainer.grad_sum_factor = float(self.world)  # FSDP averages; the losses want the sum
 
-    def set_run_state(self, scaler: dict[str, float], weight_version: int) -> None:
-        """The loss scaler and weight version a checkpoint read in place keeps beside the shards."""
-        self.trainer.scaler.load_state_dict(scaler)
-        self.trainer.weight_version = weight_version
+    def restore(self, folder: str) -> RunState:
+        """A sharded checkpoint into this learner (every learner at once; the driver verified its files): its
+        own shards, read in place, never the whole model."""
+        return load_checkpoint(Path(folder), self.trainer, verified=True)
 
-    def full_state(self) -> TrainerState | None:
-        """The unsharded state on rank 0 (every rank joins the gathers), None elsewhere."""
-        state = self.trainer.full_state()
-        return state if self.rank == 0 else None
+    def weights(self) -> tuple[dict[str, torch.Tensor], int] | None:
+        """The unsharded FP32 weights and their version on rank 0 (every rank joins the gathers), None elsewhere."""
+        weights = self.trainer.full_weights()
+        return (weights, self.trainer.weight_version) if self.rank == 0 else None
 
     def export(self, version: int, rollout_precision: str, trainer_precision: str):
         """Weights for the workers (rank 0 returns tensors and manifest; every rank joins the gathers)."""

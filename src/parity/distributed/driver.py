@@ -34,10 +34,11 @@ from parity.config import ConfigError
 from parity.distributed.actors import Learner, RolloutWorker
 from parity.distributed.cluster import LocalCluster, import_ray, join, require_cpus
 from parity.engines.batch import RolloutBatch, concat_batches
-from parity.engines.models.io import load_config
+from parity.engines.models.io import load_config, load_model
+from parity.engines.models.modules import CausalLM
 from parity.engines.partial import PoolRequest
 from parity.engines.sampler import ExactnessError
-from parity.rl.checkpoint import CheckpointError, RunState, save_checkpoint
+from parity.rl.checkpoint import CheckpointError, RunState, restore_latest, save_checkpoint, verify_checkpoint
 from parity.rl.loop import Backend
 from parity.rl.problems import Problem
 from parity.rl.step import LocalBackend, Prepared, RunParts, TrainingError, UpdatePlan, UpdateResult, resolve_old
@@ -105,11 +106,15 @@ def _actor_death(ref) -> str | None:
 
 
 class RayBackend:
-    """Samples on Ray rollout workers, trains on FSDP2 learners. The driver's `trainer` holds the run's
-    state between checkpoints (the scaler, the version) and, gathered, the weights an evaluation reads."""
+    """Samples on Ray rollout workers, trains on FSDP2 learners. The learners hold the trained state (the
+    weights, AdamW, the loss scaler and version); this process holds no model but the one an evaluation
+    that scores with the trainer's code path loads when it first runs."""
+
+    loads_own_model = True
 
     def __init__(self, parts: RunParts):
-        self.parts, self.trainer = parts, parts.trainer
+        self.parts = parts
+        self.eval_model: CausalLM | None = None
         self.cfg, self.model_dir, self.run_dir = parts.cfg, parts.model_dir, parts.run_dir
         self.step = 0  # the step under way (0-based), for messages
         self.cluster, self.workers, self.learners = None, [], []
@@ -158,55 +163,58 @@ class RayBackend:
         self.outstanding: dict[int, tuple[Problem, int, int]] = {}
         self.spare = [0] * len(self.workers)
         self.next_key = 0
-        self.consumed_position = parts.data.position
+        self.consumed_position = parts.data.position  # `restore` moves it
         self.step_end = time.perf_counter()
         self.sync_metrics: dict[str, float] = {}
         self.async_metrics: dict[str, float] = {}
         self._push_weights(version=0)
 
-    def shard_reader(self) -> Callable[[Path], list[str]]:
-        """The learners read a sharded checkpoint's weights and AdamW state in place, each its own shards:
-        no process holds the trained model whole. The driver's trainer keeps the base model and a fresh
-        optimizer, so a checkpoint the resume sets aside is undone by handing the learners that."""
+    def restore(self, log: Callable[[str], None]) -> RunState | None:
+        """Every learner reads its own shards of the checkpoint in place (DCP reshards from any learner
+        count): no process holds the trained model whole. A read that fails part way puts the learners back
+        on the base model before the next checkpoint is tried."""
 
-        def read(folder: Path) -> list[str]:
+        def load(path: Path) -> RunState:
+            problem = verify_checkpoint(path)  # here, once, not by every learner
+            if problem is not None:
+                raise CheckpointError(f"{path}: {problem}")
             try:
-                bad = sorted({name for bad in self._learners_call("read_shards", str(folder)) for name in bad})
+                return self._learners_call("restore", str(path))[0]
             except CheckpointError:
-                self._learners_take_driver_state()
+                self._learners_call("reset")
                 raise
-            if bad:
-                self._learners_take_driver_state()
-            return bad
 
-        return read
+        state = restore_latest(self.run_dir, load, log)
+        if state is not None:
+            self.step = state.step
+            self.consumed_position = state.data_position
+            self._push_weights(version=state.step)
+        return state
 
-    def _learners_take_driver_state(self) -> None:
-        self._learners_call("load_state", self.trainer.full_state())
+    def learner_weights(self) -> tuple[dict[str, torch.Tensor], int]:
+        """The learners' weights, gathered (FP32, by name), and their version."""
+        return self._learners_call("weights")[0]
 
-    def restored(self, state: RunState) -> None:
-        self.step = state.step
-        if state.read_in_place:  # the learners hold the shards; the scaler and version came to the driver
-            self._learners_call("set_run_state", self.trainer.scaler.state_dict(), self.trainer.weight_version)
-        else:  # a one-process checkpoint: the driver read it whole
-            self._learners_take_driver_state()
-        self.consumed_position = self.parts.data.position
-        self._push_weights(version=state.step)
-
-    def gather(self) -> None:
-        self.trainer.load_full_state(self._learners_call("full_state")[0])
+    def evaluation_policy(self, with_model: bool) -> tuple[dict[str, torch.Tensor], int, CausalLM | None]:
+        weights, version = self.learner_weights()
+        if not with_model:
+            return weights, version, None
+        if self.eval_model is None:
+            self.eval_model = load_model(self.model_dir, self.parts.numerics).float()
+        with torch.no_grad():
+            for name, p in self.eval_model.named_parameters():
+                p.copy_(weights[name])
+        return weights, version, self.eval_model
 
     def save(self, run_dir: Path, state: RunState, keep: int) -> Path:
         """A sharded checkpoint: the learners write their own shards (nothing is gathered), the
         driver the run's state beside them (`rl.checkpoint`)."""
-        return save_checkpoint(run_dir, self.trainer, state, self.model_dir, keep, self._save_shards)
+        return save_checkpoint(run_dir, self._save_shards, state, self.model_dir, keep)
 
-    def _save_shards(self, folder: Path) -> list[str]:
+    def _save_shards(self, folder: Path) -> tuple[list[str], dict[str, float], int]:
         parts = self._learners_call("save_shards", str(folder))
-        _, scaler, version = parts[0]  # the state.json the driver writes holds the learners' scaler and version
-        self.trainer.scaler.load_state_dict(scaler)
-        self.trainer.weight_version = version
-        return sorted({name for bad, _, _ in parts for name in bad})
+        _, scaler, version = parts[0]  # the learners agree on both
+        return sorted({name for bad, _, _ in parts for name in bad}), scaler, version
 
     def close(self) -> None:
         if self.workers or self.learners:
@@ -245,7 +253,7 @@ class RayBackend:
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, ExactnessError):  # before any learner stepped: no weight moved
                 raise TrainingError(f"step {self.step + 1}: {e.cause}") from None
-            if isinstance(e.cause, CheckpointError):  # shards that do not fit: the resume sets them aside
+            if isinstance(e.cause, (CheckpointError, ConfigError)):  # a checkpoint that is damaged, or not this run's
                 raise e.cause from None
             # A learner whose peer died fails in the collective (connection reset) before Ray reports the
             # death: name the death, the cause, when one of the others turns out dead.
@@ -261,7 +269,7 @@ class RayBackend:
         )
 
     def old_logprobs(self, batch: RolloutBatch, plan: UpdatePlan) -> tuple[torch.Tensor | None, str]:
-        return resolve_old(batch, plan, self.trainer)  # the worker that sampled scored π_old
+        return resolve_old(batch, plan, None)  # the worker that sampled scored π_old
 
     def update(self, step: int, batch: RolloutBatch, prepared: Prepared, plan: UpdatePlan) -> UpdateResult:
         import ray

@@ -266,29 +266,9 @@ def full_vocab_logprobs(model: CausalLM, batch: RolloutBatch, dtype: torch.dtype
     return logprobs.masked_fill(~valid[..., None], float("nan"))
 
 
-@dataclass
-class TrainerState:
-    """A trainer's whole state as full (unsharded) tensors: what moves between a sharded
-    learner group and a checkpoint. Optimizer entries are keyed by parameter position."""
-
-    model: dict[str, torch.Tensor]  # named_parameters (a tied head appears once)
-    optimizer: dict[int, dict[str, torch.Tensor]]
-    scaler: dict[str, float]
-    weight_version: int
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor; on a sharded (DTensor) one, a collective every shard holder must join."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
-
-
-def _like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """`full` laid out like `ref`: this process's shard when `ref` is sharded (no communication)."""
-    if hasattr(ref, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(full.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None)
-    return full.to(ref.device).clone()
 
 
 class Trainer:
@@ -328,6 +308,11 @@ class Trainer:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this process holds a shard of each parameter (a learner of a group, under FSDP2)."""
+        return hasattr(next(self.model.parameters()), "device_mesh")
 
     def logprobs(
         self,
@@ -408,29 +393,6 @@ class Trainer:
     def full_weights(self) -> dict[str, torch.Tensor]:
         """FP32 parameters, unsharded, under their names (a tied head once)."""
         return {n: _full(p) for n, p in self.model.named_parameters()}
-
-    def full_state(self) -> TrainerState:
-        """Weights, AdamW moments, loss scaler and version, unsharded (see `TrainerState`)."""
-        params = [p for _, p in self.model.named_parameters()]
-        optim = {
-            i: {k: _full(v) for k, v in self.optimizer.state[p].items()}
-            for i, p in enumerate(params)
-            if p in self.optimizer.state
-        }
-        return TrainerState(self.full_weights(), optim, self.scaler.state_dict(), self.weight_version)
-
-    @torch.no_grad()
-    def load_full_state(self, state: TrainerState) -> None:
-        """The inverse of `full_state`, into this trainer's layout (each learner keeps its shard)."""
-        params = list(self.model.named_parameters())
-        for name, p in params:
-            p.copy_(_like(state.model[name], p))
-        self.optimizer.state.clear()
-        for i, entry in state.optimizer.items():
-            p = params[i][1]
-            self.optimizer.state[p] = {k: _like(v, p) if v.dim() else v.clone() for k, v in entry.items()}
-        self.scaler.load_state_dict(state.scaler)
-        self.weight_version = state.weight_version
 
     def export_weights(self, merge: bool = True) -> tuple[dict[str, torch.Tensor], int]:
         """The weights and their version, for `RolloutEngine.load_weights` (which casts): FP32, with

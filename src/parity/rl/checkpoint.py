@@ -13,8 +13,8 @@ file: each learner saves its own shards of the weights and AdamW state with
 `torch.distributed.checkpoint` (no learner gathers the whole model) in Parity's own
 storage (`rl/shards.py`: safetensors shards, a JSON index), and the driver the RNG state as
 `rng.safetensors`. DCP reshards on load, so any learner count, or one process (`parity
-eval`, a resume), reads it back; a learner group reads its own shards in place
-(`load_checkpoint(..., read_shards=)`), so no process holds the trained model whole.
+eval`), reads it back; on resume each learner calls `load_checkpoint` with its own sharded
+trainer and reads its own shards in place, so no process holds the trained model whole.
 
 A checkpoint is input like any other: a run directory may come from someone else. Only
 Parity's own names under `checkpoints/` are read (`rundir.checkpoint_step`), every field of
@@ -78,10 +78,9 @@ class CheckpointError(ValueError):
 class RunState:
     step: int  # optimizer-updated RL steps completed
     data_position: int
-    weight_version: int  # as loaded; a save takes the trainer's
+    weight_version: int = 0  # as loaded; a save records the trainer's (or the learners')
     config: dict[str, Any] | None = None  # the run's config when it was saved
     metrics: dict[str, float] | None = None  # the newest step's metrics, for the saved model's card
-    read_in_place: bool = False  # loaded: the weights went straight to sharded learners, not to the trainer
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -94,12 +93,13 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torc
     return tensors, {"param_groups": sd["param_groups"]}
 
 
-def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+def _optimizer_state(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """optimizer.safetensors' tensors by parameter position, as `_optimizer_tensors` wrote them."""
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         _, idx, name = key.split(".", 2)
         state.setdefault(int(idx), {})[name] = value
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    return state
 
 
 def non_finite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -291,25 +291,28 @@ def _check_optimizer(trainer: Trainer, tensors: dict[str, torch.Tensor], meta: d
             raise CheckpointError(f"optimizer.safetensors: {key} is {tuple(value.shape)}, its parameter not")
 
 
+# A learner group's writer of a sharded checkpoint: every learner writes its own shards into the folder; the
+# writer returns the names of any non-finite tensors (then nothing is saved), the loss scaler and the version.
+ShardWriter = Callable[[Path], tuple[list[str], dict[str, float], int]]
+
+
 def save_checkpoint(
     run_dir: Path,
-    trainer: Trainer,
+    trained: Trainer | ShardWriter,
     state: RunState,
     model_dir: Path,
     keep: int,
-    write_shards: Callable[[Path], list[str]] | None = None,
 ) -> Path:
-    """`model_dir`: the run's model (its tokenizer files are copied; with LoRA, the adapters' base).
-    `write_shards(folder)`: sharded learners write the trainer's state into `folder` themselves and
-    return the names of any non-finite tensors (then nothing is saved); `trainer` gives the rest."""
+    """Save `trained`: this process's trainer, whole, or a learner group's shards (`ShardWriter`).
+    `model_dir`: the run's model (its tokenizer files are copied; with LoRA, the adapters' base)."""
     ckpt_root = run_dir / "checkpoints"
-    if write_shards is None:
-        bad = non_finite_tensors({n: p for n, p in trainer.model.named_parameters() if p.requires_grad})
+    if isinstance(trained, Trainer):
+        bad = non_finite_tensors({n: p for n, p in trained.model.named_parameters() if p.requires_grad})
         if bad:
             raise CheckpointError(f"step {state.step}: not saving a checkpoint: inf/NaN in {', '.join(bad[:3])}")
     target = ckpt_root / checkpoint_name(state.step)
     try:
-        _write_checkpoint(target, trainer, state, model_dir, write_shards)
+        _write_checkpoint(target, trained, state, model_dir)
     except (OSError, SafetensorError) as e:  # a full disk, a file-size limit: the earlier ones stay intact
         raise CheckpointError(f"{target}: could not be written ({e}); earlier checkpoints are intact") from None
     # Older ones go; `target`, just written from finite weights, is always the newest kept.
@@ -319,34 +322,33 @@ def save_checkpoint(
     return target
 
 
-def _write_checkpoint(
-    target: Path, trainer: Trainer, state: RunState, model_dir: Path, write_shards: Callable[[Path], list[str]] | None
-) -> None:
+def _write_checkpoint(target: Path, trained: Trainer | ShardWriter, state: RunState, model_dir: Path) -> None:
     with atomic_dir(target) as tmp:
         meta: dict[str, Any] = {"format": FORMAT_VERSION}
-        if write_shards is not None:
-            bad = write_shards(tmp / SHARDED_DIR)
+        if not isinstance(trained, Trainer):
+            bad, scaler, version = trained(tmp / SHARDED_DIR)
             if bad:
                 raise CheckpointError(f"step {state.step}: not saving a checkpoint: inf/NaN in {', '.join(bad[:3])}")
             tensors, tensor_file = {}, SHARDED_RNG
         else:
             card = model_card(state.config or {}, state.metrics or {}, state.step, str(Path(model_dir).resolve()))
-            if trainer.lora is None:
-                save_model(trainer.model, tmp / "model", functools.partial(_model_files, model_dir, card))
+            if trained.lora is None:
+                save_model(trained.model, tmp / "model", functools.partial(_model_files, model_dir, card))
             else:
                 base = Path(model_dir).resolve()
-                save_adapter(trainer.model, trainer.lora, tmp / ADAPTER_DIR, base_model=str(base))
+                save_adapter(trained.model, trained.lora, tmp / ADAPTER_DIR, base_model=str(base))
                 (tmp / ADAPTER_DIR / "README.md").write_text(card, encoding="utf-8")
                 meta["base_model"] = {"path": str(base), "sha256": base_sha256(base)}
-            tensors, meta["optimizer"] = _optimizer_tensors(trainer.optimizer)
+            tensors, meta["optimizer"] = _optimizer_tensors(trained.optimizer)
             tensor_file = "optimizer.safetensors"
+            scaler, version = trained.scaler.state_dict(), trained.weight_version
         tensors["rng.torch"] = torch.get_rng_state()
         save_file(tensors, str(tmp / tensor_file))
         meta.update(
             step=state.step,
             data_position=state.data_position,
-            weight_version=trainer.weight_version,  # with the scaler: the trainer's, once its shards are written
-            scaler=trainer.scaler.state_dict(),
+            weight_version=version,
+            scaler=scaler,
             config=state.config,
         )
         (tmp / "state.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -430,20 +432,15 @@ def _check_kind(path: Path, trainer: Trainer, meta: dict[str, Any], base_dir: Pa
         )
 
 
-def load_checkpoint(
-    path: Path,
-    trainer: Trainer,
-    base_dir: Path | None = None,
-    read_shards: Callable[[Path], list[str]] | None = None,
-) -> RunState:
+def load_checkpoint(path: Path, trainer: Trainer, base_dir: Path | None = None, verified: bool = False) -> RunState:
     """Restore weights (or LoRA adapters, whose base is `base_dir`), optimizer, scaler and RNG
-    into `trainer`; return the run state. `read_shards(folder)`: sharded learners read a sharded
-    checkpoint's weights and AdamW state into their own trainers and return the names of non-finite
-    tensors (`trainer` then takes the rest: RNG, scaler, version; not the weights).
+    into `trainer`; return the run state. A sharded trainer (a learner; every learner calls this at once)
+    reads its own shards of a sharded checkpoint in place. `verified`: the caller has checked the files
+    against the manifest (`verify_checkpoint`).
 
     Raises CheckpointError when the checkpoint is damaged or holds non-finite values, and
     ConfigError when it does not fit this trainer (LoRA or not, another base model)."""
-    problem = verify_checkpoint(path)
+    problem = None if verified else verify_checkpoint(path)
     if problem is not None:
         raise CheckpointError(f"{path}: {problem}")
     sharded = (path / SHARDED_DIR).is_dir()
@@ -453,6 +450,8 @@ def load_checkpoint(
         if checkpoint_step(path.name) not in (None, state.step):
             raise CheckpointError(f"state.json: step {state.step} in the folder of step {checkpoint_step(path.name)}")
         _check_kind(path, trainer, meta, base_dir)
+        if trainer.sharded and not sharded:  # a distributed run writes sharded ones only
+            raise ConfigError(f"{path}: a one-process checkpoint; a learner group resumes its own sharded ones")
         if sharded:
             shards.read_index(path / SHARDED_DIR)  # the index, checked here before any learner reads it
             weights = {}  # checked once loaded: DCP reads into the trainer's own tensors
@@ -477,7 +476,7 @@ def load_checkpoint(
     if bad:
         raise CheckpointError(f"{path}: inf/NaN in {', '.join(bad[:3])}")
     if sharded:
-        bad = (read_shards or functools.partial(load_shards, trainer=trainer))(path / SHARDED_DIR)
+        bad = load_shards(path / SHARDED_DIR, trainer)
         if bad:
             raise CheckpointError(f"{path}: inf/NaN in {', '.join(bad[:3])}")
     else:
@@ -488,27 +487,22 @@ def load_checkpoint(
                 load_adapter_state(trainer.model, weights)
         except AdapterError as e:
             raise CheckpointError(f"{path}: {e}") from None
+        trainer.optimizer.load_state_dict(
+            {"state": _optimizer_state(tensors), "param_groups": meta["optimizer"]["param_groups"]}
+        )
     torch.set_rng_state(rng)
-    if not sharded:
-        _load_optimizer(trainer.optimizer, tensors, meta["optimizer"])
     trainer.scaler.load_state_dict(meta["scaler"])
     trainer.weight_version = state.weight_version
-    state.read_in_place = sharded and read_shards is not None
     return state
 
 
-def restore_latest(
-    run_dir: Path,
-    trainer: Trainer,
-    log,
-    base_dir: Path | None = None,
-    read_shards: Callable[[Path], list[str]] | None = None,
-) -> RunState | None:
-    """Load the newest usable checkpoint into `trainer` (`base_dir`, `read_shards`: as `load_checkpoint`);
-    set damaged ones aside in `checkpoints/corrupt/`, saying so through `log`. None when there is none."""
+def restore_latest(run_dir: Path, load: Callable[[Path], RunState], log: Callable[[str], None]) -> RunState | None:
+    """The newest usable checkpoint, loaded by `load(path)` (`load_checkpoint` into the run's trainer, or into
+    every learner); a damaged one (CheckpointError) is set aside in `checkpoints/corrupt/`, saying so through
+    `log`. None when there is none."""
     for path in reversed(checkpoints(run_dir)):
         try:
-            return load_checkpoint(path, trainer, base_dir, read_shards)
+            return load(path)
         except CheckpointError as e:
             aside = run_dir / "checkpoints" / "corrupt" / path.name
             aside.parent.mkdir(exist_ok=True)

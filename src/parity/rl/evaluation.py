@@ -140,6 +140,11 @@ class Evaluator:
         self.gaps = bool(precisions)
         self.precisions = list(precisions)
 
+    @property
+    def scores_with_trainer(self) -> bool:
+        """Whether `evaluate` reads `trainer_model` (the deployment KLs: sampled answers, serving precisions)."""
+        return self.gaps and self.evalset.sampling.top_k != 1
+
     def evaluate(
         self,
         weights: dict[str, torch.Tensor],
@@ -168,14 +173,14 @@ class Evaluator:
         score = "accuracy" if es.binary else "reward_mean"
         for label in [*self.precisions, TRAINER]:
             metrics.update({f"eval/{label}/{k}": v for k, v in outcomes[label].items()})
-        greedy = es.sampling.top_k == 1
+        kl = trainer_model is not None and self.scores_with_trainer
         for p in self.precisions:
             metrics[f"deploy/gap_{p}"] = outcomes[p][score] - outcomes[TRAINER][score]
             metrics[f"deploy/gap_se_{p}"] = gap_standard_error(scores[p], scores[TRAINER])
             metrics[f"deploy/changed_{p}"] = changed_responses(batches[p], batches[TRAINER])
-            if trainer_model is not None and not greedy:
+            if kl:
                 metrics[f"deploy/kl_{p}"] = self._kl_to_trainer(batches[p], trainer_model)
-        if trainer_model is not None and not greedy:
+        if kl:
             metrics["deploy/kl_trainer"] = self._kl_to_trainer(batches[TRAINER], trainer_model)
         return metrics
 

@@ -34,20 +34,19 @@ from parity.config import ConfigError
 from parity.engines import kernels
 from parity.engines.batch import RolloutBatch
 from parity.engines.budget import check_rollout_memory
-from parity.engines.lora import AdapterError
 from parity.engines.models.config import ModelConfig
 from parity.engines.models.io import load_model, require_finite_logits, resolve_model_dir
+from parity.engines.models.modules import CausalLM
 from parity.engines.precision import to_dtype
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
-from parity.engines.trainer import Trainer, scheduled_lr
+from parity.engines.trainer import scheduled_lr
 from parity.files import JSONError, atomic_write_json, atomic_write_text, parse_json
 from parity.rl.builtin_rewards import extract_boxed
 from parity.rl.checkpoint import (
     RunState,
     checkpoints,
     require_finite_weights,
-    restore_latest,
     saved_config,
 )
 from parity.rl.completions import completion_rows, markdown_table, sample_rows, write_completions
@@ -160,9 +159,10 @@ def _out_of_memory(step: int, phase: str, sizes: str):
 
 
 class Backend(Protocol):
-    """The engines of a run, wherever they are. `step` is the 0-based index of the step under way."""
+    """The engines of a run, wherever they are, and the trained state they hold. `step` is the 0-based index
+    of the step under way."""
 
-    trainer: Trainer  # holds the trained state after `gather`
+    loads_own_model: bool  # True: its learners load the model themselves (`RunParts.model` is None)
 
     def rollouts(self, step: int, times: dict[str, float]) -> tuple[list[Problem], RolloutBatch]:
         """Step `step`'s problems and their samples, scored by the sampler where it scores (π_old, the
@@ -190,20 +190,18 @@ class Backend(Protocol):
         """Where the data order stands for a checkpoint: the problems trained on so far."""
         ...
 
-    def gather(self) -> None:
-        """Bring the newest trained state into `trainer` (before an evaluation)."""
+    def evaluation_policy(self, with_model: bool) -> tuple[dict[str, torch.Tensor], int, CausalLM | None]:
+        """The newest trained weights (FP32, merged), their version and, `with_model`, a model holding them in
+        the trainer's code path (an evaluation's deploy/kl_*)."""
         ...
 
     def save(self, run_dir: Path, state: RunState, keep: int) -> Path:
         """Write a checkpoint of the trained state and `state`; its folder."""
         ...
 
-    def shard_reader(self) -> Callable[[Path], list[str]] | None:
-        """Who reads a sharded checkpoint on resume (`rl.checkpoint.restore_latest`); None: `trainer`."""
-        ...
-
-    def restored(self, state: RunState) -> None:
-        """`trainer` (or the learners) now hold a checkpoint's state: hand the weights on."""
+    def restore(self, log: Callable[[str], None]) -> RunState | None:
+        """Load the run's newest usable checkpoint (`rl.checkpoint.restore_latest`) and hand its weights to
+        the sampler(s); None when there is none."""
         ...
 
     def close(self) -> None:
@@ -237,10 +235,6 @@ class Run:
             raise ConfigError(
                 f"moe.routing_replay=true: {cfg.model} is a dense {model.config.architecture} model with no experts"
             )
-        try:
-            self.trainer = Trainer(model, cfg.trainer_precision, cfg.trainer, cfg.lora_config(), cfg.seed)
-        except AdapterError as e:
-            raise ConfigError(str(e)) from None
         positions = model.config.max_position_embeddings
         limit = prompt_limit(
             self.tokenizer, positions, cfg.rollout.max_new_tokens, "rollout.max_new_tokens", cfg.task.chat_template
@@ -272,6 +266,8 @@ class Run:
             cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p, cfg.rollout.max_new_tokens
         )
         self.evaluator = self._evaluator(model.config)
+        if backend.loads_own_model:  # checked; its learners load their own: this process keeps none
+            model = None
         self.plan = self._update_plan()
         self.step_count = 0
         self.alarm_series: list[float] = []  # mismatch/k3 per step, for the collapse warning
@@ -286,8 +282,6 @@ class Run:
         self.log = MetricsLog(run_dir, [])
         self.backend: Backend | None = None
         with self._closed_on_failure():
-            flat = _flatten(config_mod.to_dict(cfg))
-            self.log.trackers = open_trackers(cfg.tensorboard, cfg.log.to, run_dir, cfg.log.project, flat)
             self.backend = backend(
                 RunParts(
                     cfg,
@@ -295,12 +289,15 @@ class Run:
                     self.model_dir,
                     self.tokenizer,
                     self.numerics,
-                    self.trainer,
+                    model,
                     self.problems,
                     self.data,
                     self.sampling,
                 )
             )
+            # After the backend, whose trainer refuses a LoRA config that does not fit the model.
+            flat = _flatten(config_mod.to_dict(cfg))
+            self.log.trackers = open_trackers(cfg.tensorboard, cfg.log.to, run_dir, cfg.log.project, flat)
 
     def _evaluator(self, config: ModelConfig) -> Evaluator | None:
         """The held-out evaluation `eval.*` asks for, or None (eval.every=-1, or nothing held out)."""
@@ -354,10 +351,9 @@ class Run:
     def evaluate(self) -> dict[str, float]:
         """The held-out evaluation of the current weights (`eval.*`): eval/* and deploy/* metrics."""
         t = time.perf_counter()
-        self.backend.gather()
-        weights, version = self.trainer.export_weights(merge=True)
+        weights, version, model = self.backend.evaluation_policy(self.evaluator.scores_with_trainer)
         seed = self.cfg.seed + EVAL_SEED
-        metrics = self.evaluator.evaluate(weights, version, seed, self.trainer.model, self.progress)
+        metrics = self.evaluator.evaluate(weights, version, seed, model, self.progress)
         metrics["time/eval"] = time.perf_counter() - t
         return metrics
 
@@ -521,11 +517,10 @@ class Run:
             if overrides:
                 atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
             run.record_numerics()
-            state = restore_latest(run_dir, run.trainer, note, run.model_dir, run.backend.shard_reader())
+            state = run.backend.restore(note)
             if state is not None:
                 run.step_count = state.step
                 run.data.position = state.data_position
-                run.backend.restored(state)
                 note(f"continuing from step {state.step}")
             elif checkpoints(run_dir) or run.log.path.is_file():
                 note("no usable checkpoint; starting again from step 0")
@@ -665,7 +660,7 @@ class Run:
                 f"step {step}: the weights hold inf/NaN after the optimizer step (trainer.lr="
                 f"{self.cfg.trainer.lr:g}); the run stopped without saving them ({', '.join(bad[:3])}); {where()}"
             )
-        if self.trainer.scaler.enabled:
+        if self.cfg.trainer_precision == "fp16":  # the one precision with a loss scaler
             self.skipped_streak = self.skipped_streak + 1 if skipped_updates == updates else 0
             if self.skipped_streak >= self.cfg.health.max_skipped_steps:
                 raise TrainingError(
@@ -675,7 +670,7 @@ class Run:
                 )
         elif skipped_updates or not math.isfinite(loss):
             raise TrainingError(
-                f"step {step}: non-finite loss ({loss:g}) or gradients in {self.trainer.precision}, which has no "
+                f"step {step}: non-finite loss ({loss:g}) or gradients in {self.cfg.trainer_precision}, which has no "
                 f"loss scaler to skip them; {skipped_updates} of {updates} updates were not applied and the run "
                 f"stopped; {where()}"
             )
@@ -767,11 +762,7 @@ class Run:
 
     def checkpoint(self) -> Path:
         state = RunState(
-            self.step_count,
-            self.backend.data_position,
-            self.trainer.weight_version,
-            config_mod.to_dict(self.cfg),
-            metrics=self.last_metrics,
+            self.step_count, self.backend.data_position, config=config_mod.to_dict(self.cfg), metrics=self.last_metrics
         )
         return self.backend.save(self.run_dir, state, self.cfg.keep_checkpoints)
 

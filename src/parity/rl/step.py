@@ -25,8 +25,10 @@ import torch
 from parity.config import ConfigError
 from parity.engines.batch import RolloutBatch
 from parity.engines.kernels import Numerics
+from parity.engines.lora import AdapterError
 from parity.engines.models.config import ModelConfig
 from parity.engines.models.io import load_model
+from parity.engines.models.modules import CausalLM
 from parity.engines.sampler import ExactnessError, Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import Tokenizer
@@ -43,7 +45,7 @@ from parity.rl.algorithms import (
     needs_old_before_update,
     rejected_sequences,
 )
-from parity.rl.checkpoint import RunState, non_finite_tensors, save_checkpoint
+from parity.rl.checkpoint import RunState, load_checkpoint, non_finite_tensors, restore_latest, save_checkpoint
 from parity.rl.data import DataOrder
 from parity.rl.diagnostics import (
     full_vocab_metrics,
@@ -73,7 +75,7 @@ class RunParts:
     model_dir: Path
     tokenizer: Tokenizer
     numerics: Numerics
-    trainer: Trainer  # the run's trained state as checkpoints hold it
+    model: CausalLM | None  # the base model, checked; None for a backend whose learners load their own
     problems: list[Problem]
     data: DataOrder  # which problems each step takes
     sampling: SamplingParams
@@ -161,7 +163,7 @@ class UpdateResult:
         return out
 
 
-def resolve_old(batch: RolloutBatch, plan: UpdatePlan, trainer: Trainer) -> tuple[torch.Tensor | None, str]:
+def resolve_old(batch: RolloutBatch, plan: UpdatePlan, trainer: Trainer | None) -> tuple[torch.Tensor | None, str]:
     """π_old — the trainer's code path and precision on the weights that sampled — and its source;
     the one place it is decided:
 
@@ -170,7 +172,8 @@ def resolve_old(batch: RolloutBatch, plan: UpdatePlan, trainer: Trainer) -> tupl
       then (several updates per rollout, or a rejection that shapes the loss mask);
     - `first_pass`: the first π_θ pass itself, free (returned as None; `train_on_batch` records it).
 
-    The loss takes μ in its place when the ratio is against the rollout (`train_on_batch`)."""
+    The loss takes μ in its place when the ratio is against the rollout (`train_on_batch`). `trainer`: None
+    where the sampler scores every batch (distributed workers)."""
     if batch.old_logprobs is not None:
         return batch.old_logprobs, "sampler"
     if plan.algorithm.ppo_epochs * plan.algorithm.num_minibatches > 1 or needs_old_before_update(
@@ -413,6 +416,8 @@ class LocalBackend:
     """Every engine in this process: the sampler (the rollout engine, and the trainer's code path on the
     weights that sampled), the trainer, and the frozen reference model of the KL loss."""
 
+    loads_own_model = False  # it trains `RunParts.model`
+
     def __init__(self, parts: RunParts):
         cfg = parts.cfg
         if cfg.distributed_mode:  # a config asking for workers or learners must not quietly train here
@@ -422,7 +427,11 @@ class LocalBackend:
                 "distributed run, which the one-process backend cannot give; build it with "
                 "parity.distributed.driver.backend_for(cfg) (as `parity train` does)"
             )
-        self.parts, self.trainer = parts, parts.trainer
+        self.parts = parts
+        try:
+            self.trainer = Trainer(parts.model, cfg.trainer_precision, cfg.trainer, cfg.lora_config(), cfg.seed)
+        except AdapterError as e:
+            raise ConfigError(str(e)) from None
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
             reference = load_model(parts.model_dir, parts.numerics)
@@ -506,17 +515,19 @@ class LocalBackend:
     def data_position(self) -> int:
         return self.parts.data.position
 
-    def gather(self) -> None:
-        """The trainer here holds the newest state already."""
+    def evaluation_policy(self, with_model: bool) -> tuple[dict[str, torch.Tensor], int, CausalLM | None]:
+        weights, version = self.trainer.export_weights(merge=True)
+        return weights, version, self.trainer.model if with_model else None
 
     def save(self, run_dir: Path, state: RunState, keep: int) -> Path:
         return save_checkpoint(run_dir, self.trainer, state, self.parts.model_dir, keep)
 
-    def shard_reader(self) -> Callable[[Path], list[str]] | None:
-        return None
-
-    def restored(self, state: RunState) -> None:
-        self._push_weights(base=False)
+    def restore(self, log: Callable[[str], None]) -> RunState | None:
+        load = functools.partial(load_checkpoint, trainer=self.trainer, base_dir=self.parts.model_dir)
+        state = restore_latest(self.parts.run_dir, load, log)
+        if state is not None:
+            self._push_weights(base=False)
+        return state
 
     def close(self) -> None:
         """Nothing runs beyond this process."""
