@@ -478,9 +478,13 @@ def test_run_dir_must_be_its_own_folder(tmp_path, monkeypatch, capsys):
 
 
 def _ray_processes() -> set[int]:
-    """Pids of this machine's Ray processes (raylet, GCS, workers and agents)."""
+    """Pids of this machine's Ray processes (raylet, GCS, workers and agents). Each name is written with a
+    bracket so that the pattern does not match itself: pgrep leaves out its own process, not another test
+    process's pgrep running at the same moment."""
     out = subprocess.run(
-        ["pgrep", "-f", "ray::|raylet|gcs_server|dashboard/agent|runtime_env/agent"], text=True, capture_output=True
+        ["pgrep", "-f", "[r]ay::|[r]aylet|[g]cs_server|dashboard/[a]gent|runtime_env/[a]gent"],
+        text=True,
+        capture_output=True,
     ).stdout
     return {int(p) for p in out.split()}
 
