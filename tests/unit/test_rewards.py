@@ -227,6 +227,28 @@ def test_math_reward_and_boxed_extraction():
     assert math_reward(half, "0.5 without a box", 5) == 0.0
 
 
+MATH_IN_A_FRESH_PROCESS = """
+import sys
+from parity.rl.builtin_rewards import REWARDS
+from parity.rl.problems import Problem
+from parity.rl.rewards import RewardRunner
+
+assert "math_verify" not in sys.modules
+runner = RewardRunner(REWARDS["math"], isolate=True, timeout_s=0.3)
+results = [runner([(Problem("q", "0.5"), r"so \\boxed{\\frac{1}{2}}", 5)]) for _ in range(2)]
+print([(r.rewards, r.timeouts) for r in results])
+runner.close()
+"""
+
+
+def test_math_reward_imports_math_verify_before_the_timeout_counts():
+    """math-verify takes 0.6 s to import: the math reward's worker imports it as it starts, so that a timeout
+    shorter than that does not time out every sample (each in a fresh worker, importing it again)."""
+    done = subprocess.run([sys.executable, "-c", MATH_IN_A_FRESH_PROCESS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[([1.0], 0), ([1.0], 0)]", done.stdout + done.stderr
+
+
 @pytest.mark.parametrize(
     "response, number",
     [

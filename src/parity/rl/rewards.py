@@ -102,6 +102,9 @@ def _unchecked(value: object) -> object:
 def _worker(fn: RewardFn, conn, parent_pid: int, die_with_parent: bool, check=_check) -> None:
     if die_with_parent:
         _die_with_parent()
+    prepare = getattr(fn, "prepare", None)  # a reward's slow imports, within the start's budget
+    if prepare is not None:
+        prepare()
     conn.send(None)  # started, `fn` imported: the parent's timeouts count from here
     # The worker holds a copy of the parent's end of the pipe (fork), so a dead parent
     # never shows up as EOF: check who the parent is instead. Checking before the first
