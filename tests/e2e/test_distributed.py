@@ -290,15 +290,16 @@ def test_sharded_shards_holding_nan_are_set_aside_and_the_learners_start_from_th
 
 def test_a_cluster_that_cannot_start_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
     """Ray failing to start this machine's cluster (here: socket paths over the 107 bytes Unix allows; a machine
-    too busy for Ray's 30 s start window fails the same way) ends the run in one line, exit 1, nothing written,
-    no Ray process left."""
+    too busy for Ray's 30 s start window fails the same way) is tried once more, then ends the run in one line,
+    exit 1, nothing written, no Ray process left."""
     ray_tmp = tmp_path / ("x" * 110)
     ray_tmp.mkdir()
     monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
     run_dir = tmp_path / "run"
     assert main(["train", f"run_dir={run_dir}", *SMALL, "steps=1", "distributed.rollout_workers=1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("parity train: error: Ray could not start a cluster on this machine (")
+    assert err[-2].startswith("Ray's cluster did not start (") and err[-2].endswith("; trying once more")
+    assert err[-1].startswith("parity train: error: Ray could not start a cluster on this machine in 2 tries (")
     assert f"its logs are in {ray_tmp / 'ray' / 'session_latest' / 'logs'}" in err[-1]
     assert "Traceback" not in "\n".join(err) and not run_dir.exists()
     left = subprocess.run(["pgrep", "-f", str(ray_tmp)], capture_output=True, text=True).stdout  # Ray's name it

@@ -75,23 +75,28 @@ class LocalCluster:
             stdin=subprocess.PIPE,
             start_new_session=True,
         )
-        try:
-            # Ray starts its workers at nice 15; the run's workers and learners are the run, and on a
-            # busy machine that priority starved them (a restart took over 120 s beside two busy processes).
-            with _sigterm_left_alone(ray), _environment(RAY_worker_niceness="0"):
-                ray.init(
-                    address="local",  # a new cluster, whatever RAY_ADDRESS says
-                    num_cpus=num_cpus,
-                    include_dashboard=False,
-                    logging_level="ERROR",
-                    log_to_driver=True,
-                )
-        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its node does not come up
-            self.stop()
-            raise ClusterStartError(_cannot_start(e)) from None
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                # Ray starts its workers at nice 15; the run's workers and learners are the run, and on a
+                # busy machine that priority starved them (a restart took over 120 s beside two busy processes).
+                with _sigterm_left_alone(ray), _environment(RAY_worker_niceness="0"):
+                    ray.init(
+                        address="local",  # a new cluster, whatever RAY_ADDRESS says
+                        num_cpus=num_cpus,
+                        include_dashboard=False,
+                        logging_level="ERROR",
+                        log_to_driver=True,
+                    )
+                return
+            except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its node does not come up
+                if attempt == START_ATTEMPTS:
+                    self.stop()
+                    raise ClusterStartError(_cannot_start(e)) from None
+                ray.shutdown()  # what did start of this attempt
+                print(f"Ray's cluster did not start ({_first_line(e)}); trying once more", file=sys.stderr)
+            except BaseException:
+                self.stop()
+                raise
 
     def stop(self) -> None:
         """Shut Ray down and dismiss the reaper."""
@@ -107,14 +112,22 @@ class ClusterStartError(RuntimeError):
     """Ray could not start a cluster on this machine for the run."""
 
 
+# A node that misses Ray's fixed start windows on a busy machine (its agents import slowly) mostly starts
+# on the next try; a RAY_TMPDIR too long for socket paths fails every time, in about a second.
+START_ATTEMPTS = 2
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def _cannot_start(error: Exception) -> str:
     logs = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" / "session_latest" / "logs"
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return (
-        f"Ray could not start a cluster on this machine ({first}); its logs are in {logs}. A machine too busy "
-        "to start Ray's processes within Ray's 30 s, or a RAY_TMPDIR whose socket paths exceed 107 bytes, "
-        "causes this: try again, or run on a cluster you start (`ray start --head`, then "
-        "distributed.address=HOST:PORT)"
+        f"Ray could not start a cluster on this machine in {START_ATTEMPTS} tries ({_first_line(error)}); its logs "
+        f"are in {logs}. A machine too busy to start Ray's processes within Ray's 30 s, or a RAY_TMPDIR whose "
+        "socket paths exceed 107 bytes, causes this: try again, or run on a cluster you start "
+        "(`ray start --head`, then distributed.address=HOST:PORT)"
     )
 
 
