@@ -108,12 +108,19 @@ def _break(numerics_of):
 @pytest.mark.parametrize("where", ["worker", "learner"])
 def test_exact_mode_fails_closed_on_a_worker_or_a_learner(tmp_path, where, ray_cluster):
     """A worker's engine or one learner's model forced off exact mode: the step stops before any learner's
-    optimizer steps, naming where, and every learner still holds the weights it started with."""
+    optimizer steps, naming where, and every learner still holds the weights it started with. (The learners
+    also take trainer.activation_checkpointing from the config.)"""
     import ray
 
     overrides = [f"run_dir={tmp_path / 'run'}", *SMALL, *EXACT, "steps=2", "eval.every=-1"]
+    overrides.append("trainer.activation_checkpointing=true")
     run = Run.create(config.load(TrainConfig, None, overrides), progress=False, backend=RayBackend)
     try:
+        flag = [
+            learner.__ray_call__.remote(lambda a: a.trainer.model.activation_checkpointing)
+            for learner in run.backend.learners
+        ]
+        assert ray.get(flag) == [True, True] and _driver_models(run) == []
         start, version = run.backend.learner_weights()
         assert version == 0
         if where == "worker":
