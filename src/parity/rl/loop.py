@@ -67,7 +67,7 @@ from parity.rl.step import (
     prepare,
     step_metrics,
 )
-from parity.rl.trackers import Tracker, open_trackers
+from parity.rl.trackers import Tracker, check_trackers, open_trackers
 from parity.rl.train_config import RESUMABLE_KEYS, TrainConfig
 from parity.rundir import RunLock, check_run_dir, clean_leftovers, foreign_entries
 from parity.runtime import reuse_freed_memory
@@ -223,6 +223,7 @@ class Run:
         backend: type[Backend] = LocalBackend,
     ):
         reuse_freed_memory()
+        check_trackers(cfg.log.to)  # a missing tracker library, refused before anything starts
         self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
         self.model_dir = resolve_model_dir(cfg.model)
         self.tokenizer = load_tokenizer(self.model_dir)
