@@ -163,17 +163,17 @@ def test_stacked_experts_load_as_the_per_expert_checkpoint(tmp_path):
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 
-def _load_on_rank(rank: int, world: int, model_dirs: dict, init_file, out_dir) -> None:
+def _load_on_rank(rank: int, world: int, model_dirs: dict, checkpoints: dict, init_file, out_dir) -> None:
     """One learner's side of test_each_learner_reads_only_its_rows, for each model of `model_dirs` in turn
     (one process group for all: starting processes costs more than loading these models): the FSDP2 model
-    loaded as learners load it, against the model loaded whole; what it found goes to out_dir/NAME-RANK.json."""
+    loaded as learners load it, against the model loaded whole, and given the one-process checkpoint in
+    `checkpoints`; what it found goes to out_dir/NAME-RANK.json."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         for name, model_dir in model_dirs.items():
-            checkpoint = out_dir / f"{name}-run" / "checkpoints" / "step_000001"
-            found = _sharded_load_findings(world, model_dir, checkpoint)
+            found = _sharded_load_findings(world, model_dir, checkpoints[name])
             (out_dir / f"{name}-{rank}.json").write_text(json.dumps(found))
     finally:
         dist.destroy_process_group()
@@ -241,16 +241,16 @@ def sharded_loads(tmp_path_factory):
     from architectures import save_random_model
 
     root = tmp_path_factory.mktemp("sharded")
-    model_dirs = {}
+    model_dirs, checkpoints = {}, {}
     for arch in SHARDED_ARCHS:
         model_dir = save_random_model(root / arch / "model", arch.removesuffix("-stacked"))
         if arch.endswith("-stacked"):
             model_dir = _stack_experts(model_dir, root / arch / "stacked")
         model_dirs[arch] = model_dir
         whole = Trainer(load_model(model_dir, kernels.numerics()), "fp32", OptimConfig())
-        save_checkpoint(root / f"{arch}-run", whole, RunState(1, 0), model_dir, keep=1)
+        checkpoints[arch] = save_checkpoint(root / f"{arch}-run", whole, RunState(1, 0), model_dir, keep=1)
     world = SHARDED_WORLD
-    mp.spawn(_load_on_rank, args=(world, model_dirs, root / "init", root), nprocs=world, join=True)
+    mp.spawn(_load_on_rank, args=(world, model_dirs, checkpoints, root / "init", root), nprocs=world, join=True)
     return {
         arch: (model_dir, [json.loads((root / f"{arch}-{r}.json").read_text()) for r in range(world)])
         for arch, model_dir in model_dirs.items()
