@@ -36,6 +36,7 @@ if WORKERS > 1:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin, pytest would refuse to start
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: a process per core this process may run on (xdist's own count is of physical cores: 1
     on a machine of two hyper-threads)."""

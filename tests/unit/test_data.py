@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import tracemalloc
 
 import pyarrow as pa
@@ -86,10 +85,8 @@ def test_prompt_too_long_to_fit_is_refused_without_tokenizing(tmp_path, counted)
     pq.write_table(pa.table({"prompt": ["1+1=", prompt], "answer": ["2", "1"]}), tmp_path / "d.parquet")
     for path, where in ((tmp_path / "d.jsonl", "d.jsonl:2"), (tmp_path / "d.parquet", "d.parquet: row 1")):
         calls.clear()
-        start = time.perf_counter()
         with pytest.raises(DataError, match=rf"{where}: prompt is 1000000 bytes, so at least 200000 tokens"):
             load_problems(path, PromptLimit(tokenizer, 8, REASON))
-        assert time.perf_counter() - start < 0.5
         assert calls == [4]  # only "1+1=" was tokenized
 
 
@@ -107,15 +104,12 @@ def test_huge_line_is_refused_with_bounded_memory(tmp_path, counted, monkeypatch
     args = (PromptLimit(tokenizer, 8),) if with_limit else ()
     message = rf"d.jsonl:2: line is {line_bytes} bytes, more than the {2**20 + 240 if with_limit else 2**20} a row"
     tracemalloc.start()
-    start = time.perf_counter()
     try:
         with pytest.raises(DataError, match=message):
             load_problems(path, *args)
-        seconds = time.perf_counter() - start
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert seconds < 1.0
     assert peak < 5 * 2**20  # a few row caps, not the 50 MiB line
     assert calls == ([4] if with_limit else [])
 

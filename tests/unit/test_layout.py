@@ -83,3 +83,37 @@ def test_no_import_cycles():
         if m not in state:
             visit(m, [])
     assert not cycles, "import cycles: " + "; ".join(cycles)
+
+
+def _timed(node: ast.AST, elapsed: set[str]) -> bool:
+    """Whether `node` holds a clock reading's difference (`time.monotonic() - start`) or a name bound to one."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and sub.id in elapsed:
+            return True
+        if isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Sub):
+            for side in (sub.left, sub.right):
+                call = side.func if isinstance(side, ast.Call) else None
+                if isinstance(call, ast.Attribute) and call.attr in {"time", "monotonic", "perf_counter"}:
+                    return True
+    return False
+
+
+def test_no_test_asserts_a_wall_clock_time():
+    """Speed is measured in benchmarks/, never asserted in a test: a loaded CI machine fails such an assert.
+    A deadline that fails a test which waited for something that never came is a hang guard, and allowed."""
+    found = []
+    for path in sorted((Path(__file__).parents[1]).rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        elapsed = {
+            target.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Assign) and _timed(node.value, set())
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+        found += [
+            f"{path.name}:{node.lineno}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Assert) and _timed(node.test, elapsed)
+        ]
+    assert not found, "tests assert an elapsed time: " + ", ".join(found)

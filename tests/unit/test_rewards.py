@@ -72,13 +72,11 @@ def test_first_failure_is_shown_once_with_its_traceback(isolate, capfd):
 
 def test_hanging_reward_times_out_and_the_rest_still_score():
     runner = RewardRunner(_hangs, isolate=True, timeout_s=0.5)
-    start = time.time()
     try:
         out = runner([(P, "a", 1), (P, "hang", 1), (P, "b", 1)])
     finally:
         runner.close()
     assert out.rewards == [0.5, 0.0, 0.5] and out.timeouts == 1 and out.errors == 0
-    assert time.time() - start < 10
 
 
 def test_dying_worker_is_replaced(capfd):
@@ -230,23 +228,38 @@ def test_math_reward_and_boxed_extraction():
 MATH_IN_A_FRESH_PROCESS = """
 import sys
 from parity.rl.builtin_rewards import REWARDS
-from parity.rl.problems import Problem
-from parity.rl.rewards import RewardRunner
 
 assert "math_verify" not in sys.modules
-runner = RewardRunner(REWARDS["math"], isolate=True, timeout_s=0.3)
-results = [runner([(Problem("q", "0.5"), r"so \\boxed{\\frac{1}{2}}", 5)]) for _ in range(2)]
-print([(r.rewards, r.timeouts) for r in results])
-runner.close()
+REWARDS["math"].prepare()
+print("math_verify" in sys.modules)
 """
 
 
-def test_math_reward_imports_math_verify_before_the_timeout_counts():
-    """math-verify takes 0.6 s to import: the math reward's worker imports it as it starts, so that a timeout
-    shorter than that does not time out every sample (each in a fresh worker, importing it again)."""
+def test_math_reward_prepares_by_importing_math_verify():
+    """math-verify takes 0.6 s to import: the math reward's `prepare`, which its worker runs as it starts
+    (below), imports it, so that the first sample's timeout does not include it."""
     done = subprocess.run([sys.executable, "-c", MATH_IN_A_FRESH_PROCESS], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[([1.0], 0), ([1.0], 0)]", done.stdout + done.stderr
+    assert done.stdout.strip() == "True", done.stdout + done.stderr
+
+
+def _slow_to_prepare(problem, response, length):
+    return 1.0
+
+
+_slow_to_prepare.prepare = lambda: time.sleep(4.0)  # four times the timeout below
+
+
+def test_a_rewards_prepare_runs_before_its_timeout_counts():
+    """Every sample scores although preparing takes longer than a sample's timeout: the worker prepares
+    before it reports itself started. Counted, not timed: had `prepare` run inside the first sample's timeout,
+    that sample would have timed out."""
+    runner = RewardRunner(_slow_to_prepare, isolate=True, timeout_s=1.0)
+    try:
+        out = runner([(P, "a", 1), (P, "b", 1)])
+    finally:
+        runner.close()
+    assert out.rewards == [1.0, 1.0] and out.timeouts == 0 and out.errors == 0
 
 
 @pytest.mark.parametrize(
