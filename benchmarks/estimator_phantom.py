@@ -26,7 +26,7 @@ import torch
 from parity.commands.phantom import ONE_UPDATE_STEPS, PAIRS, train_length_task
 from parity.engines import kernels
 from parity.engines.kernels.cpu import cpu_flags
-from parity.files import atomic_write_json, atomic_write_text
+from parity.outdir import claim_output_dir, write_output, write_output_json
 from parity.rl.algorithms import ESTIMATORS
 
 # The tight setting of each clip: 0.001 in the ratio (PPO, GSPO, CISPO's upper bound), in the
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--out", default="estimator-phantom")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    out = Path(args.out)
+    out = claim_output_dir(Path(args.out), folders=("runs",))
     start = time.perf_counter()
     rows = {}
     for name, est in ESTIMATORS.items():
@@ -66,7 +66,7 @@ def main() -> None:
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
     machine = {**kernels.numerics("cpu").describe(), "cpu_flags": flags, "torch": torch.__version__}
     summary = {"rows": rows, "machine": machine, "wall_seconds": round(time.perf_counter() - start, 1)}
-    atomic_write_json(out / "summary.json", summary)
+    write_output_json(out / "summary.json", summary)
     lines = [
         "| estimator | its clip | setting | clip frac | phantom clip frac | its own rule's share |",
         "|---|---|---|---|---|---|",
@@ -77,7 +77,7 @@ def main() -> None:
         lines.append(
             f"| `{name}` | `{r['clips']}` | {setting} | {r['clip/frac']:.4f} | {r['phantom/clip_frac']:.4f} | {rule} |"
         )
-    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+    write_output(out / "report.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     print(json.dumps(summary["machine"]), f"{summary['wall_seconds']} s")
 

@@ -1,44 +1,12 @@
-"""Atomic file writes (a crash mid-write never leaves a half-written result), and JSON read with bounds."""
+"""Input files read with bounds: JSON (size, depth, integer length), lines (length), and regular files only
+(never a FIFO)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write `text` to `path` via a temporary file in the same folder and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would outlive the rename
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
-
+from typing import Any, BinaryIO
 
 # Deeper than any file Parity reads needs; a value nested past it would break the code that walks it.
 MAX_JSON_DEPTH = 100
@@ -94,23 +62,26 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-@contextlib.contextmanager
-def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary folder that replaces `path` only if the block succeeds."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would outlive the rename
-    try:
-        yield tmp
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+_SKIP_CHUNK_BYTES = 2**20  # reading past an over-long line to measure it
+
+
+class LineTooLong(ValueError):
+    """Line `lineno` (1-based) is `length` bytes, past the bound it was read with."""
+
+    def __init__(self, lineno: int, length: int, bound: int):
+        super().__init__(f"line {lineno} is {length:,} bytes, more than the {bound:,} a line may hold")
+        self.lineno, self.length, self.bound = lineno, length, bound
+
+
+def bounded_lines(f: BinaryIO, max_line_bytes: int) -> Iterator[bytes]:
+    """The lines of `f`, newline kept, none held past `max_line_bytes`: a longer line raises LineTooLong with
+    its length, its rest read in chunks and never held whole (a 3 GiB line costs a chunk of memory)."""
+    lineno = 0
+    while line := f.readline(max_line_bytes + 1):  # room for the newline
+        lineno += 1
+        if len(line) > max_line_bytes and not line.endswith(b"\n"):
+            length, part = len(line), line
+            while not part.endswith(b"\n") and (part := f.readline(_SKIP_CHUNK_BYTES)):
+                length += len(part)
+            raise LineTooLong(lineno, length - 1 if part.endswith(b"\n") else length, max_line_bytes)
+        yield line

@@ -1,45 +1,101 @@
-"""Output folders (`--out` of mismatch, eval, doctor, report, sanity and phantom): Parity writes into a
-folder only when it is new, empty, or one Parity wrote.
+"""Output folders (`--out` of mismatch, eval, doctor, report, sanity, phantom and build-model): Parity writes
+into a folder only when it is new, empty, or holds nothing but what Parity wrote there.
 
 A command replaces the files it writes, so a folder of the user's holding a result of the same name (or
 a thesis beside it) is refused before any work, as a run directory is (`rundir.py`). Each folder Parity
-writes carries a mark, `.parity-out`, listing every name any Parity command wrote there; a folder is
-Parity's when it holds the mark and nothing the mark does not list (a crash's temporary files aside).
+writes carries a mark, `.parity-out`, recording the SHA-256 of every file a command wrote there and the
+sub-folders it made (a sanity run's `runs/`). A file may be replaced only while its bytes are still the bytes
+Parity recorded writing: a mark someone wrote by hand, listing a user's file, authorises nothing, since the
+user's file does not have the recorded bytes. A folder holding a link anywhere below it is refused, and
+every file is written through `folders.Folder` (a temporary file made exclusively, then renamed), never
+through a link.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
-from collections.abc import Iterable
+import stat
 from pathlib import Path
 
 from parity.config import ConfigError
-from parity.files import JSONError, atomic_write_json, parse_json
+from parity.files import JSONError, parse_json
+from parity.folders import Folder, refuse_links
 
 MARK = ".parity-out"
 MAX_MARK_BYTES = 2**20
+_HASH = re.compile(r"[0-9a-f]{64}")
+_TEMPORARY = re.compile(r"\.(.+)\.[0-9a-f]+\.tmp")  # `Folder.write_bytes`'s, left behind by a crash
 
 
-def _marked_names(out: Path) -> set[str] | None:
-    """The names the mark lists, or None when `out` holds no usable mark (then it is not Parity's)."""
-    mark = out / MARK
-    if mark.is_symlink() or not mark.is_file() or mark.stat().st_size > MAX_MARK_BYTES:
-        return None
-    try:
-        names = parse_json(mark.read_text(encoding="utf-8")).get("names")
-    except (JSONError, UnicodeDecodeError, AttributeError):
-        return None
-    return set(names) if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
+class Mark:
+    """What `.parity-out` records: each file's accepted SHA-256s (the bytes Parity wrote) and the folders
+    Parity made."""
+
+    def __init__(self, files: dict[str, list[str]] | None = None, folders: set[str] | None = None):
+        self.files, self.folders = files or {}, folders or set()
+
+    @classmethod
+    def read(cls, out: Folder) -> Mark | None:
+        """The mark of `out`, or None when it holds no usable one (then nothing in it is Parity's)."""
+        try:
+            data = parse_json(out.read_bytes(MARK, MAX_MARK_BYTES).decode("utf-8"))
+        except (OSError, ValueError, ConfigError, UnicodeDecodeError, JSONError):  # missing, a link, too big
+            return None
+        if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+            return None  # a mark of Parity before 0.1 listed names only: it proves nothing
+        files = {
+            name: hashes
+            for name, hashes in data["files"].items()
+            if _plain(name)
+            and isinstance(hashes, list)
+            and all(isinstance(h, str) and _HASH.fullmatch(h) for h in hashes)
+        }
+        folders = data.get("folders", [])
+        return cls(
+            files, {f for f in folders if isinstance(f, str) and _plain(f)} if isinstance(folders, list) else set()
+        )
+
+    def write(self, out: Folder) -> None:
+        mark = {"written_by": "parity", "files": dict(sorted(self.files.items())), "folders": sorted(self.folders)}
+        out.write_text(MARK, json.dumps(mark, indent=2) + "\n")
 
 
-def _foreign(out: Path, names: set[str]) -> list[str]:
-    """Entries of `out` that are neither listed nor a temporary file of a listed name (`files.atomic_write_text`)."""
-    temporary, ours = re.compile(r"\.(.+)\.[^.]+\.tmp"), names | {MARK}
-    return sorted(
-        p.name
-        for p in out.iterdir()
-        if p.name not in ours and not ((m := temporary.fullmatch(p.name)) and m[1] in ours)
-    )
+def _hashes(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(h, str) and _HASH.fullmatch(h) for h in value)
+
+
+def _plain(name: str) -> bool:
+    """A name of an entry directly in the folder: no path, not the mark."""
+    return bool(name) and "/" not in name and name not in (".", "..", MARK)
+
+
+def _sha256(out: Folder, name: str) -> str:
+    with out.open_read(name) as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _foreign(out: Folder, mark: Mark) -> list[str]:
+    """Entries of `out` that are not Parity's: neither a file whose bytes the mark records, nor a folder it
+    made, nor a temporary file of a recorded name."""
+    foreign = []
+    for name in out.names():
+        st = out.lstat(name)
+        if name == MARK or st is None:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            ours = name in mark.folders
+        elif stat.S_ISREG(st.st_mode):
+            temporary = _TEMPORARY.fullmatch(name)
+            ours = (temporary is not None and temporary[1] in mark.files) or (
+                name in mark.files and _sha256(out, name) in mark.files[name]
+            )
+        else:
+            ours = False
+        if not ours:
+            foreign.append(name)
+    return foreign
 
 
 def check_output_dir(out: Path, key: str = "--out") -> None:
@@ -48,25 +104,57 @@ def check_output_dir(out: Path, key: str = "--out") -> None:
         raise ConfigError(f"{key} {out}: a file, not a folder")
     if not out.is_dir() or not any(out.iterdir()):
         return
-    names = _marked_names(out)
-    foreign = _foreign(out, names or set())
-    if names is None or foreign:
+    refuse_links(out, key)
+    with Folder.open(out, key=key) as folder:
+        foreign = _foreign(folder, Mark.read(folder) or Mark())
+    if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise ConfigError(
-            f"{key} {out}: holds files Parity did not write ({shown}); it writes only into a new or empty folder, "
-            "or one it wrote before, so that none of yours is overwritten; choose another folder"
+            f"{key} {out}: holds files Parity did not write ({shown}), or that changed since it did; it writes "
+            "only into a new or empty folder, or one holding only what it wrote there, so that none of yours is "
+            "overwritten; choose another folder"
         )
 
 
-def mark_output_dir(out: Path, names: Iterable[str]) -> None:
-    """Add `names` to the mark of `out`, an existing folder of Parity's."""
-    atomic_write_json(out / MARK, {"written_by": "parity", "names": sorted((_marked_names(out) or set()) | set(names))})
-
-
-def claim_output_dir(out: Path, names: Iterable[str], key: str = "--out") -> Path:
-    """Check `out` again (it may have changed during the work), create it and mark `names` as Parity's:
-    call it just before writing them."""
+def claim_output_dir(out: Path, key: str = "--out", folders: tuple[str, ...] = ()) -> Path:
+    """Check `out` again (it may have changed during the work), create it, and mark it as Parity's with the
+    sub-folders `folders` that the command makes there: call it just before writing."""
     check_output_dir(out, key)
-    out.mkdir(parents=True, exist_ok=True)
-    mark_output_dir(out, names)
+    with Folder.open(out, create=True, key=key) as folder:
+        mark = Mark.read(folder) or Mark()
+        mark.folders |= set(folders)
+        mark.write(folder)
     return out
+
+
+def write_output(path: Path, data: str | bytes) -> None:
+    """Replace the file `path` in a claimed output folder with `data`, recording its SHA-256 in the mark first
+    (beside the bytes there now), so that a kill between the two renames leaves a folder that is still Parity's."""
+    data = data.encode("utf-8") if isinstance(data, str) else data
+    digest = hashlib.sha256(data).hexdigest()
+    with Folder.open(path.parent, key="--out") as out:
+        mark = Mark.read(out) or Mark()
+        if out.lstat(path.name) is not None and _sha256(out, path.name) not in mark.files.get(path.name, []):
+            raise ConfigError(f"{path}: appeared or changed while Parity worked, so it is not replaced")
+        mark.files[path.name] = [*mark.files.get(path.name, [])[-1:], digest]
+        mark.write(out)
+        out.write_bytes(path.name, data)
+        mark.files[path.name] = [digest]
+        mark.write(out)
+
+
+def write_output_json(path: Path, obj: object) -> None:
+    write_output(path, json.dumps(obj, indent=2) + "\n")
+
+
+def mark_written(out: Path) -> None:
+    """Record every file `out` holds now as written by Parity: for a folder Parity has just built whole
+    (`parity build-model` builds it in a fresh folder, then renames it into place)."""
+    with Folder.open(out) as folder:
+        mark = Mark.read(folder) or Mark()
+        for name in folder.names():
+            if _plain(name) and folder.is_file(name):
+                mark.files[name] = [_sha256(folder, name)]
+            elif _plain(name) and folder.is_dir(name):
+                mark.folders.add(name)
+        mark.write(folder)

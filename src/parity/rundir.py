@@ -8,21 +8,24 @@ are not inherited by `fork`, so the reward worker never holds the run's lock.
 
 Parity deletes files in a run directory (pruned checkpoints, a crash's
 half-written ones), so it refuses a directory that holds anything else: `.`, a
-home folder, a source tree.
+home folder, a source tree. A run directory may come from someone else: one
+holding a symbolic link anywhere below it is refused, and every write, delete
+and read inside goes through `folders.Folder`, which follows no link.
 """
 
 from __future__ import annotations
 
 import fcntl
+import fnmatch
 import os
 import re
-import shutil
 from pathlib import Path
 
 from parity.config import ConfigError
+from parity.folders import Folder, refuse_links
 
 LOCK_NAME = ".lock"
-# A checkpoint folder is checkpoints/step_NNNNNN (six digits or more); `files.atomic_dir` writes it as
+# A checkpoint folder is checkpoints/step_NNNNNN (six digits or more); `Folder.new_dir` writes it as
 # .step_NNNNNN.*.tmp and swaps an older one out as .step_NNNNNN.old. No other name under checkpoints/ is
 # Parity's: a user's step_best or step_000002.bak is neither read, nor pruned, nor cleaned.
 _CHECKPOINT = re.compile(r"step_(\d{6,})")
@@ -40,7 +43,7 @@ RUN_ENTRIES = {
     "mlruns",  # log.to=mlflow's store, unless MLFLOW_TRACKING_URI names another
     LOCK_NAME,
 }
-# Temporary files of `files.atomic_write_text` that a kill can leave behind.
+# Temporary files of `Folder.write_bytes` that a kill can leave behind.
 TEMP_PATTERNS = (".config.yaml.*.tmp", ".numerics.json.*.tmp", ".metrics.jsonl.*.tmp")
 
 
@@ -62,7 +65,8 @@ def foreign_entries(run_dir: Path) -> list[str]:
 
 
 def check_run_dir(run_dir: Path) -> None:
-    """Refuse a directory that is not a run's own: the working directory, or one with other files."""
+    """Refuse a directory that is not a run's own: the working directory, one with other files, or one holding
+    a link."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir: {run_dir} is a file, not a directory")
     if run_dir.resolve() == Path.cwd().resolve():
@@ -71,6 +75,7 @@ def check_run_dir(run_dir: Path) -> None:
             "there); use a folder of its own, e.g. run_dir=runs/NAME"
         )
     if run_dir.is_dir():
+        refuse_links(run_dir, "run_dir")
         foreign = foreign_entries(run_dir)
         if foreign:
             shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
@@ -80,17 +85,19 @@ def check_run_dir(run_dir: Path) -> None:
             )
 
 
-_held: set[Path] = set()  # POSIX locks never conflict within one process: track ours
+_held: set[tuple[int, int]] = set()  # POSIX locks never conflict within one process: track ours by folder
 
 
 class RunLock:
     """An exclusive lock on a run directory, held until `release` or the process's end."""
 
     def __init__(self, run_dir: Path):
-        self.path = (run_dir / LOCK_NAME).resolve()
-        if self.path in _held:
-            raise ConfigError(f"run_dir: {run_dir} is in use by a run in this process (pid {os.getpid()})")
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        with Folder.open(run_dir, key="run_dir") as folder:
+            st = os.fstat(folder.fd)
+            self.folder_id = (st.st_dev, st.st_ino)
+            if self.folder_id in _held:
+                raise ConfigError(f"run_dir: {run_dir} is in use by a run in this process (pid {os.getpid()})")
+            self._fd: int | None = folder.open_lock(LOCK_NAME)
         try:
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -103,53 +110,51 @@ class RunLock:
             ) from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
-        _held.add(self.path)
+        _held.add(self.folder_id)
 
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing drops the lock; the file stays (others may be waiting on it)
             self._fd = None
-            _held.discard(self.path)
+            _held.discard(self.folder_id)
 
 
 def in_use_by(run_dir: Path) -> str | None:
     """The pid of the process that holds `run_dir` (a run going on), or None; takes nothing, writes nothing."""
-    path = run_dir / LOCK_NAME
-    if not path.is_file():
-        return None
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # conflicts with a run's exclusive lock only
-    except OSError:
-        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-    finally:
-        os.close(fd)
+    with Folder.open(run_dir, key="run_dir") as folder:
+        if not folder.is_file(LOCK_NAME):
+            return None
+        with folder.open_read(LOCK_NAME) as lock:  # a link or a FIFO is refused, never followed
+            try:
+                fcntl.lockf(lock.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)  # conflicts with a run's exclusive lock
+            except OSError:
+                return os.pread(lock.fileno(), 64, 0).decode(errors="replace").strip() or "unknown"
     return None
 
 
 def clean_leftovers(run_dir: Path) -> list[str]:
     """Remove what a killed run left half-written; return what was done, one line each.
 
-    `files.atomic_dir` swaps an existing checkpoint out as `.step_N.old` just before
+    `Folder.new_dir` swaps an existing checkpoint out as `.step_N.old` just before
     moving the new one in; a kill between the two renames leaves only the old one,
     which is put back.
     """
     done = []
-    ckpts = run_dir / "checkpoints"
-    names = sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else []
-    for tmp in [ckpts / n for n in names if _CHECKPOINT_TMP.fullmatch(n)]:
-        shutil.rmtree(tmp, ignore_errors=True)
-        done.append(f"removed {tmp.name}, a checkpoint left half-written by a crash")
-    for old in [ckpts / n for n in names if _CHECKPOINT_OLD.fullmatch(n)]:
-        target = ckpts / _CHECKPOINT_OLD.fullmatch(old.name)[1]
-        if target.exists():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(old, target)
-            done.append(f"restored {target.name}, swapped out by a crash during a save")
-    for pattern in TEMP_PATTERNS:
-        for tmp in run_dir.glob(pattern):
-            tmp.unlink(missing_ok=True)
+    with Folder.open(run_dir, key="run_dir") as run:
+        names = run.names("checkpoints")
+        for name in [n for n in names if _CHECKPOINT_TMP.fullmatch(n)]:
+            run.remove(f"checkpoints/{name}")
+            done.append(f"removed {name}, a checkpoint left half-written by a crash")
+        for old in [n for n in names if _CHECKPOINT_OLD.fullmatch(n)]:
+            target = _CHECKPOINT_OLD.fullmatch(old)[1]
+            if run.lstat(f"checkpoints/{target}") is not None:
+                run.remove(f"checkpoints/{old}")
+            else:
+                run.replace(f"checkpoints/{old}", f"checkpoints/{target}")
+                done.append(f"restored {target}, swapped out by a crash during a save")
+        for name in run.names():
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in TEMP_PATTERNS):
+                run.remove(name)
     return done
 
 
@@ -159,5 +164,6 @@ def remove_run(run_dir: Path) -> None:
     if run_dir.exists():
         check_run_dir(run_dir)
         lock = RunLock(run_dir)
-        shutil.rmtree(run_dir)  # the lock file goes with it; our descriptor keeps the lock until closed
+        with Folder.open(run_dir.parent) as parent:
+            parent.remove(run_dir.name)  # the lock file goes with it; our descriptor keeps the lock until closed
         lock.release()

@@ -28,7 +28,7 @@ from parity.engines.models.modules import CausalLM
 from parity.engines.rollout import RolloutEngine
 from parity.engines.tokenizer import copy_tokenizer_files, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
-from parity.outdir import check_output_dir, mark_output_dir
+from parity.outdir import check_output_dir, mark_written
 from parity.rl.builtin_rewards import builtin_reward
 from parity.rl.problems import BUILTIN_CHARS, BUILTIN_SPECIALS, ArithmeticTask, Problem
 from parity.rl.rewards import RewardRunner
@@ -176,4 +176,4 @@ def _build(out_dir: Path, tok_dir: Path, cfg: BuildConfig, log, on_eval) -> dict
 def _model_files(tok_dir: Path, folder: Path) -> None:
     """The tokenizer's files beside the weights, and the mark that makes the folder Parity's to replace."""
     copy_tokenizer_files(tok_dir, folder)
-    mark_output_dir(folder, [p.name for p in folder.iterdir()])
+    mark_written(folder)

@@ -33,7 +33,7 @@ def cmd_perfectible(args: argparse.Namespace) -> int:
         histogram,
         search_path,
     )
-    from parity.files import atomic_write_text
+    from parity.folders import atomic_write_text
 
     config, overrides = split_config(args)
     cfg = cfg_mod.load(PerfectibleConfig, config, overrides)

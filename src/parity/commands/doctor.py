@@ -47,8 +47,7 @@ from parity.engines.packing import PackedBatch, pack
 from parity.engines.precision import FP16_MAX, FP16_MIN_NORMAL
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
-from parity.files import atomic_write_json, atomic_write_text
-from parity.outdir import check_output_dir, claim_output_dir
+from parity.outdir import check_output_dir, claim_output_dir, write_output, write_output_json
 from parity.rl.data import prompt_limit
 
 PROBE_NEW_TOKENS = 48  # each probe prompt's responses in the mismatch measurement
@@ -320,9 +319,9 @@ def run_doctor(
         "mismatch": mismatch,
     }
     if out is not None:
-        claim_output_dir(out, ("doctor.json", "doctor.md"))
-        atomic_write_json(out / "doctor.json", result)
-        atomic_write_text(out / "doctor.md", render(result))
+        claim_output_dir(out)
+        write_output_json(out / "doctor.json", result)
+        write_output(out / "doctor.md", render(result))
     return result
 
 

@@ -29,8 +29,9 @@ from parity.engines.models.io import load_config, load_model, resolve_model_dir
 from parity.engines.models.modules import CausalLM
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, has_builtin_tokenizer, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
-from parity.files import atomic_write_json, atomic_write_text, regular_file_problem
-from parity.outdir import claim_output_dir
+from parity.files import regular_file_problem
+from parity.folders import refuse_links
+from parity.outdir import claim_output_dir, write_output, write_output_json
 from parity.rl.builtin_rewards import REWARDS, TRUSTED_REWARDS
 from parity.rl.checkpoint import checkpoints, load_checkpoint, require_finite_weights
 from parity.rl.data import DataColumns, load_problems, prompt_limit
@@ -130,6 +131,7 @@ def resolve_target(cfg: EvalConfig) -> Target:
         return _adapter_target(path)
     started = (path / "metrics.jsonl").exists() or (path / "checkpoints").is_dir()
     if (path / "config.yaml").is_file() and started:
+        refuse_links(path, "target")  # a run someone sent: read only what it holds itself
         holder = in_use_by(path)
         if holder is not None:
             raise ConfigError(
@@ -329,12 +331,9 @@ def markdown_table(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-EVAL_OUTPUTS = ("eval.json", "eval.md", "eval.png")  # what `parity eval` writes into `out` (`outdir.py`)
-
-
 def write_outputs(result: dict[str, Any], out: Path) -> None:
-    claim_output_dir(out, EVAL_OUTPUTS, "out")
-    atomic_write_json(out / "eval.json", result)
+    claim_output_dir(out, "out")
+    write_output_json(out / "eval.json", result)
     md = (
         f"# Held-out evaluation: {result['target']}\n\n"
         f"{result['prompts']} held-out prompts ({result['data']}) x {result['samples']} samples at temperature "
@@ -346,7 +345,7 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
         "differs from the trainer policy's in any token; KL per token on the policy's samples, π from the "
         "trainer's code path.\n\n" + markdown_table(result) + "\n![accuracy per precision](eval.png)\n"
     )
-    atomic_write_text(out / "eval.md", md)
+    write_output(out / "eval.md", md)
     plot_eval(result, out / "eval.png")
 
 

@@ -28,8 +28,8 @@ from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Prompt, has_builtin_tokenizer, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer, full_vocab_logprobs
-from parity.files import atomic_write_json, atomic_write_text, regular_file_problem
-from parity.outdir import claim_output_dir
+from parity.files import regular_file_problem
+from parity.outdir import claim_output_dir, write_output, write_output_json
 from parity.rl.checkpoint import require_finite_weights
 from parity.rl.data import PROMPT_FORM, ROW_BYTES, DataError, check_prompt, jsonl_rows, prompt_limit
 from parity.rl.diagnostics import (
@@ -338,12 +338,11 @@ def length_table(results: list[PairResult]) -> str:
 
 
 # What `parity mismatch` writes into `out` (`outdir.py`).
-MISMATCH_OUTPUTS = ("mismatch.json", "mismatch.md", "mismatch_scatter.png", "seq_log_ratio_vs_length.png")
 
 
 def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
-    out = claim_output_dir(Path(cfg.out), MISMATCH_OUTPUTS, "out")
-    atomic_write_json(out / "mismatch.json", results_json(cfg.model, results))
+    out = claim_output_dir(Path(cfg.out), "out")
+    write_output_json(out / "mismatch.json", results_json(cfg.model, results))
     num_prompts = results[0].num_sequences // cfg.group_size if results else 0
     distributions, lengths = distribution_table(results), length_table(results)
     md = (
@@ -370,7 +369,7 @@ def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
         + "![sequence log-ratio vs length](seq_log_ratio_vs_length.png)\n"
         + "".join(f"\n{located_text(r)}" for r in results if r.located is not None)
     )
-    atomic_write_text(out / "mismatch.md", md)
+    write_output(out / "mismatch.md", md)
     plot_mismatch_scatter(results, out / "mismatch_scatter.png")
     plot_seq_log_ratio_vs_length(results, out / "seq_log_ratio_vs_length.png")
     return out

@@ -25,7 +25,8 @@ from parity.engines.models.io import load_config, load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, load_tokenizer
-from parity.files import JSONError, atomic_write_text, parse_json
+from parity.files import JSONError, parse_json
+from parity.folders import atomic_write_text
 from parity.rl.algorithms import TRUNCATION_MODES
 from parity.rl.builtin_rewards import REWARDS, TRUSTED_REWARDS
 from parity.rl.data import load_problems, prompt_limit

@@ -38,8 +38,7 @@ from parity.engines.models.io import export_state, load_model, resolve_model_dir
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
-from parity.files import atomic_write_json, atomic_write_text
-from parity.outdir import check_output_dir, claim_output_dir
+from parity.outdir import check_output_dir, claim_output_dir, write_output, write_output_json
 from parity.rl.data import DataError
 from parity.rl.diagnostics import PROB_BIN_EDGES, gap_metrics
 from parity.rl.loop import Run
@@ -115,18 +114,8 @@ def _config(run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...]) ->
     )
 
 
-# What `parity phantom --out DIR` writes into DIR (`outdir.py`).
-PHANTOM_OUTPUTS = (
-    "beta.png",
-    "beta_by_prob.png",
-    "one-update",
-    "runs",
-    "prompts.jsonl",
-    "phantom.png",
-    "summary.json",
-    "steps.jsonl",
-    "report.md",
-)
+# The folders `parity phantom --out DIR` makes in DIR (`outdir.py`), beside its files.
+PHANTOM_FOLDERS = ("one-update", "runs")
 
 
 def check_runs(steps: int, seeds: tuple[int, ...] = (0,)) -> None:
@@ -233,7 +222,7 @@ def run_phantom(
     check_output_dir(out)
     start = time.perf_counter()
     beta, probs, parts_bf16 = mismatch_parts("builtin", 64, seed, "bf16", device)
-    claim_output_dir(out, PHANTOM_OUTPUTS)
+    claim_output_dir(out, folders=PHANTOM_FOLDERS)
     plot_beta_distribution(beta.cpu(), probs.cpu(), out / "beta.png")
     parts_fp16 = mismatch_parts("builtin", 64, seed, "fp16", device)[2]
     device_key = (f"device={device}",)
@@ -276,8 +265,8 @@ def run_phantom(
         },
         "wall_seconds": round(time.perf_counter() - start, 1),
     }
-    atomic_write_json(out / "summary.json", summary)
-    atomic_write_text(out / "report.md", render_report(summary))
+    write_output_json(out / "summary.json", summary)
+    write_output(out / "report.md", render_report(summary))
     return summary
 
 
@@ -457,9 +446,9 @@ def run_writeup(
     kernels.check_device(device, "--device")
     check_runs(steps, seeds)
     model_dir = resolve_model_dir(model)
-    claim_output_dir(out, PHANTOM_OUTPUTS)
+    claim_output_dir(out, folders=PHANTOM_FOLDERS)
     prompt_file = out / "prompts.jsonl"
-    atomic_write_text(prompt_file, "".join(json.dumps({"prompt": p, "answer": ""}) + "\n" for p in prompts))
+    write_output(prompt_file, "".join(json.dumps({"prompt": p, "answer": ""}) + "\n" for p in prompts))
     base = (f"model={model_dir}", f"task.data={prompt_file}", *WRITEUP_SETTINGS, f"device={device}")
     start = time.perf_counter()
     arms = writeup_arms(with_async, eps)
@@ -515,9 +504,9 @@ def run_writeup(
         "wall_seconds": round(time.perf_counter() - start, 1),
         "runs_read_back": read_back,
     }
-    atomic_write_json(out / "summary.json", summary)
-    atomic_write_text(out / "steps.jsonl", "".join(json.dumps(row) + "\n" for row in step_rows))
-    atomic_write_text(out / "report.md", render_writeup(summary))
+    write_output_json(out / "summary.json", summary)
+    write_output(out / "steps.jsonl", "".join(json.dumps(row) + "\n" for row in step_rows))
+    write_output(out / "report.md", render_writeup(summary))
     return summary
 
 

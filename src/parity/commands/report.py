@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +13,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from parity.files import JSONError, atomic_write_json, atomic_write_text, parse_json  # noqa: E402
-from parity.outdir import check_output_dir, claim_output_dir  # noqa: E402
+from parity.files import JSONError, LineTooLong, bounded_lines, parse_json  # noqa: E402
+from parity.folders import Folder, refuse_links  # noqa: E402
+from parity.outdir import check_output_dir, claim_output_dir, write_output, write_output_json  # noqa: E402
 from parity.rl.completions import markdown_table, read_completions, sample_rows  # noqa: E402
 from parity.rl.data import DataError  # noqa: E402
 
@@ -22,10 +24,12 @@ if TYPE_CHECKING:
 
 
 def save_figure(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.fig.tmp")  # the temporary name of `files.atomic_write_text`'s form
-    fig.savefig(tmp, format=path.suffix.removeprefix("."), dpi=110, bbox_inches="tight")
+    """The figure as the file `path` of an output folder (`outdir.write_output`: atomically, never through a
+    link, its bytes recorded in the folder's mark)."""
+    image = io.BytesIO()
+    fig.savefig(image, format=path.suffix.removeprefix("."), dpi=110, bbox_inches="tight")
     plt.close(fig)
-    tmp.replace(path)
+    write_output(path, image.getvalue())
 
 
 # ----------------------------------------------------------------------------- training runs
@@ -48,39 +52,54 @@ def _number(value) -> float | None:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+MAX_LINE_BYTES = 16 * 2**20  # a step's metrics, or one completion's row: far below this
+
+
 def load_history(run_dir: Path) -> list[dict]:
     """The steps in RUN_DIR/metrics.jsonl. A last line cut short (a run killed mid-write) is left out
-    with a warning on stderr; any other unreadable line, or no complete step, is a DataError."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        started = (Path(run_dir) / "config.yaml").is_file()
+    with a warning on stderr; any other unreadable line, or no complete step, is a DataError. A run folder
+    holding a link is refused (`folders.refuse_links`): report reads only what the run wrote."""
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    refuse_links(run_dir, "run")
+    try:
+        with Folder.open(run_dir, key="run") as run, run.open_read(path.name) as f:
+            history = _history(path, f)
+    except (FileNotFoundError, NotADirectoryError):
+        started = (run_dir / "config.yaml").is_file()
         hint = "the run has logged no step yet" if started else "is this a `parity train` run directory?"
-        raise DataError(f"{run_dir}: no metrics.jsonl; {hint}")
-    lines = path.read_bytes().split(b"\n")  # a complete file ends with a newline, leaving b"" last
-    history = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = parse_json(line.decode("utf-8"))
-        except (JSONError, UnicodeDecodeError):
-            if lineno == len(lines):  # no newline after it: its write never finished
-                if history:
-                    steps = f"{history[0]['step']}-{history[-1]['step']}"
-                    warning = f"incomplete last line (the run was killed mid-write); reporting steps {steps}"
-                    print(f"{path}:{lineno}: {warning}", file=sys.stderr)
-                continue
-            raise DataError(
-                f"{path}:{lineno}: corrupt line (not valid JSON); only a killed run's last line may be cut short"
-            ) from None
-        missing = [k for k in ("step", *REPORTED) if not isinstance(row, dict) or _number(row.get(k)) is None]
-        if not missing and all(_number(row.get(k)) is None for k in ("reward/accuracy", "reward/mean")):
-            missing = ["reward/mean"]
-        if missing:
-            raise DataError(f"{path}:{lineno}: expected a JSON object of metrics with a number for {missing[0]!r}")
-        history.append(row)
+        raise DataError(f"{run_dir}: no metrics.jsonl; {hint}") from None
     if not history:
         raise DataError(f"{path}: no complete step yet")
+    return history
+
+
+def _history(path: Path, f) -> list[dict]:
+    history: list[dict] = []
+    try:
+        for lineno, line in enumerate(bounded_lines(f, MAX_LINE_BYTES), 1):
+            if not line.strip():
+                continue
+            try:
+                row = parse_json(line.decode("utf-8"))
+            except (JSONError, UnicodeDecodeError):
+                if not line.endswith(b"\n"):  # the last line, and its write never finished
+                    if history:
+                        steps = f"{history[0]['step']}-{history[-1]['step']}"
+                        warning = f"incomplete last line (the run was killed mid-write); reporting steps {steps}"
+                        print(f"{path}:{lineno}: {warning}", file=sys.stderr)
+                    continue
+                raise DataError(
+                    f"{path}:{lineno}: corrupt line (not valid JSON); only a killed run's last line may be cut short"
+                ) from None
+            missing = [k for k in ("step", *REPORTED) if not isinstance(row, dict) or _number(row.get(k)) is None]
+            if not missing and all(_number(row.get(k)) is None for k in ("reward/accuracy", "reward/mean")):
+                missing = ["reward/mean"]
+            if missing:
+                raise DataError(f"{path}:{lineno}: expected a JSON object of metrics with a number for {missing[0]!r}")
+            history.append(row)
+    except LineTooLong as e:
+        raise DataError(f"{path}:{e.lineno}: {e.length:,} bytes, more than a step's metrics hold") from None
     return history
 
 
@@ -270,14 +289,14 @@ def completions_section(run_dirs: list[Path]) -> str:
     """Each run's newest step's completions (completions/step_N.jsonl), a few rows with their rewards."""
     parts = []
     for run_dir in run_dirs:
-        rows = read_completions(Path(run_dir))
+        try:
+            rows = read_completions(Path(run_dir), MAX_LINE_BYTES)
+        except LineTooLong as e:
+            raise DataError(f"{run_dir}/completions: {e}, more than a completion's row holds") from None
         if rows:
             shown = markdown_table(sample_rows(rows, REPORTED_COMPLETIONS))
             parts.append(f"\n## {Path(run_dir).name}: completions of step {rows[0]['step']}\n\n{shown}")
     return "".join(parts)
-
-
-REPORT_OUTPUTS = ("accuracy.png", "mismatch.png", "summary.json", "report.md")  # what `parity report` writes
 
 
 def report_runs(run_dirs: list[Path], out: Path) -> dict[str, dict]:
@@ -285,16 +304,17 @@ def report_runs(run_dirs: list[Path], out: Path) -> dict[str, dict]:
     check_output_dir(out)
     histories = {Path(d).name: load_history(Path(d)) for d in run_dirs}  # every run read before `out` is made
     summaries = {name: summarize(h) for name, h in histories.items()}
-    claim_output_dir(out, REPORT_OUTPUTS)
+    completions = completions_section(run_dirs)
+    claim_output_dir(out)
     plot_accuracy(histories, out / "accuracy.png")
     plot_mismatch_curves(histories, out / "mismatch.png")
-    atomic_write_json(out / "summary.json", summaries)
+    write_output_json(out / "summary.json", summaries)
     md = (
         "# Runs\n\n"
         + summary_table(summaries)
         + f"\nAccuracy (or the mean reward, for runs of other rewards) is the {SMOOTHING}-step moving average "
         "over the training batches; mismatch figures are means of the last 5 steps.\n\n"
-        "![training accuracy](accuracy.png)\n\n![mismatch](mismatch.png)\n" + completions_section(run_dirs)
+        "![training accuracy](accuracy.png)\n\n![mismatch](mismatch.png)\n" + completions
     )
-    atomic_write_text(out / "report.md", md)
+    write_output(out / "report.md", md)
     return summaries

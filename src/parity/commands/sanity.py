@@ -38,8 +38,7 @@ from parity.commands.report import (
 )
 from parity.config import ConfigError
 from parity.engines.precision import PRECISIONS
-from parity.files import atomic_write_json, atomic_write_text
-from parity.outdir import check_output_dir, claim_output_dir
+from parity.outdir import check_output_dir, claim_output_dir, write_output, write_output_json
 from parity.rl.algorithms import ESTIMATORS
 from parity.rl.loop import Run, TrainingError
 from parity.rl.train_config import TrainConfig
@@ -88,19 +87,6 @@ def parse_runs(spec: str) -> list[tuple[str, str]]:
     if not runs:
         raise ConfigError("--runs: no runs given")
     return runs
-
-
-# What `parity sanity --out DIR` writes into DIR (`outdir.py`): the runs, and the report on them.
-SANITY_OUTPUTS = (
-    "perfectible.jsonl",
-    "perfectible_histogram.png",
-    "mismatch_scatter.png",
-    "runs",
-    "accuracy.png",
-    "mismatch.png",
-    "summary.json",
-    "report.md",
-)
 
 
 @dataclass(frozen=True)
@@ -192,8 +178,8 @@ def run_sanity(options: SanityOptions, log=print) -> dict:
         f"perfectible set: {len(keep)} of {len(accuracies)} problems ({'cached' if cached else 'measured'}): {set_path}"
     )
     log(format_histogram(counts, pcfg.lo, pcfg.hi))
-    claim_output_dir(options.out, SANITY_OUTPUTS)
-    atomic_write_text(options.out / "perfectible.jsonl", set_path.read_text())
+    claim_output_dir(options.out, folders=("runs",))
+    write_output(options.out / "perfectible.jsonl", set_path.read_text())
     plot_histogram(counts, pcfg.lo, pcfg.hi, options.out / "perfectible_histogram.png")
 
     # Token-level μ vs π on the base model, per precision (exact mode apart), over the perfectible prompts.
@@ -250,8 +236,8 @@ def run_sanity(options: SanityOptions, log=print) -> dict:
         "runs": summaries,
         "wall_seconds": round(time.perf_counter() - start, 1),
     }
-    atomic_write_json(options.out / "summary.json", summary)
-    atomic_write_text(options.out / "report.md", render_report(summary))
+    write_output_json(options.out / "summary.json", summary)
+    write_output(options.out / "report.md", render_report(summary))
     return summary
 
 

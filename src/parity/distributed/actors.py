@@ -29,6 +29,7 @@ from parity.engines.sampler import ExactnessError, check_first_pass
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import Trainer
+from parity.folders import Folder
 from parity.rl.checkpoint import RunState, load_checkpoint, local_parameters, non_finite_tensors, save_shards
 from parity.rl.step import Prepared, UpdatePlan, UpdateResult, build_sampler, train_on_batch
 from parity.rl.train_config import TrainConfig
@@ -183,12 +184,14 @@ class Learner:
         tensors, manifest = pack_weights(state, version, rollout_precision, trainer_precision)
         return tensors, (manifest, time.perf_counter() - t)
 
-    def save_shards(self, folder: str) -> tuple[list[str], dict[str, float], int]:
-        """Write this learner's shards of the weights and AdamW state (every learner at once); return
-        the names of non-finite local tensors (then the driver saves nothing), the scaler and the version."""
+    def save_shards(self, root: str, rel: str) -> tuple[list[str], dict[str, float], int]:
+        """Write this learner's shards of the weights and AdamW state into the folder `rel` below the run's
+        folder `root` (every learner at once); return the names of non-finite local tensors (then the driver
+        saves nothing), the scaler and the version."""
         bad = non_finite_tensors(local_parameters(self.trainer.model))
         if not bad:
-            save_shards(self.trainer, Path(folder))
+            with Folder.open(root, key="run_dir") as run, run.sub(rel, create=True) as folder:
+                save_shards(self.trainer, folder.path())
         return bad, self.trainer.scaler.state_dict(), self.trainer.weight_version
 
     def update(

@@ -38,7 +38,15 @@ from parity.engines.models.io import load_config, load_model
 from parity.engines.models.modules import CausalLM
 from parity.engines.partial import PoolRequest
 from parity.engines.sampler import ExactnessError
-from parity.rl.checkpoint import CheckpointError, RunState, restore_latest, save_checkpoint, verify_checkpoint
+from parity.folders import Folder
+from parity.rl.checkpoint import (
+    SHARDED_DIR,
+    CheckpointError,
+    RunState,
+    restore_latest,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from parity.rl.loop import Backend
 from parity.rl.problems import Problem
 from parity.rl.step import LocalBackend, Prepared, RunParts, TrainingError, UpdatePlan, UpdateResult, resolve_old
@@ -211,8 +219,9 @@ class RayBackend:
         driver the run's state beside them (`rl.checkpoint`)."""
         return save_checkpoint(run_dir, self._save_shards, state, self.model_dir, keep)
 
-    def _save_shards(self, folder: Path) -> tuple[list[str], dict[str, float], int]:
-        parts = self._learners_call("save_shards", str(folder))
+    def _save_shards(self, folder: Folder) -> tuple[list[str], dict[str, float], int]:
+        # Each learner reaches the fresh checkpoint folder from the run's folder itself, following no link.
+        parts = self._learners_call("save_shards", str(folder.root), str(folder.rel / SHARDED_DIR))
         _, scaler, version = parts[0]  # the learners agree on both
         return sorted({name for bad, _, _ in parts for name in bad}), scaler, version
 

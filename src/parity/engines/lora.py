@@ -31,7 +31,7 @@ from torch import nn
 
 from parity.engines import kernels
 from parity.engines.models.modules import CausalLM, Linear, cast_once
-from parity.files import atomic_dir
+from parity.folders import atomic_dir
 
 # The attention and MLP projections LoRA may adapt (PEFT's usual `target_modules` for the Llama family).
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")

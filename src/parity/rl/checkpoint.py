@@ -17,7 +17,8 @@ eval`), reads it back; on resume each learner calls `load_checkpoint` with its o
 trainer and reads its own shards in place, so no process holds the trained model whole.
 
 A checkpoint is input like any other: a run directory may come from someone else. Only
-Parity's own names under `checkpoints/` are read (`rundir.checkpoint_step`), every field of
+Parity's own names under `checkpoints/` are read (`rundir.checkpoint_step`), each reached from the
+run's folder without following a link (`folders.Folder`), every field of
 `manifest.json` and `state.json` is checked before anything is loaded, and a checkpoint that
 fails a check is set aside on resume, or refused in one line by `parity eval`.
 
@@ -34,9 +35,8 @@ import functools
 import hashlib
 import json
 import math
-import os
 import re
-import shutil
+import stat
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,7 +54,8 @@ from parity.engines.models.config import ModelError
 from parity.engines.models.io import load_model, save_model
 from parity.engines.tokenizer import copy_tokenizer_files
 from parity.engines.trainer import Trainer
-from parity.files import JSONError, atomic_dir, parse_json
+from parity.files import JSONError, parse_json
+from parity.folders import Folder
 from parity.rl import shards
 from parity.rl.model_card import model_card
 from parity.rundir import checkpoint_name, checkpoint_step
@@ -64,6 +65,7 @@ from parity.rundir import checkpoint_name, checkpoint_step
 FORMAT_VERSION = 3
 READABLE_FORMATS = (2, 3)
 MANIFEST = "manifest.json"
+CHECKPOINTS_DIR = "checkpoints"
 MAX_JSON_BYTES = 64 * 2**20  # manifest.json and state.json list files and settings: far below this
 ADAPTER_DIR = "adapter"
 SHARDED_DIR = "sharded"  # the weights and AdamW state as torch.distributed.checkpoint shards
@@ -125,15 +127,30 @@ def require_finite_weights(model: torch.nn.Module, model_dir: Path, consequence:
         raise ModelError(f"{model_dir}: weights hold inf/NaN ({', '.join(bad[:3])}); {consequence}")
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
+def _sha256(folder: Folder, name: str) -> str:
+    with folder.open_read(name) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _write_manifest(folder: Path) -> None:
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
-    entries = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
-    (folder / MANIFEST).write_text(json.dumps({"format": FORMAT_VERSION, "files": entries}, indent=2) + "\n")
+def _write_manifest(folder: Folder) -> None:
+    """manifest.json: the size and SHA-256 of every file the fresh checkpoint folder holds."""
+    names, stack = [], [""]
+    while stack:
+        below = stack.pop()
+        for name in folder.names(below):
+            rel = f"{below}/{name}" if below else name
+            (stack if folder.is_dir(rel) else names).append(rel)
+    entries = {n: {"bytes": folder.lstat(n).st_size, "sha256": _sha256(folder, n)} for n in sorted(names)}
+    folder.write_text(MANIFEST, json.dumps({"format": FORMAT_VERSION, "files": entries}, indent=2) + "\n")
+
+
+def open_checkpoint(path: Path) -> Folder:
+    """The checkpoint folder `path`: a run's RUN/checkpoints/step_N reached from the run's folder without
+    following a link, or a folder given on its own, opened as named."""
+    if path.parent.name != CHECKPOINTS_DIR:
+        return Folder.open(path, key="checkpoint")
+    with Folder.open(path.parent.parent, key="run_dir") as run:
+        return run.sub(f"{CHECKPOINTS_DIR}/{path.name}")
 
 
 def base_sha256(model_dir: Path) -> str:
@@ -155,14 +172,16 @@ def _files_sha256(files: tuple[tuple[str, int, int], ...]) -> str:
     return digest.hexdigest()
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(ckpt: Folder, name: str) -> Any:
     """A checkpoint's small JSON file; a JSONError (or OSError) when it cannot be used."""
-    if path.is_symlink():
-        raise JSONError("a link, which Parity never writes")
-    if path.stat().st_size > MAX_JSON_BYTES:
-        raise JSONError(f"{path.stat().st_size} bytes, more than a checkpoint's {path.name} holds")
     try:
-        return parse_json(path.read_text(encoding="utf-8"))
+        data = ckpt.read_bytes(name, MAX_JSON_BYTES)
+    except ConfigError:  # a link, a FIFO
+        raise JSONError("a link or not a regular file, which Parity never writes") from None
+    except ValueError:
+        raise JSONError(f"more than the {MAX_JSON_BYTES:,} bytes a checkpoint's {name} holds") from None
+    try:
+        return parse_json(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise JSONError(f"not UTF-8 (byte at offset {e.start})") from None
 
@@ -185,9 +204,14 @@ def _manifest_problem(entries: Any) -> str | None:
 
 
 def verify_checkpoint(path: Path) -> str | None:
-    """What is wrong with the checkpoint at `path` (a missing, changed or cut file), or None."""
+    """What is wrong with the checkpoint at `path` (a missing, changed or cut file, a link), or None."""
+    with open_checkpoint(path) as ckpt:
+        return _manifest_mismatch(ckpt)
+
+
+def _manifest_mismatch(ckpt: Folder) -> str | None:
     try:
-        manifest = _read_json(path / MANIFEST)
+        manifest = _read_json(ckpt, MANIFEST)
     except FileNotFoundError:
         return f"no {MANIFEST} (not a complete checkpoint of this format)"
     except (JSONError, OSError) as e:
@@ -197,23 +221,29 @@ def verify_checkpoint(path: Path) -> str | None:
     if problem is not None:
         return problem
     for name, entry in entries.items():
-        file = path / name
-        if file.is_symlink():
-            return f"{name} is a link, which Parity never writes"
-        if not file.is_file():
+        try:
+            st = ckpt.lstat(name)
+            if st is not None and stat.S_ISLNK(st.st_mode):
+                return f"{name} is a link, which Parity never writes"
+            if st is None or not stat.S_ISREG(st.st_mode):
+                return f"{name} is missing"
+            if st.st_size != entry["bytes"]:
+                return f"{name} is {st.st_size} bytes, the manifest says {entry['bytes']}"
+            if _sha256(ckpt, name) != entry["sha256"]:
+                return f"{name} does not match its checksum"
+        except ConfigError:  # a link on the way to it
+            return f"{name} lies behind a link, which Parity never writes"
+        except NotADirectoryError:
             return f"{name} is missing"
-        if file.stat().st_size != entry["bytes"]:
-            return f"{name} is {file.stat().st_size} bytes, the manifest says {entry['bytes']}"
-        if _sha256(file) != entry["sha256"]:
-            return f"{name} does not match its checksum"
     return None
 
 
 def saved_config(path: Path) -> dict[str, Any] | None:
     """The run's config that the checkpoint at `path` stores, or None when its state.json does not read."""
     try:
-        meta = _read_json(path / "state.json")
-    except (JSONError, OSError):
+        with open_checkpoint(path) as ckpt:
+            meta = _read_json(ckpt, "state.json")
+    except (JSONError, OSError, ConfigError):
         return None
     config = meta.get("config") if isinstance(meta, dict) else None
     return config if isinstance(config, dict) else None
@@ -251,11 +281,13 @@ def _run_state(meta: Any) -> RunState:
     )
 
 
-def _tensors(file: Path) -> dict[str, torch.Tensor]:
+def _tensors(ckpt: Folder, name: str) -> dict[str, torch.Tensor]:
+    if not ckpt.is_file(name):
+        raise CheckpointError(f"{name}: missing, or not a regular file")
     try:
-        return load_file(str(file))
+        return load_file(str(ckpt.path(name)))
     except SafetensorError as e:
-        raise CheckpointError(f"{file.name}: not a readable safetensors file ({e})") from None
+        raise CheckpointError(f"{name}: not a readable safetensors file ({e})") from None
 
 
 def _check_rng(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -293,7 +325,8 @@ def _check_optimizer(trainer: Trainer, tensors: dict[str, torch.Tensor], meta: d
 
 # A learner group's writer of a sharded checkpoint: every learner writes its own shards into the folder; the
 # writer returns the names of any non-finite tensors (then nothing is saved), the loss scaler and the version.
-ShardWriter = Callable[[Path], tuple[list[str], dict[str, float], int]]
+# The folder it gets is the fresh checkpoint's, which each learner opens itself (`Folder.root`, `Folder.rel`).
+ShardWriter = Callable[[Folder], tuple[list[str], dict[str, float], int]]
 
 
 def save_checkpoint(
@@ -305,54 +338,56 @@ def save_checkpoint(
 ) -> Path:
     """Save `trained`: this process's trainer, whole, or a learner group's shards (`ShardWriter`).
     `model_dir`: the run's model (its tokenizer files are copied; with LoRA, the adapters' base)."""
-    ckpt_root = run_dir / "checkpoints"
     if isinstance(trained, Trainer):
         bad = non_finite_tensors({n: p for n, p in trained.model.named_parameters() if p.requires_grad})
         if bad:
             raise CheckpointError(f"step {state.step}: not saving a checkpoint: inf/NaN in {', '.join(bad[:3])}")
-    target = ckpt_root / checkpoint_name(state.step)
-    try:
-        _write_checkpoint(target, trained, state, model_dir)
-    except (OSError, SafetensorError) as e:  # a full disk, a file-size limit: the earlier ones stay intact
-        raise CheckpointError(f"{target}: could not be written ({e}); earlier checkpoints are intact") from None
-    # Older ones go; `target`, just written from finite weights, is always the newest kept.
-    older = [p for p in checkpoints(run_dir) if checkpoint_step(p.name) < state.step]
-    for old in older[: max(len(older) - (keep - 1), 0)]:
-        shutil.rmtree(old, ignore_errors=True)
+    name = checkpoint_name(state.step)
+    target = run_dir / CHECKPOINTS_DIR / name
+    with Folder.open(run_dir, create=True, key="run_dir") as run, run.sub(CHECKPOINTS_DIR, create=True) as saved:
+        try:
+            with saved.new_dir(name) as folder:
+                _write_checkpoint(folder, trained, state, model_dir)
+        except (OSError, SafetensorError) as e:  # a full disk, a file-size limit: the earlier ones stay intact
+            raise CheckpointError(f"{target}: could not be written ({e}); earlier checkpoints are intact") from None
+        # Older ones go; `target`, just written from finite weights, is always the newest kept.
+        older = [n for n in _checkpoint_names(run) if checkpoint_step(n) < state.step]
+        for old in older[: max(len(older) - (keep - 1), 0)]:
+            saved.remove(old)
     return target
 
 
-def _write_checkpoint(target: Path, trained: Trainer | ShardWriter, state: RunState, model_dir: Path) -> None:
-    with atomic_dir(target) as tmp:
-        meta: dict[str, Any] = {"format": FORMAT_VERSION}
-        if not isinstance(trained, Trainer):
-            bad, scaler, version = trained(tmp / SHARDED_DIR)
-            if bad:
-                raise CheckpointError(f"step {state.step}: not saving a checkpoint: inf/NaN in {', '.join(bad[:3])}")
-            tensors, tensor_file = {}, SHARDED_RNG
+def _write_checkpoint(folder: Folder, trained: Trainer | ShardWriter, state: RunState, model_dir: Path) -> None:
+    tmp = folder.path()  # the fresh folder itself, for the libraries that write by path
+    meta: dict[str, Any] = {"format": FORMAT_VERSION}
+    if not isinstance(trained, Trainer):
+        bad, scaler, version = trained(folder)
+        if bad:
+            raise CheckpointError(f"step {state.step}: not saving a checkpoint: inf/NaN in {', '.join(bad[:3])}")
+        tensors, tensor_file = {}, SHARDED_RNG
+    else:
+        card = model_card(state.config or {}, state.metrics or {}, state.step, str(Path(model_dir).resolve()))
+        if trained.lora is None:
+            save_model(trained.model, tmp / "model", functools.partial(_model_files, model_dir, card))
         else:
-            card = model_card(state.config or {}, state.metrics or {}, state.step, str(Path(model_dir).resolve()))
-            if trained.lora is None:
-                save_model(trained.model, tmp / "model", functools.partial(_model_files, model_dir, card))
-            else:
-                base = Path(model_dir).resolve()
-                save_adapter(trained.model, trained.lora, tmp / ADAPTER_DIR, base_model=str(base))
-                (tmp / ADAPTER_DIR / "README.md").write_text(card, encoding="utf-8")
-                meta["base_model"] = {"path": str(base), "sha256": base_sha256(base)}
-            tensors, meta["optimizer"] = _optimizer_tensors(trained.optimizer)
-            tensor_file = "optimizer.safetensors"
-            scaler, version = trained.scaler.state_dict(), trained.weight_version
-        tensors["rng.torch"] = torch.get_rng_state()
-        save_file(tensors, str(tmp / tensor_file))
-        meta.update(
-            step=state.step,
-            data_position=state.data_position,
-            weight_version=version,
-            scaler=scaler,
-            config=state.config,
-        )
-        (tmp / "state.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _write_manifest(tmp)
+            base = Path(model_dir).resolve()
+            save_adapter(trained.model, trained.lora, tmp / ADAPTER_DIR, base_model=str(base))
+            folder.write_text(f"{ADAPTER_DIR}/README.md", card)
+            meta["base_model"] = {"path": str(base), "sha256": base_sha256(base)}
+        tensors, meta["optimizer"] = _optimizer_tensors(trained.optimizer)
+        tensor_file = "optimizer.safetensors"
+        scaler, version = trained.scaler.state_dict(), trained.weight_version
+    tensors["rng.torch"] = torch.get_rng_state()
+    save_file(tensors, str(tmp / tensor_file))
+    meta.update(
+        step=state.step,
+        data_position=state.data_position,
+        weight_version=version,
+        scaler=scaler,
+        config=state.config,
+    )
+    folder.write_text("state.json", json.dumps(meta, indent=2) + "\n")
+    _write_manifest(folder)
 
 
 def _model_files(model_dir: Path, card: str, folder: Path) -> None:
@@ -406,17 +441,24 @@ def load_shards(folder: Path, trainer: Trainer) -> list[str]:
     return non_finite_tensors(local_parameters(trainer.model))
 
 
+def _checkpoint_names(run: Folder) -> list[str]:
+    """The names of the run's checkpoint folders, oldest first: Parity's names only (`rundir.checkpoint_step`);
+    `checkpoints` being a link is refused (LinkError)."""
+    found = [n for n in run.names(CHECKPOINTS_DIR) if checkpoint_step(n) is not None]
+    return sorted((n for n in found if run.is_dir(f"{CHECKPOINTS_DIR}/{n}")), key=checkpoint_step)
+
+
 def checkpoints(run_dir: Path) -> list[Path]:
-    """The run's checkpoint folders, oldest first: Parity's names only (`rundir.checkpoint_step`)."""
-    folder = run_dir / "checkpoints"
-    found = [p for p in folder.iterdir() if checkpoint_step(p.name) is not None] if folder.is_dir() else []
-    return sorted((p for p in found if p.is_dir() and not p.is_symlink()), key=lambda p: checkpoint_step(p.name))
+    """The run's checkpoint folders, oldest first (none when `run_dir` is no folder)."""
+    if not Path(run_dir).is_dir():
+        return []
+    with Folder.open(run_dir, key="run_dir") as run:
+        return [Path(run_dir) / CHECKPOINTS_DIR / n for n in _checkpoint_names(run)]
 
 
-def _check_kind(path: Path, trainer: Trainer, meta: dict[str, Any], base_dir: Path | None) -> None:
-    """A LoRA checkpoint goes to a LoRA trainer on the same base, a full one to a full trainer.
-    ConfigError, not CheckpointError: the checkpoint is sound, so it must not be set aside."""
-    lora = (path / ADAPTER_DIR).is_dir()
+def _check_kind(path: Path, lora: bool, trainer: Trainer, meta: dict[str, Any], base_dir: Path | None) -> None:
+    """A LoRA checkpoint (`lora`: it holds adapters) goes to a LoRA trainer on the same base, a full one to a
+    full trainer. ConfigError, not CheckpointError: the checkpoint is sound, so it must not be set aside."""
     if lora != (trainer.lora is not None):
         held, wanted = ("LoRA adapters", "full weights") if lora else ("full weights", "LoRA adapters")
         raise ConfigError(f"{path}: holds {held}, but this trainer trains {wanted} (lora.rank)")
@@ -440,29 +482,37 @@ def load_checkpoint(path: Path, trainer: Trainer, base_dir: Path | None = None, 
 
     Raises CheckpointError when the checkpoint is damaged or holds non-finite values, and
     ConfigError when it does not fit this trainer (LoRA or not, another base model)."""
-    problem = None if verified else verify_checkpoint(path)
+    with open_checkpoint(path) as ckpt:
+        try:
+            return _load(ckpt, path, trainer, base_dir, verified)
+        except CheckpointError as e:  # a library's message names the folder by its descriptor: by its name here
+            raise CheckpointError(str(e).replace(str(ckpt.path()), str(path))) from None
+
+
+def _load(ckpt: Folder, path: Path, trainer: Trainer, base_dir: Path | None, verified: bool) -> RunState:
+    problem = None if verified else _manifest_mismatch(ckpt)
     if problem is not None:
         raise CheckpointError(f"{path}: {problem}")
-    sharded = (path / SHARDED_DIR).is_dir()
+    sharded = ckpt.is_dir(SHARDED_DIR)
     try:
-        meta = _read_json(path / "state.json")
+        meta = _read_json(ckpt, "state.json")
         state = _run_state(meta)
         if checkpoint_step(path.name) not in (None, state.step):
             raise CheckpointError(f"state.json: step {state.step} in the folder of step {checkpoint_step(path.name)}")
-        _check_kind(path, trainer, meta, base_dir)
+        _check_kind(path, ckpt.is_dir(ADAPTER_DIR), trainer, meta, base_dir)
         if trainer.sharded and not sharded:  # a distributed run writes sharded ones only
             raise ConfigError(f"{path}: a one-process checkpoint; a learner group resumes its own sharded ones")
         if sharded:
-            shards.read_index(path / SHARDED_DIR)  # the index, checked here before any learner reads it
+            shards.read_index(ckpt.path(SHARDED_DIR))  # the index, checked here before any learner reads it
             weights = {}  # checked once loaded: DCP reads into the trainer's own tensors
-            tensors = _tensors(path / SHARDED_RNG)
+            tensors = _tensors(ckpt, SHARDED_RNG)
         else:
             if trainer.lora is None:
-                weights = load_model(path / "model", kernels.numerics()).state_dict()
+                weights = load_model(ckpt.path("model"), kernels.numerics()).state_dict()
                 _check_weights(trainer, weights)
             else:
-                weights = read_adapter(path / ADAPTER_DIR, trainer.lora)
-            tensors = _tensors(path / "optimizer.safetensors")
+                weights = read_adapter(ckpt.path(ADAPTER_DIR), trainer.lora)
+            tensors = _tensors(ckpt, "optimizer.safetensors")
         rng = _check_rng(tensors)
         if not sharded:
             _check_optimizer(trainer, tensors, meta)
@@ -476,7 +526,7 @@ def load_checkpoint(path: Path, trainer: Trainer, base_dir: Path | None = None, 
     if bad:
         raise CheckpointError(f"{path}: inf/NaN in {', '.join(bad[:3])}")
     if sharded:
-        bad = load_shards(path / SHARDED_DIR, trainer)
+        bad = load_shards(ckpt.path(SHARDED_DIR), trainer)
         if bad:
             raise CheckpointError(f"{path}: inf/NaN in {', '.join(bad[:3])}")
     else:
@@ -504,11 +554,12 @@ def restore_latest(run_dir: Path, load: Callable[[Path], RunState], log: Callabl
         try:
             return load(path)
         except CheckpointError as e:
-            aside = run_dir / "checkpoints" / "corrupt" / path.name
-            aside.parent.mkdir(exist_ok=True)
-            n = 1
-            while aside.exists():
-                aside, n = aside.with_name(f"{path.name}.{n}"), n + 1
-            os.replace(path, aside)
-            log(f"checkpoint {path.name} is unusable ({str(e).removeprefix(f'{path}: ')}); moved it to {aside}")
+            with Folder.open(run_dir, key="run_dir") as run:
+                run.mkdir(f"{CHECKPOINTS_DIR}/corrupt")
+                aside, n = path.name, 1
+                while run.lstat(f"{CHECKPOINTS_DIR}/corrupt/{aside}") is not None:
+                    aside, n = f"{path.name}.{n}", n + 1
+                run.replace(f"{CHECKPOINTS_DIR}/{path.name}", f"{CHECKPOINTS_DIR}/corrupt/{aside}")
+            shown = run_dir / CHECKPOINTS_DIR / "corrupt" / aside
+            log(f"checkpoint {path.name} is unusable ({str(e).removeprefix(f'{path}: ')}); moved it to {shown}")
     return None

@@ -5,13 +5,16 @@ later by loading a checkpoint."""
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
 
-from parity.files import atomic_write_text
+from parity.files import JSONError, bounded_lines, parse_json
+from parity.folders import Folder
 
 COMPLETIONS_DIR = "completions"
+STEP_FILE = re.compile(r"step_\d{6,}\.jsonl")
 CELL_CHARS = 60  # characters of a prompt or completion shown in the printed table
 
 
@@ -42,23 +45,29 @@ def completion_rows(
 
 
 def write_completions(run_dir: Path, step: int, rows: list[dict[str, Any]]) -> Path:
-    path = run_dir / COMPLETIONS_DIR / f"step_{step:06d}.jsonl"
-    path.parent.mkdir(exist_ok=True)
-    atomic_write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-    return path
+    name = f"{COMPLETIONS_DIR}/step_{step:06d}.jsonl"
+    with Folder.open(run_dir, key="run_dir") as run:
+        run.mkdir(COMPLETIONS_DIR)
+        run.write_text(name, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    return run_dir / name
 
 
-def read_completions(run_dir: Path) -> list[dict[str, Any]]:
-    """The newest step's completions a run wrote (none if it wrote none)."""
-    files = sorted((run_dir / COMPLETIONS_DIR).glob("step_*.jsonl"))
-    if not files:
-        return []
-    rows = []
-    for line in files[-1].read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line a kill cut short
+def read_completions(run_dir: Path, max_line_bytes: int) -> list[dict[str, Any]]:
+    """The newest step's completions a run wrote (none if it wrote none); a row is a JSON object of at most
+    `max_line_bytes`, and a line that is not (cut short by a kill, or too long) is left out."""
+    with Folder.open(run_dir, key="run_dir") as run:
+        names = [n for n in run.names(COMPLETIONS_DIR) if STEP_FILE.fullmatch(n)]
+        if not names:
+            return []
+        rows = []
+        with run.open_read(f"{COMPLETIONS_DIR}/{max(names)}") as f:
+            for line in bounded_lines(f, max_line_bytes):
+                try:
+                    row = parse_json(line.decode("utf-8")) if line is not None else None
+                except (JSONError, UnicodeDecodeError):
+                    continue
+                if isinstance(row, dict):
+                    rows.append(row)
     return rows
 
 

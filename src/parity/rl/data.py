@@ -5,18 +5,18 @@ order a run draws problems in (`DataOrder`).
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from parity.config import ConfigError
 from parity.engines.tokenizer import ChatTemplateError
-from parity.files import JSONError, atomic_write_text, parse_json, regular_file_problem
+from parity.files import JSONError, LineTooLong, bounded_lines, parse_json, regular_file_problem
+from parity.folders import Folder
 from parity.rl.problems import Problem
 
 if TYPE_CHECKING:
@@ -32,7 +32,6 @@ class DataError(ValueError):
 # longest prompt that could fit, spelled out as JSON may spell it (up to 6 bytes per byte: "\u0041").
 ROW_BYTES = 16 * 2**20
 JSON_BYTES_PER_TEXT_BYTE = 6
-SKIP_CHUNK_BYTES = 2**20  # reading past an over-long line to report its length
 PARQUET_BATCH_ROWS = 1024
 
 
@@ -144,36 +143,25 @@ def load_problems(
 
 def jsonl_rows(path: Path, max_line_bytes: int) -> Iterator[tuple[str, object]]:
     with open(path, "rb") as f:
-        for lineno in itertools.count(1):
-            line = f.readline(max_line_bytes + 1)  # room for the newline
-            if not line:
-                return
-            if len(line) > max_line_bytes and not line.endswith(b"\n"):
-                raise DataError(
-                    f"{path}:{lineno}: line is {_line_length(line, f)} bytes, more than the {max_line_bytes} "
-                    "a row may hold"
-                )
-            try:
-                text = line.decode("utf-8").rstrip("\r\n")  # so that JSON's error columns count in this line
-            except UnicodeDecodeError as e:
-                raise DataError(
-                    f"{path}:{lineno}: not valid UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})"
-                ) from None
-            if not text.strip():
-                continue
-            try:
-                row = parse_json(text)
-            except JSONError as e:
-                raise DataError(f"{path}:{lineno}: {e}") from None
-            yield f"{path}:{lineno}", row
-
-
-def _line_length(start: bytes, f: BinaryIO) -> int:
-    """Bytes in the line that begins with `start` (newline excluded), reading the rest in chunks."""
-    length, part = len(start), start
-    while not part.endswith(b"\n") and (part := f.readline(SKIP_CHUNK_BYTES)):
-        length += len(part)
-    return length - 1 if part.endswith(b"\n") else length
+        try:
+            for lineno, line in enumerate(bounded_lines(f, max_line_bytes), 1):
+                try:
+                    text = line.decode("utf-8").rstrip("\r\n")  # so that JSON's error columns count in this line
+                except UnicodeDecodeError as e:
+                    raise DataError(
+                        f"{path}:{lineno}: not valid UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})"
+                    ) from None
+                if not text.strip():
+                    continue
+                try:
+                    row = parse_json(text)
+                except JSONError as e:
+                    raise DataError(f"{path}:{lineno}: {e}") from None
+                yield f"{path}:{lineno}", row
+        except LineTooLong as e:
+            raise DataError(
+                f"{path}:{e.lineno}: line is {e.length} bytes, more than the {max_line_bytes} a row may hold"
+            ) from None
 
 
 def _parquet_rows(path: Path, columns: DataColumns) -> Iterator[tuple[str, object]]:
@@ -291,8 +279,9 @@ def _kind(value: object) -> str:
 DATA_DIR = "data"  # in a run directory: the datasets the Python API was given in memory, as JSONL
 
 
-def write_rows(path: Path, rows: list[dict[str, Any]], split: str) -> Path:
-    """Rows (dicts of JSON values) as a JSONL file, atomically; a row JSON cannot hold is a DataError."""
+def write_rows(run_dir: Path, name: str, rows: list[dict[str, Any]], split: str) -> Path:
+    """Rows (dicts of JSON values) as the JSONL file `name` in the run's folder, atomically; a row JSON cannot
+    hold is a DataError."""
     lines = []
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
@@ -303,9 +292,10 @@ def write_rows(path: Path, rows: list[dict[str, Any]], split: str) -> Path:
             raise DataError(f"{split} dataset row {i}: {e} (columns must hold JSON values)") from None
     if not lines:
         raise DataError(f"{split} dataset: no rows")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, "".join(lines))
-    return path
+    with Folder.open(run_dir, key="run_dir") as run:
+        run.mkdir(str(Path(name).parent))
+        run.write_text(name, "".join(lines))
+    return run_dir / name
 
 
 class DataOrder:

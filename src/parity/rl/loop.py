@@ -41,7 +41,8 @@ from parity.engines.precision import to_dtype
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import scheduled_lr
-from parity.files import JSONError, atomic_write_json, atomic_write_text, parse_json
+from parity.files import JSONError, parse_json
+from parity.folders import Folder, atomic_write_json, atomic_write_text
 from parity.rl.builtin_rewards import extract_boxed
 from parity.rl.checkpoint import (
     RunState,
@@ -78,24 +79,30 @@ from parity.runtime import reuse_freed_memory
 class MetricsLog:
     """`metrics.jsonl`, one object per step with "step"; and the trackers of `log.to` (`rl/trackers.py`)."""
 
+    NAME = "metrics.jsonl"
+
     def __init__(self, run_dir: Path, trackers: list[Tracker]):
-        self.path = run_dir / "metrics.jsonl"
+        self.run_dir, self.path = run_dir, run_dir / self.NAME
         self.trackers = trackers
+
+    def _lines(self) -> list[str]:
+        with Folder.open(self.run_dir, key="run_dir") as run:
+            return run.read_bytes(self.NAME).decode(errors="replace").splitlines() if run.is_file(self.NAME) else []
 
     def truncate_after(self, step: int) -> None:
         """Drop lines logged after `step` (a killed run's steps past its checkpoint)."""
-        if not self.path.is_file():
-            return
-        kept = [line for line in self.path.read_text(errors="replace").splitlines() if _logged_step(line, step)]
-        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        kept = [line for line in self._lines() if _logged_step(line, step)]
+        with Folder.open(self.run_dir, key="run_dir") as run:
+            if run.lstat(self.NAME) is not None:
+                run.write_text(self.NAME, "".join(line + "\n" for line in kept))
 
     def rows(self) -> list[dict[str, Any]]:
         """The steps logged (after `truncate_after`, every line is one)."""
-        return [parse_json(line) for line in self.path.read_text().splitlines()] if self.path.is_file() else []
+        return [parse_json(line) for line in self._lines()]
 
     def log(self, metrics: dict[str, float]) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(metrics) + "\n")
+        with Folder.open(self.run_dir, key="run_dir") as run:
+            run.append_text(self.NAME, json.dumps(metrics) + "\n")
         values = {k: v for k, v in metrics.items() if k != "step"}
         for tracker in self.trackers:
             tracker.log(values, metrics["step"])
@@ -412,7 +419,7 @@ class Run:
             cfg.run_dir = str(run_dir)
             cfg.resolve_paths(Path.cwd())
             for split, rows in (datasets or {}).items():
-                path = write_rows(run_dir / DATA_DIR / f"{split}.jsonl", rows, split)
+                path = write_rows(run_dir, f"{DATA_DIR}/{split}.jsonl", rows, split)
                 if split == "train":
                     cfg.task.data = str(path.resolve())
                 else:

@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from parity.files import JSONError, atomic_write_json, parse_json
+from parity.files import JSONError, parse_json
+from parity.folders import atomic_write_json
 
 INDEX = "metadata.json"
 INDEX_FORMAT = 1

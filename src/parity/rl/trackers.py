@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.config import ConfigError
+from parity.folders import Folder
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
 
@@ -27,11 +28,19 @@ class Tracker:
         raise NotImplementedError
 
 
+def _own_folder(run_dir: Path, name: str) -> Folder:
+    """The tracker's folder in the run, made if missing and reached without following a link; the tracker
+    keeps it open and writes through its descriptor (`Folder.path`)."""
+    with Folder.open(run_dir, key="run_dir") as run:
+        return run.sub(name, create=True)
+
+
 class TensorBoard(Tracker):
     def __init__(self, run_dir: Path, project: str, config: dict[str, Any]):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.folder = _own_folder(run_dir, "tensorboard")
+        self.writer = SummaryWriter(str(self.folder.path()))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
@@ -40,12 +49,16 @@ class TensorBoard(Tracker):
 
     def close(self) -> None:
         self.writer.close()
+        self.folder.close()
 
 
 class WandB(Tracker):
     def __init__(self, run_dir: Path, project: str, config: dict[str, Any]):
         import wandb
 
+        # W&B and MLflow write their files by path and record it in them, so a descriptor's path would outlive
+        # the process in their records: their folders are checked to be folders of the run, not links, instead.
+        _own_folder(run_dir, "wandb").close()
         # resume="allow" with the run directory's name as id: a resumed Parity run continues its W&B run
         self.run = wandb.init(
             project=project, name=run_dir.name, id=_run_id(run_dir), dir=str(run_dir), config=config, resume="allow"
@@ -81,6 +94,7 @@ class MLflow(Tracker):
             # A local store inside the run, not ./mlruns: MLflow's file store, which needs no database
             # package (mlflow-skinny has none) and which MLflow now serves only when allowed.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            _own_folder(run_dir, "mlruns").close()  # as W&B's
             mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
         mlflow.set_experiment(project)
         self.run = mlflow.start_run(run_name=run_dir.name)

@@ -20,7 +20,7 @@ from parity.engines import kernels
 from parity.engines.models.config import ModelConfig, ModelError
 from parity.engines.models.modules import CausalLM
 from parity.engines.packing import pack
-from parity.files import atomic_dir
+from parity.folders import atomic_dir
 
 BUILTIN_DIR = Path(__file__).parents[2] / "builtin" / "model"
 

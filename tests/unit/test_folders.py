@@ -1,0 +1,135 @@
+"""`folders.Folder`: below a folder's root no link is followed, by any write, rename, delete or read; a FIFO is
+refused, not waited on; an over-long line is measured, not held (issue 54)."""
+
+from __future__ import annotations
+
+import io
+import os
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from parity.files import LineTooLong, bounded_lines
+from parity.folders import Folder, LinkError, NotRegularError, atomic_write_text, links_below, refuse_links
+
+
+@pytest.fixture
+def outside(tmp_path) -> Path:
+    """A folder of the user's beside the one Parity works in, holding a private file."""
+    folder = tmp_path / "home"
+    folder.mkdir()
+    (folder / "id_rsa").write_text("PRIVATE\n")
+    return folder
+
+
+def _untouched(outside: Path) -> bool:
+    return sorted(p.name for p in outside.iterdir()) == ["id_rsa"] and (outside / "id_rsa").read_text() == "PRIVATE\n"
+
+
+@pytest.fixture
+def run(tmp_path) -> Path:
+    root = tmp_path / "run"
+    (root / "checkpoints" / "step_000001").mkdir(parents=True)
+    (root / "metrics.jsonl").write_text('{"step": 1}\n')
+    return root
+
+
+@pytest.mark.parametrize("linked", ["checkpoints", "checkpoints/step_000001"])
+def test_a_link_on_the_way_is_refused_naming_the_entry(linked, run, outside):
+    (run / linked).rename(run / f"{linked}.moved")
+    (run / linked).symlink_to(outside)
+    with Folder.open(run, key="run_dir") as folder:
+        with pytest.raises(LinkError, match=rf"run_dir {run}: {linked} is a symbolic link"):
+            folder.write_text("checkpoints/step_000001/state.json", "{}")
+        with pytest.raises(LinkError, match=rf"{linked} is a symbolic link"):
+            folder.sub("checkpoints/step_000001", create=True)
+        with pytest.raises(LinkError, match=rf"{linked} is a symbolic link"):
+            folder.remove("checkpoints/step_000001")
+        with pytest.raises(LinkError, match=rf"{linked} is a symbolic link"):
+            folder.read_bytes("checkpoints/step_000001/id_rsa")
+    assert _untouched(outside)
+
+
+def test_a_linked_file_is_never_read_appended_to_or_locked(run, outside):
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(outside / "id_rsa")
+    (run / ".lock").symlink_to(outside / "id_rsa")
+    with Folder.open(run, key="run_dir") as folder:
+        for act in (
+            lambda: folder.read_bytes("metrics.jsonl"),
+            lambda: folder.append_text("metrics.jsonl", "{}\n"),
+            lambda: folder.open_lock(".lock"),
+            lambda: folder.remove("metrics.jsonl"),
+        ):
+            with pytest.raises(LinkError, match="is a symbolic link"):
+                act()
+    assert _untouched(outside)
+
+
+def test_a_write_replaces_a_link_instead_of_writing_through_it(run, outside):
+    """A rename replaces the name itself; the temporary file is created exclusively, never through a link."""
+    (run / "config.yaml").symlink_to(outside / "id_rsa")
+    with Folder.open(run) as folder:
+        folder.write_text("config.yaml", "steps: 2\n")
+    assert not (run / "config.yaml").is_symlink() and (run / "config.yaml").read_text() == "steps: 2\n"
+    assert _untouched(outside)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+
+
+def test_removing_a_folder_does_not_follow_the_links_inside_it(run, outside):
+    (run / "checkpoints" / "step_000001" / "model").symlink_to(outside)
+    with Folder.open(run) as folder:
+        folder.remove("checkpoints/step_000001")
+    assert not (run / "checkpoints" / "step_000001").exists() and _untouched(outside)
+
+
+def test_the_root_may_be_a_link_the_user_made(run, tmp_path):
+    link = tmp_path / "latest"
+    link.symlink_to(run)
+    with Folder.open(link) as folder:
+        folder.append_text("metrics.jsonl", '{"step": 2}\n')
+        assert folder.read_bytes("metrics.jsonl").count(b"step") == 2
+    refuse_links(link, "run_dir")  # nothing below it is a link
+
+
+def test_links_below_finds_links_at_any_depth_without_entering_them(run, outside):
+    (run / "checkpoints" / "step_000001" / "adapter").symlink_to(outside)
+    (run / "tensorboard").symlink_to(outside)
+    assert links_below(run) == ["checkpoints/step_000001/adapter", "tensorboard"]
+    with pytest.raises(LinkError, match="checkpoints/step_000001/adapter is a symbolic link"):
+        refuse_links(run, "run_dir")
+
+
+def test_a_fifo_is_refused_not_waited_on(run):
+    os.mkfifo(run / "metrics.jsonl.fifo")
+    with Folder.open(run) as folder, pytest.raises(NotRegularError, match="not a regular file"):
+        folder.read_bytes("metrics.jsonl.fifo")  # a blocking open would wait here for a writer for ever
+
+
+def test_a_library_path_names_the_folder_that_was_opened(run, tmp_path):
+    """`Folder.path` goes through the open descriptor: renaming the folder (and linking its old name to
+    another one) after it was opened does not redirect a write."""
+    with Folder.open(run) as root, root.sub("checkpoints") as checkpoints:
+        (run / "checkpoints").rename(run / "moved")
+        (run / "checkpoints").symlink_to(tmp_path)
+        (checkpoints.path() / "written").write_text("x")
+    assert (run / "moved" / "written").is_file() and not (tmp_path / "written").exists()
+
+
+def test_atomic_write_text_leaves_no_temporary_file(tmp_path):
+    atomic_write_text(tmp_path / "a" / "b.json", "{}\n")
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["b.json"]
+
+
+def test_an_over_long_line_is_measured_not_held():
+    """A 64 MiB line under a 1 MiB bound: its length is reported, and no more than a few chunks are held."""
+    data = io.BytesIO(b'{"step": 1}\n' + b"x" * (64 * 2**20) + b"\n")
+    tracemalloc.start()
+    try:
+        with pytest.raises(LineTooLong, match="line 2 is 67,108,864 bytes, more than the 1,048,576"):
+            list(bounded_lines(data, 2**20))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20
