@@ -6,7 +6,18 @@ first use, so that `import parity` and the CLI's start stay light.
 
 __version__ = "0.1.0"
 
-_API = ("Callback", "Reward", "TrainConfig", "TrainResult", "evaluate", "push_to_hub", "train")
+_API = (
+    "Callback",
+    "CallbackError",
+    "ConfigError",
+    "DataError",
+    "Reward",
+    "TrainConfig",
+    "TrainResult",
+    "evaluate",
+    "push_to_hub",
+    "train",
+)
 __all__ = ["__version__", *_API]
 
 

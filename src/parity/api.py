@@ -9,18 +9,19 @@ dicts (written into the run directory's data/, so that `--resume` and `parity ev
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from parity import config as config_mod
 from parity.commands.evaluate import EvalConfig, run_eval, write_outputs
-from parity.config import ConfigError
+from parity.config import ConfigError, described
 from parity.distributed.driver import backend_for, backend_for_run
+from parity.outdir import check_output_dir
 from parity.rl.checkpoint import checkpoints
 from parity.rl.data import DataError
-from parity.rl.loop import Callback, Run
+from parity.rl.loop import Callback, CallbackError, Run, checked_callbacks
 from parity.rl.reward_fns import Reward, function_spec
 from parity.rl.train_config import TrainConfig
 from parity.runtime import use_free_cores
@@ -28,7 +29,18 @@ from parity.runtime import use_free_cores
 RewardLike = Callable[..., Any] | Reward
 Dataset = Any  # a `datasets.Dataset`, a list of dicts, or a JSONL/Parquet file's path
 
-__all__ = ["Callback", "Reward", "TrainConfig", "TrainResult", "evaluate", "push_to_hub", "train"]
+__all__ = [
+    "Callback",
+    "CallbackError",
+    "ConfigError",
+    "DataError",
+    "Reward",
+    "TrainConfig",
+    "TrainResult",
+    "evaluate",
+    "push_to_hub",
+    "train",
+]
 
 
 @dataclass(frozen=True)
@@ -38,37 +50,64 @@ class TrainResult:
     model_dir: Path | None  # the newest checkpoint's model (or LoRA adapter) folder; None if none was kept
 
 
-def _rows(data: Dataset, split: str) -> list[dict[str, Any]] | str:
-    """A file's path as text, or the dataset's rows as dicts."""
+# Every argument is checked, by these, before anything is loaded or written: a wrong one is a one-line
+# ConfigError naming the argument, what it was given and what it takes.
+
+
+def _path(name: str, value: object, expected: str) -> str:
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{name}: expected {expected}, got {described(value)}")
+    return os.fspath(value)
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}: expected True or False, got {described(value)}")
+    return value
+
+
+def _rows(data: Dataset, name: str) -> list[dict[str, Any]] | str:
+    """A file's path as text, or the dataset's rows (their contents are checked as they are written)."""
     if isinstance(data, (str, os.PathLike)):
-        return str(data)
+        return os.fspath(data)
     if isinstance(data, Mapping):
-        raise DataError(f"{split} dataset: a mapping of splits ({', '.join(map(str, data))}); pass one split")
-    to_list = getattr(data, "to_list", None)  # datasets.Dataset, pyarrow.Table
+        keys = ", ".join(map(str, list(data)[:6]))
+        raise ConfigError(f"{name}: a mapping ({keys}); pass one split (a datasets.Dataset) or a list of row dicts")
+    to_list = getattr(data, "to_list", None)  # datasets.Dataset
     rows = to_list() if callable(to_list) else data
-    if not isinstance(rows, Iterable):
-        raise DataError(f"{split} dataset: expected a datasets.Dataset, a list of dicts or a file, got {type(data)}")
+    if isinstance(rows, (bytes, bytearray)) or not isinstance(rows, Iterable):
+        raise ConfigError(
+            f"{name}: expected a datasets.Dataset, a list of dicts or a JSONL/Parquet file's path, got "
+            f"{described(data)}"
+        )
     return list(rows)
 
 
-def _rewards(rewards: Sequence[RewardLike]) -> list[Reward]:
+def _rewards(rewards: object) -> list[Reward]:
+    """`rewards=` as Rewards: None or () for the task's own reward, or one function or Reward, or an iterable
+    of them (each function checked by `Reward`)."""
+    if rewards is None:
+        return []
+    if isinstance(rewards, Reward) or (callable(rewards) and not isinstance(rewards, type)):
+        rewards = [rewards]
+    elif isinstance(rewards, (str, bytes, Mapping)) or not isinstance(rewards, Iterable):
+        raise ConfigError(f"rewards: expected a function, a parity.Reward or a list of them, got {described(rewards)}")
     out = []
-    for r in rewards:
-        reward = r if isinstance(r, Reward) else Reward(r)
-        if not callable(reward.fn):
-            raise ConfigError(f"rewards: {reward.fn!r} is not a function")
-        out.append(reward)
+    for i, r in enumerate(rewards):
+        if not isinstance(r, Reward) and (isinstance(r, type) or not callable(r)):
+            raise ConfigError(f"rewards[{i}]: expected a function or a parity.Reward, got {described(r)}")
+        out.append(r if isinstance(r, Reward) else Reward(r))
     return out
 
 
 def train(
     model: str | Path = "builtin",
     dataset: Dataset | None = None,
-    rewards: Sequence[RewardLike] = (),
+    rewards: RewardLike | Iterable[RewardLike] | None = (),
     *,
     eval_dataset: Dataset | None = None,
     config: TrainConfig | str | Path | Mapping[str, Any] | None = None,
-    callbacks: Sequence[Callback] = (),
+    callbacks: Callback | Iterable[Callback] | None = (),
     resume: str | Path | None = None,
     progress: bool = True,
     **keys: Any,
@@ -78,31 +117,42 @@ def train(
     `model`: a model directory, a Hugging Face id in the local cache, or "builtin". `dataset`: the
     training prompts (a `datasets.Dataset`, a list of dicts, or a JSONL/Parquet file) with a `prompt`
     column (`task.prompt_column` names another); None: the built-in task. `rewards`: functions in
-    either form (`parity.Reward` for a weight, a name or the form). `config`: a `TrainConfig`, a YAML
-    file or a dict of keys; `keys` override single keys by their names, dots as `__` (`trainer__lr=1e-5`)
-    or in a dict (`config={"trainer.lr": 1e-5}`). `resume`: a run directory to continue (its saved
-    config; `keys` may change only what `parity train --resume` lets change; pass `rewards` again).
-    Errors in the input raise `ConfigError` or `DataError` with the one line the CLI prints."""
+    either form (`parity.Reward` for a weight, a name or the form), one alone, or None for the task's
+    own. `callbacks`: objects with `on_step_end` and/or `on_eval` (`parity.Callback`), or one alone.
+    `config`: a `TrainConfig`, a YAML file or a dict of keys; `keys` override single keys by their names,
+    dots as `__` (`trainer__lr=1e-5`) or in a dict (`config={"trainer.lr": 1e-5}`). `resume`: a run
+    directory to continue (its saved config; `keys` may change only what `parity train --resume` lets
+    change; pass `rewards` again). Every argument is checked before anything is loaded or written: a
+    wrong one raises `ConfigError` (or `DataError`, for rows) with one line, the line the CLI prints. A
+    callback that raises stops the run after a checkpoint of its step, with a `CallbackError`."""
     use_free_cores()
-    values = {k.replace("__", "."): v for k, v in keys.items()}
     bound = _rewards(rewards)
+    hooks = checked_callbacks(callbacks)
+    _flag("progress", progress)
+    values = {k.replace("__", "."): v for k, v in keys.items()}
     if resume is not None:
-        if config is not None or dataset is not None or eval_dataset is not None:
-            raise ConfigError("resume: a resumed run keeps its config and data; pass only keys that may change")
+        resume = _path("resume", resume, "a run directory")
+        model_given = not (isinstance(model, str) and model == "builtin")
+        if model_given or config is not None or dataset is not None or eval_dataset is not None:
+            raise ConfigError("resume: a resumed run keeps its model, config and data; pass only keys that may change")
         overrides = [f"{k}={v}" for k, v in values.items()]
         backend = backend_for_run(resume)
         run = Run.resume(resume, overrides, progress=progress, rewards=bound or None, backend=backend)
     else:
+        model = _path("model", model, 'a model directory, a Hugging Face id or "builtin"')
         if model != "builtin" or "model" not in values:
-            values["model"] = str(model)
+            values["model"] = model
         if bound:
             values["task.reward_fn"] = [function_spec(r.fn) for r in bound]
-            values["task.reward_weights"] = [float(r.weight) for r in bound]
+            values["task.reward_weights"] = [r.weight for r in bound]
         datasets = {}
-        for split, data, key in (("train", dataset, "task.data"), ("eval", eval_dataset, "eval.data")):
+        for split, name, data, key in (
+            ("train", "dataset", dataset, "task.data"),
+            ("eval", "eval_dataset", eval_dataset, "eval.data"),
+        ):
             if data is None:
                 continue
-            rows = _rows(data, split)
+            rows = _rows(data, name)
             if isinstance(rows, str):
                 values[key] = rows
             else:
@@ -114,7 +164,7 @@ def train(
         run.close()
         history = []
     else:
-        history = run.train(callbacks=list(callbacks))
+        history = run.train(callbacks=hooks)
     saved = checkpoints(run.run_dir)
     model_dir = None
     if saved:
@@ -122,12 +172,17 @@ def train(
     return TrainResult(run.run_dir, history, model_dir)
 
 
-def _config(config: TrainConfig | str | Path | Mapping[str, Any] | None, values: dict[str, Any]) -> TrainConfig:
+def _config(config: object, values: dict[str, Any]) -> TrainConfig:
     if isinstance(config, TrainConfig):
         base = config_mod.to_dict(config)
         return config_mod.load(TrainConfig, None, None, {**_dotted(base), **values})
     if isinstance(config, Mapping):
+        for key in config:
+            if not isinstance(key, str):
+                raise ConfigError(f'config: a key is {described(key)}; keys are names ("trainer.lr" or "trainer")')
         return config_mod.load(TrainConfig, None, None, {**config, **values})
+    if config is not None:
+        _path("config", config, "a parity.TrainConfig, a YAML file's path or a dict of keys")
     return config_mod.load(TrainConfig, config, None, values)
 
 
@@ -140,7 +195,7 @@ def _dotted(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def evaluate(
     target: str | Path,
-    rewards: Sequence[RewardLike] = (),
+    rewards: RewardLike | Iterable[RewardLike] | None = (),
     *,
     out: str | Path | None = None,
     progress: bool = True,
@@ -151,11 +206,17 @@ def evaluate(
     default, imported from its config.yaml). `keys`: `parity eval`'s keys (precisions, data, samples...).
     Writes eval.json, eval.md and eval.png into `out` when given; returns what eval.json holds."""
     use_free_cores()
-    values = {k.replace("__", "."): v for k, v in keys.items()}
-    cfg = config_mod.load(EvalConfig, None, None, {"target": str(target), **values, "out": str(out or "")})
-    result = run_eval(cfg, progress=progress, rewards=_rewards(rewards) or None, trust_reward_fn=True)
+    target = _path("target", target, 'a model directory, a LoRA adapter folder, a run directory or "builtin"')
+    bound = _rewards(rewards)
     if out is not None:
-        write_outputs(result, Path(out))
+        out = Path(_path("out", out, "a folder's path or None"))
+        check_output_dir(out, "out")  # before the evaluation, not after it
+    _flag("progress", progress)
+    values = {k.replace("__", "."): v for k, v in keys.items()}
+    cfg = config_mod.load(EvalConfig, None, None, {"target": target, **values, "out": str(out or "")})
+    result = run_eval(cfg, progress=progress, rewards=bound or None, trust_reward_fn=True)
+    if out is not None:
+        write_outputs(result, out)
     return result
 
 
@@ -163,7 +224,12 @@ def push_to_hub(model_dir: str | Path, repo_id: str, token: str | None = None, p
     """Upload a saved model folder (a checkpoint's model/ or adapter/, with its model card) to the Hugging
     Face Hub; returns the repository's URL. Needs `huggingface_hub`, a token (`token`, or HF_TOKEN) and the
     network: without any of them, a ConfigError says which."""
-    folder = Path(model_dir)
+    folder = Path(_path("model_dir", model_dir, "a saved model folder"))
+    if not isinstance(repo_id, str) or not repo_id.strip():
+        raise ConfigError(f"repo_id: expected a Hub repository's name ('owner/name'), got {described(repo_id)}")
+    if token is not None and not isinstance(token, str):
+        raise ConfigError(f"token: expected a Hub token (text) or None, got {type(token).__name__}")
+    _flag("private", private)
     if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
         raise ConfigError(f"push_to_hub: {folder} is not a saved model (no config.json or adapter_config.json)")
     token = token or os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 import types
 import typing
@@ -77,6 +78,35 @@ def _yaml_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
     return data, lines
 
 
+def shown(value: Any, width: int = 80) -> str:
+    """`repr(value)` on one line, cut to `width` characters: a message that quotes a value stays one line
+    whatever it was given (an array, a long text, an object whose repr raises)."""
+    try:
+        text = " ".join(repr(value).split())
+    except Exception:  # a hostile __repr__: the type says enough
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def definition_name(qualname: str) -> str:
+    """A function's or class's `__qualname__` as its definition reads (`Stop`, `Stop.on_step_end`): without the
+    `<locals>` path of one defined inside a function."""
+    return qualname.rsplit("<locals>.", 1)[-1]
+
+
+def described(value: Any) -> str:
+    """A value given where another kind was expected, on one line: its type and what it is (`str 'yes'`,
+    `int 5`, `function score`, `the class Stop`)."""
+    if isinstance(value, type):
+        return f"the class {definition_name(value.__qualname__)}"
+    name = getattr(value, "__qualname__", None)  # a function or method: its name, not its address
+    if isinstance(name, str):
+        name = definition_name(name)
+    else:  # an object without a repr of its own: its address says nothing
+        name = "object" if type(value).__repr__ is object.__repr__ else shown(value, 60)
+    return f"{type(value).__name__} {name}"
+
+
 _PLAIN_NAMES = {float: "a number", int: "an integer", str: "a string", bool: "true or false", type(None): "null"}
 
 
@@ -100,25 +130,29 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, opt, key)
             except ConfigError:
                 continue
-        raise ConfigError(f"{key}: expected {' or '.join(_type_name(o) for o in options)}, got {value!r}")
+        raise ConfigError(f"{key}: expected {' or '.join(_type_name(o) for o in options)}, got {shown(value)}")
     if origin is list:
         (item,) = typing.get_args(tp)
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
+        elif isinstance(value, tuple):  # from Python: a tuple is as good a list
+            value = list(value)
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {shown(value)}")
         return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        raise ConfigError(f"{key}: expected true or false, got {shown(value)}")
+    # Numbers from Python may be NumPy's (`steps=np.int64(3)`): taken as the plain int or float they hold,
+    # which is what config.yaml can record.
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {shown(value)}")
     if tp is float:
         number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
             number = float(value)
         elif isinstance(value, str):
             # YAML 1.1 reads `2e-4` (no dot in the mantissa) as a string.
@@ -127,20 +161,20 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ValueError:
                 pass
         if number is None:
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
+            raise ConfigError(f"{key}: expected a number, got {shown(value)}")
         # No key means anything by inf or NaN; either would only stall or poison a run.
         if not math.isfinite(number):
-            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+            raise ConfigError(f"{key}: expected a finite number, got {shown(value)}")
         return number
     if tp is str:
         if isinstance(value, os.PathLike):  # a path given from Python
             return os.fspath(value)
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
+        raise ConfigError(f"{key}: expected a string, got {shown(value)}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping of {_type_name(tp)} fields, got {value!r}")
+            raise ConfigError(f"{key}: expected a mapping of {_type_name(tp)} fields, got {shown(value)}")
         return _build(tp, value, f"{key}.")
     raise ConfigError(f"{key}: unsupported config type {tp!r}")
 
@@ -184,13 +218,13 @@ def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
 def one_of(key: str, value: str, allowed) -> None:
     """Raise a ConfigError naming `key` unless `value` is one of `allowed`."""
     if value not in allowed:
-        raise ConfigError(f"{key}: unknown value {value!r}; allowed: {', '.join(sorted(allowed))}")
+        raise ConfigError(f"{key}: unknown value {shown(value)}; allowed: {', '.join(sorted(allowed))}")
 
 
 def check_range(key: str, value: float, ok: bool, expected: str) -> None:
     """Raise a ConfigError naming `key` unless `ok`; `expected` says what is allowed."""
     if not ok:
-        raise ConfigError(f"{key}: must be {expected}, got {value!r}")
+        raise ConfigError(f"{key}: must be {expected}, got {shown(value)}")
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

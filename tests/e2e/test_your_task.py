@@ -11,7 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 import parity
 from conftest import TINY
@@ -21,6 +23,7 @@ from parity.engines.models.config import ModelError
 from parity.engines.models.io import resolve_model_dir
 from parity.engines.trainer import scheduled_lr
 from parity.rl.data import DataError
+from parity.rl.loop import CallbackError
 from parity.rl.reward_fns import RewardCheckError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,6 +168,241 @@ def test_callbacks_see_steps_and_evaluations_and_can_stop(tmp_path):
     result = parity.train("builtin", None, callbacks=[stop], run_dir=tmp_path / "r", progress=False, **keys)
     assert stop.steps == [1, 2] and stop.evals == [(1, True), (2, True)]
     assert result.model_dir == tmp_path / "r" / "checkpoints" / "step_000002" / "model"
+
+
+# ----------------------------------------------------------------------------- misuse of the API
+
+
+def _any_value(tmp_path: Path) -> dict[str, object]:
+    """One value of every kind a caller may pass by mistake, made fresh (the generator is used up once read)."""
+
+    class Plain:
+        pass
+
+    class Unprintable:
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+    return {
+        "None": None,
+        "bool": True,
+        "int": 5,
+        "float": 0.5,
+        "nan": float("nan"),
+        "str": "text",
+        "bytes": b"text",
+        "Path": tmp_path / "somewhere",
+        "list": [1],
+        "tuple": (1,),
+        "set": {1},
+        "dict": {"a": 1},
+        "generator": (i for i in range(2)),
+        "object": Plain(),
+        "unprintable": Unprintable(),
+        "class": Plain,
+        "function": lambda *args, **kwargs: None,
+        "ndarray": np.zeros((40, 40)),  # a repr of many lines; its truth value raises
+        "np.float32": np.float32(0.5),
+    }
+
+
+# For each argument, the kinds of value it takes (whose contents are then checked as they are used); every
+# other kind is refused with one line that starts with the argument's name.
+TRAIN_TAKES = {
+    "model": {"str", "Path"},
+    "dataset": {"None", "str", "Path", "list", "tuple", "set", "generator", "ndarray"},  # rows, checked as written
+    "eval_dataset": {"None", "str", "Path", "list", "tuple", "set", "generator", "ndarray"},
+    "rewards": {"None", "function"},
+    "config": {"None", "str", "Path", "dict"},  # a dict of keys, checked key by key
+    "callbacks": {"None"},
+    "resume": {"None", "str", "Path"},
+    "progress": {"bool"},
+}
+
+
+def _refused(function, args: dict[str, object], argument: str) -> None:
+    """`function(**args)` raises a ConfigError of one line that starts with the argument's name."""
+    with pytest.raises(ConfigError) as e:
+        function(**args)
+    line = str(e.value)
+    assert re.match(rf"{re.escape(argument)}(\[\d+\])?: ", line), f"{argument}={type(args[argument])}: {line}"
+    assert "\n" not in line and len(line) < 300, line
+
+
+@pytest.mark.parametrize("argument", sorted(TRAIN_TAKES))
+def test_every_argument_of_train_of_a_kind_it_does_not_take_is_one_line_before_anything_is_written(tmp_path, argument):
+    for kind in sorted(set(_any_value(tmp_path)) - TRAIN_TAKES[argument]):
+        args = {"run_dir": tmp_path / "r", "progress": False, **SMALL, argument: _any_value(tmp_path)[kind]}
+        _refused(parity.train, args, argument)
+        assert not (tmp_path / "r").exists() and not (tmp_path / "somewhere").exists()
+
+
+def test_misused_train_keys_and_configs_are_one_line(tmp_path):
+    run = tmp_path / "r"
+    cases = [
+        (dict(nonsense=1), r"^unknown config key nonsense; allowed keys here: "),
+        (dict(config=parity.TrainConfig(seed="many")), r"^seed: expected an integer, got 'many'$"),
+        (dict(config={1: 2}), r"^config: a key is int 1; keys are names"),
+        (dict(config={"trainer": 5}), r"^trainer: expected a mapping of TrainerSection fields, got 5$"),
+        (dict(trainer__lr=np.ones(3)), r"^trainer.lr: expected a number, got array\(\[1., 1., 1.\]\)$"),
+        (dict(resume=run, model="elsewhere"), r"^resume: a resumed run keeps its model, config and data"),
+        (dict(dataset={"train": ROWS}), r"^dataset: a mapping \(train\); pass one split"),
+        (dict(callbacks=[parity.Callback]), r"^callbacks\[0\]: the class Callback, not a callback; pass an instance"),
+    ]
+    for given, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            parity.train(**{"run_dir": run, "progress": False, **SMALL, **given})
+        assert not run.exists()
+
+
+def test_callbacks_of_the_wrong_shape_are_refused_before_the_run_starts(tmp_path):
+    class NoHooks:
+        def on_step(self, step, metrics):
+            pass
+
+    class NotAMethod:
+        on_step_end = 3
+
+    class NoArguments(parity.Callback):
+        def on_step_end(self):
+            pass
+
+    class OneArgument:
+        def on_eval(self, metrics):
+            pass
+
+    cases = [
+        (NoHooks(), r"^callbacks: expected a callback \(an object with on_step_end or on_eval\) or a list of "
+                    r"them, got NoHooks object$"),
+        ([NoHooks()], r"^callbacks\[0\]: NoHooks object has neither on_step_end\(step, metrics\) nor on_eval"),
+        (NotAMethod(), r"^callbacks\[0\]: NotAMethod.on_step_end is int 3, not a method$"),
+        (NoArguments(), r"^callbacks\[0\]: NoArguments.on_step_end\(\) cannot be called as on_step_end\(step, "),
+        ([parity.Callback(), OneArgument()], r"^callbacks\[1\]: OneArgument.on_eval\(metrics\) cannot be called as"),
+    ]  # fmt: skip
+    for callbacks, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            parity.train(callbacks=callbacks, run_dir=tmp_path / "r", progress=False, **SMALL)
+        assert not (tmp_path / "r").exists()
+
+
+EVALUATE_TAKES = {"target": {"str", "Path"}, "rewards": TRAIN_TAKES["rewards"], "out": {"None", "str", "Path"}}
+EVALUATE_TAKES["progress"] = {"bool"}
+PUSH_TAKES = {"model_dir": {"str", "Path"}, "repo_id": {"str"}, "token": {"None", "str"}, "private": {"bool"}}
+REWARD_TAKES = {"fn": {"function"}, "weight": {"int", "float", "np.float32"}, "name": {"None", "str"}}
+REWARD_TAKES["batched"] = {"None", "bool"}
+
+
+@pytest.mark.parametrize("argument", sorted(EVALUATE_TAKES))
+def test_every_argument_of_evaluate_of_a_kind_it_does_not_take_is_one_line_before_it_runs(tmp_path, argument):
+    for kind in sorted(set(_any_value(tmp_path)) - EVALUATE_TAKES[argument]):
+        args = {"target": "builtin", "out": tmp_path / "e", "progress": False, argument: _any_value(tmp_path)[kind]}
+        _refused(parity.evaluate, args, argument)
+        assert not (tmp_path / "e").exists()
+    (tmp_path / "e").write_text("a file")
+    with pytest.raises(ConfigError, match=r"^out .*/e: a file, not a folder$"):
+        parity.evaluate("builtin", out=tmp_path / "e", progress=False)  # before the evaluation, not after
+
+
+@pytest.mark.parametrize("argument", sorted(PUSH_TAKES))
+def test_every_argument_of_push_to_hub_of_a_kind_it_does_not_take_is_one_line(tmp_path, argument):
+    for kind in sorted(set(_any_value(tmp_path)) - PUSH_TAKES[argument]):
+        args = {
+            "model_dir": tmp_path,
+            "repo_id": "me/my-model",
+            "token": "x",
+            "private": True,
+            argument: _any_value(tmp_path)[kind],
+        }
+        _refused(parity.push_to_hub, args, argument)
+
+
+@pytest.mark.parametrize("argument", sorted(REWARD_TAKES))
+def test_every_argument_of_reward_of_a_kind_it_does_not_take_is_one_line(tmp_path, argument):
+    def score(completions, **columns):
+        return [0.0] * len(completions)
+
+    for kind in sorted(set(_any_value(tmp_path)) - REWARD_TAKES[argument]):
+        with pytest.raises(ConfigError) as e:
+            parity.Reward(**{"fn": score, argument: _any_value(tmp_path)[kind]})
+        line = str(e.value)
+        assert line.startswith(f"Reward({argument})" if argument == "fn" else f"Reward(score, {argument}=...): ")
+        assert "\n" not in line and len(line) < 300, line
+    with pytest.raises(ConfigError, match=r"^Reward\(score, weight=...\): expected a finite number, got float inf$"):
+        parity.Reward(score, weight=float("inf"))
+    assert parity.Reward(score, weight=np.float64(0.5)).weight == 0.5 and parity.Reward(score, weight=2).weight == 2.0
+
+
+def test_a_single_function_and_a_single_callback_are_taken_as_lists_and_callbacks_get_copies(tmp_path):
+    """`rewards=fn` and `callbacks=obj` mean a list of one; NumPy numbers are keys' plain values; a callback
+    that mutates the metrics it is given changes nothing that Parity logs or another callback sees."""
+
+    def length(completions, **columns):
+        return [len(c) / 10 for c in completions]
+
+    class Vandal(parity.Callback):
+        def on_step_end(self, step, metrics):
+            metrics.clear()
+            metrics["step"] = "mine"
+            return torch.tensor(False)  # a torch bool answers as a bool does
+
+    class Recorder(parity.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_step_end(self, step, metrics):
+            self.seen.append(dict(metrics))
+            return np.bool_(False)  # a comparison's NumPy bool answers as a bool does
+
+    recorder = Recorder()
+    result = parity.train(
+        "builtin", ROWS, length, callbacks=(Vandal(), recorder), run_dir=tmp_path / "r", progress=False,
+        **{**SMALL, "steps": np.int64(1), "rollout__group_size": np.int32(4)},
+    )  # fmt: skip
+    assert recorder.seen == result.history == _rows_of(tmp_path / "r" / "metrics.jsonl")
+    assert result.history[0]["step"] == 1 and "reward/length/mean" in result.history[0]
+
+    recorder = Recorder()
+    result = parity.train("builtin", None, None, callbacks=recorder, run_dir=tmp_path / "b", progress=False, **SMALL)
+    assert "reward/accuracy" in result.history[0] and len(recorder.seen) == 1  # rewards=None: the task's own
+
+
+@pytest.mark.parametrize("hook", ["on_step_end", "on_eval"])
+def test_a_raising_callback_stops_the_run_after_a_checkpoint_and_the_run_resumes(tmp_path, hook):
+    class Broken(parity.Callback):
+        def on_step_end(self, step, metrics):
+            if hook == "on_step_end":
+                raise ValueError("no\nthreshold")
+
+        def on_eval(self, step, metrics):
+            if hook == "on_eval":
+                raise KeyError("eval/accuracy")
+
+    keys = {**SMALL, "steps": 2, "eval__every": 1, "eval__num_prompts": 2, "eval__samples": 2}
+    with pytest.raises(CallbackError) as e:
+        parity.train("builtin", None, callbacks=[Broken()], run_dir=tmp_path / "r", progress=False, **keys)
+    raised = "ValueError: no threshold" if hook == "on_step_end" else "KeyError: 'eval/accuracy'"
+    assert str(e.value) == (
+        f"step 1: callback Broken.{hook} raised {raised}; the run stopped: the newest checkpoint is step_000001"
+    )
+    assert isinstance(e.value.__cause__, (ValueError, KeyError))  # the callback's own, with its traceback
+    assert [row["step"] for row in _rows_of(tmp_path / "r" / "metrics.jsonl")] == [1]
+    result = parity.train(resume=tmp_path / "r", progress=False)
+    assert [m["step"] for m in result.history] == [2]
+
+
+@pytest.mark.parametrize("answer", [np.array([1.0, 2.0]), "stop", 1])
+def test_an_answer_that_is_no_yes_or_no_stops_the_run_after_a_checkpoint(tmp_path, answer):
+    class Answers(parity.Callback):
+        def on_step_end(self, step, metrics):
+            return answer
+
+    with pytest.raises(CallbackError) as e:
+        parity.train("builtin", None, callbacks=Answers(), run_dir=tmp_path / "r", progress=False, **SMALL)
+    assert re.fullmatch(
+        r"step 1: callback Answers.on_step_end returned \w+ .+; return True to stop the run, False or None to go on; "
+        r"the run stopped: the newest checkpoint is step_000001",
+        str(e.value),
+    )
 
 
 def test_model_card_is_written_and_transformers_loads_the_model(tmp_path, llama_dir):

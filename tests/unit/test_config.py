@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from parity import config
@@ -58,6 +59,41 @@ def test_wrong_type_names_key(tmp_path):
     f.write_text("seed: 1\nsampling: 3\n")
     with pytest.raises(ConfigError, match="c.yaml:2: sampling: expected a mapping"):
         config.load(MismatchConfig, f)
+
+
+def test_python_values_from_the_api_take_their_plain_form_or_one_line():
+    """What `parity.train(**keys)` may be given that YAML never gives: NumPy numbers and tuples are taken as the
+    int, float and list they hold (config.yaml records those); any other value is quoted on one short line."""
+    from parity.rl.train_config import TrainConfig
+
+    values = {"steps": np.int64(3), "trainer.lr": np.float32(0.5), "log.to": ("wandb",), "seed": np.uint8(7)}
+    cfg = config.load(TrainConfig, None, None, values)
+    assert (cfg.steps, cfg.trainer.lr, cfg.log.to, cfg.seed) == (3, 0.5, ["wandb"], 7)
+    assert type(cfg.steps) is int and type(cfg.trainer.lr) is float and "numpy" not in config.dump_yaml(cfg)
+
+    class Unprintable:
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+    for value in (np.zeros((40, 40)), "x\n" * 500, Unprintable(), np.bool_(True), 2**200 * 1.0j):
+        for key in ("steps", "trainer.lr", "precision", "log.to", "tensorboard", "rollout"):
+            with pytest.raises(ConfigError) as e:
+                config.load(TrainConfig, None, None, {key: value})
+            assert str(e.value).startswith(f"{key}") and "\n" not in str(e.value) and len(str(e.value)) < 200
+
+
+def test_described_names_the_type_and_stays_one_line():
+    class Plain:
+        pass
+
+    def score():
+        pass
+
+    assert config.described(5) == "int 5" and config.described("yes") == "str 'yes'"
+    assert config.described(Plain()) == "Plain object" and config.described(Plain) == "the class Plain"
+    assert config.described(score) == "function score"  # its name, not its address
+    big = config.described(np.ones((100, 100)))
+    assert big.startswith("ndarray array([[1., 1.,") and big.endswith("...") and "\n" not in big
 
 
 def test_bad_values_are_rejected():

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from parity import config as config_mod
-from parity.config import ConfigError
+from parity.config import ConfigError, definition_name, described
 from parity.engines import kernels
 from parity.engines.batch import RolloutBatch
 from parity.engines.budget import check_rollout_memory
@@ -56,7 +57,7 @@ from parity.rl.diagnostics import mismatch_alarm
 from parity.rl.evaluation import EVAL_SEED, EvalSet, Evaluator, eval_sampling, evaluation_due, heldout_problems
 from parity.rl.problems import Problem, builtin_problems
 from parity.rl.reward_fns import Reward, RewardCheckError, binary_reward, data_columns, run_rewards
-from parity.rl.rewards import RewardHealth, score_rollouts
+from parity.rl.rewards import RewardHealth, exception_summary, score_rollouts
 from parity.rl.step import (
     LocalBackend,
     Prepared,
@@ -118,13 +119,117 @@ class MetricsLog:
 
 class Callback:
     """Hooks into a run (the Python API's `callbacks=`): subclass and override what you need. Returning
-    True from `on_step_end` stops the run after that step, with a checkpoint."""
+    True from `on_step_end` stops the run after that step, with a checkpoint. Each hook gets its own copy of
+    the metrics."""
 
     def on_step_end(self, step: int, metrics: dict[str, float]) -> bool | None:
         return None
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         return None
+
+
+HOOKS = ("on_step_end", "on_eval")
+
+
+class CallbackError(RuntimeError):
+    """A callback raised, or its `on_step_end` answered something other than True, False or None: the run
+    stopped after saving the step. The callback's own exception, if any, is the `__cause__`."""
+
+
+def _callback_name(callback: object) -> str:
+    """A module (or function) by its name, an object by its class's."""
+    return getattr(callback, "__name__", None) or definition_name(type(callback).__qualname__)
+
+
+def checked_callbacks(callbacks: object) -> list[Any]:
+    """The API's `callbacks=`: None, one callback, or an iterable of them; a callback is an object with
+    `on_step_end` and/or `on_eval` methods that take (step, metrics). A one-line ConfigError names the first
+    that is not, before the run starts."""
+    if callbacks is None:
+        return []
+    if any(hasattr(callbacks, hook) for hook in HOOKS):
+        callbacks = [callbacks]
+    elif isinstance(callbacks, (str, bytes, Mapping)) or not isinstance(callbacks, Iterable):
+        raise ConfigError(
+            f"callbacks: expected a callback (an object with on_step_end or on_eval) or a list of them, got "
+            f"{described(callbacks)}"
+        )
+    out = list(callbacks)
+    for i, callback in enumerate(out):
+        where = f"callbacks[{i}]"
+        if isinstance(callback, type):
+            raise ConfigError(f"{where}: {described(callback)}, not a callback; pass an instance of it")
+        hooks = {hook: getattr(callback, hook) for hook in HOOKS if hasattr(callback, hook)}
+        if not hooks:
+            raise ConfigError(
+                f"{where}: {described(callback)} has neither on_step_end(step, metrics) nor on_eval(step, metrics); "
+                "subclass parity.Callback"
+            )
+        for hook, method in hooks.items():
+            name = f"{_callback_name(callback)}.{hook}"
+            if not callable(method):
+                raise ConfigError(f"{where}: {name} is {described(method)}, not a method")
+            try:
+                signature = inspect.signature(method)
+            except (TypeError, ValueError):  # a builtin without a signature: it is called as it is
+                continue
+            try:
+                signature.bind(0, {})
+            except TypeError:
+                raise ConfigError(f"{where}: {name}{signature} cannot be called as {hook}(step, metrics)") from None
+    return out
+
+
+def _stop_asked(answer: object) -> bool | None:
+    """`on_step_end`'s answer: True to stop, False to go on; None when it is no answer. None, a bool, or a
+    0-d boolean (NumPy's `np.True_`, a torch bool scalar: what a comparison of metrics gives) answer."""
+    if answer is None or isinstance(answer, bool):
+        return bool(answer)
+    shape = getattr(answer, "shape", None)
+    if isinstance(shape, tuple) and not shape:
+        try:
+            item = answer.item()
+        except Exception:
+            return None
+        if isinstance(item, bool):
+            return item
+    return None
+
+
+class Callbacks:
+    """The callbacks as the loop calls them: every hook gets its own copy of the metrics, so that none can
+    change what is logged or what the next sees; a hook that raises, or an `on_step_end` that answers no
+    yes or no, is held as `failure` (the loop stops after saving the step) instead of escaping mid-step."""
+
+    def __init__(self, callbacks: list[Any]):
+        self.callbacks = callbacks
+        self.failure: tuple[str, Exception | None] | None = None  # the first: its line, and what it raised
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        for callback in self.callbacks:
+            self._call(callback, "on_eval", step, metrics)
+
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> bool:
+        """Whether a callback asked to stop; every callback is asked."""
+        answers = [self._call(callback, "on_step_end", step, metrics) for callback in self.callbacks]
+        return any(_stop_asked(a) for a in answers)
+
+    def _call(self, callback: object, hook: str, step: int, metrics: dict[str, float]) -> object:
+        method = getattr(callback, hook, None)
+        if method is None:
+            return None
+        name = f"callback {_callback_name(callback)}.{hook}"
+        try:
+            answer = method(step, dict(metrics))
+        except Exception as e:
+            self.failure = self.failure or (f"step {step}: {name} raised {exception_summary(e)}", e)
+            return None
+        if hook == "on_step_end" and _stop_asked(answer) is None:
+            expected = "return True to stop the run, False or None to go on"
+            self.failure = self.failure or (f"step {step}: {name} returned {described(answer)}; {expected}", None)
+            return None
+        return answer
 
 
 def _flatten(obj: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -659,10 +764,7 @@ class Run:
             update.non_finite_weights,
         )
 
-        def where() -> str:  # only on the way out: no directory listing on every step
-            last = checkpoints(self.run_dir)
-            return f"the newest checkpoint is {last[-1].name}" if last else "no checkpoint was written"
-
+        where = self._newest_checkpoint
         if bad:
             raise TrainingError(
                 f"step {step}: the weights hold inf/NaN after the optimizer step (trainer.lr="
@@ -683,22 +785,28 @@ class Run:
                 f"stopped; {where()}"
             )
 
+    def _newest_checkpoint(self) -> str:
+        """Where a stopped run can resume from, for its last line (a directory listing: only on the way out)."""
+        last = checkpoints(self.run_dir)
+        return f"the newest checkpoint is {last[-1].name}" if last else "no checkpoint was written"
+
     # -- the loop -------------------------------------------------------------
 
     def train(
-        self, should_stop: Callable[[], bool] | None = None, callbacks: list[Callback] | None = None
+        self, should_stop: Callable[[], bool] | None = None, callbacks: list[Any] | None = None
     ) -> list[dict[str, float]]:
         """Train up to `cfg.steps`; `should_stop` (asked after every step) or a callback's `on_step_end`
-        returning True ends the run early, with a checkpoint of the last step. A reward function that fails
-        its first batch stops the run before it trains, and a run directory this run made goes with it."""
+        returning True ends the run early, with a checkpoint of the last step. A callback that raises, or
+        answers anything else, stops it the same way, then raises a CallbackError. A reward function that
+        fails its first batch stops the run before it trains, and a run directory this run made goes with it."""
         try:
-            return self._train(should_stop, callbacks or [])
+            return self._train(should_stop, Callbacks(checked_callbacks(callbacks)))
         except RewardCheckError:
             if self.created_dir and self.step_count == 0:
                 shutil.rmtree(self.run_dir, ignore_errors=True)  # nothing was trained: the run leaves nothing
             raise
 
-    def _train(self, should_stop: Callable[[], bool] | None, callbacks: list[Callback]) -> list[dict[str, float]]:
+    def _train(self, should_stop: Callable[[], bool] | None, callbacks: Callbacks) -> list[dict[str, float]]:
         cfg = self.cfg
         if cfg.trainer_precision != cfg.rollout_precision:
             print(
@@ -714,8 +822,7 @@ class Run:
                 if self.evaluator is not None and evaluation_due(self.step_count, cfg.steps, cfg.eval.every):
                     evaluated = self.evaluate()
                     metrics.update(evaluated)
-                    for callback in callbacks:
-                        callback.on_eval(self.step_count, evaluated)
+                    callbacks.on_eval(self.step_count, evaluated)
                 self.log.log(metrics)
                 self.last_metrics = metrics
                 history.append(metrics)
@@ -742,12 +849,15 @@ class Run:
                 else:
                     self.zero_variance_warned = False
                 every = cfg.checkpoint_every
-                asked = [bool(callback.on_step_end(self.step_count, metrics)) for callback in callbacks]
-                stopping = any(asked) or (should_stop is not None and should_stop())
+                asked = callbacks.on_step_end(self.step_count, metrics)
+                stopping = asked or callbacks.failure is not None or (should_stop is not None and should_stop())
                 if every >= 0 and (
                     (every and self.step_count % every == 0) or self.step_count == cfg.steps or stopping
                 ):
                     self.checkpoint()
+                if callbacks.failure is not None:
+                    line, cause = callbacks.failure
+                    raise CallbackError(f"{line}; the run stopped: {self._newest_checkpoint()}") from cause
                 if metrics["health/mismatch_alarm"] and not self.alarmed:
                     self.alarmed = True
                     action = cfg.health.on_alarm

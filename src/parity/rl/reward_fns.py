@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from parity.config import ConfigError
+from parity.config import ConfigError, described
 from parity.rl.builtin_rewards import REWARDS, TRUSTED_REWARDS
 from parity.rl.data import DataColumns
 from parity.rl.problems import Problem
@@ -55,6 +56,24 @@ class Reward:
     weight: float = 1.0
     name: str | None = None
     batched: bool | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse what cannot score a sample, naming the argument, when the Reward is made: before a run."""
+        fn, label = self.fn, getattr(self.fn, "__name__", None) or type(self.fn).__name__
+        if isinstance(fn, type) or not callable(fn):
+            raise ConfigError(f"Reward(fn): expected a function, got {described(fn)}")
+        weight = self.weight
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+            raise ConfigError(f"Reward({label}, weight=...): expected a finite number, got {described(weight)}")
+        object.__setattr__(self, "weight", float(weight))  # a NumPy number becomes the float config.yaml records
+        if self.name is not None and not (isinstance(self.name, str) and self.name.strip()):
+            raise ConfigError(
+                f"Reward({label}, name=...): expected a non-empty string or None, got {described(self.name)}"
+            )
+        if self.batched is not None and not isinstance(self.batched, bool):
+            raise ConfigError(
+                f"Reward({label}, batched=...): expected True, False or None, got {described(self.batched)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -121,17 +140,13 @@ def bind(reward: Reward | Callable[..., Any], columns: Sequence[str]) -> BoundRe
     it asks for that the data does not hold."""
     if not isinstance(reward, Reward):
         reward = Reward(reward)
-    fn = reward.fn
+    fn = reward.fn  # callable, with a finite weight: `Reward` checked both
     name = reward.name or getattr(fn, "__name__", type(fn).__name__)
-    if not callable(fn):
-        raise RewardCheckError(f"reward {name!r}: a {type(fn).__name__} is not a function")
-    if not (isinstance(reward.weight, (int, float)) and math.isfinite(reward.weight)):
-        raise RewardCheckError(f"reward {name}: weight must be a finite number, got {reward.weight!r}")
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: trust it with every argument
         batched = bool(reward.batched)
-        return BoundReward(fn, name, float(reward.weight), batched, 0 if batched else 2, None)
+        return BoundReward(fn, name, reward.weight, batched, 0 if batched else 2, None)
     named = {p.name for p in params}
     batched = reward.batched if reward.batched is not None else bool(named & {"prompts", "completions"})
     positional = 0 if batched else 2
@@ -154,7 +169,7 @@ def bind(reward: Reward | Callable[..., Any], columns: Sequence[str]) -> BoundRe
         )
     takes_all = any(p.kind == p.VAR_KEYWORD for p in params)
     keywords = None if takes_all else tuple(p.name for p in rest if p.name in given)
-    return BoundReward(fn, name, float(reward.weight), batched, positional, keywords)
+    return BoundReward(fn, name, reward.weight, batched, positional, keywords)
 
 
 def bind_all(rewards: Sequence[Reward | Callable[..., Any]], columns: Sequence[str]) -> list[BoundReward]:
