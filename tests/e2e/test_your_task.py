@@ -22,8 +22,8 @@ from parity.config import ConfigError
 from parity.engines.models.config import ModelError
 from parity.engines.models.io import resolve_model_dir
 from parity.engines.trainer import scheduled_lr
+from parity.rl.callbacks import CallbackError
 from parity.rl.data import DataError
-from parity.rl.loop import CallbackError
 from parity.rl.reward_fns import RewardCheckError
 
 ROOT = Path(__file__).resolve().parents[2]
