@@ -205,6 +205,16 @@ def copy_run(run_dir: Path, to: Path) -> Path:
     return to
 
 
+def reseal(ckpt: Path) -> None:
+    """Rewrite a checkpoint's manifest to match its files as they now are, as an attacker (or a careless tool)
+    would."""
+    from parity.rl.checkpoint import MANIFEST, _write_manifest, open_checkpoint
+
+    (ckpt / MANIFEST).unlink()
+    with open_checkpoint(ckpt) as folder:
+        _write_manifest(folder)
+
+
 def _set_writable(root: Path, writable: bool) -> None:
     write = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
     for path in [root, *root.rglob("*")]:

@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import TINY, TINY_RUN, copy_run, metrics, run_dir_held
+from conftest import TINY, TINY_RUN, copy_run, metrics, reseal, run_dir_held
 from parity.cli import main
 from parity.engines import kernels
 from parity.engines.models.io import load_model, resolve_model_dir
 from parity.engines.trainer import OptimConfig, Trainer
-from parity.rl.checkpoint import MANIFEST, _write_manifest, load_checkpoint, save_shards
+from parity.rl.checkpoint import MANIFEST, load_checkpoint, save_shards
 
 EVAL = ["num_prompts=2", "samples=1", "max_new_tokens=8", "precisions=[fp32]"]
 
@@ -45,12 +45,6 @@ def _run(trained_run, tmp_path: Path, steps: int = 2) -> Path:
     return copy_run(trained_run(*TINY_RUN, f"steps={steps}"), tmp_path / "run")
 
 
-def _reseal(ckpt: Path) -> None:
-    """Rewrite the manifest to match the files as they now are, as an attacker (or a careless tool) would."""
-    (ckpt / MANIFEST).unlink()
-    _write_manifest(ckpt)
-
-
 def _as_sharded(ckpt: Path) -> None:
     """Turn a one-process checkpoint into the sharded form distributed learners write (one shard here)."""
     trainer = Trainer(load_model(resolve_model_dir("builtin"), kernels.numerics()), "fp32", OptimConfig())
@@ -62,7 +56,7 @@ def _as_sharded(ckpt: Path) -> None:
     state = json.loads((ckpt / "state.json").read_text())
     del state["optimizer"]
     (ckpt / "state.json").write_text(json.dumps(state))
-    _reseal(ckpt)
+    reseal(ckpt)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -80,7 +74,7 @@ def test_a_forged_sharded_index_runs_no_code_on_resume_or_eval(trained_run, tmp_
     marker.unlink()
     (ckpt / "sharded" / "metadata.json").unlink()
     (ckpt / "sharded" / ".metadata").write_bytes(forged)
-    _reseal(ckpt)
+    reseal(ckpt)
     capsys.readouterr()
 
     assert main(["eval", str(run_dir), *EVAL, f"out={tmp_path / 'eval'}"]) == 2
@@ -102,20 +96,20 @@ def test_a_shard_replaced_by_a_pickle_runs_no_code(trained_run, tmp_path, capsys
     marker = tmp_path / "marker"
     (shard,) = (ckpt / "sharded").glob("__*.safetensors")
     shard.write_bytes(pickle.dumps({"model.model.norm.weight": _WritesMarker(marker)}))
-    _reseal(ckpt)
+    reseal(ckpt)
     assert main(["train", "--resume", str(run_dir), "steps=3"]) == 0
     err = capsys.readouterr().err
     assert "checkpoint step_000002 is unusable" in err and "not a readable safetensors file" in err
     assert not marker.exists()
 
 
-def damaged(ckpt: Path, sharded: bool, damage, reseal: bool) -> None:
+def damaged(ckpt: Path, sharded: bool, damage, resealed: bool) -> None:
     """A DAMAGE case applied to `ckpt`: in the sharded form if it says so, its manifest resealed if it says so."""
     if sharded:
         _as_sharded(ckpt)
     damage(ckpt)
-    if reseal:
-        _reseal(ckpt)
+    if resealed:
+        reseal(ckpt)
 
 
 def _state(**changes):
@@ -163,12 +157,12 @@ DAMAGE = [
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-@pytest.mark.parametrize("case, sharded, damage, reseal, message", DAMAGE, ids=[d[0] for d in DAMAGE])
+@pytest.mark.parametrize("case, sharded, damage, resealed, message", DAMAGE, ids=[d[0] for d in DAMAGE])
 def test_a_damaged_checkpoint_is_set_aside_in_one_line(
-    case, sharded, damage, reseal, message, trained_run, tmp_path, capsys
+    case, sharded, damage, resealed, message, trained_run, tmp_path, capsys
 ):
     run_dir = _run(trained_run, tmp_path)
-    damaged(run_dir / "checkpoints" / "step_000002", sharded, damage, reseal)
+    damaged(run_dir / "checkpoints" / "step_000002", sharded, damage, resealed)
     capsys.readouterr()
     assert main(["train", "--resume", str(run_dir), "steps=3"]) == 0
     err = capsys.readouterr().err

@@ -13,14 +13,14 @@ import time
 import pytest
 import torch
 
-from conftest import ONE_RAY_AT_A_TIME, SMALL, metrics
+from conftest import ONE_RAY_AT_A_TIME, SMALL, metrics, reseal
 from parity import config
 from parity.cli import main
 from parity.distributed.driver import RayBackend
 from parity.engines import kernels
 from parity.engines.models.io import load_model, resolve_model_dir
 from parity.engines.trainer import OptimConfig, Trainer
-from parity.rl.checkpoint import _write_manifest, load_checkpoint, save_shards
+from parity.rl.checkpoint import load_checkpoint, save_shards
 from parity.rl.loop import Run, TrainingError
 from parity.rl.train_config import TrainConfig
 
@@ -278,8 +278,7 @@ def test_sharded_shards_holding_nan_are_set_aside_and_the_learners_start_from_th
         trainer.model.model.norm.weight[0] = float("nan")
     shutil.rmtree(ckpt / "sharded")
     save_shards(trainer, ckpt / "sharded")
-    (ckpt / "manifest.json").unlink()
-    _write_manifest(ckpt)
+    reseal(ckpt)
     capsys.readouterr()
 
     run = Run.resume(tmp_path / "r", backend=RayBackend)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ONE_RAY_AT_A_TIME, TIMING, TINY, copy_run, metrics, run_dir_held
+from conftest import ONE_RAY_AT_A_TIME, TIMING, TINY, copy_run, metrics, reseal, run_dir_held
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -126,10 +126,7 @@ def test_a_nan_checkpoint_is_set_aside_and_the_last_good_one_kept(tmp_path, caps
     weights = load_file(str(bad / "model" / "model.safetensors"))
     weights["model.norm.weight"][0] = float("nan")
     save_file(weights, str(bad / "model" / "model.safetensors"), metadata={"format": "pt"})
-    from parity.rl.checkpoint import _write_manifest
-
-    (bad / "manifest.json").unlink()
-    _write_manifest(bad)
+    reseal(bad)
     assert main(["train", "--resume", str(run_dir), "steps=4"]) == 0
     err = capsys.readouterr().err
     assert "checkpoint step_000002 is unusable (" in err and "inf/NaN in model.norm.weight" in err
