@@ -1,6 +1,6 @@
 """Fault injection: kill, corrupt, race and feed bad input to `parity train`, then count.
 
-    python benchmarks/faults.py [--trials 16] [--out faults.json]
+    python benchmarks/faults.py [--trials 16] [--out faults.json] [--sections received_folders api_misuse ...]
 
 Every trial runs real `parity train` processes on the built-in model (~5 minutes
 on 2 cores at the defaults):
@@ -34,6 +34,18 @@ on 2 cores at the defaults):
   `parity eval` must refuse the forged ones in one line and `--resume` set the
   checkpoint aside and reproduce the run exactly; a user's folders under
   checkpoints/ must be neither read nor pruned;
+- received folders (issue 54): the reference run with one of its entries
+  (checkpoints/, .lock, completions/, config.yaml, a checkpoint's weights, ...)
+  replaced by a link to the user's folder or private key, given to `--resume`,
+  `eval` and `report`; a FIFO and a 3 GiB line where `report` reads; output
+  folders holding a forged mark, a file the user edited, or a link planted under
+  Parity's names: each must end in one line, exit 2, with the user's folder and
+  the received one unchanged and no byte of the key anywhere else;
+- the Python API misused (issue 54): wrong kinds of `rewards`, `config`,
+  `callbacks`, `model`, `dataset`, `resume`, `Reward(...)` and more, each in a
+  fresh interpreter: Parity's own exception in one line, nothing written; and
+  callbacks that raise or answer an array: the run stops after a checkpoint,
+  naming the callback;
 - distributed runs (one Ray rollout worker, one learner): a rollout worker
   SIGKILLed (restarted, run completes), a learner SIGKILLed (clean stop, exact
   resume), the driver SIGKILLed, sent SIGINT as a terminal's Ctrl-C does (to its
@@ -66,6 +78,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+# The tests' helpers (tests/, tests/unit, tests/e2e) build several faults: the hostile inputs the tests try.
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("", "unit", "e2e")]
 
 RUN = [
     "steps=8",
@@ -309,7 +324,6 @@ def hostile_model_dir_cases(root: Path, train) -> list[Case]:
     """The cases of tests/unit/test_model_dirs.py on the tests' tiny Llama (hostile config values, links out of
     the directory, chat templates that never end, grow without bound or render nothing, prompts longer than
     the context), each tried by the command its test names, `parity train` for most."""
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("", "unit")]
     from conftest import save_hf_model
     from test_model_dirs import BOMBS, CASES, EMPTY_TEMPLATES, LINKED, SECRET
 
@@ -389,7 +403,6 @@ def _template(text: str):
 def received_input_cases(root: Path, train) -> list[Case]:
     """Config files, data files, values and addresses that used to crash, hang or exhaust memory
     (tests/unit/test_config.py, test_data.py, tests/e2e/test_distributed.py), and a user's folders given as outputs."""
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("", "unit")]
     from test_config import HUGE, _alias_bomb
 
     (root / "bomb.yaml").write_text(_alias_bomb())
@@ -449,9 +462,27 @@ CASE_TIMEOUT_S = 300  # a case still running after this long has hung
 MEMORY_LIMIT = 8 * 2**30  # address space per case: a memory bomb fails in the case, not on the machine
 
 
-def bad_input_trials(root: Path) -> dict:
+def bounded(argv: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> tuple[int | None, str]:
+    """`argv`'s exit code and stderr, run with MEMORY_LIMIT of address space; a None code: it ran past
+    CASE_TIMEOUT_S (a hang), and was killed."""
     import resource
 
+    try:
+        result = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=CASE_TIMEOUT_S,
+            cwd=cwd,
+            env=env,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT)),
+        )
+        return result.returncode, result.stderr
+    except subprocess.TimeoutExpired as e:
+        return None, (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else ""
+
+
+def bad_input_trials(root: Path) -> dict:
     cases = bad_input_cases(root)
     user_before = tree_digest(root / "user")
     out = {"tried": len(cases), "clean": 0, "tracebacks": 0, "hangs": 0, "refused_runs_that_wrote": 0}
@@ -459,20 +490,8 @@ def bad_input_trials(root: Path) -> dict:
     for i, case in enumerate(cases):
         run_dir, out_path = root / f"bad-{i}", root / f"out-{i}"
         argv = [a.replace("run_dir=RUN", f"run_dir={run_dir}").replace("OUT", str(out_path)) for a in case.argv]
-        try:
-            result = subprocess.run(
-                [sys.executable, "-m", "parity", *argv],
-                capture_output=True,
-                text=True,
-                timeout=CASE_TIMEOUT_S,
-                cwd=case.cwd,
-                env=case.env,
-                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT)),
-            )
-            code, err = result.returncode, result.stderr
-        except subprocess.TimeoutExpired as e:
-            code, err = None, (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else ""
-            out["hangs"] += 1
+        code, err = bounded([sys.executable, "-m", "parity", *argv], case.cwd, case.env)
+        out["hangs"] += code is None
         lines = [x for x in err.splitlines() if x.startswith("parity ")]
         clean = code in (1, 2) and "Traceback" not in err and len(lines) == 1
         if case.name == "a reward that always fails":  # the first failure's traceback is shown on purpose
@@ -514,7 +533,6 @@ def received_run_trials(root: Path, reference: list[dict]) -> dict:
     naming a missing shard): `parity eval` refuses the forged ones in one line, and `--resume` sets the
     checkpoint aside in one line and reproduces the reference exactly. No marker may ever appear. Last, the
     user's own folders under checkpoints/ (step_best, step_000007.bak): a resume neither reads nor prunes them."""
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("", "e2e")]
     from test_checkpoint_files import DAMAGE, _WritesMarker, damaged
 
     marker = root / "code-ran"
@@ -563,6 +581,203 @@ def received_run_trials(root: Path, reference: list[dict]) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- received folders (issue 54)
+
+# Entries of a run folder that Parity writes, prunes or reads, each replaced by a link to the user's.
+LINKED_ENTRIES = {
+    "checkpoints": "results",
+    ".lock": "id_rsa",
+    "completions": "results",
+    "checkpoints/corrupt": "results",
+    "tensorboard": "results",
+    "metrics.jsonl": "id_rsa",
+    "config.yaml": "id_rsa",
+    "numerics.json": "id_rsa",
+    "completions/step_000008.jsonl": "id_rsa",
+    "checkpoints/step_000008/model/model.safetensors": "id_rsa",
+}
+# A report's output folder, forged or planted: what it holds before `parity report RUN --out` it.
+FORGED_OUTPUTS = {
+    "a mark of names (the old form) listing the user's files": {"written_by": "parity", "names": ["report.md"]},
+    "a mark recording other bytes for the user's file": {"written_by": "parity", "files": {"report.md": ["0" * 64]}},
+    "a mark listing the user's file as Parity's folder": {
+        "written_by": "parity",
+        "files": {},
+        "folders": ["report.md"],
+    },
+}
+PLANTED_LINKS = (".accuracy.png.fig.tmp", ".report.md.0badc0de.tmp", "runs", "summary.json")
+
+
+def _one_line(code: int | None, err: str) -> bool:
+    return code == 2 and "Traceback" not in err and len([x for x in err.splitlines() if x.startswith("parity ")]) == 1
+
+
+def received_folder_trials(root: Path) -> dict:
+    """Run folders received with links inside (each given to `--resume`, `eval` and `report`), FIFOs and 3 GiB
+    lines where report reads, and output folders with a forged mark, an edited file or a planted link: each
+    must end in one line, exit 2, with 0 bytes written, deleted or read outside the folders named."""
+    from test_model_dirs import SECRET
+
+    home = root / "home"  # `leaked_files` looks everywhere but here for the secret's bytes
+    (home / "results" / "step_000001").mkdir(parents=True, exist_ok=True)
+    (home / "results" / "step_000001" / "table.csv").write_text("mine\n")
+    (home / "id_rsa").write_bytes(SECRET + b"\n")
+    out = {"tried": 0, "clean": 0, "tracebacks": 0, "hangs": 0, "refused_runs_that_wrote": 0, "failures": []}
+
+    def tried(name: str, argv: list[str], wrote: Path | None = None, unchanged: Path | None = None) -> None:
+        before = tree_digest(unchanged) if unchanged is not None else None
+        home_before = tree_digest(home)
+        code, err = bounded([sys.executable, "-m", "parity", *argv])
+        clean = _one_line(code, err) and tree_digest(home) == home_before
+        clean = clean and (unchanged is None or tree_digest(unchanged) == before)
+        out["tried"] += 1
+        out["clean"] += clean
+        out["hangs"] += code is None
+        out["tracebacks"] += "Traceback (most recent call last)" in err
+        out["refused_runs_that_wrote"] += wrote is not None and wrote.exists()
+        if not clean:
+            out["failures"].append({"case": name, "code": code, "stderr": err[-400:]})
+        line = next((x for x in err.splitlines() if x.startswith("parity ")), "(no error line)")
+        print(f"  received folder {name!r}: exit {code}: {line}"[:220], flush=True)
+
+    for i, (entry, target) in enumerate(LINKED_ENTRIES.items()):
+        run = root / f"linked-{i}"
+        shutil.copytree(root / "reference", run)
+        if (run / entry).is_file():
+            (run / entry).unlink()
+        else:
+            shutil.rmtree(run / entry, ignore_errors=True)
+        (run / entry).parent.mkdir(parents=True, exist_ok=True)
+        (run / entry).symlink_to(home / target)
+        report_out = root / f"linked-{i}-out"
+        tried(f"{entry} a link: --resume", ["train", "--resume", str(run), "steps=9", "keep_checkpoints=1"], None, run)
+        if entry != "config.yaml":  # without it the folder is no run eval and report take
+            tried(
+                f"{entry} a link: eval",
+                ["eval", str(run), "num_prompts=2", "samples=1", f"out={report_out}"],
+                report_out,
+            )
+            tried(f"{entry} a link: report", ["report", str(run), "--out", str(report_out)], report_out, run)
+
+    for i, name in enumerate(("metrics.jsonl", "completions/step_000008.jsonl")):
+        for how in ("a FIFO", "a 3 GiB line"):
+            run = root / f"read-{i}-{how[2]}"
+            shutil.copytree(root / "reference", run)
+            if how == "a FIFO":
+                (run / name).unlink()
+                os.mkfifo(run / name)
+            else:
+                with open(run / name, "r+b") as f:  # sparse: 3 GiB of the line cost no disk
+                    f.truncate((run / name).stat().st_size + 3 * 2**30)
+            tried(f"{name} {how}: report", ["report", str(run), "--out", str(run) + "-out"], Path(str(run) + "-out"))
+
+    shutil.copytree(root / "reference", root / "report-run")
+    for i, (name, mark) in enumerate(FORGED_OUTPUTS.items()):
+        folder = root / f"forged-{i}"
+        folder.mkdir()
+        (folder / "report.md").write_text("the user's report\n")
+        (folder / ".parity-out").write_text(json.dumps(mark))
+        tried(name, ["report", str(root / "report-run"), "--out", str(folder)], None, folder)
+    for i, planted in enumerate(("report.md edited by the user", *PLANTED_LINKS)):
+        folder = root / f"planted-{i}"
+        assert parity("report", str(root / "report-run"), "--out", str(folder)).returncode == 0
+        if i == 0:
+            (folder / "report.md").write_text("my edits\n")
+        else:
+            (folder / planted).unlink(missing_ok=True)
+            (folder / planted).symlink_to(home / "id_rsa")
+        tried(
+            planted if i == 0 else f"{planted} planted as a link",
+            ["report", str(root / "report-run"), "--out", str(folder)],
+            None,
+            folder,
+        )
+    out["bytes_leaked"] = leaked_files(root)
+    return out
+
+
+# The Python API misused (issue 54): each snippet runs in a fresh interpreter with RUN a fresh run directory; a
+# refusal is Parity's own exception (ConfigError, DataError), one line, before RUN is written.
+API_SETTINGS = "steps=1, prompts_per_step=2, rollout__group_size=2, rollout__max_new_tokens=8, tensorboard=False"
+API_MISUSE = {
+    "rewards=5": "parity.train(rewards=5, run_dir=RUN)",
+    "rewards=[5]": "parity.train(rewards=[5], run_dir=RUN)",
+    "rewards='score'": "parity.train(rewards='score', run_dir=RUN)",
+    "config=5": "parity.train(config=5, run_dir=RUN)",
+    "config={1: 2}": "parity.train(config={1: 2}, run_dir=RUN)",
+    "callbacks=object()": "parity.train(callbacks=object(), run_dir=RUN)",
+    "callbacks=[a class]": "parity.train(callbacks=[parity.Callback], run_dir=RUN)",
+    "callback without hooks": "parity.train(callbacks=[type('C', (), {})()], run_dir=RUN)",
+    "callback hook of the wrong signature": (
+        "parity.train(callbacks=[type('C', (), {'on_step_end': lambda self: None})()], run_dir=RUN)"
+    ),
+    "Reward(fn, weight='high')": "parity.Reward(lambda p, c, a: 1.0, weight='high')",
+    "Reward(fn, weight=nan)": "parity.Reward(lambda p, c, a: 1.0, weight=float('nan'))",
+    "Reward(5)": "parity.Reward(5)",
+    "model=5": "parity.train(model=5, run_dir=RUN)",
+    "dataset=5": "parity.train(dataset=5, run_dir=RUN)",
+    "dataset=[strings]": "parity.train(dataset=['a', 'b'], run_dir=RUN)",
+    "resume=5": "parity.train(resume=5)",
+    "progress='yes'": "parity.train(progress='yes', run_dir=RUN)",
+    "unknown key": "parity.train(num_generations=4, run_dir=RUN)",
+    "trainer__lr=an array": "parity.train(trainer__lr=__import__('numpy').ones(3), run_dir=RUN)",
+    "evaluate(out=5)": "parity.evaluate('builtin', out=5)",
+    "push_to_hub(model_dir=5)": "parity.push_to_hub(5, 'me/model', token='x')",
+}
+# Callbacks that fail at run time: the run stops after the step's checkpoint, naming the callback.
+API_CALLBACK_FAILURES = {
+    "a callback that raises": "type('Boom', (parity.Callback,), {'on_step_end': lambda s, step, m: 1 / 0})()",
+    "a callback returning an array": (
+        "type('Arr', (parity.Callback,), {'on_step_end': lambda s, step, m: __import__('numpy').ones(2)})()"
+    ),
+    "a callback that mutates the metrics": (
+        "type('Mut', (parity.Callback,), {'on_step_end': lambda s, step, m: m.clear()})()"
+    ),
+}
+API_SNIPPET = """
+import sys, parity
+RUN = {run!r}
+try:
+    {call}
+except (parity.ConfigError, parity.DataError, parity.CallbackError) as e:
+    print(f"parity: {{type(e).__name__}}: {{e}}", file=sys.stderr)
+    sys.exit(2 if not isinstance(e, parity.CallbackError) else 1)
+"""
+
+
+def api_misuse_trials(root: Path) -> dict:
+    """Every API misuse of API_MISUSE must be Parity's exception in one line with nothing written; each
+    callback of API_CALLBACK_FAILURES must stop its run after a checkpoint with one line naming it (or, for the
+    one that only mutates its copy of the metrics, run to the end)."""
+    out = {"tried": 0, "clean": 0, "tracebacks": 0, "hangs": 0, "refused_runs_that_wrote": 0, "failures": []}
+    cases = [(name, call, False) for name, call in API_MISUSE.items()]
+    cases += [
+        (name, f"parity.train(callbacks=[{hook}], run_dir=RUN, {API_SETTINGS}, checkpoint_every=1)", True)
+        for name, hook in API_CALLBACK_FAILURES.items()
+    ]
+    for i, (name, call, runs) in enumerate(cases):
+        run = root / f"api-{i}"
+        code, err = bounded([sys.executable, "-c", API_SNIPPET.format(run=str(run), call=call)])
+        lines = [x for x in err.splitlines() if x.startswith("parity")]
+        if not runs:
+            clean = code == 2 and len(lines) == 1 and "Traceback" not in err and not run.exists()
+            out["refused_runs_that_wrote"] += run.exists()
+        elif "mutates" in name:
+            clean = code == 0 and (run / "checkpoints" / "step_000001").is_dir()
+        else:
+            clean = code == 1 and len(lines) == 1 and (run / "checkpoints" / "step_000001").is_dir()
+            clean = clean and any(n in lines[0] for n in ("Boom", "Arr"))
+        out["tried"] += 1
+        out["clean"] += clean
+        out["hangs"] += code is None
+        out["tracebacks"] += "Traceback (most recent call last)" in err and not runs
+        if not clean:
+            out["failures"].append({"case": name, "code": code, "stderr": err[-400:]})
+        print(f"  API {name!r}: exit {code}: {lines[-1] if lines else '(no error line)'}"[:220], flush=True)
+    return out
+
+
 # ----------------------------------------------------------------------------- distributed runs
 
 RAY_RUN = [
@@ -583,7 +798,6 @@ RUN_MARK = "PARITY_FAULTS_RUN"  # set in a trial's environment: its processes, a
 def run_processes(mark: str) -> dict[int, str]:
     """The processes of the trial marked `mark`, whatever they call themselves (a Ray worker renames
     itself); never another user's Ray processes, which a trial must neither count nor kill."""
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("", "e2e")]
     from test_distributed import processes_with
 
     found = {}
@@ -689,7 +903,6 @@ def distributed_trials(root: Path, rng: random.Random) -> dict:
 
 def joined_cluster_trial(root: Path, reference: list[dict]) -> dict:
     """`ray start --head` as a user runs it, a run joining it by address, and the cluster after."""
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("", "e2e")]
     from test_distributed import stop_cluster
 
     ray_cli = str(Path(sys.executable).with_name("ray"))
@@ -725,7 +938,17 @@ def joined_cluster_trial(root: Path, reference: list[dict]) -> dict:
     return result
 
 
-SECTIONS = ("kills", "damaged_checkpoints", "disk_full", "concurrency", "bad_inputs", "received_runs", "distributed")
+SECTIONS = (
+    "kills",
+    "damaged_checkpoints",
+    "disk_full",
+    "concurrency",
+    "bad_inputs",
+    "received_runs",
+    "received_folders",
+    "api_misuse",
+    "distributed",
+)
 
 
 def main() -> None:
@@ -752,6 +975,8 @@ def main() -> None:
             "concurrency": lambda: concurrency_trials(root, reference),
             "bad_inputs": lambda: bad_input_trials(root),
             "received_runs": lambda: received_run_trials(root, reference),
+            "received_folders": lambda: received_folder_trials(root),
+            "api_misuse": lambda: api_misuse_trials(root),
             "distributed": lambda: distributed_trials(root, rng),
         }
         summary = {name: trials[name]() for name in args.sections}
