@@ -76,6 +76,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -798,7 +799,7 @@ RUN_MARK = "PARITY_FAULTS_RUN"  # set in a trial's environment: its processes, a
 def run_processes(mark: str) -> dict[int, str]:
     """The processes of the trial marked `mark`, whatever they call themselves (a Ray worker renames
     itself); never another user's Ray processes, which a trial must neither count nor kill."""
-    from test_distributed import processes_with
+    from conftest import processes_with
 
     found = {}
     for proc in processes_with(RUN_MARK, mark):
@@ -938,6 +939,154 @@ def joined_cluster_trial(root: Path, reference: list[dict]) -> dict:
     return result
 
 
+# ----------------------------------------------------------------------------- signals to commands with workers
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL)
+SIGNAL_EXIT_S = 120  # a command still running this long after a signal has hung
+ORPHAN_WAIT_S = 15  # what of a command still runs this long after it ended is an orphan
+
+
+@dataclass
+class WorkerCommand:
+    """A command that starts worker processes: `argv` for `parity` (DIR stands for a fresh folder of its own),
+    and `running(pid, mark)`, true once its workers run."""
+
+    name: str
+    argv: list[str]
+    running: Callable[[int, str], bool]
+    env: dict[str, str] | None = None
+
+
+def worker_commands(root: Path) -> list[WorkerCommand]:
+    """Every command that starts worker processes, at settings small enough to reach its workers in seconds."""
+    from conftest import started_workers
+    from parity.engines.models.io import BUILTIN_DIR
+
+    def workers(count: int) -> Callable[[int, str], bool]:  # Parity's own (`parity.stopping.worker_started`)
+        return lambda pid, mark: len(started_workers(pid)) >= count
+
+    def on_ray(pid: int, mark: str) -> bool:  # Ray's worker processes name themselves ray::CLASS
+        return any(what.startswith("ray::") for what in run_processes(mark).values())
+
+    (root / "signal_reward.py").write_text("def score(prompt, completion, answer):\n    return len(completion) % 2\n")
+    spawned_reward = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+    train = ["train", "run_dir=DIR", "steps=500", "prompts_per_step=4", "rollout.group_size=4"]
+    train += ["rollout.max_new_tokens=32", "checkpoint_every=0", "tensorboard=false"]
+    small = ["prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=16"]
+    return [
+        WorkerCommand(
+            "sanity: a process per training run",
+            ["sanity", "--quick", "--out", "DIR", "--runs", "fp16/grpo,bf16/grpo", "--jobs", "2", "--candidates", "16"]
+            + ["--lo", "0", "--max-new-tokens", "16"],
+            workers(2),
+        ),
+        WorkerCommand("train: the math reward's worker (fork)", [*train, "task.name=math"], workers(1)),
+        WorkerCommand(
+            "train: a reward function's worker (spawn)",
+            [*train, "task.reward_fn=signal_reward:score", "reward.isolate=always"],
+            workers(1),
+            spawned_reward,
+        ),
+        WorkerCommand(
+            "train: Ray (a rollout worker, a learner)",
+            [*train, "distributed.rollout_workers=1", "distributed.learners=1"],
+            on_ray,
+        ),
+        WorkerCommand(
+            "train: joining a cluster (the join's child)",
+            [*train, "distributed.rollout_workers=1", "distributed.address=127.0.0.1:1"]
+            + ["distributed.connect_timeout_s=600"],
+            workers(1),
+        ),
+        WorkerCommand(
+            "eval: the math reward's worker",
+            ["eval", "builtin", "task=math", "precisions=fp32", "num_prompts=512", "out=DIR"],
+            workers(1),
+        ),
+        WorkerCommand(
+            "perfectible: the math reward's worker",
+            ["perfectible", "task=math", "num_candidates=2048", "out=DIR/set.jsonl"],
+            workers(1),
+        ),
+        WorkerCommand(
+            "phantom --model: Ray (its asynchronous arms)",
+            ["phantom", "--model", str(BUILTIN_DIR), "--steps", "2", "--seeds", "0", "--out", "DIR", *small],
+            on_ray,
+        ),
+    ]
+
+
+def signal_trials(root: Path) -> dict:
+    """Each command with workers, sent each stop signal (SIGKILL too) once its workers run: it must end with
+    128 + the signal and one line (a SIGKILLed one says nothing), and nothing of it may run 15 s later."""
+    out: dict = {"cases": 0, "exits_expected": 0, "one_line_stops": 0, "tracebacks": 0, "hangs": 0, "orphans": 0}
+    out["not_reached"], out["rows"] = 0, []
+    for command in worker_commands(root):
+        for sig in STOP_SIGNALS:
+            row = signal_case(root / f"signals-{out['cases']}", command, sig)
+            out["cases"] += 1
+            out["not_reached"] += row["exit"] is None and not row["hang"]
+            out["exits_expected"] += row["exit"] == (-sig if sig == signal.SIGKILL else 128 + sig)
+            out["one_line_stops"] += row["one_line"]
+            out["tracebacks"] += row["traceback"]
+            out["hangs"] += row["hang"]
+            out["orphans"] += len(row["orphans"])
+            out["rows"].append(row)
+            said = (
+                f"  {command.name}, {sig.name}: exit {row['exit']}, orphans {len(row['orphans'])}: {row['last_line']}"
+            )
+            print(said[:220], flush=True)
+    return out
+
+
+def signal_case(folder: Path, command: WorkerCommand, sig: signal.Signals) -> dict:
+    """`command` in its own session, marked with RUN_MARK; `sig` to it once its workers run; what it left."""
+    folder.mkdir()
+    mark = folder.name
+    argv = [a.replace("DIR", str(folder / "out")) for a in command.argv]
+    env = {**(command.env or os.environ), RUN_MARK: mark, "XDG_CACHE_HOME": str(folder / "cache")}
+    row = {"command": command.name, "signal": sig.name, "exit": None, "hang": False, "last_line": ""}
+    with (folder / "stderr").open("w") as err:  # a file: a pipe stays open as long as an orphan holds it
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "parity", *argv],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=env,
+            cwd=folder,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + CASE_TIMEOUT_S
+    while proc.poll() is None and not command.running(proc.pid, mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    row["exit_before_signal"] = proc.poll()  # the workers never ran: the case did not happen
+    if proc.poll() is None and time.monotonic() < deadline:
+        proc.send_signal(sig)
+        try:
+            row["exit"] = proc.wait(timeout=SIGNAL_EXIT_S)
+        except subprocess.TimeoutExpired:
+            row["hang"] = True
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + ORPHAN_WAIT_S
+    while (left := run_processes(mark)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    text = (folder / "stderr").read_text(errors="replace")
+    said = [line for line in text.splitlines() if line.strip() and "it/s]" not in line and "step/s" not in line]
+    row["last_line"] = said[-1][:200] if said else ""
+    row["orphans"] = left
+    row["traceback"] = "Traceback (most recent call last)" in text
+    verb = argv[0]
+    row["one_line"] = row["exit"] == 128 + sig and row["last_line"].startswith(f"parity {verb}: stopped by {sig.name}")
+    return row
+
+
 SECTIONS = (
     "kills",
     "damaged_checkpoints",
@@ -948,6 +1097,7 @@ SECTIONS = (
     "received_folders",
     "api_misuse",
     "distributed",
+    "signals",
 )
 
 
@@ -978,6 +1128,7 @@ def main() -> None:
             "received_folders": lambda: received_folder_trials(root),
             "api_misuse": lambda: api_misuse_trials(root),
             "distributed": lambda: distributed_trials(root, rng),
+            "signals": lambda: signal_trials(root),
         }
         summary = {name: trials[name]() for name in args.sections}
     parts = list(summary.values())

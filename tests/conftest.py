@@ -6,7 +6,9 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -298,6 +300,33 @@ def _shared_ray_only_where_asked(request, monkeypatch):
 
 def pytest_sessionfinish(session, exitstatus):
     _SharedRay.stop()
+
+
+def processes_with(name: str, value: str) -> list:
+    """The processes whose environment sets `name` to `value`: those a process started with it started, and
+    what they started (a Ray worker renames itself, but keeps its environment), nobody else's."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(name) == value:
+                found.append(proc)
+    return found
+
+
+def started_workers(pid: int) -> list:
+    """The processes under `pid` that have started as Parity's workers (`parity.stopping.worker_started`): they
+    catch SIGHUP, which a process does not by default (/proc/PID/status, SigCgt: a bit per signal)."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(OSError, AttributeError):
+            caught = re.search(r"^SigCgt:\s*([0-9a-f]+)$", Path(f"/proc/{proc.pid}/status").read_text(), re.M)
+            if int(caught.group(1), 16) >> (signal.SIGHUP - 1) & 1:
+                found.append(proc)
+    return found
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ONE_RAY_AT_A_TIME, SMALL, metrics
+from conftest import ONE_RAY_AT_A_TIME, SMALL, metrics, processes_with
 from parity.cli import main
 
 
@@ -172,19 +172,6 @@ def test_a_cluster_with_too_few_cpus_is_named_not_waited_on(tmp_path):
         assert status.returncode == 0
     finally:
         stop_cluster(ray_tmp)
-
-
-def processes_with(name: str, value: str) -> list:
-    """The processes whose environment sets `name` to `value`: those a process started with it started, and
-    what they started (a Ray worker renames itself, but keeps its environment), nobody else's."""
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if proc.environ().get(name) == value:
-                found.append(proc)
-    return found
 
 
 def stop_cluster(ray_tmp: Path) -> None:

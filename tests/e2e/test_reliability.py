@@ -19,7 +19,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ONE_RAY_AT_A_TIME, TIMING, TINY, copy_run, metrics, reseal, run_dir_held
+from conftest import (
+    ONE_RAY_AT_A_TIME,
+    TIMING,
+    TINY,
+    copy_run,
+    metrics,
+    processes_with,
+    reseal,
+    run_dir_held,
+    started_workers,
+)
 from parity import config
 from parity.cli import main
 from parity.config import ConfigError
@@ -608,6 +618,119 @@ def test_a_run_stopped_at_once_leaves_no_ray_process_and_resumes(tmp_path, how):
     target = max(_steps(run_dir)) + 2
     assert main(["train", "--resume", str(run_dir), f"steps={target}"]) == 0
     assert _steps(run_dir) == list(range(1, target + 1))  # none missing, none twice
+
+
+# ----------------------------------------------------------------------------- stopping a command with workers
+
+STOP_MARK = "PARITY_TEST_STOP"  # set in a stopped command's environment: its processes, and theirs, inherit it
+
+
+def _signal_once_workers_run(
+    tmp_path: Path, args: list[str], sig: int, workers: int, group: bool = False
+) -> tuple[int, str, dict[int, str]]:
+    """`parity ARGS` in its own session (as a terminal runs it), marked; once `workers` of its worker processes
+    have started, `sig` to it, or to its whole process group as a terminal's Ctrl-C. Its exit code, its stderr
+    (a file: a pipe would stay open while any process of the command holds it), and the processes of the
+    command still running 15 s after it ended (at most), with their command lines; those are killed."""
+    import psutil
+
+    stderr = tmp_path / "stderr"
+    env = {**os.environ, STOP_MARK: str(tmp_path)}
+    with stderr.open("w") as err:
+        argv = [sys.executable, "-m", "parity", *args]
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while len(started_workers(proc.pid)) < workers:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"no {workers} worker processes within 240 s: {stderr.read_text()[-3000:]}")
+            time.sleep(0.2)
+        os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 15
+    while (left := processes_with(STOP_MARK, str(tmp_path))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    described = {}
+    for leftover in left:
+        with contextlib.suppress(psutil.Error):
+            described[leftover.pid] = " ".join(leftover.cmdline())[:200]
+            leftover.kill()
+    return code, stderr.read_text(), described
+
+
+def _stopped(code: int, err: str, sig: int) -> str:
+    """The stopped command's last line, once its exit code is 128 + `sig` and it wrote no traceback; a SIGKILLed
+    one has nothing to say."""
+    if sig == signal.SIGKILL:
+        assert code == -signal.SIGKILL, err
+        return ""
+    assert code == 128 + sig and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_signal_to_sanity_stops_its_training_processes(tmp_path, monkeypatch, sig):
+    """`parity sanity`'s training runs, each in a process of its own: any signal to the command, once they run,
+    leaves none of its processes (multiprocessing's resource tracker included) running; SIGINT, SIGTERM and
+    SIGHUP end it in one line, with 128 + the signal. A SIGTERM used to leave both runs training, for ever."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    args = ["sanity", "--quick", "--out", str(tmp_path / "out"), "--runs", "fp16/grpo,bf16/grpo", "--jobs", "2"]
+    args += ["--candidates", "16", "--lo", "0", "--max-new-tokens", "16"]  # the smallest search, to reach the runs
+    code, err, left = _signal_once_workers_run(tmp_path, args, sig, workers=2)
+    assert left == {}
+    assert _stopped(code, err, sig) == ("" if sig == signal.SIGKILL else f"parity sanity: stopped by {sig.name}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sig, group",
+    [(signal.SIGINT, True), (signal.SIGHUP, False), (signal.SIGKILL, False)],
+    ids=["ctrl-c", "sighup", "sigkill"],
+)
+def test_a_signal_to_train_ends_its_reward_worker(tmp_path, sig, group):
+    """The math reward runs in a worker process. Ctrl-C reaches the whole process group: the worker leaves it to
+    the run (it used to die of it, a traceback and a failed reward); SIGHUP stops the run as SIGTERM does, after
+    its step with a checkpoint; SIGKILL gives the run no say, and the worker dies with it."""
+    run_dir = tmp_path / "run"
+    args = ["train", f"run_dir={run_dir}", "task.name=math", "steps=500", "checkpoint_every=0", *TINY]
+    code, err, left = _signal_once_workers_run(tmp_path, args, sig, workers=1, group=group)
+    assert left == {}
+    if sig != signal.SIGKILL:
+        assert _stopped(code, err, sig).startswith(f"parity train: stopped by {sig.name} after step "), err
+        assert "the worker process died" not in err
+    else:
+        _stopped(code, err, sig)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["eval", "perfectible"])
+def test_sigterm_ends_a_command_and_its_reward_worker(tmp_path, monkeypatch, command):
+    """`parity eval` and `parity perfectible` score the math task in a worker process: SIGTERM stops the
+    command where it is, with one line and exit 143, and the worker with it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    args = {
+        "eval": ["eval", "builtin", "task=math", "precisions=fp32", "num_prompts=512", f"out={tmp_path / 'out'}"],
+        "perfectible": ["perfectible", "task=math", "num_candidates=2048", f"out={tmp_path / 'set.jsonl'}"],
+    }[command]
+    code, err, left = _signal_once_workers_run(tmp_path, args, signal.SIGTERM, workers=1)
+    assert left == {}
+    assert _stopped(code, err, signal.SIGTERM) == f"parity {command}: stopped by SIGTERM"
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_leaves_no_join_behind(tmp_path):
+    """A run waiting to join a cluster where none answers tries the join in a child process, which Ray's client
+    keeps retrying for ever: SIGKILLed, the run takes it along."""
+    args = ["train", f"run_dir={tmp_path / 'run'}", *TINY, "distributed.rollout_workers=1"]
+    args += ["distributed.address=127.0.0.1:1", "distributed.connect_timeout_s=600"]
+    code, err, left = _signal_once_workers_run(tmp_path, args, signal.SIGKILL, workers=1)
+    assert left == {}
+    _stopped(code, err, signal.SIGKILL)
 
 
 # What PyTorch raises when a CUDA allocation fails (its message as an H100 gave it, shortened).

@@ -145,7 +145,7 @@ def _gone(pid: int) -> bool:
     "only",
     [
         "rewards._PARENT_CHECK_S = 3600",  # the worker waits an hour between parent checks: the death signal
-        "rewards._die_with_parent = lambda: None",  # no death signal: the worker's parent check
+        "stopping._die_with = lambda parent_pid: None",  # no death signal: the worker's parent check
     ],
     ids=["death-signal", "parent-check"],
 )
@@ -153,6 +153,7 @@ def test_worker_exits_when_the_run_is_killed(only):
     # The reward returns the worker's pid, so the run can tell it without reaching into the runner.
     script = textwrap.dedent(f"""
         import os, time
+        from parity import stopping
         from parity.rl import rewards
         from parity.rl.problems import Problem
         {only}

@@ -15,6 +15,7 @@ from parity.rl.data import DataError
 from parity.rl.loop import TrainingError
 from parity.rl.rewards import RewardError
 from parity.runtime import reuse_freed_memory, use_free_cores
+from parity.stopping import Stopped, StopSignals
 
 # `parity --help` lists the commands in this order
 COMMANDS = (sanity, train, evaluate, report, perfectible, mismatch, phantom, doctor, build_model)
@@ -50,9 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     use_free_cores()  # threads for the cores other processes leave free
     # Exit codes: 2 for input that cannot be used (config, model, data, checkpoint files, an
     # unwritable path), 1 for a run that stopped because going on would train on garbage, or that
-    # could not start the Ray cluster it computes on.
+    # could not start the Ray cluster it computes on; 128 + the signal for a command that a signal
+    # stopped (SIGINT, SIGTERM, SIGHUP: `parity.stopping`).
+    stop = StopSignals(args.command)
     try:
-        return args.func(args)
+        with stop.installed():
+            return args.func(args)
+    except Stopped:
+        print(f"parity {args.command}: {stop.stopped_line()}", file=sys.stderr)
+        return 128 + stop.signum
     except (ConfigError, ModelError, DataError, CheckpointError) as e:
         print(f"parity {args.command}: error: {e}", file=sys.stderr)
         return 2

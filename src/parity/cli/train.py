@@ -1,10 +1,8 @@
-"""`parity train`: its flags, the run it starts or resumes, and what SIGINT/SIGTERM do to it."""
+"""`parity train`: its flags, the run it starts or resumes, and what SIGINT/SIGTERM/SIGHUP do to it."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import signal
 import sys
 
@@ -12,6 +10,7 @@ from parity.cli.config_args import add_config_args, split_config
 from parity.config import ConfigError
 from parity.rl.checkpoint import checkpoints
 from parity.rl.train_config import RESUMABLE_KEYS
+from parity.stopping import StopSignals
 
 RESUMABLE = ", ".join(f"{key}=" for key in RESUMABLE_KEYS)  # the keys --resume lets a run change, as given
 
@@ -89,35 +88,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-class StopRequests:
-    """SIGINT (Ctrl-C) and SIGTERM for `parity train`. The first asks the run to stop after the step under
-    way, with a checkpoint; a second stops the process at once (the newest checkpoint stays intact, and the
-    run's Ray processes are reaped by `parity.distributed.cluster`). A signal is only noted where it lands:
-    raising into Ray's or torch's native code is what left runs going on, or ending in tracebacks."""
+class StopRequests(StopSignals):
+    """The stop signals (SIGINT, SIGTERM, SIGHUP) of `parity train`. The first asks the run to stop after
+    the step under way, with a checkpoint; a second stops the process at once (the newest checkpoint stays
+    intact, and the run's Ray processes are reaped by `parity.distributed.cluster`). A signal is only noted
+    where it lands: raising into Ray's or torch's native code is what left runs going on, or ending in
+    tracebacks."""
 
     def __init__(self):
-        self.signum: int | None = None
+        super().__init__("train")
         self.run = None  # the run once started: the stop line names its newest checkpoint
 
-    def __call__(self, signum: int, _frame) -> None:
-        name = signal.Signals(signum).name
-        if self.signum is None:
-            self.signum = signum
-            when = "after the step under way, with a checkpoint" if self.run else "before the first step"
-            print(f"\nparity train: {name}: stopping {when}; send it again to stop at once", file=sys.stderr)
-            return
-        self.signum = signum
-        print(f"\nparity train: {self.stopped_line(at_once=True)}", file=sys.stderr, flush=True)
-        os._exit(128 + signum)
-
-    @contextlib.contextmanager
-    def installed(self):
-        previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield self
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+    def first(self) -> None:
+        name = signal.Signals(self.signum).name
+        when = "after the step under way, with a checkpoint" if self.run else "before the first step"
+        print(f"\nparity train: {name}: stopping {when}; send it again to stop at once", file=sys.stderr)
 
     def stopped_line(self, at_once: bool = False) -> str:
         """Where the stopped run stands and how to continue it."""

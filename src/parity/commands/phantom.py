@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from parity import config as config_mod
+from parity import stopping
 from parity.commands.prompts import CHAT_QUESTIONS
 from parity.commands.report import Panel, load_history, plot_bars, plot_beta_distribution, plot_curves
 from parity.config import ConfigError
@@ -132,7 +133,8 @@ def train_length_task(
     """Train on the length task in `run_dir`, replacing what is there."""
     cfg = _config(run_dir, steps, seed, overrides)
     remove_run(run_dir)
-    return Run.create(cfg, progress=progress, backend=backend_for(cfg)).train()
+    with stopping.deferred("after the run's step under way"):  # an asynchronous arm runs on Ray
+        return Run.create(cfg, progress=progress, backend=backend_for(cfg)).train(should_stop=stopping.requested)
 
 
 def finished_run(run_dir: Path, cfg: TrainConfig) -> bool:

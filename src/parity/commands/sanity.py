@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from parity import config as config_mod
 from parity.commands.mismatch import MismatchConfig, SamplingConfig, plot_mismatch_scatter, run_mismatch
@@ -43,6 +45,7 @@ from parity.rl.algorithms import ESTIMATORS
 from parity.rl.loop import Run, TrainingError
 from parity.rl.train_config import TrainConfig
 from parity.rundir import remove_run
+from parity.stopping import worker_started
 
 DEFAULT_RUNS = (
     "fp16/pg_seq_is",
@@ -253,6 +256,9 @@ def default_jobs(runs: int, device: str) -> int:
 
 def _train_in_worker(cfg: TrainConfig, threads: int) -> list[dict]:
     torch.set_num_threads(threads)
+    # The run's progress bars (off) need no lock between processes. tqdm's default one is a named semaphore,
+    # which a worker killed on a stop would leave to multiprocessing's resource tracker to remove, and report.
+    tqdm.set_lock(threading.RLock())
     return Run.create(cfg, progress=False).train()
 
 
@@ -271,9 +277,13 @@ def train_runs(configs: dict[str, TrainConfig], jobs: int, log=print) -> dict[st
     log(f"training {len(configs)} runs, {jobs} at a time ({threads} thread{'s' * (threads > 1)} each)")
     done: dict[str, list[dict]] = {}
     # spawn: a forked child would inherit this process's thread pools and locks.
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_train_in_worker, cfg, threads): name for name, cfg in configs.items()}
+    spawn = multiprocessing.get_context("spawn")
+    others = set(multiprocessing.active_children())
+    futures = {}
+    with ProcessPoolExecutor(jobs, mp_context=spawn, initializer=worker_started, initargs=(os.getpid(),)) as pool:
         try:
+            for name, cfg in configs.items():
+                futures[pool.submit(_train_in_worker, cfg, threads)] = name
             for future in as_completed(futures):
                 name = futures[future]
                 try:
@@ -283,9 +293,11 @@ def train_runs(configs: dict[str, TrainConfig], jobs: int, log=print) -> dict[st
                 last = done[name][-1] if done[name] else {}
                 accuracy = f", training accuracy {last['reward/accuracy']:.2f}" if "reward/accuracy" in last else ""
                 log(f"run {len(done)}/{len(configs)} done: {name} ({len(done[name])} steps{accuracy})")
-        except BaseException:
+        except BaseException:  # a stop signal (`Stopped`), or a run that failed: the runs under way are abandoned
             for future in futures:
                 future.cancel()
+            for worker in set(multiprocessing.active_children()) - others:  # the pool's
+                worker.kill()  # the pool would wait for them to finish; `shutdown` joins them
             raise
     return {name: done[name] for name in configs}
 

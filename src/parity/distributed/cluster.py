@@ -12,10 +12,10 @@ Joining a user's cluster (`distributed.address`) starts nothing and so reaps not
 cluster is the user's and stays as it was. A join is bounded: Ray's client retries for ever
 where no cluster answers (`127.0.0.1:1`, a host that does not resolve, `auto` with a stale
 `/tmp/ray/ray_current_cluster`), inside native code that a signal cannot interrupt. So a
-child process tries the join first (`python -m parity.distributed.cluster --probe ADDRESS`)
-and is killed after `distributed.connect_timeout_s`; only once it has joined does this
-process join, and a cluster with fewer free CPUs than the run's processes is named, not
-waited on.
+child process tries the join first (`python -m parity.distributed.cluster --probe ADDRESS
+DRIVER_PID`, which dies with the driver) and is killed after `distributed.connect_timeout_s`;
+only once it has joined does this process join, and a cluster with fewer free CPUs than the
+run's processes is named, not waited on.
 
 Run as `python -m parity.distributed.cluster DRIVER_PID`, this module is the reaper.
 """
@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from parity.config import ConfigError
+from parity.stopping import STOP_SIGNALS, worker_started
 
 _WATCH_EVERY_S = 1.0  # how often the reaper lists the driver's descendants
 _KILL_WAIT_S = 5.0  # for killed processes to be gone
@@ -132,8 +133,8 @@ def _cannot_start(error: Exception) -> str:
 
 
 class JoinInterrupted(Exception):
-    """SIGINT or SIGTERM came while the run waited to join a cluster: it stops before it starts (the signal
-    has also been passed to the handler in place, which noted it)."""
+    """A stop signal (SIGINT, SIGTERM, SIGHUP) came while the run waited to join a cluster: it stops before it
+    starts (the signal has also been passed to the handler in place, which noted it)."""
 
 
 _PROBE_POLL_S = 0.1
@@ -185,7 +186,7 @@ def _probe(address: str, target: str, timeout_s: float) -> None:
     """Join `target` (the HOST:PORT of `address`) from a child process, killed after `timeout_s`; a
     ConfigError when it does not join, JoinInterrupted when a signal comes first."""
     noted: list[int] = []
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
 
     def note(signum: int, frame) -> None:
         noted.append(signum)
@@ -193,7 +194,7 @@ def _probe(address: str, target: str, timeout_s: float) -> None:
             previous[signum](signum, frame)
 
     probe = subprocess.Popen(
-        [sys.executable, "-m", "parity.distributed.cluster", "--probe", target],
+        [sys.executable, "-m", "parity.distributed.cluster", "--probe", target, str(os.getpid())],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,  # Ray's own retry messages
         start_new_session=True,
@@ -239,7 +240,8 @@ def require_cpus(address: str, needed: int) -> None:
         )
 
 
-def _probe_main(address: str) -> None:
+def _probe_main(address: str, parent_pid: int) -> None:
+    worker_started(parent_pid)  # a join that retries for ever must not outlive a killed run
     ray = import_ray()
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
@@ -309,6 +311,6 @@ def _kill_all(procs: list) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--probe":
-        _probe_main(sys.argv[2])
+        _probe_main(sys.argv[2], int(sys.argv[3]))
     else:
         _reaper_main(int(sys.argv[1]))

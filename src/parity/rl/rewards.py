@@ -13,7 +13,6 @@ run does, even a SIGKILLed run; the built-in rewards run in-process.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import multiprocessing as mp
 import os
@@ -24,6 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from parity import stopping
 from parity.rl.builtin_rewards import RewardFn
 from parity.rl.problems import Problem
 
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from parity.engines.batch import RolloutBatch
     from parity.engines.tokenizer import Tokenizer
 
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _PARENT_CHECK_S = 1.0  # how often an idle worker checks that the run is still there
 WORKER_START_S = 300.0  # how long a worker may take to start (spawn: a fresh interpreter imports torch)
 
@@ -85,23 +84,12 @@ def _check(value: object) -> float:
     return reward
 
 
-def _die_with_parent() -> None:
-    """Have Linux SIGKILL this process when the thread that forked it exits; elsewhere a no-op."""
-    if sys.platform != "linux":
-        return
-    try:
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGKILL))
-    except (OSError, AttributeError):  # no usable libc: the parent check in `_worker` still applies
-        pass
-
-
 def _unchecked(value: object) -> object:
     return value
 
 
 def _worker(fn: RewardFn, conn, parent_pid: int, die_with_parent: bool, check=_check) -> None:
-    if die_with_parent:
-        _die_with_parent()
+    stopping.worker_started(parent_pid, die_with_parent)
     prepare = getattr(fn, "prepare", None)  # a reward's slow imports, within the start's budget
     if prepare is not None:
         prepare()
