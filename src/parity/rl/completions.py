@@ -10,8 +10,9 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from parity.files import JSONError, bounded_lines, parse_json
+from parity.files import JSONError, LineTooLong, bounded_lines, parse_json
 from parity.folders import Folder
+from parity.rl.data import DataError
 
 COMPLETIONS_DIR = "completions"
 STEP_FILE = re.compile(r"step_\d{6,}\.jsonl")
@@ -53,21 +54,24 @@ def write_completions(run_dir: Path, step: int, rows: list[dict[str, Any]]) -> P
 
 
 def read_completions(run_dir: Path, max_line_bytes: int) -> list[dict[str, Any]]:
-    """The newest step's completions a run wrote (none if it wrote none); a row is a JSON object of at most
-    `max_line_bytes`, and a line that is not (cut short by a kill, or too long) is left out."""
-    with Folder.open(run_dir, key="run_dir") as run:
+    """The newest step's completions a run wrote (none if it wrote none); a row is a JSON object, and a line
+    that is not (cut short by a kill) is left out; a line past `max_line_bytes` is a DataError naming it."""
+    with Folder.open(run_dir, key="run") as run:
         names = [n for n in run.names(COMPLETIONS_DIR) if STEP_FILE.fullmatch(n)]
         if not names:
             return []
-        rows = []
-        with run.open_read(f"{COMPLETIONS_DIR}/{max(names)}") as f:
-            for line in bounded_lines(f, max_line_bytes):
-                try:
-                    row = parse_json(line.decode("utf-8")) if line is not None else None
-                except (JSONError, UnicodeDecodeError):
-                    continue
-                if isinstance(row, dict):
-                    rows.append(row)
+        rows, name = [], f"{COMPLETIONS_DIR}/{max(names)}"
+        with run.open_read(name) as f:
+            try:
+                for line in bounded_lines(f, max_line_bytes):
+                    try:
+                        row = parse_json(line.decode("utf-8"))
+                    except (JSONError, UnicodeDecodeError):
+                        continue
+                    if isinstance(row, dict):
+                        rows.append(row)
+            except LineTooLong as e:
+                raise DataError(f"{run_dir / name}:{e.lineno}: {e.length:,} bytes, more than a row holds") from None
     return rows
 
 
