@@ -11,7 +11,6 @@ checkpoint).
 from __future__ import annotations
 
 import copy
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,15 @@ from parity import config as config_mod
 from parity.config import ConfigError
 from parity.engines import kernels
 from parity.engines import precision as prec
-from parity.engines.lora import AdapterError, LoRAConfig, load_adapter_state, read_adapter
+from parity.engines.lora import (
+    CONFIG_FILE,
+    AdapterError,
+    LoRAConfig,
+    check_lora,
+    load_adapter_state,
+    read_adapter,
+    read_adapter_config,
+)
 from parity.engines.models.io import load_config, load_model, resolve_model_dir
 from parity.engines.models.modules import CausalLM
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, has_builtin_tokenizer, load_tokenizer
@@ -114,19 +121,21 @@ class Target:
 
 def _adapter_target(path: Path) -> Target:
     """A PEFT LoRA adapter folder: its base model (`base_model_name_or_path`) with its adapters."""
-    config_file = path / "adapter_config.json"
     try:
-        saved = json.loads(config_file.read_text())
-        lora = LoRAConfig(int(saved["r"]), float(saved["lora_alpha"]), tuple(saved["target_modules"]), True)
-        base = str(saved["base_model_name_or_path"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{config_file}: not a LoRA adapter config Parity reads ({type(e).__name__}: {e})") from None
+        lora, base = read_adapter_config(path)
+    except AdapterError as e:
+        raise ConfigError(str(e)) from None
+    if not isinstance(base, str) or not base:
+        raise ConfigError(
+            f"{path / CONFIG_FILE}: base_model_name_or_path: expected the base model (a directory or a Hugging Face "
+            f"id), got {base!r:.80}"
+        )
     return Target(resolve_model_dir(base), None, [], (path, lora))
 
 
 def resolve_target(cfg: EvalConfig) -> Target:
     path = Path(cfg.target).expanduser()
-    if (path / "adapter_config.json").is_file():
+    if (path / CONFIG_FILE).exists():
         return _adapter_target(path)
     started = (path / "metrics.jsonl").exists() or (path / "checkpoints").is_dir()
     if (path / "config.yaml").is_file() and started:
@@ -250,6 +259,7 @@ def run_eval(
     try:
         base = load_model(target.model_dir, kernels.numerics())
         require_finite_weights(base, target.model_dir, "nothing can be evaluated")
+        _check_lora(target, base)
         micro_batch_tokens = run.trainer.micro_batch_tokens if run else MICRO_BATCH_TOKENS[cfg.device]
         evaluator = Evaluator(
             base.config, tokenizer, evalset, scorer, None, cfg.precisions, reference, micro_batch_tokens, cfg.device
@@ -276,6 +286,22 @@ def run_eval(
         "numerics": numerics.describe(),
         "states": results,
     }
+
+
+def _check_lora(target: Target, base: CausalLM) -> None:
+    """The adapters of an adapter folder, or of a LoRA run's checkpoints, checked against their base before any
+    state is evaluated: a ConfigError naming the file and the key (a rank past the model's widths) otherwise."""
+    if target.adapter is not None:
+        lora, source, keys = target.adapter[1], target.adapter[0] / CONFIG_FILE, ("r", "target_modules")
+    elif target.run is not None and target.run.lora_config() is not None:
+        lora, keys = target.run.lora_config(), ("lora.rank", "lora.targets")
+        source = target.checkpoints[0].parents[1] / "config.yaml"  # RUN_DIR/checkpoints/step_N
+    else:
+        return
+    try:
+        check_lora(base, lora, *(f"{source}: {key}" for key in keys))
+    except AdapterError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _step(checkpoint: Path) -> int:
