@@ -20,9 +20,10 @@ from safetensors import SafetensorError
 from tqdm import tqdm
 
 from parity import config as config_mod
-from parity.config import ConfigError
+from parity.config import ConfigError, check_range
 from parity.engines import kernels
 from parity.engines import precision as prec
+from parity.engines.budget import check_rollout_memory
 from parity.engines.lora import (
     CONFIG_FILE,
     AdapterError,
@@ -42,11 +43,11 @@ from parity.rl.builtin_rewards import REWARDS, TRUSTED_REWARDS
 from parity.rl.checkpoint import checkpoints, load_checkpoint, require_finite_weights
 from parity.rl.data import DataColumns, load_problems, prompt_limit
 from parity.rl.evaluation import EVAL_SEED, TRAINER, EvalSet, Evaluator, eval_sampling, heldout_problems
-from parity.rl.problems import DIFFICULTIES, builtin_problems
+from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, builtin_problems
 from parity.rl.reward_fns import Reward, UserRewards, bind_all, data_columns, import_reward_fn
 from parity.rl.rewards import RewardRunner
 from parity.rl.step import BINARY_REWARDS
-from parity.rl.train_config import MICRO_BATCH_TOKENS, TrainConfig
+from parity.rl.train_config import MAX_SEED, MICRO_BATCH_TOKENS, TrainConfig
 from parity.rundir import in_use_by
 
 BUILTIN_MAX_NEW_TOKENS = 96  # a model directory's default response budget (a run's is its own)
@@ -99,6 +100,9 @@ class EvalConfig:
         for key, low in (("num_prompts", 1), ("samples", 1), ("max_new_tokens", 0)):
             if getattr(self, key) < low:
                 raise ConfigError(f"{key}: must be >= {low}, got {getattr(self, key)}")
+        # as `parity train`'s eval.num_prompts and seed; samples and max_new_tokens are checked against the model
+        check_range("num_prompts", self.num_prompts, self.num_prompts <= MAX_PROBLEMS, f"in [1, {MAX_PROBLEMS:,}]")
+        check_range("seed", self.seed, 0 <= self.seed <= MAX_SEED, f"in [0, {MAX_SEED}]")
         if self.temperature < 0:
             raise ConfigError(f"temperature: must be >= 0 (0 = greedy), got {self.temperature}")
         problem = regular_file_problem(Path(self.data).expanduser()) if self.data != "auto" else None
@@ -178,7 +182,8 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
     max_new = cfg.max_new_tokens or (run.rollout.max_new_tokens if run else BUILTIN_MAX_NEW_TOKENS)
     key = "max_new_tokens" if cfg.max_new_tokens or not run else "the run's rollout.max_new_tokens"
     tokenizer = load_tokenizer(target.model_dir)
-    positions = load_config(target.model_dir).max_position_embeddings
+    model_config = load_config(target.model_dir)
+    positions = model_config.max_position_embeddings
     limit = prompt_limit(tokenizer, positions, max_new, key, chat_template)
     columns = data_columns(run) if run is not None else DataColumns(answer_required=not cfg.reward_fn)
     data = cfg.data if cfg.data != "auto" else run.eval.data if run is not None and run.eval.data != "auto" else None
@@ -202,6 +207,8 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
         source = f"the held-out split of task {task} (generated)"
     if not problems:
         raise ConfigError(f"data: no problems to evaluate on ({cfg.data})")
+    rows = len(problems) * cfg.samples
+    check_rollout_memory(model_config, rows, limit.longest, max_new, f"num_prompts x samples, {key}", cfg.device)
     evalset = EvalSet(
         problems=problems,
         prompts=[limit.check(f"held-out problem {i}", p.prompt) for i, p in enumerate(problems)],
