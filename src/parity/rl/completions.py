@@ -9,7 +9,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from parity.files import atomic_write_text
+from parity.files import JSONError, atomic_write_text, parse_json
+from parity.rl.data import DataError
 
 COMPLETIONS_DIR = "completions"
 CELL_CHARS = 60  # characters of a prompt or completion shown in the printed table
@@ -48,17 +49,63 @@ def write_completions(run_dir: Path, step: int, rows: list[dict[str, Any]]) -> P
     return path
 
 
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        float(value)  # the table prints it with %g
+    except OverflowError:
+        return False
+    return True
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# The fields of a row that `markdown_table` reads, as `completion_rows` writes them; and each score (the
+# first row's `reward...` keys) must be a number in every row.
+ROW_FIELDS = (
+    ("step", "an integer", _is_integer),
+    ("prompt", "a string or a list of messages", lambda v: isinstance(v, (str, list))),
+    ("completion", "a string", lambda v: isinstance(v, str)),
+    ("length", "an integer", _is_integer),
+    ("truncated", "true or false", lambda v: isinstance(v, bool)),
+    ("reward", "a number", _is_number),
+)
+
+
+def _row_problem(row: Any, scores: list[str]) -> str | None:
+    """What keeps `row` from being a completion row with a number for each of `scores`, or None."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got a {type(row).__name__}"
+    for key, kind, ok in (*ROW_FIELDS, *((k, "a number", _is_number) for k in scores)):
+        if key not in row:
+            return f"no {key!r}"
+        if not ok(row[key]):
+            return f"{key!r}: expected {kind}, got {row[key]!r:.60}"
+    return None
+
+
 def read_completions(run_dir: Path) -> list[dict[str, Any]]:
-    """The newest step's completions a run wrote (none if it wrote none)."""
+    """The newest step's completions a run wrote (none if it wrote none); a row without the fields the table
+    shows is a DataError naming the file and line."""
     files = sorted((run_dir / COMPLETIONS_DIR).glob("step_*.jsonl"))
     if not files:
         return []
-    rows = []
-    for line in files[-1].read_text(encoding="utf-8").splitlines():
+    rows: list[dict[str, Any]] = []
+    scores: list[str] = []
+    for lineno, line in enumerate(files[-1].read_bytes().splitlines(), 1):
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+            row = parse_json(line.decode("utf-8"))
+        except (JSONError, UnicodeDecodeError):
             continue  # a line a kill cut short
+        if not rows and isinstance(row, dict):
+            scores = [k for k in row if k.startswith("reward")]
+        problem = _row_problem(row, scores)
+        if problem is not None:
+            raise DataError(f"{files[-1]}:{lineno}: not a completion row as Parity writes them ({problem})")
+        rows.append(row)
     return rows
 
 
