@@ -47,7 +47,7 @@ from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, builtin_problems
 from parity.rl.reward_fns import Reward, UserRewards, bind_all, data_columns, import_reward_fn
 from parity.rl.rewards import RewardRunner
 from parity.rl.step import BINARY_REWARDS
-from parity.rl.train_config import MAX_SEED, MICRO_BATCH_TOKENS, TrainConfig
+from parity.rl.train_config import MAX_SEED, MICRO_BATCH_TOKENS, RewardSection, TrainConfig
 from parity.rundir import in_use_by
 
 BUILTIN_MAX_NEW_TOKENS = 96  # a model directory's default response budget (a run's is its own)
@@ -232,16 +232,19 @@ def _rewards(
     cfg: EvalConfig, target: Target, task: str, problems, rewards: list[Reward] | None, trust_reward_fn: bool
 ) -> RewardRunner | UserRewards:
     specs, weights = _reward_specs(cfg, target.run)
+    bounds = target.run.reward if target.run else RewardSection()  # how long its code may run here
     if rewards is None and specs:
         if target.run is not None and not cfg.reward_fn and not trust_reward_fn:
             raise ConfigError(
                 f"{cfg.target}: the run scores with task.reward_fn={','.join(specs)}, Python code that `parity eval` "
                 "would import and run; confirm with --trust-reward-fn (or pass reward_fn=module:function)"
             )
-        rewards = [Reward(import_reward_fn(spec), weight=w) for spec, w in zip(specs, weights)]
+        rewards = [Reward(import_reward_fn(spec, bounds.import_timeout_s), weight=w) for spec, w in zip(specs, weights)]
     if rewards:
-        return UserRewards(bind_all(rewards, sorted({k for p in problems for k in p.columns})))
-    return RewardRunner(REWARDS[task], isolate=task not in TRUSTED_REWARDS)
+        bound = bind_all(rewards, sorted({k for p in problems for k in p.columns}))
+        return UserRewards(bound, in_process_timeout_s=bounds.in_process_timeout_s)
+    isolate = task not in TRUSTED_REWARDS
+    return RewardRunner(REWARDS[task], isolate, in_process_timeout_s=bounds.in_process_timeout_s)
 
 
 def run_eval(

@@ -23,10 +23,12 @@ from parity.files import regular_file_problem
 from parity.rl.algorithms import ESTIMATORS, AlgorithmConfig
 from parity.rl.builtin_rewards import REWARDS
 from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, difficulty_has_no_effect
+from parity.rl.rewards import IN_PROCESS_TIMEOUT_S, WORKER_START_S
 
 # trainer.micro_batch_tokens when unset, per device.
 MICRO_BATCH_TOKENS = {"cpu": 8192, "cuda": 16384}
-# Keys `parity train --resume RUN key=value` may change: how long and how often, never what is trained.
+# Keys `parity train --resume RUN key=value` may change: how long and how often, never what is trained (the
+# bounds on your code in the training process stop a run, or refuse it, and never change a score).
 # The learner count changes only how the gradient's sum is split (round-off): sharded checkpoints reshard.
 # Data paths may change too (the same data moved, or the run resumed from another folder): the data order
 # is a position in the file's rows.
@@ -40,6 +42,8 @@ RESUMABLE_KEYS = (
     "distributed.learners",
     "task.data",
     "eval.data",
+    "reward.import_timeout_s",
+    "reward.in_process_timeout_s",
 )
 LR_SCHEDULES = ("constant", "linear", "cosine")
 TRACKERS = ("wandb", "trackio", "mlflow")
@@ -95,7 +99,12 @@ class TaskSection:
 
 @dataclass
 class RewardSection:
-    timeout_s: float = 5.0
+    timeout_s: float = 5.0  # per call in a worker process: past it the call scores 0 and the worker is replaced
+    # Your code in the training process, which no worker's kill can bound: a reward module's import may take
+    # import_timeout_s (the run is then refused), a call of a reward run there in_process_timeout_s (the run
+    # then stops)
+    import_timeout_s: float = WORKER_START_S  # as long as a reward worker has to start and import them
+    in_process_timeout_s: float = IN_PROCESS_TIMEOUT_S
     strict: bool = False  # a failing reward stops the run instead of scoring 0
     isolate: str = "auto"  # auto (user/math rewards in a worker process) | always | never
     warn_error_rate: float = 0.1  # warn when this share of a step's rewards failed or timed out
@@ -234,6 +243,8 @@ NUMERIC_RANGES = (
     ("trainer.warmup_steps", lambda v: 0 <= v <= MAX_STEPS, f"in [0, {MAX_STEPS:,}]"),
     ("log.completions", lambda v: 0 <= v <= MAX_PROBLEMS, f"in [0, {MAX_PROBLEMS:,}] (0 = print none)"),
     ("reward.timeout_s", lambda v: 0 < v <= MAX_WAIT_S, f"in (0, {MAX_WAIT_S}] seconds"),
+    ("reward.import_timeout_s", lambda v: 0 < v <= MAX_WAIT_S, f"in (0, {MAX_WAIT_S}] seconds"),
+    ("reward.in_process_timeout_s", lambda v: 0 < v <= MAX_WAIT_S, f"in (0, {MAX_WAIT_S}] seconds"),
     ("reward.warn_error_rate", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("reward.max_failed_steps", lambda v: 0 <= v <= MAX_STEPS, f"in [0, {MAX_STEPS:,}] (0 = never stop)"),
     ("health.alarm_window", lambda v: 2 <= v <= MAX_STEPS, f"in [2, {MAX_STEPS:,}]"),
