@@ -235,25 +235,35 @@ def test_a_value_the_machine_cannot_honour_is_refused_before_anything_is_written
     assert not (tmp_path / "run").exists() and time.monotonic() - start < 120
 
 
-EVAL_HUGE = [
-    ("num_prompts=1000000000", "num_prompts: must be in [1, 100,000]"),
-    ("samples=1000000000", "num_prompts x samples, max_new_tokens: "),
-    ("seed=100000000000000000000000", "seed: expected an integer of at most 64 bits, got one of 77 bits"),
-    ("seed=-1", "seed: must be in [0, 4294967295]"),
+COMMAND_HUGE = [
+    (["eval", "builtin", "precisions=fp32", "num_prompts=1000000000"], "num_prompts: must be in [1, 100,000]"),
+    (["eval", "builtin", "precisions=fp32", "samples=1000000000"], "num_prompts x samples, max_new_tokens: "),
+    (["eval", "builtin", "seed=100000000000000000000000"], "seed: expected an integer of at most 64 bits"),
+    (["eval", "builtin", "seed=-1"], "seed: must be in [0, 4294967295]"),
+    (["mismatch", "num_prompts=1000000000"], "num_prompts: must be in [1, 100,000]"),
+    (
+        ["mismatch", "group_size=1000000000"],
+        "num_prompts x group_size, sampling.max_new_tokens, full_vocab_positions: ",
+    ),
+    (["mismatch", "seed=100000000000"], "seed: must be in [0, 4294967295]"),
+    (["perfectible", "num_candidates=1000000000"], "num_candidates: must be in [1, 100,000]"),
+    (["perfectible", "samples=1000000000"], "batch_prompts x samples, max_new_tokens: "),
+    (["perfectible", "batch_prompts=0"], "batch_prompts must be >= 1"),
 ]
 
 
-@pytest.mark.parametrize(("override", "message"), EVAL_HUGE, ids=[h[0] for h in EVAL_HUGE])
-def test_an_eval_value_the_machine_cannot_honour_is_refused_before_anything_is_written(
-    override, message, tmp_path, capsys
-):
-    """`parity eval`'s own counts: 10**9 prompts were generated for ever, 10**9 samples allocated."""
+@pytest.mark.parametrize(("argv", "message"), COMMAND_HUGE, ids=[" ".join(h[0]) for h in COMMAND_HUGE])
+def test_a_count_of_another_command_the_machine_cannot_honour_is_refused(argv, message, tmp_path, capsys):
+    """The other commands' own counts: 10**9 prompts or candidates were generated for ever, 10**9 samples
+    allocated, a batch of 0 prompts stepped by 0."""
     from parity.cli import main
 
-    assert main(["eval", "builtin", "--out", str(tmp_path / "out"), "precisions=fp32", override]) == 2
+    out = tmp_path / "out"
+    where = [f"out={out / 'set.jsonl'}"] if argv[0] == "perfectible" else ["--out", str(out)]
+    assert main([*argv, *where]) == 2
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("parity ")]
     assert len(lines) == 1 and message in lines[0], lines
-    assert not (tmp_path / "out").exists()
+    assert not out.exists()
 
 
 def _yaml_tags_safe_loading_refuses() -> list[str]:
