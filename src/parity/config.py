@@ -32,17 +32,44 @@ class ConfigError(ValueError):
 MAX_CONFIG_BYTES = 2**20
 MAX_YAML_DEPTH = 32
 MAX_YAML_VALUES = 100_000
+# The longest integer a YAML text may write: a 64-bit value takes at most 20 digits, and PyYAML builds
+# `1:1:1:...` (base 60) in time quadratic in its length, or refuses 4,300 digits with a ValueError.
+MAX_YAML_INT_CHARS = 64
+# Config integers end up in torch tensors and seeds, which hold 64 bits.
+INT_RANGE = (-(2**63), 2**63 - 1)
+
+
+class _SafeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, where a value it cannot build is a MarkedYAMLError at that value's line: a tag
+    it refuses (`!!python/object/apply:os.system`), or a scalar its constructor refuses (`!!int abc`, the
+    date 2001-13-45, an integer past MAX_YAML_INT_CHARS) would otherwise raise a ValueError of no line."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except yaml.MarkedYAMLError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any constructor's failure is the text's
+            raise yaml.constructor.ConstructorError(None, None, str(e), node.start_mark) from None
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        if len(node.value) > MAX_YAML_INT_CHARS:
+            raise ValueError(f"an integer written with {len(node.value):,} characters; at most {MAX_YAML_INT_CHARS}")
+        return super().construct_yaml_int(node)
+
+
+_SafeLoader.add_constructor("tag:yaml.org,2002:int", _SafeLoader.construct_yaml_int)
 
 
 def _parse_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
     """The value of a YAML text and its node tree, within the bounds above; a one-line ConfigError naming
-    `source` (and the line, for a syntax error) otherwise."""
+    `source` (and the line) otherwise: "invalid YAML" for text that does not parse, "cannot load" for a
+    value the safe loader does not build."""
+    loader = _SafeLoader(text)
     try:
-        node = yaml.compose(text)
+        node = loader.get_single_node()
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        raise ConfigError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+        raise ConfigError(f"{_where(source, e)}: invalid YAML ({getattr(e, 'problem', e)})") from None
     except RecursionError:
         raise ConfigError(f"{source}: YAML nested more than {MAX_YAML_DEPTH} deep") from None
     values, stack = 0, [(node, 1)] if node is not None else []
@@ -59,7 +86,16 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
             stack.extend((child, depth + 1) for pair in n.value for child in pair)
         elif isinstance(n, yaml.SequenceNode):
             stack.extend((child, depth + 1) for child in n.value)
-    return yaml.safe_load(text), node
+    try:
+        return (loader.construct_document(node) if node is not None else None), node
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{_where(source, e)}: cannot load this YAML value ({getattr(e, 'problem', e)})") from None
+
+
+def _where(source: str, error: yaml.YAMLError) -> str:
+    """`source:LINE` for a YAML error that has a place, else `source`."""
+    mark = getattr(error, "problem_mark", None)
+    return f"{source}:{mark.line + 1}" if mark else source
 
 
 def _yaml_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
@@ -147,9 +183,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     # Numbers from Python may be NumPy's (`steps=np.int64(3)`): taken as the plain int or float they hold,
     # which is what config.yaml can record.
     if tp is int:
-        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-            return int(value)
-        raise ConfigError(f"{key}: expected an integer, got {shown(value)}")
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {shown(value)}")
+        value = int(value)
+        if not INT_RANGE[0] <= value <= INT_RANGE[1]:  # said by its size: past 4,300 digits `repr` itself fails
+            raise ConfigError(f"{key}: expected an integer of at most 64 bits, got one of {value.bit_length():,} bits")
+        return value
     if tp is float:
         number = None
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
@@ -252,9 +291,9 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         try:
             value = _parse_yaml(raw, f"override {key.strip()}")[0] if raw != "" else ""
         except ConfigError as e:
-            if "invalid YAML" not in str(e):
+            if "invalid YAML" not in str(e) and "cannot load this YAML value" not in str(e):
                 raise
-            value = raw
+            value = raw  # taken as the text it is (`run_dir=2001-13-45`), which the key's type then checks
         _set_dotted(out, key.strip(), value)
     return out
 

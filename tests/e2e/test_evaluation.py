@@ -35,7 +35,7 @@ EVAL = ["eval.num_prompts=6", "eval.samples=2"]
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("eval.every=-2", "eval.every: must be >= -1"),
+        ("eval.every=-2", "eval.every: must be in [-1, 1,000,000]"),
         ("eval.num_prompts=0", "eval.num_prompts: must be in [1, 100,000]"),
         ("eval.num_prompts=1000000000", "eval.num_prompts: must be in [1, 100,000]"),
         ("eval.samples=0", "eval.samples: must be >= 1"),

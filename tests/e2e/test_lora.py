@@ -4,6 +4,8 @@ weights give the rollout engine the trainer's π, resume is exact, and bad keys 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 
 import pytest
@@ -18,12 +20,16 @@ from parity.engines import kernels
 from parity.engines.kernels import cpu
 from parity.engines.lora import (
     ATTENTION,
+    CONFIG_FILE,
     PEFT_PREFIX,
+    PLAIN_LORA_OPTIONS,
     TARGETS,
     AdapterError,
     LoRAConfig,
     LoRALinear,
     adapted,
+    peft_config,
+    read_adapter,
     save_adapter,
 )
 from parity.engines.models.io import BUILTIN_DIR, load_model
@@ -298,3 +304,86 @@ def test_lora_and_full_checkpoints_do_not_cross(tmp_path):
     with pytest.raises(ConfigError, match="holds full weights, but this trainer trains LoRA adapters"):
         load_checkpoint(full_ckpt, trainer(LORA), base_dir=BUILTIN_DIR)
     assert load_checkpoint(lora_ckpt, trainer(LORA), base_dir=BUILTIN_DIR).step == 1
+
+
+# ----------------------------------------------------------------------------- hostile adapter folders
+
+
+def _hostile_adapter_configs() -> dict[str, tuple[str, str | bytes]]:
+    """adapter_config.json files to refuse, by name: (what the refusal names after the file, the file's text).
+    Each field Parity reads gets values of every wrong kind and out of its range, or goes missing; each PEFT
+    option that changes the arithmetic gets a value other than its plain one; and files that are not a JSON
+    object."""
+    valid = peft_config(LORA, "builtin")
+    kinds = {"string": "x", "true": True, "null": None, "list": [4], "object": {"a": 1}, "fraction": 4.5}
+    bad = {
+        "r": {**kinds, "0": 0, "-4": -4, "10**30": 10**30, "100000": 100_000, "4.0": 4.0, "'4'": "4"},
+        "lora_alpha": {
+            **{k: v for k, v in kinds.items() if k != "fraction"},
+            "0": 0,
+            "-8": -8,
+            "NaN": float("nan"),
+            "Infinity": float("inf"),
+            "'8'": "8",
+        },
+        "target_modules": {
+            **kinds,
+            "a regex string": "q_proj|v_proj",
+            "a name string": "q_proj",
+            "empty": [],
+            "unknown name": ["q_proj", "qkv_proj"],
+            "twice": ["q_proj", "q_proj"],
+        },
+        "peft_type": {**kinds, "IA3": "IA3", "lower case": "lora"},
+        "base_model_name_or_path": {k: v for k, v in kinds.items() if k != "string"} | {"empty": ""},
+    }
+    for key, plain in PLAIN_LORA_OPTIONS.items():
+        bad[key] = {k: v for k, v in (kinds | {"all": "all", "1": 1}).items() if v not in plain}
+    cases = {}
+    for key, values in bad.items():
+        cases |= {f"{key}={name}": (key, json.dumps(valid | {key: value})) for name, value in values.items()}
+    for key in ("peft_type", "r", "lora_alpha", "target_modules", "base_model_name_or_path"):
+        cases[f"no {key}"] = (key, json.dumps({k: v for k, v in valid.items() if k != key}))
+    cases["a list"] = ("expected a JSON object", "[" + json.dumps(valid) + "]")
+    cases["nested 100,000 deep"] = ("JSON nested more than 100 deep", "[" * 100_000 + "]" * 100_000)
+    cases["cut short"] = ("invalid JSON", json.dumps(valid)[:40])
+    cases["not UTF-8"] = ("not UTF-8", b'{"r": "\xff"}')
+    return cases
+
+
+HOSTILE_ADAPTERS = _hostile_adapter_configs()
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory):
+    trainer = Trainer(load_model("builtin", kernels.numerics()), "fp32", OptimConfig(), LORA, seed=1)
+    return save_adapter(trainer.model, LORA, tmp_path_factory.mktemp("adapter") / "adapter", base_model="builtin")
+
+
+@pytest.mark.parametrize("case", HOSTILE_ADAPTERS)
+def test_a_hostile_adapter_config_is_one_line_naming_file_and_key(adapter_dir, tmp_path, capsys, case):
+    """`parity eval` on a LoRA adapter folder: r 0 divided by zero, a negative r built a tensor of negative size,
+    a string or unknown target_modules took min() of nothing, 100,000-deep nesting overflowed the stack."""
+    what, text = HOSTILE_ADAPTERS[case]
+    folder = tmp_path / "adapter"
+    shutil.copytree(adapter_dir, folder)
+    config_file = folder / CONFIG_FILE
+    config_file.write_bytes(text if isinstance(text, bytes) else text.encode())
+    out = tmp_path / "out"
+    assert main(["eval", str(folder), "--out", str(out), "precisions=fp32", "num_prompts=1", "samples=1"]) == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("parity ")]
+    assert len(lines) == 1 and re.search(rf"{re.escape(str(config_file))}(:\d+)?: {re.escape(what)}", lines[0]), lines
+    assert not out.exists()
+    if what != "base_model_name_or_path":  # a checkpoint's adapters, read by the same rules: set aside, no crash
+        with pytest.raises(AdapterError, match=re.escape(str(config_file))):
+            read_adapter(folder, LORA)
+
+
+def test_an_adapter_config_that_is_a_fifo_is_refused_unread(adapter_dir, tmp_path, capsys):
+    folder = tmp_path / "adapter"
+    shutil.copytree(adapter_dir, folder)
+    (folder / CONFIG_FILE).unlink()
+    os.mkfifo(folder / CONFIG_FILE)  # no writer: a read would wait for ever
+    assert main(["eval", str(folder), "--out", str(tmp_path / "out")]) == 2
+    assert f"{folder / CONFIG_FILE} is not a regular file" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

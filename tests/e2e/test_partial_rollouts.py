@@ -139,7 +139,7 @@ def test_row_limits_and_a_stop_end_the_engine_where_asked():
     ("overrides", "message"),
     [
         (["async.partial_rollouts=2"], "asynchronous training needs rollout workers"),
-        (["distributed.rollout_workers=1", "async.partial_rollouts=1"], r"0 \(off\) or >= 2"),
+        (["distributed.rollout_workers=1", "async.partial_rollouts=1"], r"0 \(off\) or in \[2, 1,000,000\]"),
     ],
 )
 def test_partial_rollouts_settings_are_checked(overrides, message):

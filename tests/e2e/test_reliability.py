@@ -191,7 +191,7 @@ def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
         ("trainer.eps=0", r"trainer.eps: must be > 0"),
         ("trainer.grad_clip=-1", r"trainer.grad_clip: must be >= 0"),
         ("reward.warn_error_rate=0", r"reward.warn_error_rate: must be in \(0, 1\]"),
-        ("reward.max_failed_steps=-1", r"reward.max_failed_steps: must be >= 0"),
+        ("reward.max_failed_steps=-1", r"reward.max_failed_steps: must be in \[0, 1,000,000\]"),
         ("health.alarm_factor=-1", r"health.alarm_factor: must be >= 0"),
         ("rollout.temperature=0", "rollout.temperature"),
         ("algorithm.kl_coef=inf", "algorithm.kl_coef: expected a finite number"),
@@ -210,7 +210,7 @@ def _numeric_keys(obj, prefix=""):
         value, key = getattr(obj, f.name), f.metadata.get("key", f.name)  # `async` lives in `async_`
         if dataclasses.is_dataclass(value):
             yield from _numeric_keys(value, f"{prefix}{key}.")
-        elif f.type in ("int", "float", "float | None"):
+        elif f.type in ("int", "float", "float | None", "int | None"):
             yield f"{prefix}{key}", f.type
 
 
@@ -225,6 +225,37 @@ def test_every_numeric_key_is_range_checked():
         for bad in ["-1000000000"] + (["nan", "-inf"] if "float" in kind else []):
             with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
                 config.load(TrainConfig, None, [f"{key}={bad}", f"algorithm.name={name}"])
+
+
+# Integer keys whose size is checked once the model is known, before anything is allocated or written (each has
+# a case in tests/unit/test_config.py, HUGE), and the two for which any size past the model's means "all": a top_k
+# of the whole vocabulary samples unfiltered, a micro-batch larger than the batch is the batch.
+CHECKED_AGAINST_THE_MODEL = {
+    "prompts_per_step",
+    "rollout.group_size",
+    "rollout.max_new_tokens",
+    "eval.samples",
+    "eval.max_new_tokens",
+    "diagnostics.full_vocab_positions",
+    "lora.rank",
+}
+ALL_PAST_THE_MODEL = {"rollout.top_k", "trainer.micro_batch_tokens"}
+
+
+def test_every_integer_key_is_bounded_above():
+    """Past 64 bits every integer key is refused, naming itself; and 10**12 (a count that would run for ever,
+    or past any machine's memory) by its range, unless the model's sizes bound it (and 10**12 is refused then)."""
+    keys = [key for key, kind in _numeric_keys(TrainConfig()) if kind.startswith("int")]
+    assert len(keys) > 25 and CHECKED_AGAINST_THE_MODEL | ALL_PAST_THE_MODEL <= set(keys)
+    for key in keys:
+        name = re.escape(key)
+        with pytest.raises(ConfigError, match=f"{name}: expected an integer of at most 64 bits, got one of 70 bits"):
+            config.load(TrainConfig, None, [f"{key}={10**21}"])
+        if key in CHECKED_AGAINST_THE_MODEL | ALL_PAST_THE_MODEL:
+            continue
+        workers = ["distributed.rollout_workers=2"] if key.startswith("async.") else []  # asynchronous keys need them
+        with pytest.raises(ConfigError, match=name):
+            config.load(TrainConfig, None, [f"{key}={10**12}", *workers])
 
 
 # ----------------------------------------------------------------------------- 4. resume exactly

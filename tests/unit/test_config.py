@@ -233,9 +233,15 @@ def test_an_alias_bomb_in_an_override_is_one_line():
 
 
 HUGE = [
-    ("seed=18446744073709551616", "seed: must be in [0, 4294967295]"),
-    ("seed=1180591620717411303424", "seed: must be in [0, 4294967295]"),
+    ("seed=18446744073709551616", "seed: expected an integer of at most 64 bits, got one of 65 bits"),
+    ("seed=1180591620717411303424", "seed: expected an integer of at most 64 bits, got one of 71 bits"),
+    ("seed=4294967296", "seed: must be in [0, 4294967295]"),
     ("seed=-1", "seed: must be in [0, 4294967295]"),
+    (f"steps={10**21}", "steps: expected an integer of at most 64 bits, got one of 70 bits"),
+    ("steps=1000000000000", "steps: must be in [1, 1,000,000]"),
+    ("algorithm.ppo_epochs=1000000000", "algorithm.ppo_epochs: must be in [1, 100]"),
+    ("rollout.max_new_tokens=1000000000000", "rollout.max_new_tokens=1000000000000: the model's max_position"),
+    ("eval.max_new_tokens=1000000000000", "eval.max_new_tokens=1000000000000: the model's max_position"),
     ("lora.rank=100000", "lora.rank=100000: more than 64, the narrowest adapted projection's width"),
     ("rollout.group_size=1000000000", "prompts_per_step x rollout.group_size"),
     ("prompts_per_step=1000000000", "prompts_per_step x rollout.group_size"),
@@ -251,12 +257,101 @@ HUGE = [
 ]
 
 
-@pytest.mark.parametrize(("override", "message"), HUGE, ids=[h[0] for h in HUGE])
+@pytest.mark.parametrize(("override", "message"), HUGE, ids=[h[0][:40] for h in HUGE])
 def test_a_value_the_machine_cannot_honour_is_refused_before_anything_is_written(override, message, tmp_path, capsys):
     """Values that passed validation and then crashed, hung or were killed for memory after the run started."""
     from parity.cli import main
 
-    assert main(["train", f"run_dir={tmp_path / 'run'}", override, "steps=1", "tensorboard=false"]) == 2
+    assert main(["train", f"run_dir={tmp_path / 'run'}", "steps=1", "tensorboard=false", override]) == 2
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("parity ")]
     assert len(lines) == 1 and message in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+COMMAND_HUGE = [
+    (["eval", "builtin", "precisions=fp32", "num_prompts=1000000000"], "num_prompts: must be in [1, 100,000]"),
+    (["eval", "builtin", "precisions=fp32", "samples=1000000000"], "num_prompts x samples, max_new_tokens: "),
+    (["eval", "builtin", "seed=100000000000000000000000"], "seed: expected an integer of at most 64 bits"),
+    (["eval", "builtin", "seed=-1"], "seed: must be in [0, 4294967295]"),
+    (["mismatch", "num_prompts=1000000000"], "num_prompts: must be in [1, 100,000]"),
+    (
+        ["mismatch", "group_size=1000000000"],
+        "num_prompts x group_size, sampling.max_new_tokens, full_vocab_positions: ",
+    ),
+    (["mismatch", "seed=100000000000"], "seed: must be in [0, 4294967295]"),
+    (["perfectible", "num_candidates=1000000000"], "num_candidates: must be in [1, 100,000]"),
+    (["perfectible", "samples=1000000000"], "batch_prompts x samples, max_new_tokens: "),
+    (["perfectible", "batch_prompts=0"], "batch_prompts must be >= 1"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), COMMAND_HUGE, ids=[" ".join(h[0]) for h in COMMAND_HUGE])
+def test_a_count_of_another_command_the_machine_cannot_honour_is_refused(argv, message, tmp_path, capsys):
+    """The other commands' own counts: 10**9 prompts or candidates were generated for ever, 10**9 samples
+    allocated, a batch of 0 prompts stepped by 0."""
+    from parity.cli import main
+
+    out = tmp_path / "out"
+    where = [f"out={out / 'set.jsonl'}"] if argv[0] == "perfectible" else ["--out", str(out)]
+    assert main([*argv, *where]) == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("parity ")]
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not out.exists()
+
+
+def _yaml_tags_safe_loading_refuses() -> list[str]:
+    """A value under each tag PyYAML's unsafe loader builds and its safe one does not (`!!python/...`: objects,
+    calls, names, modules), and a tag of nobody's."""
+    import yaml
+
+    safe = set(yaml.SafeLoader.yaml_constructors) | set(yaml.SafeLoader.yaml_multi_constructors)
+    single = [t for t in yaml.UnsafeLoader.yaml_constructors if t not in safe and t is not None]
+    multi = [f"{t}os.system" for t in yaml.UnsafeLoader.yaml_multi_constructors if t not in safe]
+    return [f"!<{tag}> ['touch MARKER']" for tag in single + multi] + ["!local ['touch MARKER']"]
+
+
+# Values the safe loader refuses to build, each in a file of valid YAML otherwise: the error used to be PyYAML's
+# or Python's traceback, of no line.
+BAD_VALUES = [
+    *_yaml_tags_safe_loading_refuses(),
+    "!!int abc",
+    "!!float abc",
+    "!!bool maybe",
+    "!!timestamp 2001-13-45",
+    "2001-13-45",  # read as a date, in a month that does not exist
+    "!!omap [1]",
+    "!!set [1]",
+    "9" * 5000,  # past Python's 4,300 digits
+    "1:" * 300_000 + "1",  # base 60, which PyYAML builds in quadratic time
+    "0x" + "f" * 100,
+]
+
+
+@pytest.mark.parametrize("value", BAD_VALUES, ids=[v[:40] for v in BAD_VALUES])
+def test_a_yaml_value_the_safe_loader_cannot_build_is_one_line(tmp_path, capsys, monkeypatch, value):
+    from parity.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "CONFIG.yaml"
+    path.write_text(f"precision: fp32\nsteps: {value}\n")
+    assert main(["train", str(path), f"run_dir={tmp_path / 'run'}"]) == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("parity ")]
+    assert len(lines) == 1 and f"{path}:2: " in lines[0], lines
+    assert not (tmp_path / "run").exists() and not (tmp_path / "MARKER").exists()
+    # The same as an override is the text it is, which the key's type refuses
+    assert main(["train", f"steps={value}", f"run_dir={tmp_path / 'run'}"]) == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("parity ")]
+    assert len(lines) == 1 and "steps: expected an integer" in lines[0], lines
+    assert not (tmp_path / "run").exists() and not (tmp_path / "MARKER").exists()
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["steps: 3\n? [a, b]\n: 1\n", "a: &x 1\nb:\n  <<: *x\n", "a: 1\n---\nb: 2\n"],
+    ids=["unhashable key", "merge of a scalar", "two documents"],
+)
+def test_yaml_the_safe_loader_cannot_map_is_one_line(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^{path}:\d+: (cannot load this YAML value|invalid YAML) \("):
+        config.load(MismatchConfig, path)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from parity.cli import main
 
 
@@ -65,3 +67,61 @@ def test_run_without_steps_is_an_error(tmp_path, capsys):
     assert (code, err) == (2, [f"parity report: error: {run}/metrics.jsonl: no complete step yet"])
     code, err = report(tmp_path, tmp_path / "elsewhere", capsys)
     assert code == 2 and err[0].endswith("no metrics.jsonl; is this a `parity train` run directory?")
+
+
+def _completion_row(**changes) -> dict:
+    row = {"step": 12, "prompt": "1+1=", "completion": "2", "length": 1, "truncated": False, "reward": 1.0}
+    return row | {"reward/score": 1.0} | changes
+
+
+def _hostile_completions() -> dict[str, tuple[int, list]]:
+    """completions files `parity report` must refuse, by name: (the line to name, the rows). Each field the
+    table reads goes missing or takes a value of each wrong kind, a row is not an object, or a later row lacks
+    a score of the first's."""
+    from parity.rl.completions import ROW_FIELDS
+
+    kinds = {"string": "x", "true": True, "null": None, "list": [1], "object": {"a": 1}, "fraction": 0.5}
+    kinds["past a float"] = 10**400
+    cases = {}
+    for key, _, ok in ROW_FIELDS:
+        base = _completion_row()
+        cases[f"no {key}"] = (2, [base, {k: v for k, v in base.items() if k != key}])
+        for name, value in kinds.items():
+            if not ok(value):
+                cases[f"{key}={name}"] = (1, [_completion_row(**{key: value})])
+    for name, value in kinds.items():
+        cases[f"a row that is {name}"] = (2, [_completion_row(), value])
+    without = {k: v for k, v in _completion_row().items() if k != "reward/score"}
+    cases["a later row without a score of the first's"] = (2, [_completion_row(), without])
+    cases["a later row with a score that is no number"] = (
+        3,
+        [_completion_row()] * 2 + [_completion_row(**{"reward/score": "x"})],
+    )
+    return cases
+
+
+HOSTILE_COMPLETIONS = _hostile_completions()
+
+
+@pytest.mark.parametrize("case", HOSTILE_COMPLETIONS)
+def test_a_completions_file_with_bad_rows_is_one_line_before_anything_is_written(tmp_path, capsys, case):
+    """Rows missing keys used to end `parity report` in a KeyError, after its plots were written."""
+    lineno, rows = HOSTILE_COMPLETIONS[case]
+    run = make_run(tmp_path, "".join(metrics_line(s) + "\n" for s in range(1, 13)))
+    (run / "completions").mkdir()
+    path = run / "completions" / "step_000012.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    code, err = report(tmp_path, run, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"parity report: error: {path}:{lineno}: not a completion row as Parity writes them (")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_report_shows_the_newest_completions(tmp_path, capsys):
+    run = make_run(tmp_path, "".join(metrics_line(s) + "\n" for s in range(1, 13)))
+    (run / "completions").mkdir()
+    rows = [_completion_row(completion="the answer is 2"), _completion_row(truncated=True, reward=0)]
+    (run / "completions" / "step_000012.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert report(tmp_path, run, capsys) == (0, [])
+    shown = (tmp_path / "out" / "report.md").read_text()
+    assert "completions of step 12" in shown and "the answer is 2" in shown and "1 (cut off)" in shown

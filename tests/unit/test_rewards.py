@@ -21,7 +21,7 @@ from parity.rl.builtin_rewards import extract_boxed, extract_number, length_rewa
 from parity.rl.data import DataError, DataOrder, load_problems
 from parity.rl.problems import Problem
 from parity.rl.reward_fns import import_reward_fn
-from parity.rl.rewards import RewardError, RewardHealth, RewardResult, RewardRunner, training_rewards
+from parity.rl.rewards import RewardError, RewardHealth, RewardResult, RewardRunner, overran_line, training_rewards
 
 P = Problem("1+1=", "2")
 
@@ -380,3 +380,261 @@ def test_data_order_is_resumable():
     head = first.take(9)
     assert head + DataOrder(7, seed=3, position=first.position).take(11) == full
     assert sorted(full[:7]) == list(range(7))  # each epoch is a permutation
+
+
+# ----------------------------------------------------------------------------- your code in the training process
+
+
+def _base_exceptions() -> dict[str, str]:
+    """A `raise` of every built-in exception that `except Exception` lets through, and of one of the module's own."""
+    import builtins
+
+    names = [n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)]
+    names = [n for n in names if not issubclass(getattr(builtins, n), Exception)]
+    raises = {n: f"raise {n}('at import')" for n in names}
+    raises["BaseExceptionGroup"] = "raise BaseExceptionGroup('at import', [KeyboardInterrupt()])"
+    raises["its own"] = "class Own(BaseException):\n    pass\n\n\nraise Own('at import')"
+    return raises
+
+
+BASE_EXCEPTIONS = _base_exceptions()
+
+
+def _train_with_reward(tmp_path: Path, module: str, *keys: str) -> int:
+    return main(["train", f"run_dir={tmp_path / 'run'}", f"task.reward_fn={module}:score", *keys, "tensorboard=false"])
+
+
+@pytest.mark.parametrize("raised", BASE_EXCEPTIONS)
+def test_a_reward_module_raising_any_base_exception_at_import_is_one_line(tmp_path, monkeypatch, capsys, raised):
+    """KeyboardInterrupt (or SystemExit, GeneratorExit...) raised by the module itself is its error, not a
+    Ctrl-C of the user's: one line, exit 2, nothing written."""
+    module = f"raising_at_import_{list(BASE_EXCEPTIONS).index(raised)}"
+    (tmp_path / f"{module}.py").write_text(BASE_EXCEPTIONS[raised] + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _train_with_reward(tmp_path, module, "steps=1") == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"parity train: error: task.reward_fn: importing {module!r} failed: "
+    )
+    assert "at import" in lines[0] and not (tmp_path / "run").exists()
+
+
+ENDLESS_IMPORTS = {
+    "busy loop": "while True:\n    pass",
+    "sleep": "import time\ntime.sleep(10**6)",
+    "read of a pipe nobody writes": "import os\nr, w = os.pipe()\nos.read(r, 1)",
+    "lock taken twice": "import threading\nlock = threading.Lock()\nlock.acquire()\nlock.acquire()",
+}
+
+
+@pytest.mark.parametrize("body", ENDLESS_IMPORTS)
+def test_a_reward_module_that_never_finishes_importing_is_refused(tmp_path, monkeypatch, capsys, body):
+    module = f"endless_import_{list(ENDLESS_IMPORTS).index(body)}"
+    (tmp_path / f"{module}.py").write_text(ENDLESS_IMPORTS[body] + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _train_with_reward(tmp_path, module, "steps=1", "reward.import_timeout_s=0.5") == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"parity train: error: task.reward_fn: importing {module!r} did not end within reward.import_timeout_s=0.5 s; "
+        "raise it if the import is slow on purpose"
+    ]
+    assert not (tmp_path / "run").exists()
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+
+
+def _parity_with_short_grace(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`parity ARGS` in its own process, run in `tmp_path`, with `rewards.GRACE_S` short (a test need not wait 10 s
+    for code that catches the interruption)."""
+    script = (
+        "import sys\nfrom parity.rl import rewards\nrewards.GRACE_S = 0.5\nfrom parity.cli import main\n"
+        f"sys.exit(main({list(args)!r}))"
+    )
+    return subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+def test_a_reward_module_that_catches_the_interruption_is_stopped_at_once(tmp_path):
+    (tmp_path / "swallows.py").write_text(
+        "while True:\n    try:\n        while True:\n            pass\n    except BaseException:\n        pass\n"
+    )
+    run = _parity_with_short_grace(
+        tmp_path, "train", "run_dir=run", "task.reward_fn=swallows:score", "reward.import_timeout_s=0.5"
+    )
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.splitlines()[-1] == (
+        "parity: error: task.reward_fn: importing 'swallows' did not end within reward.import_timeout_s=0.5 s, "
+        "nor when it was interrupted"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_a_reward_import_stops_the_program(tmp_path, signum):
+    """The user's Ctrl-C (or SIGTERM) while a module imports for ever ends it at once: exit 130 (143), one line,
+    nothing written."""
+    (tmp_path / "endless.py").write_text("import pathlib\npathlib.Path('importing').touch()\nwhile True:\n    pass\n")
+    argv = [sys.executable, "-m", "parity", "train", "run_dir=run", "task.reward_fn=endless:score"]
+    run = subprocess.Popen(argv, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (tmp_path / "importing").exists() and run.poll() is None:
+            time.sleep(0.05)
+        run.send_signal(signum)
+        err = run.communicate(timeout=300)[1]
+    finally:
+        run.kill()
+    name = signal.Signals(signum).name
+    assert run.returncode == 128 + signum and "Traceback" not in err
+    assert err.splitlines()[-1] == f"parity train: stopped by {name} before the run started"
+    assert not (tmp_path / "run").exists()
+
+
+def _loops(prompt, completion, **_):
+    while True:
+        pass
+
+
+def _sleeps(prompts, completions, **_):
+    time.sleep(10**6)
+
+
+def _returns_once_interrupted(prompt, completion, **_):
+    try:
+        time.sleep(10**6)
+    except BaseException:
+        return 1.0
+
+
+IN_PROCESS_HANGS = [_loops, _sleeps, _returns_once_interrupted]
+
+
+@pytest.mark.parametrize("fn", IN_PROCESS_HANGS, ids=[f.__name__ for f in IN_PROCESS_HANGS])
+def test_a_reward_that_never_returns_in_the_training_process_stops_the_run(fn):
+    """`reward.timeout_s` bounds rewards in a worker; in the training process `reward.in_process_timeout_s` does,
+    and the run stops naming the function (even one that caught the interruption and returned)."""
+    from parity.rl.reward_fns import Reward, UserRewards, bind_all
+
+    rewards = UserRewards(bind_all([Reward(fn)], ["answer"]), in_process_timeout_s=0.2)
+    name = fn.__name__
+    with pytest.raises(
+        RewardError, match=f"^reward function {name} did not return within reward.in_process_timeout_s=0.2 s"
+    ):
+        rewards([(Problem("1+1=", "2"), "2", 1)])
+    runner = RewardRunner(lambda p, r, n: fn(p, r), isolate=False, in_process_timeout_s=0.2)
+    with pytest.raises(RewardError, match=r"^reward function .*<lambda> did not return within"):
+        runner([(P, "x", 1)])
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+
+
+def test_a_reward_that_catches_every_interruption_is_stopped_at_once(tmp_path):
+    (tmp_path / "stubborn.py").write_text(
+        "import time\n\n\ndef score(prompt, completion, answer):\n    while True:\n        try:\n"
+        "            time.sleep(100)\n        except BaseException:\n            pass\n"
+    )
+    keys = ("steps=1", "prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "eval.every=-1")
+    run = _parity_with_short_grace(
+        tmp_path, "train", "run_dir=run", "task.reward_fn=stubborn:score", "reward.in_process_timeout_s=0.5", *keys
+    )
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.splitlines()[-1].startswith(
+        "parity: the run stopped: reward function score did not return within reward.in_process_timeout_s=0.5 s"
+    )
+
+
+def test_the_cli_stops_a_run_whose_reward_never_returns(tmp_path, monkeypatch, capsys):
+    (tmp_path / "never_returns.py").write_text(
+        "def score(prompt, completion, answer):\n    while True:\n        pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    keys = ("steps=2", "prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "eval.every=-1")
+    assert _train_with_reward(tmp_path, "never_returns", *keys, "reward.in_process_timeout_s=0.5") == 1
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("parity ")]
+    assert lines == [f"parity train: the run stopped: {overran_line('score', 0.5)}"]
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit, GeneratorExit], ids=lambda e: e.__name__)
+def test_a_reward_raising_a_base_exception_in_the_training_process_is_a_failure(raised):
+    """As in a worker process: scored 0 and counted, where it used to end the run in a traceback."""
+    from parity.rl.reward_fns import Reward, UserRewards, bind_all
+
+    def score(prompt, completion, **_):
+        if completion == "bad":
+            raise raised("from the reward")
+        return 1.0
+
+    rewards = UserRewards(bind_all([Reward(score)], ["answer"]))
+    out = rewards([(P, "ok", 1), (P, "bad", 1)])
+    assert out.rewards == [1.0, 0.0] and out.errors == 1
+    assert out.first_error == f"score: sample 1: {raised.__name__}: from the reward"
+    runner = RewardRunner(lambda p, r, n: score(p, r), isolate=False)
+    out = runner([(P, "bad", 1), (P, "ok", 1)])
+    assert out.rewards == [0.0, 1.0] and out.errors == 1 and out.first_error == f"{raised.__name__}: from the reward"
+
+
+def test_a_ctrl_c_during_a_reward_in_the_training_process_is_the_users():
+    """Outside `parity train` (which notes a signal and finishes the step), SIGINT during a reward call ends it
+    as Python's default does, but as `Interrupted`: a stop, not a failure of the reward's to count."""
+    from parity.rl.reward_fns import Reward, UserRewards, bind_all
+    from parity.rl.rewards import Interrupted
+
+    def score(prompt, completion, **_):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(10**6)
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(Interrupted, match="SIGINT"):
+        UserRewards(bind_all([Reward(score)], ["answer"]))([(P, "x", 1)])
+    with pytest.raises(Interrupted, match="SIGINT"):
+        RewardRunner(lambda p, r, n: score(p, r), isolate=False)([(P, "x", 1)])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+FORKED: list[int] = []
+
+
+def _forks(prompt, completion, **_):
+    """Forks, and both processes return: the child into whatever called the reward."""
+    child = os.fork()
+    if child:
+        FORKED.append(child)
+    return float(len(completion))
+
+
+def _exit_codes_of_children(parent: int) -> list[int]:
+    """The exit codes of the processes `_forks` started. A child that got back here instead of exiting when the
+    reward returned (it would have run the rest of the run, and of this test) exits 99 first."""
+    if os.getpid() != parent:
+        os._exit(99)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) for child in FORKED]
+    FORKED.clear()
+    return codes
+
+
+def test_a_reward_that_forks_in_the_training_process_runs_the_run_once():
+    """A reward calling os.fork(): the child returned into the training loop and trained too, forking again at
+    each call (187 processes after one step of 4 samples). It now exits where the reward returns."""
+    from parity.rl.reward_fns import Reward, UserRewards, bind_all
+
+    parent, items = os.getpid(), [(P, "a", 1), (P, "bb", 1), (P, "ccc", 1)]
+    assert UserRewards(bind_all([Reward(_forks)], ["answer"]))(items).rewards == [1.0, 2.0, 3.0]
+    assert _exit_codes_of_children(parent) == [0, 0, 0]
+    assert RewardRunner(lambda p, r, n: _forks(p, r), isolate=False)(items).rewards == [1.0, 2.0, 3.0]
+    assert _exit_codes_of_children(parent) == [0, 0, 0]
+
+
+def test_a_reward_that_forks_in_a_worker_answers_once():
+    """In a worker process the fork's child answered the run too, so each later sample got the score of the
+    one before it."""
+    runner = RewardRunner(lambda p, r, n: _forks(p, r), isolate=True)
+    try:
+        assert runner([(P, "a", 1), (P, "bb", 1), (P, "ccc", 1)]).rewards == [1.0, 2.0, 3.0]
+    finally:
+        runner.close()
+
+
+def test_a_reward_module_that_forks_at_import_is_imported_once(tmp_path, monkeypatch):
+    (tmp_path / "forks_at_import.py").write_text(
+        "import os\n\nCHILD = os.fork()\n\n\ndef score(prompt, completion, answer):\n    return 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    parent = os.getpid()
+    import_reward_fn("forks_at_import:score")
+    FORKED.append(sys.modules.pop("forks_at_import").CHILD)
+    assert _exit_codes_of_children(parent) == [0]

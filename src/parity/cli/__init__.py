@@ -13,7 +13,7 @@ from parity.engines.models.config import ModelError
 from parity.rl.checkpoint import CheckpointError
 from parity.rl.data import DataError
 from parity.rl.loop import TrainingError
-from parity.rl.rewards import RewardError
+from parity.rl.rewards import Interrupted, RewardError
 from parity.runtime import reuse_freed_memory, use_free_cores
 from parity.stopping import Stopped, StopSignals
 
@@ -73,3 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     except ClusterStartError as e:
         print(f"parity {args.command}: error: {e}", file=sys.stderr)
         return 1
+    except Interrupted as e:  # SIGINT or SIGTERM ended code of the user's (`rewards.bounded`)
+        print(f"parity {args.command}: stopped by {e}", file=sys.stderr)
+        return 128 + e.signum

@@ -46,6 +46,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from parity.distributed.cluster import JoinInterrupted
     from parity.distributed.driver import backend_for, backend_for_run
     from parity.rl.loop import Run, summary_line
+    from parity.rl.rewards import Interrupted
     from parity.rl.train_config import TrainConfig
 
     config, overrides = split_config(args)
@@ -66,7 +67,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             else:
                 cfg = cfg_mod.load(TrainConfig, config, overrides)
                 run = Run.create(cfg, backend=backend_for(cfg))
-        except JoinInterrupted:  # the signal, noted by `stop`, came while the run waited for a cluster
+        except (JoinInterrupted, Interrupted):  # a signal, noted by `stop`, while joining a cluster or importing
             print(f"parity train: {stop.stopped_line()}", file=sys.stderr)
             return 128 + stop.signum
         stop.run = run

@@ -11,7 +11,6 @@ checkpoint).
 from __future__ import annotations
 
 import copy
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +20,19 @@ from safetensors import SafetensorError
 from tqdm import tqdm
 
 from parity import config as config_mod
-from parity.config import ConfigError
+from parity.config import ConfigError, check_range
 from parity.engines import kernels
 from parity.engines import precision as prec
-from parity.engines.lora import AdapterError, LoRAConfig, load_adapter_state, read_adapter
+from parity.engines.budget import check_rollout_memory
+from parity.engines.lora import (
+    CONFIG_FILE,
+    AdapterError,
+    LoRAConfig,
+    check_lora,
+    load_adapter_state,
+    read_adapter,
+    read_adapter_config,
+)
 from parity.engines.models.io import load_config, load_model, resolve_model_dir
 from parity.engines.models.modules import CausalLM
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, has_builtin_tokenizer, load_tokenizer
@@ -36,11 +44,11 @@ from parity.rl.builtin_rewards import REWARDS, TRUSTED_REWARDS
 from parity.rl.checkpoint import checkpoints, load_checkpoint, require_finite_weights
 from parity.rl.data import DataColumns, load_problems, prompt_limit
 from parity.rl.evaluation import EVAL_SEED, TRAINER, EvalSet, Evaluator, eval_sampling, heldout_problems
-from parity.rl.problems import DIFFICULTIES, builtin_problems
+from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, builtin_problems
 from parity.rl.reward_fns import Reward, UserRewards, bind_all, data_columns, import_reward_fn
 from parity.rl.rewards import RewardRunner
 from parity.rl.step import BINARY_REWARDS
-from parity.rl.train_config import MICRO_BATCH_TOKENS, TrainConfig
+from parity.rl.train_config import MAX_SEED, MICRO_BATCH_TOKENS, RewardSection, TrainConfig
 from parity.rundir import in_use_by
 
 BUILTIN_MAX_NEW_TOKENS = 96  # a model directory's default response budget (a run's is its own)
@@ -93,6 +101,9 @@ class EvalConfig:
         for key, low in (("num_prompts", 1), ("samples", 1), ("max_new_tokens", 0)):
             if getattr(self, key) < low:
                 raise ConfigError(f"{key}: must be >= {low}, got {getattr(self, key)}")
+        # as `parity train`'s eval.num_prompts and seed; samples and max_new_tokens are checked against the model
+        check_range("num_prompts", self.num_prompts, self.num_prompts <= MAX_PROBLEMS, f"in [1, {MAX_PROBLEMS:,}]")
+        check_range("seed", self.seed, 0 <= self.seed <= MAX_SEED, f"in [0, {MAX_SEED}]")
         if self.temperature < 0:
             raise ConfigError(f"temperature: must be >= 0 (0 = greedy), got {self.temperature}")
         problem = regular_file_problem(Path(self.data).expanduser()) if self.data != "auto" else None
@@ -115,19 +126,21 @@ class Target:
 
 def _adapter_target(path: Path) -> Target:
     """A PEFT LoRA adapter folder: its base model (`base_model_name_or_path`) with its adapters."""
-    config_file = path / "adapter_config.json"
     try:
-        saved = json.loads(config_file.read_text())
-        lora = LoRAConfig(int(saved["r"]), float(saved["lora_alpha"]), tuple(saved["target_modules"]), True)
-        base = str(saved["base_model_name_or_path"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{config_file}: not a LoRA adapter config Parity reads ({type(e).__name__}: {e})") from None
+        lora, base = read_adapter_config(path)
+    except AdapterError as e:
+        raise ConfigError(str(e)) from None
+    if not isinstance(base, str) or not base:
+        raise ConfigError(
+            f"{path / CONFIG_FILE}: base_model_name_or_path: expected the base model (a directory or a Hugging Face "
+            f"id), got {base!r:.80}"
+        )
     return Target(resolve_model_dir(base), None, [], (path, lora))
 
 
 def resolve_target(cfg: EvalConfig) -> Target:
     path = Path(cfg.target).expanduser()
-    if (path / "adapter_config.json").is_file():
+    if (path / CONFIG_FILE).exists():
         return _adapter_target(path)
     started = (path / "metrics.jsonl").exists() or (path / "checkpoints").is_dir()
     if (path / "config.yaml").is_file() and started:
@@ -171,7 +184,8 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
     max_new = cfg.max_new_tokens or (run.rollout.max_new_tokens if run else BUILTIN_MAX_NEW_TOKENS)
     key = "max_new_tokens" if cfg.max_new_tokens or not run else "the run's rollout.max_new_tokens"
     tokenizer = load_tokenizer(target.model_dir)
-    positions = load_config(target.model_dir).max_position_embeddings
+    model_config = load_config(target.model_dir)
+    positions = model_config.max_position_embeddings
     limit = prompt_limit(tokenizer, positions, max_new, key, chat_template)
     columns = data_columns(run) if run is not None else DataColumns(answer_required=not cfg.reward_fn)
     data = cfg.data if cfg.data != "auto" else run.eval.data if run is not None and run.eval.data != "auto" else None
@@ -195,6 +209,8 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
         source = f"the held-out split of task {task} (generated)"
     if not problems:
         raise ConfigError(f"data: no problems to evaluate on ({cfg.data})")
+    rows = len(problems) * cfg.samples
+    check_rollout_memory(model_config, rows, limit.longest, max_new, f"num_prompts x samples, {key}", cfg.device)
     evalset = EvalSet(
         problems=problems,
         prompts=[limit.check(f"held-out problem {i}", p.prompt) for i, p in enumerate(problems)],
@@ -218,16 +234,19 @@ def _rewards(
     cfg: EvalConfig, target: Target, task: str, problems, rewards: list[Reward] | None, trust_reward_fn: bool
 ) -> RewardRunner | UserRewards:
     specs, weights = _reward_specs(cfg, target.run)
+    bounds = target.run.reward if target.run else RewardSection()  # how long its code may run here
     if rewards is None and specs:
         if target.run is not None and not cfg.reward_fn and not trust_reward_fn:
             raise ConfigError(
                 f"{cfg.target}: the run scores with task.reward_fn={','.join(specs)}, Python code that `parity eval` "
                 "would import and run; confirm with --trust-reward-fn (or pass reward_fn=module:function)"
             )
-        rewards = [Reward(import_reward_fn(spec), weight=w) for spec, w in zip(specs, weights)]
+        rewards = [Reward(import_reward_fn(spec, bounds.import_timeout_s), weight=w) for spec, w in zip(specs, weights)]
     if rewards:
-        return UserRewards(bind_all(rewards, sorted({k for p in problems for k in p.columns})))
-    return RewardRunner(REWARDS[task], isolate=task not in TRUSTED_REWARDS)
+        bound = bind_all(rewards, sorted({k for p in problems for k in p.columns}))
+        return UserRewards(bound, in_process_timeout_s=bounds.in_process_timeout_s)
+    isolate = task not in TRUSTED_REWARDS
+    return RewardRunner(REWARDS[task], isolate, in_process_timeout_s=bounds.in_process_timeout_s)
 
 
 def run_eval(
@@ -252,6 +271,7 @@ def run_eval(
     try:
         base = load_model(target.model_dir, kernels.numerics())
         require_finite_weights(base, target.model_dir, "nothing can be evaluated")
+        _check_lora(target, base)
         micro_batch_tokens = run.trainer.micro_batch_tokens if run else MICRO_BATCH_TOKENS[cfg.device]
         evaluator = Evaluator(
             base.config, tokenizer, evalset, scorer, None, cfg.precisions, reference, micro_batch_tokens, cfg.device
@@ -278,6 +298,22 @@ def run_eval(
         "numerics": numerics.describe(),
         "states": results,
     }
+
+
+def _check_lora(target: Target, base: CausalLM) -> None:
+    """The adapters of an adapter folder, or of a LoRA run's checkpoints, checked against their base before any
+    state is evaluated: a ConfigError naming the file and the key (a rank past the model's widths) otherwise."""
+    if target.adapter is not None:
+        lora, source, keys = target.adapter[1], target.adapter[0] / CONFIG_FILE, ("r", "target_modules")
+    elif target.run is not None and target.run.lora_config() is not None:
+        lora, keys = target.run.lora_config(), ("lora.rank", "lora.targets")
+        source = target.checkpoints[0].parents[1] / "config.yaml"  # RUN_DIR/checkpoints/step_N
+    else:
+        return
+    try:
+        check_lora(base, lora, *(f"{source}: {key}" for key in keys))
+    except AdapterError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _step(checkpoint: Path) -> int:

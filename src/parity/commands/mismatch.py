@@ -18,10 +18,11 @@ import torch
 from tqdm import tqdm
 
 from parity.commands.prompts import CHAT_QUESTIONS, LONG_ANSWER_REQUESTS
-from parity.config import ConfigError
+from parity.config import ConfigError, check_range
 from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.batch import RolloutBatch
+from parity.engines.budget import check_rollout_memory
 from parity.engines.locate import StageDiff, first_divergence, format_table, locate_row, worst_row
 from parity.engines.models.io import load_config, load_model, require_finite_logits, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
@@ -39,7 +40,8 @@ from parity.rl.diagnostics import (
     mismatch_by_length,
     mismatch_metrics,
 )
-from parity.rl.problems import ArithmeticTask
+from parity.rl.problems import MAX_PROBLEMS, ArithmeticTask
+from parity.rl.train_config import MAX_SEED
 
 # Metrics shown in the markdown table, with their ratio to the FP16 run.
 TABLE_METRICS = ("k3", "token_abs_log_ratio_mean", "seq_abs_log_ratio", "prob_abs_diff_mean", "chi2_token")
@@ -99,6 +101,9 @@ class MismatchConfig:
                 )
         if self.num_prompts < 1 or self.group_size < 1:
             raise ConfigError("num_prompts and group_size must be >= 1")
+        # as `parity train`'s counts; num_prompts x group_size is checked against the model (`run_mismatch`)
+        check_range("num_prompts", self.num_prompts, self.num_prompts <= MAX_PROBLEMS, f"in [1, {MAX_PROBLEMS:,}]")
+        check_range("seed", self.seed, 0 <= self.seed <= MAX_SEED, f"in [0, {MAX_SEED}]")
         if self.chat_template not in CHAT_TEMPLATE_MODES:
             raise ConfigError(
                 f"chat_template: unknown value {self.chat_template!r}; allowed: {', '.join(CHAT_TEMPLATE_MODES)}"
@@ -205,9 +210,13 @@ def run_mismatch(
     tokenizer = load_tokenizer(model_dir)
     texts = load_prompts(cfg.prompts, cfg.num_prompts, cfg.seed, cfg.model) if texts is None else texts
     max_new = cfg.sampling.max_new_tokens
-    positions = load_config(model_dir).max_position_embeddings
+    config = load_config(model_dir)
+    positions = config.max_position_embeddings
     limit = prompt_limit(tokenizer, positions, max_new, "sampling.max_new_tokens", cfg.chat_template)
     prompts = [limit.check(f"prompts={cfg.prompts}: prompt {i + 1}", p) for i, p in enumerate(texts)]
+    keys = "num_prompts x group_size, sampling.max_new_tokens, full_vocab_positions"
+    rows = len(prompts) * cfg.group_size
+    check_rollout_memory(config, rows, limit.longest, max_new, keys, cfg.device, cfg.full_vocab_positions)
     numerics = kernels.numerics(cfg.device, cfg.exact)
     model = load_model(model_dir, numerics)
     require_finite_weights(model, model_dir, "no mismatch can be measured (`parity doctor` shows where)")

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from parity.config import ConfigError
+from parity.config import ConfigError, check_range
 from parity.engines import kernels
+from parity.engines.budget import check_rollout_memory
 from parity.engines.models.io import load_config, load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
@@ -30,8 +31,9 @@ from parity.folders import atomic_write_text
 from parity.rl.algorithms import TRUNCATION_MODES
 from parity.rl.builtin_rewards import REWARDS, TRUSTED_REWARDS
 from parity.rl.data import load_problems, prompt_limit
-from parity.rl.problems import DIFFICULTIES, Problem, builtin_problems, difficulty_has_no_effect
+from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, Problem, builtin_problems, difficulty_has_no_effect
 from parity.rl.rewards import RewardRunner, score_rollouts, training_rewards
+from parity.rl.train_config import MAX_SEED
 
 
 @dataclass
@@ -72,8 +74,13 @@ class PerfectibleConfig:
             )
         if not 0 <= self.lo <= self.hi <= 1:
             raise ConfigError(f"lo, hi: need 0 <= lo <= hi <= 1, got {self.lo}, {self.hi}")
-        if self.samples < 1 or self.num_candidates < 1:
-            raise ConfigError("samples and num_candidates must be >= 1")
+        if self.samples < 1 or self.num_candidates < 1 or self.batch_prompts < 1:
+            raise ConfigError("samples, num_candidates and batch_prompts must be >= 1")
+        # as `parity train`'s counts; batch_prompts x samples is checked against the model (`candidate_problems`)
+        check_range(
+            "num_candidates", self.num_candidates, self.num_candidates <= MAX_PROBLEMS, f"in [1, {MAX_PROBLEMS:,}]"
+        )
+        check_range("seed", self.seed, 0 <= self.seed <= MAX_SEED, f"in [0, {MAX_SEED}]")
 
 
 def filter_perfectible(accuracies: list[float], lo: float, hi: float) -> list[int]:
@@ -100,15 +107,21 @@ def format_histogram(counts: list[int], lo: float, hi: float, width: int = 40) -
 
 
 def candidate_problems(cfg: PerfectibleConfig) -> list[Problem]:
-    """The problems to search, every prompt checked to fit the model with `max_new_tokens` after it."""
+    """The problems to search, every prompt checked to fit the model with `max_new_tokens` after it, and a
+    generate() call of `batch_prompts` of them x `samples` to fit in memory."""
     model_dir = resolve_model_dir(cfg.model)
-    positions = load_config(model_dir).max_position_embeddings
+    config = load_config(model_dir)
+    positions = config.max_position_embeddings
     limit = prompt_limit(load_tokenizer(model_dir), positions, cfg.max_new_tokens, "max_new_tokens", cfg.chat_template)
     if cfg.data != "builtin":
-        return load_problems(cfg.data, limit, "chat_template")
-    problems = builtin_problems(cfg.task, cfg.num_candidates, cfg.seed, cfg.difficulty)
-    for i, problem in enumerate(problems):
-        limit.check(f"generated problem {i}", problem.prompt)
+        problems = load_problems(cfg.data, limit, "chat_template")
+    else:
+        problems = builtin_problems(cfg.task, cfg.num_candidates, cfg.seed, cfg.difficulty)
+        for i, problem in enumerate(problems):
+            limit.check(f"generated problem {i}", problem.prompt)
+    rows = min(cfg.batch_prompts, len(problems)) * cfg.samples
+    keys = "batch_prompts x samples, max_new_tokens"
+    check_rollout_memory(config, rows, limit.longest, cfg.max_new_tokens, keys, cfg.device)
     return problems
 
 

@@ -285,11 +285,10 @@ def plot_histogram(counts: list[int], lo: float, hi: float, path: Path) -> None:
 REPORTED_COMPLETIONS = 6  # rows of each run's newest completions in report.md
 
 
-def completions_section(run_dirs: list[Path]) -> str:
-    """Each run's newest step's completions (completions/step_N.jsonl), a few rows with their rewards."""
+def completions_section(completions: dict[Path, list[dict]]) -> str:
+    """Each run's newest step's completions (`read_completions`), a few rows with their rewards."""
     parts = []
-    for run_dir in run_dirs:
-        rows = read_completions(Path(run_dir), MAX_LINE_BYTES)
+    for run_dir, rows in completions.items():
         if rows:
             shown = markdown_table(sample_rows(rows, REPORTED_COMPLETIONS))
             parts.append(f"\n## {Path(run_dir).name}: completions of step {rows[0]['step']}\n\n{shown}")
@@ -300,8 +299,8 @@ def report_runs(run_dirs: list[Path], out: Path) -> dict[str, dict]:
     """`parity report`: summary table and plots for `parity train` runs, side by side."""
     check_output_dir(out)
     histories = {Path(d).name: load_history(Path(d)) for d in run_dirs}  # every run read before `out` is made
+    completions = {Path(d): read_completions(Path(d), MAX_LINE_BYTES) for d in run_dirs}
     summaries = {name: summarize(h) for name, h in histories.items()}
-    completions = completions_section(run_dirs)
     claim_output_dir(out)
     plot_accuracy(histories, out / "accuracy.png")
     plot_mismatch_curves(histories, out / "mismatch.png")
@@ -311,7 +310,7 @@ def report_runs(run_dirs: list[Path], out: Path) -> dict[str, dict]:
         + summary_table(summaries)
         + f"\nAccuracy (or the mean reward, for runs of other rewards) is the {SMOOTHING}-step moving average "
         "over the training batches; mismatch figures are means of the last 5 steps.\n\n"
-        "![training accuracy](accuracy.png)\n\n![mismatch](mismatch.png)\n" + completions
+        "![training accuracy](accuracy.png)\n\n![mismatch](mismatch.png)\n" + completions_section(completions)
     )
     write_output(out / "report.md", md)
     return summaries

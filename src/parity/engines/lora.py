@@ -29,8 +29,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from parity.config import MAX_CONFIG_BYTES
 from parity.engines import kernels
 from parity.engines.models.modules import CausalLM, Linear, cast_once
+from parity.files import JSONError, parse_json, regular_file_problem
 from parity.folders import atomic_dir
 
 # The attention and MLP projections LoRA may adapt (PEFT's usual `target_modules` for the Llama family).
@@ -38,6 +40,18 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 TARGETS = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# PEFT's options that change what an adapter computes, and the values at which it computes what Parity does
+# (PEFT's defaults; absent means the same): an adapter saved with another is a model Parity would misread.
+PLAIN_LORA_OPTIONS = {
+    "use_rslora": (False,),
+    "use_dora": (False,),
+    "fan_in_fan_out": (False,),
+    "bias": ("none",),
+    "modules_to_save": (None, []),
+    "rank_pattern": ({},),
+    "alpha_pattern": ({},),
+    "layers_to_transform": (None,),
+}
 
 
 class AdapterError(ValueError):
@@ -100,25 +114,34 @@ def adapted(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
-def apply_lora(model: CausalLM, cfg: LoRAConfig, base_dtype: torch.dtype, seed: int) -> None:
-    """Freeze `model` in `base_dtype` and put adapters on the projections `cfg.targets` names.
-    A is drawn from its own generator seeded with `seed`, so the start is reproducible and the
-    global RNG is untouched."""
+def check_lora(
+    model: CausalLM, cfg: LoRAConfig, rank_key: str = "lora.rank", targets_key: str = "lora.targets"
+) -> list[str]:
+    """The names of the projections `cfg` adapts on `model`, once they are known to take its adapters: an
+    AdapterError naming `rank_key` or `targets_key` otherwise, before anything is allocated."""
     mlp = [t for t in cfg.targets if t not in ATTENTION]
     if model.config.num_experts and mlp:
         # PEFT on transformers 5 reads these names on a MoE model as the stacked expert tensors,
         # so adapters Parity put on the projections of the same names would not load there.
         raise AdapterError(
-            f"lora.targets: {', '.join(mlp)} on a {model.config.architecture} (MoE) model: PEFT maps these names "
-            f"onto the experts, which Parity does not adapt; set lora.targets={','.join(ATTENTION)}"
+            f"{targets_key}: {', '.join(mlp)} on a {model.config.architecture} (MoE) model: PEFT maps these names "
+            f"onto the experts, which Parity does not adapt; adapt {','.join(ATTENTION)} only"
         )
     names = targeted(model, cfg.targets)
     narrowest = min(min(model.get_submodule(name).weight.shape) for name in names)
-    if cfg.rank > narrowest:  # checked before anything is allocated: A and B grow with the rank
+    if cfg.rank > narrowest:  # A and B grow with the rank
         raise AdapterError(
-            f"lora.rank={cfg.rank}: more than {narrowest}, the narrowest adapted projection's width; a rank "
+            f"{rank_key}={cfg.rank}: more than {narrowest}, the narrowest adapted projection's width; a rank "
             "above min(in, out) adds nothing but memory"
         )
+    return names
+
+
+def apply_lora(model: CausalLM, cfg: LoRAConfig, base_dtype: torch.dtype, seed: int) -> None:
+    """Freeze `model` in `base_dtype` and put adapters on the projections `cfg.targets` names.
+    A is drawn from its own generator seeded with `seed`, so the start is reproducible and the
+    global RNG is untouched."""
+    names = check_lora(model, cfg)
     model.requires_grad_(False)
     for p in model.parameters():  # a tied head shares its Parameter with the embedding: cast once
         p.data = p.data.to(base_dtype)
@@ -225,15 +248,64 @@ def save_adapter(model: CausalLM, cfg: LoRAConfig, out_dir: str | Path, base_mod
     return out_dir
 
 
+def read_adapter_config(adapter_dir: Path) -> tuple[LoRAConfig, Any]:
+    """The LoRA settings of a PEFT adapter folder's adapter_config.json and its `base_model_name_or_path`
+    (unchecked: PEFT may write null). Every field Parity computes with must have its kind and range, and
+    PEFT's options that change the arithmetic their plain values: an AdapterError naming the file and the
+    key otherwise. The model decides the rest (`check_lora`: the rank against its widths)."""
+    path = adapter_dir / CONFIG_FILE
+    problem = regular_file_problem(path)
+    if problem is not None:
+        raise AdapterError(f"{path} {problem}")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise AdapterError(
+            f"{path}: {path.stat().st_size:,} bytes; an adapter config holds at most {MAX_CONFIG_BYTES:,}"
+        )
+    try:
+        saved = parse_json(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise AdapterError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
+    except JSONError as e:
+        raise AdapterError(f"{path}{f':{e.lineno}' if e.lineno else ''}: {e}") from None
+    if not isinstance(saved, dict):
+        raise AdapterError(f"{path}: expected a JSON object {{...}} at the top level, got a {type(saved).__name__}")
+
+    def refuse(key: str, expected: str) -> AdapterError:
+        return AdapterError(f"{path}: {key}: expected {expected}, got {saved.get(key)!r:.80}")
+
+    if saved.get("peft_type") != "LORA":
+        raise refuse("peft_type", '"LORA" (Parity reads LoRA adapters only)')
+    rank, alpha, targets = saved.get("r"), saved.get("lora_alpha"), saved.get("target_modules")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise refuse("r", "an integer >= 1 (the adapters' rank)")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not (math.isfinite(alpha) and alpha > 0):
+        raise refuse("lora_alpha", "a finite number > 0")
+    if (
+        not isinstance(targets, list)
+        or not targets
+        or any(t not in TARGETS for t in targets)
+        or len(set(targets)) != len(targets)
+    ):
+        # PEFT also takes a string, a regular expression over module names: Parity adapts these names only
+        raise refuse("target_modules", f"a list of distinct names from {', '.join(TARGETS)}")
+    for key, plain in PLAIN_LORA_OPTIONS.items():
+        if key in saved and saved[key] not in plain:
+            raise refuse(key, f"{' or '.join(json.dumps(v) for v in plain)} (plain LoRA, which Parity computes)")
+    return LoRAConfig(rank, float(alpha), tuple(targets), True), saved.get("base_model_name_or_path")
+
+
 def read_adapter(adapter_dir: Path, cfg: LoRAConfig) -> dict[str, torch.Tensor]:
     """The adapter tensors of `adapter_dir`, after checking that its config is `cfg`'s."""
-    try:
-        saved = json.loads((adapter_dir / CONFIG_FILE).read_text())
-    except json.JSONDecodeError as e:
-        raise AdapterError(f"{adapter_dir / CONFIG_FILE}:{e.lineno}: invalid JSON ({e.msg})") from None
-    expected = peft_config(cfg, "")
-    keys = ("peft_type", "r", "lora_alpha", "target_modules")
-    differ = [f"{k}={saved.get(k)!r}, expected {expected[k]!r}" for k in keys if saved.get(k) != expected[k]]
+    saved, _ = read_adapter_config(adapter_dir)
+    differ = [
+        f"{key}={held!r}, expected {wanted!r}"
+        for key, held, wanted in (
+            ("r", saved.rank, cfg.rank),
+            ("lora_alpha", saved.alpha, cfg.alpha),
+            ("target_modules", list(saved.targets), list(cfg.targets)),
+        )
+        if held != wanted
+    ]
     if differ:
         raise AdapterError(f"{adapter_dir / CONFIG_FILE}: not this run's adapters ({'; '.join(differ)})")
     return load_file(str(adapter_dir / WEIGHTS_FILE))

@@ -53,23 +53,69 @@ def write_completions(run_dir: Path, step: int, rows: list[dict[str, Any]]) -> P
     return run_dir / name
 
 
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        float(value)  # the table prints it with %g
+    except OverflowError:
+        return False
+    return True
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# The fields of a row that `markdown_table` reads, as `completion_rows` writes them; and each score (the
+# first row's `reward...` keys) must be a number in every row.
+ROW_FIELDS = (
+    ("step", "an integer", _is_integer),
+    ("prompt", "a string or a list of messages", lambda v: isinstance(v, (str, list))),
+    ("completion", "a string", lambda v: isinstance(v, str)),
+    ("length", "an integer", _is_integer),
+    ("truncated", "true or false", lambda v: isinstance(v, bool)),
+    ("reward", "a number", _is_number),
+)
+
+
+def _row_problem(row: Any, scores: list[str]) -> str | None:
+    """What keeps `row` from being a completion row with a number for each of `scores`, or None."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got a {type(row).__name__}"
+    for key, kind, ok in (*ROW_FIELDS, *((k, "a number", _is_number) for k in scores)):
+        if key not in row:
+            return f"no {key!r}"
+        if not ok(row[key]):
+            return f"{key!r}: expected {kind}, got {row[key]!r:.60}"
+    return None
+
+
 def read_completions(run_dir: Path, max_line_bytes: int) -> list[dict[str, Any]]:
-    """The newest step's completions a run wrote (none if it wrote none); a row is a JSON object, and a line
-    that is not (cut short by a kill) is left out; a line past `max_line_bytes` is a DataError naming it."""
+    """The newest step's completions a run wrote (none if it wrote none). A line cut short by a kill is left
+    out; a row without the fields the table shows, or a line past `max_line_bytes`, is a DataError naming the
+    file and line."""
     with Folder.open(run_dir, key="run") as run:
         names = [n for n in run.names(COMPLETIONS_DIR) if STEP_FILE.fullmatch(n)]
         if not names:
             return []
-        rows, name = [], f"{COMPLETIONS_DIR}/{max(names)}"
+        name = f"{COMPLETIONS_DIR}/{max(names)}"
+        rows: list[dict[str, Any]] = []
+        scores: list[str] = []
         with run.open_read(name) as f:
             try:
-                for line in bounded_lines(f, max_line_bytes):
+                for lineno, line in enumerate(bounded_lines(f, max_line_bytes), 1):
                     try:
                         row = parse_json(line.decode("utf-8"))
                     except (JSONError, UnicodeDecodeError):
-                        continue
-                    if isinstance(row, dict):
-                        rows.append(row)
+                        continue  # a line a kill cut short
+                    if not rows and isinstance(row, dict):
+                        scores = [k for k in row if k.startswith("reward")]
+                    problem = _row_problem(row, scores)
+                    if problem is not None:
+                        where = f"{run_dir / name}:{lineno}"
+                        raise DataError(f"{where}: not a completion row as Parity writes them ({problem})")
+                    rows.append(row)
             except LineTooLong as e:
                 raise DataError(f"{run_dir / name}:{e.lineno}: {e.length:,} bytes, more than a row holds") from None
     return rows

@@ -56,7 +56,7 @@ from parity.rl.data import DATA_DIR, DataOrder, load_problems, prompt_limit, wri
 from parity.rl.diagnostics import mismatch_alarm
 from parity.rl.evaluation import EVAL_SEED, EvalSet, Evaluator, eval_sampling, evaluation_due, heldout_problems
 from parity.rl.problems import Problem, builtin_problems
-from parity.rl.reward_fns import Reward, RewardCheckError, binary_reward, data_columns, run_rewards
+from parity.rl.reward_fns import Reward, RewardCheckError, binary_reward, config_rewards, data_columns, run_rewards
 from parity.rl.rewards import RewardHealth, score_rollouts
 from parity.rl.step import (
     LocalBackend,
@@ -397,6 +397,9 @@ class Run:
         engines run (`parity.distributed.driver.backend_for(cfg)` picks it from the config)."""
         run_dir = Path(cfg.run_dir or time.strftime("runs/train-%Y%m%d-%H%M%S"))
         check_run_dir(run_dir)
+        if rewards is None and cfg.task.reward_fn:
+            # before run_dir is made: an import that must be stopped at once (`rewards.bounded`) leaves nothing
+            rewards = config_rewards(cfg)
         created = not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = RunLock(run_dir)  # before looking inside: two runs starting at once cannot both pass

@@ -35,7 +35,20 @@ from parity.config import ConfigError, described
 from parity.rl.builtin_rewards import REWARDS, TRUSTED_REWARDS
 from parity.rl.data import DataColumns
 from parity.rl.problems import Problem
-from parity.rl.rewards import RewardResult, RewardRunner, exception_summary, report_first_failure
+from parity.rl.rewards import (
+    IN_PROCESS_TIMEOUT_S,
+    WORKER_START_S,
+    Interrupted,
+    Overran,
+    RewardError,
+    RewardResult,
+    RewardRunner,
+    bounded,
+    bounded_call,
+    exception_summary,
+    overran_line,
+    report_first_failure,
+)
 from parity.rl.step import BINARY_REWARDS
 from parity.rl.train_config import TrainConfig
 
@@ -110,22 +123,31 @@ def _import_file(path: Path) -> ModuleType:
     return module
 
 
-def import_reward_fn(spec: str) -> Callable[..., Any]:
+def import_reward_fn(spec: str, timeout_s: float = WORKER_START_S) -> Callable[..., Any]:
     """`module:function` or `path/file.py:function` -> the function. The working directory is searched
     first for a module (as `python -m` does), so a reward module beside the data is found whether or not
-    Parity runs from a console script."""
+    Parity runs from a console script. The import runs in this process (once: a second run of its top level,
+    in a child process first, would load a judge model twice, or repeat what it writes), within `timeout_s`
+    (`rewards.bounded`); whatever it raises, or an import past `timeout_s`, is a one-line ConfigError, and
+    SIGINT or SIGTERM ends it (`Interrupted`)."""
     if spec.count(":") != 1:
         raise ConfigError(f"task.reward_fn: expected 'module:function' or 'file.py:function', got {spec!r}")
     module_name, fn_name = spec.split(":")
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)
+    late = f"importing {module_name!r} did not end within reward.import_timeout_s={timeout_s:g} s"
     try:
-        if module_name.endswith(".py"):
-            module = _import_file(Path(module_name).expanduser().resolve())
-        else:
-            module = importlib.import_module(module_name)
-    except Exception as e:  # a missing module, a syntax error, or anything its top level raises
+        with bounded(timeout_s, f"parity: error: task.reward_fn: {late}, nor when it was interrupted", 2, True):
+            if module_name.endswith(".py"):
+                module = _import_file(Path(module_name).expanduser().resolve())
+            else:
+                module = importlib.import_module(module_name)
+    except Overran:
+        raise ConfigError(f"task.reward_fn: {late}; raise it if the import is slow on purpose") from None
+    except Interrupted:
+        raise
+    except BaseException as e:  # noqa: BLE001 - a missing module, a syntax error, or anything its top level raises
         raise ConfigError(f"task.reward_fn: importing {module_name!r} failed: {exception_summary(e)}") from None
     fn = getattr(module, fn_name, None)
     if fn is None:
@@ -202,16 +224,23 @@ class Scores:
 
 
 def score_batch(
-    reward: BoundReward, prompts: list[Any], completions: list[str], columns: dict[str, list[Any]]
+    reward: BoundReward,
+    prompts: list[Any],
+    completions: list[str],
+    columns: dict[str, list[Any]],
+    timeout_s: float | None = None,
 ) -> Scores:
-    """Call `reward` on a batch, in its form, and collect what it returned and how it failed."""
+    """Call `reward` on a batch, in its form, and collect what it returned and how it failed; each call
+    within `timeout_s` (in the training process; `Overran` past it), None in a worker process."""
     n = len(completions)
     if reward.batched:
         kwargs = {PROMPT_NAMES[True]: prompts, COMPLETION_NAMES[True]: completions, **columns}
         kwargs = kwargs if reward.keywords is None else {k: kwargs[k] for k in reward.keywords if k in kwargs}
         try:
-            returned = reward.fn(**kwargs)
-        except Exception as e:
+            returned = bounded_call(reward.name, timeout_s, lambda: reward.fn(**kwargs))
+        except (Overran, Interrupted):
+            raise
+        except BaseException as e:  # noqa: BLE001 - a failure of the function's, as in a worker process
             return Scores([0.0] * n, n, exception_summary(e), _trace(e))
         if isinstance(returned, (str, bytes)) or not hasattr(returned, "__len__"):
             what = f"returned {type(returned).__name__} {returned!r:.60}, not a list of {n} numbers"
@@ -232,17 +261,19 @@ def score_batch(
     scores = Scores([0.0] * n)
     for i, call in enumerate(calls):
         try:
-            value = _number(call())
+            value = _number(bounded_call(reward.name, timeout_s, call))
             if not math.isfinite(value):
                 raise ValueError(f"reward is {value}")
             scores.values[i] = value
+        except (Overran, Interrupted):
+            raise
         except TypeError as e:
             scores.errors += 1
             if scores.type_error is None and str(e).startswith("returned"):
                 scores.type_error = f"sample {i}: {e}"
             scores.first_error = scores.first_error or f"sample {i}: {exception_summary(e)}"
             scores.trace = scores.trace or _trace(e)
-        except Exception as e:
+        except BaseException as e:  # noqa: BLE001 - a failure of the function's, as in a worker process
             scores.errors += 1
             scores.first_error = scores.first_error or f"sample {i}: {exception_summary(e)}"
             scores.trace = scores.trace or _trace(e)
@@ -263,12 +294,21 @@ def score_all(
 
 
 class UserRewards:
-    """The reward functions of a run, called on each step's batch: in this process, or with
-    `isolate` in a long-lived worker process started by spawn (it imports the functions once, and is
-    replaced after a timeout). Called like `RewardRunner` on (problem, completion, length) items."""
+    """The reward functions of a run, called on each step's batch: in this process (each call within
+    `in_process_timeout_s`, past which the run stops), or with `isolate` in a long-lived worker process
+    started by spawn (it imports the functions once, and is replaced after `timeout_s`). Called like
+    `RewardRunner` on (problem, completion, length) items."""
 
-    def __init__(self, rewards: list[BoundReward], isolate: bool = False, timeout_s: float = 5.0, strict=False):
+    def __init__(
+        self,
+        rewards: list[BoundReward],
+        isolate: bool = False,
+        timeout_s: float = 5.0,
+        strict=False,
+        in_process_timeout_s: float = IN_PROCESS_TIMEOUT_S,
+    ):
         self.rewards, self.strict, self.isolate = rewards, strict, isolate
+        self.in_process_timeout_s = in_process_timeout_s
         self.worker = RewardRunner(_ScoreAll(rewards), True, timeout_s, strict, start="spawn") if isolate else None
         self.checked = False  # the first batch passed its check
         self._shown: set[str] = set()
@@ -284,7 +324,13 @@ class UserRewards:
     def _scores(self, prompts, completions, columns) -> tuple[list[Scores], bool]:
         """Each function's scores, and whether the worker timed out on the batch (every score then failed)."""
         if self.worker is None:
-            return score_all(self.rewards, prompts, completions, columns), False
+            got = []
+            for reward in self.rewards:
+                try:
+                    got.append(score_batch(reward, prompts, completions, columns, self.in_process_timeout_s))
+                except Overran:
+                    raise RewardError(overran_line(reward.name, self.in_process_timeout_s)) from None
+            return got, False
         reply, failure = self.worker.call((prompts, completions, columns))
         if failure is None:
             return reply, False
@@ -369,7 +415,8 @@ def binary_reward(cfg: TrainConfig) -> bool:
 def config_rewards(cfg: TrainConfig) -> list[Reward]:
     """The reward functions `task.reward_fn` names, imported, with `task.reward_weights`."""
     weights = cfg.task.reward_weights or [1.0] * len(cfg.task.reward_fn)
-    return [Reward(import_reward_fn(spec), weight=w) for spec, w in zip(cfg.task.reward_fn, weights)]
+    timeout_s = cfg.reward.import_timeout_s
+    return [Reward(import_reward_fn(spec, timeout_s), weight=w) for spec, w in zip(cfg.task.reward_fn, weights)]
 
 
 def run_rewards(
@@ -380,10 +427,11 @@ def run_rewards(
     process unless `reward.isolate=always` (a spawned worker; docs/your-task.md says why, with timings)."""
     if rewards is None and cfg.task.reward_fn:
         rewards = config_rewards(cfg)
+    r = cfg.reward
     if rewards:
         columns = sorted({k for p in problems for k in p.columns})
         bound = bind_all(rewards, columns)
-        return UserRewards(bound, cfg.reward.isolate == "always", cfg.reward.timeout_s, cfg.reward.strict)
+        return UserRewards(bound, r.isolate == "always", r.timeout_s, r.strict, r.in_process_timeout_s)
     trusted = cfg.task.name in TRUSTED_REWARDS
-    isolate = {"auto": not trusted, "always": True, "never": False}[cfg.reward.isolate]
-    return RewardRunner(REWARDS[cfg.task.name], isolate, cfg.reward.timeout_s, cfg.reward.strict)
+    isolate = {"auto": not trusted, "always": True, "never": False}[r.isolate]
+    return RewardRunner(REWARDS[cfg.task.name], isolate, r.timeout_s, r.strict, "fork", r.in_process_timeout_s)

@@ -8,11 +8,15 @@ broken reward function is visible at once; later ones are only counted, and
 
 Untrusted or slow rewards (math-verify, user functions) run one at a time in a
 worker process that is killed and replaced on a timeout, and that exits when the
-run does, even a SIGKILLed run; the built-in rewards run in-process.
+run does, even a SIGKILLed run; the built-in rewards run in-process. Code run in
+the training process (a reward module's import, an in-process reward call) is
+bounded too (`bounded`): no worker can be killed for it, so past its bound it is
+interrupted and the run refused or stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing as mp
 import os
@@ -20,6 +24,7 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -35,10 +40,119 @@ if TYPE_CHECKING:
 
 _PARENT_CHECK_S = 1.0  # how often an idle worker checks that the run is still there
 WORKER_START_S = 300.0  # how long a worker may take to start (spawn: a fresh interpreter imports torch)
+IN_PROCESS_TIMEOUT_S = 300.0  # `reward.in_process_timeout_s` unset: a reward call in the training process
 
 
 class RewardError(RuntimeError):
-    """A reward failure under `reward.strict=true`, or rewards that keep failing (`RewardHealth`)."""
+    """A reward failure under `reward.strict=true`, rewards that keep failing (`RewardHealth`), or a reward
+    call in the training process past `reward.in_process_timeout_s`."""
+
+
+# ----------------------------------------------------------------------------- your code in this process
+
+
+class Overran(BaseException):
+    """Raised into code run under `bounded` once it runs past its bound. A BaseException, so that the code's
+    own `except Exception` does not take it for one of its errors."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM came while `bounded` ran code that the signal ends: the program stops (exit code
+    128 + `signum`). Not the code's own KeyboardInterrupt, which `bounded` lets through as the code's error."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+GRACE_S = 10.0  # how long code that caught `Overran` may go on before the process stops at once
+
+
+class _Watch:
+    def __init__(self):
+        self.active, self.expired, self.signum = True, False, None
+
+
+@contextlib.contextmanager
+def bounded(timeout_s: float, late: str, late_exit: int, interrupt: bool = False) -> Iterator[None]:
+    """Run the block, code of the user's in this process, for at most `timeout_s`: past it `Overran` is raised
+    into the block (by SIGALRM, which also ends a `time.sleep` or a blocking read) and out of the `with`,
+    whatever the block made of it. A block that catches it and goes on is stopped GRACE_S later: `late` is
+    printed and the process ends with `late_exit` (os._exit: nothing else ends code that will not end).
+
+    SIGINT and SIGTERM that come meanwhile go to the handler in place (`parity train`'s notes them and the
+    block goes on); with `interrupt`, or where that handler is Python's default (which raises
+    KeyboardInterrupt, or ends the process), the block is ended with `Interrupted`. So a KeyboardInterrupt
+    that leaves the block is the block's own. A fork of the block that returns here exits at once: it
+    would run a second copy of the program (a reward calling `os.fork()` in each call multiplied the run
+    exponentially). Signals run in the main thread only: elsewhere the block is unbounded."""
+    pid, watch = os.getpid(), _Watch()
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.getsignal(s) for s in (signal.SIGALRM, signal.SIGINT, signal.SIGTERM)} if main else {}
+
+    def expire(_signum: int, _frame) -> None:
+        if not watch.active:  # the block is over; the timer is being stopped
+            return
+        if watch.expired:  # the block caught Overran and went on
+            print(f"\n{late}", file=sys.stderr, flush=True)  # on a line of its own, after any progress bar
+            os._exit(late_exit)
+        watch.expired = True
+        raise Overran
+
+    def note(signum: int, frame) -> None:
+        handler = previous[signum]
+        if handler == signal.SIG_IGN:
+            return
+        if callable(handler) and handler is not signal.default_int_handler:
+            handler(signum, frame)
+            if not interrupt:
+                return
+        watch.signum = watch.signum or signum
+        if watch.active:
+            raise Interrupted(signum)
+
+    if main:
+        signal.signal(signal.SIGALRM, expire)
+        signal.signal(signal.SIGINT, note)
+        signal.signal(signal.SIGTERM, note)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s, GRACE_S)
+    raised: BaseException | None = None
+    try:
+        yield
+    except BaseException as e:  # noqa: BLE001 - settled below, after the timer is stopped
+        raised = e
+    watch.active = False  # from here the handlers only note: nothing is raised into the lines below
+    if os.getpid() != pid:
+        os._exit(0)
+    if main:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if watch.signum is not None:
+        raise Interrupted(watch.signum) from None
+    if watch.expired:
+        raise Overran from None
+    if raised is not None:
+        raise raised
+
+
+def overran_line(name: str, timeout_s: float) -> str:
+    """What stops a run whose reward call in the training process ran past its bound."""
+    return (
+        f"reward function {name} did not return within reward.in_process_timeout_s={timeout_s:g} s in the training "
+        "process; an interrupted call may have left its state half-changed, so the run stops (reward.isolate=always "
+        "runs it in a worker process, where a call past reward.timeout_s scores 0)"
+    )
+
+
+def bounded_call(name: str, timeout_s: float | None, call: Any) -> Any:
+    """`call()` (a reward in the training process) under `bounded`; no bound with `timeout_s` None (a
+    worker process, which its parent bounds)."""
+    if timeout_s is None:
+        return call()
+    late = f"parity: the run stopped: {overran_line(name, timeout_s)}; it went on after it was interrupted"
+    with bounded(timeout_s, late, 1):
+        return call()
 
 
 @dataclass
@@ -58,8 +172,9 @@ class _Failure(NamedTuple):
 
 
 def exception_summary(e: BaseException) -> str:
-    """`Type: message` on one line, even for multi-line messages."""
-    return " ".join(f"{type(e).__name__}: {e}".split())
+    """`Type: message` on one line, even for multi-line messages; `Type` alone for an empty one."""
+    message = " ".join(str(e).split())
+    return f"{type(e).__name__}: {message}" if message else type(e).__name__
 
 
 def _exception_failure(e: BaseException) -> _Failure:
@@ -90,6 +205,7 @@ def _unchecked(value: object) -> object:
 
 def _worker(fn: RewardFn, conn, parent_pid: int, die_with_parent: bool, check=_check) -> None:
     stopping.worker_started(parent_pid, die_with_parent)
+    pid = os.getpid()
     prepare = getattr(fn, "prepare", None)  # a reward's slow imports, within the start's budget
     if prepare is not None:
         prepare()
@@ -104,9 +220,12 @@ def _worker(fn: RewardFn, conn, parent_pid: int, die_with_parent: bool, check=_c
         if item is None:
             return
         try:
-            conn.send((check(fn(*item)), None))
+            reply = (check(fn(*item)), None)
         except BaseException as e:  # noqa: BLE001 - reported to the parent, never raised here
-            conn.send((0.0, _exception_failure(e)))
+            reply = (0.0, _exception_failure(e))
+        if os.getpid() != pid:  # a fork of the reward, returning here: it would answer the run a second time
+            os._exit(0)
+        conn.send(reply)
 
 
 class RewardRunner:
@@ -114,8 +233,17 @@ class RewardRunner:
     is quick; `spawn` starts a fresh interpreter, the only safe start for code that runs torch, whose
     thread pools a forked child inherits locked (a judge model hangs in its forward)."""
 
-    def __init__(self, fn: RewardFn, isolate: bool, timeout_s: float = 5.0, strict: bool = False, start: str = "fork"):
+    def __init__(
+        self,
+        fn: RewardFn,
+        isolate: bool,
+        timeout_s: float = 5.0,
+        strict: bool = False,
+        start: str = "fork",
+        in_process_timeout_s: float = IN_PROCESS_TIMEOUT_S,
+    ):
         self.fn, self.isolate, self.timeout_s, self.strict, self.start = fn, isolate, timeout_s, strict, start
+        self.in_process_timeout_s = in_process_timeout_s
         self._proc: mp.process.BaseProcess | None = None
         self._conn = None
         self._shown_failure = False
@@ -162,9 +290,14 @@ class RewardRunner:
         self._kill()
 
     def _score_in_process(self, item: tuple[Problem, str, int]) -> tuple[float, _Failure | None]:
+        name = getattr(self.fn, "__qualname__", self.fn)
         try:
-            return _check(self.fn(*item)), None
-        except Exception as e:
+            return _check(bounded_call(name, self.in_process_timeout_s, lambda: self.fn(*item))), None
+        except Overran:
+            raise RewardError(overran_line(name, self.in_process_timeout_s)) from None
+        except Interrupted:
+            raise
+        except BaseException as e:  # noqa: BLE001 - a failure of the reward's, as in a worker (`_worker`)
             return 0.0, _exception_failure(e)
 
     def call(self, *args) -> tuple[Any, _Failure | None]:

@@ -23,10 +23,12 @@ from parity.files import regular_file_problem
 from parity.rl.algorithms import ESTIMATORS, AlgorithmConfig
 from parity.rl.builtin_rewards import REWARDS
 from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, difficulty_has_no_effect
+from parity.rl.rewards import IN_PROCESS_TIMEOUT_S, WORKER_START_S
 
 # trainer.micro_batch_tokens when unset, per device.
 MICRO_BATCH_TOKENS = {"cpu": 8192, "cuda": 16384}
-# Keys `parity train --resume RUN key=value` may change: how long and how often, never what is trained.
+# Keys `parity train --resume RUN key=value` may change: how long and how often, never what is trained (the
+# bounds on your code in the training process stop a run, or refuse it, and never change a score).
 # The learner count changes only how the gradient's sum is split (round-off): sharded checkpoints reshard.
 # Data paths may change too (the same data moved, or the run resumed from another folder): the data order
 # is a position in the file's rows.
@@ -40,6 +42,8 @@ RESUMABLE_KEYS = (
     "distributed.learners",
     "task.data",
     "eval.data",
+    "reward.import_timeout_s",
+    "reward.in_process_timeout_s",
 )
 LR_SCHEDULES = ("constant", "linear", "cosine")
 TRACKERS = ("wandb", "trackio", "mlflow")
@@ -95,7 +99,12 @@ class TaskSection:
 
 @dataclass
 class RewardSection:
-    timeout_s: float = 5.0
+    timeout_s: float = 5.0  # per call in a worker process: past it the call scores 0 and the worker is replaced
+    # Your code in the training process, which no worker's kill can bound: a reward module's import may take
+    # import_timeout_s (the run is then refused), a call of a reward run there in_process_timeout_s (the run
+    # then stops)
+    import_timeout_s: float = WORKER_START_S  # as long as a reward worker has to start and import them
+    in_process_timeout_s: float = IN_PROCESS_TIMEOUT_S
     strict: bool = False  # a failing reward stops the run instead of scoring 0
     isolate: str = "auto"  # auto (user/math rewards in a worker process) | always | never
     warn_error_rate: float = 0.1  # warn when this share of a step's rewards failed or timed out
@@ -208,12 +217,19 @@ def default_lr(model: str, lora: bool) -> float:
 
 
 MAX_SEED = 2**32 - 1  # the seeds are scaled and offset (`Run.rollout_seed`) and must stay within torch's int64
+# Steps, and the counts of steps: far past any fine-tuning run (11 days at a step a second), and within what
+# keeps each step's rollout seed (`seed * 1,000,003 + step`) apart from the next seed's.
+MAX_STEPS = 1_000_000
+# Passes over a step's samples: each is a full update of the batch (ppo_epochs x num_minibatches optimizer
+# steps); PPO takes a few, and past this a step costs a hundred updates on the same samples.
+MAX_PPO_EPOCHS = 100
 MAX_WAIT_S = 86400  # timeouts: a day; far past it, the waits' own clocks overflow (a 1e10 s reward timeout crashed)
 CORES = os.cpu_count() or 1
 
-# Every numeric key and its range (floats are already finite: `config._coerce`). A count that sizes memory
-# (rows, positions, ranks) is checked against the machine where the model's sizes are known
-# (`engines.budget`, `engines.lora.apply_lora`).
+# Every numeric key and its range (floats are already finite, integers 64-bit: `config._coerce`). A count
+# that sizes memory (rows, positions, ranks) is checked against the machine where the model's sizes are
+# known (`engines.budget`, `engines.lora.check_lora`); a count of steps or updates, which sets how long a
+# run takes, is at most MAX_STEPS.
 NUMERIC_RANGES = (
     ("trainer.lr", lambda v: v > 0, "> 0"),
     ("trainer.weight_decay", lambda v: v >= 0, ">= 0"),
@@ -222,36 +238,42 @@ NUMERIC_RANGES = (
     ("trainer.eps", lambda v: v > 0, "> 0"),
     ("trainer.grad_clip", lambda v: v >= 0, ">= 0 (0 = off)"),
     ("trainer.loss_scale_init", lambda v: v >= 1, ">= 1 (the scaler's floor)"),
-    ("trainer.loss_scale_growth_interval", lambda v: v >= 1, ">= 1"),
+    ("trainer.loss_scale_growth_interval", lambda v: 1 <= v <= MAX_STEPS, f"in [1, {MAX_STEPS:,}]"),
     ("trainer.micro_batch_tokens", lambda v: v >= 1, ">= 1"),
-    ("trainer.warmup_steps", lambda v: v >= 0, ">= 0"),
-    ("log.completions", lambda v: v >= 0, ">= 0 (0 = print none)"),
+    ("trainer.warmup_steps", lambda v: 0 <= v <= MAX_STEPS, f"in [0, {MAX_STEPS:,}]"),
+    ("log.completions", lambda v: 0 <= v <= MAX_PROBLEMS, f"in [0, {MAX_PROBLEMS:,}] (0 = print none)"),
     ("reward.timeout_s", lambda v: 0 < v <= MAX_WAIT_S, f"in (0, {MAX_WAIT_S}] seconds"),
+    ("reward.import_timeout_s", lambda v: 0 < v <= MAX_WAIT_S, f"in (0, {MAX_WAIT_S}] seconds"),
+    ("reward.in_process_timeout_s", lambda v: 0 < v <= MAX_WAIT_S, f"in (0, {MAX_WAIT_S}] seconds"),
     ("reward.warn_error_rate", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("reward.max_failed_steps", lambda v: v >= 0, ">= 0 (0 = never stop)"),
-    ("health.alarm_window", lambda v: v >= 2, ">= 2"),
+    ("reward.max_failed_steps", lambda v: 0 <= v <= MAX_STEPS, f"in [0, {MAX_STEPS:,}] (0 = never stop)"),
+    ("health.alarm_window", lambda v: 2 <= v <= MAX_STEPS, f"in [2, {MAX_STEPS:,}]"),
     ("health.alarm_factor", lambda v: v >= 0, ">= 0"),
-    ("health.max_skipped_steps", lambda v: v >= 1, ">= 1"),
-    ("steps", lambda v: v >= 1, ">= 1"),
+    ("health.max_skipped_steps", lambda v: 1 <= v <= MAX_STEPS, f"in [1, {MAX_STEPS:,}]"),
+    ("steps", lambda v: 1 <= v <= MAX_STEPS, f"in [1, {MAX_STEPS:,}]"),
     ("seed", lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]"),
     ("prompts_per_step", lambda v: v >= 1, ">= 1"),
     ("rollout.group_size", lambda v: v >= 1, ">= 1"),
-    ("algorithm.ppo_epochs", lambda v: v >= 1, ">= 1"),
+    ("algorithm.ppo_epochs", lambda v: 1 <= v <= MAX_PPO_EPOCHS, f"in [1, {MAX_PPO_EPOCHS}]"),
     ("algorithm.num_minibatches", lambda v: v >= 1, ">= 1"),
     ("algorithm.kl_coef", lambda v: v >= 0, ">= 0 (0 = no KL loss)"),
-    ("keep_checkpoints", lambda v: v >= 1, ">= 1"),
-    ("checkpoint_every", lambda v: v >= -1, ">= -1 (-1 = never)"),
+    ("keep_checkpoints", lambda v: 1 <= v <= MAX_STEPS, f"in [1, {MAX_STEPS:,}]"),
+    ("checkpoint_every", lambda v: -1 <= v <= MAX_STEPS, f"in [-1, {MAX_STEPS:,}] (-1 = never)"),
     ("task.num_problems", lambda v: 1 <= v <= MAX_PROBLEMS, f"in [1, {MAX_PROBLEMS:,}] (each one is generated)"),
     ("distributed.rollout_workers", lambda v: v >= 0, ">= 0 (0 = sample in this process)"),
     ("distributed.learners", lambda v: v >= 1, ">= 1"),
     ("distributed.threads", lambda v: 0 <= v <= CORES, f"in [0, {CORES}] (this machine's cores; 0 = share them)"),
     ("distributed.restart_timeout_s", lambda v: 0 < v <= MAX_WAIT_S, f"in (0, {MAX_WAIT_S}] seconds"),
     ("distributed.connect_timeout_s", lambda v: 0 < v <= MAX_WAIT_S, f"in (0, {MAX_WAIT_S}] seconds"),
-    ("async.max_staleness", lambda v: v >= 0, ">= 0 (0 = synchronous)"),
-    ("async.partial_rollouts", lambda v: v == 0 or v >= 2, "0 (off) or >= 2 (weight versions one response may span)"),
+    ("async.max_staleness", lambda v: 0 <= v <= MAX_STEPS, f"in [0, {MAX_STEPS:,}] (0 = synchronous)"),
+    (
+        "async.partial_rollouts",
+        lambda v: v == 0 or 2 <= v <= MAX_STEPS,
+        f"0 (off) or in [2, {MAX_STEPS:,}] (weight versions one response may span)",
+    ),
     ("lora.rank", lambda v: v >= 0, ">= 0 (0 = off: full fine-tuning)"),
     ("diagnostics.full_vocab_positions", lambda v: v >= 0, ">= 0 (0 = off)"),
-    ("eval.every", lambda v: v >= -1, ">= -1 (0 = after the last step only, -1 = never)"),
+    ("eval.every", lambda v: -1 <= v <= MAX_STEPS, f"in [-1, {MAX_STEPS:,}] (0 = after the last step, -1 = never)"),
     ("eval.num_prompts", lambda v: 1 <= v <= MAX_PROBLEMS, f"in [1, {MAX_PROBLEMS:,}]"),
     ("eval.samples", lambda v: v >= 1, ">= 1"),
     ("eval.temperature", lambda v: v >= 0, ">= 0 (0 = greedy)"),
