@@ -33,7 +33,7 @@ from parity.engines.lora import (
     read_adapter,
     read_adapter_config,
 )
-from parity.engines.models.io import load_config, load_model, resolve_model_dir
+from parity.engines.models.io import load_checked_config, load_model, resolve_model_dir
 from parity.engines.models.modules import CausalLM
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, has_builtin_tokenizer, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
@@ -184,7 +184,7 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
     max_new = cfg.max_new_tokens or (run.rollout.max_new_tokens if run else BUILTIN_MAX_NEW_TOKENS)
     key = "max_new_tokens" if cfg.max_new_tokens or not run else "the run's rollout.max_new_tokens"
     tokenizer = load_tokenizer(target.model_dir)
-    model_config = load_config(target.model_dir)
+    model_config = load_checked_config(target.model_dir)
     positions = model_config.max_position_embeddings
     limit = prompt_limit(tokenizer, positions, max_new, key, chat_template)
     columns = data_columns(run) if run is not None else DataColumns(answer_required=not cfg.reward_fn)

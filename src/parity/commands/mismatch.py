@@ -24,7 +24,7 @@ from parity.engines import precision as prec
 from parity.engines.batch import RolloutBatch
 from parity.engines.budget import check_rollout_memory
 from parity.engines.locate import StageDiff, first_divergence, format_table, locate_row, worst_row
-from parity.engines.models.io import load_config, load_model, require_finite_logits, resolve_model_dir
+from parity.engines.models.io import load_checked_config, load_model, require_finite_logits, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Prompt, has_builtin_tokenizer, load_tokenizer
@@ -210,9 +210,10 @@ def run_mismatch(
     tokenizer = load_tokenizer(model_dir)
     texts = load_prompts(cfg.prompts, cfg.num_prompts, cfg.seed, cfg.model) if texts is None else texts
     max_new = cfg.sampling.max_new_tokens
-    config = load_config(model_dir)
-    positions = config.max_position_embeddings
-    limit = prompt_limit(tokenizer, positions, max_new, "sampling.max_new_tokens", cfg.chat_template)
+    config = load_checked_config(model_dir)
+    limit = prompt_limit(
+        tokenizer, config.max_position_embeddings, max_new, "sampling.max_new_tokens", cfg.chat_template
+    )
     prompts = [limit.check(f"prompts={cfg.prompts}: prompt {i + 1}", p) for i, p in enumerate(texts)]
     keys = "num_prompts x group_size, sampling.max_new_tokens, full_vocab_positions"
     rows = len(prompts) * cfg.group_size

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from parity.config import ConfigError, check_range
 from parity.engines import kernels
 from parity.engines.budget import check_rollout_memory
-from parity.engines.models.io import load_config, load_model, resolve_model_dir
+from parity.engines.models.io import load_checked_config, load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, load_tokenizer
@@ -110,7 +110,7 @@ def candidate_problems(cfg: PerfectibleConfig) -> list[Problem]:
     """The problems to search, every prompt checked to fit the model with `max_new_tokens` after it, and a
     generate() call of `batch_prompts` of them x `samples` to fit in memory."""
     model_dir = resolve_model_dir(cfg.model)
-    config = load_config(model_dir)
+    config = load_checked_config(model_dir)
     positions = config.max_position_embeddings
     limit = prompt_limit(load_tokenizer(model_dir), positions, cfg.max_new_tokens, "max_new_tokens", cfg.chat_template)
     if cfg.data != "builtin":

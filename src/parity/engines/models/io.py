@@ -145,6 +145,16 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise ModelError(f"{model_dir}: no model.safetensors (or sharded index) found")
 
 
+def load_checked_config(model_dir: str | Path) -> ModelConfig:
+    """config.json with its sizes checked against the weight files' headers, no tensor read: what may size
+    memory before the weights load (a `vocab_size` of 10**12 is the config's error, not the batch's)."""
+    model_dir = resolve_model_dir(model_dir)
+    cfg = load_config(model_dir)
+    with _WeightFiles(_weight_files(model_dir)) as files:
+        _check_sizes(cfg, files.file_shapes, model_dir)
+    return cfg
+
+
 def load_model(
     model_dir: str | Path, numerics: kernels.Numerics, shard: Callable[[CausalLM], object] | None = None
 ) -> CausalLM:
