@@ -34,6 +34,12 @@ on 2 cores at the defaults):
   `parity eval` must refuse the forged ones in one line and `--resume` set the
   checkpoint aside and reproduce the run exactly; a user's folders under
   checkpoints/ must be neither read nor pruned;
+- your code and your files (issue 54): LoRA adapter folders whose
+  adapter_config.json has each bad field or nests 100,000 deep, config files
+  and a run's config.yaml holding a YAML python tag (its command must never run),
+  completion rows missing keys, reward modules that raise KeyboardInterrupt or
+  loop at import, a reward that forks in the training process (the run must end
+  once, exit 0) and one that never returns there (exit 1, one line);
 - received folders (issue 54): the reference run with one of its entries
   (checkpoints/, .lock, completions/, config.yaml, a checkpoint's weights, ...)
   replaced by a link to the user's folder or private key, given to `--resume`,
@@ -270,6 +276,7 @@ class Case:
     argv: list[str]
     cwd: Path | None = None
     env: dict[str, str] | None = None
+    expect: tuple[int, ...] = (1, 2)  # the exit codes of a clean end: a refusal, or a run stopped on purpose
 
 
 def bad_input_cases(root: Path) -> list[Case]:
@@ -299,6 +306,7 @@ def bad_input_cases(root: Path) -> list[Case]:
     return [
         *hostile_model_dir_cases(root, train),
         *received_input_cases(root, train),
+        *your_code_cases(root, train),
         Case("trainer.lr=inf", train("trainer.lr=inf")),
         Case("trainer.lr=nan", train("trainer.lr=nan")),
         Case("trainer.lr=-1e-4", train("trainer.lr=-1e-4")),
@@ -318,6 +326,75 @@ def bad_input_cases(root: Path) -> list[Case]:
         Case("cut model file", ["mismatch", "--model", str(root / "model-cut"), "--out", "OUT"]),
         Case("unwritable output", ["mismatch", "--out", "/sys/parity-fault", "num_prompts=2"]),
         Case("report on a corrupt run", ["report", str(root / "corrupt-run"), "--out", "OUT"]),
+    ]
+
+
+def your_code_cases(root: Path, train) -> list[Case]:
+    """Issue 54's: a LoRA adapter folder with each bad field, a config.yaml holding a YAML python tag, a run's
+    completions missing keys, and reward modules that raise KeyboardInterrupt or never end at import, fork in the
+    training process, or never return from a call there."""
+    import yaml
+
+    adapters = {
+        "r 0": {"r": 0},
+        "r -4": {"r": -4},
+        "target_modules a string": {"target_modules": "q_proj"},
+        "target_modules unknown": {"target_modules": ["attn.c_proj"]},
+        "lora_alpha nan": {"lora_alpha": float("nan")},
+    }
+    base = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    base["base_model_name_or_path"] = "builtin"
+    cases = []
+    for i, (name, change) in enumerate({**adapters, "nested 100,000 deep": None}.items()):
+        folder = root / f"adapter-{i}"
+        folder.mkdir()
+        text = json.dumps({**base, **change}) if change is not None else "[" * 100_000 + "]" * 100_000
+        (folder / "adapter_config.json").write_text(text)
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+        cases.append(Case(f"eval of an adapter folder: {name}", ["eval", str(folder), "num_prompts=2", "out=OUT"]))
+    marker = root / "yaml-ran"
+    tagged = f"steps: 2\nseed: !!python/object/apply:os.system [touch {marker}]\n"
+    (root / "tagged.yaml").write_text(tagged)
+    cases.append(Case("a config file with a YAML python tag", ["train", str(root / "tagged.yaml"), "run_dir=RUN"]))
+    for name in ("tagged-run", "rows-run"):
+        shutil.copytree(root / "reference", root / name)
+    config = yaml.safe_load((root / "tagged-run" / "config.yaml").read_text())
+    (root / "tagged-run" / "config.yaml").write_text(
+        yaml.safe_dump(config) + f"x: !!python/object/apply:os.system [touch {marker}]\n"
+    )
+    cases.append(
+        Case("--resume of a run whose config.yaml holds a python tag", ["train", "--resume", str(root / "tagged-run")])
+    )
+    cases.append(
+        Case("eval of a run whose config.yaml holds a python tag", ["eval", str(root / "tagged-run"), "out=OUT"])
+    )
+    newest = sorted((root / "rows-run" / "completions").iterdir())[-1]
+    newest.write_text(json.dumps({"step": 8, "prompt": "1+1=", "completion": "2"}) + "\n")
+    cases.append(Case("report of completions rows missing keys", ["report", str(root / "rows-run"), "--out", "OUT"]))
+    modules = {
+        "interrupts_mod": "raise KeyboardInterrupt\n",
+        "loops_mod": "while True:\n    pass\n",
+        "forks_mod": "import os\ndef score(prompt, completion, answer):\n    os.fork()\n    return 1.0\n",
+        "stalls_mod": "import time\ndef score(prompt, completion, answer):\n    time.sleep(10**6)\n",
+    }
+    for module, text in modules.items():
+        (root / f"{module}.py").write_text(text)
+    in_process = ("reward.isolate=never", "reward.in_process_timeout_s=5")
+    return [
+        *cases,
+        Case("a reward module raising KeyboardInterrupt at import", train("task.reward_fn=interrupts_mod:score"), root),
+        Case(
+            "a reward module with an endless loop at import",
+            train("task.reward_fn=loops_mod:score", "reward.import_timeout_s=5"),
+            root,
+        ),
+        Case(
+            "a reward that forks in the training process",
+            train("task.reward_fn=forks_mod:score", *in_process),
+            root,
+            expect=(0,),
+        ),
+        Case("an in-process reward that never returns", train("task.reward_fn=stalls_mod:score", *in_process), root),
     ]
 
 
@@ -458,7 +535,12 @@ def received_input_cases(root: Path, train) -> list[Case]:
 
 
 # Cases that fail at run time, after the run directory legitimately exists.
-RUNTIME_FAILURES = {"a reward that always fails", "weights blow up (trainer.lr=1e38)"}
+RUNTIME_FAILURES = {
+    "a reward that always fails",
+    "weights blow up (trainer.lr=1e38)",
+    "an in-process reward that never returns",
+    "a reward that forks in the training process",
+}
 CASE_TIMEOUT_S = 300  # a case still running after this long has hung
 MEMORY_LIMIT = 8 * 2**30  # address space per case: a memory bomb fails in the case, not on the machine
 
@@ -494,7 +576,7 @@ def bad_input_trials(root: Path) -> dict:
         code, err = bounded([sys.executable, "-m", "parity", *argv], case.cwd, case.env)
         out["hangs"] += code is None
         lines = [x for x in err.splitlines() if x.startswith("parity ")]
-        clean = code in (1, 2) and "Traceback" not in err and len(lines) == 1
+        clean = code in case.expect and "Traceback" not in err and len(lines) == (1 if code else 0)
         if case.name == "a reward that always fails":  # the first failure's traceback is shown on purpose
             clean = code == 1 and len(lines) == 1
         out["clean"] += clean
@@ -506,6 +588,7 @@ def bad_input_trials(root: Path) -> dict:
         print(f"  bad input {case.name!r}: exit {code}: {lines[-1] if lines else '(no error line)'}"[:220], flush=True)
     out["user_files_changed"] = int(tree_digest(root / "user") != user_before)
     out["bytes_leaked"] = leaked_files(root)
+    out["code_executed"] = int((root / "yaml-ran").exists())  # a YAML python tag's command
     return out
 
 
