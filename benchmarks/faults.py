@@ -288,7 +288,16 @@ def bad_input_cases(root: Path) -> list[Case]:
     (root / "long.jsonl").write_text(json.dumps({"prompt": "1+1=" * 1000, "answer": "2"}) + "\n")
     (root / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n')
     (root / "broken_reward_mod.py").write_text("def score(p, r, a)\n    return 1\n")
-    failing = "def score(prompt, completion, answer):\n    raise RuntimeError('no grader')\n"
+    # It scores the first batch (4 completions), which the first-batch check would refuse, then always fails.
+    failing = (
+        "calls = 0\n"
+        "def score(prompt, completion, answer):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls > 4:\n"
+        "        raise RuntimeError('no grader')\n"
+        "    return 0.0\n"
+    )
     (root / "failing_reward_mod.py").write_text(failing)
     from parity.engines.models.io import BUILTIN_DIR
 
@@ -321,7 +330,11 @@ def bad_input_cases(root: Path) -> list[Case]:
         Case("run_dir=.", ["train", "run_dir=.", *fast], root / "user"),
         Case("run_dir holding a user's files", ["train", f"run_dir={root / 'user'}", *fast]),
         Case("--resume a user's folder", ["train", "--resume", str(root / "user")]),
-        Case("a reward that always fails", train("task.reward_fn=failing_reward_mod:score", "steps=5"), root),
+        Case(
+            "a reward that always fails after its first batch",
+            train("task.reward_fn=failing_reward_mod:score", "steps=5"),
+            root,
+        ),
         Case("weights blow up (trainer.lr=1e38)", train("trainer.lr=1e38")),
         Case("cut model file", ["mismatch", "--model", str(root / "model-cut"), "--out", "OUT"]),
         Case("unwritable output", ["mismatch", "--out", "/sys/parity-fault", "num_prompts=2"]),
@@ -536,7 +549,7 @@ def received_input_cases(root: Path, train) -> list[Case]:
 
 # Cases that fail at run time, after the run directory legitimately exists.
 RUNTIME_FAILURES = {
-    "a reward that always fails",
+    "a reward that always fails after its first batch",
     "weights blow up (trainer.lr=1e38)",
     "an in-process reward that never returns",
     "a reward that forks in the training process",
@@ -577,7 +590,7 @@ def bad_input_trials(root: Path) -> dict:
         out["hangs"] += code is None
         lines = [x for x in err.splitlines() if x.startswith("parity ")]
         clean = code in case.expect and "Traceback" not in err and len(lines) == (1 if code else 0)
-        if case.name == "a reward that always fails":  # the first failure's traceback is shown on purpose
+        if case.name == "a reward that always fails after its first batch":  # its first failure's traceback: on purpose
             clean = code == 1 and len(lines) == 1
         out["clean"] += clean
         out["tracebacks"] += "Traceback (most recent call last)" in err and "first failure" not in err
