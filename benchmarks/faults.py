@@ -680,19 +680,6 @@ def received_run_trials(root: Path, reference: list[dict]) -> dict:
 
 # ----------------------------------------------------------------------------- received folders (issue 54)
 
-# Entries of a run folder that Parity writes, prunes or reads, each replaced by a link to the user's.
-LINKED_ENTRIES = {
-    "checkpoints": "results",
-    ".lock": "id_rsa",
-    "completions": "results",
-    "checkpoints/corrupt": "results",
-    "tensorboard": "results",
-    "metrics.jsonl": "id_rsa",
-    "config.yaml": "id_rsa",
-    "numerics.json": "id_rsa",
-    "completions/step_000008.jsonl": "id_rsa",
-    "checkpoints/step_000008/model/model.safetensors": "id_rsa",
-}
 # A report's output folder, forged or planted: what it holds before `parity report RUN --out` it.
 FORGED_OUTPUTS = {
     "a mark of names (the old form) listing the user's files": {"written_by": "parity", "names": ["report.md"]},
@@ -715,6 +702,7 @@ def received_folder_trials(root: Path) -> dict:
     lines where report reads, and output folders with a forged mark, an edited file or a planted link: each
     must end in one line, exit 2, with 0 bytes written, deleted or read outside the folders named."""
     from test_model_dirs import SECRET
+    from test_received_runs import LINKED, link_in
 
     home = root / "home"  # `leaked_files` looks everywhere but here for the secret's bytes
     (home / "results" / "step_000001").mkdir(parents=True, exist_ok=True)
@@ -738,15 +726,10 @@ def received_folder_trials(root: Path) -> dict:
         line = next((x for x in err.splitlines() if x.startswith("parity ")), "(no error line)")
         print(f"  received folder {name!r}: exit {code}: {line}"[:220], flush=True)
 
-    for i, (entry, target) in enumerate(LINKED_ENTRIES.items()):
-        run = root / f"linked-{i}"
+    for i, (entry, target) in enumerate(LINKED.items()):
+        run, entry = root / f"linked-{i}", entry.format(newest="step_000008")
         shutil.copytree(root / "reference", run)
-        if (run / entry).is_file():
-            (run / entry).unlink()
-        else:
-            shutil.rmtree(run / entry, ignore_errors=True)
-        (run / entry).parent.mkdir(parents=True, exist_ok=True)
-        (run / entry).symlink_to(home / target)
+        link_in(run, entry, home / target)
         report_out = root / f"linked-{i}-out"
         tried(f"{entry} a link: --resume", ["train", "--resume", str(run), "steps=9", "keep_checkpoints=1"], None, run)
         if entry != "config.yaml":  # without it the folder is no run eval and report take

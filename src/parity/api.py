@@ -19,9 +19,8 @@ from parity.commands.evaluate import EvalConfig, run_eval, write_outputs
 from parity.config import ConfigError, described
 from parity.distributed.driver import backend_for, backend_for_run
 from parity.outdir import check_output_dir
-from parity.rl.callbacks import Callback, CallbackError, checked_callbacks
+from parity.rl.callbacks import Callback, checked_callbacks
 from parity.rl.checkpoint import checkpoints
-from parity.rl.data import DataError
 from parity.rl.loop import Run
 from parity.rl.reward_fns import Reward, function_spec
 from parity.rl.train_config import TrainConfig
@@ -29,19 +28,6 @@ from parity.runtime import use_free_cores
 
 RewardLike = Callable[..., Any] | Reward
 Dataset = Any  # a `datasets.Dataset`, a list of dicts, or a JSONL/Parquet file's path
-
-__all__ = [
-    "Callback",
-    "CallbackError",
-    "ConfigError",
-    "DataError",
-    "Reward",
-    "TrainConfig",
-    "TrainResult",
-    "evaluate",
-    "push_to_hub",
-    "train",
-]
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,8 @@ def home(tmp_path) -> Path:
     return folder
 
 
-# Each entry of a run folder that Parity writes, prunes or reads, replaced by a link to the user's.
+# Each entry of a run folder that Parity writes, prunes or reads, replaced by a link to the user's ({newest}: the
+# newest checkpoint's step). benchmarks/faults.py tries them too.
 LINKED = {
     "checkpoints": "results",
     ".lock": "id_rsa",
@@ -63,25 +64,32 @@ LINKED = {
     "tensorboard": "results",
     "metrics.jsonl": "id_rsa",
     "config.yaml": "id_rsa",
-    "checkpoints/step_000002/model/model.safetensors": "id_rsa",
+    "numerics.json": "id_rsa",
+    "completions/{newest}.jsonl": "id_rsa",
+    "checkpoints/{newest}/model/model.safetensors": "id_rsa",
 }
 
 
-def _received(tiny_run: Path, tmp_path: Path, home: Path, entry: str) -> Path:
+def link_in(run: Path, entry: str, target: Path) -> None:
+    """Replace `entry` of the run folder `run` (whatever it is, or nothing) with a link to `target`."""
+    if (run / entry).is_dir():
+        shutil.rmtree(run / entry)
+    elif (run / entry).exists():
+        (run / entry).unlink()
+    (run / entry).parent.mkdir(parents=True, exist_ok=True)
+    (run / entry).symlink_to(target)
+
+
+def _received(tiny_run: Path, tmp_path: Path, home: Path, entry: str) -> tuple[Path, str]:
     run = copy_run(tiny_run, tmp_path / "received")
-    target = run / entry
-    if target.is_dir():
-        shutil.rmtree(target)
-    elif target.exists():
-        target.unlink()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.symlink_to(home / LINKED[entry])
-    return run
+    name = entry.format(newest="step_000002")
+    link_in(run, name, home / LINKED[entry])
+    return run, name
 
 
 @pytest.mark.parametrize("entry", sorted(LINKED))
 def test_a_received_run_holding_a_link_is_refused_by_resume_eval_and_report(entry, tiny_run, tmp_path, home, capsys):
-    run = _received(tiny_run, tmp_path, home, entry)
+    run, entry = _received(tiny_run, tmp_path, home, entry)
     before, theirs = _digest(run), _digest(home)
     out = tmp_path / "out"
     _one_line(["train", "--resume", str(run), "steps=3", "keep_checkpoints=1"], capsys, f"{entry} is a symbolic link")
