@@ -360,7 +360,7 @@ class UserRewards:
                 result.first_error = result.first_error or line
                 if reward.name not in self._shown:
                     self._shown.add(reward.name)
-                    report_first_failure(f"reward {line}", scores.trace)
+                    report_first_failure(f"reward {reward.name}: first failure, {scores.first_error}", scores.trace)
                 if self.strict:
                     self.close()
                     raise RewardCheckError(f"reward {line} (reward.strict=true)")
