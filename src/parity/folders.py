@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -206,6 +207,11 @@ class Folder:
             raise ValueError(f"{self.shown / name}: more than {limit:,} bytes")
         return data
 
+    def sha256(self, name: str) -> str:
+        """The SHA-256 of `name`'s bytes, read as `open_read` reads."""
+        with self.open_read(name) as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+
     # -- writing --------------------------------------------------------------
 
     def write_bytes(self, name: str, data: bytes) -> None:
@@ -232,9 +238,7 @@ class Folder:
         """Add `text` to the end of `name` (made if missing), never through a link."""
         with self._parent(name) as (fd, leaf):
             try:
-                out = os.open(
-                    leaf, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=fd
-                )
+                out = os.open(leaf, _APPEND_FLAGS, 0o666, dir_fd=fd)
             except OSError as e:
                 raise self._error(name, fd, leaf, e) from None
             if not stat.S_ISREG(os.fstat(out).st_mode):

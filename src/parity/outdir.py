@@ -71,11 +71,6 @@ def _plain(name: str) -> bool:
     return bool(name) and "/" not in name and name not in (".", "..", MARK)
 
 
-def _sha256(out: Folder, name: str) -> str:
-    with out.open_read(name) as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _foreign(out: Folder, mark: Mark) -> list[str]:
     """Entries of `out` that are not Parity's: neither a file whose bytes the mark records, nor a folder it
     made, nor a temporary file of a recorded name."""
@@ -89,7 +84,7 @@ def _foreign(out: Folder, mark: Mark) -> list[str]:
         elif stat.S_ISREG(st.st_mode):
             temporary = _TEMPORARY.fullmatch(name)
             ours = (temporary is not None and temporary[1] in mark.files) or (
-                name in mark.files and _sha256(out, name) in mark.files[name]
+                name in mark.files and out.sha256(name) in mark.files[name]
             )
         else:
             ours = False
@@ -134,7 +129,7 @@ def write_output(path: Path, data: str | bytes) -> None:
     digest = hashlib.sha256(data).hexdigest()
     with Folder.open(path.parent, key="--out") as out:
         mark = Mark.read(out) or Mark()
-        if out.lstat(path.name) is not None and _sha256(out, path.name) not in mark.files.get(path.name, []):
+        if out.lstat(path.name) is not None and out.sha256(path.name) not in mark.files.get(path.name, []):
             raise ConfigError(f"{path}: appeared or changed while Parity worked, so it is not replaced")
         mark.files[path.name] = [*mark.files.get(path.name, [])[-1:], digest]
         mark.write(out)
@@ -154,7 +149,7 @@ def mark_written(out: Path) -> None:
         mark = Mark.read(folder) or Mark()
         for name in folder.names():
             if _plain(name) and folder.is_file(name):
-                mark.files[name] = [_sha256(folder, name)]
+                mark.files[name] = [folder.sha256(name)]
             elif _plain(name) and folder.is_dir(name):
                 mark.folders.add(name)
         mark.write(folder)

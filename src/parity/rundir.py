@@ -25,6 +25,7 @@ from parity.config import ConfigError
 from parity.folders import Folder, refuse_links
 
 LOCK_NAME = ".lock"
+CHECKPOINTS_DIR = "checkpoints"
 # A checkpoint folder is checkpoints/step_NNNNNN (six digits or more); `Folder.new_dir` writes it as
 # .step_NNNNNN.*.tmp and swaps an older one out as .step_NNNNNN.old. No other name under checkpoints/ is
 # Parity's: a user's step_best or step_000002.bak is neither read, nor pruned, nor cleaned.
@@ -35,7 +36,7 @@ RUN_ENTRIES = {
     "config.yaml",
     "numerics.json",
     "metrics.jsonl",
-    "checkpoints",
+    CHECKPOINTS_DIR,
     "tensorboard",
     "completions",  # each step's completions with their rewards (`rl/completions.py`)
     "data",  # datasets the Python API was given in memory
@@ -141,16 +142,16 @@ def clean_leftovers(run_dir: Path) -> list[str]:
     """
     done = []
     with Folder.open(run_dir, key="run_dir") as run:
-        names = run.names("checkpoints")
+        names = run.names(CHECKPOINTS_DIR)
         for name in [n for n in names if _CHECKPOINT_TMP.fullmatch(n)]:
-            run.remove(f"checkpoints/{name}")
+            run.remove(f"{CHECKPOINTS_DIR}/{name}")
             done.append(f"removed {name}, a checkpoint left half-written by a crash")
         for old in [n for n in names if _CHECKPOINT_OLD.fullmatch(n)]:
             target = _CHECKPOINT_OLD.fullmatch(old)[1]
-            if run.lstat(f"checkpoints/{target}") is not None:
-                run.remove(f"checkpoints/{old}")
+            if run.lstat(f"{CHECKPOINTS_DIR}/{target}") is not None:
+                run.remove(f"{CHECKPOINTS_DIR}/{old}")
             else:
-                run.replace(f"checkpoints/{old}", f"checkpoints/{target}")
+                run.replace(f"{CHECKPOINTS_DIR}/{old}", f"{CHECKPOINTS_DIR}/{target}")
                 done.append(f"restored {target}, swapped out by a crash during a save")
         for name in run.names():
             if any(fnmatch.fnmatchcase(name, pattern) for pattern in TEMP_PATTERNS):

@@ -58,14 +58,13 @@ from parity.files import JSONError, parse_json
 from parity.folders import Folder
 from parity.rl import shards
 from parity.rl.model_card import model_card
-from parity.rundir import checkpoint_name, checkpoint_step
+from parity.rundir import CHECKPOINTS_DIR, checkpoint_name, checkpoint_step
 
 # 2: manifest.json with checksums, the config in state.json; 3: sharded checkpoints in rl/shards.py's storage.
 # A format-2 checkpoint of one process reads as before; a format-2 sharded one holds a pickled index, not read.
 FORMAT_VERSION = 3
 READABLE_FORMATS = (2, 3)
 MANIFEST = "manifest.json"
-CHECKPOINTS_DIR = "checkpoints"
 MAX_JSON_BYTES = 64 * 2**20  # manifest.json and state.json list files and settings: far below this
 ADAPTER_DIR = "adapter"
 SHARDED_DIR = "sharded"  # the weights and AdamW state as torch.distributed.checkpoint shards
@@ -127,11 +126,6 @@ def require_finite_weights(model: torch.nn.Module, model_dir: Path, consequence:
         raise ModelError(f"{model_dir}: weights hold inf/NaN ({', '.join(bad[:3])}); {consequence}")
 
 
-def _sha256(folder: Folder, name: str) -> str:
-    with folder.open_read(name) as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _write_manifest(folder: Folder) -> None:
     """manifest.json: the size and SHA-256 of every file the fresh checkpoint folder holds."""
     names, stack = [], [""]
@@ -140,7 +134,7 @@ def _write_manifest(folder: Folder) -> None:
         for name in folder.names(below):
             rel = f"{below}/{name}" if below else name
             (stack if folder.is_dir(rel) else names).append(rel)
-    entries = {n: {"bytes": folder.lstat(n).st_size, "sha256": _sha256(folder, n)} for n in sorted(names)}
+    entries = {n: {"bytes": folder.lstat(n).st_size, "sha256": folder.sha256(n)} for n in sorted(names)}
     folder.write_text(MANIFEST, json.dumps({"format": FORMAT_VERSION, "files": entries}, indent=2) + "\n")
 
 
@@ -229,7 +223,7 @@ def _manifest_mismatch(ckpt: Folder) -> str | None:
                 return f"{name} is missing"
             if st.st_size != entry["bytes"]:
                 return f"{name} is {st.st_size} bytes, the manifest says {entry['bytes']}"
-            if _sha256(ckpt, name) != entry["sha256"]:
+            if ckpt.sha256(name) != entry["sha256"]:
                 return f"{name} does not match its checksum"
         except ConfigError:  # a link on the way to it
             return f"{name} lies behind a link, which Parity never writes"

@@ -86,20 +86,20 @@ class MetricsLog:
         self.run_dir, self.path = run_dir, run_dir / self.NAME
         self.trackers = trackers
 
-    def _lines(self) -> list[str]:
-        with Folder.open(self.run_dir, key="run_dir") as run:
-            return run.read_bytes(self.NAME).decode(errors="replace").splitlines() if run.is_file(self.NAME) else []
+    def _lines(self, run: Folder) -> list[str]:
+        return run.read_bytes(self.NAME).decode(errors="replace").splitlines() if run.is_file(self.NAME) else []
 
     def truncate_after(self, step: int) -> None:
         """Drop lines logged after `step` (a killed run's steps past its checkpoint)."""
-        kept = [line for line in self._lines() if _logged_step(line, step)]
         with Folder.open(self.run_dir, key="run_dir") as run:
             if run.lstat(self.NAME) is not None:
+                kept = [line for line in self._lines(run) if _logged_step(line, step)]
                 run.write_text(self.NAME, "".join(line + "\n" for line in kept))
 
     def rows(self) -> list[dict[str, Any]]:
         """The steps logged (after `truncate_after`, every line is one)."""
-        return [parse_json(line) for line in self._lines()]
+        with Folder.open(self.run_dir, key="run_dir") as run:
+            return [parse_json(line) for line in self._lines(run)]
 
     def log(self, metrics: dict[str, float]) -> None:
         with Folder.open(self.run_dir, key="run_dir") as run:
