@@ -233,8 +233,12 @@ class Tokenizer:
         """`text` as plain text, with the BOS/EOS tokenizer.json's post-processor adds (as `tokenizer(text)`)."""
         return self._tok.encode(text).ids
 
-    def render_chat(self, messages: list[Message]) -> str:
-        """The chat template applied to `messages`, with the prompt for the assistant's turn."""
+    def render_chat(
+        self, messages: list[Message], tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
+    ) -> str:
+        """The chat template applied to `messages`, by default with the prompt for the assistant's turn.
+        `tools` is the template's `tools` variable as transformers passes it: a list of JSON schemas
+        (`{"type": "function", "function": {"name", "description", "parameters"}}`, `rl/tools.tool_schema`)."""
         if self.chat_template is None:
             raise ChatTemplateError(f"{self.source}: the model has no chat template")
         import jinja2
@@ -245,7 +249,9 @@ class Tokenizer:
             template = _compile(self.chat_template)
             template.environment.deadline = time.monotonic() + TEMPLATE_SECONDS
             parts, size = [], 0
-            variables = dict(messages=messages, tools=None, documents=None, add_generation_prompt=True)
+            variables = dict(
+                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt
+            )
             for part in template.generate(**variables, **self.special_tokens):
                 size += len(part)
                 if size > TEMPLATE_CHARS:
@@ -259,9 +265,49 @@ class Tokenizer:
                 f"{self.source}: chat template failed: {type(e).__name__}: {_one_line(str(e))}"
             ) from None
 
-    def encode_chat(self, messages: list[Message]) -> list[int]:
-        """The chat template's text, encoded without added BOS/EOS: the template writes its own."""
-        return self._tok.encode(self.render_chat(messages), add_special_tokens=False).ids
+    def encode_chat(
+        self, messages: list[Message], tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The chat template's text (`render_chat`), encoded by `encode_template`."""
+        return self.encode_template(self.render_chat(messages, tools, add_generation_prompt))
+
+    def encode_template(self, text: str) -> list[int]:
+        """Text a chat template wrote: its special and added tokens recognised, no BOS/EOS added (the
+        template writes its own), as transformers encodes a rendered chat."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """`text` as plain text, without BOS/EOS, where no added token is ever matched: text that spells
+        `<|im_end|>`, `<tool_call>` or `<|eot_id|>` is tokenized as the characters it is. For what a tool or a
+        user wrote, which must not smuggle control tokens into a conversation. The model's own vocabulary and
+        merges still apply, so an added token that is also an ordinary piece of that vocabulary (Gemma's
+        runs of newlines, spaces and tabs) comes out where the merges build it, as the model always reads them."""
+        return self._plain_backend.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _plain_backend(self):
+        """This tokenizer without its added tokens: the same normalizer, pre-tokenizer and model. (The
+        `encode_special_tokens` switch would not do: it leaves non-special added tokens such as Qwen's
+        `<tool_call>` matched.)"""
+        from tokenizers import Tokenizer as Backend
+
+        spec = json.loads(self._tok.to_str())
+        spec["added_tokens"] = []
+        return Backend.from_str(json.dumps(spec))
+
+    @functools.cached_property
+    def added_ids(self) -> frozenset[int]:
+        """Every added token's id, special or not (the ones `encode_template` may match in text)."""
+        return frozenset(self._tok.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the added tokens marked special (control tokens: never text)."""
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    def token_text(self, token_id: int) -> str | None:
+        """The vocabulary entry of `token_id` (an added token's content as written), or None."""
+        return self._tok.id_to_token(token_id)
 
     def uses_chat_template(self, mode: str) -> bool:
         """Whether prompts go through the chat template under `mode` (one of CHAT_TEMPLATE_MODES)."""
