@@ -67,18 +67,21 @@ def builtin_model_config() -> ModelConfig:
     )
 
 
-def char_tokenizer(chars: str, specials: tuple[str, ...]):
-    """A character-level `tokenizers` tokenizer: the specials first (ids 0..), then one id per character."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers
+def char_tokenizer(chars: str, specials: tuple[str, ...], added: tuple[str, ...] = (), newline: bool = False):
+    """A character-level `tokenizers` tokenizer: the specials first (ids 0..), then the `added` tokens (added,
+    not special: decoding keeps them, as Qwen2.5's `<tool_call>`), then one id per character. `newline`: a
+    line break is a character like any other (the built-in model's pattern, `.`, leaves it out)."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
-    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab = {tok: i for i, tok in enumerate(specials + added)}
     for ch in chars:
         vocab[ch] = len(vocab)
     tok = HFTokenizer(models.WordLevel(vocab, unk_token=specials[0]))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r".|\n" if newline else "."), "isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(specials))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     return tok
 
 
@@ -121,12 +124,36 @@ def _slip(problem: Problem, prob: float, rng: random.Random) -> tuple[int, int] 
     return step, rng.choice(wrong)
 
 
+def check_build_dir(out_dir: Path, shipped_dir: Path) -> None:
+    """Refuse `out_dir` unless it is new, empty, the shipped model's folder (Parity's own), or one
+    `build-model` wrote (`outdir.py`)."""
+    if out_dir.resolve() != shipped_dir.resolve():
+        check_output_dir(out_dir)
+
+
+def set_lr(trainer: Trainer, lr: float) -> None:
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = lr
+
+
+def warmup_lr(peak: float, step: int, warmup: int) -> float:
+    """Linear warm-up then constant: a shorter build is a prefix of a longer one."""
+    return peak * min(1.0, (step + 1) / warmup)
+
+
+def padded(rows: list[list[int]], fill: int | bool, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """`rows` of different lengths as one [len(rows), longest] tensor, `fill` after each row's end."""
+    out = torch.full((len(rows), max(len(r) for r in rows)), fill, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
 def build_model(out_dir: str | Path, cfg: BuildConfig = BuildConfig(), log=print, on_eval=None) -> dict[str, float]:
     """Train the built-in model from scratch and save it (HF format) to `out_dir`, which it replaces: refused
     unless it is new, empty, the shipped model's folder, or one `build-model` wrote (`outdir.py`)."""
     out_dir = Path(out_dir)
-    if out_dir.resolve() != BUILTIN_DIR.resolve():  # the shipped model's folder is Parity's own
-        check_output_dir(out_dir)
+    check_build_dir(out_dir, BUILTIN_DIR)
     torch.manual_seed(cfg.seed)
     with tempfile.TemporaryDirectory(prefix="parity-tokenizer-") as tok_dir:
         return _build(out_dir, Path(tok_dir), cfg, log, on_eval)
@@ -145,17 +172,11 @@ def _build(out_dir: Path, tok_dir: Path, cfg: BuildConfig, log, on_eval) -> dict
     start = time.time()
     bar = tqdm(range(cfg.steps), desc="build-model", unit="step")
     for step in bar:
-        # Linear warm-up then constant: a shorter build is a prefix of a longer one.
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
-        for group in trainer.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(trainer, warmup_lr(cfg.lr, step, cfg.warmup))
         problems = task.problems(cfg.batch_size, seed=rng.randrange(2**31))
         prompts = [tok.encode(p.prompt) for p in problems]
         answers = [tok.encode(task.solution(p, _slip(p, cfg.slip_prob, rng))) + [tok.eos_id] for p in problems]
-        width = max(len(a) for a in answers)
-        resp = torch.full((len(answers), width), tok.pad_id, dtype=torch.long)
-        for i, a in enumerate(answers):
-            resp[i, : len(a)] = torch.tensor(a)
+        resp = padded(answers, tok.pad_id)
         mask = resp != tok.pad_id
         logp = trainer.logprobs(prompts, resp, mask)
         loss = -(logp.sum() / mask.sum())
@@ -169,11 +190,11 @@ def _build(out_dir: Path, tok_dir: Path, cfg: BuildConfig, log, on_eval) -> dict
     log(f"pretrained {cfg.steps} steps in {time.time() - start:.0f}s")
     spread = accuracy_spread(model, tok_dir, cfg.eval_problems, cfg.eval_samples, cfg.seed)
     log("held-out accuracy: " + ", ".join(f"{k}={v:.3f}" for k, v in spread.items()))
-    save_model(model, out_dir, partial(_model_files, tok_dir))
+    save_model(model, out_dir, partial(model_files, tok_dir))
     return spread
 
 
-def _model_files(tok_dir: Path, folder: Path) -> None:
+def model_files(tok_dir: Path, folder: Path) -> None:
     """The tokenizer's files beside the weights, and the mark that makes the folder Parity's to replace."""
     copy_tokenizer_files(tok_dir, folder)
     mark_written(folder)
