@@ -12,6 +12,7 @@ _API = (
     "ConfigError",
     "DataError",
     "Reward",
+    "Step",
     "TrainConfig",
     "TrainResult",
     "evaluate",

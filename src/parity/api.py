@@ -21,6 +21,7 @@ from parity.distributed.driver import backend_for, backend_for_run
 from parity.outdir import check_output_dir
 from parity.rl.callbacks import Callback, checked_callbacks
 from parity.rl.checkpoint import checkpoints
+from parity.rl.episodes import Step  # noqa: F401 - parity.Step, what an environment returns
 from parity.rl.loop import Run
 from parity.rl.reward_fns import Reward, function_spec
 from parity.rl.train_config import TrainConfig
@@ -87,11 +88,37 @@ def _rewards(rewards: object) -> list[Reward]:
     return out
 
 
+def _tools(tools: object) -> list[Callable[..., Any]]:
+    """`tools=` as a list of functions (each described by `rl/tools.tool_schema` when the run is built)."""
+    if tools is None:
+        return []
+    if callable(tools) and not isinstance(tools, type):
+        tools = [tools]
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Iterable):
+        raise ConfigError(f"tools: expected a list of functions, got {described(tools)}")
+    tools = list(tools)
+    for i, fn in enumerate(tools):
+        if isinstance(fn, type) or not callable(fn) or not hasattr(fn, "__name__"):
+            raise ConfigError(f"tools[{i}]: expected a function, got {described(fn)}")
+    return tools
+
+
+def _environment(environment: object) -> object:
+    if environment is not None and not callable(environment):
+        raise ConfigError(
+            f"environment: expected a class (made once per episode) or a function making one, got "
+            f"{described(environment)}"
+        )
+    return environment
+
+
 def train(
     model: str | Path = "builtin",
     dataset: Dataset | None = None,
     rewards: RewardLike | Iterable[RewardLike] | None = (),
     *,
+    tools: Iterable[Callable[..., Any]] | None = None,
+    environment: Callable[[], Any] | None = None,
     eval_dataset: Dataset | None = None,
     config: TrainConfig | str | Path | Mapping[str, Any] | None = None,
     callbacks: Callback | Iterable[Callback] | None = (),
@@ -105,7 +132,10 @@ def train(
     training prompts (a `datasets.Dataset`, a list of dicts, or a JSONL/Parquet file) with a `prompt`
     column (`task.prompt_column` names another); None: the built-in task. `rewards`: functions in
     either form (`parity.Reward` for a weight, a name or the form), one alone, or None for the task's
-    own. `callbacks`: objects with `on_step_end` and/or `on_eval` (`parity.Callback`), or one alone.
+    own. `tools`: functions the model may call (their JSON schemas from their signatures and docstrings),
+    or `environment`: a class made once per episode (`reset(row)`, `step(assistant) -> parity.Step`);
+    either makes each sample an episode of several model turns (docs/agents.md). `callbacks`: objects with
+    `on_step_end` and/or `on_eval` (`parity.Callback`), or one alone.
     `config`: a `TrainConfig`, a YAML file or a dict of keys; `keys` override single keys by their names,
     dots as `__` (`trainer__lr=1e-5`) or in a dict (`config={"trainer.lr": 1e-5}`). `resume`: a run
     directory to continue (its saved config; `keys` may change only what `parity train --resume` lets
@@ -114,6 +144,9 @@ def train(
     callback that raises stops the run after a checkpoint of its step, with a `CallbackError`."""
     use_free_cores()
     bound = _rewards(rewards)
+    tool_fns, environment = _tools(tools), _environment(environment)
+    if tool_fns and environment is not None:
+        raise ConfigError("tools and environment: give one (an environment offers its own tools, as its `tools`)")
     hooks = checked_callbacks(callbacks)
     _flag("progress", progress)
     values = {k.replace("__", "."): v for k, v in keys.items()}
@@ -124,7 +157,15 @@ def train(
             raise ConfigError("resume: a resumed run keeps its model, config and data; pass only keys that may change")
         overrides = [f"{k}={v}" for k, v in values.items()]
         backend = backend_for_run(resume)
-        run = Run.resume(resume, overrides, progress=progress, rewards=bound or None, backend=backend)
+        run = Run.resume(
+            resume,
+            overrides,
+            progress=progress,
+            rewards=bound or None,
+            backend=backend,
+            tools=tool_fns or None,
+            environment=environment,
+        )
     else:
         model = _path("model", model, 'a model directory, a Hugging Face id or "builtin"')
         if model != "builtin" or "model" not in values:
@@ -132,6 +173,10 @@ def train(
         if bound:
             values["task.reward_fn"] = [function_spec(r.fn) for r in bound]
             values["task.reward_weights"] = [r.weight for r in bound]
+        if tool_fns:
+            values["task.tools"] = [function_spec(fn) for fn in tool_fns]
+        if environment is not None:
+            values["task.environment"] = function_spec(environment)
         datasets = {}
         for split, name, data, key in (
             ("train", "dataset", dataset, "task.data"),
@@ -146,7 +191,15 @@ def train(
                 datasets[split] = rows
                 values[key] = "builtin" if split == "train" else "auto"  # until written into the run
         cfg = _config(config, values)
-        run = Run.create(cfg, progress=progress, rewards=bound or None, datasets=datasets, backend=backend_for(cfg))
+        run = Run.create(
+            cfg,
+            progress=progress,
+            rewards=bound or None,
+            datasets=datasets,
+            backend=backend_for(cfg),
+            tools=tool_fns or None,
+            environment=environment,
+        )
     if run.step_count >= run.cfg.steps:
         run.close()
         history = []

@@ -40,14 +40,13 @@ from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import regular_file_problem
 from parity.folders import refuse_links
 from parity.outdir import claim_output_dir, write_output, write_output_json
-from parity.rl.builtin_rewards import REWARDS, TRUSTED_REWARDS
+from parity.rl.builtin_rewards import BINARY_REWARDS, REWARDS, TRUSTED_REWARDS
 from parity.rl.checkpoint import checkpoints, load_checkpoint, require_finite_weights
 from parity.rl.data import DataColumns, load_problems, prompt_limit
 from parity.rl.evaluation import EVAL_SEED, TRAINER, EvalSet, Evaluator, eval_sampling, heldout_problems
 from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, builtin_problems
 from parity.rl.reward_fns import Reward, UserRewards, bind_all, data_columns, import_reward_fn
 from parity.rl.rewards import RewardRunner
-from parity.rl.step import BINARY_REWARDS
 from parity.rl.train_config import MAX_SEED, MICRO_BATCH_TOKENS, RewardSection, TrainConfig
 from parity.rundir import in_use_by
 

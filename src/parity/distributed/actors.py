@@ -228,7 +228,7 @@ class Learner:
 
         where = f"learner {self.rank} of {self.world}"
         try:
-            check_first_pass(old, batch.response_mask, rows, first_pass, where)
+            check_first_pass(old, batch.sampled_mask, rows, first_pass, where)
             failed = None
         except ExactnessError as e:
             failed = e

@@ -501,7 +501,7 @@ class RayBackend:
         self._check_loads()
         batch = concat_batches(parts) if len(parts) > 1 else parts[0]
         versions = batch.versions()
-        staleness = (self.step - versions[batch.response_mask]).float()
+        staleness = (self.step - versions[batch.sampled_mask]).float()
         self.async_metrics = {
             "async/staleness_mean": float(staleness.mean()),
             "async/staleness_max": float(staleness.max()),

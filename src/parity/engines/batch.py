@@ -48,10 +48,31 @@ class RolloutBatch:
     # Partial rollouts: the weight version that sampled each token [B, T] (a response continued after a
     # weight sync spans versions); None when every token is `weight_version`'s.
     token_versions: torch.Tensor | None = None
+    # Episodes (several model turns): [B, T] True on the tokens fed between turns (the template's text, a
+    # tool's answer, the next generation prompt): context the trainer reads, never a sampled token. None: one turn.
+    env_mask: torch.Tensor | None = None
+    episodes: object = None  # the step's episodes (`rl/episodes.Episodes`): each row's record, for rewards and logs
 
     @property
     def response_lengths(self) -> torch.Tensor:
+        """Tokens in each row after its prompt: sampled ones and, in an episode, those fed between turns."""
         return self.response_mask.sum(-1)
+
+    @property
+    def sampled_mask(self) -> torch.Tensor:
+        """[B, T] True on the tokens the rollout engine sampled: what μ, π_old, a ratio, a clip, a loss and
+        the mismatch metrics are taken over (in an episode, the model's own turns only)."""
+        if self.env_mask is None:
+            return self.response_mask
+        return self.response_mask & ~self.env_mask
+
+    def turn_index(self) -> torch.Tensor:
+        """[B, T] the model turn (0, 1, ...) each sampled token belongs to; -1 on fed tokens and padding."""
+        if self.env_mask is None:
+            return torch.zeros_like(self.response_ids).masked_fill(~self.response_mask, -1)
+        env = self.env_mask.long()
+        starts = (env - F.pad(env, [1, 0])[:, :-1]).clamp(min=0)  # the first token of each fed span
+        return starts.cumsum(-1).masked_fill(~self.sampled_mask, -1)
 
     @property
     def num_tokens(self) -> int:
@@ -145,4 +166,5 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
         token_versions=None
         if all(b.token_versions is None for b in batches)
         else torch.cat([F.pad(b.versions(), [0, width - b.response_ids.shape[1]], value=-1) for b in batches]),
+        env_mask=cat("env_mask", False),
     )

@@ -46,6 +46,20 @@ class StepContext:
     at: torch.Tensor | None = None  # SlotKVCache: [n] each row's slot for its new token
 
 
+@dataclass
+class ExtendContext:
+    """What `extend`'s attention needs: some active rows, each fed several tokens at once (an episode's
+    between-turn ids, continued from the cache)."""
+
+    active: torch.Tensor  # [m] the rows' positions in the decode batch
+    positions: torch.Tensor  # [m, K] where each new token goes (a row's last ones past its count are padding)
+    counts: torch.Tensor  # [m] real new tokens per row
+    masks: dict[str, torch.Tensor] | None = None  # DenseKVCache: additive key bias [m, 1, K, keys] per type
+    keys: int = 0  # DenseKVCache: slots attended
+    rows: object = None  # SlotKVCache: `attention.Rows`
+    at: torch.Tensor | None = None  # SlotKVCache: [m, K] each new token's slot
+
+
 class DenseKVCache:
     """The CPU cache (see the module docstring)."""
 
@@ -105,6 +119,31 @@ class DenseKVCache:
         k_t, values = self.k[layer, :n, ..., : ctx.keys], self.v[layer, :n, :, : ctx.keys]
         return self.numerics.decode_attention(q, k_t, values, ctx.masks[kind], scale=scale, softcap=softcap)
 
+    def extend_context(
+        self, active: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor, window: int | None
+    ) -> ExtendContext:
+        keys = int(positions.max()) + 1
+        slots = torch.arange(keys)
+        visible = {FULL: slots <= positions[..., None]}
+        if window is not None:
+            visible[SLIDING] = visible[FULL] & (slots > positions[..., None] - window)
+        masks = {kind: torch.zeros(v.shape).masked_fill(~v, float("-inf"))[:, None] for kind, v in visible.items()}
+        return ExtendContext(active, positions, counts, masks=masks, keys=keys)
+
+    def extend(self, layer: int, qk, v, cos, sin, ctx: ExtendContext, kind: str, scale, softcap) -> torch.Tensor:
+        """`decode` for several new tokens per row (qk [m, K, H + Hkv, D], v [m, K, Hkv·D]): their keys and
+        values written at their positions, each query attending over its row's cache up to itself -> [m, H,
+        K, D]. Each query's bits are the ones `decode` gives it: the same spelled-out attention, whose
+        elements depend on no other row (exact mode pads its matmuls)."""
+        q, k = roped(qk, cos, sin, self.config.num_heads)
+        m, hkv, width, d = k.shape
+        values = v.view(m, width, hkv, d)
+        for j in range(width):  # as `decode` writes one token per row
+            self.k[layer, ctx.active, :, :, ctx.positions[:, j]] = k[:, :, j].to(self.k.dtype)
+            self.v[layer, ctx.active, :, ctx.positions[:, j]] = values[:, j].to(self.v.dtype)
+        k_t, vs = self.k[layer, ctx.active, ..., : ctx.keys], self.v[layer, ctx.active, :, : ctx.keys]
+        return self.numerics.decode_attention(q, k_t, vs, ctx.masks[kind], scale=scale, softcap=softcap)
+
     def keep(self, keep: torch.Tensor, n: int, filled: int) -> None:
         """Active rows `keep` (their positions among the first n) become the first len(keep): copy them, the
         first `filled` slots (all any live row has written)."""
@@ -160,6 +199,44 @@ class SlotKVCache:
             q, self.k[layer], self.v[layer], ctx.rows, scale, window, softcap, out=torch.empty_like(q)
         )
         return out[:, :, None]
+
+    def extend_context(
+        self, active: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor, window: int | None
+    ) -> ExtendContext:
+        from parity.engines.kernels import attention
+
+        groups = self.config.num_heads // self.config.num_kv_heads
+        m, width = positions.shape
+        starts = self.table[active] * self.slots
+        q_count = counts.to(torch.int32)
+        tile_row, tile_f0 = attention.tiles(q_count, groups)
+        rows = attention.Rows(
+            q_first=(torch.arange(m, device=positions.device) * width).to(torch.int32),
+            q_count=q_count,
+            q_pos0=positions[:, 0].to(torch.int32),
+            kv_start=starts.to(torch.int32),
+            tile_row=tile_row,
+            tile_f0=tile_f0,
+        )
+        return ExtendContext(active, positions, counts, rows=rows, at=starts[:, None] + positions)
+
+    def extend(self, layer, qk, v, cos, sin, ctx: ExtendContext, kind: str, scale, softcap) -> torch.Tensor:
+        """Several new tokens per row (see `DenseKVCache.extend`), through `attention.py`'s kernel, which gives
+        each query the bits the decode step gives it; a row's padding queries are left at 0."""
+        from parity.engines.kernels import attention
+
+        heads, d = self.config.num_heads, self.config.head_dim
+        q, k = roped(qk, cos, sin, heads)
+        m, hkv, width, _ = k.shape
+        real = torch.arange(width, device=k.device) < ctx.counts[:, None]  # padding never reaches the cache
+        at = ctx.at[real]
+        self.k[layer, at] = k.transpose(1, 2)[real]
+        self.v[layer, at] = v.view(m, width, hkv, d)[real]
+        window = self.config.sliding_window if kind == SLIDING else None
+        scale = d**-0.5 if scale is None else scale
+        flat = q.transpose(1, 2).reshape(m * width, heads, d)
+        out = attention.rows_attention(flat, self.k[layer], self.v[layer], ctx.rows, scale, window, softcap)
+        return out.view(m, width, heads, d).transpose(1, 2)
 
     def keep(self, keep: torch.Tensor, n: int, filled: int) -> None:
         self.table[: len(keep)] = self.table[:n][keep]

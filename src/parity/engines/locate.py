@@ -128,8 +128,8 @@ def locate_row(
 
 def worst_row(logprobs: torch.Tensor, batch: RolloutBatch) -> int:
     """The row holding the token whose `logprobs` lie furthest from the batch's μ."""
-    gap = ((logprobs - batch.rollout_logprobs).abs() * batch.response_mask).flatten()
-    return int(gap.argmax()) // batch.response_mask.shape[1]
+    gap = ((logprobs - batch.rollout_logprobs).abs() * batch.sampled_mask).flatten()
+    return int(gap.argmax()) // batch.sampled_mask.shape[1]
 
 
 def first_divergence(diffs: list[StageDiff]) -> StageDiff | None:

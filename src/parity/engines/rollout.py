@@ -25,6 +25,7 @@ import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -85,15 +86,17 @@ class _FullVocabRecorder:
         self.steps.fill_(-1)
         self.logprobs.zero_()
 
-    def observe(self, t: torch.Tensor, position_of_row: torch.Tensor, live: torch.Tensor, logp) -> None:
-        """Step `t` ([1]): `position_of_row` gives each output row's position in the decode batch (-1 once
-        it left), `live` marks the batch's rows that sampled a token, `logp` [rows, V] the distribution
-        each sampled from (or a function giving its rows at given positions)."""
+    def observe(self, columns: torch.Tensor, position_of_row: torch.Tensor, live: torch.Tensor, logp) -> None:
+        """A step: `columns` [output rows] the response index each row samples, `position_of_row` each output
+        row's position in the decode batch (-1 once it left), `live` marks the batch's rows that sample a
+        token, `logp` [rows, V] the distribution each sampled from (or a function giving its rows at given
+        positions)."""
         where = position_of_row[self.rows]
         at = where.clamp(min=0)
         slot = self.kept_keys.argmax(-1)
         worst = self.kept_keys[self.index, slot]
-        key = self.keys.index_select(1, t).squeeze(1)
+        t = columns[self.rows]
+        key = self.keys.gather(1, t[:, None]).squeeze(1)
         take = (where >= 0) & live[at] & (key < worst)
         self.kept_keys[self.index, slot] = torch.where(take, key, worst)
         self.steps[self.index, slot] = torch.where(take, t, self.steps[self.index, slot])
@@ -132,6 +135,11 @@ class _Workspace:
     candidates_most: torch.Tensor | None = None  # the most candidates a live row needed (0-d)
     routes: torch.Tensor | None = None  # MoE: [rows, steps, MoE layers, k]
     recorder: _FullVocabRecorder | None = None
+    column: torch.Tensor | None = None  # per output row: the column its next token goes to
+    # Episodes: [rows, steps] whether a column was fed between turns; the output rows whose episode is over
+    # (host side).
+    fed: torch.Tensor | None = None
+    over: set[int] = field(default_factory=set)
     graphs: dict[int, torch.cuda.CUDAGraph] | None = None  # per batch size; None: eager steps
     warmed: set[int] = field(default_factory=set)
     pool: object = None
@@ -140,6 +148,17 @@ class _Workspace:
 def _grown(have: int, need: int) -> int:
     """A buffer width that holds `need` with room to spare (a multiple of 64), or `have` if it already does."""
     return have if need <= have else -(-2 * need // 64) * 64
+
+
+class Between(Protocol):
+    """What comes between two model turns of an episode (`generate(between=...)`), asked on the host as soon
+    as rows end a turn with an end-of-turn token."""
+
+    def __call__(self, rows: list[int], tokens: list[list[int]], rooms: list[int]) -> dict[int, tuple[list[int], int]]:
+        """`rows`: the output rows that just ended a turn; `tokens`: each one's tokens so far (sampled and
+        fed); `rooms`: the columns each has left. Returns, for each row that goes on, the ids to feed it
+        (fewer than its room) and the token limit of its next turn; a row left out is over."""
+        ...
 
 
 class _Widen(Exception):
@@ -360,13 +379,20 @@ class RolloutEngine:
         }
 
     def _workspace_for(
-        self, rows: int, max_len: int, max_new: int, sampling: SamplingParams, widths: Widths | None, full_vocab: int
+        self,
+        rows: int,
+        max_len: int,
+        max_new: int,
+        sampling: SamplingParams,
+        widths: Widths | None,
+        full_vocab: int,
+        episodes: bool,
     ) -> _Workspace:
         multiple = SLOT_MULTIPLE.get(self.device.type, 1)
         slots = -(-max_len // multiple) * multiple
         steps = -(-max_new // STEP_MULTIPLE) * STEP_MULTIPLE
         # Everything a captured step bakes in: the buffers' shapes, the sampling settings, the weights' buffers.
-        key = (rows, slots, steps, dataclasses.replace(sampling, max_new_tokens=1), widths, full_vocab)
+        key = (rows, slots, steps, dataclasses.replace(sampling, max_new_tokens=1), widths, full_vocab, episodes)
         key += (self.weights.layout,)
         ws = self._workspace
         if ws is not None and ws.key == key:
@@ -389,6 +415,7 @@ class RolloutEngine:
             done=filled(False, rows, dtype=torch.bool),
             limit=filled(0, rows),
             step=filled(0, 1),
+            column=filled(0, rows),
             max_position=filled(0),
             uniforms=filled(0.0, steps, rows, dtype=torch.float32),
             tokens=filled(0, rows, steps),
@@ -405,6 +432,8 @@ class RolloutEngine:
             ws.routes = filled(-1, rows, steps, len(cfg.moe_layers), cfg.experts_per_token)
         if full_vocab > 0:
             ws.recorder = _FullVocabRecorder(full_vocab, rows, steps, cfg.vocab_size, dev)
+        if episodes:
+            ws.fed = filled(False, rows, steps, dtype=torch.bool)
         # The decode step as a CUDA graph: dense models only (a MoE layer reads its experts back to the host).
         if self.use_graphs and self.device.type == "cuda" and self.graphs_off_reason is None and not moe:
             ws.graphs, ws.pool = {}, torch.cuda.graph_pool_handle()
@@ -422,6 +451,7 @@ class RolloutEngine:
         ws.limit.copy_(torch.tensor(limits, device=dev))
         ws.done.zero_()
         ws.step.zero_()
+        ws.column.zero_()
         ws.max_position.fill_(max_len - 1)
         ws.tokens.fill_(self.pad_id)
         ws.logprobs.zero_()
@@ -438,11 +468,15 @@ class RolloutEngine:
             ws.routes.fill_(-1)
         if ws.recorder is not None:
             ws.recorder.reset(seed, rows, max_new)
+        if ws.fed is not None:
+            ws.fed.zero_()
+            ws.over = set()
 
     def _sample(self, ws: _Workspace, n: int, logits: torch.Tensor) -> None:
-        """Sample step `ws.step`'s token for the first n active rows from their logits [n, V] and record it."""
+        """Sample the next token of the first n active rows from their logits [n, V] and record it, each at its
+        row's column (the step's, but for a row of an episode, which has been fed ids between turns)."""
         t, rows = ws.step, ws.order[:n]
-        column = t.expand(n)
+        column = ws.column[rows]
         uniforms = ws.uniforms.index_select(0, t)[0, rows][:, None]
         sampled = draw(logits, ws.sampling, uniforms, ws.widths, self.numerics)
         live = ~ws.done[:n]
@@ -454,7 +488,7 @@ class RolloutEngine:
             logp = sampled.logp
             if logp is None:  # the draw did not compute the whole distribution: the recorded rows' only
                 logp = lambda at: log_distribution(logits[at].float(), ws.sampling)  # noqa: E731
-            ws.recorder.observe(t, ws.position_of_row, live, logp)
+            ws.recorder.observe(ws.column, ws.position_of_row, live, logp)
         if sampled.kept_ids is not None:
             ws.kept_ids.index_put_((rows, column), sampled.kept_ids.masked_fill(~live[:, None], -1))
         if ws.kept_most is not None:
@@ -463,7 +497,8 @@ class RolloutEngine:
                 needed = sampled.candidates_needed.masked_fill(~live, 0).max()
                 torch.maximum(ws.candidates_most, needed, out=ws.candidates_most)
         ws.token[:n] = sampled.token
-        ws.done[:n] |= torch.isin(sampled.token, self._eos) | (ws.limit[rows] <= t + 1)
+        ws.done[:n] |= torch.isin(sampled.token, self._eos) | (ws.limit[rows] <= column + 1)
+        ws.column[rows] = column + live
         ws.step += 1
 
     def _step(self, ws: _Workspace, n: int, keys: int) -> None:
@@ -472,8 +507,13 @@ class RolloutEngine:
         positions = ws.position[:n]
         ctx = ws.cache.step_context(n, positions, keys, self.config.sliding_window)
         logits, routes = self.decode_step(ws.token[:n], ws.cache, ctx, ws.angles)
-        if routes is not None:  # the experts of the token just fed: response token step - 1
-            ws.routes.index_put_((ws.order[:n], (ws.step - 1).expand(n)), routes[:, 0])
+        if routes is not None:  # the experts of the token just fed: the response token before the row's column
+            rows = ws.order[:n]
+            if ws.fed is None:  # one turn: every row's column is the step's (a finished row's is past its end)
+                ws.routes.index_put_((rows, (ws.step - 1).expand(n)), routes[:, 0])
+            else:  # an episode's rows run ahead of the step by what they were fed: the live ones record
+                live = ~ws.done[:n]
+                ws.routes.index_put_((rows[live], ws.column[rows][live] - 1), routes[live, 0])
         ws.position[:n] = torch.minimum(positions + 1, ws.max_position)
         self._sample(ws, n, logits)
 
@@ -521,6 +561,83 @@ class RolloutEngine:
         wider = Widths(min(vocab, _grown(have.candidates, candidates)), min(vocab, _grown(have.support, kept)))
         return Widths(wider.candidates, min(wider.support, wider.candidates))
 
+    def _next_turns(self, ws: _Workspace, n: int, max_new: int, between: Between) -> None:
+        """Rows that just ended a turn: `between` says which go on, and with which ids. Those continue from
+        their KV cache: one forward (`extend`) writes the keys and values of the turn's last token and of the
+        ids but the last, which becomes the row's next input, so that its next turn is sampled by the decode
+        steps as any token is. A row done without an end-of-turn token (its limit) is over."""
+        order, done = ws.order[:n].tolist(), ws.done[:n].tolist()
+        new = {row: at for at, (row, d) in enumerate(zip(order, done)) if d and row not in ws.over}
+        if not new:
+            return
+        rows = list(new)
+        columns = ws.column[rows].tolist()  # each row's next free column: its turn ended just before it
+        last = ws.tokens[rows, ws.column[rows] - 1].tolist()
+        ended = [(row, c) for row, c, token in zip(rows, columns, last) if token in self.eos_ids]
+        going_on = {}
+        if ended:
+            tokens = ws.tokens[[row for row, _ in ended], : max(c for _, c in ended)].tolist()
+            going_on = between(
+                [row for row, _ in ended],
+                [ids[:c] for ids, (_, c) in zip(tokens, ended)],
+                [max_new - c for _, c in ended],
+            )
+        for row in rows:
+            if row not in going_on:
+                ws.over.add(row)
+        if not going_on:
+            return
+        feeds = []
+        for row, (ids, limit) in going_on.items():
+            c = columns[rows.index(row)]
+            if not 0 < len(ids) < max_new - c or limit < 1:
+                raise ValueError(
+                    f"between(): row {row} got {len(ids)} ids and a limit of {limit} with {max_new - c} columns left"
+                )
+            feeds.append((new[row], row, c, ids, limit))
+        self._extend(ws, feeds, max_new)
+
+    def _extend(self, ws: _Workspace, feeds: list[tuple[int, int, int, list[int], int]], max_new: int) -> None:
+        """Continue rows from their caches. `feeds`: (active position, output row, next column, ids, limit of
+        the next turn). The turn's last token and the ids but the last go through one forward at their
+        positions; the ids go to the outputs (fed, μ 0); the last id becomes the row's next input."""
+        dev, cfg = self.device, self.config
+        at = torch.tensor([f[0] for f in feeds], device=dev)
+        width = max(len(f[3]) for f in feeds)  # the turn's last token + all ids but the last
+        inputs = torch.full((len(feeds), width), self.pad_id, dtype=torch.long)
+        counts = []
+        for i, (_, row, c, ids, _) in enumerate(feeds):
+            inputs[i, 0] = ws.token[at[i]]
+            inputs[i, 1 : len(ids)] = torch.tensor(ids[:-1])
+            counts.append(len(ids))
+            ws.tokens[row, c : c + len(ids)] = torch.tensor(ids, device=dev)
+            ws.mask[row, c : c + len(ids)] = True
+            ws.fed[row, c : c + len(ids)] = True
+            ws.limit[row] = min(c + len(ids) + feeds[i][4], max_new)
+        inputs = inputs.to(dev)
+        start = ws.position[at]
+        positions = (start[:, None] + torch.arange(width, device=dev)).clamp(max=ws.max_position)
+        angles = {kind: (cos[positions][:, None], sin[positions][:, None]) for kind, (cos, sin) in ws.angles.items()}
+        ctx = ws.cache.extend_context(at, positions, torch.tensor(counts, device=dev), cfg.sliding_window)
+
+        def attend(i: int, kind: str, qk, v, cos, sin):
+            return ws.cache.extend(i, qk, v, cos, sin, ctx, kind, cfg.query_scale, cfg.attn_softcap)
+
+        routing: list[torch.Tensor] = []
+        self._layers(inputs, angles, attend, routing)
+        count = torch.tensor(counts, device=dev)
+        rows = torch.tensor([f[1] for f in feeds], device=dev)
+        if routing:  # the experts of each token fed: the turn's last token's column and the ids'
+            routes = torch.stack(routing, dim=2)
+            first = ws.column[rows] - 1
+            for j in range(width):
+                real = j < count
+                ws.routes.index_put_((rows[real], (first + j)[real]), routes[real, j])
+        ws.token[at] = torch.tensor([f[3][-1] for f in feeds], device=dev)
+        ws.position[at] = torch.minimum(start + count, ws.max_position)
+        ws.column[rows] += count
+        ws.done[at] = False
+
     def _check(
         self, ws: _Workspace, n: int, filled: int, stop: Callable[[torch.Tensor], bool] | None
     ) -> tuple[int, bool]:
@@ -559,12 +676,19 @@ class RolloutEngine:
         full_vocab: int = 0,
         limits: list[int] | None = None,
         stop: Callable[[torch.Tensor], bool] | None = None,
+        between: Between | None = None,
     ) -> RolloutBatch:
         """`group_size` samples per prompt. `full_vocab`: also keep the whole distribution at about that
         many positions (`RolloutBatch.full_vocab`), for comparing it with the trainer's. `limits`: each
         output row's own token limit (default `sampling.max_new_tokens`). `stop`: called with the output
         rows' finished flags whenever the host reads them; True ends the call, leaving unfinished rows
-        as they are (partial rollouts continue them later)."""
+        as they are (partial rollouts continue them later).
+
+        `between`: episodes of several model turns. A row that ends a turn is fed the ids `between` gives
+        (the tool's answer and the next turn's prompt, `Between`) from its KV cache on, one decode step per
+        id, then samples its next turn; its outputs hold both (`RolloutBatch.env_mask` marks the fed ids).
+        `sampling.max_new_tokens` then bounds the whole episode after the prompt and `limits` the first turn.
+        The host reads the batch after every token."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs at least one prompt, each with at least one token")
         if not self.weights.layers:
@@ -573,8 +697,16 @@ class RolloutEngine:
         limits = limits or [sampling.max_new_tokens] * len(lengths)
         if len(limits) != len(lengths) or min(limits) < 1:
             raise ValueError(f"generate(): expected {len(lengths)} row limits >= 1, got {limits}")
+        if between is not None and stop is not None:
+            raise ValueError("generate(): an episode (between=) cannot stop part way (stop=)")
+        # The columns a row may fill: its limit, or in an episode the whole budget.
+        max_new = sampling.max_new_tokens if between is not None else max(limits)
         # The furthest position any row may reach; rows that finished keep decoding, clamped below it.
-        max_len = max(n + limit for n, limit in zip(lengths, limits))
+        max_len = (
+            max(n + max_new for n in lengths)
+            if between is not None
+            else max(n + limit for n, limit in zip(lengths, limits))
+        )
         if max_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"prompt + new tokens ({max_len}) exceeds the model's "
@@ -584,26 +716,45 @@ class RolloutEngine:
         while True:
             try:
                 return self._generate(
-                    prompts, group_size, sampling, seed, full_vocab, lengths, limits, max_len, widths, stop
+                    prompts,
+                    group_size,
+                    sampling,
+                    seed,
+                    full_vocab,
+                    lengths,
+                    limits,
+                    max_len,
+                    max_new,
+                    widths,
+                    stop,
+                    between,
                 )
             except _Widen as wider:
                 widths = wider.widths
 
-    def _generate(self, prompts, group_size, sampling, seed, full_vocab, lengths, limits, max_len, widths, stop):
-        max_new, prompt_len = max(limits), max(lengths)
-        ws = self._workspace_for(len(lengths), max_len, max_new, sampling, widths, full_vocab)
+    def _generate(
+        self, prompts, group_size, sampling, seed, full_vocab, lengths, limits, max_len, max_new, widths, stop, between
+    ):
+        prompt_len = max(lengths)
+        ws = self._workspace_for(len(lengths), max_len, max_new, sampling, widths, full_vocab, between is not None)
         self._reset(ws, lengths, limits, max_len, max_new, seed)
+        check_every = 1 if between is not None else self.check_every
         prompt_of_row = torch.arange(len(prompts), device=self.device).repeat_interleave(group_size)
         logits, prompt_routes = self.prefill(prompts, ws.cache, prompt_of_row, ws.angles)
         n = len(lengths)
         self._sample(ws, n, logits.repeat_interleave(group_size, dim=0))
         for t in range(max_new - 1):  # t: the response token just sampled
-            if (t + 1) % self.check_every == 0:
-                n, over = self._check(ws, n, prompt_len + t, stop)
+            if (t + 1) % check_every == 0:
+                if between is not None:
+                    self._next_turns(ws, n, max_new, between)
+                # Episodes' rows run ahead of the step by the ids fed to them.
+                reach = prompt_len + t if between is None else int(ws.position[:n].max())
+                n, over = self._check(ws, n, reach, stop)
                 if over:
                     break
+                reach = prompt_len + t if between is None else int(ws.position[:n].max())
             # The highest slot a row writes now (a live row with the longest prompt; finished rows are clamped).
-            self._run_step(ws, n, min(prompt_len + t, max_len - 1) + 1)
+            self._run_step(ws, n, min(reach, max_len - 1) + 1)
         if (widths := self._widths_needed(ws)) is not None:
             raise _Widen(widths)
         return self._batch(ws, prompts, group_size, prompt_routes)
@@ -619,6 +770,12 @@ class RolloutEngine:
             routing = Routing(
                 [per_prompt[i] for i in range(len(prompts)) for _ in range(group_size)], ws.routes[:, :used].clone()
             )
+        fed = None
+        if ws.fed is not None:
+            fed = ws.fed[:, :used].clone()
+            if support is not None:  # a fed id's support is itself: the trainer's log-probability of it is 0
+                support = support.masked_fill(fed[..., None], -1)
+                support[..., 0] = torch.where(fed, tokens, support[..., 0])
         lengths = mask.sum(-1)
         ended = torch.isin(tokens.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(-1), self._eos)
         # The batch stays on the engine's device; rewards read its tokens, the RL arithmetic runs there.
@@ -634,6 +791,7 @@ class RolloutEngine:
             sampling=ws.sampling,
             routing=routing,
             full_vocab=None if ws.recorder is None else ws.recorder.record(),
+            env_mask=fed,
         )
 
     @torch.no_grad()

@@ -27,7 +27,7 @@ from parity.engines.locate import StageDiff, first_divergence, format_table, loc
 from parity.engines.models.config import ModelConfig
 from parity.engines.models.modules import CausalLM, routing_differs
 from parity.engines.packing import PackedBatch
-from parity.engines.rollout import RolloutEngine
+from parity.engines.rollout import Between, RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.trainer import full_vocab_logprobs, score_batch
 
@@ -132,11 +132,19 @@ class Sampler:
         return logprobs, mismatch
 
     def generate(
-        self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, seed: int, full_vocab: int = 0
+        self,
+        prompts: list[list[int]],
+        group_size: int,
+        sampling: SamplingParams,
+        seed: int,
+        full_vocab: int = 0,
+        limits: list[int] | None = None,
+        between: Between | None = None,
     ) -> RolloutBatch:
         """Sample: tokens and μ, at the current weight version (and with `full_vocab` > 0 the whole
-        distribution at about that many positions)."""
-        return self.engine.generate(prompts, group_size, sampling, seed, full_vocab)
+        distribution at about that many positions); episodes of several turns with `between`
+        (`RolloutEngine.generate`)."""
+        return self.engine.generate(prompts, group_size, sampling, seed, full_vocab, limits, between=between)
 
     def score_full_vocab(self, batch: RolloutBatch, model: CausalLM | None = None) -> None:
         """Fill `batch.full_vocab.trainer_logprobs`: the trainer's code path and precision on the weights
@@ -174,7 +182,7 @@ class Sampler:
         ExactnessError naming the row and, re-scoring it stage by stage, where the engines part; `where`
         names this sampler (a rollout worker)."""
         on = f" on {where}" if where else ""
-        mask = batch.response_mask
+        mask = batch.sampled_mask
         differs = (old != batch.rollout_logprobs) & mask
         if bool(differs.any()):
             row = worst_row(old, batch)
@@ -206,7 +214,7 @@ class Sampler:
                     f"{int(record.rows[i])}, response token {int(record.steps[i, j])}, max |Δ log p| {float(gap):.3g})"
                 )
         if rows is not None and first_pass is not None:
-            check_first_pass(old, batch.response_mask, rows, first_pass, where or "the trainer")
+            check_first_pass(old, batch.sampled_mask, rows, first_pass, where or "the trainer")
 
     def locate(self, batch: RolloutBatch, row: int) -> list[StageDiff]:
         """Where the rollout engine and the trainer's code path (in the rollout precision, on the

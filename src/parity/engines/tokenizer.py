@@ -330,9 +330,11 @@ class Tokenizer:
         """UTF-8 bytes of the longest vocabulary entry (added tokens included)."""
         return max(len(entry.encode("utf-8")) for entry in self._tok.get_vocab(with_added_tokens=True))
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], keep_special: bool = False) -> str:
+        """The text of `ids` without end-of-text and padding ids; other special tokens written out with
+        `keep_special` (a tool call's markers), dropped otherwise."""
         stop = {*self.eos_ids, self.pad_id}
-        return self._tok.decode([i for i in ids if i not in stop], skip_special_tokens=True)
+        return self._tok.decode([i for i in ids if i not in stop], skip_special_tokens=not keep_special)
 
 
 # A chat template's budget per rendering: time, and characters of output (or of any string it builds).

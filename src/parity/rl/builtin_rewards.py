@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable
 from decimal import Decimal
 
+from parity.rl.lookup import lookup_reward
 from parity.rl.problems import ArithmeticTask, Problem
 
 # A reward function takes (problem, response text, response length in tokens).
@@ -106,11 +107,19 @@ def number_reward(problem: Problem, response: str, length: int) -> float:
 
 math_reward.prepare = _import_math_verify  # type: ignore[attr-defined]  # run by `rewards._worker` first
 
+
+def lookup_task_reward(problem: Problem, response: str, length: int) -> float:
+    """The built-in tool task's (`rl/lookup.py`): the episode's last answer is the hidden value."""
+    return lookup_reward(response, problem.answer)
+
+
 REWARDS: dict[str, RewardFn] = {
     "builtin": builtin_reward,
+    "lookup": lookup_task_reward,
     "length": length_reward,
     "exact": exact_reward,
     "math": math_reward,
     "number": number_reward,
 }
-TRUSTED_REWARDS = {"builtin", "length", "exact", "number"}  # fast, pure: run in-process
+TRUSTED_REWARDS = {"builtin", "length", "exact", "number", "lookup"}  # fast, pure: run in-process
+BINARY_REWARDS = {"builtin", "exact", "math", "number", "lookup"}  # 1 for a right answer, else 0: accuracy is logged

@@ -27,9 +27,11 @@ def completion_rows(
     per_function: dict[str, list[float]],
     lengths: list[int],
     truncated: list[bool],
+    extra: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per completion: its prompt, text, length, whether it was cut off at the length limit,
-    the reward it trained on and each reward function's score."""
+    the reward it trained on and each reward function's score; `extra`: more fields per row (an episode's
+    messages, turns and how it ended)."""
     rows = []
     for i, completion in enumerate(completions):
         row = {
@@ -41,6 +43,8 @@ def completion_rows(
             "reward": rewards[i],
         }
         row.update({f"reward/{name}": values[i] for name, values in per_function.items()})
+        if extra is not None:
+            row.update(extra[i])
         rows.append(row)
     return rows
 

@@ -22,6 +22,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 TOOL_NAME = "lookup"
+# The tool as a chat template's `tools` list holds it (builtin-agent's template lists none).
+LOOKUP_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": "The value stored under a key of the hidden table.",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+    },
+}
 KEYS = "abcdefghijklmnop"
 VALUES = range(100, 1000)  # 3-digit values
 SPLITS = ("train", "eval")

@@ -54,6 +54,7 @@ from parity.rl.checkpoint import (
 from parity.rl.completions import completion_rows, markdown_table, sample_rows, write_completions
 from parity.rl.data import DATA_DIR, DataOrder, load_problems, prompt_limit, write_rows
 from parity.rl.diagnostics import mismatch_alarm
+from parity.rl.episodes import episode_setup
 from parity.rl.evaluation import EVAL_SEED, EvalSet, Evaluator, eval_sampling, evaluation_due, heldout_problems
 from parity.rl.problems import Problem, builtin_problems
 from parity.rl.reward_fns import Reward, RewardCheckError, binary_reward, config_rewards, data_columns, run_rewards
@@ -218,6 +219,8 @@ class Run:
         progress: bool = True,
         rewards: list[Reward] | None = None,
         backend: type[Backend] = LocalBackend,
+        tools: list | None = None,
+        environment: object = None,
     ):
         reuse_freed_memory()
         check_trackers(cfg.log.to)  # a missing tracker library, refused before anything starts
@@ -258,6 +261,7 @@ class Run:
                 cfg.diagnostics.full_vocab_positions,
             )
         self.data = DataOrder(len(self.problems), cfg.seed)
+        episodes = episode_setup(cfg, self.tokenizer, tools, environment) if cfg.episodes else None
         self.rewards = run_rewards(cfg, self.problems, rewards)
         self.reward_health = RewardHealth(cfg.reward.warn_error_rate, cfg.reward.max_failed_steps)
         self.sampling = SamplingParams(
@@ -291,6 +295,7 @@ class Run:
                     self.problems,
                     self.data,
                     self.sampling,
+                    episodes,
                 )
             )
             # After the backend, whose trainer refuses a LoRA config that does not fit the model.
@@ -390,6 +395,8 @@ class Run:
         rewards: list[Reward] | None = None,
         datasets: dict[str, list[dict[str, Any]]] | None = None,
         backend: type[Backend] = LocalBackend,
+        tools: list | None = None,
+        environment: object = None,
     ) -> Run:
         """A new run of `cfg`. `rewards`: Python callables for the functions `task.reward_fn` names (the
         API's). `datasets`: rows for "train" (and "eval") held in memory, written into the run directory's
@@ -417,9 +424,8 @@ class Run:
                     cfg.task.data = str(path.resolve())
                 else:
                     cfg.eval.data = str(path.resolve())
-            run = cls(
-                cfg, run_dir, progress, rewards, backend
-            )  # model, data, reward checked before anything is written
+            # model, data, reward checked before anything is written
+            run = cls(cfg, run_dir, progress, rewards, backend, tools, environment)
             run.created_dir = created
             with run._closed_on_failure():
                 atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
@@ -441,6 +447,8 @@ class Run:
         progress: bool = True,
         rewards: list[Reward] | None = None,
         backend: type[Backend] = LocalBackend,
+        tools: list | None = None,
+        environment: object = None,
     ) -> Run:
         """Continue the run in `run_dir` from its newest intact checkpoint, with exactly its
         saved config; `overrides` may set only RESUMABLE_KEYS (data paths relative to the working
@@ -457,7 +465,14 @@ class Run:
         lock = RunLock(run_dir)
         try:
             run = cls._resume_locked(
-                run_dir, overrides or [], trust_reward_fn or rewards is not None, progress, rewards, backend
+                run_dir,
+                overrides or [],
+                trust_reward_fn or rewards is not None,
+                progress,
+                rewards,
+                backend,
+                tools,
+                environment,
             )
         except BaseException:
             lock.release()
@@ -474,6 +489,8 @@ class Run:
         progress: bool,
         rewards: list[Reward] | None,
         backend: type[Backend],
+        tools: list | None,
+        environment: object,
     ) -> Run:
         def note(line: str) -> None:
             print(f"resume: {line}", file=sys.stderr)
@@ -490,9 +507,18 @@ class Run:
         cfg = config_mod.load(TrainConfig, run_dir / "config.yaml", overrides)
         cfg.run_dir = str(run_dir)
         cfg.resolve_paths(Path.cwd())  # an override names a file from here; the saved paths are absolute
-        if cfg.task.reward_fn and not trust_reward_fn:
+        code = [
+            f"{k}={v}"
+            for k, v in (
+                ("task.reward_fn", cfg.task.reward_fn),
+                ("task.environment", cfg.task.environment),
+                ("task.tools", cfg.task.tools),
+            )
+            if v
+        ]
+        if code and not trust_reward_fn:
             raise ConfigError(
-                f"--resume {run_dir}: its config.yaml sets task.reward_fn={cfg.task.reward_fn}, which imports and "
+                f"--resume {run_dir}: its config.yaml sets {', '.join(code)}, which imports and "
                 "runs that Python code in this process; resume only runs you trust, and confirm with "
                 "--trust-reward-fn"
             )
@@ -513,7 +539,8 @@ class Run:
                 )
             for k in changed:
                 note(f"{k} {saved.get(k)!r} -> {current[k]!r}")
-        run = cls(cfg, run_dir, progress, rewards, backend)  # checks model, data, reward before writing anything
+        # checks model, data, reward before writing anything
+        run = cls(cfg, run_dir, progress, rewards, backend, tools, environment)
         with run._closed_on_failure():
             if overrides:
                 atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
@@ -632,6 +659,7 @@ class Run:
             result.per_function,
             batch.response_lengths.tolist(),
             batch.truncated.tolist(),
+            None if batch.episodes is None else batch.episodes.records(batch),
         )
         write_completions(self.run_dir, self.step_count + 1, rows)
         if self.cfg.log.completions:

@@ -17,6 +17,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from parity.rl.lookup import lookup_problems, table_text
+
 # The most problems a command generates or evaluates at once: 10**9 would only hang before the first step.
 MAX_PROBLEMS = 100_000
 
@@ -244,6 +246,11 @@ def builtin_problems(task_name: str, n: int, seed: int, difficulty: str = "stand
     built-in model was not pretrained on."""
     if task_name == "number":
         return NumberTask(difficulty).problems(n, seed=seed, split="train")
+    if task_name == "lookup":
+        return [
+            Problem(p.prompt, p.answer, {"key": p.key, "table": table_text(p.table)})
+            for p in lookup_problems(n, seed=seed, split="train")
+        ]
     return ArithmeticTask().problems(n, seed=seed, split="eval")
 
 

@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from parity.config import ConfigError, described
-from parity.rl.builtin_rewards import REWARDS, TRUSTED_REWARDS
+from parity.rl.builtin_rewards import BINARY_REWARDS, REWARDS, TRUSTED_REWARDS
 from parity.rl.data import DataColumns
 from parity.rl.problems import Problem
 from parity.rl.rewards import (
@@ -49,7 +49,6 @@ from parity.rl.rewards import (
     overran_line,
     report_first_failure,
 )
-from parity.rl.step import BINARY_REWARDS
 from parity.rl.train_config import TrainConfig
 
 PROMPT_NAMES = {True: "prompts", False: "prompt"}
@@ -123,37 +122,38 @@ def _import_file(path: Path) -> ModuleType:
     return module
 
 
-def import_reward_fn(spec: str, timeout_s: float = WORKER_START_S) -> Callable[..., Any]:
-    """`module:function` or `path/file.py:function` -> the function. The working directory is searched
+def import_reward_fn(spec: str, timeout_s: float = WORKER_START_S, key: str = "task.reward_fn") -> Callable[..., Any]:
+    """`module:function` or `path/file.py:function` -> the function (or class: an environment), named in
+    errors by its config `key`. The working directory is searched
     first for a module (as `python -m` does), so a reward module beside the data is found whether or not
     Parity runs from a console script. The import runs in this process (once: a second run of its top level,
     in a child process first, would load a judge model twice, or repeat what it writes), within `timeout_s`
     (`rewards.bounded`); whatever it raises, or an import past `timeout_s`, is a one-line ConfigError, and
     SIGINT or SIGTERM ends it (`Interrupted`)."""
     if spec.count(":") != 1:
-        raise ConfigError(f"task.reward_fn: expected 'module:function' or 'file.py:function', got {spec!r}")
+        raise ConfigError(f"{key}: expected 'module:function' or 'file.py:function', got {spec!r}")
     module_name, fn_name = spec.split(":")
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)
     late = f"importing {module_name!r} did not end within reward.import_timeout_s={timeout_s:g} s"
     try:
-        with bounded(timeout_s, f"parity: error: task.reward_fn: {late}, nor when it was interrupted", 2, True):
+        with bounded(timeout_s, f"parity: error: {key}: {late}, nor when it was interrupted", 2, True):
             if module_name.endswith(".py"):
                 module = _import_file(Path(module_name).expanduser().resolve())
             else:
                 module = importlib.import_module(module_name)
     except Overran:
-        raise ConfigError(f"task.reward_fn: {late}; raise it if the import is slow on purpose") from None
+        raise ConfigError(f"{key}: {late}; raise it if the import is slow on purpose") from None
     except Interrupted:
         raise
     except BaseException as e:  # noqa: BLE001 - a missing module, a syntax error, or anything its top level raises
-        raise ConfigError(f"task.reward_fn: importing {module_name!r} failed: {exception_summary(e)}") from None
+        raise ConfigError(f"{key}: importing {module_name!r} failed: {exception_summary(e)}") from None
     fn = getattr(module, fn_name, None)
     if fn is None:
-        raise ConfigError(f"task.reward_fn: module {module_name!r} has no function {fn_name!r}")
+        raise ConfigError(f"{key}: module {module_name!r} has no function {fn_name!r}")
     if not callable(fn):
-        raise ConfigError(f"task.reward_fn: {module_name}.{fn_name} is a {type(fn).__name__}, not a function")
+        raise ConfigError(f"{key}: {module_name}.{fn_name} is a {type(fn).__name__}, not a function or class")
     return fn
 
 
@@ -401,6 +401,16 @@ class _ScoreAll:
 # ----------------------------------------------------------------------------- a run's rewards
 
 
+# What a reward function may name besides the data's columns, in an episode (docs/agents.md): the whole
+# conversation, and the sum of the rewards the environment's steps gave.
+EPISODE_COLUMNS = ("messages", "environment_reward")
+
+
+def environment_reward(completions: list[str], environment_reward: list[float], **_: Any) -> list[float]:
+    """The reward of a run with an environment and no reward function: what its steps gave."""
+    return list(environment_reward)
+
+
 def data_columns(cfg: TrainConfig) -> DataColumns:
     """The data's prompt and answer columns; the answer is needed by the built-in rewards that compare with it."""
     checks_answer = not cfg.task.reward_fn and cfg.task.name != "length"
@@ -427,9 +437,11 @@ def run_rewards(
     process unless `reward.isolate=always` (a spawned worker; docs/your-task.md says why, with timings)."""
     if rewards is None and cfg.task.reward_fn:
         rewards = config_rewards(cfg)
+    if cfg.episodes and not rewards:
+        rewards = [Reward(environment_reward, name="environment")]
     r = cfg.reward
     if rewards:
-        columns = sorted({k for p in problems for k in p.columns})
+        columns = sorted({k for p in problems for k in p.columns} | (set(EPISODE_COLUMNS) if cfg.episodes else set()))
         bound = bind_all(rewards, columns)
         return UserRewards(bound, r.isolate == "always", r.timeout_s, r.strict, r.in_process_timeout_s)
     trusted = cfg.task.name in TRUSTED_REWARDS

@@ -390,11 +390,18 @@ def training_rewards(rewards: torch.Tensor, truncated: torch.Tensor, mode: str) 
 def score_rollouts(
     batch: RolloutBatch, problems: list[Problem], tokenizer: Tokenizer, runner: RewardRunner
 ) -> RewardResult:
-    """Decode each response and score it against its prompt's problem (`problems[group]`)."""
+    """Decode each response and score it against its prompt's problem (`problems[group]`). An episode is
+    scored on its last answer, with its messages (`rl/episodes.Episodes.reward_items`)."""
     lengths = batch.response_lengths.tolist()
+    groups = batch.group_index.tolist()
+    if batch.episodes is not None:
+        items = batch.episodes.reward_items(problems, groups, lengths)
+        result = runner(items)
+        result.responses = batch.episodes.transcripts()
+        return result
     items = [
         (problems[g], tokenizer.decode(batch.response_ids[i, :n].tolist()), n)
-        for i, (g, n) in enumerate(zip(batch.group_index.tolist(), lengths))
+        for i, (g, n) in enumerate(zip(groups, lengths))
     ]
     result = runner(items)
     result.responses = [response for _, response, _ in items]

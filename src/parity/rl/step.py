@@ -54,11 +54,10 @@ from parity.rl.diagnostics import (
     mismatch_metrics,
     phantom_clip_frac,
 )
+from parity.rl.episodes import EpisodeSetup
 from parity.rl.problems import Problem
 from parity.rl.rewards import RewardResult, training_rewards
 from parity.rl.train_config import TrainConfig
-
-BINARY_REWARDS = {"builtin", "exact", "math", "number"}
 
 
 class TrainingError(RuntimeError):
@@ -79,6 +78,7 @@ class RunParts:
     problems: list[Problem]
     data: DataOrder  # which problems each step takes
     sampling: SamplingParams
+    episodes: EpisodeSetup | None = None  # several model turns per sample (task.environment, task.tools)
 
     def rollout_seed(self, step: int) -> int:
         """The seed of step `step`'s rollouts (0-based): each step samples with its own."""
@@ -198,7 +198,7 @@ def prepare(
         torch.tensor(result.rewards, device=batch.response_mask.device), batch.truncated, truncated
     )
     advantages = group_advantages(rewards, batch.group_index, advantage)
-    loss_mask = batch.response_mask.clone()
+    loss_mask = batch.sampled_mask.clone()
     if truncated == "drop":
         loss_mask[batch.truncated] = False
     rejected = None
@@ -340,8 +340,8 @@ def step_metrics(
         "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "reward/errors": result.errors,
         "reward/timeouts": result.timeouts,
-        "response/length_mean": float(batch.response_lengths.float().mean()),
-        "response/length_max": int(batch.response_lengths.max()),
+        "response/length_mean": float(batch.sampled_mask.sum(-1).float().mean()),
+        "response/length_max": int(batch.sampled_mask.sum(-1).max()),
         "response/truncated_frac": float(batch.truncated.float().mean()),
         "groups/zero_variance_frac": float((group_std == 0).float().mean()),
         "loss/policy": sum(update.losses),
@@ -377,9 +377,14 @@ def step_metrics(
     if batch.full_vocab is not None and batch.full_vocab.trainer_logprobs is not None:
         full = full_vocab_metrics(batch.full_vocab.rollout_logprobs, batch.full_vocab.trainer_logprobs)
         metrics.update({f"full_vocab/{k}": v for k, v in full.items()})
-    response_mask = batch.response_mask
+    response_mask = batch.sampled_mask
     mm = mismatch_metrics(pi_old, mu, response_mask)
     metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
+    if batch.episodes is not None:
+        metrics.update(batch.episodes.metrics(batch))
+        turns = batch.turn_index()
+        for turn in range(int(turns.max()) + 1):
+            metrics[f"mismatch/k3_turn{turn}"] = mismatch_metrics(pi_old, mu, turns == turn)["k3"]
     metrics.update({f"mismatch/{k}": v for k, v in mismatch_by_length(pi_old, mu, response_mask).items()})
     # g = π_old − μ = β + κ. β is known without a probe when the precisions match (it is 0).
     probe = batch.probe_logprobs
@@ -456,14 +461,24 @@ class LocalBackend:
         parts, cfg = self.parts, self.parts.cfg
         problems = [parts.problems[i] for i in parts.data.take(cfg.prompts_per_step)]
         t = time.perf_counter()
+        episodes = None if parts.episodes is None else parts.episodes.start(problems, cfg.rollout.group_size)
         batch = self.sampler.generate(
-            [parts.encode(p) for p in problems],
+            [parts.encode(p) for p in problems] if episodes is None else episodes.prompts,
             cfg.rollout.group_size,
             parts.sampling,
             seed=parts.rollout_seed(step),
             full_vocab=cfg.diagnostics.full_vocab_positions,
+            limits=None if episodes is None else [cfg.episode.turn_tokens] * len(problems) * cfg.rollout.group_size,
+            between=None if episodes is None else episodes.between,
         )
         times["rollout"] = time.perf_counter() - t
+        if episodes is not None:
+            episodes.finish(batch)
+            times["environment"] = episodes.seconds  # the host's part of the rollout: parse, step, render
+            if parts.episodes.retokenization:
+                t = time.perf_counter()
+                episodes.count_drift(batch)
+                times["retokenization"] = time.perf_counter() - t
         t = time.perf_counter()
         self.sampler.score_samples(batch)
         times["score"] = time.perf_counter() - t

@@ -46,6 +46,8 @@ RESUMABLE_KEYS = (
     "reward.in_process_timeout_s",
 )
 LR_SCHEDULES = ("constant", "linear", "cosine")
+TOOL_FORMATS = ("auto", "hermes", "llama3", "mistral", "gemma")  # episode.tool_format (`engines/turns.py`)
+MAX_TURNS = 100
 TRACKERS = ("wandb", "trackio", "mlflow")
 
 # ----------------------------------------------------------------------------- config
@@ -82,7 +84,7 @@ class TrainerSection(OptimConfig):
 
 @dataclass
 class TaskSection:
-    name: str = "builtin"  # the reward: builtin | length | exact | math | number
+    name: str = "builtin"  # the reward: builtin | length | exact | math | number | lookup (the tool task)
     # builtin (generated problems: word problems for name=number, else arithmetic) or a JSONL/Parquet file
     data: str = "builtin"
     num_problems: int = 1024  # size of the generated builtin dataset
@@ -95,6 +97,10 @@ class TaskSection:
     prompt_column: str = "prompt"  # the data's column holding the prompt
     answer_column: str = "answer"  # ... and the reference answer (needed by the built-in rewards only)
     chat_template: str = "auto"  # auto (the model's chat template, when it has one) | none (raw text)
+    # Episodes of several model turns (docs/agents.md): an environment class of your own, module:Class or
+    # file.py:Class, made once per episode; or tools, module:function each, called when the model asks
+    environment: str = ""
+    tools: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -148,6 +154,22 @@ class EvalSection:
     # Serving precisions to evaluate the same weights under, beside the trainer's policy: eval/<p>/*,
     # deploy/gap_<p>, deploy/kl_<p>. Empty: the run's own rollout engine only.
     precisions: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EpisodeSection:
+    """`episode.*`: the limits of an episode (task.environment or task.tools); rollout.max_new_tokens bounds
+    all its tokens after the first prompt, the fed ones included."""
+
+    max_turns: int = 4  # model turns; the episode is cut off after the last
+    turn_tokens: int | None = None  # tokens of one model turn; unset: rollout.max_new_tokens
+    tool_timeout_s: float = 10.0  # per tool call: past it the model reads that the tool timed out
+    # The tool-call format the model's output is parsed in: auto (from the chat template) | hermes | llama3 |
+    # mistral | gemma
+    tool_format: str = "auto"
+    # Count, every step, the sampled tokens a pipeline that re-tokenizes the conversation would get wrong
+    # (retokenization/* metrics; tokenization only, no forward)
+    retokenization: bool = True
 
 
 @dataclass
@@ -243,6 +265,8 @@ NUMERIC_RANGES = (
     ("trainer.warmup_steps", lambda v: 0 <= v <= MAX_STEPS, f"in [0, {MAX_STEPS:,}]"),
     ("log.completions", lambda v: 0 <= v <= MAX_PROBLEMS, f"in [0, {MAX_PROBLEMS:,}] (0 = print none)"),
     ("reward.timeout_s", lambda v: 0 < v <= MAX_WAIT_S, f"in (0, {MAX_WAIT_S}] seconds"),
+    ("episode.tool_timeout_s", lambda v: 0 < v <= MAX_WAIT_S, f"in (0, {MAX_WAIT_S}] seconds"),
+    ("episode.max_turns", lambda v: 1 <= v <= MAX_TURNS, f"in [1, {MAX_TURNS}]"),
     ("reward.import_timeout_s", lambda v: 0 < v <= MAX_WAIT_S, f"in (0, {MAX_WAIT_S}] seconds"),
     ("reward.in_process_timeout_s", lambda v: 0 < v <= MAX_WAIT_S, f"in (0, {MAX_WAIT_S}] seconds"),
     ("reward.warn_error_rate", lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -307,11 +331,18 @@ class TrainConfig:
     log: LogSection = field(default_factory=LogSection)
     health: HealthSection = field(default_factory=HealthSection)
     diagnostics: DiagnosticsSection = field(default_factory=DiagnosticsSection)
+    episode: EpisodeSection = field(default_factory=EpisodeSection)
     eval: EvalSection = field(default_factory=EvalSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
     async_: AsyncSection = field(default_factory=AsyncSection, metadata={"key": "async"})
     moe: MoESection = field(default_factory=MoESection)
     lora: LoRASection = field(default_factory=LoRASection)
+
+    @property
+    def episodes(self) -> bool:
+        """Several model turns per sample, with an environment or tools between them (the built-in tool
+        task, task.name=lookup, has its own)."""
+        return bool(self.task.environment or self.task.tools) or self.task.name == "lookup"
 
     @property
     def distributed_mode(self) -> bool:
@@ -442,6 +473,37 @@ class TrainConfig:
             )
         if t.prompt_column == t.answer_column:
             raise ConfigError(f"task.answer_column: the same column as task.prompt_column ({t.prompt_column!r})")
+        self._check_episodes()
+
+    def _check_episodes(self) -> None:
+        t, e = self.task, self.episode
+        for key, specs in (("task.environment", [t.environment] if t.environment else []), ("task.tools", t.tools)):
+            for spec in specs:
+                if spec.count(":") != 1:
+                    raise ConfigError(f"{key}: expected 'module:name' or 'file.py:name', got {spec!r}")
+        if t.environment and t.tools:
+            raise ConfigError(
+                "task.environment and task.tools: give one (an environment offers its own tools, as its `tools`)"
+            )
+        one_of("episode.tool_format", e.tool_format, TOOL_FORMATS)
+        if e.turn_tokens is None:
+            e.turn_tokens = self.rollout.max_new_tokens
+        if not 1 <= e.turn_tokens <= self.rollout.max_new_tokens:
+            raise ConfigError(
+                f"episode.turn_tokens: must be in [1, rollout.max_new_tokens={self.rollout.max_new_tokens}] (the "
+                f"episode's whole budget), got {e.turn_tokens}"
+            )
+        if not self.episodes:
+            return
+        if self.distributed_mode:
+            raise ConfigError(
+                "task.environment/task.tools run in one process so far; set distributed.rollout_workers=0 and "
+                "distributed.learners=1"
+            )
+        if self.eval.data != "auto":
+            raise ConfigError(
+                "eval.data with episodes: held-out evaluation samples one turn; it does not run episodes yet"
+            )
 
     def resolve_paths(self, origin: Path) -> None:
         """Data paths and a model directory made absolute against `origin` (the working directory the run
@@ -483,7 +545,7 @@ class TrainConfig:
             return self.eval.data
         # your reward functions score your data: generated problems of a built-in task would not fit them
         generated = self.task.data == "builtin" or (self.task.name in ("builtin", "number") and not self.task.reward_fn)
-        return "heldout" if generated else None
+        return "heldout" if generated and not self.episodes else None
 
     def _check_exact(self) -> None:
         if not self.exact:

@@ -408,19 +408,22 @@ class Numerics:
         scale: float | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        """Attention of one new token per row over its cache, in the dtype of `q`: the CPU cache's
-        (`kvcache.DenseKVCache`; CUDA's runs `attention.py`).
+        """Attention of each row's new tokens over its cache, in the dtype of `q`: the CPU cache's
+        (`kvcache.DenseKVCache`; CUDA's runs `attention.py`). One token per row in a decode step, several
+        when an episode's ids are fed between turns.
 
-        `q` [B, H, 1, D]; `k_t` [B, Hkv, D, S] (keys transposed); `v` [B, Hkv, S, D];
-        `key_bias` [B, 1, 1, S] FP32 (0 = attend, -inf = masked). Grouped query heads
+        `q` [B, H, T, D]; `k_t` [B, Hkv, D, S] (keys transposed); `v` [B, Hkv, S, D];
+        `key_bias` [B, 1, T, S] FP32 (0 = attend, -inf = masked). Grouped query heads
         share their KV head without copying it.
         """
-        b, h, _, d = q.shape
+        b, h, t, d = q.shape
         hkv = k_t.shape[1]
-        qg = q.view(b, hkv, h // hkv, d)
+        groups = h // hkv
+        qg = q.reshape(b, hkv, groups * t, d)  # row g * t + i: head g of the KV head's group, token i
         scale = d**-0.5 if scale is None else scale
-        scores = _capped(self.matmul(qg.float(), k_t.float()) * scale, softcap) + key_bias
-        return self._weighted_values(scores, v, q.dtype).reshape(b, h, 1, d)
+        bias = key_bias if t == 1 else key_bias.repeat(1, 1, groups, 1)
+        scores = _capped(self.matmul(qg.float(), k_t.float()) * scale, softcap) + bias
+        return self._weighted_values(scores, v, q.dtype).reshape(b, h, t, d)
 
     def _weighted_values(self, scores: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """softmax(scores) @ v with flash-attention numerics: FP32 scores and softmax, the

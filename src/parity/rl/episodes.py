@@ -1,0 +1,446 @@
+"""Episodes: several model turns with tools or an environment between them, token in and token out.
+
+An episode starts from a data row: the environment's `reset` gives the first messages (and the tools it
+offers), the model samples a turn, the environment's `step` answers it (tool results, or any messages,
+whether the episode is over, optionally a reward), and the model samples again from where it stopped.
+What reaches the model between two turns is appended as ids (`engines/turns.TurnRenderer.between_ids`:
+the chat template's text after the sampled end-of-turn token, the observations as plain text, the next
+generation prompt); the ids the model sampled are never decoded and encoded again. The rollout engine
+continues each row from its KV cache (`RolloutEngine.generate(between=...)`), and the trainer scores the
+same ids, with the loss on the model's own tokens only (`RolloutBatch.sampled_mask`).
+
+`tools=[fn, ...]` is the common case without an environment of your own (`ToolEnvironment`): the model's
+tool calls are parsed in its family's format and each function is called, bounded as a reward is; a call
+that raises, runs past `episode.tool_timeout_s` or returns something that is not text becomes the text the
+model reads next, never a crash.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from parity.config import ConfigError
+from parity.engines.batch import RolloutBatch
+from parity.engines.tokenizer import Message, Tokenizer
+from parity.engines.turns import TurnRenderer, drifted_tokens, parse_assistant, retokenized_ids
+from parity.rl.lookup import LOOKUP_SCHEMA, TOOL_NAME, lookup_tool, parse_table
+from parity.rl.problems import Problem
+from parity.rl.reward_fns import import_reward_fn
+from parity.rl.rewards import Interrupted, Overran, bounded, exception_summary
+from parity.rl.tools import tool_schema
+from parity.rl.train_config import TrainConfig
+
+TOOL_TEXT_CHARS = 4000  # of a tool's answer that reaches the model; the rest is cut, and the cut said
+# How an episode ended: the model answered without a tool call or the environment said done; the turn
+# limit; a turn cut off at its token limit; no room left for the next observation and turn; the
+# environment's step raised.
+ENDS = ("done", "max_turns", "turn_cut_off", "no_room", "environment_error")
+TRUNCATED_ENDS = ("max_turns", "turn_cut_off", "no_room")
+
+
+@dataclass
+class Step:
+    """An environment's answer to an assistant turn."""
+
+    messages: list[Message] = field(default_factory=list)  # what the model reads next (tool or user messages)
+    done: bool = False  # the episode is over: nothing more is sampled
+    reward: float | None = None  # added to the episode's `environment_reward` (None: nothing)
+
+
+class Environment(Protocol):
+    """What `parity.train(environment=...)` instantiates once per episode (a class, or any callable
+    returning one). `tools`, if it has it, lists the functions (or JSON schemas) the chat template offers."""
+
+    def reset(self, row: dict[str, Any]) -> list[Message] | str:
+        """The first messages of the episode on a data row (a string is one user message)."""
+        ...
+
+    def step(self, assistant: Message) -> Step:
+        """Answer an assistant turn: `assistant` is {"role": "assistant", "content": ..., "tool_calls": [...]}."""
+        ...
+
+
+def tool_text(value: Any) -> tuple[str, bool]:
+    """(what a tool's return value looks like to the model, whether it is a failure): text as it is, a
+    JSON value as JSON, anything else a line saying what came back."""
+    failed = False
+    if isinstance(value, str):
+        text = value
+    else:
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError):
+            text, failed = f"error: the tool returned {type(value).__name__!r}, not text or JSON", True
+    if len(text) > TOOL_TEXT_CHARS:
+        text = text[:TOOL_TEXT_CHARS] + f" [cut: {len(text) - TOOL_TEXT_CHARS} more characters]"
+    return text, failed
+
+
+def call_tool(fn: Callable[..., Any], name: str, arguments: Any, timeout_s: float) -> tuple[str, bool]:
+    """(the text the model reads, whether the call failed): `fn(**arguments)` within `timeout_s` in this
+    process (`rewards.bounded`: SIGALRM ends a sleep or a blocking read, and a call that will not end stops
+    the run). SIGINT and SIGTERM end it with `Interrupted`, as they end a reward."""
+    if not isinstance(arguments, dict):
+        return f"error: the arguments of {name} must be a JSON object, got {type(arguments).__name__}", True
+    late = f"parity: the run stopped: tool {name} went on after episode.tool_timeout_s={timeout_s:g} s"
+    try:
+        with bounded(timeout_s, late, 1):
+            value = fn(**arguments)
+    except Overran:
+        return f"error: {name} did not return within {timeout_s:g} s", True
+    except Interrupted:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the tool's failure is the model's to read
+        return f"error: {exception_summary(e)}", True
+    return tool_text(value)
+
+
+class ToolEnvironment:
+    """The environment `tools=[fn, ...]` builds: the data row's prompt is the first message; a turn with
+    tool calls gets each call's result as a tool message; a turn without one ends the episode."""
+
+    def __init__(self, tools: Sequence[Callable[..., Any]], prompt_column: str, timeout_s: float):
+        self.tools = list(tools)
+        self.by_name = {fn.__name__: fn for fn in self.tools}
+        self.prompt_column, self.timeout_s = prompt_column, timeout_s
+        self.errors = 0
+
+    def reset(self, row: dict[str, Any]) -> list[Message] | str:
+        return row[self.prompt_column]
+
+    def step(self, assistant: Message) -> Step:
+        calls = assistant.get("tool_calls") or []
+        if not calls:
+            return Step(done=True)
+        answers = []
+        for call in calls:
+            function = call.get("function", {})
+            name = function.get("name")
+            fn = self.by_name.get(name)
+            if fn is None:
+                text, failed = f"error: no tool named {name!r}; the tools are {', '.join(self.by_name)}", True
+            else:
+                text, failed = call_tool(fn, name, function.get("arguments"), self.timeout_s)
+            self.errors += failed
+            answers.append({"role": "tool", "name": str(name), "content": text})
+        return Step(answers)
+
+
+class LookupEnvironment(ToolEnvironment):
+    """The built-in tool task's environment (task.name=lookup, `rl/lookup.py`): the data row's hidden table
+    behind the `lookup` tool. Its chat template (builtin-agent's) lists no tools: the model knows its one."""
+
+    tools = [LOOKUP_SCHEMA]
+
+    def __init__(self, timeout_s: float = 10.0):
+        super().__init__([], "prompt", timeout_s)
+
+    def reset(self, row: dict[str, Any]) -> list[Message]:
+        self.by_name = {TOOL_NAME: lookup_tool(parse_table(row["table"]))}
+        return row["prompt"]
+
+
+@dataclass
+class Episode:
+    """One row's episode, as the rewards, the completions file and the metrics see it."""
+
+    messages: list[Message]  # the first messages, then every assistant turn and observation
+    first: int = 0  # how many messages came from `reset`
+    turns: int = 0  # model turns sampled
+    tool_calls: int = 0
+    tool_errors: int = 0
+    malformed_calls: int = 0  # turns whose tool call could not be read (`parse_assistant`'s problems)
+    environment_reward: float = 0.0  # the sum of the rewards the environment's steps gave
+    end: str = ""  # one of ENDS
+    error: str = ""  # the environment's exception, with end=environment_error
+
+    @property
+    def truncated(self) -> bool:
+        return self.end in TRUNCATED_ENDS
+
+    def transcript(self) -> str:
+        """The episode after its first messages, one line per message, for a person to read."""
+        lines = []
+        for message in self.messages[self.first :]:
+            text = message.get("content") or ""
+            for call in message.get("tool_calls") or []:
+                function = call.get("function", {})
+                arguments = json.dumps(function.get("arguments"), ensure_ascii=False)
+                text += f" [call {function.get('name')}({arguments})]"
+            name = f" {message['name']}" if message.get("name") else ""
+            lines.append(f"{message['role']}{name}: {text.strip()}")
+        return "\n".join(lines)
+
+    @property
+    def answer(self) -> str:
+        """The last assistant turn's text without its tool calls: what a reward checks."""
+        for message in reversed(self.messages):
+            if message["role"] == "assistant":
+                return message.get("content") or ""
+        return ""
+
+
+def episode_setup(cfg: TrainConfig, tokenizer: Tokenizer, tools=None, environment=None) -> EpisodeSetup:
+    """A run's episodes from its config: `tools` and `environment` are the API's Python objects, else the
+    ones task.tools and task.environment name are imported (each within reward.import_timeout_s)."""
+    if tokenizer.chat_template is None:
+        raise ConfigError(
+            f"task.environment/task.tools: episodes are conversations, rendered by the model's chat template; "
+            f"{cfg.model} has none"
+        )
+    timeout_s = cfg.reward.import_timeout_s
+    if cfg.task.name == "lookup" and not (cfg.task.environment or cfg.task.tools):
+        make = functools.partial(LookupEnvironment, cfg.episode.tool_timeout_s)
+    elif cfg.task.environment:
+        make = environment or import_reward_fn(cfg.task.environment, timeout_s, "task.environment")
+        if not callable(make):
+            raise ConfigError(f"environment: expected a class (or a function making one), got {type(make).__name__}")
+    else:
+        tools = tools or [import_reward_fn(spec, timeout_s, "task.tools") for spec in cfg.task.tools]
+        for fn in tools:
+            tool_schema(fn)  # a function whose parameters cannot be described is refused now, naming it
+        names = [fn.__name__ for fn in tools]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"task.tools: two tools are named {sorted(n for n in names if names.count(n) > 1)[0]!r}")
+        column, timeout = cfg.task.prompt_column, cfg.episode.tool_timeout_s
+        make = lambda: ToolEnvironment(tools, column, timeout)  # noqa: E731
+    e = cfg.episode
+    return EpisodeSetup(
+        tokenizer,
+        make,
+        cfg.task.prompt_column,
+        e.max_turns,
+        e.turn_tokens,
+        e.tool_timeout_s,
+        None if e.tool_format == "auto" else e.tool_format,
+        e.retokenization,
+    )
+
+
+@dataclass
+class EpisodeSetup:
+    """A run's episodes: how to make an environment, the chat template's renderer, the limits."""
+
+    tokenizer: Tokenizer
+    make_environment: Callable[[], Any]
+    prompt_column: str
+    max_turns: int
+    turn_tokens: int  # the token limit of each model turn
+    tool_timeout_s: float
+    style: str | None = None  # the tool-call format (`turns.call_style`); None: the template's
+    retokenization: bool = True  # count what a re-tokenizing pipeline would train on, every step
+    renderer: TurnRenderer | None = None  # made from the first environment's tools
+    tools: list[dict[str, Any]] | None = None
+    noted: set[str] = field(default_factory=set)
+
+    def start(self, problems: list[Problem], group_size: int) -> Episodes:
+        return Episodes(self, problems, group_size)
+
+    def note_once(self, line: str) -> None:
+        if line not in self.noted:
+            self.noted.add(line)
+            print(f"parity: {line}", file=sys.stderr)
+
+
+def _schemas(tools: Any) -> list[dict[str, Any]] | None:
+    """The JSON schemas of an environment's `tools` (functions, or schemas as they are)."""
+    if not tools:
+        return None
+    return [t if isinstance(t, dict) else tool_schema(t) for t in tools]
+
+
+def _first_messages(env: Any, row: dict[str, Any]) -> list[Message]:
+    messages = env.reset(row)
+    if isinstance(messages, str):
+        return [{"role": "user", "content": messages}]
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise ConfigError(
+            f"environment: {type(env).__name__}.reset() returned {type(messages).__name__}; expected a list of "
+            'messages ({"role": ..., "content": ...}) or a string'
+        )
+    return copy.deepcopy(messages)
+
+
+class Episodes:
+    """One step's episodes: an environment per row, the prompts, and the `between` the engine calls."""
+
+    def __init__(self, setup: EpisodeSetup, problems: list[Problem], group_size: int):
+        self.setup = setup
+        self.environments, self.episodes, self.prompts = [], [], []
+        for problem in problems:
+            row = {setup.prompt_column: problem.prompt, **problem.columns}
+            first = None
+            for _ in range(group_size):
+                env = setup.make_environment()
+                messages = _first_messages(env, row)
+                if first is None:
+                    first = messages
+                elif messages != first:
+                    raise ConfigError(
+                        f"environment: {type(env).__name__}.reset() gave different first messages for the same "
+                        f"data row ({problem.prompt!r:.60}); a group's episodes start from one prompt"
+                    )
+                self.environments.append(env)
+                self.episodes.append(Episode(messages, len(messages)))
+            if setup.renderer is None:
+                setup.tools = _schemas(getattr(self.environments[0], "tools", None))
+                setup.renderer = TurnRenderer(setup.tokenizer, setup.tools, setup.style)
+            self.prompts.append(setup.renderer.prompt_ids(first))
+        self.turn_start = [0] * len(self.episodes)  # each row's column where its current turn began
+        self.seconds = 0.0  # spent in `between`: parsing turns, the environments' steps, rendering what follows
+        self.drift: tuple[int, int, int] | None = None  # `count_drift`'s answer
+
+    def parse(self, turn: list[int]) -> Message:
+        """A sampled turn's ids as an assistant message (its control tokens kept: Mistral's [TOOL_CALLS] is one)."""
+        text = self.setup.tokenizer.decode(turn, keep_special=True)
+        if self.setup.renderer.style is None:
+            return {"role": "assistant", "content": text}
+        return parse_assistant(text, self.setup.renderer.style)
+
+    def between(self, rows: list[int], tokens: list[list[int]], rooms: list[int]) -> dict[int, tuple[list[int], int]]:
+        """`RolloutEngine.generate`'s `between`: each row that ended a turn is answered by its environment."""
+        start = time.perf_counter()
+        setup, going_on = self.setup, {}
+        for row, ids, room in zip(rows, tokens, rooms):
+            episode = self.episodes[row]
+            assistant = self.parse(ids[self.turn_start[row] :])
+            problems = assistant.pop("problems", [])
+            episode.messages.append(assistant)
+            episode.turns += 1
+            episode.malformed_calls += bool(problems)
+            episode.tool_calls += len(assistant.get("tool_calls") or [])
+            env = self.environments[row]
+            before = getattr(env, "errors", 0)
+            try:
+                step = env.step(copy.deepcopy(assistant))
+                if not isinstance(step, Step):
+                    raise TypeError(f"step() returned {type(step).__name__}, not parity.Step")
+            except Interrupted:
+                raise
+            except Exception as e:  # noqa: BLE001 - the environment's failure ends its episode, counted
+                episode.end, episode.error = "environment_error", exception_summary(e)
+                setup.note_once(f"environment {type(env).__name__}.step() failed (the episode ends): {episode.error}")
+                continue
+            episode.tool_errors += getattr(env, "errors", 0) - before
+            if step.reward is not None:
+                reward = float(step.reward)
+                if not math.isfinite(reward):
+                    raise ConfigError(f"environment: {type(env).__name__}.step() gave reward {reward}")
+                episode.environment_reward += reward
+            if step.done or not step.messages:
+                episode.end = "done"
+                continue
+            episode.messages.extend(copy.deepcopy(step.messages))
+            if episode.turns >= setup.max_turns:
+                episode.end = "max_turns"
+                continue
+            fed = setup.renderer.between_ids(episode.messages[: -len(step.messages)], step.messages)
+            if len(fed) + 1 >= room:
+                episode.end = "no_room"
+                continue
+            self.turn_start[row] = len(ids) + len(fed)
+            going_on[row] = (fed, min(setup.turn_tokens, room - len(fed)))
+        for note in setup.renderer.notes:
+            setup.note_once(note)
+        self.seconds += time.perf_counter() - start
+        return going_on
+
+    def finish(self, batch: RolloutBatch) -> None:
+        """The episodes' ends into the batch: the last turn of each row, what cut it off, and the records."""
+        lengths = batch.response_lengths.tolist()
+        for row, episode in enumerate(self.episodes):
+            if episode.end:
+                continue
+            # The engine stopped this row: its last turn ended without the environment (the turn's or the
+            # episode's token limit), or with an end-of-turn token at the very last column.
+            assistant = self.parse(batch.response_ids[row, self.turn_start[row] : lengths[row]].tolist())
+            assistant.pop("problems", None)
+            episode.messages.append(assistant)
+            episode.turns += 1
+            episode.end = "turn_cut_off" if bool(batch.truncated[row]) else "no_room"
+        batch.truncated = torch.tensor([e.truncated for e in self.episodes], device=batch.truncated.device)
+        batch.episodes = self
+
+    def count_drift(self, batch: RolloutBatch) -> None:
+        """What a pipeline that re-tokenizes the conversation would have trained on (`drift`): episodes whose
+        re-tokenized ids differ from the sampled ones, sampled tokens it would not reproduce, sampled tokens."""
+        lengths = batch.response_lengths.tolist()
+        sampled = batch.sampled_mask
+        episodes = tokens = 0
+        for row, episode in enumerate(self.episodes):
+            ids = batch.prompt_ids[row] + batch.response_ids[row, : lengths[row]].tolist()
+            trained = [False] * len(batch.prompt_ids[row]) + sampled[row, : lengths[row]].tolist()
+            again = retokenized_ids(self.setup.tokenizer, episode.messages, self.setup.tools)
+            drifted = len(drifted_tokens(ids, trained, again))
+            episodes += drifted > 0
+            tokens += drifted
+        self.drift = (episodes, tokens, int(sampled.sum()))
+
+    def reward_items(self, problems: list[Problem], groups: list[int], lengths: list[int]) -> list[tuple]:
+        """What the rewards score (`UserRewards`' items): each episode's last answer, with its data row's
+        columns plus EPISODE_COLUMNS."""
+        items = []
+        for episode, group, length in zip(self.episodes, groups, lengths):
+            problem = problems[group]
+            columns = {
+                **problem.columns,
+                "messages": episode.messages,
+                "environment_reward": episode.environment_reward,
+            }
+            items.append((Problem(problem.prompt, problem.answer, columns), episode.answer, length))
+        return items
+
+    def records(self, batch: RolloutBatch) -> list[dict[str, Any]]:
+        """What the completions file adds per episode: its messages, turns, how it ended, and which of its
+        tokens trained (sampled) and which were fed between turns."""
+        sampled, fed = batch.sampled_mask.sum(-1).tolist(), batch.env_mask.sum(-1).tolist()
+        return [
+            {
+                "messages": e.messages,
+                "turns": e.turns,
+                "tool_calls": e.tool_calls,
+                "end": e.end,
+                "sampled_tokens": s,
+                "fed_tokens": f,
+            }
+            for e, s, f in zip(self.episodes, sampled, fed)
+        ]
+
+    def transcripts(self) -> list[str]:
+        return [e.transcript() for e in self.episodes]
+
+    def metrics(self, batch: RolloutBatch) -> dict[str, float]:
+        """The step's episode metrics (docs/metrics.md, "Episodes")."""
+        return episode_metrics(self.episodes, batch.env_mask, self.drift)
+
+
+def episode_metrics(
+    episodes: list[Episode], fed_mask: torch.Tensor, drift: tuple[int, int, int] | None
+) -> dict[str, float]:
+    n = len(episodes)
+    fed = fed_mask.sum(-1).float()
+    metrics = {
+        "episode/turns_mean": sum(e.turns for e in episodes) / n,
+        "episode/tool_calls_mean": sum(e.tool_calls for e in episodes) / n,
+        "episode/tool_errors": float(sum(e.tool_errors for e in episodes)),
+        "episode/malformed_calls": float(sum(e.malformed_calls for e in episodes)),
+        "episode/environment_errors": float(sum(e.end == "environment_error" for e in episodes)),
+        "episode/fed_tokens_mean": float(fed.mean()),
+    }
+    for end in ENDS:
+        metrics[f"episode/end_{end}_frac"] = sum(e.end == end for e in episodes) / n
+    if drift is not None:
+        drifted_episodes, drifted_tokens_, sampled = drift
+        metrics["retokenization/episodes_frac"] = drifted_episodes / n
+        metrics["retokenization/tokens_frac"] = drifted_tokens_ / max(sampled, 1)
+    return metrics

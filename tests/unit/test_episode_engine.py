@@ -1,0 +1,74 @@
+"""The rollout engine's episodes (`generate(between=...)`): ids fed between turns from the KV cache, the
+sampled ids kept, and in exact mode μ = π_old for every sampled token of every turn."""
+
+from __future__ import annotations
+
+import pytest
+
+from parity.engines.sampling import SamplingParams
+from test_exact import engines, random_prompts, trainer_logprobs
+
+FED = [5, 6, 1, 7]  # holds id 1, the built-in model's end-of-turn: a fed id never ends a turn
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=90)
+FILTERED = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_new_tokens=90)
+
+
+class Turns:
+    """Feeds FED after each turn, `turns` turns in all, each at most `limit` tokens; records what it saw."""
+
+    def __init__(self, turns: int, limit: int = 24):
+        self.turns, self.limit = turns, limit
+        self.ended: dict[int, int] = {}
+        self.seen: list[tuple[int, list[int], int]] = []
+
+    def __call__(self, rows, tokens, rooms):
+        out = {}
+        for row, ids, room in zip(rows, tokens, rooms):
+            self.seen.append((row, ids, room))
+            self.ended[row] = self.ended.get(row, 0) + 1
+            if self.ended[row] < self.turns and len(FED) + 1 < room:
+                out[row] = (FED, self.limit)
+        return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("sampling", [SAMPLING, FILTERED], ids=["plain", "filtered"])
+def test_exact_mode_holds_across_turns(precision, sampling):
+    model, engine = engines("builtin", precision)
+    turns = Turns(3)
+    batch = engine.generate(
+        random_prompts(4, model.config.vocab_size, seed=1), 4, sampling, seed=7, limits=[24] * 16, between=turns
+    )
+    assert turns.seen, "no row ended a turn"
+    sampled = batch.sampled_mask
+    pi = trainer_logprobs(model, batch, precision, micro_batch=5)
+    assert bool(((pi == batch.rollout_logprobs) | ~sampled).all())
+    assert int(batch.env_mask.sum()) >= len(FED)
+    # Every row's fed spans are FED, whole, right after a sampled end-of-turn token.
+    for row in range(16):
+        ids, fed = batch.response_ids[row].tolist(), batch.env_mask[row].tolist()
+        spans = [j for j in range(len(fed)) if fed[j] and (j == 0 or not fed[j - 1])]
+        for j in spans:
+            assert ids[j : j + len(FED)] == FED and all(fed[j : j + len(FED)])
+            assert ids[j - 1] == 1 and not fed[j - 1]
+        assert len(spans) == min(turns.ended.get(row, 0), 2)
+    assert bool((batch.rollout_logprobs[batch.env_mask] == 0).all())
+    turn = batch.turn_index()
+    assert int(turn.max()) <= 2 and bool((turn[batch.env_mask] == -1).all())
+
+
+def test_a_turn_limit_cuts_the_turn_and_the_episode_stops():
+    model, engine = engines("builtin", "fp32", exact=False)
+    turns = Turns(4, limit=2)
+    batch = engine.generate(
+        random_prompts(2, model.config.vocab_size, seed=3), 4, SAMPLING, seed=2, limits=[30] * 8, between=turns
+    )
+    for row in range(8):
+        fed = batch.env_mask[row].tolist()
+        spans = [j for j in range(len(fed)) if fed[j] and (j == 0 or not fed[j - 1])]
+        if spans:  # after a fed span the turn is at most 2 tokens, and it was not fed again unless it ended
+            last = batch.response_lengths[row].item()
+            after = last - (spans[-1] + len(FED))
+            assert 1 <= after <= 2
+    # A row whose last turn was cut at its limit is reported cut off (no end-of-turn as its last token).
+    assert bool(batch.truncated.any()) or all(t == 4 for t in turns.ended.values())
