@@ -15,7 +15,7 @@ from parity.config import ConfigError, check_range, one_of
 from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.lora import TARGETS, LoRAConfig
-from parity.engines.models.io import BUILTIN_DIR
+from parity.engines.models.io import BUILTIN_DIR, SHIPPED_MODELS
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES
 from parity.engines.trainer import OptimConfig
@@ -508,7 +508,7 @@ class TrainConfig:
     def resolve_paths(self, origin: Path) -> None:
         """Data paths and a model directory made absolute against `origin` (the working directory the run
         started in), so that config.yaml names the same files from anywhere."""
-        if self.model != "builtin" and (origin / Path(self.model).expanduser()).is_dir():
+        if self.model not in SHIPPED_MODELS and (origin / Path(self.model).expanduser()).is_dir():
             self.model = str((origin / Path(self.model).expanduser()).resolve())
         if self.task.data != "builtin":
             self.task.data = str((origin / Path(self.task.data).expanduser()).resolve())

@@ -23,6 +23,11 @@ from parity.engines.packing import pack
 from parity.folders import atomic_dir
 
 BUILTIN_DIR = Path(__file__).parents[2] / "builtin" / "model"
+AGENT_DIR = Path(__file__).parents[2] / "builtin" / "agent_model"  # `builtin-agent`: the tool-calling model
+SHIPPED_MODELS = {
+    "builtin": (BUILTIN_DIR, "parity build-model"),
+    "builtin-agent": (AGENT_DIR, "parity build-model --agent"),
+}
 
 
 def model_file(model_dir: Path, name: str) -> Path:
@@ -96,12 +101,13 @@ def cached_snapshot(repo_id: str) -> Path | None:
 
 
 def resolve_model_dir(model: str | Path) -> Path:
-    """`builtin` names the shipped model; `org/name` that is not a directory, a Hugging Face id in the
-    local cache; anything else is a local directory."""
-    if str(model) == "builtin":
-        if not (BUILTIN_DIR / "model.safetensors").is_file():
-            raise ModelError(f"the built-in model is missing from {BUILTIN_DIR}; rebuild it with `parity build-model`")
-        return BUILTIN_DIR
+    """`builtin` and `builtin-agent` name the shipped models; `org/name` that is not a directory, a Hugging
+    Face id in the local cache; anything else is a local directory."""
+    if str(model) in SHIPPED_MODELS:
+        folder, command = SHIPPED_MODELS[str(model)]
+        if not (folder / "model.safetensors").is_file():
+            raise ModelError(f"the {model} model is missing from {folder}; rebuild it with `{command}`")
+        return folder
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -115,7 +121,8 @@ def resolve_model_dir(model: str | Path) -> Path:
             f"Parity never downloads: fetch it first (huggingface-cli download {text})"
         )
     raise ModelError(
-        f"model {text!r}: no such directory (give a model directory, a Hugging Face id in the local cache, or builtin)"
+        f"model {text!r}: no such directory (give a model directory, a Hugging Face id in the local cache, "
+        "builtin or builtin-agent)"
     )
 
 
