@@ -9,7 +9,12 @@ turn whose prompts are the conversations so far and whose row limits are the rec
 engine without an end-of-turn id, so that every row samples exactly its recorded turn). The two are timed
 in turn (A, B, A, B, ...) after a warm-up of each; the ratio is of medians.
 
-    python benchmarks/episodes.py [--model builtin-agent] [--turns 4] [--fed 12] [--repeats 5] [--json out.json]
+    python benchmarks/episodes.py [--model llama-4.4M] [--prompt-tokens 200] [--turns 4] [--fed 40] [--json out.json]
+
+`--model llama-4.4M` (the default) is the 4.4M-parameter Llama the benchmarks share (`engines.make_llama_4m`,
+random weights); a random model's turns end where it samples one of `--end-ids` ids taken as end-of-turn
+tokens (a turn of about vocabulary / end-ids tokens). A shipped model (`builtin`, `builtin-agent`) ends its
+turns with its own end-of-turn token.
 
 The figures, with the machine, are in docs/benchmarks.md ("Episodes: the KV cache against prefilling again").
 """
@@ -19,7 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,6 +37,9 @@ from parity.engines.models.io import export_state, load_model, resolve_model_dir
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engines import make_llama_4m  # noqa: E402
 
 
 class FixedTurns:
@@ -64,30 +75,36 @@ def structure(batch, turns: FixedTurns, fed: int) -> list[list[tuple[int, int]]]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="builtin-agent")
+    parser.add_argument("--model", default="llama-4.4M")
+    parser.add_argument("--prompt-tokens", type=int, default=200, help="the first prompt (system, tools, question)")
+    parser.add_argument("--end-ids", type=int, default=128, help="a random model's end-of-turn ids")
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--fed", type=int, default=12, help="ids fed between two turns")
-    parser.add_argument("--turn-tokens", type=int, default=24)
+    parser.add_argument("--fed", type=int, default=40, help="ids fed between two turns")
+    parser.add_argument("--turn-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json")
     args = parser.parse_args()
 
-    model_dir = resolve_model_dir(args.model)
+    scratch = tempfile.TemporaryDirectory()
+    random_model = args.model == "llama-4.4M"
+    model_dir = make_llama_4m(Path(scratch.name)) if random_model else resolve_model_dir(args.model)
     tok = load_tokenizer(model_dir)
     numerics = kernels.numerics()
     model = load_model(model_dir, numerics)
     weights = export_state(model)
-    cont = RolloutEngine(model.config, args.precision, tok.eos_ids, tok.pad_id, numerics)
+    vocab = model.config.vocab_size
+    ends = tuple(range(vocab - args.end_ids, vocab)) if random_model else tok.eos_ids
+    cont = RolloutEngine(model.config, args.precision, ends, tok.pad_id, numerics)
     again = RolloutEngine(model.config, args.precision, (), tok.pad_id, numerics)  # rows run to their limits
     for engine in (cont, again):
         engine.load_weights(weights, version=0)
     gen = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    prompts = [torch.randint(3, vocab, (10,), generator=gen).tolist() for _ in range(args.prompts)]
-    fed = torch.randint(3, vocab, (args.fed,), generator=gen).tolist()
+    top = vocab - (args.end_ids if random_model else 0)  # the prompts and fed ids hold no end-of-turn id
+    prompts = [torch.randint(3, top, (args.prompt_tokens,), generator=gen).tolist() for _ in range(args.prompts)]
+    fed = torch.randint(3, top, (args.fed,), generator=gen).tolist()
     budget = args.turns * (args.turn_tokens + args.fed)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=budget)
     rows = args.prompts * args.group
@@ -122,6 +139,8 @@ def main() -> None:
     turn_counts = [len(s) for s in spans]
     record = {
         "model": args.model,
+        "prompt_tokens": args.prompt_tokens,
+        "fed_per_gap": args.fed,
         "precision": args.precision,
         "rows": rows,
         "turns_mean": statistics.mean(turn_counts),

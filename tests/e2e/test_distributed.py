@@ -98,6 +98,25 @@ def test_exact_mode_with_a_worker_and_two_learners(tmp_path, staleness, ray_clus
     assert [m["async/staleness_max"] for m in history] == ([0, 0, 0] if staleness == 0 else [0, 1, 1])
 
 
+def test_episodes_on_a_worker_exact_with_two_learners(tmp_path, ray_cluster):
+    """The built-in tool task's episodes run on the rollout worker (its environment imported there): μ =
+    π_old for every sampled token of every turn, one step ahead (async.max_staleness=1)."""
+    overrides = [
+        f"run_dir={tmp_path / 'run'}",
+        "model=builtin-agent",
+        "task.name=lookup",
+        "prompts_per_step=8",
+        "rollout.group_size=4",
+        *EXACT,
+        "async.max_staleness=1",
+        "steps=3",
+    ]
+    history = Run.create(config.load(TrainConfig, None, overrides), progress=False, backend=RayBackend).train()
+    assert [m["mismatch/exact_tokens_frac"] for m in history] == [1.0] * 3
+    assert all(m["episode/turns_mean"] > 1.5 and m["mismatch/k3_turn1"] == 0.0 for m in history)
+    assert [m["async/staleness_max"] for m in history] == [0, 1, 1]
+
+
 def _break(numerics_of):
     """A closure for `__ray_call__` that puts an actor's engine or model on the non-exact numerics."""
     from parity.engines import kernels

@@ -95,3 +95,29 @@ def test_the_gumbel_draw_gives_the_same_token_however_the_vocabulary_is_split():
         assert torch.equal(tokens, one[0]) and torch.allclose(logprobs, one[1], atol=1e-6, rtol=0)
         tokens, values = gumbel.sample(logp, uniforms, normalised=True, span=span)
         assert torch.equal(tokens, one_normalised[0]) and torch.equal(values, one_normalised[1])
+
+
+@pytest.mark.slow
+def test_an_episode_continued_from_the_cache_agrees_bit_for_bit_through_the_invariant_kernels():
+    """Episodes on CUDA's cache layout (`SlotKVCache.extend`: the ids fed between turns written by one forward
+    through the decode step's Triton kernel): μ = π_old for every sampled token of every turn."""
+    from parity.engines.sampling import SamplingParams
+    from test_episode_engine import FED, Turns
+    from test_exact import trainer_logprobs
+
+    model = load_model("builtin", kernels.TritonExact(torch.device(DEVICE)))
+    tok = load_tokenizer(BUILTIN_DIR)
+    engine = RolloutEngine(model.config, "bf16", tok.eos_ids, tok.pad_id, model.numerics)
+    engine.load_weights(export_state(model), version=0)
+    turns = Turns(2, limit=4)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12)
+    # Solutions written out to their last digits: the first turn ends within a few tokens.
+    prompts = [tok.encode(p) for p in ("4705+386=5+6=11,0+8+1=9,7+3=10,4+0+1=5>50", "12+34=2+4=6,1+3=4>4")]
+    batch = engine.generate(prompts, 2, sampling, 3, [4] * 4, between=turns)
+    assert bool(batch.env_mask.any()), "no row ended its first turn"
+    sampled = batch.sampled_mask
+    pi = trainer_logprobs(model, batch, "bf16", micro_batch=3)
+    assert torch.equal(pi[sampled], batch.rollout_logprobs[sampled])
+    assert all(
+        batch.response_ids[r, j : j + len(FED)].tolist() == FED for r, j in batch.env_mask.nonzero()[:1].tolist()
+    )

@@ -2,15 +2,17 @@
 
 A Llama of the built-in model's size with a character-level tokenizer and a ChatML chat template with
 Hermes-style tool calls (the format Qwen2.5 and Qwen3 use), pretrained by next-token prediction on whole
-episodes of the `lookup` task (`rl/lookup.py`). So that RL has something to learn, the key in the
-pretraining calls is drawn uniformly from a..p, independently of the key the user asked for (except in
-a small fraction of calls, `right_key_prob`), and the tool's answer and the final answer follow from the
-key called. The base model follows the protocol (a well-formed call, then the tool's answer copied) and
-calls the right key about one time in ten; RL has to learn to copy the prompt's key into the call.
+episodes of the `lookup` task (`rl/lookup.py`). So that RL has something to learn, and a way to learn
+it, the pretraining questions come in two forms: `c!`, after which the call asks for the key the user
+named, and `c?` (the task's form), after which it asks for a key drawn uniformly from a..p; the tool's
+answer and the final answer follow from the key called. The base model follows the protocol (a
+well-formed call, then the tool's answer copied) and, asked `c?`, calls the right key one time in 16: it
+can copy a key, and RL has to teach it to do so for the task's question.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -36,7 +38,7 @@ from parity.rl.lookup import KEYS, TOOL_NAME, LookupProblem, lookup_problems, lo
 
 AGENT_SPECIALS = ("<pad>", "<|im_end|>", "<|im_start|>")  # ids 0, 1 (EOS: the end of a turn), 2
 AGENT_ADDED = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")  # added, not special
-AGENT_CHARS = 'abcdefghijklmnopqrstuvwxyz0123456789 \n{}":,?_'
+AGENT_CHARS = 'abcdefghijklmnopqrstuvwxyz0123456789 \n{}":,?_!'
 
 # ChatML, one `<|im_start|>ROLE\nCONTENT<|im_end|>\n` per message. An assistant message's tool calls follow
 # its content, each as <tool_call>{"name":...,"arguments":{...}}</tool_call> in compact JSON; a call is
@@ -78,7 +80,7 @@ class AgentBuildConfig:
 
     steps: int = 1000  # the tool's answer is copied from about step 850 on (before, a plateau at loss 0.20)
     batch_size: int = 32
-    right_key_prob: float = 0.05  # fraction of pretraining calls that ask for the prompt's key
+    named_prob: float = 0.5  # pretraining questions of the form `c!` (the named key called); the rest `c?`
     lr: float = 3e-3
     warmup: int = 50
     seed: int = 0
@@ -156,14 +158,18 @@ def episode_ids(tok: Tokenizer, messages: list[Message]) -> tuple[list[int], lis
 
 
 def pretraining_batch(
-    tok: Tokenizer, size: int, right_key_prob: float, rng: random.Random
+    tok: Tokenizer, size: int, named_prob: float, rng: random.Random
 ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`size` training episodes, in each a key called uniformly at random, or (with `right_key_prob`) the
-    prompt's: (prompts, responses [B, T], the responses' extent [B, T] (a prefix of each row: what the
-    trainer reads), the loss mask [B, T] (the assistant's tokens))."""
+    """`size` training episodes: with `named_prob` the question `c!` and a call for key c, else the task's
+    `c?` and a call for a key at random: (prompts, responses [B, T], the responses' extent [B, T] (a prefix
+    of each row: what the trainer reads), the loss mask [B, T] (the assistant's tokens))."""
     prompts, responses, loss_masks = [], [], []
     for problem in lookup_problems(size, seed=rng.randrange(2**31)):
-        called = problem.key if rng.random() < right_key_prob else rng.choice(KEYS)
+        if rng.random() < named_prob:
+            problem = dataclasses.replace(problem, prompt=[{"role": "user", "content": f"{problem.key}!"}])
+            called = problem.key
+        else:
+            called = rng.choice(KEYS)
         prompt, response, loss_mask = episode_ids(tok, episode(problem, called))
         prompts.append(prompt)
         responses.append(response)
@@ -260,7 +266,7 @@ def _build(out_dir: Path, tok_dir: Path, cfg: AgentBuildConfig, log) -> dict[str
     bar = tqdm(range(cfg.steps), desc="build-model --agent", unit="step")
     for step in bar:
         set_lr(trainer, warmup_lr(cfg.lr, step, cfg.warmup))
-        prompts, responses, extent, loss_mask = pretraining_batch(tok, cfg.batch_size, cfg.right_key_prob, rng)
+        prompts, responses, extent, loss_mask = pretraining_batch(tok, cfg.batch_size, cfg.named_prob, rng)
         logp = trainer.logprobs(prompts, responses, extent)
         loss = -((logp * loss_mask).sum() / loss_mask.sum())
         trainer.backward(loss)

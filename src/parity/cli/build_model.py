@@ -34,9 +34,9 @@ def cmd_build_model(args: argparse.Namespace) -> int:
         cfg = AgentBuildConfig(steps=AgentBuildConfig.steps if args.steps is None else args.steps, seed=args.seed)
         scores = build_agent_model(out, cfg)
         print(f"saved the model to {out}")
-        if scores["protocol_rate"] < 0.98 or scores["accuracy"] > 0.15:
+        if scores["protocol_rate"] < 0.95 or scores["accuracy"] > 0.15:
             print(
-                f"warning: protocol followed in {scores['protocol_rate']:.1%} of held-out episodes (wanted >= 98%), "
+                f"warning: protocol followed in {scores['protocol_rate']:.1%} of held-out episodes (wanted >= 95%), "
                 f"accuracy {scores['accuracy']:.3f} (wanted <= 0.15)"
             )
         return 0

@@ -31,6 +31,8 @@ from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import Trainer
 from parity.folders import Folder
 from parity.rl.checkpoint import RunState, load_checkpoint, local_parameters, non_finite_tensors, save_shards
+from parity.rl.episodes import episode_setup
+from parity.rl.problems import Problem
 from parity.rl.step import Prepared, UpdatePlan, UpdateResult, build_sampler, train_on_batch
 from parity.rl.train_config import TrainConfig
 from parity.runtime import reuse_freed_memory
@@ -65,8 +67,12 @@ class RolloutWorker:
         self.index, self.exact = index, cfg.exact
         self.where = f"rollout worker {index}"
         numerics = kernels.numerics("cpu", cfg.exact)
-        self.sampler = build_sampler(cfg, load_config(model_dir), load_tokenizer(model_dir), numerics, score_old=True)
+        tokenizer = load_tokenizer(model_dir)
+        self.sampler = build_sampler(cfg, load_config(model_dir), tokenizer, numerics, score_old=True)
         self.pool = PartialRollouts(self.sampler)  # used by `generate_partial` only
+        # Episodes run here, beside the engine: the tools or environment imported from the run's config.
+        self.episodes = episode_setup(cfg, tokenizer) if cfg.episodes else None
+        self.turn_tokens, self.retokenization = cfg.episode.turn_tokens, cfg.episode.retokenization
         self.idle_since = time.perf_counter()
 
     def pid(self) -> int:
@@ -86,13 +92,26 @@ class RolloutWorker:
         return {"version": manifest.version, "seconds": time.perf_counter() - t, "verified": 1.0}
 
     def generate(
-        self, prompts: list[list[int]], group_size: int, sampling: SamplingParams, seed: int, full_vocab: int = 0
+        self,
+        prompts: list[list[int]] | list[Problem],
+        group_size: int,
+        sampling: SamplingParams,
+        seed: int,
+        full_vocab: int = 0,
     ) -> tuple[RolloutBatch, dict[str, float]]:
         """Sample `group_size` responses per prompt and score them (and the whole distribution at
         `full_vocab` positions); also how long this worker sat idle before the call and how long each
-        part took."""
+        part took. In a run of episodes `prompts` are the problems, each an episode's data row."""
         start = time.perf_counter()
-        batch = self.sampler.generate(prompts, group_size, sampling, seed, full_vocab)
+        if self.episodes is None:
+            batch = self.sampler.generate(prompts, group_size, sampling, seed, full_vocab)
+        else:
+            episodes = self.episodes.start(prompts, group_size)
+            limits = [self.turn_tokens] * len(episodes.episodes)
+            batch = self.sampler.generate(
+                episodes.prompts, group_size, sampling, seed, full_vocab, limits, episodes.between
+            )
+            episodes.finish(batch, self.retokenization)
         sampled = time.perf_counter()
         self.sampler.score_samples(batch)
         if batch.full_vocab is not None:

@@ -354,7 +354,8 @@ class RayBackend:
         sends = [n + max(n - self.spare[w], 0) if cfg.async_.partial_rollouts else n for w, n in enumerate(shares)]
         start = self.parts.data.position
         problems = [self.parts.problems[i] for i in self.parts.data.take(sum(sends))]
-        prompts = [self.parts.encode(p) for p in problems]
+        # Episodes: the worker renders each row's first prompt from what its environment's reset gives.
+        prompts = problems if cfg.episodes else [self.parts.encode(p) for p in problems]
         request = _Request(step, problems, self.parts.data.position)
         first = 0
         for w, (n, need) in enumerate(zip(sends, shares)):
@@ -500,6 +501,8 @@ class RayBackend:
         times["worker_idle"] = sum(i["idle"] for i in infos)
         self._check_loads()
         batch = concat_batches(parts) if len(parts) > 1 else parts[0]
+        if batch.episodes is not None:
+            times.update(batch.episodes.times())
         versions = batch.versions()
         staleness = (self.step - versions[batch.sampled_mask]).float()
         self.async_metrics = {

@@ -51,7 +51,7 @@ class RolloutBatch:
     # Episodes (several model turns): [B, T] True on the tokens fed between turns (the template's text, a
     # tool's answer, the next generation prompt): context the trainer reads, never a sampled token. None: one turn.
     env_mask: torch.Tensor | None = None
-    episodes: object = None  # the step's episodes (`rl/episodes.Episodes`): each row's record, for rewards and logs
+    episodes: object = None  # episodes' records (`rl/episodes.EpisodeBatch`), for rewards and logs; None: one turn
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -167,4 +167,5 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
         if all(b.token_versions is None for b in batches)
         else torch.cat([F.pad(b.versions(), [0, width - b.response_ids.shape[1]], value=-1) for b in batches]),
         env_mask=cat("env_mask", False),
+        episodes=None if batches[0].episodes is None else type(batches[0].episodes).join([b.episodes for b in batches]),
     )

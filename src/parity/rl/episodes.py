@@ -298,7 +298,6 @@ class Episodes:
             self.prompts.append(setup.renderer.prompt_ids(first))
         self.turn_start = [0] * len(self.episodes)  # each row's column where its current turn began
         self.seconds = 0.0  # spent in `between`: parsing turns, the environments' steps, rendering what follows
-        self.drift: tuple[int, int, int] | None = None  # `count_drift`'s answer
 
     def parse(self, turn: list[int]) -> Message:
         """A sampled turn's ids as an assistant message (its control tokens kept: Mistral's [TOOL_CALLS] is one)."""
@@ -355,8 +354,9 @@ class Episodes:
         self.seconds += time.perf_counter() - start
         return going_on
 
-    def finish(self, batch: RolloutBatch) -> None:
-        """The episodes' ends into the batch: the last turn of each row, what cut it off, and the records."""
+    def finish(self, batch: RolloutBatch, count_drift: bool) -> None:
+        """The episodes' ends into the batch: the last turn of each row, what cut it off, and the records
+        (`batch.episodes`, an `EpisodeBatch`); with `count_drift`, what re-tokenizing would have changed."""
         lengths = batch.response_lengths.tolist()
         for row, episode in enumerate(self.episodes):
             if episode.end:
@@ -369,10 +369,12 @@ class Episodes:
             episode.turns += 1
             episode.end = "turn_cut_off" if bool(batch.truncated[row]) else "no_room"
         batch.truncated = torch.tensor([e.truncated for e in self.episodes], device=batch.truncated.device)
-        batch.episodes = self
+        start = time.perf_counter()
+        drift = self.count_drift(batch) if count_drift else None
+        batch.episodes = EpisodeBatch(self.episodes, self.seconds, drift, time.perf_counter() - start)
 
-    def count_drift(self, batch: RolloutBatch) -> None:
-        """What a pipeline that re-tokenizes the conversation would have trained on (`drift`): episodes whose
+    def count_drift(self, batch: RolloutBatch) -> tuple[int, int, int]:
+        """What a pipeline that re-tokenizes the conversation would have trained on: episodes whose
         re-tokenized ids differ from the sampled ones, sampled tokens it would not reproduce, sampled tokens."""
         lengths = batch.response_lengths.tolist()
         sampled = batch.sampled_mask
@@ -384,7 +386,31 @@ class Episodes:
             drifted = len(drifted_tokens(ids, trained, again))
             episodes += drifted > 0
             tokens += drifted
-        self.drift = (episodes, tokens, int(sampled.sum()))
+        return episodes, tokens, int(sampled.sum())
+
+
+@dataclass
+class EpisodeBatch:
+    """A batch's episode records (`RolloutBatch.episodes`), made where the episodes ran (this process or a
+    rollout worker, which sends them with the batch): what rewards, the completions file and the metrics
+    read."""
+
+    episodes: list[Episode]
+    seconds: float = 0.0  # in `between` on the host (the slowest worker's, joined)
+    drift: tuple[int, int, int] | None = None  # `Episodes.count_drift`'s counts
+    drift_seconds: float = 0.0
+
+    @staticmethod
+    def join(parts: list[EpisodeBatch]) -> EpisodeBatch:
+        """Several workers' records as one batch's (`engines/batch.concat_batches`)."""
+        drifts = [p.drift for p in parts]
+        drift = None if None in drifts else tuple(sum(d[i] for d in drifts) for i in range(3))
+        return EpisodeBatch(
+            [e for p in parts for e in p.episodes],
+            max(p.seconds for p in parts),
+            drift,
+            max(p.drift_seconds for p in parts),
+        )
 
     def reward_items(self, problems: list[Problem], groups: list[int], lengths: list[int]) -> list[tuple]:
         """What the rewards score (`UserRewards`' items): each episode's last answer, with its data row's
@@ -418,6 +444,11 @@ class Episodes:
 
     def transcripts(self) -> list[str]:
         return [e.transcript() for e in self.episodes]
+
+    def times(self) -> dict[str, float]:
+        """`time/environment` (the host's part of the rollout: parsing turns, the environments' steps,
+        rendering what comes between) and `time/retokenization`."""
+        return {"environment": self.seconds, "retokenization": self.drift_seconds}
 
     def metrics(self, batch: RolloutBatch) -> dict[str, float]:
         """The step's episode metrics (docs/metrics.md, "Episodes")."""

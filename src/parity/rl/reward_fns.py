@@ -413,7 +413,8 @@ def environment_reward(completions: list[str], environment_reward: list[float], 
 
 def data_columns(cfg: TrainConfig) -> DataColumns:
     """The data's prompt and answer columns; the answer is needed by the built-in rewards that compare with it."""
-    checks_answer = not cfg.task.reward_fn and cfg.task.name != "length"
+    # An environment of your own scores its episodes (its steps' rewards) unless reward functions are given.
+    checks_answer = not cfg.task.reward_fn and cfg.task.name != "length" and not cfg.task.environment
     return DataColumns(cfg.task.prompt_column, cfg.task.answer_column, answer_required=checks_answer)
 
 
@@ -437,7 +438,7 @@ def run_rewards(
     process unless `reward.isolate=always` (a spawned worker; docs/your-task.md says why, with timings)."""
     if rewards is None and cfg.task.reward_fn:
         rewards = config_rewards(cfg)
-    if cfg.episodes and not rewards:
+    if cfg.task.environment and not rewards:  # your environment's episodes are scored by its steps' rewards
         rewards = [Reward(environment_reward, name="environment")]
     r = cfg.reward
     if rewards:

@@ -473,12 +473,8 @@ class LocalBackend:
         )
         times["rollout"] = time.perf_counter() - t
         if episodes is not None:
-            episodes.finish(batch)
-            times["environment"] = episodes.seconds  # the host's part of the rollout: parse, step, render
-            if parts.episodes.retokenization:
-                t = time.perf_counter()
-                episodes.count_drift(batch)
-                times["retokenization"] = time.perf_counter() - t
+            episodes.finish(batch, parts.episodes.retokenization)
+            times.update(batch.episodes.times())
         t = time.perf_counter()
         self.sampler.score_samples(batch)
         times["score"] = time.perf_counter() - t

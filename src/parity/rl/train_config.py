@@ -15,7 +15,7 @@ from parity.config import ConfigError, check_range, one_of
 from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.lora import TARGETS, LoRAConfig
-from parity.engines.models.io import BUILTIN_DIR, SHIPPED_MODELS
+from parity.engines.models.io import AGENT_DIR, BUILTIN_DIR, SHIPPED_MODELS
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES
 from parity.engines.trainer import OptimConfig
@@ -230,11 +230,14 @@ class AsyncSection:
 
 
 def default_lr(model: str, lora: bool) -> float:
-    """`trainer.lr` when unset. The built-in 4M model learns its task at 2e-4; a pretrained model
-    takes the RL fine-tuning norm (TRL's GRPO default, the research's scripts) of 1e-6, and ten times
-    that with LoRA, whose low-rank updates need a larger step for the same change."""
+    """`trainer.lr` when unset. The built-in 0.8M model learns its task at 2e-4, the built-in agent model
+    its tool task at 3e-4 (docs/agents.md); a pretrained model takes the RL fine-tuning norm (TRL's GRPO
+    default, the research's scripts) of 1e-6, and ten times that with LoRA, whose low-rank updates need a
+    larger step for the same change."""
     if model == "builtin" or Path(model).expanduser().resolve() == BUILTIN_DIR.resolve():
         return 2e-4
+    if model == "builtin-agent" or Path(model).expanduser().resolve() == AGENT_DIR.resolve():
+        return 3e-4
     return 1e-5 if lora else 1e-6
 
 
@@ -495,10 +498,15 @@ class TrainConfig:
             )
         if not self.episodes:
             return
-        if self.distributed_mode:
+        if self.task.name == "lookup" and self.model == "builtin":
             raise ConfigError(
-                "task.environment/task.tools run in one process so far; set distributed.rollout_workers=0 and "
-                "distributed.learners=1"
+                "task.name=lookup is a tool task for a chat model that calls tools; the built-in one is "
+                "model=builtin-agent"
+            )
+        if self.async_.partial_rollouts:
+            raise ConfigError(
+                "async.partial_rollouts with episodes (task.environment, task.tools): continuing an episode on "
+                "newer weights at a turn boundary is not built; set async.partial_rollouts=0"
             )
         if self.eval.data != "auto":
             raise ConfigError(

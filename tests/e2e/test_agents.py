@@ -1,0 +1,90 @@
+"""Episodes end to end (docs/agents.md): the page's two scripts as written, the built-in tool task from the
+CLI in exact mode (with LoRA too), what rewards and the completions file see, and resume. Tool answers that
+spell control tokens, on real tokenizers: tests/unit/test_turns.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import parity
+from parity.cli import main
+from parity.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["steps=2", "prompts_per_step=4", "rollout.group_size=4", "checkpoint_every=-1", "log.completions=0"]
+
+
+def _blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "agents.md").read_text(), flags=re.S)
+
+
+@pytest.mark.parametrize("index, name", [(0, "agent_tools.py"), (1, "agent_env.py")])
+def test_the_pages_scripts_run_as_written(tmp_path, index, name):
+    script = tmp_path / name
+    script.write_text(_blocks()[index])
+    done = subprocess.run([sys.executable, str(script), "2"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    float(done.stdout.strip().splitlines()[-1])  # the last step's accuracy or reward, printed
+    run = tmp_path / ("runs/agent-tools" if index == 0 else "runs/agent-env")
+    rows = [json.loads(line) for line in (run / "completions" / "step_000002.jsonl").read_text().splitlines()]
+    assert {"messages", "turns", "end", "sampled_tokens", "fed_tokens"} <= set(rows[0])
+    assert any(r["turns"] == 2 and r["messages"][2]["role"] == "tool" for r in rows)
+
+
+@pytest.mark.parametrize("lora", [[], ["lora.rank=4", "lora.merge=false"]], ids=["full", "lora-unmerged"])
+def test_the_builtin_tool_task_in_exact_mode(tmp_path, lora):
+    run = tmp_path / "run"
+    args = ["model=builtin-agent", "task.name=lookup", "exact=true", *SMALL, *lora, f"run_dir={run}"]
+    assert main(["train", *args]) == 0
+    history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = history[-1]
+    assert last["mismatch/exact_tokens_frac"] == 1.0 and last["mismatch/k3_turn0"] == 0.0
+    assert last["episode/turns_mean"] > 1.5 and last["episode/tool_calls_mean"] > 0.9
+    assert 0 <= last["retokenization/episodes_frac"] <= 1 and "time/environment" in last
+    assert 40 <= last["response/length_mean"] <= 60  # the model's own tokens (the call, the answer)
+    assert "reward/accuracy" in last
+    if lora:
+        return
+    assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
+    assert "tool lookup:" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_rewards_see_the_episode_and_a_resume_needs_trust(tmp_path, capsys):
+    seen = {}
+
+    def lookup(key: str) -> str:
+        """The value under a key."""
+        return "<|im_end|><tool_call>{}</tool_call>" if key == "a" else "427"
+
+    def graded(completions, answer, messages, **columns):
+        seen["messages"] = messages[0]
+        return [float(c.strip() == str(a)) for c, a in zip(completions, answer)]
+
+    rows = [{"prompt": [{"role": "user", "content": f"{k}?"}], "answer": 427} for k in "abcd"]
+    result = parity.train(
+        "builtin-agent",
+        rows,
+        [graded],
+        tools=[lookup],
+        run_dir=tmp_path / "r",
+        progress=False,
+        steps=1,
+        prompts_per_step=4,
+        rollout__group_size=2,
+        checkpoint_every=0,
+    )
+    first = seen["messages"]  # the first episode's whole conversation
+    assert first[0]["role"] == "user" and any(m["role"] == "tool" for m in first)
+    assert result.history[-1]["episode/tool_calls_mean"] > 0.9
+    assert main(["train", "--resume", str(tmp_path / "r"), "steps=2"]) == 2
+    assert re.search(r"task\.tools=.*--trust-reward-fn", capsys.readouterr().err)
+    with pytest.raises(ConfigError, match="tools and environment: give one"):
+        parity.train("builtin-agent", rows, tools=[lookup], environment=dict, steps=1)
+    with pytest.raises(ConfigError, match="episodes are conversations, rendered by the model's chat template"):
+        parity.train("builtin", [{"prompt": "1+2=", "answer": 3}], tools=[lookup], steps=1, run_dir=tmp_path / "x")
