@@ -113,7 +113,7 @@ def test_an_episode_continued_from_the_cache_agrees_bit_for_bit_through_the_inva
     sampling = SamplingParams(temperature=1.0, max_new_tokens=12)
     # Solutions written out to their last digits: the first turn ends within a few tokens.
     prompts = [tok.encode(p) for p in ("4705+386=5+6=11,0+8+1=9,7+3=10,4+0+1=5>50", "12+34=2+4=6,1+3=4>4")]
-    batch = engine.generate(prompts, 2, sampling, 3, [4] * 4, between=turns)
+    batch = engine.generate(prompts, 2, sampling, 3, limits=[4] * 4, between=turns)
     assert bool(batch.env_mask.any()), "no row ended its first turn"
     sampled = batch.sampled_mask
     pi = trainer_logprobs(model, batch, "bf16", micro_batch=3)
