@@ -57,3 +57,33 @@ def test_the_gpu_probe_runs_on_the_cpu(tmp_path):
     assert all(r["fused_columns_same_bits"] for r in sections["matmul"]["result"].values())
     summary = (tmp_path / "summary.md").read_text()
     assert "decode step, batch 16, bf16" in summary and "train bf16@8k" in summary
+
+
+@pytest.mark.slow
+def test_the_agents_benchmark_against_trl_runs(tmp_path):
+    """benchmarks/agents_vs_trl.py at smoke scale: both sides run the tool task's episodes (a tool call per
+    episode), and the audit finds every sampled id of TRL's loop trained as sampled on builtin-agent's
+    template and on Qwen3's (driven by the scripted policy), while a re-tokenizing pipeline drifts there."""
+    pytest.importorskip("trl")
+    from real_tokenizers import real_tokenizer_dir
+
+    qwen3 = real_tokenizer_dir("qwen3")
+    script = Path(__file__).parents[2] / "benchmarks" / "agents_vs_trl.py"
+    out = tmp_path / "agents.json"
+    args = ["--steps", "1", "--warmup", "1", "--rounds", "1", "--prompts", "2", "--group", "4"]
+    args += ["--precisions", "fp32", "--threads", "1", "--audit-steps", "1", "--qwen3-tokenizer", str(qwen3)]
+    subprocess.run([sys.executable, str(script), *args, "--json", str(out)], check=True, capture_output=True)
+    record = json.loads(out.read_text())
+    assert record["machine"]["cpu_capability"] and record["threads"] == 1
+    (row,) = record["step_time"]
+    assert row["parity_step_s"] > 0 and row["trl_step_s"] > 0 and row["trl_over_parity"] > 0
+    assert "qwen3_template" in row["trl_parser"]  # builtin-agent's template is not one TRL knows
+    for side in ("parity", "trl"):
+        assert all(calls > 0.5 for run in row[f"{side}_tool_calls_mean"] for calls in run)
+    for name in ("builtin-agent", "qwen3"):
+        audit = record["audit"][name]
+        loop = audit["trl_loop"]
+        assert loop["sampled"] > 0 and loop["turns_unmatched"] == 0 and audit["tool_calls_mean"] > 0.5
+        assert loop["differing"] == 0 and loop["trained_not_sampled"] == 0
+    qwen = record["audit"]["qwen3"]
+    assert qwen["accuracy"] == [1.0] and qwen["retokenizing_pipeline"]["drifted_tokens"] > 0
