@@ -18,6 +18,7 @@ from parity.engines.turns import (
     call_style,
     drifted_tokens,
     parse_assistant,
+    replacing_tokens,
     retokenized_ids,
 )
 from parity.rl.tools import tool_schema
@@ -297,6 +298,14 @@ def test_drifted_tokens_on_a_non_canonical_split(loaded):
     assert drifted_tokens([1, 2, 3], [False, False, False], [9]) == []
     with pytest.raises(ValueError, match="marks"):
         drifted_tokens([1, 2], [True], [1, 2])
+    # What a re-tokenizing pipeline trains in their place: the canonical ids where the pieces were.
+    sampled = prompt + pieces + tok.encode_text(" is long.") + eot
+    trained = [False] * len(prompt) + [True] * (len(sampled) - len(prompt))
+    stand_ins = [retokenized[i] for i in replacing_tokens(sampled, trained, retokenized)]
+    # (with Qwen3's empty think stub, which its template writes into the re-rendered answer's span)
+    assert set(canonical) - shared <= set(stand_ins) and not set(stand_ins) & shared
+    assert replacing_tokens([5, 6, 7], [False, True, False], [5, 8, 9, 7]) == [1, 2]
+    assert replacing_tokens([5, 6, 7], [True, False, False], [5, 8, 7]) == []  # the untrained one changed
 
 
 # ----------------------------------------------------------------------------- tool schemas

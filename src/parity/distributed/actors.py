@@ -25,6 +25,7 @@ from parity.engines.batch import RolloutBatch
 from parity.engines.models.io import load_config, load_model
 from parity.engines.models.modules import CausalLM
 from parity.engines.partial import PartialRollouts, PoolRequest
+from parity.engines.precision import to_dtype
 from parity.engines.sampler import ExactnessError, check_first_pass
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
@@ -73,6 +74,7 @@ class RolloutWorker:
         # Episodes run here, beside the engine: the tools or environment imported from the run's config.
         self.episodes = episode_setup(cfg, tokenizer) if cfg.episodes else None
         self.turn_tokens, self.retokenization = cfg.episode.turn_tokens, cfg.episode.retokenization
+        self.retokenization_logprob = cfg.episode.retokenization_logprob
         self.idle_since = time.perf_counter()
 
     def pid(self) -> int:
@@ -112,6 +114,8 @@ class RolloutWorker:
                 episodes.prompts, group_size, sampling, seed, full_vocab, limits, episodes.between
             )
             episodes.finish(batch, self.retokenization)
+            if self.retokenization_logprob:
+                episodes.drift_logprobs(batch, self.sampler.scorer, to_dtype(self.sampler.trainer_precision))
         sampled = time.perf_counter()
         self.sampler.score_samples(batch)
         if batch.full_vocab is not None:

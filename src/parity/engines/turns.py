@@ -346,3 +346,15 @@ def drifted_tokens(sampled_ids: list[int], trained: list[bool], retokenized: lis
     for block in matcher.get_matching_blocks():
         matched[block.a : block.a + block.size] = [True] * block.size
     return [i for i, (t, m) in enumerate(zip(trained, matched)) if t and not m]
+
+
+def replacing_tokens(sampled_ids: list[int], trained: list[bool], retokenized: list[int]) -> list[int]:
+    """The indices of `retokenized` that stand where drifted tokens were (`drifted_tokens`): in each span
+    the alignment does not match, those of the re-tokenized side when the sampled side holds a trained
+    token. What a re-tokenizing pipeline trains in their place."""
+    matcher = SequenceMatcher(None, list(sampled_ids), list(retokenized), autojunk=False)
+    out = []
+    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+        if tag != "equal" and any(trained[a0:a1]):
+            out.extend(range(b0, b1))
+    return out

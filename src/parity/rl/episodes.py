@@ -32,7 +32,8 @@ import torch
 from parity.config import ConfigError
 from parity.engines.batch import RolloutBatch
 from parity.engines.tokenizer import Message, Tokenizer
-from parity.engines.turns import TurnRenderer, drifted_tokens, parse_assistant, retokenized_ids
+from parity.engines.trainer import sequence_logprobs
+from parity.engines.turns import TurnRenderer, drifted_tokens, parse_assistant, replacing_tokens, retokenized_ids
 from parity.rl.lookup import LOOKUP_SCHEMA, TOOL_NAME, lookup_tool, parse_table
 from parity.rl.problems import Problem
 from parity.rl.reward_fns import import_reward_fn
@@ -297,6 +298,7 @@ class Episodes:
                 setup.renderer = TurnRenderer(setup.tokenizer, setup.tools, setup.style)
             self.prompts.append(setup.renderer.prompt_ids(first))
         self.turn_start = [0] * len(self.episodes)  # each row's column where its current turn began
+        self.drifted: list[tuple] = []  # `count_drift`: (row, drifted columns, re-tokenized ids, their stand-ins)
         self.seconds = 0.0  # spent in `between`: parsing turns, the environments' steps, rendering what follows
 
     def parse(self, turn: list[int]) -> Message:
@@ -379,14 +381,38 @@ class Episodes:
         lengths = batch.response_lengths.tolist()
         sampled = batch.sampled_mask
         episodes = tokens = 0
+        self.drifted = []
         for row, episode in enumerate(self.episodes):
             ids = batch.prompt_ids[row] + batch.response_ids[row, : lengths[row]].tolist()
             trained = [False] * len(batch.prompt_ids[row]) + sampled[row, : lengths[row]].tolist()
             again = retokenized_ids(self.setup.tokenizer, episode.messages, self.setup.tools)
-            drifted = len(drifted_tokens(ids, trained, again))
-            episodes += drifted > 0
-            tokens += drifted
+            drifted = drifted_tokens(ids, trained, again)
+            if drifted:
+                start = len(batch.prompt_ids[row])
+                self.drifted.append((row, [i - start for i in drifted], again, replacing_tokens(ids, trained, again)))
+            episodes += bool(drifted)
+            tokens += len(drifted)
         return episodes, tokens, int(sampled.sum())
+
+    def drift_logprobs(self, batch: RolloutBatch, model, dtype: torch.dtype) -> None:
+        """`episode.retokenization_logprob`: the log-probability, under the trainer's code path on the weights
+        that sampled, of the tokens a re-tokenizing pipeline trains where the sampled ones drifted, beside μ
+        of the sampled tokens it loses (`EpisodeBatch.logprobs`): one forward of the drifting episodes."""
+        if not self.drifted:
+            return
+        sequences = [again for _, _, again, _ in self.drifted]
+        width = max(len(s) for s in sequences) - 1
+        ids = torch.full((len(sequences), width), self.setup.tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+        for i, s in enumerate(sequences):
+            ids[i, : len(s) - 1], mask[i, : len(s) - 1] = torch.tensor(s[1:]), True
+        with torch.no_grad():
+            _, logp = sequence_logprobs(
+                model, [s[:1] for s in sequences], ids, mask, None, batch.sampling.temperature, dtype
+            )
+        replacing = [float(logp[i, j - 1]) for i, (_, _, _, at) in enumerate(self.drifted) for j in at if j > 0]
+        lost = [float(batch.rollout_logprobs[row, j]) for row, at, _, _ in self.drifted for j in at]
+        batch.episodes.logprobs = (sum(replacing) / max(len(replacing), 1), sum(lost) / max(len(lost), 1))
 
 
 @dataclass
@@ -399,17 +425,22 @@ class EpisodeBatch:
     seconds: float = 0.0  # in `between` on the host (the slowest worker's, joined)
     drift: tuple[int, int, int] | None = None  # `Episodes.count_drift`'s counts
     drift_seconds: float = 0.0
+    # `Episodes.drift_logprobs`: mean log-probability of what a re-tokenizing pipeline trains in place of the
+    # drifted tokens, and mean μ of those; None when off or nothing drifted
+    logprobs: tuple[float, float] | None = None
 
     @staticmethod
     def join(parts: list[EpisodeBatch]) -> EpisodeBatch:
         """Several workers' records as one batch's (`engines/batch.concat_batches`)."""
         drifts = [p.drift for p in parts]
         drift = None if None in drifts else tuple(sum(d[i] for d in drifts) for i in range(3))
+        logprobs = [p.logprobs for p in parts if p.logprobs is not None]  # each worker's means, averaged
         return EpisodeBatch(
             [e for p in parts for e in p.episodes],
             max(p.seconds for p in parts),
             drift,
             max(p.drift_seconds for p in parts),
+            tuple(sum(x) / len(logprobs) for x in zip(*logprobs)) if logprobs else None,
         )
 
     def reward_items(self, problems: list[Problem], groups: list[int], lengths: list[int]) -> list[tuple]:
@@ -452,7 +483,10 @@ class EpisodeBatch:
 
     def metrics(self, batch: RolloutBatch) -> dict[str, float]:
         """The step's episode metrics (docs/metrics.md, "Episodes")."""
-        return episode_metrics(self.episodes, batch.env_mask, self.drift)
+        metrics = episode_metrics(self.episodes, batch.env_mask, self.drift)
+        if self.logprobs is not None:
+            metrics["retokenization/logprob_mean"], metrics["retokenization/sampled_logprob_mean"] = self.logprobs
+        return metrics
 
 
 def episode_metrics(

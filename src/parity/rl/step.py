@@ -29,6 +29,7 @@ from parity.engines.lora import AdapterError
 from parity.engines.models.config import ModelConfig
 from parity.engines.models.io import load_model
 from parity.engines.models.modules import CausalLM
+from parity.engines.precision import to_dtype
 from parity.engines.sampler import ExactnessError, Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import Tokenizer
@@ -473,7 +474,10 @@ class LocalBackend:
         )
         times["rollout"] = time.perf_counter() - t
         if episodes is not None:
-            episodes.finish(batch, parts.episodes.retokenization)
+            episodes.finish(batch, cfg.episode.retokenization)
+            if cfg.episode.retokenization_logprob:  # the trainer still holds the weights that sampled
+                model = self.sampler.scorer or self.trainer.model
+                episodes.drift_logprobs(batch, model, to_dtype(cfg.trainer_precision))
             times.update(batch.episodes.times())
         t = time.perf_counter()
         self.sampler.score_samples(batch)

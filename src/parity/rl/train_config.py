@@ -170,6 +170,9 @@ class EpisodeSection:
     # Count, every step, the sampled tokens a pipeline that re-tokenizes the conversation would get wrong
     # (retokenization/* metrics; tokenization only, no forward)
     retokenization: bool = True
+    # ... and the log-probability what such a pipeline trains in their place carries (one more forward, of
+    # the episodes that drift)
+    retokenization_logprob: bool = False
 
 
 @dataclass
@@ -503,6 +506,8 @@ class TrainConfig:
                 "task.name=lookup is a tool task for a chat model that calls tools; the built-in one is "
                 "model=builtin-agent"
             )
+        if e.retokenization_logprob and not e.retokenization:
+            raise ConfigError("episode.retokenization_logprob=true needs episode.retokenization=true (the count)")
         if self.async_.partial_rollouts:
             raise ConfigError(
                 "async.partial_rollouts with episodes (task.environment, task.tools): continuing an episode on "
