@@ -597,6 +597,12 @@ class RolloutEngine:
             feeds.append((new[row], row, c, ids, limit))
         self._extend(ws, feeds, max_new)
 
+    @staticmethod
+    def _reach(ws: _Workspace, n: int, slot: int, between: Between | None) -> int:
+        """The highest slot any of the first n rows writes next: `slot` (the longest prompt's at this step),
+        or in an episode, where rows run ahead of the step by the ids fed to them, the furthest row's."""
+        return slot if between is None else int(ws.position[:n].max())
+
     def _extend(self, ws: _Workspace, feeds: list[tuple[int, int, int, list[int], int]], max_new: int) -> None:
         """Continue rows from their caches. `feeds`: (active position, output row, next column, ids, limit of
         the next turn). The turn's last token and the ids but the last go through one forward at their
@@ -747,14 +753,11 @@ class RolloutEngine:
             if (t + 1) % check_every == 0:
                 if between is not None:
                     self._next_turns(ws, n, max_new, between)
-                # Episodes' rows run ahead of the step by the ids fed to them.
-                reach = prompt_len + t if between is None else int(ws.position[:n].max())
-                n, over = self._check(ws, n, reach, stop)
+                n, over = self._check(ws, n, self._reach(ws, n, prompt_len + t, between), stop)
                 if over:
                     break
-                reach = prompt_len + t if between is None else int(ws.position[:n].max())
             # The highest slot a row writes now (a live row with the longest prompt; finished rows are clamped).
-            self._run_step(ws, n, min(reach, max_len - 1) + 1)
+            self._run_step(ws, n, min(self._reach(ws, n, prompt_len + t, between), max_len - 1) + 1)
         if (widths := self._widths_needed(ws)) is not None:
             raise _Widen(widths)
         return self._batch(ws, prompts, group_size, prompt_routes)
