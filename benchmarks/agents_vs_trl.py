@@ -57,7 +57,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engines import isolated  # noqa: E402
-from vs_trl import _max_rss_mb, _threads  # noqa: E402
+from vs_trl import _max_rss_mb, _threads, grpo_config  # noqa: E402
 
 LR = 3e-4
 MAX_TURNS = 4  # Parity's episode.max_turns default; TRL: 1 turn + MAX_TURNS - 1 tool iterations
@@ -170,7 +170,7 @@ def trl_trainer(work: Work, callbacks: list, on_reward=None, trainer_class=None)
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     def reward(prompts, completions, answer, **kwargs):
         finals = [_final_answer(c) for c in completions]
@@ -179,30 +179,7 @@ def trl_trainer(work: Work, callbacks: list, on_reward=None, trainer_class=None)
             on_reward(prompts, completions, scores, kwargs.get("completion_ids"))
         return scores
 
-    args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(),
-        use_cpu=True,
-        per_device_train_batch_size=work.prompts * work.group,
-        num_generations=work.group,
-        max_completion_length=work.new_tokens,
-        max_tool_calling_iterations=MAX_TURNS - 1,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        max_steps=work.steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        gradient_checkpointing=False,
-        loss_type="dr_grpo",
-        scale_rewards="group",
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        beta=0.0,
-        disable_tqdm=True,
-        bf16=work.precision == "bf16",
-        seed=work.seed,
-    )
+    args = grpo_config(work, LR, max_tool_calling_iterations=MAX_TURNS - 1, gradient_checkpointing=False)
     tokenizer, parser = trl_tokenizer(work.model_dir)
     trainer = (trainer_class or GRPOTrainer)(
         model=AutoModelForCausalLM.from_pretrained(work.model_dir, dtype=torch.float32),

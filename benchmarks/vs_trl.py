@@ -112,6 +112,37 @@ class Work:
     threads: int = 0  # torch threads on both sides; 0: each side's own choice (Parity: the free cores)
 
 
+def grpo_config(work, lr: float, **extra):
+    """TRL's `GRPOConfig` for a benchmark's work (`prompts`, `group`, `new_tokens`, `steps`, `precision`,
+    `seed`) at the settings Parity is compared at: PPO-clip GRPO with `dr_grpo`'s sums, group-scaled
+    rewards, no KL, plain sampling, a constant learning rate, on the CPU."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        use_cpu=True,
+        per_device_train_batch_size=work.prompts * work.group,
+        num_generations=work.group,
+        max_completion_length=work.new_tokens,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        max_steps=work.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        loss_type="dr_grpo",
+        scale_rewards="group",
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        beta=0.0,
+        disable_tqdm=True,
+        bf16=work.precision == "bf16",
+        seed=work.seed,
+        **extra,
+    )
+
+
 def _threads(work: Work) -> None:
     import os
 
@@ -219,7 +250,7 @@ def trl_trainer(work: Work, callbacks: list, on_accuracy=None):
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from parity.rl.builtin_rewards import number_reward
     from parity.rl.problems import ArithmeticTask, Problem
@@ -236,29 +267,7 @@ def trl_trainer(work: Work, callbacks: list, on_accuracy=None):
             on_accuracy(sum(s >= 1.0 for s in scores) / len(scores))
         return scores
 
-    args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(),
-        use_cpu=True,
-        per_device_train_batch_size=work.prompts * work.group,
-        num_generations=work.group,
-        max_completion_length=work.new_tokens,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        max_steps=work.steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        gradient_checkpointing=work.trl_checkpointing,
-        loss_type="dr_grpo",
-        scale_rewards="group",
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        beta=0.0,
-        disable_tqdm=True,
-        bf16=work.precision == "bf16",
-        seed=work.seed,
-    )
+    args = grpo_config(work, LR, gradient_checkpointing=work.trl_checkpointing)
     peft_config = None
     if work.lora_rank:
         from peft import LoraConfig

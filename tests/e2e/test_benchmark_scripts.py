@@ -87,3 +87,16 @@ def test_the_agents_benchmark_against_trl_runs(tmp_path):
         assert loop["differing"] == 0 and loop["trained_not_sampled"] == 0
     qwen = record["audit"]["qwen3"]
     assert qwen["accuracy"] == [1.0] and qwen["retokenizing_pipeline"]["drifted_tokens"] > 0
+
+
+def test_the_episodes_benchmark_runs(tmp_path):
+    """benchmarks/episodes.py at smoke scale: the KV-cache arm's episodes have turns and fed ids, and both
+    arms were timed."""
+    script = Path(__file__).parents[2] / "benchmarks" / "episodes.py"
+    out = tmp_path / "kv.json"
+    args = ["--prompts", "2", "--group", "2", "--prompt-tokens", "16", "--turns", "3", "--fed", "4"]
+    args += ["--turn-tokens", "8", "--end-ids", "512", "--repeats", "1", "--json", str(out)]
+    subprocess.run([sys.executable, str(script), *args], check=True, capture_output=True)
+    record = json.loads(out.read_text())
+    assert record["turns_mean"] > 1 and record["fed_tokens"] > 0
+    assert record["seconds"]["kv_cache"] > 0 and record["seconds"]["prefill_again"] > 0

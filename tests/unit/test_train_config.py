@@ -15,7 +15,10 @@ from parity.rl.train_config import TrainConfig
     "override, message",
     [
         (["algorithm.name=ppo2"], "algorithm.name: unknown value 'ppo2'; allowed: .*grpo.*pg_seq_is"),
-        (["task.name=chess"], "task.name: unknown value 'chess'; allowed: builtin, exact, length, lookup, math, number"),
+        (
+            ["task.name=chess"],
+            "task.name: unknown value 'chess'; allowed: builtin, exact, length, lookup, math, number",
+        ),
         (["task.chat_template=chatml"], "task.chat_template: unknown value 'chatml'; allowed: auto, none"),
         (["algorithm.clip_hi=0.3"], "unknown config key algorithm.clip_hi; allowed keys here: .*clip_high"),
         (["steps=ten"], "steps: expected an integer, got 'ten'"),
