@@ -151,9 +151,8 @@ def test_a_recorded_row_that_leaves_the_decode_batch_is_never_live_again():
     recorder.rows.copy_(torch.tensor([5, 2]))  # two recorded rows
     # Row 5 finished and left the decode batch; row 2 is now at position 1 of three.
     position_of_row = torch.tensor([0, -1, 1, 2, -1, -1])
-    recorder.observe(
-        torch.tensor([0]), position_of_row, torch.tensor([True, True, True]), torch.arange(15.0).view(3, 5)
-    )
+    columns = torch.zeros(6, dtype=torch.long)  # every output row samples its first response token
+    recorder.observe(columns, position_of_row, torch.tensor([True, True, True]), torch.arange(15.0).view(3, 5))
     assert recorder.steps[:, 0].tolist() == [-1, 0] and recorder.logprobs[1, 0].tolist() == [5, 6, 7, 8, 9]
 
 

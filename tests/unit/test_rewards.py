@@ -578,12 +578,17 @@ def test_a_ctrl_c_during_a_reward_in_the_training_process_is_the_users():
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(10**6)
 
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with pytest.raises(Interrupted, match="SIGINT"):
-        UserRewards(bind_all([Reward(score)], ["answer"]))([(P, "x", 1)])
-    with pytest.raises(Interrupted, match="SIGINT"):
-        RewardRunner(lambda p, r, n: score(p, r), isolate=False)([(P, "x", 1)])
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python's default handler, whatever an earlier test in this process left (a library a test used once
+    # left SIGINT ignored in CI, and the reward below would then sleep forever)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(Interrupted, match="SIGINT"):
+            UserRewards(bind_all([Reward(score)], ["answer"]))([(P, "x", 1)])
+        with pytest.raises(Interrupted, match="SIGINT"):
+            RewardRunner(lambda p, r, n: score(p, r), isolate=False)([(P, "x", 1)])
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 FORKED: list[int] = []
