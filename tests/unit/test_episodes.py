@@ -9,7 +9,8 @@ import pytest
 
 from parity import config
 from parity.config import ConfigError
-from parity.rl.episodes import Episode, ToolEnvironment, call_tool, tool_text
+from parity.rl.episodes import Episode, Step, ToolEnvironment, call_tool, environment_step, tool_text
+from parity.rl.rewards import exception_summary
 from parity.rl.train_config import TrainConfig
 
 
@@ -100,3 +101,51 @@ def test_episode_records():
 def test_episode_keys_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         config.load(TrainConfig, None, overrides)
+
+
+class _Odd:
+    """An environment whose steps go wrong in every way an environment's can."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def step(self, assistant):
+        if self.answer == "slow":
+            time.sleep(30)
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    "answer, error",
+    [
+        ("slow", "TimeoutError: step() did not return within episode.tool_timeout_s=0.3 s"),
+        ("text", "TypeError: step() returned str, not parity.Step"),
+        (Step([{"role": "tool", "content": 5}]), "TypeError: step().messages is"),
+        (Step(["hi"]), "TypeError: step().messages is"),
+        (Step(reward=float("nan")), "TypeError: step().reward is nan, not a finite number or None"),
+        (Step(reward="1"), "TypeError: step().reward is '1', not a finite number or None"),
+    ],
+)
+def test_an_environment_step_that_goes_wrong_is_named(answer, error):
+    with pytest.raises((TimeoutError, TypeError)) as caught:
+        environment_step(_Odd(answer), {"role": "assistant", "content": "x"}, 0.3)
+    assert exception_summary(caught.value).startswith(error)
+    assert environment_step(_Odd(Step(reward=1)), {"role": "assistant", "content": "x"}, 1.0) == Step([], False, 1.0)
+
+
+class _BadReset:
+    def reset(self, row):
+        raise KeyError("table")
+
+
+def test_an_environment_that_cannot_start_stops_the_run_in_one_line():
+    from parity.rl.episodes import _new_episode
+
+    with pytest.raises(
+        ConfigError, match=r"^environment: _BadReset failed as it was made or reset: KeyError: 'table'$"
+    ):
+        _new_episode(_BadReset, {"prompt": "x"}, 1.0)
+    with pytest.raises(ConfigError, match=r"reset\(\)'s answer is 5, not a list of messages"):
+        _new_episode(lambda: type("E", (), {"reset": lambda self, row: 5})(), {}, 1.0)
+    env, messages = _new_episode(lambda: ToolEnvironment([add], "prompt", 1.0), {"prompt": "2+3?"}, 1.0)
+    assert messages == [{"role": "user", "content": "2+3?"}] and isinstance(env, ToolEnvironment)

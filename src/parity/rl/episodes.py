@@ -213,8 +213,7 @@ def episode_setup(cfg: TrainConfig, tokenizer: Tokenizer, tools=None, environmen
         names = [fn.__name__ for fn in tools]
         if len(set(names)) != len(names):
             raise ConfigError(f"task.tools: two tools are named {sorted(n for n in names if names.count(n) > 1)[0]!r}")
-        column, timeout = cfg.task.prompt_column, cfg.episode.tool_timeout_s
-        make = lambda: ToolEnvironment(tools, column, timeout)  # noqa: E731
+        make = functools.partial(ToolEnvironment, tools, cfg.task.prompt_column, cfg.episode.tool_timeout_s)
     e = cfg.episode
     return EpisodeSetup(
         tokenizer,
@@ -260,16 +259,58 @@ def _schemas(tools: Any) -> list[dict[str, Any]] | None:
     return [t if isinstance(t, dict) else tool_schema(t) for t in tools]
 
 
-def _first_messages(env: Any, row: dict[str, Any]) -> list[Message]:
-    messages = env.reset(row)
-    if isinstance(messages, str):
-        return [{"role": "user", "content": messages}]
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise ConfigError(
-            f"environment: {type(env).__name__}.reset() returned {type(messages).__name__}; expected a list of "
-            'messages ({"role": ..., "content": ...}) or a string'
-        )
+def _checked_messages(messages: Any, what: str) -> list[Message]:
+    """`messages` if it is a list of chat messages with text content; else a TypeError saying what came."""
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise TypeError(f"{what} is {messages!r:.80}, not a list of messages with text content")
     return copy.deepcopy(messages)
+
+
+def environment_step(env: Any, assistant: Message, timeout_s: float) -> Step:
+    """`env.step` on a copy of the assistant's turn, within `timeout_s` (as a tool is bounded: past it the
+    episode ends), its answer checked: a `Step` whose messages are chat messages with text content."""
+    late = f"parity: the run stopped: {type(env).__name__}.step() went on after episode.tool_timeout_s={timeout_s:g} s"
+    try:
+        with bounded(timeout_s, late, 1):
+            step = env.step(copy.deepcopy(assistant))
+    except Overran:
+        raise TimeoutError(f"step() did not return within episode.tool_timeout_s={timeout_s:g} s") from None
+    if not isinstance(step, Step):
+        raise TypeError(f"step() returned {type(step).__name__}, not parity.Step")
+    reward = step.reward
+    if reward is not None:
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise TypeError(f"step().reward is {reward!r:.40}, not a finite number or None")
+        reward = float(reward)
+    return Step(_checked_messages(step.messages, "step().messages"), bool(step.done), reward)
+
+
+def _new_episode(make: Callable[[], Any], row: dict[str, Any], timeout_s: float) -> tuple[Any, list[Message]]:
+    """An environment made and reset on a data row, within `timeout_s`: (it, the first messages). Its failure
+    is every episode's, so it stops the run, in one line (ConfigError)."""
+    name = getattr(make, "__name__", None) or getattr(getattr(make, "func", None), "__name__", type(make).__name__)
+    late = f"parity: the run stopped: environment {name} went on after episode.tool_timeout_s={timeout_s:g} s"
+    try:
+        with bounded(timeout_s, late, 1):
+            env = make()
+            messages = env.reset(row)
+    except Overran:
+        raise ConfigError(
+            f"environment: {name} (made and reset on a data row) did not return within episode.tool_timeout_s="
+            f"{timeout_s:g} s"
+        ) from None
+    except Interrupted:
+        raise
+    except Exception as e:  # noqa: BLE001 - code of yours: one line naming it
+        raise ConfigError(f"environment: {name} failed as it was made or reset: {exception_summary(e)}") from None
+    if isinstance(messages, str):
+        return env, [{"role": "user", "content": messages}]
+    try:
+        return env, _checked_messages(messages, f"{name}.reset()'s answer")
+    except TypeError as e:
+        raise ConfigError(f"environment: {e} (a string is one user message)") from None
 
 
 class Episodes:
@@ -282,8 +323,7 @@ class Episodes:
             row = {setup.prompt_column: problem.prompt, **problem.columns}
             first = None
             for _ in range(group_size):
-                env = setup.make_environment()
-                messages = _first_messages(env, row)
+                env, messages = _new_episode(setup.make_environment, row, setup.tool_timeout_s)
                 if first is None:
                     first = messages
                 elif messages != first:
@@ -323,9 +363,7 @@ class Episodes:
             env = self.environments[row]
             before = getattr(env, "errors", 0)
             try:
-                step = env.step(copy.deepcopy(assistant))
-                if not isinstance(step, Step):
-                    raise TypeError(f"step() returned {type(step).__name__}, not parity.Step")
+                step = environment_step(env, assistant, setup.tool_timeout_s)
             except Interrupted:
                 raise
             except Exception as e:  # noqa: BLE001 - the environment's failure ends its episode, counted
@@ -334,14 +372,11 @@ class Episodes:
                 continue
             episode.tool_errors += getattr(env, "errors", 0) - before
             if step.reward is not None:
-                reward = float(step.reward)
-                if not math.isfinite(reward):
-                    raise ConfigError(f"environment: {type(env).__name__}.step() gave reward {reward}")
-                episode.environment_reward += reward
+                episode.environment_reward += step.reward
             if step.done or not step.messages:
                 episode.end = "done"
                 continue
-            episode.messages.extend(copy.deepcopy(step.messages))
+            episode.messages.extend(step.messages)
             if episode.turns >= setup.max_turns:
                 episode.end = "max_turns"
                 continue
