@@ -163,7 +163,7 @@ class EpisodeSection:
 
     max_turns: int = 4  # model turns; the episode is cut off after the last
     turn_tokens: int | None = None  # tokens of one model turn; unset: rollout.max_new_tokens
-    tool_timeout_s: float = 10.0  # per tool call: past it the model reads that the tool timed out
+    tool_timeout_s: float = 10.0  # per tool call (past it the model reads that it timed out), per environment step
     # The tool-call format the model's output is parsed in: auto (from the chat template) | hermes | llama3 |
     # mistral | gemma
     tool_format: str = "auto"
