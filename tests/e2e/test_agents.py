@@ -49,8 +49,10 @@ def test_the_builtin_tool_task_in_exact_mode(tmp_path, lora):
     assert 0 <= last["retokenization/episodes_frac"] <= 1 and "time/environment" in last
     assert 40 <= last["response/length_mean"] <= 60  # the model's own tokens (the call, the answer)
     assert "reward/accuracy" in last
+    assert 0 <= last["eval/accuracy"] <= 1 and last["eval/prompts"] == 32  # held-out episodes, after the last step
     if lora:
         return
+    assert main(["eval", str(run)]) == 2  # `parity eval` samples one turn: it says so
     assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
     assert "tool lookup:" in (tmp_path / "report" / "report.md").read_text()
 

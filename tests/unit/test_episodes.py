@@ -95,7 +95,6 @@ def test_episode_records():
             ["task.tools=tools:add", "distributed.rollout_workers=1", "async.partial_rollouts=2"],
             "async.partial_rollouts with episodes",
         ),
-        (["task.tools=tools:add", "eval.data=x.jsonl"], "held-out evaluation samples one turn"),
     ],
 )
 def test_episode_keys_refused(overrides, message):

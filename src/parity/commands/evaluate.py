@@ -151,6 +151,12 @@ def resolve_target(cfg: EvalConfig) -> Target:
                 "checkpoints; evaluate the run once it stops"
             )
         run = config_mod.load(TrainConfig, path / "config.yaml")
+        if run.episodes:
+            raise ConfigError(
+                f"{path}: the run trains episodes (task.tools, task.environment or task.name=lookup), which "
+                "`parity eval` does not run yet (it samples one turn); the run's own held-out evaluation "
+                "(eval.every) runs them"
+            )
         saved = checkpoints(path)
         if not saved:
             raise ConfigError(

@@ -29,12 +29,12 @@ from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import Tokenizer
 from parity.engines.trainer import score_batch
 from parity.rl.diagnostics import mismatch_metrics
-from parity.rl.problems import ArithmeticTask, NumberTask, Problem
+from parity.rl.problems import ArithmeticTask, NumberTask, Problem, lookup_task_problems
 from parity.rl.rewards import RewardRunner, score_rollouts
 
 TRAINER = "trainer"  # the label of the trainer's policy among the evaluated ones
 EVAL_SEED = 0xE7A1  # added to the run's seed: evaluation's own random stream
-GENERATED = ("builtin", "number")  # task names whose problems Parity generates, with a held-out split
+GENERATED = ("builtin", "number", "lookup")  # task names whose problems Parity generates, with a held-out split
 HELDOUT_DRAWS = 8  # candidates drawn per held-out problem wanted, before duplicates and training prompts go
 
 
@@ -43,6 +43,8 @@ def heldout_problems(task_name: str, difficulty: str, n: int, seed: int, exclude
     problems trained on). `task.name=number`: its word problems' held-out eighth, which training never
     draws; any other: the arithmetic held-out eighth (which the built-in model was not pretrained on and
     RL trains on), drawn in a stream of its own with the training problems removed."""
+    if task_name == "lookup":  # its prompts repeat (16 keys): a problem is its hidden table, held out by pair
+        return lookup_task_problems(n, seed + EVAL_SEED, "eval")
     if task_name == "number":
         candidates = NumberTask(difficulty).problems(n * HELDOUT_DRAWS, seed=seed, split="eval")
     else:
@@ -86,7 +88,8 @@ def outcome_metrics(batch: RolloutBatch, rewards: list[float], samples: int, bin
     """accuracy, pass@k (k = samples: some response of a prompt is correct) and mean length, for a
     binary reward; the mean reward always. Rows are grouped by prompt."""
     r = torch.tensor(rewards, dtype=torch.float64).view(-1, samples)
-    out = {"reward_mean": float(r.mean()), "mean_length": float(batch.response_lengths.double().mean())}
+    # the model's own tokens (an episode's fed ids are not its answer's length)
+    out = {"reward_mean": float(r.mean()), "mean_length": float(batch.sampled_mask.sum(-1).double().mean())}
     if binary:
         correct = r >= 1.0
         out.update(accuracy=float(correct.double().mean()), **{"pass@k": float(correct.any(-1).double().mean())})
@@ -120,8 +123,13 @@ class Evaluator:
         trainer_precision: str,
         micro_batch_tokens: int,
         device: str | torch.device = "cpu",
+        episodes=None,
+        turn_tokens: int = 0,
     ):
         self.tokenizer, self.evalset, self.rewards = tokenizer, evalset, rewards
+        # An episode run's (`rl/episodes.EpisodeSetup`): every policy answers with whole episodes, each turn
+        # at most `turn_tokens`.
+        self.episodes, self.turn_tokens = episodes, turn_tokens
         self.trainer_precision = trainer_precision
         self.micro_batch_tokens = micro_batch_tokens  # the trainer's, for the KL to its policy
         # label -> (precision, numerics): each served precision as an inference engine runs it, and the
@@ -161,7 +169,7 @@ class Evaluator:
         scores: dict[str, torch.Tensor] = {}
         for label, engine in tqdm(self.engines.items(), desc="eval", unit="policy", leave=False, disable=not progress):
             engine.load_weights(weights, version)
-            batch = engine.generate(es.prompts, es.samples, es.sampling, seed)
+            batch = self._answer(engine, seed)
             result = score_rollouts(batch, es.problems, self.tokenizer, self.rewards)
             outcomes[label], batches[label] = outcome_metrics(batch, result.rewards, es.samples, es.binary), batch
             scores[label] = prompt_scores(result.rewards, es.samples, es.binary)
@@ -184,10 +192,24 @@ class Evaluator:
             metrics["deploy/kl_trainer"] = self._kl_to_trainer(batches[TRAINER], trainer_model)
         return metrics
 
+    def _answer(self, engine: RolloutEngine, seed: int) -> RolloutBatch:
+        """The set answered by one policy: a response per sample, or in an episode run whole episodes (the
+        same environments, made afresh, for every policy)."""
+        es = self.evalset
+        if self.episodes is None:
+            return engine.generate(es.prompts, es.samples, es.sampling, seed)
+        episodes = self.episodes.start(es.problems, es.samples)
+        limits = [self.turn_tokens] * len(episodes.episodes)
+        batch = engine.generate(
+            episodes.prompts, es.samples, es.sampling, seed, limits=limits, between=episodes.between
+        )
+        episodes.finish(batch, count_drift=False)
+        return batch
+
     def _kl_to_trainer(self, batch: RolloutBatch, model: CausalLM) -> float:
-        """Per-token KL(μ ‖ π) on `batch`'s tokens (k3), π from the trainer's code path and precision."""
+        """Per-token KL(μ ‖ π) on `batch`'s sampled tokens (k3), π from the trainer's code path and precision."""
         pi = score_batch(model, batch, prec.to_dtype(self.trainer_precision), self.micro_batch_tokens)
-        return mismatch_metrics(pi, batch.rollout_logprobs, batch.response_mask)["k3"]
+        return mismatch_metrics(pi, batch.rollout_logprobs, batch.sampled_mask)["k3"]
 
 
 def changed_responses(batch: RolloutBatch, other: RolloutBatch) -> float:

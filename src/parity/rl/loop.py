@@ -261,7 +261,7 @@ class Run:
                 cfg.diagnostics.full_vocab_positions,
             )
         self.data = DataOrder(len(self.problems), cfg.seed)
-        episodes = episode_setup(cfg, self.tokenizer, tools, environment) if cfg.episodes else None
+        self.episodes = episode_setup(cfg, self.tokenizer, tools, environment) if cfg.episodes else None
         self.rewards = run_rewards(cfg, self.problems, rewards)
         self.reward_health = RewardHealth(cfg.reward.warn_error_rate, cfg.reward.max_failed_steps)
         self.sampling = SamplingParams(
@@ -295,7 +295,7 @@ class Run:
                     self.problems,
                     self.data,
                     self.sampling,
-                    episodes,
+                    self.episodes,
                 )
             )
             # After the backend, whose trainer refuses a LoRA config that does not fit the model.
@@ -349,6 +349,8 @@ class Run:
             cfg.trainer_precision,
             cfg.trainer.micro_batch_tokens,
             cfg.device,
+            self.episodes,
+            cfg.episode.turn_tokens,
         )
 
     def evaluate(self) -> dict[str, float]:

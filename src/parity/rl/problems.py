@@ -247,11 +247,16 @@ def builtin_problems(task_name: str, n: int, seed: int, difficulty: str = "stand
     if task_name == "number":
         return NumberTask(difficulty).problems(n, seed=seed, split="train")
     if task_name == "lookup":
-        return [
-            Problem(p.prompt, p.answer, {"key": p.key, "table": table_text(p.table)})
-            for p in lookup_problems(n, seed=seed, split="train")
-        ]
+        return lookup_task_problems(n, seed, "train")
     return ArithmeticTask().problems(n, seed=seed, split="eval")
+
+
+def lookup_task_problems(n: int, seed: int, split: str) -> list[Problem]:
+    """The built-in tool task's problems (`rl/lookup.py`) as data rows: the hidden table a column."""
+    return [
+        Problem(p.prompt, p.answer, {"key": p.key, "table": table_text(p.table)})
+        for p in lookup_problems(n, seed=seed, split=split)
+    ]
 
 
 # Characters of the built-in model's vocabulary (after the special tokens).

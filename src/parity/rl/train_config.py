@@ -513,10 +513,6 @@ class TrainConfig:
                 "async.partial_rollouts with episodes (task.environment, task.tools): continuing an episode on "
                 "newer weights at a turn boundary is not built; set async.partial_rollouts=0"
             )
-        if self.eval.data != "auto":
-            raise ConfigError(
-                "eval.data with episodes: held-out evaluation samples one turn; it does not run episodes yet"
-            )
 
     def resolve_paths(self, origin: Path) -> None:
         """Data paths and a model directory made absolute against `origin` (the working directory the run
@@ -557,8 +553,10 @@ class TrainConfig:
         if self.eval.data != "auto":
             return self.eval.data
         # your reward functions score your data: generated problems of a built-in task would not fit them
-        generated = self.task.data == "builtin" or (self.task.name in ("builtin", "number") and not self.task.reward_fn)
-        return "heldout" if generated and not self.episodes else None
+        generated = self.task.data == "builtin" or (
+            self.task.name in ("builtin", "number", "lookup") and not self.task.reward_fn
+        )
+        return "heldout" if generated and not (self.task.environment or self.task.tools) else None
 
     def _check_exact(self) -> None:
         if not self.exact:
