@@ -33,7 +33,7 @@ from parity.config import ConfigError
 from parity.engines.batch import RolloutBatch
 from parity.engines.tokenizer import Message, Tokenizer
 from parity.engines.trainer import sequence_logprobs
-from parity.engines.turns import TurnRenderer, drifted_tokens, parse_assistant, replacing_tokens, retokenized_ids
+from parity.engines.turns import TurnRenderer, drifted_tokens, replacing_tokens, retokenized_ids
 from parity.rl.lookup import LOOKUP_SCHEMA, TOOL_NAME, lookup_tool, parse_table
 from parity.rl.problems import Problem
 from parity.rl.reward_fns import import_reward_fn
@@ -343,10 +343,10 @@ class Episodes:
 
     def parse(self, turn: list[int]) -> Message:
         """A sampled turn's ids as an assistant message (its control tokens kept: Mistral's [TOOL_CALLS] is one)."""
-        text = self.setup.tokenizer.decode(turn, keep_special=True)
-        if self.setup.renderer.style is None:
+        text, renderer = self.setup.tokenizer.decode(turn, keep_special=True), self.setup.renderer
+        if renderer.style is None:  # a template of no known tool-call format: the turn is its text
             return {"role": "assistant", "content": text}
-        return parse_assistant(text, self.setup.renderer.style)
+        return renderer.parse(text)
 
     def between(self, rows: list[int], tokens: list[list[int]], rooms: list[int]) -> dict[int, tuple[list[int], int]]:
         """`RolloutEngine.generate`'s `between`: each row that ended a turn is answered by its environment."""
