@@ -21,8 +21,13 @@ from parity.engines.models.modules import CausalLM
 from parity.engines.partial import PartialRollouts, PoolRequest
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
+from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import sequence_logprobs
+from parity.rl.episodes import LookupEnvironment, Step, episode_setup
 from parity.rl.loop import Run
+from parity.rl.problems import Problem, lookup_task_problems
+from parity.rl.reward_fns import function_spec
+from parity.rl.step import build_sampler
 from parity.rl.train_config import TrainConfig
 
 pytestmark = ONE_RAY_AT_A_TIME  # tests/conftest.py
@@ -190,3 +195,82 @@ def test_a_killed_worker_loses_no_prompt_of_its_pool(tmp_path):
     assert all(m["train/samples"] == 8 * 4 and m["async/staleness_max"] <= 2 for m in history)
     assert max(m["async/continued_frac"] for m in history[:3]) > 0  # the pool held unfinished responses
     assert trained + waiting == run.backend.next_key  # none lost, none trained twice
+
+
+class Rounds(LookupEnvironment):
+    """The built-in tool task, `rounds` (a data column) questions in a row: once the model has answered one,
+    the next key is asked, until it has answered `rounds`."""
+
+    def reset(self, row):
+        self.left, self.key = row["rounds"], row["key"]
+        return super().reset(row)
+
+    def step(self, assistant):
+        step = super().step(assistant)
+        self.left -= step.done
+        if step.done and self.left > 0:
+            self.key = chr((ord(self.key) - ord("a") + 5) % 16 + ord("a"))
+            return Step([{"role": "user", "content": f"{self.key}?"}])
+        return step
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_episodes_pause_at_turn_boundaries_and_go_on_on_newer_weights(precision):
+    """Episodes in a worker's pool, exact mode: a request ends with episodes paused at turn boundaries
+    (their environments' answers already in their outputs); after a weight sync the next request goes on
+    with them. Every model turn is sampled on one weight version, μ = π_old on every sampled token, and a
+    trainer forward over each whole episode on the version that sampled a token gives its bits; the
+    episodes' records are whole (turns, how each ended)."""
+    keys = ["model=builtin-agent", f"task.environment={function_spec(Rounds)}", f"precision={precision}"]
+    cfg = config.load(TrainConfig, None, [*keys, "rollout.max_new_tokens=200", "episode.max_turns=6"])
+    model_dir = resolve_model_dir("builtin-agent")
+    tokenizer = load_tokenizer(model_dir)
+    numerics = kernels.numerics("cpu", exact=True)
+    model = load_model(model_dir, numerics)
+    v0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    v1 = {k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in v0.items()}
+    sampler = build_sampler(cfg, model.config, tokenizer, numerics, score_old=True)
+    sampler.load_weights(v0, 0)
+    setup = episode_setup(cfg, tokenizer, environment=Rounds)
+    pool = PartialRollouts(sampler, setup, lambda episodes, batch: episodes.finish(batch, True))
+    problems = [
+        Problem(p.prompt, p.answer, {**p.columns, "rounds": 1 + i % 2})
+        for i, p in enumerate(lookup_task_problems(10, seed=3, split="train"))
+    ]
+    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens)
+
+    def exact_check(segment):  # what the worker checks on each segment, where it was sampled
+        sampled = segment.sampled_mask
+        assert torch.equal(segment.rollout_logprobs[sampled], segment.old_logprobs[sampled])
+
+    first, keys, _ = pool.generate(PoolRequest(problems[:8], list(range(8)), 2, 4, sampling, 11, 0), exact_check)
+    paused = [r for g in pool.groups for r in g.responses if not r.finished]
+    assert paused and all(bool(r.fed[-1][-1]) for r in paused)  # at a turn boundary, what follows in it
+    sampler.load_weights(v1, 1)
+    second, keys2, _ = pool.generate(PoolRequest(problems[8:], [8, 9], 6, 4, sampling, 12, 0), exact_check)
+    assert keys2 == sorted(set(range(8)) - set(keys))  # the paused ones among them
+
+    dtype = prec.to_dtype(precision)
+    continued = 0
+    for batch in (first, second):
+        sampled = batch.sampled_mask
+        assert torch.equal(batch.rollout_logprobs[sampled], batch.old_logprobs[sampled])
+        turns = batch.turn_index()
+        for row in range(len(batch.prompt_ids)):
+            for turn in turns[row][sampled[row]].unique().tolist():
+                assert len(batch.token_versions[row][(turns[row] == turn) & sampled[row]].unique()) == 1
+            continued += len(batch.token_versions[row][sampled[row]].unique()) > 1
+        for version, weights in ((0, v0), (1, v1)):
+            scorer = CausalLM(model.config, numerics).requires_grad_(False)
+            scorer.load_state_dict(weights, strict=False)
+            _, scored = sequence_logprobs(
+                scorer, batch.prompt_ids, batch.response_ids, batch.response_mask, None, 1.0, dtype
+            )
+            mine = (batch.token_versions == version) & sampled
+            assert torch.equal(scored[mine], batch.old_logprobs[mine])
+        records = batch.episodes.episodes
+        assert len(records) == len(batch.prompt_ids) and all(e.end for e in records)
+        assert [e.turns for e in records] == [int(t.max()) + 1 for t in turns]
+        assert bool(batch.truncated.eq(torch.tensor([e.truncated for e in records])).all())
+    assert continued > 0  # an episode spans both versions, turn by turn

@@ -72,3 +72,36 @@ def test_a_turn_limit_cuts_the_turn_and_the_episode_stops():
             assert 1 <= after <= 2
     # A row whose last turn was cut at its limit is reported cut off (no end-of-turn as its last token).
     assert bool(batch.truncated.any()) or all(t == 4 for t in turns.ended.values())
+
+
+def test_a_stop_pauses_episodes_at_turn_boundaries():
+    """Partial rollouts' `stop` in an episode: once it answers yes, rows in a turn sample it to its end, and a
+    row that ends a turn gets the fed ids in its outputs, unfed, and stops there. Before that the call is the
+    one without `stop`; `stop` is not asked again; every row's budget bounds its columns."""
+    model, engine = engines("builtin", "fp32", exact=False)
+    prompts = random_prompts(2, model.config.vocab_size, seed=4)  # rows 0-3 end turns early
+    free = engine.generate(prompts, 4, SAMPLING, seed=7, limits=[24] * 8, between=Turns(3))
+    asked = []
+
+    def stop(done):
+        asked.append(int(done.sum()))
+        return True  # after the first token: rows 0-3 are in their second turns, rows 4-7 in their first
+
+    turns = Turns(3)
+    paused = engine.generate(prompts, 4, SAMPLING, seed=7, limits=[24] * 8, stop=stop, between=turns)
+    assert len(asked) == 1
+    for row in range(8):
+        n = int(paused.response_lengths[row])
+        ids, fed = paused.response_ids[row, :n].tolist(), paused.env_mask[row, :n].tolist()
+        assert ids == free.response_ids[row, :n].tolist()  # the same draws up to where it stopped
+        if fed[-1]:  # paused after its turn: the turn's end-of-turn token, then FED
+            assert ids[-len(FED) :] == FED and ids[-len(FED) - 1] == 1
+            assert turns.ended[row] == sum(f and not p for f, p in zip(fed[1:], fed[:-1]))  # its fed spans
+        else:  # its episode ended within the call (the limit or its last turn)
+            assert n == int(free.response_lengths[row])
+    assert any(paused.env_mask[row, int(paused.response_lengths[row]) - 1] for row in range(8))
+    budgets = [30, 90, 40, 90, 50, 90, 60, 90]
+    bounded = engine.generate(prompts, 4, SAMPLING, seed=7, limits=[24] * 8, between=Turns(9), budgets=budgets)
+    assert all(int(n) <= b for n, b in zip(bounded.response_lengths, budgets))
+    with pytest.raises(ValueError, match="row budgets >= their limits"):
+        engine.generate(prompts, 4, SAMPLING, seed=7, limits=[24] * 8, between=Turns(2), budgets=[20] * 8)

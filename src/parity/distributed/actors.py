@@ -32,7 +32,7 @@ from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import Trainer
 from parity.folders import Folder
 from parity.rl.checkpoint import RunState, load_checkpoint, local_parameters, non_finite_tensors, save_shards
-from parity.rl.episodes import episode_setup
+from parity.rl.episodes import Episodes, episode_setup
 from parity.rl.problems import Problem
 from parity.rl.step import Prepared, UpdatePlan, UpdateResult, build_sampler, train_on_batch
 from parity.rl.train_config import TrainConfig
@@ -70,9 +70,9 @@ class RolloutWorker:
         numerics = kernels.numerics("cpu", cfg.exact)
         tokenizer = load_tokenizer(model_dir)
         self.sampler = build_sampler(cfg, load_config(model_dir), tokenizer, numerics, score_old=True)
-        self.pool = PartialRollouts(self.sampler)  # used by `generate_partial` only
         # Episodes run here, beside the engine: the tools or environment imported from the run's config.
         self.episodes = episode_setup(cfg, tokenizer) if cfg.episodes else None
+        self.pool = PartialRollouts(self.sampler, self.episodes, self._finish)  # used by `generate_partial` only
         self.turn_tokens, self.retokenization = cfg.episode.turn_tokens, cfg.episode.retokenization
         self.retokenization_logprob = cfg.episode.retokenization_logprob
         self.idle_since = time.perf_counter()
@@ -108,14 +108,10 @@ class RolloutWorker:
         if self.episodes is None:
             batch = self.sampler.generate(prompts, group_size, sampling, seed, full_vocab)
         else:
-            episodes = self.episodes.start(prompts, group_size)
+            episodes, first = self.episodes.start(prompts, group_size)
             limits = [self.turn_tokens] * len(episodes.episodes)
-            batch = self.sampler.generate(
-                episodes.prompts, group_size, sampling, seed, full_vocab, limits, episodes.between
-            )
-            episodes.finish(batch, self.retokenization)
-            if self.retokenization_logprob:
-                episodes.drift_logprobs(batch, self.sampler.scorer, to_dtype(self.sampler.trainer_precision))
+            batch = self.sampler.generate(first, group_size, sampling, seed, full_vocab, limits, episodes.between)
+            self._finish(episodes, batch)
         sampled = time.perf_counter()
         self.sampler.score_samples(batch)
         if batch.full_vocab is not None:
@@ -123,6 +119,13 @@ class RolloutWorker:
         self._check_exact(batch)
         self.idle_since, idle = time.perf_counter(), start - self.idle_since
         return batch, {"idle": idle, "rollout": sampled - start, "score": self.idle_since - sampled}
+
+    def _finish(self, episodes: Episodes, batch: RolloutBatch) -> None:
+        """A batch's episodes closed (`Episodes.finish`), and what re-tokenizing would have scored (on the
+        weights this worker holds now: with partial rollouts, those of the request that ended them)."""
+        episodes.finish(batch, self.retokenization)
+        if self.retokenization_logprob:
+            episodes.drift_logprobs(batch, self.sampler.scorer, to_dtype(self.sampler.trainer_precision))
 
     def generate_partial(self, request: PoolRequest) -> tuple[RolloutBatch, dict]:
         """`async.partial_rollouts`: add the request's prompts to this worker's pool and return its `need`

@@ -354,8 +354,7 @@ class RayBackend:
         sends = [n + max(n - self.spare[w], 0) if cfg.async_.partial_rollouts else n for w, n in enumerate(shares)]
         start = self.parts.data.position
         problems = [self.parts.problems[i] for i in self.parts.data.take(sum(sends))]
-        # Episodes: the worker renders each row's first prompt from what its environment's reset gives.
-        prompts = problems if cfg.episodes else [self.parts.encode(p) for p in problems]
+        prompts = self._prompts(problems)
         request = _Request(step, problems, self.parts.data.position)
         first = 0
         for w, (n, need) in enumerate(zip(sends, shares)):
@@ -372,6 +371,11 @@ class RayBackend:
             self._send(shard)
             request.shards.append(shard)
         self.pending.append(request)
+
+    def _prompts(self, problems: list[Problem]) -> list[list[int]] | list[Problem]:
+        """What a worker samples from: the prompts' ids, or in a run of episodes the data rows (the worker
+        renders each first prompt from what its environment's reset gives)."""
+        return problems if self.cfg.episodes else [self.parts.encode(p) for p in problems]
 
     def _send(self, shard: _Shard) -> None:
         worker = self.workers[shard.worker]
@@ -450,7 +454,7 @@ class RayBackend:
             queued = {k for s in resend for k in s.keys}
             lost = [k for k, (_, _, w) in self.outstanding.items() if w == worker and k not in queued]
             resend[0].keys = lost + resend[0].keys
-            resend[0].prompts = [self.parts.encode(self.outstanding[k][0]) for k in lost] + resend[0].prompts
+            resend[0].prompts = self._prompts([self.outstanding[k][0] for k in lost]) + resend[0].prompts
         for shard in resend:
             self._send(shard)
 

@@ -13,12 +13,19 @@ segment is checked where it was sampled, so μ = π_old holds token by token acr
 
 A token older than `min_version` (the request's staleness bound) is not trained on: its
 response starts again from the prompt.
+
+Episodes (tools or an environment between model turns) are paused at turn boundaries: once enough
+groups are complete, a row that ends a turn gets the environment's answer in its outputs and stops
+there, and a row in the middle of a turn samples it to its end. Every turn is thus sampled on one
+weight version; the next request continues the episode, its environment kept, from the ids so far.
+An episode with a token too old starts again with a new environment.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +50,11 @@ class _Response:
     full_vocab: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
     ended: bool = False  # by an end-of-sequence token
     finished: bool = False  # ended, or at max_new_tokens
+    # Episodes: (its environment, its record), which ids were fed between turns, and, paused at a turn
+    # boundary, the token limit of its next turn
+    episode: tuple[Any, Any] | None = None
+    fed: list[torch.Tensor] = field(default_factory=list)
+    next_limit: int | None = None
 
     @property
     def length(self) -> int:
@@ -57,6 +69,7 @@ class _Response:
 class _Group:
     key: int  # the driver's name for the prompt
     responses: list[_Response]
+    problem: Any = None  # episodes: the data row, to start an episode again
 
     @property
     def complete(self) -> bool:
@@ -70,9 +83,10 @@ def _pad_cat(parts: list[torch.Tensor], width: int, fill) -> torch.Tensor:
 
 @dataclass
 class PoolRequest:
-    """One request to a worker's pool: new prompts (named by `keys`) and how many whole groups to return."""
+    """One request to a worker's pool: new prompts (named by `keys`) and how many whole groups to return.
+    In a pool of episodes the prompts are data rows (`rl/problems.Problem`)."""
 
-    prompts: list[list[int]]
+    prompts: list[list[int]] | list[Any]
     keys: list[int]
     need: int
     group_size: int
@@ -82,12 +96,32 @@ class PoolRequest:
     full_vocab: int = 0  # `diagnostics.full_vocab_positions`
 
 
-class PartialRollouts:
-    """A rollout worker's pool of prompt groups, some responses unfinished (module docstring)."""
+class EpisodeCalls(Protocol):
+    """What the pool needs of a run's episodes (`rl/episodes.EpisodeSetup`; the engines do not import rl/).
+    Its episode objects (`rl/episodes.Episodes`) hold `environments` and `episodes` by row and give the
+    engine's `between`, `next_limit`, `end_turn`, `seconds` and `finish`."""
 
-    def __init__(self, sampler: Sampler):
-        self.sampler = sampler
+    turn_tokens: int
+
+    def start(self, problems: list[Any], group_size: int) -> tuple[Any, list[list[int]]]: ...
+
+    def resume(self, episodes: list[tuple[Any, Any]]) -> Any: ...
+
+
+class PartialRollouts:
+    """A rollout worker's pool of prompt groups, some responses unfinished (module docstring). With
+    `episodes`, each response is an episode; `finish(episodes, batch)` closes a returned batch's
+    (`Episodes.finish` and what the worker adds)."""
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        episodes: EpisodeCalls | None = None,
+        finish: Callable[[Any, RolloutBatch], None] | None = None,
+    ):
+        self.sampler, self.episodes, self.finish = sampler, episodes, finish
         self.groups: list[_Group] = []
+        self.episode_seconds = 0.0  # the environments' time in this request's engine calls
 
     @property
     def unfinished(self) -> int:
@@ -102,18 +136,27 @@ class PartialRollouts:
         number of tokens dropped as older than `min_version`. `check(segment)` runs on what this call
         sampled, before anything else (exact mode's check, where the sampling weights still are)."""
         r = request
-        self.groups += [_Group(k, [_Response(list(p)) for _ in range(r.group_size)]) for p, k in zip(r.prompts, r.keys)]
+        self.groups += [_Group(k, self._start(p, r.group_size), p) for p, k in zip(r.prompts, r.keys)]
         if r.need > len(self.groups):
             raise ValueError(f"partial rollouts: {r.need} groups wanted, {len(self.groups)} in the pool")
         dropped = 0
         for group in self.groups:  # a response with a token too old to train on starts again
             stale = [x.oldest_version is not None and x.oldest_version < r.min_version for x in group.responses]
             dropped += sum(x.length for x, old in zip(group.responses, stale) if old)
-            group.responses = [_Response(x.prompt) if old else x for x, old in zip(group.responses, stale)]
+            group.responses = [self._start(group.problem, 1)[0] if old else x for x, old in zip(group.responses, stale)]
+        self.episode_seconds = 0.0
         self._sample(r.need, r.sampling, r.seed, r.full_vocab, check)
         done = [g for g in self.groups if g.complete][: r.need]
         self.groups = [g for g in self.groups if not any(g is d for d in done)]
         return self._batch(done, r.sampling), [g.key for g in done], dropped
+
+    def _start(self, prompt: list[int] | Any, group_size: int) -> list[_Response]:
+        """A group's responses, not begun: on a prompt's ids, or episodes made on a data row."""
+        if self.episodes is None:
+            return [_Response(list(prompt)) for _ in range(group_size)]
+        episodes, prompts = self.episodes.start([prompt], group_size)
+        pairs = zip(episodes.environments, episodes.episodes)
+        return [_Response(prompts[0], episode=pair, next_limit=self.episodes.turn_tokens) for pair in pairs]
 
     def _sample(
         self,
@@ -140,15 +183,18 @@ class PartialRollouts:
 
         responses = [r for _, r in open_rows]
         max_new = sampling.max_new_tokens
-        segment = self.sampler.engine.generate(
-            [r.prompt + [int(t) for seg in r.tokens for t in seg] for r in responses],
-            1,
-            sampling,
-            seed,
-            full_vocab,
-            limits=[max_new - r.length for r in responses],
-            stop=enough,
-        )
+        budgets = [max_new - r.length for r in responses]
+        prompts = [r.prompt + [int(t) for seg in r.tokens for t in seg] for r in responses]
+        if self.episodes is None:
+            episodes = None
+            segment = self.sampler.engine.generate(prompts, 1, sampling, seed, full_vocab, budgets, enough)
+        else:  # each episode's environment and record go on where the last call left them
+            episodes = self.episodes.resume([r.episode for r in responses])
+            limits = [min(r.next_limit, b) for r, b in zip(responses, budgets)]
+            segment = self.sampler.engine.generate(
+                prompts, 1, sampling, seed, full_vocab, limits, enough, episodes.between, budgets
+            )
+            self.episode_seconds += episodes.seconds
         self.sampler.score_samples(segment)
         if segment.full_vocab is not None:
             self.sampler.score_full_vocab(segment)
@@ -166,6 +212,14 @@ class PartialRollouts:
             response.versions.append(torch.full((n,), segment.weight_version, dtype=torch.long))
             response.ended = not bool(segment.truncated[i])
             response.finished = response.ended or response.length >= max_new
+            if episodes is not None:
+                fed = segment.env_mask[i, :n].cpu()
+                response.fed.append(fed)
+                if not episodes.episodes[i].end and bool(fed[-1]):  # paused at a turn boundary
+                    response.next_limit = episodes.next_limit[i]
+                elif not episodes.episodes[i].end:  # its last turn stopped without the environment
+                    episodes.end_turn(i, segment.response_ids[i, :n].tolist(), bool(segment.truncated[i]))
+                response.finished = bool(episodes.episodes[i].end)
         record = segment.full_vocab
         if record is not None:
             for j, row in enumerate(record.rows.tolist()):
@@ -216,8 +270,14 @@ class PartialRollouts:
             probe_logprobs=joined("probe_logprobs", 0.0),
             full_vocab=full_vocab,
             token_versions=versions,
+            env_mask=joined("fed", False),
         )
-        return _to(batch, device)
+        batch = _to(batch, device)
+        if self.episodes is not None:
+            episodes = self.episodes.resume([r.episode for r in responses])
+            episodes.seconds = self.episode_seconds
+            self.finish(episodes, batch)
+        return batch
 
 
 def _to(batch: RolloutBatch, device: torch.device) -> RolloutBatch:

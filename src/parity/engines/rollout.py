@@ -140,6 +140,8 @@ class _Workspace:
     # (host side).
     fed: torch.Tensor | None = None
     over: set[int] = field(default_factory=set)
+    budgets: list[int] = field(default_factory=list)  # the columns each output row may fill in its episode
+    pausing: bool = False  # `stop` answered yes: rows that end a turn now stop there, fed what comes next
     graphs: dict[int, torch.cuda.CUDAGraph] | None = None  # per batch size; None: eager steps
     warmed: set[int] = field(default_factory=set)
     pool: object = None
@@ -470,7 +472,7 @@ class RolloutEngine:
             ws.recorder.reset(seed, rows, max_new)
         if ws.fed is not None:
             ws.fed.zero_()
-            ws.over = set()
+            ws.over, ws.pausing = set(), False
 
     def _sample(self, ws: _Workspace, n: int, logits: torch.Tensor) -> None:
         """Sample the next token of the first n active rows from their logits [n, V] and record it, each at its
@@ -561,11 +563,12 @@ class RolloutEngine:
         wider = Widths(min(vocab, _grown(have.candidates, candidates)), min(vocab, _grown(have.support, kept)))
         return Widths(wider.candidates, min(wider.support, wider.candidates))
 
-    def _next_turns(self, ws: _Workspace, n: int, max_new: int, between: Between) -> None:
+    def _next_turns(self, ws: _Workspace, n: int, between: Between) -> None:
         """Rows that just ended a turn: `between` says which go on, and with which ids. Those continue from
         their KV cache: one forward (`extend`) writes the keys and values of the turn's last token and of the
         ids but the last, which becomes the row's next input, so that its next turn is sampled by the decode
-        steps as any token is. A row done without an end-of-turn token (its limit) is over."""
+        steps as any token is. A row done without an end-of-turn token (its limit) is over. Once the call is
+        `pausing`, a row that goes on gets its ids in its outputs and stops there (a later call continues it)."""
         order, done = ws.order[:n].tolist(), ws.done[:n].tolist()
         new = {row: at for at, (row, d) in enumerate(zip(order, done)) if d and row not in ws.over}
         if not new:
@@ -580,7 +583,7 @@ class RolloutEngine:
             going_on = between(
                 [row for row, _ in ended],
                 [ids[:c] for ids, (_, c) in zip(tokens, ended)],
-                [max_new - c for _, c in ended],
+                [ws.budgets[row] - c for row, c in ended],
             )
         for row in rows:
             if row not in going_on:
@@ -589,13 +592,21 @@ class RolloutEngine:
             return
         feeds = []
         for row, (ids, limit) in going_on.items():
-            c = columns[rows.index(row)]
-            if not 0 < len(ids) < max_new - c or limit < 1:
+            c, budget = columns[rows.index(row)], ws.budgets[row]
+            if not 0 < len(ids) < budget - c or limit < 1:
                 raise ValueError(
-                    f"between(): row {row} got {len(ids)} ids and a limit of {limit} with {max_new - c} columns left"
+                    f"between(): row {row} got {len(ids)} ids and a limit of {limit} with {budget - c} columns left"
                 )
+            if ws.pausing:  # paused at the turn boundary: what comes next is in its outputs, fed later
+                ws.tokens[row, c : c + len(ids)] = torch.tensor(ids, device=self.device)
+                ws.mask[row, c : c + len(ids)] = True
+                ws.fed[row, c : c + len(ids)] = True
+                ws.column[row] = c + len(ids)  # past them: a finished row's later draws write pad there
+                ws.over.add(row)
+                continue
             feeds.append((new[row], row, c, ids, limit))
-        self._extend(ws, feeds, max_new)
+        if feeds:
+            self._extend(ws, feeds)
 
     @staticmethod
     def _reach(ws: _Workspace, n: int, slot: int, between: Between | None) -> int:
@@ -603,7 +614,7 @@ class RolloutEngine:
         or in an episode, where rows run ahead of the step by the ids fed to them, the furthest row's."""
         return slot if between is None else int(ws.position[:n].max())
 
-    def _extend(self, ws: _Workspace, feeds: list[tuple[int, int, int, list[int], int]], max_new: int) -> None:
+    def _extend(self, ws: _Workspace, feeds: list[tuple[int, int, int, list[int], int]]) -> None:
         """Continue rows from their caches. `feeds`: (active position, output row, next column, ids, limit of
         the next turn). The turn's last token and the ids but the last go through one forward at their
         positions; the ids go to the outputs (fed, μ 0); the last id becomes the row's next input."""
@@ -619,7 +630,7 @@ class RolloutEngine:
             ws.tokens[row, c : c + len(ids)] = torch.tensor(ids, device=dev)
             ws.mask[row, c : c + len(ids)] = True
             ws.fed[row, c : c + len(ids)] = True
-            ws.limit[row] = min(c + len(ids) + feeds[i][4], max_new)
+            ws.limit[row] = min(c + len(ids) + feeds[i][4], ws.budgets[row])
         inputs = inputs.to(dev)
         start = ws.position[at]
         positions = (start[:, None] + torch.arange(width, device=dev)).clamp(max=ws.max_position)
@@ -656,11 +667,13 @@ class RolloutEngine:
         finished = int(done.sum())
         if finished == n:
             return n, True
-        if stop is not None:
+        if stop is not None and not ws.pausing:
             flags = torch.ones(len(ws.order), dtype=torch.bool, device=self.device)
             flags[ws.order[:n]] = done
             if stop(flags):
-                return n, True
+                if ws.fed is None:
+                    return n, True
+                ws.pausing = True  # an episode's rows stop at their turns' ends
         size = -(-(n - finished) // ROW_BUCKET) * ROW_BUCKET
         if finished * 4 >= n and size < n:
             keep = torch.cat([(~done).nonzero(), done.nonzero()]).squeeze(-1)[:size]
@@ -683,6 +696,7 @@ class RolloutEngine:
         limits: list[int] | None = None,
         stop: Callable[[torch.Tensor], bool] | None = None,
         between: Between | None = None,
+        budgets: list[int] | None = None,
     ) -> RolloutBatch:
         """`group_size` samples per prompt. `full_vocab`: also keep the whole distribution at about that
         many positions (`RolloutBatch.full_vocab`), for comparing it with the trainer's. `limits`: each
@@ -693,8 +707,11 @@ class RolloutEngine:
         `between`: episodes of several model turns. A row that ends a turn is fed the ids `between` gives
         (the tool's answer and the next turn's prompt, `Between`) from its KV cache on, one decode step per
         id, then samples its next turn; its outputs hold both (`RolloutBatch.env_mask` marks the fed ids).
-        `sampling.max_new_tokens` then bounds the whole episode after the prompt and `limits` the first turn.
-        The host reads the batch after every token."""
+        `budgets` (default `sampling.max_new_tokens`) then bounds each row's whole episode after its prompt
+        and `limits` its first turn. The host reads the batch after every token. With `stop`, an episode's
+        rows stop at turn boundaries: once `stop` answers yes, a row that ends a turn gets what `between`
+        gives in its outputs, unfed, and stops (the last of its outputs is then a fed id); the call ends
+        when every row has."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs at least one prompt, each with at least one token")
         if not self.weights.layers:
@@ -703,16 +720,16 @@ class RolloutEngine:
         limits = limits or [sampling.max_new_tokens] * len(lengths)
         if len(limits) != len(lengths) or min(limits) < 1:
             raise ValueError(f"generate(): expected {len(lengths)} row limits >= 1, got {limits}")
-        if between is not None and stop is not None:
-            raise ValueError("generate(): an episode (between=) cannot stop part way (stop=)")
+        if between is None:
+            budgets = limits
+        else:
+            budgets = budgets or [sampling.max_new_tokens] * len(lengths)
+            if len(budgets) != len(lengths) or any(b < limit for b, limit in zip(budgets, limits)):
+                raise ValueError(f"generate(): expected {len(lengths)} row budgets >= their limits, got {budgets}")
         # The columns a row may fill: its limit, or in an episode the whole budget.
-        max_new = sampling.max_new_tokens if between is not None else max(limits)
+        max_new = max(budgets)
         # The furthest position any row may reach; rows that finished keep decoding, clamped below it.
-        max_len = (
-            max(n + max_new for n in lengths)
-            if between is not None
-            else max(n + limit for n, limit in zip(lengths, limits))
-        )
+        max_len = max(n + budget for n, budget in zip(lengths, budgets))
         if max_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"prompt + new tokens ({max_len}) exceeds the model's "
@@ -734,16 +751,31 @@ class RolloutEngine:
                     widths,
                     stop,
                     between,
+                    budgets,
                 )
             except _Widen as wider:
                 widths = wider.widths
 
     def _generate(
-        self, prompts, group_size, sampling, seed, full_vocab, lengths, limits, max_len, max_new, widths, stop, between
+        self,
+        prompts,
+        group_size,
+        sampling,
+        seed,
+        full_vocab,
+        lengths,
+        limits,
+        max_len,
+        max_new,
+        widths,
+        stop,
+        between,
+        budgets,
     ):
         prompt_len = max(lengths)
         ws = self._workspace_for(len(lengths), max_len, max_new, sampling, widths, full_vocab, between is not None)
         self._reset(ws, lengths, limits, max_len, max_new, seed)
+        ws.budgets = budgets
         check_every = 1 if between is not None else self.check_every
         prompt_of_row = torch.arange(len(prompts), device=self.device).repeat_interleave(group_size)
         logits, prompt_routes = self.prefill(prompts, ws.cache, prompt_of_row, ws.angles)
@@ -752,7 +784,7 @@ class RolloutEngine:
         for t in range(max_new - 1):  # t: the response token just sampled
             if (t + 1) % check_every == 0:
                 if between is not None:
-                    self._next_turns(ws, n, max_new, between)
+                    self._next_turns(ws, n, between)
                 n, over = self._check(ws, n, self._reach(ws, n, prompt_len + t, between), stop)
                 if over:
                     break

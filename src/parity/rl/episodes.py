@@ -243,8 +243,12 @@ class EpisodeSetup:
     tools: list[dict[str, Any]] | None = None
     noted: set[str] = field(default_factory=set)
 
-    def start(self, problems: list[Problem], group_size: int) -> Episodes:
-        return Episodes(self, problems, group_size)
+    def start(self, problems: list[Problem], group_size: int) -> tuple[Episodes, list[list[int]]]:
+        return Episodes.start(self, problems, group_size)
+
+    def resume(self, episodes: list[tuple[Any, Episode]]) -> Episodes:
+        """Episodes begun earlier, (environment, record) each, as the rows of a new engine call."""
+        return Episodes(self, [env for env, _ in episodes], [episode for _, episode in episodes])
 
     def note_once(self, line: str) -> None:
         if line not in self.noted:
@@ -314,11 +318,21 @@ def _new_episode(make: Callable[[], Any], row: dict[str, Any], timeout_s: float)
 
 
 class Episodes:
-    """One step's episodes: an environment per row, the prompts, and the `between` the engine calls."""
+    """Episodes in an engine call: their environments and records by output row, and the `between` the
+    engine calls. A call may continue episodes an earlier call began (partial rollouts): each row's
+    tokens in the call then follow its episode so far."""
 
-    def __init__(self, setup: EpisodeSetup, problems: list[Problem], group_size: int):
-        self.setup = setup
-        self.environments, self.episodes, self.prompts = [], [], []
+    def __init__(self, setup: EpisodeSetup, environments: list[Any], episodes: list[Episode]):
+        self.setup, self.environments, self.episodes = setup, environments, episodes
+        self.turn_start = [0] * len(episodes)  # each row's column where its current turn began
+        self.next_limit: dict[int, int] = {}  # a row that went on: the token limit of its next turn
+        self.drifted: list[tuple] = []  # `count_drift`: (row, drifted columns, re-tokenized ids, their stand-ins)
+        self.seconds = 0.0  # spent in `between`: parsing turns, the environments' steps, rendering what follows
+
+    @classmethod
+    def start(cls, setup: EpisodeSetup, problems: list[Problem], group_size: int) -> tuple[Episodes, list[list[int]]]:
+        """New episodes, `group_size` per data row, and each row's first prompt's ids."""
+        environments, episodes, prompts = [], [], []
         for problem in problems:
             row = {setup.prompt_column: problem.prompt, **problem.columns}
             first = None
@@ -331,15 +345,13 @@ class Episodes:
                         f"environment: {type(env).__name__}.reset() gave different first messages for the same "
                         f"data row ({problem.prompt!r:.60}); a group's episodes start from one prompt"
                     )
-                self.environments.append(env)
-                self.episodes.append(Episode(messages, len(messages)))
+                environments.append(env)
+                episodes.append(Episode(messages, len(messages)))
             if setup.renderer is None:
-                setup.tools = _schemas(getattr(self.environments[0], "tools", None))
+                setup.tools = _schemas(getattr(environments[0], "tools", None))
                 setup.renderer = TurnRenderer(setup.tokenizer, setup.tools, setup.style)
-            self.prompts.append(setup.renderer.prompt_ids(first))
-        self.turn_start = [0] * len(self.episodes)  # each row's column where its current turn began
-        self.drifted: list[tuple] = []  # `count_drift`: (row, drifted columns, re-tokenized ids, their stand-ins)
-        self.seconds = 0.0  # spent in `between`: parsing turns, the environments' steps, rendering what follows
+            prompts.append(setup.renderer.prompt_ids(first))
+        return cls(setup, environments, episodes), prompts
 
     def parse(self, turn: list[int]) -> Message:
         """A sampled turn's ids as an assistant message (its control tokens kept: Mistral's [TOOL_CALLS] is one)."""
@@ -386,6 +398,7 @@ class Episodes:
                 continue
             self.turn_start[row] = len(ids) + len(fed)
             going_on[row] = (fed, min(setup.turn_tokens, room - len(fed)))
+            self.next_limit[row] = going_on[row][1]
         for note in setup.renderer.notes:
             setup.note_once(note)
         self.seconds += time.perf_counter() - start
@@ -396,19 +409,23 @@ class Episodes:
         (`batch.episodes`, an `EpisodeBatch`); with `count_drift`, what re-tokenizing would have changed."""
         lengths = batch.response_lengths.tolist()
         for row, episode in enumerate(self.episodes):
-            if episode.end:
-                continue
-            # The engine stopped this row: its last turn ended without the environment (the turn's or the
-            # episode's token limit), or with an end-of-turn token at the very last column.
-            assistant = self.parse(batch.response_ids[row, self.turn_start[row] : lengths[row]].tolist())
-            assistant.pop("problems", None)
-            episode.messages.append(assistant)
-            episode.turns += 1
-            episode.end = "turn_cut_off" if bool(batch.truncated[row]) else "no_room"
+            if not episode.end:
+                self.end_turn(row, batch.response_ids[row, : lengths[row]].tolist(), bool(batch.truncated[row]))
         batch.truncated = torch.tensor([e.truncated for e in self.episodes], device=batch.truncated.device)
         start = time.perf_counter()
         drift = self.count_drift(batch) if count_drift else None
         batch.episodes = EpisodeBatch(self.episodes, self.seconds, drift, time.perf_counter() - start)
+
+    def end_turn(self, row: int, tokens: list[int], cut_off: bool) -> None:
+        """Row `row`'s episode ends with its last turn, which the engine stopped without the environment:
+        at the turn's or the episode's token limit (`cut_off`), or with an end-of-turn token in the very last
+        column. `tokens`: the row's outputs in the call."""
+        episode = self.episodes[row]
+        assistant = self.parse(tokens[self.turn_start[row] :])
+        assistant.pop("problems", None)
+        episode.messages.append(assistant)
+        episode.turns += 1
+        episode.end = "turn_cut_off" if cut_off else "no_room"
 
     def count_drift(self, batch: RolloutBatch) -> tuple[int, int, int]:
         """What a pipeline that re-tokenizes the conversation would have trained on: episodes whose

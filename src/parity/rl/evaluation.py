@@ -198,11 +198,9 @@ class Evaluator:
         es = self.evalset
         if self.episodes is None:
             return engine.generate(es.prompts, es.samples, es.sampling, seed)
-        episodes = self.episodes.start(es.problems, es.samples)
+        episodes, prompts = self.episodes.start(es.problems, es.samples)
         limits = [self.turn_tokens] * len(episodes.episodes)
-        batch = engine.generate(
-            episodes.prompts, es.samples, es.sampling, seed, limits=limits, between=episodes.between
-        )
+        batch = engine.generate(prompts, es.samples, es.sampling, seed, limits=limits, between=episodes.between)
         episodes.finish(batch, count_drift=False)
         return batch
 

@@ -462,9 +462,12 @@ class LocalBackend:
         parts, cfg = self.parts, self.parts.cfg
         problems = [parts.problems[i] for i in parts.data.take(cfg.prompts_per_step)]
         t = time.perf_counter()
-        episodes = None if parts.episodes is None else parts.episodes.start(problems, cfg.rollout.group_size)
+        if parts.episodes is None:
+            episodes, prompts = None, [parts.encode(p) for p in problems]
+        else:
+            episodes, prompts = parts.episodes.start(problems, cfg.rollout.group_size)
         batch = self.sampler.generate(
-            [parts.encode(p) for p in problems] if episodes is None else episodes.prompts,
+            prompts,
             cfg.rollout.group_size,
             parts.sampling,
             seed=parts.rollout_seed(step),

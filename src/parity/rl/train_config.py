@@ -508,11 +508,6 @@ class TrainConfig:
             )
         if e.retokenization_logprob and not e.retokenization:
             raise ConfigError("episode.retokenization_logprob=true needs episode.retokenization=true (the count)")
-        if self.async_.partial_rollouts:
-            raise ConfigError(
-                "async.partial_rollouts with episodes (task.environment, task.tools): continuing an episode on "
-                "newer weights at a turn boundary is not built; set async.partial_rollouts=0"
-            )
 
     def resolve_paths(self, origin: Path) -> None:
         """Data paths and a model directory made absolute against `origin` (the working directory the run
