@@ -46,6 +46,7 @@ RESUMABLE_KEYS = (
     "reward.in_process_timeout_s",
 )
 LR_SCHEDULES = ("constant", "linear", "cosine")
+COMPLETION_FORMATS = ("text", "messages", "auto")  # task.completion_format (`rl/reward_fns.py`)
 TOOL_FORMATS = ("auto", "hermes", "llama3", "mistral", "gemma")  # episode.tool_format (`engines/turns.py`)
 MAX_TURNS = 100
 TRACKERS = ("wandb", "trackio", "mlflow")
@@ -97,6 +98,9 @@ class TaskSection:
     prompt_column: str = "prompt"  # the data's column holding the prompt
     answer_column: str = "answer"  # ... and the reference answer (needed by the built-in rewards only)
     chat_template: str = "auto"  # auto (the model's chat template, when it has one) | none (raw text)
+    # How your reward functions get each completion: text (a string) | messages (TRL's chat form,
+    # [{"role": "assistant", "content": text}]) | auto (messages when the prompt is chat messages, as TRL does)
+    completion_format: str = "text"
     # Episodes of several model turns (docs/agents.md): an environment class of your own, module:Class or
     # file.py:Class, made once per episode; or tools, module:function each, called when the model asks
     environment: str = ""
@@ -477,6 +481,7 @@ class TrainConfig:
                 f"task.reward_weights: {len(t.reward_weights)} weights for {len(t.reward_fn)} reward functions "
                 "(task.reward_fn); give one per function, or none (1 each)"
             )
+        one_of("task.completion_format", t.completion_format, COMPLETION_FORMATS)
         if t.prompt_column == t.answer_column:
             raise ConfigError(f"task.answer_column: the same column as task.prompt_column ({t.prompt_column!r})")
         self._check_episodes()
