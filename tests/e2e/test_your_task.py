@@ -241,7 +241,8 @@ def test_misused_train_keys_and_configs_are_one_line(tmp_path):
     run = tmp_path / "r"
     cases = [
         (dict(nonsense=1), r"^unknown config key nonsense; allowed keys here: "),
-        (dict(config=parity.TrainConfig(seed="many")), r"^seed: expected an integer, got 'many'$"),
+        (dict(num_generations=4), r"^unknown config key num_generations; did you mean rollout.group_size \(TRL's"),
+        (dict(rollout__group_sise=4), r"^unknown config key rollout.group_sise; did you mean rollout.group_size\?$"),
         (dict(config={1: 2}), r"^config: a key is int 1; keys are names"),
         (dict(config={"trainer": 5}), r"^trainer: expected a mapping of TrainerSection fields, got 5$"),
         (dict(trainer__lr=np.ones(3)), r"^trainer.lr: expected a number, got array\(\[1., 1., 1.\]\)$"),
