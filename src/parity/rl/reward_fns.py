@@ -489,6 +489,11 @@ def run_rewards(
     process unless `reward.isolate=always` (a spawned worker; docs/your-task.md says why, with timings)."""
     if rewards is None and cfg.task.reward_fn:
         rewards = config_rewards(cfg)
+    if cfg.task.reward_weights and not rewards:
+        raise ConfigError(
+            f"task.reward_weights: {len(cfg.task.reward_weights)} weights for 0 reward functions (task.reward_fn); "
+            "give one per function, or none (1 each)"
+        )
     if cfg.task.environment and not rewards:  # your environment's episodes are scored by its steps' rewards
         rewards = [Reward(environment_reward, name="environment")]
     r = cfg.reward

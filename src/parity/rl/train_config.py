@@ -523,7 +523,9 @@ class TrainConfig:
                 raise ConfigError(
                     f"task.reward_fn[{i}]: expected 'module:function' or 'file.py:function', got {spec!r}"
                 )
-        if t.reward_weights and len(t.reward_weights) != len(t.reward_fn):
+        # Weights without functions are refused when the run binds its rewards (`reward_fns.run_rewards`): a
+        # config made before them (parity.GRPOConfig(reward_weights=...)) gets its functions from parity.train.
+        if t.reward_weights and t.reward_fn and len(t.reward_weights) != len(t.reward_fn):
             raise ConfigError(
                 f"task.reward_weights: {len(t.reward_weights)} weights for {len(t.reward_fn)} reward functions "
                 "(task.reward_fn); give one per function, or none (1 each)"
