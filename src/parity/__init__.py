@@ -11,6 +11,7 @@ _API = (
     "CallbackError",
     "ConfigError",
     "DataError",
+    "GRPOConfig",
     "Reward",
     "Step",
     "TrainConfig",

@@ -8,6 +8,7 @@ dicts (written into the run directory's data/, so that `--resume` and `parity ev
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -25,9 +26,19 @@ from parity.rl.episodes import Step  # noqa: F401 - parity.Step, what an environ
 from parity.rl.loop import Run
 from parity.rl.reward_fns import Reward, function_spec
 from parity.rl.train_config import TrainConfig
+from parity.rl.trl_config import grpo_config
 from parity.runtime import use_free_cores
 
 RewardLike = Callable[..., Any] | Reward
+
+
+def GRPOConfig(**trl_arguments: Any) -> TrainConfig:  # noqa: N802 - TRL's name, as TRL users write it
+    """TRL's `GRPOConfig` names and defaults, as a Parity `TrainConfig` (`rl/trl_config.py`): pass it as
+    `parity.train(..., config=parity.GRPOConfig(num_generations=4, ...))`. A name with no Parity counterpart,
+    or a value Parity cannot express, is a one-line ConfigError naming it."""
+    return grpo_config(**trl_arguments)
+
+
 Dataset = Any  # a `datasets.Dataset`, a list of dicts, or a JSONL/Parquet file's path
 
 
@@ -171,6 +182,16 @@ def train(
         if model != "builtin" or "model" not in values:
             values["model"] = model
         if bound:
+            # The weights of `parity.Reward`s; plain functions take the config's task.reward_weights (TRL's
+            # reward_weights) when it has them
+            weights = _config_weights(config)
+            if weights and not any(isinstance(r, Reward) for r in _as_list(rewards)):
+                if len(weights) != len(bound):
+                    raise ConfigError(
+                        f"task.reward_weights: {len(weights)} weights for {len(bound)} reward functions (rewards=); "
+                        "give one per function, or none (1 each)"
+                    )
+                bound = [dataclasses.replace(r, weight=w) for r, w in zip(bound, weights)]
             values["task.reward_fn"] = [function_spec(r.fn) for r in bound]
             values["task.reward_weights"] = [r.weight for r in bound]
         if tool_fns:
@@ -210,6 +231,20 @@ def train(
     if saved:
         model_dir = next((saved[-1] / d for d in ("model", "adapter") if (saved[-1] / d).is_dir()), None)
     return TrainResult(run.run_dir, history, model_dir)
+
+
+def _as_list(rewards: object) -> list[object]:
+    return [rewards] if isinstance(rewards, Reward) or callable(rewards) else list(rewards or [])
+
+
+def _config_weights(config: object) -> list[float]:
+    """`task.reward_weights` of a `config` given as a TrainConfig or a dict (empty: none)."""
+    if isinstance(config, TrainConfig):
+        return config.task.reward_weights
+    if isinstance(config, Mapping):
+        task = config.get("task")
+        return config.get("task.reward_weights") or (task.get("reward_weights") if isinstance(task, Mapping) else None)
+    return []
 
 
 def _config(config: object, values: dict[str, Any]) -> TrainConfig:

@@ -8,6 +8,7 @@ YAML, the file and line) and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import numbers
 import os
@@ -150,7 +151,47 @@ def _type_name(tp: Any) -> str:
     return _PLAIN_NAMES.get(tp) or getattr(tp, "__name__", str(tp)).replace("typing.", "")
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
+def config_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of the config dataclass `cls`, its sections' keys included."""
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys += config_keys(tp, f"{prefix}{_key(f)}.")
+        else:
+            keys.append(f"{prefix}{_key(f)}")
+    return keys
+
+
+def unknown_key(root: type, dotted: str, allowed: list[str]) -> str:
+    """The one line for an unknown key `dotted` of the config `root`: the key it is most likely a misspelling
+    of (difflib, on the whole key and on its last part), or the key another library's name maps to (the
+    root's `FOREIGN_NAMES`: name -> (key, whose)); else the keys allowed at its place."""
+    foreign = getattr(root, "FOREIGN_NAMES", {})
+    last = dotted.rsplit(".", 1)[-1]
+    for name in (dotted, last):
+        if name in foreign:
+            key, whose = foreign[name]
+            return f"unknown config key {dotted}; did you mean {key} ({whose} {name})?"
+    keys = config_keys(root)
+    close = difflib.get_close_matches(dotted, keys, n=1, cutoff=0.75)
+    if not close:
+        by_last = {k.rsplit(".", 1)[-1]: k for k in keys}
+        names = difflib.get_close_matches(last, list(by_last), n=1, cutoff=0.75)
+        close = [by_last[n] for n in names]
+    if close:
+        return f"unknown config key {dotted}; did you mean {close[0]}?"
+    return f"unknown config key {dotted}; allowed keys here: {', '.join(sorted(allowed))}"
+
+
+def coerce(value: Any, tp: Any, key: str, root: type | None = None) -> Any:
+    """`value` as the config type `tp` of the key `key` (a section's dataclass from a dict), or a one-line
+    ConfigError naming the key; `root`: the config whose key it is (for an unknown key's message)."""
+    return _coerce(value, tp, key, root)
+
+
+def _coerce(value: Any, tp: Any, key: str, root: type | None = None) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
@@ -158,12 +199,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return None
         given = [o for o in options if o is not type(None)]
         if len(given) == 1:  # an optional key: the type's own message ("expected a finite number")
-            return _coerce(value, given[0], key)
+            return _coerce(value, given[0], key, root)
         for opt in options:
             if opt is type(None):
                 continue
             try:
-                return _coerce(value, opt, key)
+                return _coerce(value, opt, key, root)
             except ConfigError:
                 continue
         raise ConfigError(f"{key}: expected {' or '.join(_type_name(o) for o in options)}, got {shown(value)}")
@@ -214,7 +255,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of {_type_name(tp)} fields, got {shown(value)}")
-        return _build(tp, value, f"{key}.")
+        return _build(tp, value, f"{key}.", root)
     raise ConfigError(f"{key}: unsupported config type {tp!r}")
 
 
@@ -238,18 +279,19 @@ def get_key(obj: Any, dotted: str) -> Any:
     return obj
 
 
-def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+def _build(cls: type[T], data: dict[str, Any], prefix: str = "", root: type | None = None) -> T:
+    root = root or cls
     hints = typing.get_type_hints(cls)
     fields = {_key(f): f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
-            raise ConfigError(f"unknown config key {prefix}{key!s}; allowed keys here: {', '.join(sorted(fields))}")
+            raise ConfigError(unknown_key(root, f"{prefix}{key!s}", list(fields)))
         name = fields[key].name
-        kwargs[name] = _coerce(value, hints[name], f"{prefix}{key}")
+        kwargs[name] = _coerce(value, hints[name], f"{prefix}{key}", root)
     obj = cls(**kwargs)
     check = getattr(obj, "validate", None)
-    if check is not None:
+    if check is not None and not getattr(cls, "VALIDATED_WHEN_MADE", False):
         check()
     return obj
 

@@ -241,7 +241,8 @@ def test_misused_train_keys_and_configs_are_one_line(tmp_path):
     run = tmp_path / "r"
     cases = [
         (dict(nonsense=1), r"^unknown config key nonsense; allowed keys here: "),
-        (dict(config=parity.TrainConfig(seed="many")), r"^seed: expected an integer, got 'many'$"),
+        (dict(num_generations=4), r"^unknown config key num_generations; did you mean rollout.group_size \(TRL's"),
+        (dict(rollout__group_sise=4), r"^unknown config key rollout.group_sise; did you mean rollout.group_size\?$"),
         (dict(config={1: 2}), r"^config: a key is int 1; keys are names"),
         (dict(config={"trainer": 5}), r"^trainer: expected a mapping of TrainerSection fields, got 5$"),
         (dict(trainer__lr=np.ones(3)), r"^trainer.lr: expected a number, got array\(\[1., 1., 1.\]\)$"),
@@ -599,3 +600,56 @@ def test_report_labels_a_mean_reward_and_shows_the_newest_completions(tmp_path, 
         "## custom: completions of step 2" in report
         and "| prompt | completion | length | reward | reward/length |" in report
     )
+
+
+def test_trl_rewards_and_names_run_unchanged(tmp_path):
+    """From TRL as it is: GRPOConfig's names, a reward written for chat prompts (`c[0]["content"]`) and one
+    that returns None for the samples it does not score, on chat prompts (builtin-agent has a chat template)."""
+
+    def n_chars(completions, **kwargs):
+        return [float(len(c[0]["content"])) for c in completions]
+
+    def even_only(completions, answer, **kwargs):  # scores the completions of even length only
+        return [None if len(c[0]["content"]) % 2 else float(a) for c, a in zip(completions, answer)]
+
+    chat = [({"role": "user", "content": f"{a}+{b}="}, a + b) for a in range(1, 9) for b in (1, 2)]
+    rows = [{"prompt": [message], "answer": answer} for message, answer in chat]
+    trl = parity.GRPOConfig(
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_completion_length=16,
+        learning_rate=1e-5,
+        max_steps=2,
+        reward_weights=[1.0, 0.5],
+        logging_steps=1,
+        bf16=False,
+        save_strategy="no",
+    )
+    result = parity.train(
+        "builtin-agent", rows, [n_chars, even_only], config=trl, run_dir=tmp_path / "r", progress=False
+    )
+    assert len(result.history) == 2
+    answers = {json.dumps(r["prompt"]): r["answer"] for r in rows}
+    for step in (1, 2):
+        written = _rows_of(tmp_path / "r" / "completions" / f"step_{step:06d}.jsonl")
+        assert len(written) == 8
+        for row in written:
+            assert row["reward/n_chars"] == len(row["completion"])
+            if len(row["completion"]) % 2:
+                assert row["reward/even_only"] is None and row["reward"] == row["reward/n_chars"]
+            else:
+                answer = answers[json.dumps(row["prompt"])]
+                assert row["reward"] == pytest.approx(row["reward/n_chars"] + 0.5 * answer)
+        scored = [r["reward/even_only"] for r in written if r["reward/even_only"] is not None]
+        metrics = result.history[step - 1]
+        if scored:  # averaged over the samples it scored
+            assert metrics["reward/even_only/mean"] == pytest.approx(sum(scored) / len(scored))
+        else:
+            assert "reward/even_only/mean" not in metrics
+    saved = (tmp_path / "r" / "config.yaml").read_text()
+    assert "advantage: trl_group" in saved and "completion_format: auto" in saved and "aggregation: token_mean" in saved
+    # The same reward given strings (Parity's default): refused on the first batch, in a line naming the key
+    small = {k: v for k, v in SMALL.items() if k != "rollout__max_new_tokens"}
+    with pytest.raises(RewardCheckError, match=r"string indices must be integers.* \(completions are strings \(task"):
+        parity.train("builtin-agent", rows, n_chars, run_dir=tmp_path / "s", progress=False, **small)
+    assert not (tmp_path / "s").exists()

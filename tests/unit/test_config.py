@@ -31,10 +31,14 @@ def test_exponent_numbers_without_a_dot(tmp_path):
         config.load(TrainConfig, None, ["trainer.lr=fast"])
 
 
-def test_unknown_key_names_file_line_and_allowed(tmp_path):
+def test_unknown_key_names_file_line_and_the_key_it_misspells(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("num_prompts: 8\nsampling:\n  topk: 5\n")
-    with pytest.raises(ConfigError, match=r"c.yaml:3: unknown config key sampling.topk; allowed keys here: .*top_k"):
+    line = r"/c.yaml:3: unknown config key sampling.topk; did you mean sampling.top_k\?$"
+    with pytest.raises(ConfigError, match=line):
+        config.load(MismatchConfig, f)
+    f.write_text("num_prompts: 8\nsampling:\n  zzz: 5\n")  # like no key: the keys allowed there
+    with pytest.raises(ConfigError, match=r"c.yaml:3: unknown config key sampling.zzz; allowed keys here: .*top_k"):
         config.load(MismatchConfig, f)
 
 

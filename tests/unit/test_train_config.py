@@ -20,7 +20,7 @@ from parity.rl.train_config import TrainConfig
             "task.name: unknown value 'chess'; allowed: builtin, exact, length, lookup, math, number",
         ),
         (["task.chat_template=chatml"], "task.chat_template: unknown value 'chatml'; allowed: auto, none"),
-        (["algorithm.clip_hi=0.3"], "unknown config key algorithm.clip_hi; allowed keys here: .*clip_high"),
+        (["algorithm.clip_hi=0.3"], r"^unknown config key algorithm.clip_hi; did you mean algorithm.clip_high\?$"),
         (["steps=ten"], "steps: expected an integer, got 'ten'"),
         (
             ["rollout.precision=bf16"],
@@ -69,3 +69,57 @@ def test_a_one_process_run_refuses_a_distributed_config(tmp_path):
     ):
         Run.create(cfg, progress=False)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "given", "message"),
+    [
+        ("num_generations=4", {"num_generations": 4}, r"num_generations; did you mean rollout.group_size \(TRL's"),
+        ("learning_rate=1e-5", {"learning_rate": 1e-5}, r"learning_rate; did you mean trainer.lr \(TRL's"),
+        ("stepz=3", {"stepz": 3}, r"stepz; did you mean steps\?$"),
+        ("group_size=3", {"group_size": 3}, r"group_size; did you mean rollout.group_size\?$"),
+    ],
+)
+def test_an_unknown_key_is_answered_with_the_key_it_means_everywhere(tmp_path, capsys, override, given, message):
+    """The CLI's key=value, a YAML file, the API's keys and TrainConfig(...) give the same line."""
+    line = rf"^unknown config key {message}"
+    with pytest.raises(ConfigError, match=line):
+        config.load(TrainConfig, None, [override])
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text(override.replace("=", ": ") + "\n")
+    with pytest.raises(ConfigError, match=r"^.*c.yaml:1: " + line[1:]):
+        config.load(TrainConfig, yaml)
+    with pytest.raises(ConfigError, match=line):
+        config.load(TrainConfig, None, None, given)
+    with pytest.raises(ConfigError, match=line):
+        TrainConfig(**given)
+    assert main(["train", f"run_dir={tmp_path / 'r'}", override]) == 2
+    assert "did you mean" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"precision": "fp33"}, r"^precision: unknown value 'fp33'; allowed: bf16, fp16, fp32$"),
+        ({"seed": "many"}, r"^seed: expected an integer, got 'many'$"),
+        ({"steps": 0}, r"^steps: must be in \[1, "),
+        ({"rollout": {"group_size": 1}}, r"advantage=drgrpo needs rollout.group_size >= 2"),
+        ({"algorithm": {"scale_rewards": "std"}}, r"^algorithm.scale_rewards: unknown value 'std'"),
+    ],
+)
+def test_trainconfig_checks_its_values_when_made_as_the_loader_does(given, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**given)
+    with pytest.raises(ConfigError, match=message):
+        config.load(TrainConfig, None, None, given)
+
+
+def test_trainconfig_takes_sections_as_dicts_or_dataclasses_and_round_trips():
+    from parity.rl.train_config import RolloutSection
+
+    a = TrainConfig(steps=3, rollout={"group_size": 4})
+    b = TrainConfig(steps=3, rollout=RolloutSection(group_size=4), algorithm={"scale_rewards": "batch"})
+    assert a.steps == 3 and a.rollout.group_size == 4
+    assert b.rollout.group_size == 4 and b.algorithm.advantage == "trl_batch"
+    again = config.load(TrainConfig, None, None, config.to_dict(b))
+    assert config.to_dict(again) == config.to_dict(b)

@@ -47,7 +47,7 @@ from parity.rl.evaluation import EVAL_SEED, TRAINER, EvalSet, Evaluator, eval_sa
 from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, builtin_problems
 from parity.rl.reward_fns import Reward, UserRewards, bind_all, data_columns, import_reward_fn
 from parity.rl.rewards import RewardRunner
-from parity.rl.train_config import MAX_SEED, MICRO_BATCH_TOKENS, RewardSection, TrainConfig
+from parity.rl.train_config import COMPLETION_FORMATS, MAX_SEED, MICRO_BATCH_TOKENS, RewardSection, TrainConfig
 from parity.rundir import in_use_by
 
 BUILTIN_MAX_NEW_TOKENS = 96  # a model directory's default response budget (a run's is its own)
@@ -71,6 +71,9 @@ class EvalConfig:
     # built-in reward. Unset: a run's own task.reward_fn
     reward_fn: list[str] = field(default_factory=list)
     reward_weights: list[float] = field(default_factory=list)
+    # How reward functions get completions: text | messages (TRL's chat form) | auto (messages on chat
+    # prompts); run: a run's task.completion_format, or text for a model
+    completion_format: str = "run"
     device: str = "cpu"
     seed: int = 0
     out: str = "parity-eval"
@@ -86,6 +89,11 @@ class EvalConfig:
         if self.reference not in ("auto", *prec.PRECISIONS):
             raise ConfigError(
                 f"reference: unknown value {self.reference!r}; allowed: auto, {', '.join(prec.PRECISIONS)}"
+            )
+        if self.completion_format not in ("run", *COMPLETION_FORMATS):
+            raise ConfigError(
+                f"completion_format: unknown value {self.completion_format!r}; allowed: run, "
+                f"{', '.join(COMPLETION_FORMATS)}"
             )
         if self.task not in ("auto", *REWARDS):
             raise ConfigError(f"task: unknown value {self.task!r}; allowed: auto, {', '.join(REWARDS)}")
@@ -249,7 +257,10 @@ def _rewards(
         rewards = [Reward(import_reward_fn(spec, bounds.import_timeout_s), weight=w) for spec, w in zip(specs, weights)]
     if rewards:
         bound = bind_all(rewards, sorted({k for p in problems for k in p.columns}))
-        return UserRewards(bound, in_process_timeout_s=bounds.in_process_timeout_s)
+        fmt = cfg.completion_format
+        if fmt == "run":
+            fmt = target.run.task.completion_format if target.run else "text"
+        return UserRewards(bound, in_process_timeout_s=bounds.in_process_timeout_s, completion_format=fmt)
     isolate = task not in TRUSTED_REWARDS
     return RewardRunner(REWARDS[task], isolate, in_process_timeout_s=bounds.in_process_timeout_s)
 

@@ -562,24 +562,35 @@ def reinforce(inp: PolicyInputs, cfg: LossConfig):
 # ----------------------------------------------------------------------------- advantages
 
 AdvantageFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rewards [B], group_index [B]) -> [B]
-ADVANTAGE_FNS: dict[str, AdvantageFn] = {}
+# (scores [B, K], weights [K], group_index [B]) -> [B]: an advantage read from each reward function's own scores
+PerFunctionAdvantageFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ADVANTAGE_FNS: dict[str, AdvantageFn | PerFunctionAdvantageFn] = {}
+PER_FUNCTION_ADVANTAGES: set[str] = set()  # the names whose function takes each reward function's scores
 ADVANTAGE_EPS = 1e-6  # GRPO's guard against a group whose rewards are all equal
+TRL_ADVANTAGE_EPS = 1e-4  # TRL's GRPOTrainer divides by (std + 1e-4)
+SCALE_REWARDS = ("group", "batch", "none")  # TRL's `scale_rewards`
+MULTI_OBJECTIVE = ("sum_then_normalize", "normalize_then_sum")  # TRL's `multi_objective_aggregation`
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Add an advantage estimator under `name` (the values of `algorithm.advantage`)."""
+def register_advantage(name: str, per_function: bool = False) -> Callable:
+    """Add an advantage estimator under `name` (the values of `algorithm.advantage`). A `per_function` one
+    takes each reward function's scores and weights instead of their weighted sum."""
     if name in ADVANTAGE_FNS:
         raise ValueError(f"advantage estimator {name!r} is already registered")
 
-    def wrap(fn: AdvantageFn) -> AdvantageFn:
+    def wrap(fn):
         ADVANTAGE_FNS[name] = fn
+        if per_function:
+            PER_FUNCTION_ADVANTAGES.add(name)
         return fn
 
     return wrap
 
 
 def _group_sums(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(int(group_index.max()) + 1, device=values.device).index_add(0, group_index, values)
+    return torch.zeros(int(group_index.max()) + 1, device=values.device, dtype=values.dtype).index_add(
+        0, group_index, values
+    )
 
 
 def _centred(rewards: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -602,14 +613,126 @@ def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.T
     return centred / (var.sqrt()[group_index] + ADVANTAGE_EPS)
 
 
+# ----------------------------------------------------------------------------- TRL's advantages
+# huggingface/trl 1.16, trl/trainer/grpo_trainer.py (_generate_and_score_completions): a reward function
+# may return None for a sample (NaN here); a sample's reward is the weighted sum over the functions that
+# scored it, NaN where none did; such a sample is left out of every mean and std and its advantage is 0.
+# Means and stds skip NaN; a std over fewer than two values is NaN, so its rows' advantages are 0 too.
+
+
+def weighted_rewards(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ_k weight_k · score_k over the functions that scored each sample [B]; NaN where none did."""
+    summed = (scores * weights[None, :]).nansum(-1)
+    return summed.masked_fill(scores.isnan().all(-1), math.nan)
+
+
+def _nan_group_mean(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Each group's mean over its non-NaN values (NaN for a group with none), per row."""
+    scored = ~values.isnan()
+    total = _group_sums(values.nan_to_num(0.0), group_index)
+    count = _group_sums(scored.to(values.dtype), group_index)
+    return (total / count)[group_index]
+
+
+def _nan_group_std(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Each group's unbiased std over its non-NaN values (NaN below two), per row."""
+    scored = ~values.isnan()
+    count = _group_sums(scored.to(values.dtype), group_index)
+    squares = _group_sums((values - _nan_group_mean(values, group_index)).square().nan_to_num(0.0), group_index)
+    return torch.where(count > 1, squares / (count - 1), math.nan).sqrt()[group_index]
+
+
+def _nan_std(values: torch.Tensor) -> torch.Tensor:
+    """The unbiased std of the non-NaN values of `values` (NaN below two)."""
+    scored = values[~values.isnan()]
+    return scored.std() if scored.numel() > 1 else values.new_tensor(math.nan)
+
+
+def _trl_sum_then_normalize(rewards: torch.Tensor, group_index: torch.Tensor, scale: str) -> torch.Tensor:
+    centred = rewards - _nan_group_mean(rewards, group_index)
+    if scale == "group":
+        centred = centred / (_nan_group_std(rewards, group_index) + TRL_ADVANTAGE_EPS)
+    elif scale == "batch":
+        centred = centred / (_nan_std(rewards) + TRL_ADVANTAGE_EPS)
+    return centred.nan_to_num(0.0)
+
+
+@register_advantage("trl_group")
+def trl_group_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """TRL, scale_rewards=group: (R − the group's mean) / (the group's unbiased std + 1e-4)."""
+    return _trl_sum_then_normalize(rewards, group_index, "group")
+
+
+@register_advantage("trl_batch")
+def trl_batch_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """TRL, scale_rewards=batch: (R − the group's mean) / (the batch's unbiased std + 1e-4)."""
+    return _trl_sum_then_normalize(rewards, group_index, "batch")
+
+
+@register_advantage("trl_none")
+def trl_none_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """TRL, scale_rewards=none: R − the group's mean (Dr. GRPO's, with None rewards left out)."""
+    return _trl_sum_then_normalize(rewards, group_index, "none")
+
+
+@register_advantage("trl_normalize_then_sum", per_function=True)
+def trl_normalize_then_sum_advantages(
+    scores: torch.Tensor, weights: torch.Tensor, group_index: torch.Tensor
+) -> torch.Tensor:
+    """TRL, multi_objective_aggregation=normalize_then_sum (GDPO): each function's scores normalised in
+    their group, (s − mean) / (std + 1e-4), summed with the weights, then normalised over the batch."""
+    columns = [
+        (s - _nan_group_mean(s, group_index)) / (_nan_group_std(s, group_index) + TRL_ADVANTAGE_EPS)
+        for s in scores.unbind(-1)
+    ]
+    # A column whose group had under two scores is NaN there and left out of the sum; only a sample that
+    # no function scored is NaN (its sum of nothing would otherwise be 0).
+    summed = (torch.stack(columns, -1) * weights[None, :]).nansum(-1).masked_fill(scores.isnan().all(-1), math.nan)
+    scored = summed[~summed.isnan()]
+    mean = scored.mean() if scored.numel() else summed.new_tensor(math.nan)
+    return ((summed - mean) / (_nan_std(summed) + TRL_ADVANTAGE_EPS)).nan_to_num(0.0)
+
+
 ADVANTAGES = tuple(ADVANTAGE_FNS)
 
 
-def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-sequence advantages from a group baseline, by the registered estimator `kind`."""
+def trl_advantage(scale_rewards: str, multi_objective_aggregation: str) -> str:
+    """The registered advantage that TRL's `scale_rewards` and `multi_objective_aggregation` name."""
+    if multi_objective_aggregation == "normalize_then_sum":
+        return "trl_normalize_then_sum"
+    return f"trl_{scale_rewards}"
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    kind: str,
+    scores: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-sequence advantages from a group baseline, by the registered estimator `kind`. `rewards` [B]:
+    NaN for a sample no reward function scored; `scores` [B, K] and `weights` [K]: each function's scores
+    (NaN: not scored) and weights, which a per-function estimator reads (None: `rewards` as one function).
+
+    TRL's estimators (`trl_*`) treat a NaN as TRL does. The others were defined on scored samples only:
+    they run on those, each group's baseline over its scored samples, and an unscored sample's advantage
+    is 0; without NaN they are the estimator exactly."""
     if kind not in ADVANTAGE_FNS:
         raise ValueError(f"unknown advantage estimator {kind!r}; expected one of {', '.join(ADVANTAGE_FNS)}")
-    return ADVANTAGE_FNS[kind](rewards, group_index)
+    fn = ADVANTAGE_FNS[kind]
+    if kind in PER_FUNCTION_ADVANTAGES:
+        if scores is None:
+            scores, weights = rewards[:, None], rewards.new_ones(1)
+        return fn(scores, weights.to(scores.dtype), group_index)
+    if kind.startswith("trl_"):
+        return fn(rewards, group_index)
+    unscored = rewards.isnan()
+    if not unscored.any():
+        return fn(rewards, group_index)
+    advantages = torch.zeros_like(rewards)
+    if not unscored.all():
+        advantages[~unscored] = fn(rewards[~unscored], group_index[~unscored])
+    return advantages
 
 
 KL_ESTIMATORS = ("k2", "k3")
@@ -685,6 +808,10 @@ class AlgorithmConfig:
 
     name: str = "pg_seq_is"
     advantage: str | None = None  # the estimator's: drgrpo (the paper's recipe), grpo for gspo, cispo, sapo
+    # TRL's advantage, by TRL's names (either sets advantage=trl_*): group | batch | none (true/false: TRL's
+    # legacy group/none), and sum_then_normalize | normalize_then_sum
+    scale_rewards: bool | str | None = None
+    multi_objective_aggregation: str | None = None
     aggregation: str | None = None  # the estimator's: seq_mean_token_sum_norm (÷ L_max), cispo token_mean, ...
     clip_low: float | None = None  # ε_low of the estimator's clip; its own (0.2; gspo 3e-4; cispo 10: none)
     clip_high: float | None = None  # ε_high (0.2; gspo 4e-4)
@@ -724,6 +851,7 @@ class AlgorithmConfig:
                 raise ConfigError(f"algorithm.{key}: {a.name} does not use it (the estimators that do: {owners})")
         if "cap_low" in est.params and not 0 <= a.cap_low < a.cap:  # both finite: config._coerce refuses inf and NaN
             raise ConfigError(f"algorithm.cap_low={a.cap_low}, algorithm.cap={a.cap}: need 0 <= cap_low < cap")
+        self._resolve_trl_advantage()
         a.advantage = est.advantage if a.advantage is None else a.advantage
         a.aggregation = est.aggregation if a.aggregation is None else a.aggregation
         if a.truncated is None:
@@ -757,6 +885,38 @@ class AlgorithmConfig:
                 f"{rule} corrects by π_old/μ, which algorithm.ratio_source=rollout makes 1 (π_old is μ there), "
                 "so it would do nothing; use ratio_source=recompute or shadow"
             )
+
+    def _resolve_trl_advantage(self) -> None:
+        """TRL's `scale_rewards` and `multi_objective_aggregation` name one of the `trl_*` advantages; set
+        either, or `advantage=trl_*`, and the three agree in config.yaml."""
+        a = self
+        if a.scale_rewards is None and a.multi_objective_aggregation is None:
+            if a.advantage is not None and a.advantage.startswith("trl_") and a.advantage in ADVANTAGE_FNS:
+                split = a.advantage == "trl_normalize_then_sum"
+                a.multi_objective_aggregation = MULTI_OBJECTIVE[split]
+                a.scale_rewards = None if split else a.advantage.removeprefix("trl_")
+            return
+        if isinstance(a.scale_rewards, bool):  # TRL's legacy spelling
+            a.scale_rewards = "group" if a.scale_rewards else "none"
+        if a.multi_objective_aggregation is None:
+            a.multi_objective_aggregation = "sum_then_normalize"
+        one_of("algorithm.multi_objective_aggregation", a.multi_objective_aggregation, MULTI_OBJECTIVE)
+        if a.multi_objective_aggregation == "normalize_then_sum":
+            if a.scale_rewards is not None:
+                raise ConfigError(
+                    f"algorithm.scale_rewards={a.scale_rewards}: no effect with algorithm.multi_objective_aggregation="
+                    "normalize_then_sum, which normalises each function in its group and the sum over the batch"
+                )
+        else:
+            a.scale_rewards = "group" if a.scale_rewards is None else a.scale_rewards
+            one_of("algorithm.scale_rewards", a.scale_rewards, SCALE_REWARDS)
+        chosen = trl_advantage(a.scale_rewards, a.multi_objective_aggregation)
+        if a.advantage is not None and a.advantage != chosen:
+            raise ConfigError(
+                f"algorithm.advantage={a.advantage}: algorithm.scale_rewards / multi_objective_aggregation (TRL's "
+                f"keys) choose advantage {chosen}; set one or the other"
+            )
+        a.advantage = chosen
 
     def loss_config(self) -> LossConfig:
         """The estimator's parameters, as its loss function takes them."""

@@ -30,8 +30,9 @@ def completion_rows(
     extra: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per completion: its prompt, text, length, whether it was cut off at the length limit,
-    the reward it trained on and each reward function's score; `extra`: more fields per row (an episode's
-    messages, turns and how it ended)."""
+    the reward it trained on and each reward function's score (null where a function returned None, and
+    the reward where every one did); `extra`: more fields per row (an episode's messages, turns and how it
+    ended)."""
     rows = []
     for i, completion in enumerate(completions):
         row = {
@@ -40,13 +41,18 @@ def completion_rows(
             "completion": completion,
             "length": lengths[i],
             "truncated": truncated[i],
-            "reward": rewards[i],
+            "reward": _score(rewards[i]),
         }
-        row.update({f"reward/{name}": values[i] for name, values in per_function.items()})
+        row.update({f"reward/{name}": _score(values[i]) for name, values in per_function.items()})
         if extra is not None:
             row.update(extra[i])
         rows.append(row)
     return rows
+
+
+def _score(value: float) -> float | None:
+    """A score as the file holds it: None (null) for NaN, a sample not scored."""
+    return None if value != value else value
 
 
 def write_completions(run_dir: Path, step: int, rows: list[dict[str, Any]]) -> Path:
@@ -79,7 +85,7 @@ ROW_FIELDS = (
     ("completion", "a string", lambda v: isinstance(v, str)),
     ("length", "an integer", _is_integer),
     ("truncated", "true or false", lambda v: isinstance(v, bool)),
-    ("reward", "a number", _is_number),
+    ("reward", "a number or null", lambda v: v is None or _is_number(v)),
 )
 
 
@@ -87,7 +93,8 @@ def _row_problem(row: Any, scores: list[str]) -> str | None:
     """What keeps `row` from being a completion row with a number for each of `scores`, or None."""
     if not isinstance(row, dict):
         return f"expected a JSON object, got a {type(row).__name__}"
-    for key, kind, ok in (*ROW_FIELDS, *((k, "a number", _is_number) for k in scores)):
+    score = ("a number or null", lambda v: v is None or _is_number(v))  # null: the function returned None
+    for key, kind, ok in (*ROW_FIELDS, *((k, *score) for k in scores)):
         if key not in row:
             return f"no {key!r}"
         if not ok(row[key]):
@@ -151,6 +158,6 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         length = f"{r['length']}{' (cut off)' if r['truncated'] else ''}"
-        values = " | ".join(f"{r[k]:.3g}" for k in scores)
+        values = " | ".join("None" if r[k] is None else f"{r[k]:.3g}" for k in scores)
         lines.append(f"| {_cell(r['prompt'])} | {_cell(r['completion'])} | {length} | {values} |")
     return "\n".join(lines) + "\n"

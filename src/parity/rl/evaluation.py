@@ -81,7 +81,8 @@ def prompt_scores(rewards: list[float], samples: int, binary: bool) -> torch.Ten
     """Each prompt's score [P] FP64: the fraction of its responses that are correct (binary reward), else
     their mean reward. Rows are grouped by prompt."""
     r = torch.tensor(rewards, dtype=torch.float64).view(-1, samples)
-    return (r >= 1.0).double().mean(-1) if binary else r.mean(-1)
+    # A response no reward function scored (NaN: each returned None) is left out of its prompt's mean.
+    return (r >= 1.0).double().mean(-1) if binary else r.nanmean(-1).nan_to_num(0.0)
 
 
 def outcome_metrics(batch: RolloutBatch, rewards: list[float], samples: int, binary: bool) -> dict[str, float]:
@@ -89,7 +90,9 @@ def outcome_metrics(batch: RolloutBatch, rewards: list[float], samples: int, bin
     binary reward; the mean reward always. Rows are grouped by prompt."""
     r = torch.tensor(rewards, dtype=torch.float64).view(-1, samples)
     # the model's own tokens (an episode's fed ids are not its answer's length)
-    out = {"reward_mean": float(r.mean()), "mean_length": float(batch.sampled_mask.sum(-1).double().mean())}
+    scored = r[~r.isnan()]  # responses no reward function scored (each returned None) are left out
+    reward_mean = float(scored.mean()) if scored.numel() else 0.0
+    out = {"reward_mean": reward_mean, "mean_length": float(batch.sampled_mask.sum(-1).double().mean())}
     if binary:
         correct = r >= 1.0
         out.update(accuracy=float(correct.double().mean()), **{"pass@k": float(correct.any(-1).double().mean())})

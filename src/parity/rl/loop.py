@@ -276,6 +276,7 @@ class Run:
         self.alarmed = False
         self.skipped_streak = 0  # consecutive steps whose every update the FP16 scaler skipped
         self.zero_variance_warned = False
+        self.unscored_warned = False  # every reward function returned None for a sample: said once
         self.last_metrics: dict[str, float] = {}  # the newest step's, for the model card of a checkpoint
         # task.name=math scores only \boxed{} answers: warn (once) if a whole step holds none.
         self.watch_boxed = cfg.task.name == "math" and not cfg.task.reward_fn
@@ -596,6 +597,15 @@ class Run:
         warning = self.reward_health.observe(self.step_count + 1, result, len(result.rewards))
         if warning is not None:
             tqdm.write(f"WARNING {warning}", file=sys.stderr)
+        unscored = sum(r != r for r in result.rewards)  # NaN: every reward function returned None
+        if unscored and not self.unscored_warned:
+            self.unscored_warned = True
+            tqdm.write(
+                f"WARNING step {self.step_count + 1}: every reward function returned None for {unscored} of the step's "
+                f"{len(result.rewards)} completions; they are left out of their group's baseline with advantage 0 "
+                "(reward/unscored_frac counts them each step)",
+                file=sys.stderr,
+            )
         if self.watch_boxed and not any(extract_boxed(r) is not None for r in result.responses):
             self.watch_boxed = False
             tqdm.write(

@@ -12,8 +12,14 @@ checked against the data's columns before the run starts, and its first batch's 
 completion) before the first update: either failing stops the run with one line naming the function.
 Later failures score that function 0 on the samples concerned and are counted (`rl/rewards.py`).
 
-The reward a sample trains on is the weighted sum over the functions (`task.reward_weights`, 1 each
-when unset); `reward/<name>/mean` and `reward/<name>/std` log each function's unweighted scores.
+A function may return None for a sample it does not score (TRL's convention), on any batch: the reward
+a sample trains on is the weighted sum over the functions that scored it (`task.reward_weights`, 1 each
+when unset), NaN where none did (`rl/algorithms.group_advantages` leaves such a sample out of its group's
+baseline, with advantage 0); `reward/<name>/mean` and `reward/<name>/std` log each function's unweighted
+scores, over the samples it scored.
+
+Completions are passed as text, or with `task.completion_format=messages` (or `auto` on chat prompts, as
+TRL does) as TRL passes them with chat prompts: `[{"role": "assistant", "content": text}]`.
 """
 
 from __future__ import annotations
@@ -52,6 +58,10 @@ from parity.rl.rewards import (
 from parity.rl.train_config import TrainConfig
 
 PROMPT_NAMES = {True: "prompts", False: "prompt"}
+STRING_HINT = (
+    "completions are strings (task.completion_format=text); task.completion_format=messages passes TRL's "
+    "chat form, [{'role': 'assistant', 'content': text}]"
+)
 COMPLETION_NAMES = {True: "completions", False: "completion"}
 
 
@@ -206,15 +216,36 @@ def bind_all(rewards: Sequence[Reward | Callable[..., Any]], columns: Sequence[s
 
 
 def _number(value: object) -> float:
-    """A reward value as a float; a ValueError for anything else (a bool is not a reward)."""
+    """A reward value as a float; a TypeError for anything else (a bool is not a reward)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
         raise TypeError(f"returned {type(value).__name__} {value!r:.60}, not a number")
     return float(value)
 
 
+def is_chat(prompt: Any) -> bool:
+    """A prompt that is a list of chat messages (TRL's `is_conversational`: a first item with a role)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+def as_messages(completions: list[str]) -> list[list[dict[str, str]]]:
+    """Completions in TRL's chat form: each one assistant message."""
+    return [[{"role": "assistant", "content": c}] for c in completions]
+
+
+def _failure(e: BaseException, completions: list[Any]) -> str:
+    """A function's failure on one line; a TypeError on string completions says how to get TRL's form
+    (a function written for it indexes a string: "string indices must be integers")."""
+    line = exception_summary(e)
+    returned = str(e).startswith("returned")  # `_number`'s: what the function gave, not how it failed
+    if isinstance(e, TypeError) and not returned and completions and isinstance(completions[0], str):
+        line = f"{line} ({STRING_HINT})"
+    return line
+
+
 @dataclass
 class Scores:
-    """One function's scores on a batch: a value per sample (0 where it failed) and its failures."""
+    """One function's scores on a batch: a value per sample (0 where it failed, NaN where it returned
+    None) and its failures."""
 
     values: list[float]
     errors: int = 0
@@ -226,7 +257,7 @@ class Scores:
 def score_batch(
     reward: BoundReward,
     prompts: list[Any],
-    completions: list[str],
+    completions: list[Any],
     columns: dict[str, list[Any]],
     timeout_s: float | None = None,
 ) -> Scores:
@@ -241,7 +272,7 @@ def score_batch(
         except (Overran, Interrupted):
             raise
         except BaseException as e:  # noqa: BLE001 - a failure of the function's, as in a worker process
-            return Scores([0.0] * n, n, exception_summary(e), _trace(e))
+            return Scores([0.0] * n, n, _failure(e, completions), _trace(e))
         if isinstance(returned, (str, bytes)) or not hasattr(returned, "__len__"):
             what = f"returned {type(returned).__name__} {returned!r:.60}, not a list of {n} numbers"
             return Scores([0.0] * n, n, what, type_error=what)
@@ -261,7 +292,11 @@ def score_batch(
     scores = Scores([0.0] * n)
     for i, call in enumerate(calls):
         try:
-            value = _number(bounded_call(reward.name, timeout_s, call))
+            returned = bounded_call(reward.name, timeout_s, call)
+            if returned is None:  # not scored by this function
+                scores.values[i] = math.nan
+                continue
+            value = _number(returned)
             if not math.isfinite(value):
                 raise ValueError(f"reward is {value}")
             scores.values[i] = value
@@ -271,7 +306,7 @@ def score_batch(
             scores.errors += 1
             if scores.type_error is None and str(e).startswith("returned"):
                 scores.type_error = f"sample {i}: {e}"
-            scores.first_error = scores.first_error or f"sample {i}: {exception_summary(e)}"
+            scores.first_error = scores.first_error or f"sample {i}: {_failure(e, completions)}"
             scores.trace = scores.trace or _trace(e)
         except BaseException as e:  # noqa: BLE001 - a failure of the function's, as in a worker process
             scores.errors += 1
@@ -297,7 +332,8 @@ class UserRewards:
     """The reward functions of a run, called on each step's batch: in this process (each call within
     `in_process_timeout_s`, past which the run stops), or with `isolate` in a long-lived worker process
     started by spawn (it imports the functions once, and is replaced after `timeout_s`). Called like
-    `RewardRunner` on (problem, completion, length) items."""
+    `RewardRunner` on (problem, completion, length) items; `completion_format` (task.completion_format):
+    the completions as text, or as TRL's chat messages (`messages`, or `auto`: on chat prompts)."""
 
     def __init__(
         self,
@@ -306,8 +342,10 @@ class UserRewards:
         timeout_s: float = 5.0,
         strict=False,
         in_process_timeout_s: float = IN_PROCESS_TIMEOUT_S,
+        completion_format: str = "text",
     ):
         self.rewards, self.strict, self.isolate = rewards, strict, isolate
+        self.completion_format = completion_format
         self.in_process_timeout_s = in_process_timeout_s
         self.worker = RewardRunner(_ScoreAll(rewards), True, timeout_s, strict, start="spawn") if isolate else None
         self.checked = False  # the first batch passed its check
@@ -340,17 +378,24 @@ class UserRewards:
     def __call__(self, items: list[tuple[Problem, str, int]]) -> RewardResult:
         n = len(items)
         prompts = [p.prompt for p, _, _ in items]
-        completions = [c for _, c, _ in items]
+        completions: list[Any] = [c for _, c, _ in items]
+        fmt = self.completion_format
+        if fmt == "messages" or (fmt == "auto" and prompts and is_chat(prompts[0])):
+            completions = as_messages(completions)
         names = sorted({k for p, _, _ in items for k in p.columns})
         columns = {k: [p.columns.get(k) for p, _, _ in items] for k in names}
         got, timed_out = self._scores(prompts, completions, columns)
         if not self.checked:
             self._check_first(got, n, timed_out)
-        result = RewardResult([0.0] * n, errors=0, timeouts=0)
+        # The weighted sum over the functions that scored each sample; NaN where none did (all None).
+        result = RewardResult([math.nan] * n, errors=0, timeouts=0)
         for reward, scores in zip(self.rewards, got):
             for i, v in enumerate(scores.values):
-                result.rewards[i] += reward.weight * v
+                if not math.isnan(v):
+                    before = result.rewards[i]
+                    result.rewards[i] = reward.weight * v + (0.0 if math.isnan(before) else before)
             result.per_function[reward.name] = scores.values
+            result.weights[reward.name] = reward.weight
             if timed_out:
                 result.timeouts += scores.errors
             else:
@@ -372,6 +417,12 @@ class UserRewards:
         if timed_out:
             return
         for reward, scores in zip(self.rewards, got):
+            if n and all(math.isnan(v) for v in scores.values):
+                print(
+                    f"WARNING reward {reward.name} returned None for every completion of the first batch ({n}): it "
+                    "scored none of them (None means: this function does not apply to the sample)",
+                    file=sys.stderr,
+                )
             form = "batched" if reward.batched else "per-sample"
             if scores.type_error is not None:
                 problem = scores.type_error
@@ -438,13 +489,20 @@ def run_rewards(
     process unless `reward.isolate=always` (a spawned worker; docs/your-task.md says why, with timings)."""
     if rewards is None and cfg.task.reward_fn:
         rewards = config_rewards(cfg)
+    if cfg.task.reward_weights and not rewards:
+        raise ConfigError(
+            f"task.reward_weights: {len(cfg.task.reward_weights)} weights for 0 reward functions (task.reward_fn); "
+            "give one per function, or none (1 each)"
+        )
     if cfg.task.environment and not rewards:  # your environment's episodes are scored by its steps' rewards
         rewards = [Reward(environment_reward, name="environment")]
     r = cfg.reward
     if rewards:
         columns = sorted({k for p in problems for k in p.columns} | (set(EPISODE_COLUMNS) if cfg.episodes else set()))
         bound = bind_all(rewards, columns)
-        return UserRewards(bound, r.isolate == "always", r.timeout_s, r.strict, r.in_process_timeout_s)
+        return UserRewards(
+            bound, r.isolate == "always", r.timeout_s, r.strict, r.in_process_timeout_s, cfg.task.completion_format
+        )
     trusted = cfg.task.name in TRUSTED_REWARDS
     isolate = {"auto": not trusted, "always": True, "never": False}[r.isolate]
     return RewardRunner(REWARDS[cfg.task.name], isolate, r.timeout_s, r.strict, "fork", r.in_process_timeout_s)

@@ -162,7 +162,9 @@ class RewardResult:
     timeouts: int
     first_error: str | None = None  # the first failure of these samples, one line
     responses: list[str] = field(default_factory=list)  # the decoded responses scored (`score_rollouts`)
-    per_function: dict[str, list[float]] = field(default_factory=dict)  # each reward function's own scores
+    # Each reward function's own scores (NaN: it returned None, not scoring the sample) and weight.
+    per_function: dict[str, list[float]] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
 
 
 class _Failure(NamedTuple):

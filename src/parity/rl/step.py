@@ -36,6 +36,7 @@ from parity.engines.tokenizer import Tokenizer
 from parity.engines.trainer import StepStats, Trainer
 from parity.rl.algorithms import (
     ESTIMATORS,
+    PER_FUNCTION_ADVANTAGES,
     AlgorithmConfig,
     LossConfig,
     PolicyInputs,
@@ -195,10 +196,15 @@ def prepare(
     """Rewards to advantages and the loss mask, with the estimator's rejection applied; `old` is
     `resolve_old`'s answer."""
     old_logprobs, old_source = old
-    rewards = training_rewards(
-        torch.tensor(result.rewards, device=batch.response_mask.device), batch.truncated, truncated
-    )
-    advantages = group_advantages(rewards, batch.group_index, advantage)
+    device = batch.response_mask.device
+    rewards = training_rewards(torch.tensor(result.rewards, device=device), batch.truncated, truncated)
+    scores = weights = None
+    if advantage in PER_FUNCTION_ADVANTAGES and result.per_function:  # each function's scores [B, K]
+        scores = torch.tensor(list(result.per_function.values()), device=device).T
+        scores = training_rewards(scores, batch.truncated[:, None], truncated)
+        weights = torch.tensor([result.weights[name] for name in result.per_function], device=device)
+    # A sample no reward function scored (each returned None) is NaN: `group_advantages` gives it 0.
+    advantages = group_advantages(rewards, batch.group_index, advantage, scores, weights)
     loss_mask = batch.sampled_mask.clone()
     if truncated == "drop":
         loss_mask[batch.truncated] = False
@@ -334,17 +340,23 @@ def step_metrics(
     `pi_old` is π_old, the trainer's code path on the sampling weights; `same_precision`:
     the trainer and the rollout engine share a precision (then β = 0 without a probe)."""
     rewards, advantages, mu = prepared.rewards, prepared.advantages, batch.rollout_logprobs
-    # Rows are grouped contiguously, one group per prompt.
-    group_std = rewards.view(plan.prompts, plan.group_size).std(-1, correction=0)
+    # A sample no reward function scored (NaN) is left out of the reward's statistics.
+    scored = ~rewards.isnan()
+    kept = rewards[scored]
+    # Rows are grouped contiguously, one group per prompt: a group's std over its scored rows.
+    grouped = rewards.view(plan.prompts, plan.group_size)
+    centred = (grouped - grouped.nanmean(-1, keepdim=True)).square().nan_to_num(0.0)
+    group_var = centred.sum(-1) / scored.view(plan.prompts, plan.group_size).sum(-1).clamp(min=1)
     metrics: dict[str, float] = {
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "reward/mean": float(kept.mean()) if kept.numel() else 0.0,
+        "reward/std": float(kept.std()) if kept.numel() > 1 else 0.0,
+        "reward/unscored_frac": float((~scored).float().mean()),
         "reward/errors": result.errors,
         "reward/timeouts": result.timeouts,
         "response/length_mean": float(batch.sampled_mask.sum(-1).float().mean()),
         "response/length_max": int(batch.sampled_mask.sum(-1).max()),
         "response/truncated_frac": float(batch.truncated.float().mean()),
-        "groups/zero_variance_frac": float((group_std == 0).float().mean()),
+        "groups/zero_variance_frac": float((group_var == 0).float().mean()),
         "loss/policy": sum(update.losses),
         "grad/norm": _mean(update.grad_norms),
         "precision/loss_scale": update.step_stats.loss_scale,
@@ -369,8 +381,10 @@ def step_metrics(
         metrics["loss/kl"] = sum(update.kls) / max(sum(update.kl_tokens), 1.0)
     for name, values in result.per_function.items():  # each reward function's own, unweighted scores
         scores = torch.tensor(values, dtype=torch.float64)
-        metrics[f"reward/{name}/mean"] = float(scores.mean())
-        metrics[f"reward/{name}/std"] = float(scores.std()) if scores.numel() > 1 else 0.0
+        scores = scores[~scores.isnan()]  # the samples it scored (it returned None for the others)
+        if scores.numel():
+            metrics[f"reward/{name}/mean"] = float(scores.mean())
+            metrics[f"reward/{name}/std"] = float(scores.std()) if scores.numel() > 1 else 0.0
     if plan.lr is not None:
         metrics["trainer/lr"] = plan.lr
     for k, v in update.stats.items():  # the estimator's diagnostics, under their own names

@@ -5,7 +5,10 @@ key checked before any work (the error names the key and the expected form). `Tr
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -46,6 +49,7 @@ RESUMABLE_KEYS = (
     "reward.in_process_timeout_s",
 )
 LR_SCHEDULES = ("constant", "linear", "cosine")
+COMPLETION_FORMATS = ("text", "messages", "auto")  # task.completion_format (`rl/reward_fns.py`)
 TOOL_FORMATS = ("auto", "hermes", "llama3", "mistral", "gemma")  # episode.tool_format (`engines/turns.py`)
 MAX_TURNS = 100
 TRACKERS = ("wandb", "trackio", "mlflow")
@@ -97,6 +101,9 @@ class TaskSection:
     prompt_column: str = "prompt"  # the data's column holding the prompt
     answer_column: str = "answer"  # ... and the reference answer (needed by the built-in rewards only)
     chat_template: str = "auto"  # auto (the model's chat template, when it has one) | none (raw text)
+    # How your reward functions get each completion: text (a string) | messages (TRL's chat form,
+    # [{"role": "assistant", "content": text}]) | auto (messages when the prompt is chat messages, as TRL does)
+    completion_format: str = "text"
     # Episodes of several model turns (docs/agents.md): an environment class of your own, module:Class or
     # file.py:Class, made once per episode; or tools, module:function each, called when the model asks
     environment: str = ""
@@ -310,10 +317,54 @@ NUMERIC_RANGES = (
 )
 
 
+# TRL's GRPOConfig names and the Parity key each one maps onto (`rl/trl_config.py` maps their values): an
+# unknown key that is one of them is answered with its key ("did you mean rollout.group_size (TRL's
+# num_generations)?").
+TRL_KEYS = {
+    "num_generations": "rollout.group_size",
+    "max_completion_length": "rollout.max_new_tokens",
+    "temperature": "rollout.temperature",
+    "top_p": "rollout.top_p",
+    "top_k": "rollout.top_k",
+    "learning_rate": "trainer.lr",
+    "lr_scheduler_type": "trainer.lr_schedule",
+    "warmup_steps": "trainer.warmup_steps",
+    "warmup_ratio": "trainer.warmup_steps",
+    "weight_decay": "trainer.weight_decay",
+    "adam_beta1": "trainer.beta1",
+    "adam_beta2": "trainer.beta2",
+    "adam_epsilon": "trainer.eps",
+    "max_grad_norm": "trainer.grad_clip",
+    "gradient_checkpointing": "trainer.activation_checkpointing",
+    "beta": "algorithm.kl_coef",
+    "epsilon": "algorithm.clip_low",
+    "epsilon_high": "algorithm.clip_high",
+    "num_iterations": "algorithm.ppo_epochs",
+    "steps_per_generation": "algorithm.num_minibatches",
+    "loss_type": "algorithm.aggregation",
+    "importance_sampling_level": "algorithm.name",
+    "sapo_temperature_pos": "algorithm.tau_pos",
+    "sapo_temperature_neg": "algorithm.tau_neg",
+    "mask_truncated_completions": "algorithm.truncated",
+    "scale_rewards": "algorithm.scale_rewards",
+    "multi_objective_aggregation": "algorithm.multi_objective_aggregation",
+    "reward_weights": "task.reward_weights",
+    "generation_batch_size": "prompts_per_step",
+    "per_device_train_batch_size": "prompts_per_step",
+    "max_steps": "steps",
+    "save_steps": "checkpoint_every",
+    "save_total_limit": "keep_checkpoints",
+    "output_dir": "run_dir",
+}
+
+
 @dataclass
 class TrainConfig:
     # Keys renamed since a run could have saved them (old -> new): its config.yaml still loads and resumes.
     RENAMED_KEYS: ClassVar[dict[str, str]] = {"algorithm.shadow_forward": "algorithm.probe"}
+    # Other libraries' names for keys: an unknown key that is one is answered with the key it names.
+    FOREIGN_NAMES: ClassVar[dict[str, tuple[str, str]]] = {name: (key, "TRL's") for name, key in TRL_KEYS.items()}
+    VALIDATED_WHEN_MADE: ClassVar[bool] = True  # `TrainConfig(...)` checks itself (`_checked_init`)
 
     model: str = "builtin"
     precision: str = "fp16"  # both engines; rollout.precision / trainer.precision override one side
@@ -472,11 +523,14 @@ class TrainConfig:
                 raise ConfigError(
                     f"task.reward_fn[{i}]: expected 'module:function' or 'file.py:function', got {spec!r}"
                 )
-        if t.reward_weights and len(t.reward_weights) != len(t.reward_fn):
+        # Weights without functions are refused when the run binds its rewards (`reward_fns.run_rewards`): a
+        # config made before them (parity.GRPOConfig(reward_weights=...)) gets its functions from parity.train.
+        if t.reward_weights and t.reward_fn and len(t.reward_weights) != len(t.reward_fn):
             raise ConfigError(
                 f"task.reward_weights: {len(t.reward_weights)} weights for {len(t.reward_fn)} reward functions "
                 "(task.reward_fn); give one per function, or none (1 each)"
             )
+        one_of("task.completion_format", t.completion_format, COMPLETION_FORMATS)
         if t.prompt_column == t.answer_column:
             raise ConfigError(f"task.answer_column: the same column as task.prompt_column ({t.prompt_column!r})")
         self._check_episodes()
@@ -594,3 +648,33 @@ class TrainConfig:
                 f"distributed.rollout_workers={d.rollout_workers} is more than prompts_per_step="
                 f"{self.prompts_per_step}: each worker samples whole prompt groups"
             )
+
+
+def _checked_init(init):
+    """`TrainConfig(...)` checked as the loader checks a config: an unknown key or a value of the wrong type
+    or range is the loader's one-line ConfigError when the object is made, not a TypeError, nor a failure
+    once a run starts. A section may be given as its dataclass or as a dict of its keys."""
+    hints: dict[str, object] = {}
+    keys: dict[str, str] = {}
+
+    @functools.wraps(init)
+    def __init__(self, **given):
+        if not hints:
+            hints.update(typing.get_type_hints(TrainConfig))
+            keys.update({f.name: f.metadata.get("key", f.name) for f in dataclasses.fields(TrainConfig)})
+        by_key = {key: name for name, key in keys.items()}
+        values = {}
+        for name, value in given.items():
+            field_name = name if name in keys else by_key.get(name)
+            if field_name is None:
+                raise ConfigError(config_mod.unknown_key(TrainConfig, name, list(keys.values())))
+            tp = hints[field_name]
+            keep = dataclasses.is_dataclass(tp) and isinstance(value, tp)
+            values[field_name] = value if keep else config_mod.coerce(value, tp, keys[field_name], TrainConfig)
+        init(self, **values)
+        self.validate()
+
+    return __init__
+
+
+TrainConfig.__init__ = _checked_init(TrainConfig.__init__)
