@@ -215,7 +215,7 @@ def train(
 def _config(config: object, values: dict[str, Any]) -> TrainConfig:
     if isinstance(config, TrainConfig):
         base = config_mod.to_dict(config)
-        return config_mod.load(TrainConfig, None, None, {**_dotted(base), **values})
+        return config_mod.load(TrainConfig, None, None, {**config_mod.flatten(base), **values})
     if isinstance(config, Mapping):
         for key in config:
             if not isinstance(key, str):
@@ -224,13 +224,6 @@ def _config(config: object, values: dict[str, Any]) -> TrainConfig:
     if config is not None:
         _path("config", config, "a parity.TrainConfig, a YAML file's path or a dict of keys")
     return config_mod.load(TrainConfig, config, None, values)
-
-
-def _dotted(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in data.items():
-        out.update(_dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
 
 
 def evaluate(

@@ -118,13 +118,6 @@ class MetricsLog:
 # ----------------------------------------------------------------------------- the run
 
 
-def _flatten(obj: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in obj.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def _logged_step(line: str, last: int) -> bool:
     """Whether `line` is a step logged at or before step `last`: a line cut short by a kill, or one that is
     not a step's metrics at all, is not."""
@@ -141,7 +134,7 @@ def _saved_config(run_dir: Path) -> dict[str, Any] | None:
     for path in reversed(checkpoints(run_dir)):
         saved = saved_config(path)
         if saved is not None:
-            return {TrainConfig.RENAMED_KEYS.get(k, k): v for k, v in _flatten(saved).items()}
+            return {TrainConfig.RENAMED_KEYS.get(k, k): v for k, v in config_mod.flatten(saved).items()}
     return None
 
 
@@ -299,7 +292,7 @@ class Run:
                 )
             )
             # After the backend, whose trainer refuses a LoRA config that does not fit the model.
-            flat = _flatten(config_mod.to_dict(cfg))
+            flat = config_mod.flatten(config_mod.to_dict(cfg))
             self.log.trackers = open_trackers(cfg.tensorboard, cfg.log.to, run_dir, cfg.log.project, flat)
 
     def _evaluator(self, config: ModelConfig) -> Evaluator | None:
@@ -526,9 +519,9 @@ class Run:
             )
         saved = _saved_config(run_dir)
         if saved is not None:
-            current = _flatten(config_mod.to_dict(cfg))
+            current = config_mod.flatten(config_mod.to_dict(cfg))
             # A key this version added after the run was saved trains as before at its default.
-            defaults = _flatten(config_mod.to_dict(TrainConfig()))
+            defaults = config_mod.flatten(config_mod.to_dict(TrainConfig()))
             saved = {k: saved.get(k, defaults.get(k)) for k in current}
             changed = [k for k in current if k != "run_dir" and saved[k] != current[k]]
             refused = [k for k in changed if k not in RESUMABLE_KEYS]
