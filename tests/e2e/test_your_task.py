@@ -272,8 +272,8 @@ def test_callbacks_of_the_wrong_shape_are_refused_before_the_run_starts(tmp_path
             pass
 
     cases = [
-        (NoHooks(), r"^callbacks: expected a callback \(an object with on_step_end or on_eval\) or a list of "
-                    r"them, got NoHooks object$"),
+        (NoHooks(), r"^callbacks: expected a callback \(an object with on_step_end or on_eval, or transformers' "
+                    r"TrainerCallback events\) or a list of them, got NoHooks object$"),
         ([NoHooks()], r"^callbacks\[0\]: NoHooks object has neither on_step_end\(step, metrics\) nor on_eval"),
         (NotAMethod(), r"^callbacks\[0\]: NotAMethod.on_step_end is int 3, not a method$"),
         (NoArguments(), r"^callbacks\[0\]: NoArguments.on_step_end\(\) cannot be called as on_step_end\(step, "),
