@@ -328,13 +328,14 @@ class Trainer:
     # -- after training -------------------------------------------------------
 
     def evaluate(self, eval_dataset: Dataset | None = None) -> dict[str, float]:
-        """The held-out metrics (eval/*, deploy/*, as the run's evaluation logs them) of the trained policy,
-        its newest checkpoint, or of the base model before training: `parity eval` with the run's eval.*
-        settings and rewards, on `eval_dataset` (rows or a file), else on the run's own held-out data."""
+        """The held-out metrics of the trained policy (its newest checkpoint), or of the base model before
+        training, as `parity eval` measures them: `eval/<precision>/*` for the run's rollout precision and each
+        of eval.precisions, `eval/trainer/*` for the trainer's policy and `deploy/*` for the gaps; with the
+        run's eval.* settings and rewards, on `eval_dataset` (rows or a file), else on the run's held-out data."""
         rows = None if eval_dataset is None else _rows(eval_dataset, "eval_dataset")
         cfg, e = self.config, self.config.eval
         keys: dict[str, Any] = {
-            "precisions": e.precisions,
+            "precisions": list(dict.fromkeys([cfg.rollout_precision, *e.precisions])),
             "num_prompts": e.num_prompts,
             "samples": e.samples,
             "temperature": e.temperature,
@@ -343,7 +344,7 @@ class Trainer:
         saved = checkpoints(self.run_dir) if self.run_dir is not None and self.result is not None else []
         if saved:
             target = str(self.run_dir)
-            keys["max_new_tokens"] = e.max_new_tokens  # 0: the run's rollout.max_new_tokens
+            keys["max_new_tokens"] = e.max_new_tokens or 0  # 0: the run's rollout.max_new_tokens
         else:
             if self.result is not None:
                 self._newest_checkpoint("evaluate")
@@ -361,7 +362,7 @@ class Trainer:
             held = self.datasets.get("eval")
             if rows is None and held is not None:
                 rows = held
-            elif rows is None and cfg.eval_data is None:
+            elif rows is None and (cfg.eval_data is None or ("train" in self.datasets and cfg.eval.data == "auto")):
                 raise ConfigError(
                     "evaluate: nothing held out to evaluate on (your data, and no eval_dataset); pass eval_dataset="
                 )
