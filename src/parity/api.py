@@ -8,8 +8,11 @@ dicts (written into the run directory's data/, so that `--resume` and `parity ev
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,19 +22,28 @@ from parity import config as config_mod
 from parity.commands.evaluate import EvalConfig, run_eval, write_outputs
 from parity.config import ConfigError, described
 from parity.distributed.driver import backend_for, backend_for_run
+from parity.engines.lora import TARGETS as LORA_TARGETS
+from parity.engines.lora import AdapterError, check_adapter_fields
+from parity.engines.models.io import resolve_model_dir
 from parity.outdir import check_output_dir
-from parity.rl.callbacks import Callback, checked_callbacks
-from parity.rl.checkpoint import checkpoints
+from parity.rl.callbacks import (  # noqa: F401 - TrainerCallback, TrainerControl: parity's names
+    Callback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    checked_callbacks,
+)
+from parity.rl.checkpoint import checkpoints, export_model
+from parity.rl.data import write_rows
 from parity.rl.episodes import Step  # noqa: F401 - parity.Step, what an environment returns
 from parity.rl.loop import Run
 from parity.rl.reward_fns import Reward, function_spec
 from parity.rl.train_config import TrainConfig
 from parity.rl.trl_config import grpo_config
+from parity.rundir import checkpoint_step
 from parity.runtime import use_free_cores
 
 RewardLike = Callable[..., Any] | Reward
-
-
 def GRPOConfig(**trl_arguments: Any) -> TrainConfig:  # noqa: N802 - TRL's name, as TRL users write it
     """TRL's `GRPOConfig` names and defaults, as a Parity `TrainConfig` (`rl/trl_config.py`): pass it as
     `parity.train(..., config=parity.GRPOConfig(num_generations=4, ...))`. A name with no Parity counterpart,
@@ -123,6 +135,299 @@ def _environment(environment: object) -> object:
     return environment
 
 
+def _lora_keys(peft_config: object) -> dict[str, Any]:
+    """A `peft.LoraConfig` as Parity's lora.* keys: `r`, `lora_alpha` and `target_modules` map onto lora.rank,
+    lora.alpha and lora.targets, checked as an adapter folder's adapter_config.json is; every other field must
+    hold PEFT's default (plain LoRA, which Parity computes): one that does not is a ConfigError naming it."""
+    to_dict = getattr(peft_config, "to_dict", None)
+    if isinstance(peft_config, type) or not callable(to_dict):
+        raise ConfigError(f"peft_config: expected a peft.LoraConfig, got {described(peft_config)}")
+    fields = to_dict()
+    try:
+        defaults = type(peft_config)().to_dict()
+    except Exception:
+        defaults = {}
+    peft_type = str(getattr(fields.get("peft_type"), "value", fields.get("peft_type")))
+    if peft_type != "LORA":
+        kind = type(peft_config).__name__
+        raise ConfigError(f"peft_config: a {kind} ({peft_type}); Parity trains LoRA adapters only")
+    targets = fields.get("target_modules")
+    if targets == "all-linear":
+        targets = list(LORA_TARGETS)
+    elif isinstance(targets, (set, frozenset)):
+        targets = sorted(targets, key=lambda t: (LORA_TARGETS.index(t) if t in LORA_TARGETS else len(LORA_TARGETS), t))
+    fields = {**fields, "target_modules": targets}
+    if fields.get("task_type") not in (None, "CAUSAL_LM"):
+        raise ConfigError(f"peft_config: task_type: expected CAUSAL_LM, got {fields['task_type']!r:.80}")
+    try:
+        lora = check_adapter_fields(fields, "peft_config")
+    except AdapterError as e:
+        raise ConfigError(str(e)) from None
+    mapped = {"r", "lora_alpha", "target_modules", "task_type", "peft_type", "inference_mode"}
+    mapped |= {"base_model_name_or_path", "revision", "peft_version", "auto_mapping"}  # where, not what
+    for key, value in fields.items():
+        if key not in mapped and key in defaults and value != defaults[key]:
+            raise ConfigError(
+                f"peft_config: {key}={value!r:.60} is not plain LoRA, which Parity trains; leave it at PEFT's "
+                f"default ({defaults[key]!r:.40})"
+            )
+    return {"lora.rank": lora.rank, "lora.alpha": lora.alpha, "lora.targets": list(lora.targets)}
+
+
+class Trainer:
+    """RL fine-tuning as an object, for a user of TRL's `GRPOTrainer`: `Trainer(model, dataset, rewards,
+    config=..., eval_dataset=..., callbacks=..., peft_config=...)`, then `train()`, `evaluate()`,
+    `save_model()` and `push_to_hub()`. `parity.train` is `Trainer(...).train()`.
+
+    The arguments are `parity.train`'s (docs/your-task.md), checked when the Trainer is made, before anything
+    is loaded or written: a wrong one raises a one-line `ConfigError` (or `DataError`, for rows).
+    `peft_config`: a `peft.LoraConfig`, as the lora.* keys (`_lora_keys`). `callbacks`: Parity's
+    `Callback`s or transformers' `TrainerCallback`s (`parity.TrainerCallback`), whose `control` the run
+    honours. `config` is the run's `TrainConfig` (`trainer.config`); `trainer.run_dir` its run directory
+    once training starts (or run_dir=, when set), and `trainer.state` its `TrainerState` after training."""
+
+    def __init__(
+        self,
+        model: str | Path = "builtin",
+        dataset: Dataset | None = None,
+        rewards: RewardLike | Iterable[RewardLike] | None = (),
+        *,
+        config: TrainConfig | str | Path | Mapping[str, Any] | None = None,
+        eval_dataset: Dataset | None = None,
+        callbacks: Iterable[Any] | None = (),
+        peft_config: Any = None,
+        tools: Iterable[Callable[..., Any]] | None = None,
+        environment: Callable[[], Any] | None = None,
+        progress: bool = True,
+        **keys: Any,
+    ):
+        use_free_cores()
+        self.rewards = _rewards(rewards)
+        self.tools, self.environment = _tools(tools), _environment(environment)
+        if self.tools and self.environment is not None:
+            raise ConfigError("tools and environment: give one (an environment offers its own tools, as its `tools`)")
+        self.callbacks = checked_callbacks(callbacks)
+        self.progress = _flag("progress", progress)
+        values = {k.replace("__", "."): v for k, v in keys.items()}
+        if peft_config is not None:
+            given = [*values, *(config if isinstance(config, Mapping) else ())]
+            clash = [k for k in given if isinstance(k, str) and (k == "lora" or k.startswith("lora."))]
+            if clash:
+                raise ConfigError(f"peft_config and {clash[0]}: give one (peft_config sets lora.rank, lora.alpha ...)")
+            values.update(_lora_keys(peft_config))
+        model = _path("model", model, 'a model directory, a Hugging Face id or "builtin"')
+        self._model_given = model != "builtin"
+        if model != "builtin":  # else the config's (a YAML file's, a dict's), or the built-in model
+            values["model"] = model
+        if self.rewards:
+            # The weights of `parity.Reward`s; plain functions take the config's task.reward_weights (TRL's
+            # reward_weights) when it has them
+            weights = _config_weights(config)
+            if weights and not any(isinstance(r, Reward) for r in _as_list(rewards)):
+                if len(weights) != len(self.rewards):
+                    raise ConfigError(
+                        f"task.reward_weights: {len(weights)} weights for {len(self.rewards)} reward functions "
+                        "(rewards=); give one per function, or none (1 each)"
+                    )
+                self.rewards = [dataclasses.replace(r, weight=w) for r, w in zip(self.rewards, weights)]
+            values["task.reward_fn"] = [function_spec(r.fn) for r in self.rewards]
+            values["task.reward_weights"] = [r.weight for r in self.rewards]
+        if self.tools:
+            values["task.tools"] = [function_spec(fn) for fn in self.tools]
+        if self.environment is not None:
+            values["task.environment"] = function_spec(self.environment)
+        self.datasets: dict[str, list[dict[str, Any]]] = {}
+        for split, name, data, key in (
+            ("train", "dataset", dataset, "task.data"),
+            ("eval", "eval_dataset", eval_dataset, "eval.data"),
+        ):
+            if data is None:
+                continue
+            rows = _rows(data, name)
+            if isinstance(rows, str):
+                values[key] = rows
+            else:
+                self.datasets[split] = rows
+                values[key] = "builtin" if split == "train" else "auto"  # until written into the run
+        self.config = _config(config, values)
+        self.run_dir: Path | None = Path(self.config.run_dir) if self.config.run_dir else None
+        self.state = TrainerState(max_steps=self.config.steps)
+        self.result: TrainResult | None = None
+
+    # -- training -------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: bool | str | Path | None = None) -> TrainResult:
+        """Train; returns the run's `TrainResult` (`self.result`). `resume_from_checkpoint`: True continues the
+        run in this config's run_dir from its newest checkpoint, a path the run directory named (or its newest
+        checkpoint's folder); a resumed run keeps its model, config and data, and only the keys `parity train
+        --resume` lets change may differ from them (`ConfigError` otherwise). A callback that raises stops the
+        run after a checkpoint of its step, with a `CallbackError`."""
+        if resume_from_checkpoint is None or resume_from_checkpoint is False:
+            cfg = copy.deepcopy(self.config)
+            run = Run.create(
+                cfg,
+                progress=self.progress,
+                rewards=self.rewards or None,
+                datasets=self.datasets,
+                backend=backend_for(cfg),
+                tools=self.tools or None,
+                environment=self.environment,
+            )
+        else:
+            run_dir = self._resumed_dir(resume_from_checkpoint)
+            run = Run.resume(
+                run_dir,
+                self._resume_overrides(run_dir),
+                progress=self.progress,
+                rewards=self.rewards or None,
+                backend=backend_for_run(run_dir),
+                tools=self.tools or None,
+                environment=self.environment,
+            )
+        self.run_dir, self.config = run.run_dir, run.cfg
+        if run.step_count >= run.cfg.steps:
+            run.close()
+            history = []
+        else:
+            try:
+                history = run.train(callbacks=self.callbacks)
+            finally:
+                self.state = run.state
+        self.result = TrainResult(run.run_dir, history, self._saved_model())
+        return self.result
+
+    def _resumed_dir(self, resume: object) -> Path:
+        """The run directory `resume_from_checkpoint` names."""
+        if resume is True:
+            if self.run_dir is None:
+                raise ConfigError("resume_from_checkpoint=True: no run_dir is set; pass the run directory instead")
+            return self.run_dir
+        path = Path(_path("resume_from_checkpoint", resume, "True or a run directory"))
+        if path.parent.name == "checkpoints" and checkpoint_step(path.name) is not None:
+            newest = checkpoints(path.parent.parent)
+            if not newest or newest[-1].name != path.name:
+                held = newest[-1].name if newest else "none"
+                raise ConfigError(
+                    f"resume_from_checkpoint: {path} is not the run's newest checkpoint ({held}); a run continues from "
+                    "its newest only: pass the run directory"
+                )
+            return path.parent.parent
+        return path
+
+    def _resume_overrides(self, run_dir: Path) -> list[str]:
+        """The keys this Trainer sets otherwise than the run's config.yaml: given to `Run.resume`, which lets only
+        `RESUMABLE_KEYS` change. The model, unless named, and data held in memory (the run's own rows, written
+        into its data/ when it started) are the run's."""
+        if not (run_dir / "config.yaml").is_file():
+            return []  # Run.resume says what is missing
+        saved = config_mod.flatten(config_mod.to_dict(config_mod.load(TrainConfig, run_dir / "config.yaml")))
+        mine = copy.deepcopy(self.config)
+        mine.resolve_paths(Path.cwd())
+        in_memory = (("train", "task.data"), ("eval", "eval.data"))
+        skip = {"run_dir"} | {key for split, key in in_memory if split in self.datasets}
+        if not self._model_given:
+            skip.add("model")
+        flat = config_mod.flatten(config_mod.to_dict(mine))
+        return [f"{k}={json.dumps(v)}" for k, v in flat.items() if k not in skip and saved.get(k, v) != v]
+
+    def _saved_model(self) -> Path | None:
+        """The newest checkpoint's model/ (or adapter/) folder; None when there is none (or it is sharded)."""
+        saved = checkpoints(self.run_dir) if self.run_dir is not None else []
+        if not saved:
+            return None
+        return next((saved[-1] / d for d in ("model", "adapter") if (saved[-1] / d).is_dir()), None)
+
+    def _newest_checkpoint(self, what: str) -> Path:
+        saved = checkpoints(self.run_dir) if self.run_dir is not None else []
+        if not saved:
+            done = "the run kept no checkpoint (checkpoint_every=-1)" if self.result else "nothing is trained yet"
+            raise ConfigError(f"{what}: {done}; call train() first" if not self.result else f"{what}: {done}")
+        return saved[-1]
+
+    # -- after training -------------------------------------------------------
+
+    def evaluate(self, eval_dataset: Dataset | None = None) -> dict[str, float]:
+        """The held-out metrics of the trained policy (its newest checkpoint), or of the base model before
+        training, as `parity eval` measures them: `eval/<precision>/*` for the run's rollout precision and each
+        of eval.precisions, `eval/trainer/*` for the trainer's policy and `deploy/*` for the gaps; with the
+        run's eval.* settings and rewards, on `eval_dataset` (rows or a file), else on the run's held-out data."""
+        rows = None if eval_dataset is None else _rows(eval_dataset, "eval_dataset")
+        cfg, e = self.config, self.config.eval
+        keys: dict[str, Any] = {
+            "precisions": list(dict.fromkeys([cfg.rollout_precision, *e.precisions])),
+            "num_prompts": e.num_prompts,
+            "samples": e.samples,
+            "temperature": e.temperature,
+            "device": cfg.device,
+        }
+        saved = checkpoints(self.run_dir) if self.run_dir is not None and self.result is not None else []
+        if saved:
+            target = str(self.run_dir)
+            keys["max_new_tokens"] = e.max_new_tokens or 0  # 0: the run's rollout.max_new_tokens
+        else:
+            if self.result is not None:
+                self._newest_checkpoint("evaluate")
+            if cfg.episodes:
+                raise ConfigError("evaluate: the run trains episodes, which `parity eval` does not run yet")
+            target = cfg.model
+            keys.update(
+                task=cfg.task.name,
+                difficulty=cfg.task.difficulty,
+                chat_template=cfg.task.chat_template,
+                max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
+                reference=cfg.trainer_precision,
+                seed=cfg.seed,
+            )
+            held = self.datasets.get("eval")
+            if rows is None and held is not None:
+                rows = held
+            elif rows is None and (cfg.eval_data is None or ("train" in self.datasets and cfg.eval.data == "auto")):
+                raise ConfigError(
+                    "evaluate: nothing held out to evaluate on (your data, and no eval_dataset); pass eval_dataset="
+                )
+            elif rows is None and cfg.eval_data != "heldout":
+                keys["data"] = cfg.eval_data
+        with tempfile.TemporaryDirectory(prefix="parity-evaluate-") as tmp:
+            if rows is not None:
+                keys["data"] = str(write_rows(Path(tmp), "eval.jsonl", rows, "eval"))
+            eval_cfg = config_mod.load(EvalConfig, None, None, {"target": target, **keys})
+            result = run_eval(
+                eval_cfg, progress=self.progress, rewards=self.rewards or None, trust_reward_fn=True, newest_only=True
+            )
+        return result["states"][-1]["metrics"]
+
+    def save_model(self, output_dir: str | Path | None = None) -> Path:
+        """The trained model as a folder `transformers` loads (with LoRA, PEFT's adapter folder), with its model
+        card: None, the newest checkpoint's model/ (or adapter/) folder as it is; else written to `output_dir`
+        atomically, replacing a model saved there before (a folder holding anything else is refused)."""
+        checkpoint = self._newest_checkpoint("save_model")
+        if output_dir is None:
+            held = self._saved_model()
+            if held is None:
+                raise ConfigError(
+                    f"save_model: {checkpoint} holds sharded weights (distributed learners); pass output_dir= for "
+                    "a folder to write the whole model into"
+                )
+            return held
+        out = Path(_path("output_dir", output_dir, "a folder's path or None"))
+        if out.exists() and (not out.is_dir() or out.is_symlink()):
+            raise ConfigError(f"output_dir: {out} is not a folder")
+        if out.is_dir() and any(out.iterdir()):
+            if not any((out / name).is_file() for name in ("config.json", "adapter_config.json")):
+                raise ConfigError(f"output_dir: {out} holds files that are not a saved model; choose a new folder")
+        return export_model(checkpoint, resolve_model_dir(self.config.model), out)
+
+    def push_to_hub(self, repo_id: str, token: str | None = None, private: bool = True) -> str:
+        """`parity.push_to_hub` of the trained model (`save_model()`'s folder); returns the repository's URL."""
+        checkpoint = self._newest_checkpoint("push_to_hub")
+        held = self._saved_model()
+        if held is not None:
+            return push_to_hub(held, repo_id, token, private)
+        with tempfile.TemporaryDirectory(prefix="parity-push-") as tmp:
+            folder = export_model(checkpoint, resolve_model_dir(self.config.model), Path(tmp) / "model")
+            return push_to_hub(folder, repo_id, token, private)
+
+
 def train(
     model: str | Path = "builtin",
     dataset: Dataset | None = None,
@@ -137,7 +442,7 @@ def train(
     progress: bool = True,
     **keys: Any,
 ) -> TrainResult:
-    """RL fine-tuning, as `parity train` runs it.
+    """RL fine-tuning, as `parity train` runs it: `Trainer(...).train()`.
 
     `model`: a model directory, a Hugging Face id in the local cache, or "builtin". `dataset`: the
     training prompts (a `datasets.Dataset`, a list of dicts, or a JSONL/Parquet file) with a `prompt`
@@ -146,91 +451,29 @@ def train(
     own. `tools`: functions the model may call (their JSON schemas from their signatures and docstrings),
     or `environment`: a class made once per episode (`reset(row)`, `step(assistant) -> parity.Step`);
     either makes each sample an episode of several model turns (docs/agents.md). `callbacks`: objects with
-    `on_step_end` and/or `on_eval` (`parity.Callback`), or one alone.
+    `on_step_end` and/or `on_eval` (`parity.Callback`), or transformers' callbacks, or one alone.
     `config`: a `TrainConfig`, a YAML file or a dict of keys; `keys` override single keys by their names,
     dots as `__` (`trainer__lr=1e-5`) or in a dict (`config={"trainer.lr": 1e-5}`). `resume`: a run
     directory to continue (its saved config; `keys` may change only what `parity train --resume` lets
     change; pass `rewards` again). Every argument is checked before anything is loaded or written: a
     wrong one raises `ConfigError` (or `DataError`, for rows) with one line, the line the CLI prints. A
     callback that raises stops the run after a checkpoint of its step, with a `CallbackError`."""
-    use_free_cores()
-    bound = _rewards(rewards)
-    tool_fns, environment = _tools(tools), _environment(environment)
-    if tool_fns and environment is not None:
-        raise ConfigError("tools and environment: give one (an environment offers its own tools, as its `tools`)")
-    hooks = checked_callbacks(callbacks)
-    _flag("progress", progress)
-    values = {k.replace("__", "."): v for k, v in keys.items()}
-    if resume is not None:
-        resume = _path("resume", resume, "a run directory")
-        model_given = not (isinstance(model, str) and model == "builtin")
-        if model_given or config is not None or dataset is not None or eval_dataset is not None:
-            raise ConfigError("resume: a resumed run keeps its model, config and data; pass only keys that may change")
-        overrides = [f"{k}={v}" for k, v in values.items()]
-        backend = backend_for_run(resume)
-        run = Run.resume(
-            resume,
-            overrides,
-            progress=progress,
-            rewards=bound or None,
-            backend=backend,
-            tools=tool_fns or None,
-            environment=environment,
-        )
-    else:
-        model = _path("model", model, 'a model directory, a Hugging Face id or "builtin"')
-        if model != "builtin" or "model" not in values:
-            values["model"] = model
-        if bound:
-            # The weights of `parity.Reward`s; plain functions take the config's task.reward_weights (TRL's
-            # reward_weights) when it has them
-            weights = _config_weights(config)
-            if weights and not any(isinstance(r, Reward) for r in _as_list(rewards)):
-                if len(weights) != len(bound):
-                    raise ConfigError(
-                        f"task.reward_weights: {len(weights)} weights for {len(bound)} reward functions (rewards=); "
-                        "give one per function, or none (1 each)"
-                    )
-                bound = [dataclasses.replace(r, weight=w) for r, w in zip(bound, weights)]
-            values["task.reward_fn"] = [function_spec(r.fn) for r in bound]
-            values["task.reward_weights"] = [r.weight for r in bound]
-        if tool_fns:
-            values["task.tools"] = [function_spec(fn) for fn in tool_fns]
-        if environment is not None:
-            values["task.environment"] = function_spec(environment)
-        datasets = {}
-        for split, name, data, key in (
-            ("train", "dataset", dataset, "task.data"),
-            ("eval", "eval_dataset", eval_dataset, "eval.data"),
-        ):
-            if data is None:
-                continue
-            rows = _rows(data, name)
-            if isinstance(rows, str):
-                values[key] = rows
-            else:
-                datasets[split] = rows
-                values[key] = "builtin" if split == "train" else "auto"  # until written into the run
-        cfg = _config(config, values)
-        run = Run.create(
-            cfg,
-            progress=progress,
-            rewards=bound or None,
-            datasets=datasets,
-            backend=backend_for(cfg),
-            tools=tool_fns or None,
-            environment=environment,
-        )
-    if run.step_count >= run.cfg.steps:
-        run.close()
-        history = []
-    else:
-        history = run.train(callbacks=hooks)
-    saved = checkpoints(run.run_dir)
-    model_dir = None
-    if saved:
-        model_dir = next((saved[-1] / d for d in ("model", "adapter") if (saved[-1] / d).is_dir()), None)
-    return TrainResult(run.run_dir, history, model_dir)
+    if resume is None:
+        trainer = Trainer(
+            model, dataset, rewards, config=config, eval_dataset=eval_dataset, callbacks=callbacks, tools=tools,
+            environment=environment, progress=progress, **keys,
+        )  # fmt: skip
+        return trainer.train()
+    resume = Path(_path("resume", resume, "a run directory"))
+    model_given = not (isinstance(model, str) and model == "builtin")
+    if model_given or config is not None or dataset is not None or eval_dataset is not None:
+        raise ConfigError("resume: a resumed run keeps its model, config and data; pass only keys that may change")
+    saved = resume / "config.yaml"
+    trainer = Trainer(
+        rewards=rewards, config=saved if saved.is_file() else None, callbacks=callbacks, tools=tools,
+        environment=environment, progress=progress, **keys,
+    )  # fmt: skip
+    return trainer.train(resume_from_checkpoint=resume)
 
 
 def _as_list(rewards: object) -> list[object]:
@@ -250,7 +493,7 @@ def _config_weights(config: object) -> list[float]:
 def _config(config: object, values: dict[str, Any]) -> TrainConfig:
     if isinstance(config, TrainConfig):
         base = config_mod.to_dict(config)
-        return config_mod.load(TrainConfig, None, None, {**_dotted(base), **values})
+        return config_mod.load(TrainConfig, None, None, {**config_mod.flatten(base), **values})
     if isinstance(config, Mapping):
         for key in config:
             if not isinstance(key, str):
@@ -259,13 +502,6 @@ def _config(config: object, values: dict[str, Any]) -> TrainConfig:
     if config is not None:
         _path("config", config, "a parity.TrainConfig, a YAML file's path or a dict of keys")
     return config_mod.load(TrainConfig, config, None, values)
-
-
-def _dotted(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in data.items():
-        out.update(_dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
 
 
 def evaluate(

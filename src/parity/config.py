@@ -272,6 +272,14 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict (`to_dict`'s) as one level of dotted keys: {"trainer": {"lr": 1}} -> {"trainer.lr": 1}."""
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def get_key(obj: Any, dotted: str) -> Any:
     """The value of the dotted config key `dotted` (for example `async.max_staleness`)."""
     for part in dotted.split("."):

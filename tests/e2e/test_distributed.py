@@ -332,3 +332,42 @@ def test_a_cluster_that_cannot_start_is_one_line_and_leaves_nothing(tmp_path, mo
     assert "Traceback" not in "\n".join(err) and not run_dir.exists()
     left = subprocess.run(["pgrep", "-f", str(ray_tmp)], capture_output=True, text=True).stdout  # Ray's name it
     assert left.strip() == ""
+
+
+def test_a_trainer_on_ray_fires_the_events_and_saves_the_sharded_model_whole(tmp_path, ray_cluster):
+    """parity.Trainer on the Ray backend: transformers' events fire as in one process, the control stops the
+    run, and save_model gathers the sharded checkpoint into a folder transformers loads."""
+    import transformers
+
+    import parity
+
+    class Events(parity.TrainerCallback):
+        def __init__(self):
+            self.seen = []
+
+        def on_step_end(self, args, state, control, metrics=None, **kwargs):
+            self.seen.append(("step_end", state.global_step, metrics["sync/verified"]))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.seen.append(("log", state.global_step))
+            control.should_training_stop = state.global_step == 2
+
+        def on_save(self, args, state, control, checkpoint=None, **kwargs):
+            self.seen.append(("save", checkpoint.name))
+
+    events = Events()
+    keys = dict(prompts_per_step=8, rollout__group_size=4, rollout__max_new_tokens=32, tensorboard=False)
+    trainer = parity.Trainer(
+        callbacks=events, run_dir=tmp_path / "r", progress=False, steps=4, eval__every=-1,
+        distributed__rollout_workers=1, **keys,
+    )  # fmt: skip
+    result = trainer.train()
+    assert [m["step"] for m in result.history] == [1, 2] and result.model_dir is None  # sharded: no model/ folder
+    assert events.seen == [("step_end", 1, 1), ("log", 1), ("step_end", 2, 1), ("log", 2), ("save", "step_000002")]
+    out = trainer.save_model(tmp_path / "whole")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    base = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_dir("builtin"))
+    ids = torch.tensor([[1, 3, 4, 5, 6]])
+    with torch.no_grad():
+        assert not torch.equal(model(ids).logits, base(ids).logits)
+    assert (out / "README.md").read_text().startswith("---\n")

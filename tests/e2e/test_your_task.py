@@ -273,8 +273,8 @@ def test_callbacks_of_the_wrong_shape_are_refused_before_the_run_starts(tmp_path
             pass
 
     cases = [
-        (NoHooks(), r"^callbacks: expected a callback \(an object with on_step_end or on_eval\) or a list of "
-                    r"them, got NoHooks object$"),
+        (NoHooks(), r"^callbacks: expected a callback \(an object with on_step_end or on_eval, or transformers' "
+                    r"TrainerCallback events\) or a list of them, got NoHooks object$"),
         ([NoHooks()], r"^callbacks\[0\]: NoHooks object has neither on_step_end\(step, metrics\) nor on_eval"),
         (NotAMethod(), r"^callbacks\[0\]: NotAMethod.on_step_end is int 3, not a method$"),
         (NoArguments(), r"^callbacks\[0\]: NoArguments.on_step_end\(\) cannot be called as on_step_end\(step, "),
@@ -583,6 +583,29 @@ def test_the_your_task_page_runs_as_written(tmp_path, llama_dir):
     assert (run / "checkpoints" / "step_000006" / "model" / "README.md").is_file()
     assert (tmp_path / "runs" / "my-task-eval" / "eval.md").is_file()
     assert list((run / "completions").glob("step_*.jsonl"))
+
+
+@pytest.mark.slow
+def test_the_coming_from_trl_example_runs_as_written(tmp_path, llama_dir):
+    """docs/your-task.md's Trainer script, with a small random Llama as its argument: a transformers callback,
+    a peft.LoraConfig, evaluate() and save_model() as a TRL user writes them."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("datasets")
+    page = (ROOT / "docs" / "your-task.md").read_text()
+    script = next(block for block in _blocks(page, "python") if "parity.Trainer(" in block)
+    (tmp_path / "from_trl.py").write_text(script)
+    done = subprocess.run([sys.executable, "from_trl.py", str(llama_dir)], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("step ") and "/4: reward" in line] == [
+        f"step {i}/4" for i in range(1, 5)
+    ]
+    assert any("'eval/fp16/reward_mean'" in line for line in lines)
+    adapter = tmp_path / "runs" / "from-trl-adapter"
+    assert lines[-1] == "runs/from-trl-adapter"
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(llama_dir), adapter)
+    assert model.peft_config["default"].r == 16
 
 
 def test_report_labels_a_mean_reward_and_shows_the_newest_completions(tmp_path, capsys):

@@ -266,11 +266,15 @@ def _rewards(
 
 
 def run_eval(
-    cfg: EvalConfig, progress: bool = True, rewards: list[Reward] | None = None, trust_reward_fn: bool = False
+    cfg: EvalConfig,
+    progress: bool = True,
+    rewards: list[Reward] | None = None,
+    trust_reward_fn: bool = False,
+    newest_only: bool = False,
 ) -> dict[str, Any]:
-    """Evaluate every state of the target; returns what eval.json holds. `rewards`: Python callables to
-    score with (the API's); else `reward_fn`, a run's own reward functions (with `trust_reward_fn`), or
-    the task's built-in reward."""
+    """Evaluate every state of the target (`newest_only`: its newest alone, a run's newest checkpoint); returns
+    what eval.json holds. `rewards`: Python callables to score with (the API's); else `reward_fn`, a run's own
+    reward functions (with `trust_reward_fn`), or the task's built-in reward."""
     target = resolve_target(cfg)
     evalset, task, source = evaluation_set(cfg, target)
     run = target.run
@@ -283,6 +287,8 @@ def run_eval(
     states = [("base", 0, None)] + [(p.name, _step(p), p) for p in target.checkpoints]
     if target.adapter is not None:
         states = [("base", 0, None), (target.adapter[0].name, 0, target.adapter[0])]
+    if newest_only:
+        states = states[-1:]
     results = []
     try:
         base = load_model(target.model_dir, kernels.numerics())

@@ -270,8 +270,17 @@ def read_adapter_config(adapter_dir: Path) -> tuple[LoRAConfig, Any]:
     if not isinstance(saved, dict):
         raise AdapterError(f"{path}: expected a JSON object {{...}} at the top level, got a {type(saved).__name__}")
 
+    lora = check_adapter_fields(saved, str(path))
+    return lora, saved.get("base_model_name_or_path")
+
+
+def check_adapter_fields(saved: dict[str, Any], where: str) -> LoRAConfig:
+    """The LoRA settings of PEFT's config fields (adapter_config.json's, or a `peft.LoraConfig`'s `to_dict()`):
+    every field Parity computes with must have its kind and range, and PEFT's options that change the
+    arithmetic their plain values; an AdapterError naming `where` and the key otherwise."""
+
     def refuse(key: str, expected: str) -> AdapterError:
-        return AdapterError(f"{path}: {key}: expected {expected}, got {saved.get(key)!r:.80}")
+        return AdapterError(f"{where}: {key}: expected {expected}, got {saved.get(key)!r:.80}")
 
     if saved.get("peft_type") != "LORA":
         raise refuse("peft_type", '"LORA" (Parity reads LoRA adapters only)')
@@ -291,7 +300,7 @@ def read_adapter_config(adapter_dir: Path) -> tuple[LoRAConfig, Any]:
     for key, plain in PLAIN_LORA_OPTIONS.items():
         if key in saved and saved[key] not in plain:
             raise refuse(key, f"{' or '.join(json.dumps(v) for v in plain)} (plain LoRA, which Parity computes)")
-    return LoRAConfig(rank, float(alpha), tuple(targets), True), saved.get("base_model_name_or_path")
+    return LoRAConfig(rank, float(alpha), tuple(targets), True)
 
 
 def read_adapter(adapter_dir: Path, cfg: LoRAConfig) -> dict[str, torch.Tensor]:

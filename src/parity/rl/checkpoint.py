@@ -53,9 +53,9 @@ from parity.engines.lora import AdapterError, load_adapter_state, read_adapter, 
 from parity.engines.models.config import ModelError
 from parity.engines.models.io import load_model, save_model
 from parity.engines.tokenizer import copy_tokenizer_files
-from parity.engines.trainer import Trainer
+from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import JSONError, parse_json
-from parity.folders import Folder
+from parity.folders import Folder, atomic_dir
 from parity.rl import shards
 from parity.rl.model_card import model_card
 from parity.rundir import CHECKPOINTS_DIR, checkpoint_name, checkpoint_step
@@ -382,6 +382,27 @@ def _write_checkpoint(folder: Folder, trained: Trainer | ShardWriter, state: Run
     )
     folder.write_text("state.json", json.dumps(meta, indent=2) + "\n")
     _write_manifest(folder)
+
+
+def export_model(checkpoint: Path, model_dir: Path, out_dir: Path) -> Path:
+    """A checkpoint's model as a folder `transformers` (or PEFT, for adapters) loads, written atomically to
+    `out_dir` (which it replaces): the checkpoint's model/ or adapter/ copied file by file, once its manifest
+    checks; a sharded checkpoint's weights gathered in this process (`load_checkpoint`) and written as a
+    checkpoint writes model/, with its card. `model_dir`: the run's model (the tokenizer's files, the base)."""
+    problem = verify_checkpoint(checkpoint)
+    if problem is not None:
+        raise CheckpointError(f"{checkpoint}: {problem}")
+    with open_checkpoint(checkpoint) as ckpt:
+        saved = next((d for d in ("model", ADAPTER_DIR) if ckpt.is_dir(d)), None)
+        if saved is not None:
+            with atomic_dir(out_dir) as tmp:
+                for name in ckpt.names(saved):
+                    (tmp / name).write_bytes(ckpt.read_bytes(f"{saved}/{name}"))
+            return out_dir
+    trainer = Trainer(load_model(model_dir, kernels.numerics()), "fp32", OptimConfig())
+    state = load_checkpoint(checkpoint, trainer, verified=True)
+    card = model_card(state.config or {}, state.metrics or {}, state.step, str(Path(model_dir).resolve()))
+    return save_model(trainer.model, out_dir, functools.partial(_model_files, model_dir, card))
 
 
 def _model_files(model_dir: Path, card: str, folder: Path) -> None:

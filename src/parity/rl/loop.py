@@ -16,6 +16,7 @@ that sampled), π_θ (being trained):
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -44,7 +45,7 @@ from parity.engines.trainer import scheduled_lr
 from parity.files import JSONError, parse_json
 from parity.folders import Folder, atomic_write_json, atomic_write_text
 from parity.rl.builtin_rewards import extract_boxed
-from parity.rl.callbacks import CallbackError, Callbacks, checked_callbacks
+from parity.rl.callbacks import CallbackError, Callbacks, TrainerState, checked_callbacks
 from parity.rl.checkpoint import (
     RunState,
     checkpoints,
@@ -118,13 +119,6 @@ class MetricsLog:
 # ----------------------------------------------------------------------------- the run
 
 
-def _flatten(obj: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in obj.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def _logged_step(line: str, last: int) -> bool:
     """Whether `line` is a step logged at or before step `last`: a line cut short by a kill, or one that is
     not a step's metrics at all, is not."""
@@ -141,7 +135,7 @@ def _saved_config(run_dir: Path) -> dict[str, Any] | None:
     for path in reversed(checkpoints(run_dir)):
         saved = saved_config(path)
         if saved is not None:
-            return {TrainConfig.RENAMED_KEYS.get(k, k): v for k, v in _flatten(saved).items()}
+            return {TrainConfig.RENAMED_KEYS.get(k, k): v for k, v in config_mod.flatten(saved).items()}
     return None
 
 
@@ -267,7 +261,9 @@ class Run:
         self.sampling = SamplingParams(
             cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p, cfg.rollout.max_new_tokens
         )
+        self.model_config = model.config
         self.evaluator = self._evaluator(model.config)
+        self.evaluator_asked = False  # a callback's control.should_evaluate built it (eval.every=-1)
         if backend.loads_own_model:  # checked; its learners load their own: this process keeps none
             model = None
         self.plan = self._update_plan()
@@ -277,6 +273,8 @@ class Run:
         self.skipped_streak = 0  # consecutive steps whose every update the FP16 scaler skipped
         self.zero_variance_warned = False
         self.unscored_warned = False  # every reward function returned None for a sample: said once
+        self.saved_step = 0  # the step of the newest checkpoint this run wrote or resumed from
+        self.state = TrainerState(max_steps=cfg.steps)  # where the run stands, for callbacks (`train`)
         self.last_metrics: dict[str, float] = {}  # the newest step's, for the model card of a checkpoint
         # task.name=math scores only \boxed{} answers: warn (once) if a whole step holds none.
         self.watch_boxed = cfg.task.name == "math" and not cfg.task.reward_fn
@@ -300,13 +298,14 @@ class Run:
                 )
             )
             # After the backend, whose trainer refuses a LoRA config that does not fit the model.
-            flat = _flatten(config_mod.to_dict(cfg))
+            flat = config_mod.flatten(config_mod.to_dict(cfg))
             self.log.trackers = open_trackers(cfg.tensorboard, cfg.log.to, run_dir, cfg.log.project, flat)
 
-    def _evaluator(self, config: ModelConfig) -> Evaluator | None:
-        """The held-out evaluation `eval.*` asks for, or None (eval.every=-1, or nothing held out)."""
+    def _evaluator(self, config: ModelConfig, asked: bool = False) -> Evaluator | None:
+        """The held-out evaluation `eval.*` asks for (`asked`: a callback's `control.should_evaluate` asks,
+        whatever eval.every), or None (eval.every=-1, or nothing held out)."""
         cfg, e = self.cfg, self.cfg.eval
-        if e.every < 0:
+        if e.every < 0 and not asked:
             return None
         source = cfg.eval_data
         max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
@@ -323,10 +322,11 @@ class Run:
             problems = problems[: e.num_prompts]
         if not problems:
             print(
-                f"eval: no held-out problems (task.data={cfg.task.data} "
+                ("control.should_evaluate: " if asked else "")
+                + f"eval: no held-out problems (task.data={cfg.task.data} "
                 + ("with your reward functions" if cfg.task.reward_fn else f"with task.name={cfg.task.name}")
                 + ", whose problems Parity does not generate); set eval.data=FILE (eval_dataset= in Python) to "
-                "evaluate, or eval.every=-1",
+                "evaluate" + (" (nothing is evaluated)" if asked else ", or eval.every=-1"),
                 file=sys.stderr,
             )
             return None
@@ -527,9 +527,9 @@ class Run:
             )
         saved = _saved_config(run_dir)
         if saved is not None:
-            current = _flatten(config_mod.to_dict(cfg))
+            current = config_mod.flatten(config_mod.to_dict(cfg))
             # A key this version added after the run was saved trains as before at its default.
-            defaults = _flatten(config_mod.to_dict(TrainConfig()))
+            defaults = config_mod.flatten(config_mod.to_dict(TrainConfig()))
             saved = {k: saved.get(k, defaults.get(k)) for k in current}
             changed = [k for k in current if k != "run_dir" and saved[k] != current[k]]
             refused = [k for k in changed if k not in RESUMABLE_KEYS]
@@ -723,19 +723,28 @@ class Run:
     def train(
         self, should_stop: Callable[[], bool] | None = None, callbacks: list[Any] | None = None
     ) -> list[dict[str, float]]:
-        """Train up to `cfg.steps`; `should_stop` (asked after every step) or a callback's `on_step_end`
-        returning True ends the run early, with a checkpoint of the last step. A callback that raises, or
-        answers anything else, stops it the same way, then raises a CallbackError. A reward function that
-        fails its first batch stops the run before it trains, and a run directory this run made goes with it."""
+        """Train up to `cfg.steps`; `should_stop` (asked after every step) or a callback (its control's
+        `should_training_stop`, or the first form's `on_step_end` returning True) ends the run early, with a
+        checkpoint of the last step. A callback that raises, or answers what the run cannot use, stops it
+        the same way, then raises a CallbackError (`rl/callbacks.py`, which says when each event comes).
+        `self.state` is the run's `TrainerState` afterwards. A reward function that fails its first batch
+        stops the run before it trains, and a run directory this run made goes with it."""
+        logged = self.log.rows() if self.step_count else []  # a resumed run's earlier steps
+        self.state = TrainerState(self.step_count, self.cfg.steps, self._epoch(), logged)
+        hooks = Callbacks(checked_callbacks(callbacks), copy.deepcopy(self.cfg), self.state)
         try:
-            return self._train(should_stop, Callbacks(checked_callbacks(callbacks)))
+            return self._train(should_stop, hooks)
         except RewardCheckError:
             if self.created_dir and self.step_count == 0:
                 shutil.rmtree(self.run_dir, ignore_errors=True)  # nothing was trained: the run leaves nothing
             raise
 
-    def _train(self, should_stop: Callable[[], bool] | None, callbacks: Callbacks) -> list[dict[str, float]]:
-        cfg = self.cfg
+    def _epoch(self) -> float:
+        """Passes over the training prompts so far."""
+        return self.backend.data_position / len(self.problems)
+
+    def _train(self, should_stop: Callable[[], bool] | None, hooks: Callbacks) -> list[dict[str, float]]:
+        cfg, state = self.cfg, hooks.state
         if cfg.trainer_precision != cfg.rollout_precision:
             print(
                 f"WARNING: mismatched precisions on purpose: trainer {cfg.trainer_precision}, "
@@ -743,17 +752,33 @@ class Run:
                 file=sys.stderr,
             )
         history = []
+        self.saved_step = self.step_count  # a resumed run's step is its checkpoint's
         bar = tqdm(total=cfg.steps, initial=self.step_count, desc="train", unit="step", disable=not self.progress)
         try:
+            hooks.event("on_train_begin")
+            self._stop_on_failure(hooks)
             while self.step_count < cfg.steps:
+                hooks.control.new_step()
+                hooks.event("on_step_begin")
+                self._stop_on_failure(hooks)
                 metrics = self.step()
-                if self.evaluator is not None and evaluation_due(self.step_count, cfg.steps, cfg.eval.every):
+                state.global_step, state.epoch = self.step_count, self._epoch()
+                hooks.control.should_log = True  # every step is logged
+                hooks.event("on_step_end", metrics=metrics)
+                evaluator = self.evaluator
+                if evaluator is None and hooks.switch("should_evaluate") and not self.evaluator_asked:
+                    self.evaluator_asked = True
+                    evaluator = self.evaluator = self._evaluator(self.model_config, asked=True)
+                asked = hooks.switch("should_evaluate")
+                if evaluator is not None and (asked or evaluation_due(self.step_count, cfg.steps, cfg.eval.every)):
                     evaluated = self.evaluate()
                     metrics.update(evaluated)
-                    callbacks.on_eval(self.step_count, evaluated)
+                    hooks.event("on_evaluate", metrics=evaluated)
                 self.log.log(metrics)
                 self.last_metrics = metrics
                 history.append(metrics)
+                state.log_history.append(dict(metrics))
+                hooks.event("on_log", logs=metrics)  # the first form's on_step_end
                 bar.update(1)
                 headline = {
                     "reward": f"{metrics['reward/mean']:.3f}",
@@ -777,15 +802,17 @@ class Run:
                 else:
                     self.zero_variance_warned = False
                 every = cfg.checkpoint_every
-                asked = callbacks.on_step_end(self.step_count, metrics)
-                stopping = asked or callbacks.failure is not None or (should_stop is not None and should_stop())
-                if every >= 0 and (
-                    (every and self.step_count % every == 0) or self.step_count == cfg.steps or stopping
-                ):
-                    self.checkpoint()
-                if callbacks.failure is not None:
-                    line, cause = callbacks.failure
-                    raise CallbackError(f"{line}; the run stopped: {self._newest_checkpoint()}") from cause
+                stopping = (
+                    hooks.switch("should_training_stop")
+                    or hooks.failure is not None
+                    or (should_stop is not None and should_stop())
+                )
+                due = every >= 0 and ((every and self.step_count % every == 0) or self.step_count == cfg.steps)
+                if hooks.switch("should_save") or due or (every >= 0 and stopping):
+                    saved = self.checkpoint()
+                    if hooks.failure is None:
+                        hooks.event("on_save", checkpoint=saved)
+                self._stop_on_failure(hooks)
                 if metrics["health/mismatch_alarm"] and not self.alarmed:
                     self.alarmed = True
                     action = cfg.health.on_alarm
@@ -801,12 +828,25 @@ class Run:
                         break
                 if stopping:
                     break
+            hooks.event("on_train_end")
+            self._stop_on_failure(hooks)
         finally:
             bar.close()
             self.close()
         return history
 
+    def _stop_on_failure(self, hooks: Callbacks) -> None:
+        """A callback's failure: a checkpoint of the newest step if it has none (unless checkpoint_every=-1),
+        then the CallbackError."""
+        if hooks.failure is None:
+            return
+        if self.step_count > self.saved_step and self.cfg.checkpoint_every >= 0:
+            self.checkpoint()
+        line, cause = hooks.failure
+        raise CallbackError(f"{line}; the run stopped: {self._newest_checkpoint()}") from cause
+
     def checkpoint(self) -> Path:
+        self.saved_step = self.step_count
         state = RunState(
             self.step_count, self.backend.data_position, config=config_mod.to_dict(self.cfg), metrics=self.last_metrics
         )

@@ -1,0 +1,210 @@
+"""`parity.Trainer`'s arguments and transformers' callback form (rl/callbacks.py), without a run: which form
+a callback takes, the control its events set, the guarantees of the first form, and `peft_config`."""
+
+from __future__ import annotations
+
+import numpy as np
+import peft
+import pytest
+import transformers
+
+import parity
+from parity.config import ConfigError
+from parity.rl.callbacks import Callbacks, TrainerState, checked_callbacks, uses_events
+
+
+class Events(parity.TrainerCallback):
+    def __init__(self):
+        self.seen = []
+
+    def on_step_end(self, args, state, control, metrics=None, **kwargs):
+        self.seen.append(("on_step_end", state.global_step, dict(metrics)))
+        metrics.clear()  # its own copy: nothing else sees this
+        control.should_save = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.seen.append(("on_log", state.global_step, dict(logs)))
+        if logs["reward/mean"] > 0.5:
+            control.should_training_stop = True
+
+
+class Legacy(parity.Callback):
+    def __init__(self, answer=None):
+        self.answer, self.seen = answer, []
+
+    def on_step_end(self, step, metrics):
+        self.seen.append(("on_step_end", step, dict(metrics)))
+        return self.answer
+
+    def on_eval(self, step, metrics):
+        self.seen.append(("on_eval", step, dict(metrics)))
+
+
+class FromTransformers(transformers.TrainerCallback):
+    def on_evaluate(self, args, state, control, metrics, **kwargs):
+        control.should_training_stop = metrics["eval/accuracy"] < 0.1
+
+
+def _hooks(*callbacks):
+    return Callbacks(checked_callbacks(list(callbacks)), "the config", TrainerState(global_step=3, max_steps=5))
+
+
+def test_which_form_a_callback_takes():
+    class DuckEvents:  # no base class: transformers' signature on the one hook both forms name
+        def on_step_end(self, args, state, control, **kwargs):
+            pass
+
+    class DuckLegacy:
+        def on_step_end(self, step, metrics):
+            pass
+
+    class OnlyLog:
+        def on_log(self, args, state, control, logs, **kwargs):
+            pass
+
+    assert [uses_events(c) for c in (Events(), FromTransformers(), DuckEvents(), OnlyLog())] == [True] * 4
+    assert [uses_events(c) for c in (Legacy(), DuckLegacy())] == [False, False]
+    assert checked_callbacks(FromTransformers())[0].__class__ is FromTransformers  # one alone is a list of one
+
+
+def test_an_event_hook_that_cannot_take_its_arguments_is_one_line():
+    class NoKwargs(parity.TrainerCallback):
+        def on_log(self, args, state, control):
+            pass
+
+    class NotCallable(parity.TrainerCallback):
+        on_save = 3
+
+    line = r"^callbacks\[0\]: NoKwargs.on_log\(args, state, control\) cannot be called as on_log\(args, state, "
+    with pytest.raises(ConfigError, match=line + r"control, logs=...\)$"):
+        checked_callbacks([NoKwargs()])
+    with pytest.raises(ConfigError, match=r"^callbacks\[1\]: NotCallable.on_save is int 3, not a method$"):
+        checked_callbacks([Events(), NotCallable()])
+
+
+def test_events_get_copies_and_set_the_control_and_the_first_form_is_called_where_it_was():
+    events, legacy = Events(), Legacy(answer=np.bool_(True))
+    hooks = _hooks(events, legacy)
+    hooks.event("on_step_end", metrics={"reward/mean": 0.25})
+    assert hooks.switch("should_save") and not hooks.switch("should_training_stop")
+    assert legacy.seen == []  # the first form has no hook at transformers' on_step_end
+    hooks.event("on_evaluate", metrics={"eval/accuracy": 0.5})
+    hooks.event("on_log", logs={"reward/mean": 0.75})
+    assert events.seen == [("on_step_end", 3, {"reward/mean": 0.25}), ("on_log", 3, {"reward/mean": 0.75})]
+    assert legacy.seen == [("on_eval", 3, {"eval/accuracy": 0.5}), ("on_step_end", 3, {"reward/mean": 0.75})]
+    assert hooks.switch("should_training_stop") and hooks.failure is None
+    hooks.control.new_step()
+    assert not hooks.switch("should_save") and hooks.switch("should_training_stop")  # a stop is not reset
+
+
+def test_a_transformers_callback_returning_its_control_and_early_stopping():
+    hooks = _hooks(FromTransformers())
+    hooks.event("on_evaluate", metrics={"eval/accuracy": 0.05})
+    assert hooks.switch("should_training_stop") and hooks.failure is None
+
+    class Replaces(parity.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            return transformers.TrainerControl(should_evaluate=True)  # transformers' own control, returned
+
+    hooks = _hooks(Replaces())
+    hooks.event("on_step_begin")
+    assert hooks.switch("should_evaluate") and hooks.failure is None
+
+
+@pytest.mark.parametrize(
+    ("callback", "line"),
+    [
+        (Legacy(answer="stop"), r"step 3: callback Legacy.on_step_end returned str 'stop'; return True to stop the "
+                                r"run, False or None to go on"),
+        (type("Answers", (parity.TrainerCallback,), {"on_log": lambda self, a, s, c, **k: 1})(),
+         r"step 3: callback Answers.on_log returned int 1; return the control, or None"),
+        (type("Sets", (parity.TrainerCallback,), {"on_log": lambda _, a, s, c, **k: setattr(c, "should_save", "y")})(),
+         r"step 3: callback Sets.on_log set control.should_save to str 'y'; expected True or False"),
+    ],
+)  # fmt: skip
+def test_an_answer_the_run_cannot_use_is_held_as_the_failure(callback, line):
+    hooks = _hooks(callback)
+    hooks.event("on_log", logs={"reward/mean": 0.0})
+    assert hooks.failure is not None and hooks.failure[0] == line.replace("\\", "") and hooks.failure[1] is None
+    assert not hooks.switch("should_save")
+
+
+def test_a_raising_event_is_held_naming_when():
+    class Raises(parity.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            raise KeyError("lr")
+
+        def on_train_end(self, args, state, control, **kwargs):
+            raise ValueError("late")
+
+    hooks = _hooks(Raises(), Events())
+    hooks.event("on_step_begin")
+    hooks.event("on_train_end")  # the first failure is kept
+    assert hooks.failure[0] == "before step 4: callback Raises.on_step_begin raised KeyError: 'lr'"
+    assert isinstance(hooks.failure[1], KeyError)
+    hooks = _hooks(Raises())
+    hooks.event("on_train_end")
+    assert hooks.failure[0] == "after step 3: callback Raises.on_train_end raised ValueError: late"
+
+
+# ----------------------------------------------------------------------------- the Trainer's arguments
+
+
+def test_peft_config_maps_onto_the_lora_keys():
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["v_proj", "q_proj"], task_type="CAUSAL_LM")
+    trainer = parity.Trainer("builtin", peft_config=config, run_dir="unused", progress=False)
+    lora = trainer.config.lora
+    assert (lora.rank, lora.alpha, list(lora.targets)) == (4, 16.0, ["q_proj", "v_proj"])
+    everything = parity.Trainer(peft_config=peft.LoraConfig(r=2, target_modules="all-linear"), progress=False)
+    assert len(everything.config.lora.targets) == 7 and everything.config.lora.alpha == 8.0  # PEFT's default alpha
+
+
+@pytest.mark.parametrize(
+    ("peft_config", "line"),
+    [
+        (peft.LoraConfig(r=8, lora_dropout=0.05, target_modules=["q_proj"]),
+         r"peft_config: lora_dropout=0.05 is not plain LoRA, which Parity trains; leave it at PEFT's default (0.0)"),
+        (peft.LoraConfig(r=8, use_dora=True, target_modules=["q_proj"]),
+         r"peft_config: use_dora: expected false (plain LoRA, which Parity computes), got True"),
+        (peft.LoraConfig(r=8, target_modules=".*proj"), r"peft_config: target_modules: expected a list of distinct "),
+        (peft.LoraConfig(r=8), r"peft_config: target_modules: expected a list of distinct names"),
+        (peft.LoraConfig(r=8, target_modules=["q_proj"], init_lora_weights="gaussian"),
+         r"peft_config: init_lora_weights='gaussian' is not plain LoRA"),
+        (peft.IA3Config(target_modules=["q_proj"]), r"peft_config: a IA3Config \(IA3\); Parity trains LoRA adapters"),
+        (peft.LoraConfig, r"peft_config: expected a peft.LoraConfig, got the class LoraConfig"),
+        ({"r": 8}, r"peft_config: expected a peft.LoraConfig, got dict"),
+    ],
+)  # fmt: skip
+def test_a_peft_field_parity_cannot_honour_is_one_line_naming_it(peft_config, line, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        parity.Trainer("builtin", peft_config=peft_config, run_dir=tmp_path / "r", progress=False)
+    assert str(e.value).startswith(line.replace("\\", "")) and "\n" not in str(e.value)
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_trainers_arguments_are_checked_as_trains(tmp_path):
+    cases = [
+        (dict(callbacks=[Events]), r"^callbacks\[0\]: the class Events, not a callback; pass an instance of it$"),
+        (dict(peft_config=peft.LoraConfig(r=2, target_modules=["q_proj"]), lora__rank=4),
+         r"^peft_config and lora.rank: give one"),
+        (dict(rewards=[3]), r"^rewards\[0\]: expected a function or a parity.Reward, got int 3$"),
+        (dict(model=3), r"^model: expected a model directory"),
+        (dict(trainer__lr="fast"), r"^trainer.lr: "),
+        (dict(progress=1), r"^progress: expected True or False, got int 1$"),
+    ]  # fmt: skip
+    for kwargs, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            parity.Trainer(**{"run_dir": tmp_path / "r", **kwargs})
+        assert not (tmp_path / "r").exists()
+    trainer = parity.Trainer(run_dir=tmp_path / "r", steps=3)
+    assert trainer.run_dir == tmp_path / "r" and trainer.state.max_steps == 3 and trainer.state.global_step == 0
+    for method, line in (
+        (trainer.save_model, "save_model: nothing is trained yet; call train() first"),
+        (lambda: trainer.push_to_hub("me/model"), "push_to_hub: nothing is trained yet; call train() first"),
+        (lambda: trainer.train(resume_from_checkpoint=3), "resume_from_checkpoint: expected True or a run directory"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            method()
+        assert str(e.value).startswith(line)
+    with pytest.raises(ConfigError, match=r"^resume_from_checkpoint=True: no run_dir is set"):
+        parity.Trainer().train(resume_from_checkpoint=True)
