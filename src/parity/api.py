@@ -44,6 +44,8 @@ from parity.rundir import checkpoint_step
 from parity.runtime import use_free_cores
 
 RewardLike = Callable[..., Any] | Reward
+
+
 def GRPOConfig(**trl_arguments: Any) -> TrainConfig:  # noqa: N802 - TRL's name, as TRL users write it
     """TRL's `GRPOConfig` names and defaults, as a Parity `TrainConfig` (`rl/trl_config.py`): pass it as
     `parity.train(..., config=parity.GRPOConfig(num_generations=4, ...))`. A name with no Parity counterpart,
