@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,12 +24,13 @@ from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import sequence_logprobs
-from parity.rl.episodes import LookupEnvironment, Step, episode_setup
+from parity.rl.episodes import episode_setup
 from parity.rl.loop import Run
 from parity.rl.problems import Problem, lookup_task_problems
 from parity.rl.reward_fns import function_spec
 from parity.rl.step import build_sampler
 from parity.rl.train_config import TrainConfig
+from rounds import Rounds
 
 pytestmark = ONE_RAY_AT_A_TIME  # tests/conftest.py
 
@@ -197,23 +199,6 @@ def test_a_killed_worker_loses_no_prompt_of_its_pool(tmp_path):
     assert trained + waiting == run.backend.next_key  # none lost, none trained twice
 
 
-class Rounds(LookupEnvironment):
-    """The built-in tool task, `rounds` (a data column) questions in a row: once the model has answered one,
-    the next key is asked, until it has answered `rounds`."""
-
-    def reset(self, row):
-        self.left, self.key = row["rounds"], row["key"]
-        return super().reset(row)
-
-    def step(self, assistant):
-        step = super().step(assistant)
-        self.left -= step.done
-        if step.done and self.left > 0:
-            self.key = chr((ord(self.key) - ord("a") + 5) % 16 + ord("a"))
-            return Step([{"role": "user", "content": f"{self.key}?"}])
-        return step
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_episodes_pause_at_turn_boundaries_and_go_on_on_newer_weights(precision):
     """Episodes in a worker's pool, exact mode: a request ends with episodes paused at turn boundaries
@@ -274,3 +259,19 @@ def test_episodes_pause_at_turn_boundaries_and_go_on_on_newer_weights(precision)
         assert [e.turns for e in records] == [int(t.max()) + 1 for t in turns]
         assert bool(batch.truncated.eq(torch.tensor([e.truncated for e in records])).all())
     assert continued > 0  # an episode spans both versions, turn by turn
+
+
+@pytest.mark.slow
+def test_partial_rollouts_of_episodes_on_a_worker(tmp_path, ray_cluster):
+    """The built-in tool task with partial rollouts on a rollout worker: episodes paused at turn boundaries
+    go on after the weight sync, every step trains whole groups of whole episodes, and exact mode holds."""
+    overrides = [f"run_dir={tmp_path / 'run'}", "model=builtin-agent", "task.name=lookup", "prompts_per_step=4"]
+    rounds = f"{Path(__file__).parent / 'rounds.py'}:Rounds"  # by its path: the worker imports it from there
+    overrides += [f"task.environment={rounds}", "rollout.max_new_tokens=200", "episode.max_turns=6"]
+    overrides += ["rollout.group_size=4", "exact=true", "precision=fp16", "distributed.rollout_workers=1"]
+    overrides += ["async.max_staleness=1", "async.partial_rollouts=2", "steps=6", "checkpoint_every=-1"]
+    history = Run.create(config.load(TrainConfig, None, overrides), progress=False, backend=RayBackend).train()
+    assert [m["mismatch/exact_tokens_frac"] for m in history] == [1.0] * 6
+    assert all(m["train/samples"] == 16 and m["episode/turns_mean"] >= 1 for m in history)
+    assert all(m["async/staleness_max"] <= 2 for m in history)
+    assert max(m["async/continued_frac"] for m in history) > 0  # episodes went on on newer weights
