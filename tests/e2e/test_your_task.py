@@ -136,10 +136,10 @@ def test_completions_table_printed_and_off(tmp_path, capfd):
 
 
 def test_learning_rate_schedules():
-    assert [scheduled_lr(1.0, "constant", 2, s, 6) for s in range(6)] == [0.5, 1, 1, 1, 1, 1]
+    assert [scheduled_lr(1.0, "constant", 2, s, 6) for s in range(6)] == [0, 0.5, 1, 1, 1, 1]
     assert [scheduled_lr(1.0, "linear", 0, s, 4) for s in range(4)] == [1, 0.75, 0.5, 0.25]
     cosine = [scheduled_lr(1.0, "cosine", 1, s, 5) for s in range(5)]
-    assert cosine[:2] == [1.0, 1.0] and cosine[2] == pytest.approx(0.5 + 0.5 * 0.7071067811865476)
+    assert cosine[:2] == [0.0, 1.0] and cosine[2] == pytest.approx(0.5 + 0.5 * 0.7071067811865476)
     assert all(a > b for a, b in zip(cosine[1:], cosine[2:])) and cosine[-1] > 0
 
 
