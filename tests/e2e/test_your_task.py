@@ -59,7 +59,8 @@ def test_batched_and_per_sample_rewards_get_typed_columns_weights_and_metrics(tm
     rows = _rows_of(tmp_path / "r" / "completions" / "step_000001.jsonl")
     assert len(rows) == 16
     for row in rows:
-        assert row["reward"] == pytest.approx(row["reward/correct"] + 0.5 * row["reward/short"])
+        assert row["score"] == pytest.approx(row["reward/correct"] + 0.5 * row["reward/short"])
+        assert row["reward"] == pytest.approx(0 if row["truncated"] else row["score"])  # truncated=zero_reward
     assert metrics["reward/short/mean"] == pytest.approx(sum(r["reward/short"] for r in rows) / 16)
     # config.yaml records the functions by where they are defined, with their weights
     saved = (tmp_path / "r" / "config.yaml").read_text()
@@ -128,7 +129,7 @@ def test_completions_table_printed_and_off(tmp_path, capfd):
     parity.train("builtin", None, run_dir=tmp_path / "a", progress=False, log__completions=3, **SMALL)
     out = capfd.readouterr()
     table = [line for line in (out.out + out.err).splitlines() if line.startswith("| ")]
-    assert table[0] == "| prompt | completion | length | reward |" and len(table) == 1 + 3
+    assert table[0] == "| prompt | completion | length | reward | advantage | score |" and len(table) == 1 + 3
     parity.train("builtin", None, run_dir=tmp_path / "b", progress=False, log__completions=0, **SMALL)
     out = capfd.readouterr()
     assert "| prompt |" not in out.out + out.err
@@ -597,5 +598,5 @@ def test_report_labels_a_mean_reward_and_shows_the_newest_completions(tmp_path, 
     assert row.split(" | ")[1].endswith(" mean reward") and "| builtin |" in report
     assert (
         "## custom: completions of step 2" in report
-        and "| prompt | completion | length | reward | reward/length |" in report
+        and "| prompt | completion | length | reward | advantage | reward/length |" in report
     )

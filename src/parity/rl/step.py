@@ -184,6 +184,16 @@ def resolve_old(batch: RolloutBatch, plan: UpdatePlan, trainer: Trainer | None) 
     return None, "first_pass"
 
 
+def trained_rewards(
+    batch: RolloutBatch, result: RewardResult, advantage: str, truncated: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rewards the loss sees (the scores with `algorithm.truncated` applied) and their group advantages
+    (`algorithm.advantage`), one per row."""
+    scores = torch.tensor(result.rewards, device=batch.response_mask.device)
+    rewards = training_rewards(scores, batch.truncated, truncated)
+    return rewards, group_advantages(rewards, batch.group_index, advantage)
+
+
 def prepare(
     batch: RolloutBatch,
     result: RewardResult,
@@ -195,10 +205,7 @@ def prepare(
     """Rewards to advantages and the loss mask, with the estimator's rejection applied; `old` is
     `resolve_old`'s answer."""
     old_logprobs, old_source = old
-    rewards = training_rewards(
-        torch.tensor(result.rewards, device=batch.response_mask.device), batch.truncated, truncated
-    )
-    advantages = group_advantages(rewards, batch.group_index, advantage)
+    rewards, advantages = trained_rewards(batch, result, advantage, truncated)
     loss_mask = batch.sampled_mask.clone()
     if truncated == "drop":
         loss_mask[batch.truncated] = False
