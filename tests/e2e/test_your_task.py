@@ -98,7 +98,7 @@ def test_a_reward_returning_text_is_named(tmp_path):
         parity.train("builtin", ROWS, [label], run_dir=tmp_path / "r", progress=False, **SMALL)
 
 
-def test_column_mapping_for_the_prompt_and_the_builtin_rewards_answer(tmp_path):
+def test_column_mapping_for_the_prompt_and_the_builtin_rewards_answer(tmp_path, capsys):
     rows = [{"question": r["prompt"], "solution": r["answer"]} for r in ROWS]
     result = parity.train(
         "builtin",
@@ -110,8 +110,23 @@ def test_column_mapping_for_the_prompt_and_the_builtin_rewards_answer(tmp_path):
         **SMALL,
     )
     assert "reward/accuracy" in result.history[-1]  # the built-in reward compared with `solution`
-    with pytest.raises(DataError, match=r"train.jsonl:1: .*'prompt' is missing \(it has 'question', 'solution'\)"):
+    # Without the mapping: the key to set and the columns there are, naming the row given, not Parity's copy of it
+    line = (
+        "train dataset row 0: no prompt column 'prompt' (task.prompt_column=prompt; the row has 'question', "
+        "'solution'): set task.prompt_column to the column that holds the prompt"
+    )
+    with pytest.raises(DataError, match=f"^{re.escape(line)}$"):
         parity.train("builtin", rows, run_dir=tmp_path / "r2", progress=False, **SMALL)
+    assert not (tmp_path / "r2").exists()
+    with pytest.raises(DataError, match=r"^eval dataset row 0: no prompt column 'prompt' \(task.prompt_column="):
+        parity.train("builtin", ROWS, eval_dataset=rows, run_dir=tmp_path / "r3", progress=False, **SMALL)
+    # the same from the command line, on a JSONL file: one line, exit 2, nothing written
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    capsys.readouterr()
+    assert main(["train", f"task.data={data}", f"run_dir={tmp_path / 'r4'}", *CLI_SMALL]) == 2
+    err = capsys.readouterr().err
+    assert err == f"parity train: error: {data}:1: {line.split(': ', 1)[1]}\n" and not (tmp_path / "r4").exists()
 
 
 def test_the_parity_script_imports_a_reward_module_from_the_working_directory(tmp_path):

@@ -424,7 +424,7 @@ class Run:
             cfg.run_dir = str(run_dir)
             cfg.resolve_paths(Path.cwd())
             for split, rows in (datasets or {}).items():
-                path = write_rows(run_dir, f"{DATA_DIR}/{split}.jsonl", rows, split)
+                path = write_rows(run_dir, f"{DATA_DIR}/{split}.jsonl", rows, split, data_columns(cfg))
                 if split == "train":
                     cfg.task.data = str(path.resolve())
                 else:
