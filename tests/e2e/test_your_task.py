@@ -421,7 +421,12 @@ def test_an_answer_that_is_no_yes_or_no_stops_the_run_after_a_checkpoint(tmp_pat
     )
 
 
-def test_model_card_is_written_and_transformers_loads_the_model(tmp_path, llama_dir):
+def _usage(card: str) -> str:
+    """The Python of a model card's usage section."""
+    return re.search(r"## Usage\n\n.*?```python\n(.*?)```", card, re.S).group(1)
+
+
+def test_model_card_is_written_and_transformers_loads_the_model(tmp_path, llama_dir, monkeypatch):
     transformers = pytest.importorskip("transformers")
     rows = [{"prompt": "what is 2 plus 3?", "answer": 5}] * 4
     result = parity.train(
@@ -429,10 +434,17 @@ def test_model_card_is_written_and_transformers_loads_the_model(tmp_path, llama_
         progress=False, precision="fp32", eval__every=-1, **SMALL,
     )  # fmt: skip
     card = (result.model_dir / "README.md").read_text()
-    assert card.startswith("---\nlibrary_name: parity\n") and f"base_model: {llama_dir.resolve()}" in card
+    assert card.startswith("---\nlibrary_name: transformers\n")
+    assert "base_model" not in card and str(llama_dir) not in card and str(tmp_path) not in card  # a local model
     assert "trainer precision fp32" in card and "| reward/<lambda>/mean |" in card and "lr_schedule: constant" in card
     model = transformers.AutoModelForCausalLM.from_pretrained(result.model_dir)
     assert model.config.num_hidden_layers == 2
+    # the card's own loading code, run in its folder
+    monkeypatch.chdir(result.model_dir)
+    loaded: dict = {}
+    exec(_usage(card), loaded)
+    assert loaded["model"].config.num_hidden_layers == 2 and loaded["model"].dtype == torch.float32
+    assert loaded["tokenizer"]("2 plus 3")["input_ids"]
 
 
 def test_a_model_by_its_hugging_face_id_from_the_local_cache(tmp_path, llama_dir, monkeypatch):
@@ -447,7 +459,11 @@ def test_a_model_by_its_hugging_face_id_from_the_local_cache(tmp_path, llama_dir
         shutil.copy(f, repo / "blobs" / f.name)
         (snapshot / f.name).symlink_to(Path("../../blobs") / f.name)
     assert resolve_model_dir("someone/tiny-llama") == snapshot
-    parity.train("someone/tiny-llama", None, run_dir=tmp_path / "r", progress=False, eval__every=-1, **SMALL)
+    result = parity.train("someone/tiny-llama", None, run_dir=tmp_path / "r", progress=False, eval__every=-1, **SMALL)
+    from huggingface_hub import ModelCard
+
+    card = (result.model_dir / "README.md").read_text()
+    assert ModelCard(card).data.base_model == "someone/tiny-llama" and str(tmp_path) not in card
     with pytest.raises(ModelError, match=r"^model 'someone/absent': no such directory, and not in the local Hugging"):
         resolve_model_dir("someone/absent")
     assert main(["train", "model=someone/absent"]) == 2
@@ -539,6 +555,18 @@ def test_parity_eval_on_a_lora_adapter_folder(tmp_path, llama_dir):
         eval__every=-1, **SMALL,
     )  # fmt: skip
     assert result.model_dir.name == "adapter" and (result.model_dir / "README.md").is_file()
+    # the card's PEFT loading code, on its base (a local one: the card names none), run in the adapter's folder
+    card = (result.model_dir / "README.md").read_text()
+    assert "base_model" not in card and "library_name: peft" in card
+    pytest.importorskip("peft")
+    here = Path.cwd()
+    os.chdir(result.model_dir)
+    try:
+        loaded: dict = {}
+        exec(_usage(card).replace('"BASE_MODEL"', repr(str(llama_dir))), loaded)
+    finally:
+        os.chdir(here)
+    assert type(loaded["model"]).__name__ == "PeftModelForCausalLM" and loaded["model"].peft_config["default"].r == 4
     data = tmp_path / "test.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = parity.evaluate(
