@@ -498,6 +498,37 @@ def test_trackers_log_offline(tmp_path, monkeypatch, tracker):
         assert (tmp_path / "trackio" / "parity.db").is_file()
 
 
+def test_a_wandb_run_resumes_offline_and_says_how_where_wandb_cannot_start(tmp_path, monkeypatch, capsys):
+    """A run started with log.to=wandb under WANDB_MODE=offline resumes (W&B's own links in wandb/ are its
+    own); resumed in a shell without the offline mode and without an account, it stops in one line saying
+    that the run logs to W&B and how to go on, having written nothing; and it resumes without W&B."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))  # no account: no key, no netrc
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    run = tmp_path / "r"
+    args = [f"run_dir={run}", "steps=1", "log.to=wandb", "eval.every=-1", "log.completions=0", *CLI_SMALL]
+    assert main(["train", *args]) == 0
+    assert main(["train", "--resume", str(run), "steps=2"]) == 0
+    # in a process of its own: W&B keeps the mode of its first run for the life of a process
+    monkeypatch.delenv("WANDB_MODE")
+    command = [sys.executable, "-m", "parity", "train", "--resume", str(run), "steps=3"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    err = done.stderr.splitlines()
+    assert done.returncode == 2, done.stderr
+    assert err[-1].startswith("parity train: error: log.to: wandb could not start: ") and len(err) == 2  # and a note
+    assert err[-1].endswith(
+        "; the run logs to W&B (log.to=wandb): set WANDB_MODE=offline to keep its W&B files in the run's wandb/ "
+        "without an account or the network (`wandb sync` uploads them later), log in (`wandb login`), or leave W&B "
+        "out (log.to=[], which --resume also takes)"
+    )
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert main(["train", "--resume", str(run), "steps=3", "log.to=[]"]) == 0
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
+
+
 def test_an_uninstalled_tracker_is_refused(tmp_path, monkeypatch, capsys):
     import importlib.util
 

@@ -38,7 +38,6 @@ from parity.engines.models.modules import CausalLM
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, has_builtin_tokenizer, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import regular_file_problem
-from parity.folders import refuse_links
 from parity.outdir import claim_output_dir, write_output, write_output_json
 from parity.rl.builtin_rewards import BINARY_REWARDS, REWARDS, TRUSTED_REWARDS
 from parity.rl.checkpoint import checkpoints, load_checkpoint, require_finite_weights
@@ -48,7 +47,7 @@ from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, builtin_problems
 from parity.rl.reward_fns import Reward, UserRewards, bind_all, data_columns, import_reward_fn
 from parity.rl.rewards import RewardRunner
 from parity.rl.train_config import MAX_SEED, MICRO_BATCH_TOKENS, RewardSection, TrainConfig
-from parity.rundir import in_use_by
+from parity.rundir import in_use_by, refuse_run_links
 
 BUILTIN_MAX_NEW_TOKENS = 96  # a model directory's default response budget (a run's is its own)
 
@@ -143,7 +142,7 @@ def resolve_target(cfg: EvalConfig) -> Target:
         return _adapter_target(path)
     started = (path / "metrics.jsonl").exists() or (path / "checkpoints").is_dir()
     if (path / "config.yaml").is_file() and started:
-        refuse_links(path, "target")  # a run someone sent: read only what it holds itself
+        refuse_run_links(path, "target")  # a run someone sent: read only what it holds itself
         holder = in_use_by(path)
         if holder is not None:
             raise ConfigError(
