@@ -167,6 +167,10 @@ def test_a_missing_column_names_the_key_that_names_it(tmp_path, line, problem):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": 2}\n' + line + "\n")
     with pytest.raises(DataError, match=rf"^{re.escape(f'{path}:2: {problem}')}"):
+        load_problems(path, columns=data.DataColumns(keys=True))  # a run's columns, as `task.*` names them
+    # a command without those keys (`parity mismatch`'s prompts) names the column and the row's alone
+    plain = problem.split(" (")[0]
+    with pytest.raises(DataError, match=rf"^{re.escape(f'{path}:2: {plain} (the row has ')}[^:]*\)$"):
         load_problems(path)
 
 
@@ -191,7 +195,7 @@ def test_bad_parquet_rows_name_the_row(tmp_path):
     pq.write_table(pa.table({"question": ["1+1="], "answer": ["2"]}), path)
     with pytest.raises(
         DataError,
-        match=r"d.parquet: no prompt column 'prompt' \(task.prompt_column=prompt; the file has 'question', 'answer'\)",
+        match=r"d.parquet: no prompt column 'prompt' \(the file has 'question', 'answer'\)$",
     ):
         load_problems(path)
     path.write_text("not parquet")

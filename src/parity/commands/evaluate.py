@@ -191,7 +191,7 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
     model_config = load_checked_config(target.model_dir)
     positions = model_config.max_position_embeddings
     limit = prompt_limit(tokenizer, positions, max_new, key, chat_template)
-    columns = data_columns(run) if run is not None else DataColumns(answer_required=not cfg.reward_fn, keys=False)
+    columns = data_columns(run) if run is not None else DataColumns(answer_required=not cfg.reward_fn)
     data = cfg.data if cfg.data != "auto" else run.eval.data if run is not None and run.eval.data != "auto" else None
     if data is not None:
         problems = load_problems(data, limit, columns=columns)

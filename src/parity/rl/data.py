@@ -194,7 +194,7 @@ class DataColumns:
     prompt: str = "prompt"
     answer: str = "answer"
     answer_required: bool = True
-    keys: bool = True  # the columns are the ones `task.prompt_column` and `task.answer_column` name
+    keys: bool = False  # the columns are the ones `task.prompt_column` and `task.answer_column` name (a run's)
 
     @property
     def required(self) -> tuple[str, ...]:
