@@ -51,8 +51,9 @@ def link_refusal(root: Path, entry: str, key: str) -> LinkError:
     )
 
 
-def links_below(root: Path, limit: int = 6) -> list[str]:
-    """Up to `limit` entries below `root` (relative paths) that are symbolic links; links are not entered."""
+def links_below(root: Path, limit: int = 6, skip: tuple[str, ...] = ()) -> list[str]:
+    """Up to `limit` entries below `root` (relative paths) that are symbolic links; links are not entered, nor
+    are the folders `skip` names (relative paths), though one of them that is a link is found."""
     found: list[str] = []
     stack = [PurePosixPath()]
     while stack and len(found) < limit:
@@ -62,7 +63,7 @@ def links_below(root: Path, limit: int = 6) -> list[str]:
                 for entry in entries:
                     if entry.is_symlink():
                         found.append(str(rel / entry.name))
-                    elif entry.is_dir(follow_symlinks=False):
+                    elif entry.is_dir(follow_symlinks=False) and str(rel / entry.name) not in skip:
                         stack.append(rel / entry.name)
         except (FileNotFoundError, NotADirectoryError, PermissionError):
             continue

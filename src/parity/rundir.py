@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 
 from parity.config import ConfigError
-from parity.folders import Folder, refuse_links
+from parity.folders import Folder, link_refusal, links_below
 
 LOCK_NAME = ".lock"
 CHECKPOINTS_DIR = "checkpoints"
@@ -44,6 +44,10 @@ RUN_ENTRIES = {
     "mlruns",  # log.to=mlflow's store, unless MLFLOW_TRACKING_URI names another
     LOCK_NAME,
 }
+# Folders of a run that a tracker writes in through its own library, with links of its own (W&B links its logs,
+# some to its cache outside the run). Parity reads, writes and deletes nothing below them (a run removed whole
+# goes without following a link), so links there are let through; the folder itself being a link is not.
+TRACKER_DIRS = ("wandb",)
 # Temporary files of `Folder.write_bytes` that a kill can leave behind.
 TEMP_PATTERNS = (".config.yaml.*.tmp", ".numerics.json.*.tmp", ".metrics.jsonl.*.tmp")
 
@@ -65,6 +69,13 @@ def foreign_entries(run_dir: Path) -> list[str]:
     )
 
 
+def refuse_run_links(run_dir: Path, key: str) -> None:
+    """Refuse a run directory holding a link anywhere below it, but inside a tracker's folder (`TRACKER_DIRS`)."""
+    links = links_below(run_dir, limit=1, skip=TRACKER_DIRS)
+    if links:
+        raise link_refusal(run_dir, links[0], key)
+
+
 def check_run_dir(run_dir: Path) -> None:
     """Refuse a directory that is not a run's own: the working directory, one with other files, or one holding
     a link."""
@@ -76,7 +87,7 @@ def check_run_dir(run_dir: Path) -> None:
             "there); use a folder of its own, e.g. run_dir=runs/NAME"
         )
     if run_dir.is_dir():
-        refuse_links(run_dir, "run_dir")
+        refuse_run_links(run_dir, "run_dir")
         foreign = foreign_entries(run_dir)
         if foreign:
             shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")

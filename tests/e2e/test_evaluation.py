@@ -268,3 +268,56 @@ def test_metrics_doc_lists_the_evaluation_and_full_vocabulary_names(tmp_path):
         k for k in new if f"`{re.sub(r'(fp32|bf16|fp16|trainer)', '<p>', k)}`" not in doc and f"`{k}`" not in doc
     ]
     assert new and not missing, f"docs/metrics.md lacks {missing}"
+
+
+def test_evaluation_reports_each_reward_function(tmp_path):
+    """With reward functions of your own, a held-out evaluation reports each one's mean score beside the
+    weighted total: in the run's metrics, to `on_eval`, and in `parity eval`'s eval.json and eval.md."""
+    import parity
+
+    def correct(completions, answer, **columns):
+        return [float(c.rsplit(">", 1)[-1].strip() == str(a)) for c, a in zip(completions, answer)]
+
+    def short(completions, **columns):
+        return [-len(c) / 100 for c in completions]
+
+    class Seen(parity.Callback):
+        evals: list[dict] = []
+
+        def on_eval(self, step, metrics):
+            self.evals.append(metrics)
+
+    rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(100, 130) for b in range(10, 13)]
+    rewards = [correct, parity.Reward(short, weight=0.5)]
+    seen = Seen()
+    keys = dict(steps=1, prompts_per_step=4, rollout__group_size=4, rollout__max_new_tokens=40, tensorboard=False)
+    keys.update(eval__samples=2, log__completions=0)
+    run = tmp_path / "r"
+    parity.train(
+        "builtin", rows[:60], rewards, eval_dataset=rows[60:], run_dir=run, callbacks=[seen], progress=False, **keys
+    )
+    logged = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert len(seen.evals) == 1
+    for got in (logged, seen.evals[0]):
+        total = got["eval/reward/correct/mean"] + 0.5 * got["eval/reward/short/mean"]
+        assert got["eval/reward_mean"] == pytest.approx(total)
+        assert -0.5 < got["eval/reward/short/mean"] < 0 <= got["eval/reward/correct/mean"] <= 1
+    assert seen.evals[0]["eval/reward/short/mean"] == logged["eval/reward/short/mean"]
+
+    result = parity.evaluate(run, rewards, out=tmp_path / "e", precisions=["fp32"], samples=2, progress=False)
+    saved = json.loads((tmp_path / "e" / "eval.json").read_text())
+    assert saved["states"] == json.loads(json.dumps(result["states"]))
+    for state in saved["states"]:
+        m = state["metrics"]
+        for label in ("fp32", "trainer"):
+            total = m[f"eval/{label}/reward/correct/mean"] + 0.5 * m[f"eval/{label}/reward/short/mean"]
+            assert m[f"eval/{label}/reward_mean"] == pytest.approx(total)
+    md = (tmp_path / "e" / "eval.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| state |"))
+    assert "| reward_mean | reward/correct | reward/short | pass@2 |" in header
+    first = next(line for line in md.splitlines() if line.startswith("| base | 0 | fp32 |"))
+    base = saved["states"][0]["metrics"]
+    assert first.split(" | ")[4:6] == [
+        f"{base['eval/fp32/reward/correct/mean']:.3f}",
+        f"{base['eval/fp32/reward/short/mean']:.3f}",
+    ]

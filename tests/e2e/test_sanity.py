@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 from PIL import Image
@@ -83,13 +84,25 @@ def test_bad_runs_are_rejected():
 
 
 @pytest.mark.slow
-def test_sanity_quick_end_to_end(tmp_path, monkeypatch):
+def test_sanity_quick_end_to_end(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "sanity"
     # The built-in model named as a directory, and its task named: what `--model DIR` runs.
     model = ["--model", str(BUILTIN_DIR), "--task", "builtin"]
     runs = ["--runs", "fp16/pg_seq_is,bf16/grpo"]
     assert main(["sanity", "--quick", "--out", str(out), *runs, *model, "steps=8"]) == 0
+    # What it prints: a line per run and the summary; no completions table, no run's settings line (the test
+    # says the settings its runs share once), and no step "trained nothing" for being all right.
+    printed = capfd.readouterr()
+    text = printed.out + printed.err
+    assert "| prompt |" not in text and "trained nothing" not in text and "settings: " not in text
+    assert text.count("training 2 runs, ") == 1
+    assert "algorithm.truncated=zero_reward at rollout.max_new_tokens=96" in text
+    done = [line for line in printed.out.splitlines() if line.startswith("run ")]
+    assert sorted(line.split(" done: ")[1].split(" (")[0] for line in done) == ["bf16/grpo", "fp16/pg_seq_is"]
+    assert all(re.fullmatch(r"run [12]/2 done: \S+ \(8 steps, training accuracy \d\.\d\d\)", line) for line in done)
+    for run in ("fp16-pg_seq_is", "bf16-grpo"):  # the completions stay in the files
+        assert len(list((out / "runs" / run / "completions").glob("step_*.jsonl"))) == 8
     summary = json.loads((out / "summary.json").read_text())
     assert summary["settings"]["model"] == str(BUILTIN_DIR) and summary["settings"]["task"] == "builtin"
     # The override reached every run; the built-in model named as a directory keeps its learning rate.

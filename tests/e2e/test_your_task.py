@@ -59,7 +59,8 @@ def test_batched_and_per_sample_rewards_get_typed_columns_weights_and_metrics(tm
     rows = _rows_of(tmp_path / "r" / "completions" / "step_000001.jsonl")
     assert len(rows) == 16
     for row in rows:
-        assert row["reward"] == pytest.approx(row["reward/correct"] + 0.5 * row["reward/short"])
+        assert row["score"] == pytest.approx(row["reward/correct"] + 0.5 * row["reward/short"])
+        assert row["reward"] == pytest.approx(0 if row["truncated"] else row["score"])  # truncated=zero_reward
     assert metrics["reward/short/mean"] == pytest.approx(sum(r["reward/short"] for r in rows) / 16)
     # config.yaml records the functions by where they are defined, with their weights
     saved = (tmp_path / "r" / "config.yaml").read_text()
@@ -97,7 +98,7 @@ def test_a_reward_returning_text_is_named(tmp_path):
         parity.train("builtin", ROWS, [label], run_dir=tmp_path / "r", progress=False, **SMALL)
 
 
-def test_column_mapping_for_the_prompt_and_the_builtin_rewards_answer(tmp_path):
+def test_column_mapping_for_the_prompt_and_the_builtin_rewards_answer(tmp_path, capsys):
     rows = [{"question": r["prompt"], "solution": r["answer"]} for r in ROWS]
     result = parity.train(
         "builtin",
@@ -109,8 +110,23 @@ def test_column_mapping_for_the_prompt_and_the_builtin_rewards_answer(tmp_path):
         **SMALL,
     )
     assert "reward/accuracy" in result.history[-1]  # the built-in reward compared with `solution`
-    with pytest.raises(DataError, match=r"train.jsonl:1: .*'prompt' is missing \(it has 'question', 'solution'\)"):
+    # Without the mapping: the key to set and the columns there are, naming the row given, not Parity's copy of it
+    line = (
+        "train dataset row 0: no prompt column 'prompt' (task.prompt_column=prompt; the row has 'question', "
+        "'solution'): set task.prompt_column to the column that holds the prompt"
+    )
+    with pytest.raises(DataError, match=f"^{re.escape(line)}$"):
         parity.train("builtin", rows, run_dir=tmp_path / "r2", progress=False, **SMALL)
+    assert not (tmp_path / "r2").exists()
+    with pytest.raises(DataError, match=r"^eval dataset row 0: no prompt column 'prompt' \(task.prompt_column="):
+        parity.train("builtin", ROWS, eval_dataset=rows, run_dir=tmp_path / "r3", progress=False, **SMALL)
+    # the same from the command line, on a JSONL file: one line, exit 2, nothing written
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    capsys.readouterr()
+    assert main(["train", f"task.data={data}", f"run_dir={tmp_path / 'r4'}", *CLI_SMALL]) == 2
+    err = capsys.readouterr().err
+    assert err == f"parity train: error: {data}:1: {line.split(': ', 1)[1]}\n" and not (tmp_path / "r4").exists()
 
 
 def test_the_parity_script_imports_a_reward_module_from_the_working_directory(tmp_path):
@@ -128,7 +144,7 @@ def test_completions_table_printed_and_off(tmp_path, capfd):
     parity.train("builtin", None, run_dir=tmp_path / "a", progress=False, log__completions=3, **SMALL)
     out = capfd.readouterr()
     table = [line for line in (out.out + out.err).splitlines() if line.startswith("| ")]
-    assert table[0] == "| prompt | completion | length | reward |" and len(table) == 1 + 3
+    assert table[0] == "| prompt | completion | length | reward | advantage | score |" and len(table) == 1 + 3
     parity.train("builtin", None, run_dir=tmp_path / "b", progress=False, log__completions=0, **SMALL)
     out = capfd.readouterr()
     assert "| prompt |" not in out.out + out.err
@@ -136,10 +152,10 @@ def test_completions_table_printed_and_off(tmp_path, capfd):
 
 
 def test_learning_rate_schedules():
-    assert [scheduled_lr(1.0, "constant", 2, s, 6) for s in range(6)] == [0.5, 1, 1, 1, 1, 1]
+    assert [scheduled_lr(1.0, "constant", 2, s, 6) for s in range(6)] == [0, 0.5, 1, 1, 1, 1]
     assert [scheduled_lr(1.0, "linear", 0, s, 4) for s in range(4)] == [1, 0.75, 0.5, 0.25]
     cosine = [scheduled_lr(1.0, "cosine", 1, s, 5) for s in range(5)]
-    assert cosine[:2] == [1.0, 1.0] and cosine[2] == pytest.approx(0.5 + 0.5 * 0.7071067811865476)
+    assert cosine[:2] == [0.0, 1.0] and cosine[2] == pytest.approx(0.5 + 0.5 * 0.7071067811865476)
     assert all(a > b for a, b in zip(cosine[1:], cosine[2:])) and cosine[-1] > 0
 
 
@@ -406,7 +422,12 @@ def test_an_answer_that_is_no_yes_or_no_stops_the_run_after_a_checkpoint(tmp_pat
     )
 
 
-def test_model_card_is_written_and_transformers_loads_the_model(tmp_path, llama_dir):
+def _usage(card: str) -> str:
+    """The Python of a model card's usage section."""
+    return re.search(r"## Usage\n\n.*?```python\n(.*?)```", card, re.S).group(1)
+
+
+def test_model_card_is_written_and_transformers_loads_the_model(tmp_path, llama_dir, monkeypatch):
     transformers = pytest.importorskip("transformers")
     rows = [{"prompt": "what is 2 plus 3?", "answer": 5}] * 4
     result = parity.train(
@@ -414,10 +435,17 @@ def test_model_card_is_written_and_transformers_loads_the_model(tmp_path, llama_
         progress=False, precision="fp32", eval__every=-1, **SMALL,
     )  # fmt: skip
     card = (result.model_dir / "README.md").read_text()
-    assert card.startswith("---\nlibrary_name: parity\n") and f"base_model: {llama_dir.resolve()}" in card
+    assert card.startswith("---\nlibrary_name: transformers\n")
+    assert "base_model" not in card and str(llama_dir) not in card and str(tmp_path) not in card  # a local model
     assert "trainer precision fp32" in card and "| reward/<lambda>/mean |" in card and "lr_schedule: constant" in card
     model = transformers.AutoModelForCausalLM.from_pretrained(result.model_dir)
     assert model.config.num_hidden_layers == 2
+    # the card's own loading code, run in its folder
+    monkeypatch.chdir(result.model_dir)
+    loaded: dict = {}
+    exec(_usage(card), loaded)
+    assert loaded["model"].config.num_hidden_layers == 2 and loaded["model"].dtype == torch.float32
+    assert loaded["tokenizer"]("2 plus 3")["input_ids"]
 
 
 def test_a_model_by_its_hugging_face_id_from_the_local_cache(tmp_path, llama_dir, monkeypatch):
@@ -432,7 +460,11 @@ def test_a_model_by_its_hugging_face_id_from_the_local_cache(tmp_path, llama_dir
         shutil.copy(f, repo / "blobs" / f.name)
         (snapshot / f.name).symlink_to(Path("../../blobs") / f.name)
     assert resolve_model_dir("someone/tiny-llama") == snapshot
-    parity.train("someone/tiny-llama", None, run_dir=tmp_path / "r", progress=False, eval__every=-1, **SMALL)
+    result = parity.train("someone/tiny-llama", None, run_dir=tmp_path / "r", progress=False, eval__every=-1, **SMALL)
+    from huggingface_hub import ModelCard
+
+    card = (result.model_dir / "README.md").read_text()
+    assert ModelCard(card).data.base_model == "someone/tiny-llama" and str(tmp_path) not in card
     with pytest.raises(ModelError, match=r"^model 'someone/absent': no such directory, and not in the local Hugging"):
         resolve_model_dir("someone/absent")
     assert main(["train", "model=someone/absent"]) == 2
@@ -465,6 +497,37 @@ def test_trackers_log_offline(tmp_path, monkeypatch, tracker):
         assert list((tmp_path / "r" / "mlruns").glob("*/*/metrics/reward.mean"))
     else:
         assert (tmp_path / "trackio" / "parity.db").is_file()
+
+
+def test_a_wandb_run_resumes_offline_and_says_how_where_wandb_cannot_start(tmp_path, monkeypatch, capsys):
+    """A run started with log.to=wandb under WANDB_MODE=offline resumes (W&B's own links in wandb/ are its
+    own); resumed in a shell without the offline mode and without an account, it stops in one line saying
+    that the run logs to W&B and how to go on, having written nothing; and it resumes without W&B."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))  # no account: no key, no netrc
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    run = tmp_path / "r"
+    args = [f"run_dir={run}", "steps=1", "log.to=wandb", "eval.every=-1", "log.completions=0", *CLI_SMALL]
+    assert main(["train", *args]) == 0
+    assert main(["train", "--resume", str(run), "steps=2"]) == 0
+    # in a process of its own: W&B keeps the mode of its first run for the life of a process
+    monkeypatch.delenv("WANDB_MODE")
+    command = [sys.executable, "-m", "parity", "train", "--resume", str(run), "steps=3"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    err = done.stderr.splitlines()
+    assert done.returncode == 2, done.stderr
+    assert err[-1].startswith("parity train: error: log.to: wandb could not start: ") and len(err) == 2  # and a note
+    assert err[-1].endswith(
+        "; the run logs to W&B (log.to=wandb): set WANDB_MODE=offline to keep its W&B files in the run's wandb/ "
+        "without an account or the network (`wandb sync` uploads them later), log in (`wandb login`), or leave W&B "
+        "out (log.to=[], which --resume also takes)"
+    )
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert main(["train", "--resume", str(run), "steps=3", "log.to=[]"]) == 0
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
 
 
 def test_an_uninstalled_tracker_is_refused(tmp_path, monkeypatch, capsys):
@@ -524,6 +587,18 @@ def test_parity_eval_on_a_lora_adapter_folder(tmp_path, llama_dir):
         eval__every=-1, **SMALL,
     )  # fmt: skip
     assert result.model_dir.name == "adapter" and (result.model_dir / "README.md").is_file()
+    # the card's PEFT loading code, on its base (a local one: the card names none), run in the adapter's folder
+    card = (result.model_dir / "README.md").read_text()
+    assert "base_model" not in card and "library_name: peft" in card
+    pytest.importorskip("peft")
+    here = Path.cwd()
+    os.chdir(result.model_dir)
+    try:
+        loaded: dict = {}
+        exec(_usage(card).replace('"BASE_MODEL"', repr(str(llama_dir))), loaded)
+    finally:
+        os.chdir(here)
+    assert type(loaded["model"]).__name__ == "PeftModelForCausalLM" and loaded["model"].peft_config["default"].r == 4
     data = tmp_path / "test.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = parity.evaluate(
@@ -621,7 +696,7 @@ def test_report_labels_a_mean_reward_and_shows_the_newest_completions(tmp_path, 
     assert row.split(" | ")[1].endswith(" mean reward") and "| builtin |" in report
     assert (
         "## custom: completions of step 2" in report
-        and "| prompt | completion | length | reward | reward/length |" in report
+        and "| prompt | completion | length | reward | advantage | reward/length |" in report
     )
 
 

@@ -125,8 +125,6 @@ def test_not_utf8_names_line_and_column(tmp_path):
     "line, problem",
     [
         ("[1, 2]", "got an array"),
-        ('{"answer": 1}', r"'prompt' is missing \(it has 'answer'\)"),
-        ('{"prompt": "1+1="}', r"'answer' is missing \(it has 'prompt'\)"),
         ('{"prompt": 3, "answer": 1}', "'prompt' is a number"),
         ('{"prompt": "", "answer": 1}', "'prompt' is empty"),
         ('{"prompt": " \\n", "answer": 1}', "'prompt' is only whitespace"),
@@ -149,6 +147,33 @@ def test_bad_row_names_line_and_field(tmp_path, line, problem):
         load_problems(path)
 
 
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        (
+            '{"question": "1+1=", "answer": 1}',
+            "no prompt column 'prompt' (task.prompt_column=prompt; the row has 'question', 'answer'): set "
+            "task.prompt_column to the column that holds the prompt",
+        ),
+        (
+            '{"prompt": "1+1="}',
+            "no answer column 'answer' (task.answer_column=answer; the row has 'prompt'): set task.answer_column to "
+            "the column that holds the answer",
+        ),
+        ("{}", "no prompt column 'prompt' (task.prompt_column=prompt; the row has no columns): set task.prompt_column"),
+    ],
+)
+def test_a_missing_column_names_the_key_that_names_it(tmp_path, line, problem):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": 2}\n' + line + "\n")
+    with pytest.raises(DataError, match=rf"^{re.escape(f'{path}:2: {problem}')}"):
+        load_problems(path, columns=data.DataColumns(keys=True))  # a run's columns, as `task.*` names them
+    # a command without those keys (`parity mismatch`'s prompts) names the column and the row's alone
+    plain = problem.split(" (")[0]
+    with pytest.raises(DataError, match=rf"^{re.escape(f'{path}:2: {plain} (the row has ')}[^:]*\)$"):
+        load_problems(path)
+
+
 def test_bad_json_and_lone_surrogate_name_the_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": 2}\n\n{"prompt": "1+1=", "answer": 2\n')
@@ -168,7 +193,10 @@ def test_bad_parquet_rows_name_the_row(tmp_path):
     with pytest.raises(DataError, match=r"d.parquet: row 0: .*; 'prompt' is a number$"):
         load_problems(path)
     pq.write_table(pa.table({"question": ["1+1="], "answer": ["2"]}), path)
-    with pytest.raises(DataError, match=r"d.parquet: missing column\(s\) \['prompt'\]"):
+    with pytest.raises(
+        DataError,
+        match=r"d.parquet: no prompt column 'prompt' \(the file has 'question', 'answer'\)$",
+    ):
         load_problems(path)
     path.write_text("not parquet")
     with pytest.raises(DataError, match=r"d.parquet: cannot read as Parquet"):

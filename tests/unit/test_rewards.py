@@ -363,7 +363,7 @@ def test_dataset_files(tmp_path):
     assert load_problems(jl) == [Problem("1+1=", "2"), Problem("2+2=", "4")]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x", "answer": 1}\n{"prompt": 3}\n')
-    with pytest.raises(DataError, match=r"bad.jsonl:2: expected an object"):
+    with pytest.raises(DataError, match=r"bad.jsonl:2: no answer column 'answer' \(the row has 'prompt'\)$"):
         load_problems(bad)
     import pyarrow as pa
     import pyarrow.parquet as pq

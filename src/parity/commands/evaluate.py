@@ -38,7 +38,6 @@ from parity.engines.models.modules import CausalLM
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, has_builtin_tokenizer, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import regular_file_problem
-from parity.folders import refuse_links
 from parity.outdir import claim_output_dir, write_output, write_output_json
 from parity.rl.builtin_rewards import BINARY_REWARDS, REWARDS, TRUSTED_REWARDS
 from parity.rl.checkpoint import checkpoints, load_checkpoint, require_finite_weights
@@ -48,7 +47,7 @@ from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, builtin_problems
 from parity.rl.reward_fns import Reward, UserRewards, bind_all, data_columns, import_reward_fn
 from parity.rl.rewards import RewardRunner
 from parity.rl.train_config import COMPLETION_FORMATS, MAX_SEED, MICRO_BATCH_TOKENS, RewardSection, TrainConfig
-from parity.rundir import in_use_by
+from parity.rundir import in_use_by, refuse_run_links
 
 BUILTIN_MAX_NEW_TOKENS = 96  # a model directory's default response budget (a run's is its own)
 
@@ -151,7 +150,7 @@ def resolve_target(cfg: EvalConfig) -> Target:
         return _adapter_target(path)
     started = (path / "metrics.jsonl").exists() or (path / "checkpoints").is_dir()
     if (path / "config.yaml").is_file() and started:
-        refuse_links(path, "target")  # a run someone sent: read only what it holds itself
+        refuse_run_links(path, "target")  # a run someone sent: read only what it holds itself
         holder = in_use_by(path)
         if holder is not None:
             raise ConfigError(
@@ -362,14 +361,24 @@ def _trainer(
     return trainer
 
 
+def reward_functions(result: dict[str, Any]) -> list[str]:
+    """The reward functions whose own mean scores the states hold (`eval/<policy>/reward/<name>/mean`)."""
+    prefix = f"eval/{TRAINER}/reward/"
+    metrics = result["states"][0]["metrics"] if result["states"] else {}
+    return [k[len(prefix) : -len("/mean")] for k in metrics if k.startswith(prefix) and k.endswith("/mean")]
+
+
 def markdown_table(result: dict[str, Any]) -> str:
-    """One row per state and policy: its score, pass@k, length, and the gap and KL to the trainer's policy."""
+    """One row per state and policy: its score, each reward function's mean score (with reward functions of
+    your own), pass@k, length, and the gap and KL to the trainer's policy."""
     binary = any("accuracy" in k for state in result["states"] for k in state["metrics"])
     score = "accuracy" if binary else "reward_mean"
+    functions = reward_functions(result)
     lines = [
-        f"| state | step | policy | {score} | pass@{result['samples']} | mean length | gap to trainer | "
-        "responses changed | KL(μ‖π_trainer) per token |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| state | step | policy | {score} | "
+        + "".join(f"reward/{name} | " for name in functions)
+        + f"pass@{result['samples']} | mean length | gap to trainer | responses changed | KL(μ‖π_trainer) per token |",
+        "|---|---|---|---|" + "---|" * len(functions) + "---|---|---|---|---|",
     ]
     for state in result["states"]:
         m = state["metrics"]
@@ -379,6 +388,7 @@ def markdown_table(result: dict[str, Any]) -> str:
             gap, se, kl, changed = (m.get(f"deploy/{k}_{label}") for k in ("gap", "gap_se", "kl", "changed"))
             cells = [
                 f"{m[f'eval/{label}/{score}']:.3f}",
+                *(f"{m[f'eval/{label}/reward/{name}/mean']:.3f}" for name in functions),
                 "-" if passed is None else f"{passed:.3f}",
                 f"{m[f'eval/{label}/mean_length']:.1f}",
                 "-" if gap is None else f"{gap:+.3f} ± {se:.3f}",
@@ -401,7 +411,11 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
         f"({result['reference']}, sampled with the trainer's arithmetic). Gap = a policy's score minus the "
         "trainer policy's, ± its standard error over prompts (paired); responses changed: rows whose response "
         "differs from the trainer policy's in any token; KL per token on the policy's samples, π from the "
-        "trainer's code path.\n\n" + markdown_table(result) + "\n![accuracy per precision](eval.png)\n"
+        "trainer's code path."
+        + (" reward/NAME: each reward function's own mean score, unweighted." if reward_functions(result) else "")
+        + "\n\n"
+        + markdown_table(result)
+        + "\n![accuracy per precision](eval.png)\n"
     )
     write_output(out / "eval.md", md)
     plot_eval(result, out / "eval.png")

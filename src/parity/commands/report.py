@@ -14,10 +14,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from parity.files import JSONError, LineTooLong, bounded_lines, parse_json  # noqa: E402
-from parity.folders import Folder, refuse_links  # noqa: E402
+from parity.folders import Folder  # noqa: E402
 from parity.outdir import check_output_dir, claim_output_dir, write_output, write_output_json  # noqa: E402
 from parity.rl.completions import markdown_table, read_completions, sample_rows  # noqa: E402
 from parity.rl.data import DataError  # noqa: E402
+from parity.rundir import refuse_run_links  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -58,10 +59,10 @@ MAX_LINE_BYTES = 16 * 2**20  # a step's metrics, or one completion's row: far be
 def load_history(run_dir: Path) -> list[dict]:
     """The steps in RUN_DIR/metrics.jsonl. A last line cut short (a run killed mid-write) is left out
     with a warning on stderr; any other unreadable line, or no complete step, is a DataError. A run folder
-    holding a link is refused (`folders.refuse_links`): report reads only what the run wrote."""
+    holding a link (but W&B's own) is refused (`rundir.refuse_run_links`): report reads only what the run wrote."""
     run_dir = Path(run_dir)
     path = run_dir / "metrics.jsonl"
-    refuse_links(run_dir, "run")
+    refuse_run_links(run_dir, "run")
     try:
         with Folder.open(run_dir, key="run") as run, run.open_read(path.name) as f:
             history = _history(path, f)

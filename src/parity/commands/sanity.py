@@ -156,6 +156,7 @@ def run_sanity(options: SanityOptions, log=print) -> dict:
             f"run_dir={run_dir}",
             "checkpoint_every=-1",
             "tensorboard=false",
+            "log.completions=0",  # every step's completions stay in each run's completions/, unprinted
             f"device={options.device}",
         ]
         return config_mod.load(TrainConfig, None, [*keys, *options.overrides])
@@ -254,27 +255,63 @@ def default_jobs(runs: int, device: str) -> int:
     return max(1, min(runs, os.cpu_count() or 1, 4))
 
 
+def _train(cfg: TrainConfig, progress: bool) -> list[dict]:
+    """One run of the test; the settings its runs share are said once (`shared_settings`), not per run."""
+    run = Run.create(cfg, progress=progress)
+    run.announce = False
+    return run.train()
+
+
 def _train_in_worker(cfg: TrainConfig, threads: int) -> list[dict]:
     torch.set_num_threads(threads)
     # The run's progress bars (off) need no lock between processes. tqdm's default one is a named semaphore,
     # which a worker killed on a stop would leave to multiprocessing's resource tracker to remove, and report.
     tqdm.set_lock(threading.RLock())
-    return Run.create(cfg, progress=False).train()
+    return _train(cfg, progress=False)
+
+
+def shared_settings(configs: dict[str, TrainConfig]) -> str:
+    """What every run trains with besides its precision and estimator (their names), on one line."""
+    first = next(iter(configs.values()))
+
+    def values(get) -> str:
+        return ",".join(dict.fromkeys(str(get(c)) for c in configs.values()))
+
+    return (
+        f"{values(lambda c: c.steps)} steps of {values(lambda c: c.prompts_per_step)} prompts x "
+        f"{values(lambda c: c.rollout.group_size)} samples, algorithm.advantage="
+        f"{values(lambda c: c.algorithm.advantage)}, algorithm.truncated={values(lambda c: c.algorithm.truncated)} "
+        f"at rollout.max_new_tokens={first.rollout.max_new_tokens}; each step's completions in "
+        f"{Path(first.run_dir).parent}/RUN/completions/"
+    )
+
+
+def _done_line(done: int, runs: int, name: str, history: list[dict]) -> str:
+    """A finished run's line: its steps and where its training accuracy ended."""
+    last = history[-1] if history else {}
+    accuracy = f", training accuracy {last['reward/accuracy']:.2f}" if "reward/accuracy" in last else ""
+    return f"run {done}/{runs} done: {name} ({len(history)} steps{accuracy})"
 
 
 def train_runs(configs: dict[str, TrainConfig], jobs: int, log=print) -> dict[str, list[dict]]:
     """Train every run, `jobs` at a time (each in its own process, with its share of the threads),
-    and return their metric histories in the order of `configs`."""
+    and return their metric histories in the order of `configs`. Each run says one line when it is done
+    (one at a time, its progress bar before it); its completions go to its files only."""
     for cfg in configs.values():
         remove_run(Path(cfg.run_dir))  # a previous sanity run's copy of this run
     if jobs == 1:
+        log(f"training {len(configs)} runs, one at a time: {shared_settings(configs)}")
         histories = {}
         for i, (name, cfg) in enumerate(configs.items()):
             log(f"run {i + 1}/{len(configs)}: {name}")
-            histories[name] = Run.create(cfg).train()
+            histories[name] = _train(cfg, progress=True)
+            log(_done_line(i + 1, len(configs), name, histories[name]))
         return histories
     threads = max(1, torch.get_num_threads() // jobs)
-    log(f"training {len(configs)} runs, {jobs} at a time ({threads} thread{'s' * (threads > 1)} each)")
+    log(
+        f"training {len(configs)} runs, {jobs} at a time ({threads} thread{'s' * (threads > 1)} each): "
+        f"{shared_settings(configs)}"
+    )
     done: dict[str, list[dict]] = {}
     # spawn: a forked child would inherit this process's thread pools and locks.
     spawn = multiprocessing.get_context("spawn")
@@ -290,9 +327,7 @@ def train_runs(configs: dict[str, TrainConfig], jobs: int, log=print) -> dict[st
                     done[name] = future.result()
                 except BrokenProcessPool:
                     raise _died(configs, done, jobs) from None
-                last = done[name][-1] if done[name] else {}
-                accuracy = f", training accuracy {last['reward/accuracy']:.2f}" if "reward/accuracy" in last else ""
-                log(f"run {len(done)}/{len(configs)} done: {name} ({len(done[name])} steps{accuracy})")
+                log(_done_line(len(done), len(configs), name, done[name]))
         except BaseException:  # a stop signal (`Stopped`), or a run that failed: the runs under way are abandoned
             for future in futures:
                 future.cancel()

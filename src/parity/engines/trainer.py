@@ -41,11 +41,13 @@ class OptimConfig:
 
 
 def scheduled_lr(base: float, schedule: str, warmup_steps: int, step: int, total_steps: int) -> float:
-    """The learning rate of RL step `step` (0-based) of `total_steps`: rising linearly over the first
-    `warmup_steps` steps to `base`, then `constant`, or falling towards 0 along a `linear` or `cosine`
-    schedule that reaches 0 one step past the last (so the last step still learns)."""
+    """The learning rate of RL step `step` (0-based) of `total_steps`, as transformers' schedulers give it
+    after `step` scheduler steps (`get_constant_schedule_with_warmup`, `get_linear_schedule_with_warmup`,
+    `get_cosine_schedule_with_warmup` with `num_training_steps=total_steps`): base·step/warmup_steps over
+    the first `warmup_steps` steps (0 at step 0), then `constant`, or falling towards 0 along a `linear` or
+    `cosine` schedule that reaches 0 one step past the last (so the last step still learns)."""
     if step < warmup_steps:
-        return base * (step + 1) / warmup_steps
+        return base * step / warmup_steps
     if schedule == "constant":
         return base
     span = max(total_steps - warmup_steps, 1)

@@ -360,7 +360,9 @@ def _write_checkpoint(folder: Folder, trained: Trainer | ShardWriter, state: Run
             raise CheckpointError(f"step {state.step}: not saving a checkpoint: inf/NaN in {', '.join(bad[:3])}")
         tensors, tensor_file = {}, SHARDED_RNG
     else:
-        card = model_card(state.config or {}, state.metrics or {}, state.step, str(Path(model_dir).resolve()))
+        card = model_card(
+            state.config or {}, state.metrics or {}, state.step, Path(model_dir), trained.lora is not None
+        )
         if trained.lora is None:
             save_model(trained.model, tmp / "model", functools.partial(_model_files, model_dir, card))
         else:

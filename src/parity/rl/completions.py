@@ -13,6 +13,7 @@ from typing import Any
 from parity.files import JSONError, LineTooLong, bounded_lines, parse_json
 from parity.folders import Folder
 from parity.rl.data import DataError
+from parity.rl.problems import Problem
 
 COMPLETIONS_DIR = "completions"
 STEP_FILE = re.compile(r"step_\d{6,}\.jsonl")
@@ -21,29 +22,37 @@ CELL_CHARS = 60  # characters of a prompt or completion shown in the printed tab
 
 def completion_rows(
     step: int,
-    prompts: list[Any],
+    problems: list[Problem],
     completions: list[str],
-    rewards: list[float],
+    scores: list[float],
     per_function: dict[str, list[float]],
     lengths: list[int],
     truncated: list[bool],
+    trained: list[float],
+    advantages: list[float],
     extra: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per completion: its prompt, text, length, whether it was cut off at the length limit,
-    the reward it trained on and each reward function's score (null where a function returned None, and
-    the reward where every one did); `extra`: more fields per row (an episode's messages, turns and how it
-    ended)."""
+    """One row per completion: its problem's prompt, the text, its length, whether it was cut off at the
+    length limit, the reward it trained on (`trained`: the score after `algorithm.truncated`) and its
+    advantage, the score before truncation (`scores`, the reward functions' weighted total) and each reward
+    function's own score (null where a function returned None, and the reward where every one did), and the
+    data row's other columns (`columns`; the answer for a built-in task); `extra`: more fields per row (an
+    episode's messages, turns and how it ended)."""
     rows = []
     for i, completion in enumerate(completions):
+        problem = problems[i]
         row = {
             "step": step,
-            "prompt": prompts[i],
+            "prompt": problem.prompt,
             "completion": completion,
             "length": lengths[i],
             "truncated": truncated[i],
-            "reward": _score(rewards[i]),
+            "reward": _score(trained[i]),
+            "advantage": advantages[i],
+            "score": _score(scores[i]),
         }
         row.update({f"reward/{name}": _score(values[i]) for name, values in per_function.items()})
+        row["columns"] = problem.columns or {"answer": problem.answer}
         if extra is not None:
             row.update(extra[i])
         rows.append(row)
@@ -59,7 +68,8 @@ def write_completions(run_dir: Path, step: int, rows: list[dict[str, Any]]) -> P
     name = f"{COMPLETIONS_DIR}/step_{step:06d}.jsonl"
     with Folder.open(run_dir, key="run_dir") as run:
         run.mkdir(COMPLETIONS_DIR)
-        run.write_text(name, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+        # default=str: a data column's value JSON has no form for (a Parquet date, bytes) as its text
+        run.write_text(name, "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows))
     return run_dir / name
 
 
@@ -78,7 +88,9 @@ def _is_integer(value: Any) -> bool:
 
 
 # The fields of a row that `markdown_table` reads, as `completion_rows` writes them; and each score (the
-# first row's `reward...` keys) must be a number in every row.
+# first row's `reward...` keys, its advantage and score; files of earlier versions have neither) must be a
+# number in every row.
+NUMBERS = ("advantage", "score")
 ROW_FIELDS = (
     ("step", "an integer", _is_integer),
     ("prompt", "a string or a list of messages", lambda v: isinstance(v, (str, list))),
@@ -121,7 +133,7 @@ def read_completions(run_dir: Path, max_line_bytes: int) -> list[dict[str, Any]]
                     except (JSONError, UnicodeDecodeError):
                         continue  # a line a kill cut short
                     if not rows and isinstance(row, dict):
-                        scores = [k for k in row if k.startswith("reward")]
+                        scores = [k for k in row if k.startswith("reward") or k in NUMBERS]
                     problem = _row_problem(row, scores)
                     if problem is not None:
                         where = f"{run_dir / name}:{lineno}"
@@ -147,11 +159,19 @@ def sample_rows(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     return [rows[int(i * stride)] for i in range(n)]
 
 
+def table_columns(row: dict[str, Any]) -> list[str]:
+    """The numbers the table shows: the reward trained on, the advantage, and each reward function's score
+    (the score before truncation where there is no function of its own: a built-in task's)."""
+    shown = [k for k in ("reward", "advantage") if k in row]
+    return shown + ([k for k in row if k.startswith("reward/")] or [k for k in ("score",) if k in row])
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a Markdown table: prompt, completion, length (+ when cut off), each reward."""
+    """The rows as a Markdown table: prompt, completion, length (+ when cut off), the reward trained on, the
+    advantage and the scores (`table_columns`)."""
     if not rows:
         return ""
-    scores = [k for k in rows[0] if k.startswith("reward")]
+    scores = table_columns(rows[0])
     lines = [
         "| prompt | completion | length | " + " | ".join(scores) + " |",
         "|---|---|---|" + "---|" * len(scores),

@@ -170,12 +170,9 @@ def _parquet_rows(path: Path, columns: DataColumns) -> Iterator[tuple[str, objec
 
     try:
         file = pq.ParquetFile(path)
-        missing = set(columns.required) - set(file.schema_arrow.names)
+        missing = [name for name in columns.required if name not in file.schema_arrow.names]
         if missing:
-            raise DataError(
-                f"{path}: missing column(s) {sorted(missing)}; need {columns.describe()} "
-                f"(the file has {', '.join(file.schema_arrow.names)})"
-            )
+            raise DataError(f"{path}: {columns.missing(missing[0], file.schema_arrow.names, 'the file')}")
         index = 0
         for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS):
             for row in batch.to_pylist():
@@ -197,10 +194,20 @@ class DataColumns:
     prompt: str = "prompt"
     answer: str = "answer"
     answer_required: bool = True
+    keys: bool = False  # the columns are the ones `task.prompt_column` and `task.answer_column` name (a run's)
 
     @property
     def required(self) -> tuple[str, ...]:
         return (self.prompt, self.answer) if self.answer_required else (self.prompt,)
+
+    def missing(self, name: str, have: list[str], holder: str = "the row") -> str:
+        """What to say of data without column `name` (one of the two), whose `holder` has the columns `have`:
+        the config key that names the column, and the columns there are."""
+        what, key = ("prompt", "task.prompt_column") if name == self.prompt else ("answer", "task.answer_column")
+        has = f"{holder} has {', '.join(map(repr, have))}" if have else f"{holder} has no columns"
+        if not self.keys:
+            return f"no {what} column '{name}' ({has})"
+        return f"no {what} column '{name}' ({key}={name}; {has}): set {key} to the column that holds the {what}"
 
     def describe(self) -> str:
         prompt = f"a {PROMPT_FORM} '{self.prompt}'"
@@ -214,7 +221,7 @@ def _problem(where: str, row: object, columns: DataColumns) -> Problem:
         raise DataError(f"{expected}; got {_kind(row)}")
     for name in columns.required:
         if name not in row:
-            raise DataError(f"{expected}; '{name}' is missing (it has {', '.join(map(repr, row)) or 'no keys'})")
+            raise DataError(f"{where}: {columns.missing(name, list(row))}")
     prompt = check_prompt(where, expected, row[columns.prompt], columns.prompt)
     answer = row.get(columns.answer, "")
     if columns.answer_required and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
@@ -279,13 +286,19 @@ def _kind(value: object) -> str:
 DATA_DIR = "data"  # in a run directory: the datasets the Python API was given in memory, as JSONL
 
 
-def write_rows(run_dir: Path, name: str, rows: list[dict[str, Any]], split: str) -> Path:
+def write_rows(
+    run_dir: Path, name: str, rows: list[dict[str, Any]], split: str, columns: DataColumns | None = None
+) -> Path:
     """Rows (dicts of JSON values) as the JSONL file `name` in the run's folder, atomically; a row JSON cannot
-    hold is a DataError."""
+    hold, or one without a column `columns` requires, is a DataError naming the dataset and row (not the
+    file, which is Parity's own)."""
     lines = []
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise DataError(f"{split} dataset row {i}: expected a dict of columns, got {_kind(row)}")
+        for column in columns.required if columns is not None else ():
+            if column not in row:
+                raise DataError(f"{split} dataset row {i}: {columns.missing(column, list(row))}")
         try:
             lines.append(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
         except (TypeError, ValueError) as e:

@@ -85,14 +85,25 @@ def prompt_scores(rewards: list[float], samples: int, binary: bool) -> torch.Ten
     return (r >= 1.0).double().mean(-1) if binary else r.nanmean(-1).nan_to_num(0.0)
 
 
-def outcome_metrics(batch: RolloutBatch, rewards: list[float], samples: int, binary: bool) -> dict[str, float]:
+def outcome_metrics(
+    batch: RolloutBatch,
+    rewards: list[float],
+    samples: int,
+    binary: bool,
+    per_function: dict[str, list[float]] | None = None,
+) -> dict[str, float]:
     """accuracy, pass@k (k = samples: some response of a prompt is correct) and mean length, for a
-    binary reward; the mean reward always. Rows are grouped by prompt."""
+    binary reward; the mean reward (the functions' weighted total) always, and each reward function's own
+    mean score (`reward/<name>/mean`, from `per_function`). Rows are grouped by prompt."""
     r = torch.tensor(rewards, dtype=torch.float64).view(-1, samples)
     # the model's own tokens (an episode's fed ids are not its answer's length)
     scored = r[~r.isnan()]  # responses no reward function scored (each returned None) are left out
     reward_mean = float(scored.mean()) if scored.numel() else 0.0
     out = {"reward_mean": reward_mean, "mean_length": float(batch.sampled_mask.sum(-1).double().mean())}
+    for name, scores in (per_function or {}).items():
+        values = torch.tensor(scores, dtype=torch.float64)
+        if not values.isnan().all():  # a function that returned None for every sample has no mean
+            out[f"reward/{name}/mean"] = float(values.nanmean())
     if binary:
         correct = r >= 1.0
         out.update(accuracy=float(correct.double().mean()), **{"pass@k": float(correct.any(-1).double().mean())})
@@ -174,7 +185,8 @@ class Evaluator:
             engine.load_weights(weights, version)
             batch = self._answer(engine, seed)
             result = score_rollouts(batch, es.problems, self.tokenizer, self.rewards)
-            outcomes[label], batches[label] = outcome_metrics(batch, result.rewards, es.samples, es.binary), batch
+            outcomes[label] = outcome_metrics(batch, result.rewards, es.samples, es.binary, result.per_function)
+            batches[label] = batch
             scores[label] = prompt_scores(result.rewards, es.samples, es.binary)
         metrics = {"eval/prompts": len(es.prompts)}
         if self.own is not None:

@@ -70,6 +70,7 @@ from parity.rl.step import (
     old_policy,
     prepare,
     step_metrics,
+    trained_rewards,
 )
 from parity.rl.trackers import Tracker, check_trackers, open_trackers
 from parity.rl.train_config import RESUMABLE_KEYS, TrainConfig
@@ -275,6 +276,8 @@ class Run:
         self.unscored_warned = False  # every reward function returned None for a sample: said once
         self.saved_step = 0  # the step of the newest checkpoint this run wrote or resumed from
         self.state = TrainerState(max_steps=cfg.steps)  # where the run stands, for callbacks (`train`)
+        self.truncation_warned = False  # this streak of steps cutting off most responses was warned of
+        self.announce = True  # train() starts with `settings_line`; `parity sanity` prints its own, once
         self.last_metrics: dict[str, float] = {}  # the newest step's, for the model card of a checkpoint
         # task.name=math scores only \boxed{} answers: warn (once) if a whole step holds none.
         self.watch_boxed = cfg.task.name == "math" and not cfg.task.reward_fn
@@ -422,7 +425,7 @@ class Run:
             cfg.run_dir = str(run_dir)
             cfg.resolve_paths(Path.cwd())
             for split, rows in (datasets or {}).items():
-                path = write_rows(run_dir, f"{DATA_DIR}/{split}.jsonl", rows, split)
+                path = write_rows(run_dir, f"{DATA_DIR}/{split}.jsonl", rows, split, data_columns(cfg))
                 if split == "train":
                     cfg.task.data = str(path.resolve())
                 else:
@@ -657,20 +660,42 @@ class Run:
         metrics.update({f"time/{k}": v for k, v in times.items()})
         metrics["perf/tokens_per_s"] = batch.num_tokens / times["step"]
         metrics["perf/train_gflops"] = update.flops / 1e9 / times["train"]
+        self._warn_truncation(metrics)
         return metrics
 
+    def _warn_truncation(self, metrics: dict[str, float]) -> None:
+        """A step that cut off more than half of its responses under a rule that zeroes their reward (or drops
+        them) says so, once per streak of such steps: its reward is mostly the rule's, not the task's."""
+        a, cut = self.cfg.algorithm, metrics["response/truncated_frac"]
+        if cut <= 0.5 or a.truncated == "keep":
+            self.truncation_warned = False
+            return
+        if not self.truncation_warned:
+            samples = int(metrics["train/samples"])
+            done = "scored them 0" if a.truncated == "zero_reward" else "left them out of the loss"
+            tqdm.write(
+                f"WARNING step {self.step_count}: {round(cut * samples)} of {samples} responses were cut off at "
+                f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens} and algorithm.truncated={a.truncated} "
+                f"{done}; raise rollout.max_new_tokens, or set algorithm.truncated=keep to train on their rewards",
+                file=sys.stderr,
+            )
+        self.truncation_warned = True
+
     def _show_completions(self, batch: RolloutBatch, problems: list[Problem], result) -> None:
-        """completions/step_N.jsonl with every completion of the step and its rewards; `log.completions`
-        of them printed as a table."""
+        """completions/step_N.jsonl with every completion of the step, the reward it trains on, its advantage
+        and its scores; `log.completions` of them printed as a table."""
         groups = batch.group_index.tolist()
+        trained, advantages = trained_rewards(batch, result, self.cfg.algorithm.advantage, self.cfg.algorithm.truncated)
         rows = completion_rows(
             self.step_count + 1,
-            [problems[g].prompt for g in groups],
+            [problems[g] for g in groups],
             result.responses,
             result.rewards,
             result.per_function,
             batch.response_lengths.tolist(),
             batch.truncated.tolist(),
+            trained.tolist(),
+            advantages.tolist(),
             None if batch.episodes is None else batch.episodes.records(batch),
         )
         write_completions(self.run_dir, self.step_count + 1, rows)
@@ -751,6 +776,8 @@ class Run:
                 f"rollout {cfg.rollout_precision}",
                 file=sys.stderr,
             )
+        if self.announce:
+            print(settings_line(cfg), file=sys.stderr)
         history = []
         self.saved_step = self.step_count  # a resumed run's step is its checkpoint's
         bar = tqdm(total=cfg.steps, initial=self.step_count, desc="train", unit="step", disable=not self.progress)
@@ -790,7 +817,8 @@ class Run:
                 if "eval/accuracy" in metrics:
                     headline["eval"] = f"{metrics['eval/accuracy']:.2f}"
                 bar.set_postfix(headline)
-                if metrics["groups/zero_variance_frac"] == 1.0:
+                # A step whose every response is correct trained nothing too, but that is the task solved.
+                if metrics["groups/zero_variance_frac"] == 1.0 and metrics.get("reward/accuracy") != 1.0:
                     if not self.zero_variance_warned:
                         tqdm.write(
                             f"WARNING step {self.step_count}: every group's rewards are equal "
@@ -851,6 +879,24 @@ class Run:
             self.step_count, self.backend.data_position, config=config_mod.to_dict(self.cfg), metrics=self.last_metrics
         )
         return self.backend.save(self.run_dir, state, self.cfg.keep_checkpoints)
+
+
+TRUNCATION_RULES = {"zero_reward": "scores 0", "drop": "is left out of the loss", "keep": "keeps its reward"}
+
+
+def settings_line(cfg: TrainConfig) -> str:
+    """The settings that make a run train something else than another library's defaults would, on one line:
+    the precisions, the estimator, the advantage and what a response cut off at the length limit gets."""
+    a = cfg.algorithm
+    if cfg.trainer_precision == cfg.rollout_precision:
+        precision = f"precision={cfg.trainer_precision}"
+    else:
+        precision = f"trainer.precision={cfg.trainer_precision}, rollout.precision={cfg.rollout_precision}"
+    return (
+        f"settings: {precision}{', exact=true' if cfg.exact else ''}, algorithm.name={a.name}, "
+        f"algorithm.advantage={a.advantage}, algorithm.truncated={a.truncated} (a response cut off at "
+        f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} {TRUNCATION_RULES[a.truncated]})"
+    )
 
 
 def summary_line(history: list[dict[str, Any]]) -> str:

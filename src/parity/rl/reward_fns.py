@@ -466,7 +466,7 @@ def data_columns(cfg: TrainConfig) -> DataColumns:
     """The data's prompt and answer columns; the answer is needed by the built-in rewards that compare with it."""
     # An environment of your own scores its episodes (its steps' rewards) unless reward functions are given.
     checks_answer = not cfg.task.reward_fn and cfg.task.name != "length" and not cfg.task.environment
-    return DataColumns(cfg.task.prompt_column, cfg.task.answer_column, answer_required=checks_answer)
+    return DataColumns(cfg.task.prompt_column, cfg.task.answer_column, answer_required=checks_answer, keys=True)
 
 
 def binary_reward(cfg: TrainConfig) -> bool:

@@ -185,6 +185,22 @@ def resolve_old(batch: RolloutBatch, plan: UpdatePlan, trainer: Trainer | None) 
     return None, "first_pass"
 
 
+def trained_rewards(
+    batch: RolloutBatch, result: RewardResult, advantage: str, truncated: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rewards the loss sees (the scores with `algorithm.truncated` applied) and their group advantages
+    (`algorithm.advantage`), one per row."""
+    device = batch.response_mask.device
+    rewards = training_rewards(torch.tensor(result.rewards, device=device), batch.truncated, truncated)
+    scores = weights = None
+    if advantage in PER_FUNCTION_ADVANTAGES and result.per_function:  # each function's scores [B, K]
+        scores = torch.tensor(list(result.per_function.values()), device=device).T
+        scores = training_rewards(scores, batch.truncated[:, None], truncated)
+        weights = torch.tensor([result.weights[name] for name in result.per_function], device=device)
+    # A sample no reward function scored (each returned None) is NaN: `group_advantages` gives it 0.
+    return rewards, group_advantages(rewards, batch.group_index, advantage, scores, weights)
+
+
 def prepare(
     batch: RolloutBatch,
     result: RewardResult,
@@ -196,15 +212,7 @@ def prepare(
     """Rewards to advantages and the loss mask, with the estimator's rejection applied; `old` is
     `resolve_old`'s answer."""
     old_logprobs, old_source = old
-    device = batch.response_mask.device
-    rewards = training_rewards(torch.tensor(result.rewards, device=device), batch.truncated, truncated)
-    scores = weights = None
-    if advantage in PER_FUNCTION_ADVANTAGES and result.per_function:  # each function's scores [B, K]
-        scores = torch.tensor(list(result.per_function.values()), device=device).T
-        scores = training_rewards(scores, batch.truncated[:, None], truncated)
-        weights = torch.tensor([result.weights[name] for name in result.per_function], device=device)
-    # A sample no reward function scored (each returned None) is NaN: `group_advantages` gives it 0.
-    advantages = group_advantages(rewards, batch.group_index, advantage, scores, weights)
+    rewards, advantages = trained_rewards(batch, result, advantage, truncated)
     loss_mask = batch.sampled_mask.clone()
     if truncated == "drop":
         loss_mask[batch.truncated] = False

@@ -113,6 +113,15 @@ def _mlflow_name(key: str) -> str:
     return key.replace("/", ".").replace("@", "_at_")
 
 
+# What to do when a tracker cannot start, most often a run (or its resume) in a shell without the tracker's
+# offline mode, account or network: log.to may change on resume.
+HINTS = {
+    "wandb": (
+        "; the run logs to W&B (log.to=wandb): set WANDB_MODE=offline to keep its W&B files in the run's wandb/ "
+        "without an account or the network (`wandb sync` uploads them later), log in (`wandb login`), or leave W&B "
+        "out (log.to=[], which --resume also takes)"
+    ),
+}
 TRACKERS = {"tensorboard": TensorBoard, "wandb": WandB, "trackio": Trackio, "mlflow": MLflow}
 
 
@@ -144,6 +153,7 @@ def open_trackers(
         except Exception as e:  # a tracker that cannot start (its server, its store): one line, not its traceback
             for tracker in opened:
                 tracker.close()
-            summary = " ".join(str(e).split())[:300]
-            raise ConfigError(f"log.to: {name} could not start: {type(e).__name__}: {summary}") from None
+            summary = " ".join(str(e).split())[:300].rstrip(".")
+            hint = HINTS.get(name, "")
+            raise ConfigError(f"log.to: {name} could not start: {type(e).__name__}: {summary}{hint}") from None
     return opened
