@@ -91,10 +91,6 @@ def test_episode_records():
         (["task.tools=tools:add", "episode.turn_tokens=200"], r"episode.turn_tokens: must be in \[1, rollout"),
         (["task.tools=tools:add", "episode.tool_format=json"], "episode.tool_format"),
         (["task.tools=tools:add", "episode.max_turns=0"], "episode.max_turns"),
-        (
-            ["task.tools=tools:add", "distributed.rollout_workers=1", "async.partial_rollouts=2"],
-            "async.partial_rollouts with episodes",
-        ),
     ],
 )
 def test_episode_keys_refused(overrides, message):

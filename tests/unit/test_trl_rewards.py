@@ -98,10 +98,13 @@ def test_a_function_returning_none_for_the_whole_first_batch_warns(capsys):
 
 def test_unscored_samples_are_null_in_the_completions_file_and_table(tmp_path):
     nan = math.nan
-    rows = completion_rows(1, ["p", "q"], ["a", "b"], [1.5, nan], {"f": [1.5, nan]}, [1, 1], [False, False])
+    problems = [Problem("p", "", {}), Problem("q", "", {})]
+    rows = completion_rows(
+        1, problems, ["a", "b"], [1.5, nan], {"f": [1.5, nan]}, [1, 1], [False, False], [1.5, nan], [0.0, 0.0]
+    )
     (tmp_path / "run").mkdir()
     path = write_completions(tmp_path / "run", 1, rows)
     written = [json.loads(line) for line in path.read_text().splitlines()]
-    assert written[1]["reward"] is None and written[1]["reward/f"] is None
+    assert written[1]["reward"] is None and written[1]["score"] is None and written[1]["reward/f"] is None
     assert read_completions(tmp_path / "run", 10_000)[1]["reward/f"] is None
-    assert "| None | None |" in markdown_table(written)
+    assert "| None | 0 | None | None |" in markdown_table(written)
