@@ -107,4 +107,4 @@ def test_unscored_samples_are_null_in_the_completions_file_and_table(tmp_path):
     written = [json.loads(line) for line in path.read_text().splitlines()]
     assert written[1]["reward"] is None and written[1]["score"] is None and written[1]["reward/f"] is None
     assert read_completions(tmp_path / "run", 10_000)[1]["reward/f"] is None
-    assert "| None | 0 | None | None |" in markdown_table(written)
+    assert "| None | 0 | None |" in markdown_table(written)  # reward, advantage, reward/f
