@@ -46,8 +46,18 @@ RUN_ENTRIES = {
 }
 # Folders of a run that a tracker writes in through its own library, with links of its own (W&B links its logs,
 # some to its cache outside the run). Parity reads, writes and deletes nothing below them (a run removed whole
-# goes without following a link), so links there are let through; the folder itself being a link is not.
+# goes without following a link), so links there are let through when they point where the tracker itself
+# keeps files (`tracker_roots`): the tracker resumed on a received run writes through them. The folder itself
+# being a link is refused.
 TRACKER_DIRS = ("wandb",)
+
+
+def tracker_roots(run_dir: Path) -> list[Path]:
+    """Where a link below a tracker's folder may lead: that folder, and W&B's own cache and data folders."""
+    home = Path.home()
+    cache = os.environ.get("WANDB_CACHE_DIR") or home / ".cache" / "wandb"
+    data = os.environ.get("WANDB_DATA_DIR") or home / ".local" / "share" / "wandb"
+    return [(run_dir / d).resolve() for d in TRACKER_DIRS] + [Path(cache).resolve(), Path(data).resolve()]
 # Temporary files of `Folder.write_bytes` that a kill can leave behind.
 TEMP_PATTERNS = (".config.yaml.*.tmp", ".numerics.json.*.tmp", ".metrics.jsonl.*.tmp")
 
@@ -70,8 +80,18 @@ def foreign_entries(run_dir: Path) -> list[str]:
 
 
 def refuse_run_links(run_dir: Path, key: str) -> None:
-    """Refuse a run directory holding a link anywhere below it, but inside a tracker's folder (`TRACKER_DIRS`)."""
+    """Refuse a run directory holding a link anywhere below it, but inside a tracker's folder (`TRACKER_DIRS`),
+    where a link may lead to `tracker_roots` only."""
     links = links_below(run_dir, limit=1, skip=TRACKER_DIRS)
+    roots = tracker_roots(run_dir)
+    for folder in TRACKER_DIRS:
+        if links or not (run_dir / folder).is_dir() or (run_dir / folder).is_symlink():
+            break
+        for link in links_below(run_dir / folder, limit=10_000):
+            target = (run_dir / folder / link).resolve()
+            if not any(target == root or target.is_relative_to(root) for root in roots):
+                links = [f"{folder}/{link}"]
+                break
     if links:
         raise link_refusal(run_dir, links[0], key)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from parity.files import LineTooLong, bounded_lines
+from parity.config import ConfigError
 from parity.folders import Folder, LinkError, NotRegularError, atomic_write_text, links_below, refuse_links
 
 
@@ -133,3 +134,26 @@ def test_an_over_long_line_is_measured_not_held():
     finally:
         tracemalloc.stop()
     assert peak < 8 * 2**20
+
+
+def test_links_in_a_trackers_folder_may_lead_only_where_the_tracker_keeps_files(tmp_path, monkeypatch):
+    """W&B's own links in a run's wandb/ (to its runs there, to its cache) pass; one leading anywhere else, or
+    wandb/ itself a link, is refused, naming it."""
+    from parity.rundir import refuse_run_links
+
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    (run / "wandb" / "run-1" / "files").mkdir(parents=True)
+    (tmp_path / "cache" / "logs").mkdir(parents=True)
+    (run / "wandb" / "latest-run").symlink_to("run-1")
+    (run / "wandb" / "run-1" / "files" / "debug.log").symlink_to(tmp_path / "cache" / "logs")
+    refuse_run_links(run, "run_dir")
+    (tmp_path / "elsewhere").mkdir()
+    (run / "wandb" / "run-1" / "files" / "out").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match="wandb/run-1/files/out"):
+        refuse_run_links(run, "run_dir")
+    (run / "wandb" / "run-1" / "files" / "out").unlink()
+    (run / "wandb").rename(tmp_path / "w")
+    (run / "wandb").symlink_to(tmp_path / "w")
+    with pytest.raises(ConfigError, match="wandb"):
+        refuse_run_links(run, "run_dir")
