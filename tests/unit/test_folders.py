@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from parity.files import LineTooLong, bounded_lines
 from parity.config import ConfigError
+from parity.files import LineTooLong, bounded_lines
 from parity.folders import Folder, LinkError, NotRegularError, atomic_write_text, links_below, refuse_links
 
 
