@@ -57,6 +57,23 @@ def test_exact_mode_holds_across_turns(precision, sampling):
     assert int(turn.max()) <= 2 and bool((turn[batch.env_mask] == -1).all())
 
 
+def test_exact_mode_holds_past_192_keys():
+    """Episodes on the built-in agent model (256 positions) whose rows pass 192 keys, at different positions
+    (rows fed between turns run ahead). MKL's FP32 GEMM splits a sum of more than 192 terms where the term
+    count says, so a query's p·v over the decode step's keys (the furthest row's) and over the trainer's
+    padded row differed in the last bit (2 tokens, AMD EPYC) until exact mode summed it in fixed blocks of keys."""
+    model, engine = engines("builtin-agent", "bf16")
+    turns = Turns(4, limit=60)
+    prompts = random_prompts(4, model.config.vocab_size, seed=3)
+    sampling = SamplingParams(max_new_tokens=240)
+    batch = engine.generate(prompts, 2, sampling, seed=3, limits=[200] * 8, between=turns)
+    assert len(turns.ended) >= 2 and int(batch.env_mask.sum()) > 0  # episodes, rows at different positions
+    assert min(len(p) for p in prompts) + int(batch.response_lengths.max()) > 192
+    sampled = batch.sampled_mask
+    pi = trainer_logprobs(model, batch, "bf16", micro_batch=8)
+    assert bool(((pi == batch.rollout_logprobs) | ~sampled).all())
+
+
 def test_a_turn_limit_cuts_the_turn_and_the_episode_stops():
     model, engine = engines("builtin", "fp32", exact=False)
     turns = Turns(4, limit=2)

@@ -133,6 +133,28 @@ def test_exact_linear_rows_do_not_depend_on_the_batch_and_gradients_are_linears(
     assert torch.autograd.gradcheck(lambda a, w, b: exact.linear(a, w, b), (x64, w64, b64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_attention_does_not_depend_on_the_masked_keys_after_a_query(dtype):
+    """Exact mode on the CPU: a query's attention over its 167 keys has the same bits in the trainer's causal
+    attention over 300 positions and in a decode step over its cache followed by any number of masked keys
+    (the furthest row's in the step). MKL splits a sum of more than 192 terms where the term count says, so
+    p·v is summed in blocks of `EXACT_KEY_BLOCK` keys."""
+    exact = kernels.numerics("cpu", exact=True)
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, length, position = 4, 2, 32, 300, 166
+    q = torch.randn(1, heads, length, d, generator=gen).to(dtype)
+    k, v = (torch.randn(1, kv_heads, length, d, generator=gen).to(dtype) for _ in range(2))
+    trainer = exact.attention(q, k, v)[:, :, position : position + 1]
+
+    def decode(keys: int) -> torch.Tensor:
+        bias = torch.zeros(1, 1, 1, keys).masked_fill(torch.arange(keys) > position, float("-inf"))
+        k_t = k.float().transpose(-1, -2)[..., :keys]
+        return exact.decode_attention(q[:, :, position : position + 1], k_t, v.float()[:, :, :keys], bias)
+
+    for keys in [position + 1, 192, 193, 200, 224, 260, length]:
+        assert torch.equal(decode(keys), trainer), keys
+
+
 def test_numerics_is_one_object_per_device_and_mode():
     assert kernels.numerics() is kernels.numerics("cpu", False)
     exact = kernels.numerics("cpu", exact=True)

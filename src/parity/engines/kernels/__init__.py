@@ -63,6 +63,14 @@ ACTIVATION_ROW_MULTIPLE = 64
 # Batched matmuls (attention) take another path, whose results vary only below 4 rows: a
 # decode step's few query rows per KV head need less padding than MIN_ROWS.
 MIN_BATCHED_ROWS = 4
+# Exact mode on the CPU sums attention's probability-weighted values over blocks of this many keys, one
+# block after another. MKL's FP32 GEMM splits a dot product of more than 192 terms into pieces whose
+# bounds follow the term count (measured on an AMD EPYC, MKL 2024.2: a query's p·v over 167 real keys
+# changed bits between 193 and 400 keys, the keys past its own being zeros), so a query's sum would
+# depend on how many keys its call held: the decode step's furthest row, the trainer's longest row in
+# its chunk. Within one block's fixed shape the trailing zeros change nothing; the blocks past a
+# query's last key add exact zeros. (The GPU kernel walks keys in blocks of 64 too, `attention.py`.)
+EXACT_KEY_BLOCK = 64
 
 
 def emulated(t: torch.Tensor) -> bool:
@@ -521,7 +529,18 @@ class CpuExact(_Exact):
             scores = F.pad(scores, (0, short), value=float("-inf"))
             v = F.pad(v, (0, 0, 0, short))
         probs = torch.softmax(scores, dim=-1).to(dtype)
-        return self.matmul(probs.float(), v.float()).to(dtype)
+        return self._blocked_matmul(probs.float(), v.float()).to(dtype)
+
+    def _blocked_matmul(self, probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """probs [..., M, S] @ v [..., S, D] as a sum over blocks of EXACT_KEY_BLOCK keys (the last zero padded),
+        added in key order: each block one matmul of one shape, so a query's sum does not depend on S. One
+        call per block reads the cache's values in place (a [.., blocks, ..] batch would copy them all)."""
+        out = None
+        for start in range(0, probs.shape[-1], EXACT_KEY_BLOCK):
+            keys = slice(start, start + EXACT_KEY_BLOCK)
+            part = self.matmul(_pad(probs[..., keys], -1, EXACT_KEY_BLOCK), _pad(v[..., keys, :], -2, EXACT_KEY_BLOCK))
+            out = part if out is None else out + part
+        return out
 
 
 class TritonExact(_Exact):
