@@ -58,6 +58,8 @@ def tracker_roots(run_dir: Path) -> list[Path]:
     cache = os.environ.get("WANDB_CACHE_DIR") or home / ".cache" / "wandb"
     data = os.environ.get("WANDB_DATA_DIR") or home / ".local" / "share" / "wandb"
     return [(run_dir / d).resolve() for d in TRACKER_DIRS] + [Path(cache).resolve(), Path(data).resolve()]
+
+
 # Temporary files of `Folder.write_bytes` that a kill can leave behind.
 TEMP_PATTERNS = (".config.yaml.*.tmp", ".numerics.json.*.tmp", ".metrics.jsonl.*.tmp")
 
