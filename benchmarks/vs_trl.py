@@ -27,7 +27,7 @@ With `--model DIR` (any Hugging Face directory Parity runs, e.g. SmolLM2-135M-In
 docs/real-models.md converts it) the prompts are chat messages, which both sides put through the
 model's chat template, and the reward is `task.name=number`'s: the number the model answers.
     python benchmarks/vs_trl.py --solve [--budget-s 300] [--json out.json] [--plot solve.png]
-    python benchmarks/vs_trl.py --custom-task --models smollm2-shape --precisions fp32 [--threads N]
+    python benchmarks/vs_trl.py --custom-task --models smollm2-shape --precisions fp32 [--threads N] [--shape 4,4,32]
 
 `--custom-task` runs your-own-task's shape on both sides: the rows a `datasets.Dataset` holds (integer
 answers), two batched reward functions (a correctness check and a torch judge model, weights 1 and
@@ -413,6 +413,9 @@ def step_table(args) -> dict:
     configs = CONFIGS
     if args.model is not None:
         configs = {f"{args.model.name} (--model)": (str(args.model), *MODEL_DIR_SHAPE)}
+    if args.shape is not None:  # every configuration at this batch
+        configs = {f"{name.split(' (')[0]}, {'x'.join(map(str, args.shape))}": (model, *args.shape)
+                   for name, (model, *_) in configs.items()}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for name, (model, prompts, group, new_tokens) in configs.items():
             if args.model is None and model not in args.models.split(","):
@@ -619,6 +622,11 @@ def main() -> int:
         "check and a torch judge model, weights 1 and 0.1) through parity.train and TRL's GRPOTrainer",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads on both sides (0: each side's default)")
+    parser.add_argument(
+        "--shape",
+        type=lambda text: tuple(int(x) for x in text.split(",")),
+        help="PROMPTS,GROUP,MAX_NEW_TOKENS: every configuration at this batch (e.g. 4,4,32)",
+    )
     parser.add_argument("--no-floor", action="store_true", help="skip the matmul floor (a third run per config)")
     args = parser.parse_args()
     if args.model is not None and args.solve:
