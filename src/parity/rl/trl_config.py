@@ -2,7 +2,7 @@
 `transformers.TrainingArguments` defaults it keeps), mapped onto Parity's keys: it returns a checked
 `TrainConfig` that runs what `GRPOTrainer` would run with the same arguments, on one process. A name with
 no Parity counterpart, or a value Parity cannot express, is a one-line ConfigError naming it
-(docs/your-task.md, "From TRL", has the table).
+(docs/your-task.md, "TRL's names and reward semantics", has the table).
 
 Counts: TRL's `max_steps`, `save_steps` and warmup count optimizer updates; a Parity step is one
 generation batch, trained on in `algorithm.num_minibatches` updates per epoch for `algorithm.ppo_epochs`
@@ -99,7 +99,8 @@ def grpo_config(**given: Any) -> TrainConfig:
     unknown = [name for name in given if name not in TRL_DEFAULTS and name not in FIXED]
     if unknown:
         close = difflib.get_close_matches(unknown[0], [*TRL_DEFAULTS, *FIXED], n=1, cutoff=0.75)
-        hint = f"; did you mean {close[0]}?" if close else " (the names it maps: docs/your-task.md, 'From TRL')"
+        table = 'docs/your-task.md, "TRL\'s names and reward semantics"'
+        hint = f"; did you mean {close[0]}?" if close else f" (the names it maps: {table})"
         raise ConfigError(f"GRPOConfig: {', '.join(unknown)}: no Parity counterpart{hint}")
     for name, value in given.items():
         if name in FIXED and value != FIXED[name][0]:
