@@ -163,6 +163,22 @@ class Between(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One `generate` call's arguments, checked (a filtered draw that needs wider buffers runs it again)."""
+
+    prompts: list[list[int]]
+    group_size: int
+    sampling: SamplingParams
+    seed: int
+    full_vocab: int
+    lengths: list[int]  # each output row's prompt length
+    limits: list[int]
+    budgets: list[int]
+    stop: Callable[[torch.Tensor], bool] | None
+    between: Between | None
+
+
 class _Widen(Exception):
     """A filtered draw needed wider buffers than the call had: it runs again with `widths`."""
 
@@ -735,47 +751,21 @@ class RolloutEngine:
                 f"prompt + new tokens ({max_len}) exceeds the model's "
                 f"max_position_embeddings ({self.config.max_position_embeddings})"
             )
+        call = _Call(prompts, group_size, sampling, seed, full_vocab, lengths, limits, budgets, stop, between)
         widths = Widths.initial(sampling, self.config.vocab_size) if sampling.filtered else None
         while True:
             try:
-                return self._generate(
-                    prompts,
-                    group_size,
-                    sampling,
-                    seed,
-                    full_vocab,
-                    lengths,
-                    limits,
-                    max_len,
-                    max_new,
-                    widths,
-                    stop,
-                    between,
-                    budgets,
-                )
+                return self._generate(call, max_len, max_new, widths)
             except _Widen as wider:
                 widths = wider.widths
 
-    def _generate(
-        self,
-        prompts,
-        group_size,
-        sampling,
-        seed,
-        full_vocab,
-        lengths,
-        limits,
-        max_len,
-        max_new,
-        widths,
-        stop,
-        between,
-        budgets,
-    ):
+    def _generate(self, call: _Call, max_len: int, max_new: int, widths: Widths | None) -> RolloutBatch:
+        prompts, group_size, sampling, lengths = call.prompts, call.group_size, call.sampling, call.lengths
+        between, stop = call.between, call.stop
         prompt_len = max(lengths)
-        ws = self._workspace_for(len(lengths), max_len, max_new, sampling, widths, full_vocab, between is not None)
-        self._reset(ws, lengths, limits, max_len, max_new, seed)
-        ws.budgets = budgets
+        ws = self._workspace_for(len(lengths), max_len, max_new, sampling, widths, call.full_vocab, between is not None)
+        self._reset(ws, lengths, call.limits, max_len, max_new, call.seed)
+        ws.budgets = call.budgets
         check_every = 1 if between is not None else self.check_every
         prompt_of_row = torch.arange(len(prompts), device=self.device).repeat_interleave(group_size)
         logits, prompt_routes = self.prefill(prompts, ws.cache, prompt_of_row, ws.angles)
