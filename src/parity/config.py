@@ -299,7 +299,7 @@ def _build(cls: type[T], data: dict[str, Any], prefix: str = "", root: type | No
         kwargs[name] = _coerce(value, hints[name], f"{prefix}{key}", root)
     obj = cls(**kwargs)
     check = getattr(obj, "validate", None)
-    if check is not None and not getattr(cls, "VALIDATED_WHEN_MADE", False):
+    if check is not None:
         check()
     return obj
 

@@ -114,12 +114,27 @@ def test_trainconfig_checks_its_values_when_made_as_the_loader_does(given, messa
         config.load(TrainConfig, None, None, given)
 
 
+def test_a_trainconfig_changed_after_it_is_made_resolves_as_changed():
+    """Checking a TrainConfig when it is made fills nothing in: the estimator's and the task's defaults
+    follow the keys as they are when the run validates it."""
+    cfg = TrainConfig()
+    cfg.algorithm.name, cfg.task.name = "gspo", "length"
+    cfg.validate()
+    assert (cfg.algorithm.advantage, cfg.algorithm.aggregation, cfg.algorithm.truncated) == (
+        "grpo",
+        "seq_mean_token_mean",
+        "keep",
+    )
+
+
 def test_trainconfig_takes_sections_as_dicts_or_dataclasses_and_round_trips():
     from parity.rl.train_config import RolloutSection
 
     a = TrainConfig(steps=3, rollout={"group_size": 4})
     b = TrainConfig(steps=3, rollout=RolloutSection(group_size=4), algorithm={"scale_rewards": "batch"})
     assert a.steps == 3 and a.rollout.group_size == 4
-    assert b.rollout.group_size == 4 and b.algorithm.advantage == "trl_batch"
+    assert b.rollout.group_size == 4 and b.algorithm.advantage is None  # filled when the run validates it
+    b.validate()
+    assert b.algorithm.advantage == "trl_batch"
     again = config.load(TrainConfig, None, None, config.to_dict(b))
     assert config.to_dict(again) == config.to_dict(b)

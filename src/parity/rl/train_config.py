@@ -5,6 +5,7 @@ key checked before any work (the error names the key and the expected form). `Tr
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
@@ -364,7 +365,6 @@ class TrainConfig:
     RENAMED_KEYS: ClassVar[dict[str, str]] = {"algorithm.shadow_forward": "algorithm.probe"}
     # Other libraries' names for keys: an unknown key that is one is answered with the key it names.
     FOREIGN_NAMES: ClassVar[dict[str, tuple[str, str]]] = {name: (key, "TRL's") for name, key in TRL_KEYS.items()}
-    VALIDATED_WHEN_MADE: ClassVar[bool] = True  # `TrainConfig(...)` checks itself (`_checked_init`)
 
     model: str = "builtin"
     precision: str = "fp16"  # both engines; rollout.precision / trainer.precision override one side
@@ -672,7 +672,9 @@ def _checked_init(init):
             keep = dataclasses.is_dataclass(tp) and isinstance(value, tp)
             values[field_name] = value if keep else config_mod.coerce(value, tp, keys[field_name], TrainConfig)
         init(self, **values)
-        self.validate()
+        # Checked on a copy: validating fills unset keys from the estimator and task (algorithm.resolve),
+        # which must follow the keys as they are when the run validates it, after any change made here.
+        copy.deepcopy(self).validate()
 
     return __init__
 
