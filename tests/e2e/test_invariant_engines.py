@@ -44,7 +44,7 @@ def test_the_two_engines_agree_bit_for_bit_through_the_invariant_kernels(precisi
     engines (as exact mode runs on CUDA): μ = π_old for every token, top-k/top-p sampling, rows
     finishing and compacted, scored in micro-batches of another size. (The interpreter takes half a minute
     for one precision; a GPU runs all three.)"""
-    from test_exact import FILTERED, random_prompts, trainer_logprobs
+    from engine_pair import FILTERED, random_prompts, trainer_logprobs
 
     model = load_model("builtin", kernels.TritonExact(torch.device(DEVICE)))
     tok = load_tokenizer(BUILTIN_DIR)
@@ -101,9 +101,9 @@ def test_the_gumbel_draw_gives_the_same_token_however_the_vocabulary_is_split():
 def test_an_episode_continued_from_the_cache_agrees_bit_for_bit_through_the_invariant_kernels():
     """Episodes on CUDA's cache layout (`SlotKVCache.extend`: the ids fed between turns written by one forward
     through the decode step's Triton kernel): μ = π_old for every sampled token of every turn."""
+    from engine_pair import trainer_logprobs
     from parity.engines.sampling import SamplingParams
     from test_episode_engine import FED, Turns
-    from test_exact import trainer_logprobs
 
     model = load_model("builtin", kernels.TritonExact(torch.device(DEVICE)))
     tok = load_tokenizer(BUILTIN_DIR)

@@ -91,7 +91,7 @@ def test_saved_checkpoint_loads_in_transformers(arch_dir, tmp_path):
 def test_exact_mode_gives_the_trainers_bits(arch_dir, precision):
     """exact=true on every family (sliding windows, q/k norms, MoE routing, soft-caps, Gemma's
     (1 + w) norms): μ equals the trainer's π bit for bit on 48 rows with top-k/top-p."""
-    from test_exact import FILTERED, engines, random_prompts, trainer_logprobs
+    from engine_pair import FILTERED, engines, random_prompts, trainer_logprobs
 
     _, path = arch_dir
     model, engine = engines(path, precision)

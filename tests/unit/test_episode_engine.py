@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from engine_pair import engines, random_prompts, trainer_logprobs
 from parity.engines.sampling import SamplingParams
-from test_exact import engines, random_prompts, trainer_logprobs
 
 FED = [5, 6, 1, 7]  # holds id 1, the built-in model's end-of-turn: a fed id never ends a turn
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=90)

@@ -105,7 +105,7 @@ def test_per_shape_kernels_only_for_native_bf16(force_path):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_exact_mode_holds_on_the_emulated_path(precision, force_path):
     """A CPU without 16-bit dot products: the engines still compute the same bits."""
-    from test_exact import FILTERED, engines, random_prompts, trainer_logprobs
+    from engine_pair import FILTERED, engines, random_prompts, trainer_logprobs
 
     force_path(True)
     model, engine = engines("builtin", precision)
@@ -193,10 +193,10 @@ def test_cuda_numerics_accumulate_in_fp32():
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_exact_mode_on_cuda(precision):
     """The rollout engine and the trainer compute the same bits on a GPU too."""
+    from engine_pair import FILTERED, random_prompts, trainer_logprobs
     from parity.engines.models.io import BUILTIN_DIR, export_state, load_model
     from parity.engines.rollout import RolloutEngine
     from parity.engines.tokenizer import load_tokenizer
-    from test_exact import FILTERED, random_prompts, trainer_logprobs
 
     model = load_model("builtin", kernels.numerics("cuda", exact=True))
     tok = load_tokenizer(BUILTIN_DIR)
