@@ -254,7 +254,7 @@ class Scores:
     type_error: str | None = None  # the function returned something that is not a reward (a broken function)
 
 
-def score_batch(
+def call_reward(
     reward: BoundReward,
     prompts: list[Any],
     completions: list[Any],
@@ -321,11 +321,11 @@ def _trace(e: BaseException) -> str:
     return "".join(traceback.format_exception(e))
 
 
-def score_all(
+def call_rewards(
     rewards: list[BoundReward], prompts: list[Any], completions: list[str], columns: dict[str, list[Any]]
 ) -> list[Scores]:
     """Every function on one batch (what a reward worker process runs per batch)."""
-    return [score_batch(r, prompts, completions, columns) for r in rewards]
+    return [call_reward(r, prompts, completions, columns) for r in rewards]
 
 
 class UserRewards:
@@ -347,7 +347,7 @@ class UserRewards:
         self.rewards, self.strict, self.isolate = rewards, strict, isolate
         self.completion_format = completion_format
         self.in_process_timeout_s = in_process_timeout_s
-        self.worker = RewardRunner(_ScoreAll(rewards), True, timeout_s, strict, start="spawn") if isolate else None
+        self.worker = RewardRunner(_CallRewards(rewards), True, timeout_s, strict, start="spawn") if isolate else None
         self.checked = False  # the first batch passed its check
         self._shown: set[str] = set()
 
@@ -365,7 +365,7 @@ class UserRewards:
             got = []
             for reward in self.rewards:
                 try:
-                    got.append(score_batch(reward, prompts, completions, columns, self.in_process_timeout_s))
+                    got.append(call_reward(reward, prompts, completions, columns, self.in_process_timeout_s))
                 except Overran:
                     raise RewardError(overran_line(reward.name, self.in_process_timeout_s)) from None
             return got, False
@@ -440,13 +440,13 @@ class UserRewards:
 
 
 @dataclass(frozen=True)
-class _ScoreAll:
-    """`score_all` over fixed rewards, picklable by reference for the spawned worker."""
+class _CallRewards:
+    """`call_rewards` over fixed rewards, picklable by reference for the spawned worker."""
 
     rewards: list[BoundReward]
 
     def __call__(self, batch: tuple[list[Any], list[str], dict[str, list[Any]]]) -> list[Scores]:
-        return score_all(self.rewards, *batch)
+        return call_rewards(self.rewards, *batch)
 
 
 # ----------------------------------------------------------------------------- a run's rewards
