@@ -24,7 +24,7 @@ from parity.engines.tokenizer import load_tokenizer
 from parity.rl.diagnostics import batch_shape_metrics, full_vocab_metrics
 from parity.rl.evaluation import changed_responses, evaluation_due, gap_standard_error, heldout_problems
 from parity.rl.loop import Run, TrainingError
-from parity.rl.problems import builtin_problems
+from parity.rl.tasks import builtin_problems
 from parity.rl.train_config import TrainConfig
 
 DOCS = Path(__file__).parents[2] / "docs"

@@ -228,10 +228,10 @@ def test_math_reward_and_boxed_extraction():
 
 MATH_IN_A_FRESH_PROCESS = """
 import sys
-from parity.rl.builtin_rewards import REWARDS
+from parity.rl.builtin_rewards import math_reward
 
 assert "math_verify" not in sys.modules
-REWARDS["math"].prepare()
+math_reward.prepare()
 print("math_verify" in sys.modules)
 """
 

@@ -39,13 +39,13 @@ from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, has_builtin_tokenizer,
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import regular_file_problem
 from parity.outdir import claim_output_dir, write_output, write_output_json
-from parity.rl.builtin_rewards import BINARY_REWARDS, REWARDS, TRUSTED_REWARDS
 from parity.rl.checkpoint import checkpoints, load_checkpoint, require_finite_weights
 from parity.rl.data import DataColumns, load_problems, prompt_limit
-from parity.rl.evaluation import EVAL_SEED, TRAINER, EvalSet, Evaluator, eval_sampling, heldout_problems
-from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, builtin_problems
+from parity.rl.evaluation import TRAINER, EvalSet, Evaluator, eval_sampling, heldout_problems
+from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS
 from parity.rl.reward_fns import Reward, UserRewards, bind_all, data_columns, import_reward_fn
 from parity.rl.rewards import RewardRunner
+from parity.rl.tasks import EVAL_SEED, TASKS, builtin_problems
 from parity.rl.train_config import COMPLETION_FORMATS, MAX_SEED, MICRO_BATCH_TOKENS, RewardSection, TrainConfig
 from parity.rundir import in_use_by, refuse_run_links
 
@@ -94,8 +94,8 @@ class EvalConfig:
                 f"completion_format: unknown value {self.completion_format!r}; allowed: run, "
                 f"{', '.join(COMPLETION_FORMATS)}"
             )
-        if self.task not in ("auto", *REWARDS):
-            raise ConfigError(f"task: unknown value {self.task!r}; allowed: auto, {', '.join(REWARDS)}")
+        if self.task not in ("auto", *TASKS):
+            raise ConfigError(f"task: unknown value {self.task!r}; allowed: auto, {', '.join(TASKS)}")
         if self.difficulty not in ("auto", *DIFFICULTIES):
             raise ConfigError(
                 f"difficulty: unknown value {self.difficulty!r}; allowed: auto, {', '.join(DIFFICULTIES)}"
@@ -228,7 +228,7 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
         prompts=[limit.check(f"held-out problem {i}", p.prompt) for i, p in enumerate(problems)],
         samples=cfg.samples,
         sampling=eval_sampling(cfg.temperature, max_new),
-        binary=task in BINARY_REWARDS and not _reward_specs(cfg, target.run)[0],
+        binary=TASKS[task].binary and not _reward_specs(cfg, target.run)[0],
     )
     return evalset, task, source
 
@@ -260,8 +260,8 @@ def _rewards(
         if fmt == "run":
             fmt = target.run.task.completion_format if target.run else "text"
         return UserRewards(bound, in_process_timeout_s=bounds.in_process_timeout_s, completion_format=fmt)
-    isolate = task not in TRUSTED_REWARDS
-    return RewardRunner(REWARDS[task], isolate, in_process_timeout_s=bounds.in_process_timeout_s)
+    isolate = not TASKS[task].trusted
+    return RewardRunner(TASKS[task].reward, isolate, in_process_timeout_s=bounds.in_process_timeout_s)
 
 
 def run_eval(

@@ -29,10 +29,10 @@ from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, load_tokeni
 from parity.files import JSONError, parse_json
 from parity.folders import atomic_write_text
 from parity.rl.algorithms import TRUNCATION_MODES
-from parity.rl.builtin_rewards import REWARDS, TRUSTED_REWARDS
 from parity.rl.data import load_problems, prompt_limit
-from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, Problem, builtin_problems, difficulty_has_no_effect
+from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, Problem
 from parity.rl.rewards import RewardRunner, score_rollouts, training_rewards
+from parity.rl.tasks import TASKS, builtin_problems, difficulty_has_no_effect
 from parity.rl.train_config import MAX_SEED
 
 
@@ -57,7 +57,7 @@ class PerfectibleConfig:
 
     def validate(self) -> None:
         kernels.check_device(self.device)
-        if self.task not in REWARDS or self.task == "length":
+        if self.task not in TASKS or not TASKS[self.task].binary:
             raise ConfigError(f"task: {self.task!r} has no right answer; use builtin, exact, math or number")
         if self.difficulty not in DIFFICULTIES:
             raise ConfigError(f"difficulty: unknown value {self.difficulty!r}; allowed: {', '.join(DIFFICULTIES)}")
@@ -159,7 +159,8 @@ def measure_accuracies(cfg: PerfectibleConfig, problems: list[Problem], progress
     model = load_model(model_dir, kernels.numerics())
     engine = RolloutEngine(model.config, cfg.precision, tok.eos_ids, tok.pad_id, kernels.numerics(cfg.device))
     engine.load_weights(model.state_dict(), version=0)
-    runner = RewardRunner(REWARDS[cfg.task], isolate=cfg.task not in TRUSTED_REWARDS)
+    task = TASKS[cfg.task]
+    runner = RewardRunner(task.reward, isolate=not task.trusted)
     try:
         return problem_accuracies(
             engine,

@@ -22,10 +22,14 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from parity.config import ConfigError, one_of
+
+if TYPE_CHECKING:
+    from parity.rl.tasks import Task
 
 LOG_RATIO_CLAMP = 20.0  # every log-ratio is clamped before exp
 
@@ -838,9 +842,9 @@ class AlgorithmConfig:
     # mismatch g = π_old − μ into β (precision) and κ (engine). Free when the precisions match.
     probe: bool = False
 
-    def resolve(self, task_name: str) -> None:
-        """Fill unset keys from the estimator's reference values, then check them (`task_name`: the
-        reward, which sets what a cut-off response gets)."""
+    def resolve(self, task: Task) -> None:
+        """Fill unset keys from the estimator's reference values, then check them (`task`: the built-in
+        task, `rl/tasks.py`, which sets what a cut-off response gets and which treatment it refuses)."""
         a = self
         est = ESTIMATORS[a.name]
         for key in TUNABLE:
@@ -855,7 +859,7 @@ class AlgorithmConfig:
         a.advantage = est.advantage if a.advantage is None else a.advantage
         a.aggregation = est.aggregation if a.aggregation is None else a.aggregation
         if a.truncated is None:
-            a.truncated = "keep" if task_name == "length" else "zero_reward"
+            a.truncated = task.truncated
         one_of("algorithm.advantage", a.advantage, ADVANTAGES)
         one_of("algorithm.aggregation", a.aggregation, AGGREGATIONS)
         one_of("algorithm.truncated", a.truncated, TRUNCATION_MODES)
@@ -870,8 +874,8 @@ class AlgorithmConfig:
                 "regularises nothing; use k2 or k3"
             )
         one_of("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
-        if task_name == "length" and a.truncated == "zero_reward":
-            raise ConfigError("algorithm.truncated=zero_reward would reward the longest responses on task.name=length")
+        if a.truncated in task.refused_truncation:
+            raise ConfigError(f"algorithm.truncated={a.truncated} {task.refused_truncation[a.truncated]}")
         for key in (k for k in TUNABLE if k != "cap_low"):  # cap_low may be 0
             value = getattr(a, key)
             if value is not None and not value > 0:

@@ -1,5 +1,6 @@
-"""The built-in reward functions, by `task.name`: builtin (the arithmetic task's answer), length, exact,
-math (math-verify on the last \\boxed{}) and number (the answer an instruct model gives, as a number).
+"""The built-in reward functions: builtin (the arithmetic task's answer), length, exact, math (math-verify on
+the last \\boxed{}), number (the answer an instruct model gives, as a number) and lookup's; `rl/tasks.py` says
+which task each belongs to.
 
 `rl/rewards.py` runs reward functions; `rl/reward_fns.py` reads your own.
 """
@@ -111,15 +112,3 @@ math_reward.prepare = _import_math_verify  # type: ignore[attr-defined]  # run b
 def lookup_task_reward(problem: Problem, response: str, length: int) -> float:
     """The built-in tool task's (`rl/lookup.py`): the episode's last answer is the hidden value."""
     return lookup_reward(response, problem.answer)
-
-
-REWARDS: dict[str, RewardFn] = {
-    "builtin": builtin_reward,
-    "lookup": lookup_task_reward,
-    "length": length_reward,
-    "exact": exact_reward,
-    "math": math_reward,
-    "number": number_reward,
-}
-TRUSTED_REWARDS = {"builtin", "length", "exact", "number", "lookup"}  # fast, pure: run in-process
-BINARY_REWARDS = {"builtin", "exact", "math", "number", "lookup"}  # 1 for a right answer, else 0: accuracy is logged

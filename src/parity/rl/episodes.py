@@ -38,6 +38,7 @@ from parity.rl.lookup import LOOKUP_SCHEMA, TOOL_NAME, lookup_tool, parse_table
 from parity.rl.problems import Problem
 from parity.rl.reward_fns import import_reward_fn
 from parity.rl.rewards import Interrupted, Overran, bounded, exception_summary
+from parity.rl.tasks import TASKS
 from parity.rl.tools import tool_schema
 from parity.rl.train_config import TrainConfig
 
@@ -200,7 +201,7 @@ def episode_setup(cfg: TrainConfig, tokenizer: Tokenizer, tools=None, environmen
             f"{cfg.model} has none"
         )
     timeout_s = cfg.reward.import_timeout_s
-    if cfg.task.name == "lookup" and not (cfg.task.environment or cfg.task.tools):
+    if TASKS[cfg.task.name].episodes and not (cfg.task.environment or cfg.task.tools):  # lookup's environment
         make = functools.partial(LookupEnvironment, cfg.episode.tool_timeout_s)
     elif cfg.task.environment:
         make = environment or import_reward_fn(cfg.task.environment, timeout_s, "task.environment")

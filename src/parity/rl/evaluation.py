@@ -29,26 +29,24 @@ from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import Tokenizer
 from parity.engines.trainer import score_batch
 from parity.rl.diagnostics import mismatch_metrics
-from parity.rl.problems import ArithmeticTask, NumberTask, Problem, lookup_task_problems
+from parity.rl.problems import Problem
 from parity.rl.rewards import RewardRunner, score_rollouts
+from parity.rl.tasks import TASKS
 
 TRAINER = "trainer"  # the label of the trainer's policy among the evaluated ones
-EVAL_SEED = 0xE7A1  # added to the run's seed: evaluation's own random stream
-GENERATED = ("builtin", "number", "lookup")  # task names whose problems Parity generates, with a held-out split
 HELDOUT_DRAWS = 8  # candidates drawn per held-out problem wanted, before duplicates and training prompts go
 
 
 def heldout_problems(task_name: str, difficulty: str, n: int, seed: int, exclude: set[str]) -> list[Problem]:
     """Up to `n` distinct problems of the task's held-out split whose prompts are not in `exclude` (the
-    problems trained on). `task.name=number`: its word problems' held-out eighth, which training never
-    draws; any other: the arithmetic held-out eighth (which the built-in model was not pretrained on and
-    RL trains on), drawn in a stream of its own with the training problems removed."""
-    if task_name == "lookup":  # its prompts repeat (16 keys): a problem is its hidden table, held out by pair
-        return lookup_task_problems(n, seed + EVAL_SEED, "eval")
-    if task_name == "number":
-        candidates = NumberTask(difficulty).problems(n * HELDOUT_DRAWS, seed=seed, split="eval")
-    else:
-        candidates = ArithmeticTask().problems(n * HELDOUT_DRAWS, seed=seed + EVAL_SEED, split="eval")
+    problems trained on), `rl/tasks.py`'s `Task.heldout`. `task.name=number`: its word problems' held-out
+    eighth, which training never draws; lookup: its held-out tables; any other: the arithmetic held-out eighth
+    (which the built-in model was not pretrained on and RL trains on), drawn in a stream of its own with the
+    training problems removed."""
+    task = TASKS[task_name]
+    if not task.heldout_by_prompt:
+        return task.heldout(n, seed, difficulty)
+    candidates = task.heldout(n * HELDOUT_DRAWS, seed, difficulty)
     out, seen = [], set(exclude)
     for problem in candidates:
         if problem.prompt not in seen:

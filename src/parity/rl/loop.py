@@ -56,8 +56,8 @@ from parity.rl.completions import completion_rows, markdown_table, sample_rows, 
 from parity.rl.data import DATA_DIR, DataOrder, load_problems, prompt_limit, write_rows
 from parity.rl.diagnostics import mismatch_alarm
 from parity.rl.episodes import episode_setup
-from parity.rl.evaluation import EVAL_SEED, EvalSet, Evaluator, eval_sampling, evaluation_due, heldout_problems
-from parity.rl.problems import Problem, builtin_problems
+from parity.rl.evaluation import EvalSet, Evaluator, eval_sampling, evaluation_due, heldout_problems
+from parity.rl.problems import Problem
 from parity.rl.reward_fns import Reward, RewardCheckError, binary_reward, config_rewards, data_columns, run_rewards
 from parity.rl.rewards import RewardHealth, score_rollouts
 from parity.rl.step import (
@@ -72,6 +72,7 @@ from parity.rl.step import (
     step_metrics,
     trained_rewards,
 )
+from parity.rl.tasks import EVAL_SEED, TASKS, builtin_problems
 from parity.rl.trackers import Tracker, check_trackers, open_trackers
 from parity.rl.train_config import RESUMABLE_KEYS, TrainConfig
 from parity.rundir import RunLock, check_run_dir, clean_leftovers, foreign_entries
@@ -280,7 +281,7 @@ class Run:
         self.announce = True  # train() starts with `settings_line`; `parity sanity` prints its own, once
         self.last_metrics: dict[str, float] = {}  # the newest step's, for the model card of a checkpoint
         # task.name=math scores only \boxed{} answers: warn (once) if a whole step holds none.
-        self.watch_boxed = cfg.task.name == "math" and not cfg.task.reward_fn
+        self.watch_boxed = TASKS[cfg.task.name].boxed and not cfg.task.reward_fn
         self.lock: RunLock | None = None  # set by create/resume; released when train() ends
         self.created_dir = False  # create() made run_dir: a run that stops before its first step removes it
         self.log = MetricsLog(run_dir, [])

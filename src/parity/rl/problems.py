@@ -203,11 +203,6 @@ def _worked_word_problem(rng: random.Random) -> tuple[str, int]:
 DIFFICULTIES = {"standard": _word_problem, "easy": _easy_word_problem, "worked": _worked_word_problem}
 
 
-def difficulty_has_no_effect(difficulty: str, task_name: str, data: str) -> bool:
-    """A level other than standard applies only to task number's generated problems."""
-    return difficulty != "standard" and (task_name != "number" or data != "builtin")
-
-
 class NumberTask:
     """Arithmetic word problems whose answer is a whole number, for instruct models: `task.name=number`.
 
@@ -238,17 +233,6 @@ class NumberTask:
             if self._held_out(prompt) == (split == "eval"):
                 out.append(Problem(prompt=prompt, answer=str(answer), columns={"answer": answer}))
         return out
-
-
-def builtin_problems(task_name: str, n: int, seed: int, difficulty: str = "standard") -> list[Problem]:
-    """The generated problems `task.data=builtin` stands for: word problems of `difficulty` for
-    `task.name=number` (its training split), else the built-in arithmetic task's held-out split, which the
-    built-in model was not pretrained on."""
-    if task_name == "number":
-        return NumberTask(difficulty).problems(n, seed=seed, split="train")
-    if task_name == "lookup":
-        return lookup_task_problems(n, seed, "train")
-    return ArithmeticTask().problems(n, seed=seed, split="eval")
 
 
 def lookup_task_problems(n: int, seed: int, split: str) -> list[Problem]:

@@ -38,7 +38,6 @@ from types import ModuleType
 from typing import Any
 
 from parity.config import ConfigError, described
-from parity.rl.builtin_rewards import BINARY_REWARDS, REWARDS, TRUSTED_REWARDS
 from parity.rl.data import DataColumns
 from parity.rl.problems import Problem
 from parity.rl.rewards import (
@@ -55,6 +54,7 @@ from parity.rl.rewards import (
     overran_line,
     report_first_failure,
 )
+from parity.rl.tasks import TASKS
 from parity.rl.train_config import TrainConfig
 
 PROMPT_NAMES = {True: "prompts", False: "prompt"}
@@ -465,13 +465,13 @@ def environment_reward(completions: list[str], environment_reward: list[float], 
 def data_columns(cfg: TrainConfig) -> DataColumns:
     """The data's prompt and answer columns; the answer is needed by the built-in rewards that compare with it."""
     # An environment of your own scores its episodes (its steps' rewards) unless reward functions are given.
-    checks_answer = not cfg.task.reward_fn and cfg.task.name != "length" and not cfg.task.environment
+    checks_answer = not cfg.task.reward_fn and TASKS[cfg.task.name].binary and not cfg.task.environment
     return DataColumns(cfg.task.prompt_column, cfg.task.answer_column, answer_required=checks_answer, keys=True)
 
 
 def binary_reward(cfg: TrainConfig) -> bool:
     """The run's reward is 1 for a correct response and 0 otherwise (then accuracy is logged)."""
-    return cfg.task.name in BINARY_REWARDS and not cfg.task.reward_fn
+    return TASKS[cfg.task.name].binary and not cfg.task.reward_fn
 
 
 def config_rewards(cfg: TrainConfig) -> list[Reward]:
@@ -503,6 +503,6 @@ def run_rewards(
         return UserRewards(
             bound, r.isolate == "always", r.timeout_s, r.strict, r.in_process_timeout_s, cfg.task.completion_format
         )
-    trusted = cfg.task.name in TRUSTED_REWARDS
-    isolate = {"auto": not trusted, "always": True, "never": False}[r.isolate]
-    return RewardRunner(REWARDS[cfg.task.name], isolate, r.timeout_s, r.strict, "fork", r.in_process_timeout_s)
+    task = TASKS[cfg.task.name]
+    isolate = {"auto": not task.trusted, "always": True, "never": False}[r.isolate]
+    return RewardRunner(task.reward, isolate, r.timeout_s, r.strict, "fork", r.in_process_timeout_s)

@@ -25,9 +25,9 @@ from parity.engines.tokenizer import CHAT_TEMPLATE_MODES
 from parity.engines.trainer import OptimConfig
 from parity.files import regular_file_problem
 from parity.rl.algorithms import ESTIMATORS, AlgorithmConfig
-from parity.rl.builtin_rewards import REWARDS
-from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, difficulty_has_no_effect
+from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS
 from parity.rl.rewards import IN_PROCESS_TIMEOUT_S, WORKER_START_S
+from parity.rl.tasks import TASKS, difficulty_has_no_effect
 
 # trainer.micro_batch_tokens when unset, per device.
 MICRO_BATCH_TOKENS = {"cpu": 8192, "cuda": 16384}
@@ -399,7 +399,8 @@ class TrainConfig:
     def episodes(self) -> bool:
         """Several model turns per sample, with an environment or tools between them (the built-in tool
         task, task.name=lookup, has its own)."""
-        return bool(self.task.environment or self.task.tools) or self.task.name == "lookup"
+        task = TASKS.get(self.task.name)
+        return bool(self.task.environment or self.task.tools) or (task is not None and task.episodes)
 
     @property
     def distributed_mode(self) -> bool:
@@ -474,7 +475,7 @@ class TrainConfig:
                 "a mismatched pair is an ablation: set allow_precision_mismatch=true to run it on purpose"
             )
         one_of("algorithm.name", self.algorithm.name, ESTIMATORS)
-        one_of("task.name", self.task.name, REWARDS)
+        one_of("task.name", self.task.name, TASKS)
         one_of("task.chat_template", self.task.chat_template, CHAT_TEMPLATE_MODES)
         one_of("task.difficulty", self.task.difficulty, DIFFICULTIES)
         if difficulty_has_no_effect(self.task.difficulty, self.task.name, self.task.data):
@@ -482,7 +483,7 @@ class TrainConfig:
                 f"task.difficulty={self.task.difficulty}: only the generated word problems of task.name=number "
                 "(task.data=builtin) have levels"
             )
-        self.algorithm.resolve(self.task.name)
+        self.algorithm.resolve(TASKS[self.task.name])
         if self.trainer.lr is None:
             self.trainer.lr = default_lr(self.model, self.lora.rank > 0)
         if self.trainer.micro_batch_tokens is None:
@@ -555,11 +556,9 @@ class TrainConfig:
             )
         if not self.episodes:
             return
-        if self.task.name == "lookup" and self.model == "builtin":
-            raise ConfigError(
-                "task.name=lookup is a tool task for a chat model that calls tools; the built-in one is "
-                "model=builtin-agent"
-            )
+        refusal = TASKS[self.task.name].refused_models.get(self.model)
+        if refusal:
+            raise ConfigError(refusal)
         if e.retokenization_logprob and not e.retokenization:
             raise ConfigError("episode.retokenization_logprob=true needs episode.retokenization=true (the count)")
 
@@ -602,9 +601,7 @@ class TrainConfig:
         if self.eval.data != "auto":
             return self.eval.data
         # your reward functions score your data: generated problems of a built-in task would not fit them
-        generated = self.task.data == "builtin" or (
-            self.task.name in ("builtin", "number", "lookup") and not self.task.reward_fn
-        )
+        generated = self.task.data == "builtin" or (TASKS[self.task.name].generated and not self.task.reward_fn)
         return "heldout" if generated and not (self.task.environment or self.task.tools) else None
 
     def _check_exact(self) -> None:
