@@ -1,6 +1,6 @@
 """The Python API: `parity.train`, `parity.evaluate`, `parity.push_to_hub` (docs/your-task.md).
 
-The same objects as the CLI: a `TrainConfig` checked key by key, `Run.create`/`Run.resume` of the
+The same objects as the CLI: a `TrainConfig` checked key by key, `open_run` (`Run.create`/`Run.resume`) of the
 one-process or distributed run, and `parity eval`'s `run_eval`. What the CLI names by text, the API
 takes as Python objects: reward functions as callables, a dataset as a `datasets.Dataset` or a list of
 dicts (written into the run directory's data/, so that `--resume` and `parity eval` read it again).
@@ -21,7 +21,7 @@ from typing import Any
 from parity import config as config_mod
 from parity.commands.evaluate import EvalConfig, run_eval, write_outputs
 from parity.config import ConfigError, described
-from parity.distributed.driver import backend_for, backend_for_run
+from parity.distributed.driver import open_run
 from parity.engines.lora import TARGETS as LORA_TARGETS
 from parity.engines.lora import AdapterError, check_adapter_fields
 from parity.engines.models.io import resolve_model_dir
@@ -36,7 +36,6 @@ from parity.rl.callbacks import (  # noqa: F401 - TrainerCallback, TrainerContro
 from parity.rl.checkpoint import checkpoints, export_model
 from parity.rl.data import write_rows
 from parity.rl.episodes import Step  # noqa: F401 - parity.Step, what an environment returns
-from parity.rl.loop import Run
 from parity.rl.reward_fns import Reward, function_spec
 from parity.rl.train_config import TrainConfig
 from parity.rl.trl_config import grpo_config
@@ -264,31 +263,16 @@ class Trainer:
         checkpoint's folder); a resumed run keeps its model, config and data, and only the keys `parity train
         --resume` lets change may differ from them (`ConfigError` otherwise). A callback that raises stops the
         run after a checkpoint of its step, with a `CallbackError`."""
+        parts = dict(progress=self.progress, rewards=self.rewards or None, tools=self.tools or None)
         if resume_from_checkpoint is None or resume_from_checkpoint is False:
             cfg = copy.deepcopy(self.config)
-            run = Run.create(
-                cfg,
-                progress=self.progress,
-                rewards=self.rewards or None,
-                datasets=self.datasets,
-                backend=backend_for(cfg),
-                tools=self.tools or None,
-                environment=self.environment,
-            )
+            run = open_run(cfg, datasets=self.datasets, environment=self.environment, **parts)
         else:
             run_dir = self._resumed_dir(resume_from_checkpoint)
-            run = Run.resume(
-                run_dir,
-                self._resume_overrides(run_dir),
-                progress=self.progress,
-                rewards=self.rewards or None,
-                backend=backend_for_run(run_dir),
-                tools=self.tools or None,
-                environment=self.environment,
-            )
+            overrides = self._resume_overrides(run_dir)
+            run = open_run(resume=run_dir, overrides=overrides, environment=self.environment, **parts)
         self.run_dir, self.config = run.run_dir, run.cfg
-        if run.step_count >= run.cfg.steps:
-            run.close()
+        if run.completed:  # open_run closed it
             history = []
         else:
             try:

@@ -54,6 +54,18 @@ def test_run_writes_config_metrics_and_loadable_checkpoint(tmp_path):
     assert main(["train", f"run_dir={run_dir}", *TINY]) == 2
 
 
+def test_a_completed_run_resumed_says_so_and_trains_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    assert main(["train", *TINY_RUN, "rollout.max_new_tokens=16", "steps=1", f"run_dir={run_dir}"]) == 0
+    before = (run_dir / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"the run already completed its 1 steps; go further with --resume {run_dir} steps=N" in out
+    assert (run_dir / "metrics.jsonl").read_text() == before
+    assert main(["train", "--resume", str(run_dir)]) == 0  # the first resume released the run directory
+
+
 def test_several_updates_run_the_old_logprob_pass(tmp_path):
     run = Run.create(
         config.load(TrainConfig, None, [f"run_dir={tmp_path}", "algorithm.name=grpo", "algorithm.ppo_epochs=2", *TINY]),

@@ -163,6 +163,8 @@ def test_a_transformers_callback_as_it_is_and_resume_from_checkpoint(tmp_path):
         trainer.train(resume_from_checkpoint=tmp_path / "r" / "checkpoints" / "step_000001")
     result = trainer.train(resume_from_checkpoint=True)
     assert [m["step"] for m in result.history] == [3] and again.end == (3, [1, 2, 3])  # the earlier steps' logs too
+    done = trainer.train(resume_from_checkpoint=True)  # its 3 steps taken: `open_run` closes it, nothing trains
+    assert done.history == [] and done.run_dir == tmp_path / "r" and again.end == (3, [1, 2, 3])
     changed = parity.Trainer(run_dir=tmp_path / "r", progress=False, steps=4, trainer__lr=1e-3, eval__every=-1, **SMALL)
     with pytest.raises(ConfigError, match=r"trainer.lr cannot change on resume"):
         changed.train(resume_from_checkpoint=tmp_path / "r")

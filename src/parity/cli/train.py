@@ -44,8 +44,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def cmd_train(args: argparse.Namespace) -> int:
     from parity import config as cfg_mod
     from parity.distributed.cluster import JoinInterrupted
-    from parity.distributed.driver import backend_for, backend_for_run
-    from parity.rl.loop import Run, summary_line
+    from parity.distributed.driver import open_run
+    from parity.rl.loop import summary_line
     from parity.rl.rewards import Interrupted
     from parity.rl.train_config import TrainConfig
 
@@ -58,15 +58,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     with stop.installed():
         try:
             if args.resume:
-                run = Run.resume(
-                    args.resume,
-                    overrides,
-                    trust_reward_fn=args.trust_reward_fn,
-                    backend=backend_for_run(args.resume),
-                )
+                run = open_run(resume=args.resume, overrides=overrides, trust_reward_fn=args.trust_reward_fn)
             else:
-                cfg = cfg_mod.load(TrainConfig, config, overrides)
-                run = Run.create(cfg, backend=backend_for(cfg))
+                run = open_run(cfg_mod.load(TrainConfig, config, overrides))
         except (JoinInterrupted, Interrupted):  # a signal, noted by `stop`, while joining a cluster or importing
             print(f"parity train: {stop.stopped_line()}", file=sys.stderr)
             return 128 + stop.signum
@@ -76,8 +70,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"parity train: {stop.stopped_line()}", file=sys.stderr)
             return 128 + stop.signum
         print(f"run directory: {run.run_dir}")
-        if run.step_count >= run.cfg.steps:
-            run.close()
+        if run.completed:  # open_run closed it
             done = run.cfg.steps
             print(f"the run already completed its {done} steps; go further with --resume {run.run_dir} steps=N")
             return 0

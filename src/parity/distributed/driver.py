@@ -47,8 +47,9 @@ from parity.rl.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from parity.rl.loop import Backend
+from parity.rl.loop import Backend, Run
 from parity.rl.problems import Problem
+from parity.rl.reward_fns import Reward
 from parity.rl.step import LocalBackend, Prepared, RunParts, TrainingError, UpdatePlan, UpdateResult, resolve_old
 from parity.rl.train_config import TrainConfig
 
@@ -539,3 +540,45 @@ def backend_for_run(run_dir: str | Path) -> type[Backend]:
         return backend_for(config_mod.load(TrainConfig, Path(run_dir) / "config.yaml"))
     except ConfigError:
         return LocalBackend
+
+
+def open_run(
+    cfg: TrainConfig | None = None,
+    resume: str | Path | None = None,
+    overrides: list[str] | None = None,
+    trust_reward_fn: bool = False,
+    progress: bool = True,
+    rewards: list[Reward] | None = None,
+    datasets: dict[str, list[dict]] | None = None,
+    tools: list | None = None,
+    environment: object = None,
+) -> Run:
+    """The run `parity train` and `Trainer.train` train: a new one of `cfg` (`Run.create`), or, given `resume`,
+    the run in that directory continued (`Run.resume`: its saved config, with `overrides` of RESUMABLE_KEYS),
+    each on the backend its config asks for. A run that has already taken all its steps comes back closed,
+    with `completed` set: there is nothing to train."""
+    if resume is not None:
+        run = Run.resume(
+            resume,
+            overrides,
+            trust_reward_fn=trust_reward_fn,
+            progress=progress,
+            rewards=rewards,
+            backend=backend_for_run(resume),
+            tools=tools,
+            environment=environment,
+        )
+    else:
+        assert cfg is not None, "open_run: a config or a run directory to resume"
+        run = Run.create(
+            cfg,
+            progress=progress,
+            rewards=rewards,
+            datasets=datasets,
+            backend=backend_for(cfg),
+            tools=tools,
+            environment=environment,
+        )
+    if run.completed:
+        run.close()
+    return run

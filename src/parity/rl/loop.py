@@ -283,6 +283,7 @@ class Run:
         # task.name=math scores only \boxed{} answers: warn (once) if a whole step holds none.
         self.watch_boxed = TASKS[cfg.task.name].boxed and not cfg.task.reward_fn
         self.lock: RunLock | None = None  # set by create/resume; released when train() ends
+        self.closed = False  # close() ran: a second call does nothing
         self.created_dir = False  # create() made run_dir: a run that stops before its first step removes it
         self.log = MetricsLog(run_dir, [])
         self.backend: Backend | None = None
@@ -358,6 +359,11 @@ class Run:
             cfg.episode.turn_tokens,
         )
 
+    @property
+    def completed(self) -> bool:
+        """The run has taken all its steps (a resumed one may have: `--resume` with a larger `steps` goes on)."""
+        return self.step_count >= self.cfg.steps
+
     def evaluate(self) -> dict[str, float]:
         """The held-out evaluation of the current weights (`eval.*`): eval/* and deploy/* metrics."""
         t = time.perf_counter()
@@ -369,7 +375,10 @@ class Run:
 
     def close(self) -> None:
         """Stop the engines (and a Ray cluster this run started), the reward runner and the log, and
-        release the run directory."""
+        release the run directory. Once: a second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         if self.backend is not None:
             self.backend.close()
         self.rewards.close()
