@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from parity.engines import kernels
+from parity.engines.kernels import ops
 from parity.engines.precision import DTYPES
 
 SHAPES = {
@@ -61,7 +62,7 @@ def _padded_blocks(x: torch.Tensor) -> torch.Tensor:
     """`x`'s rows padded with zeros to whole blocks, as [blocks, EXACT_CPU_ROWS, K]."""
     rows = kernels.EXACT_CPU_ROWS
     count = max(-(-x.shape[0] // rows), 1)
-    return kernels._pad(x, -2, count * rows).view(count, rows, -1)
+    return ops._pad(x, -2, count * rows).view(count, rows, -1)
 
 
 def concatenated(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

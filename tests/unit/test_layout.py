@@ -27,12 +27,21 @@ def _layer(module: str) -> int:
     return LAYERS.get(parts[0], TOP.get(parts[0], 0))
 
 
+def _from_import(module: str, name: str) -> str:
+    """What `from module import name` imports: the submodule `module.name` where there is one, else `module`."""
+    sub = ROOT.parent.joinpath(*module.split("."), name)
+    if module == "parity" or sub.with_suffix(".py").is_file() or (sub / "__init__.py").is_file():
+        return f"{module}.{name}"
+    return module
+
+
 def _imports(path: Path) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):  # lazy imports inside functions count too
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("parity"):
-            # `from parity import config` imports the module parity.config, not the package's API
-            found.update([f"parity.{a.name}" for a in node.names] if node.module == "parity" else [node.module])
+            # `from parity import config` imports the module parity.config, not the package's API (and
+            # `from parity.engines.kernels import cpu` the module parity.engines.kernels.cpu)
+            found.update(_from_import(node.module, a.name) for a in node.names)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("parity"))
     return found

@@ -16,7 +16,8 @@ from parity.cli import main
 from parity.engines import kernels
 from parity.engines.models.config import ModelError
 from parity.engines.models.io import load_model
-from parity.engines.tokenizer import TEMPLATE_CHARS, ChatTemplateError, load_tokenizer
+from parity.engines.template_sandbox import TEMPLATE_CHARS
+from parity.engines.tokenizer import ChatTemplateError, load_tokenizer
 
 
 def edit_json(name: str, change):
@@ -202,7 +203,7 @@ def test_a_hugging_face_cache_snapshot_links_to_its_blobs(llama_dir, tmp_path):
     ids=["long loop", "nested loops", "huge string", "doubling namespace", "huge output"],
 )
 def test_a_chat_template_gets_a_time_and_size_budget(template, message, model_copy, monkeypatch):
-    monkeypatch.setattr("parity.engines.tokenizer.TEMPLATE_SECONDS", 1.0)
+    monkeypatch.setattr("parity.engines.template_sandbox.TEMPLATE_SECONDS", 1.0)
     (model_copy / "chat_template.jinja").write_text(template)
     tok = load_tokenizer(model_copy)
     with pytest.raises(ChatTemplateError, match=message):

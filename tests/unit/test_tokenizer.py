@@ -53,7 +53,7 @@ def fixed_clock(monkeypatch):
     """Llama 3's template writes today's date (strftime_now): the same fixed day for both libraries."""
     import transformers.utils.chat_template_utils as hf_chat
 
-    import parity.engines.tokenizer as ours
+    import parity.engines.template_sandbox as ours
 
     class Clock(dt.datetime):
         @classmethod

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import math
 import shutil
 import sys
@@ -42,8 +41,7 @@ from parity.engines.precision import to_dtype
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import scheduled_lr
-from parity.files import JSONError, parse_json
-from parity.folders import Folder, atomic_write_json, atomic_write_text
+from parity.folders import atomic_write_json, atomic_write_text
 from parity.rl.builtin_rewards import extract_boxed
 from parity.rl.callbacks import CallbackError, Callbacks, TrainerState, checked_callbacks
 from parity.rl.checkpoint import (
@@ -57,6 +55,7 @@ from parity.rl.data import DATA_DIR, DataOrder, load_problems, prompt_limit, wri
 from parity.rl.diagnostics import mismatch_alarm
 from parity.rl.episodes import episode_setup
 from parity.rl.evaluation import EvalSet, Evaluator, eval_sampling, evaluation_due, heldout_problems
+from parity.rl.metrics_log import MetricsLog
 from parity.rl.problems import Problem
 from parity.rl.reward_fns import Reward, RewardCheckError, binary_reward, config_rewards, data_columns, run_rewards
 from parity.rl.rewards import RewardHealth, score_rollouts
@@ -73,63 +72,12 @@ from parity.rl.step import (
     trained_rewards,
 )
 from parity.rl.tasks import EVAL_SEED, TASKS, builtin_problems
-from parity.rl.trackers import Tracker, check_trackers, open_trackers
+from parity.rl.trackers import check_trackers, open_trackers
 from parity.rl.train_config import RESUMABLE_KEYS, TrainConfig
 from parity.rundir import RunLock, check_run_dir, clean_leftovers, foreign_entries
 from parity.runtime import reuse_freed_memory
 
-# ----------------------------------------------------------------------------- logging
-
-
-class MetricsLog:
-    """`metrics.jsonl`, one object per step with "step"; and the trackers of `log.to` (`rl/trackers.py`)."""
-
-    NAME = "metrics.jsonl"
-
-    def __init__(self, run_dir: Path, trackers: list[Tracker]):
-        self.run_dir, self.path = run_dir, run_dir / self.NAME
-        self.trackers = trackers
-
-    def _lines(self, run: Folder) -> list[str]:
-        return run.read_bytes(self.NAME).decode(errors="replace").splitlines() if run.is_file(self.NAME) else []
-
-    def truncate_after(self, step: int) -> None:
-        """Drop lines logged after `step` (a killed run's steps past its checkpoint)."""
-        with Folder.open(self.run_dir, key="run_dir") as run:
-            if run.lstat(self.NAME) is not None:
-                kept = [line for line in self._lines(run) if _logged_step(line, step)]
-                run.write_text(self.NAME, "".join(line + "\n" for line in kept))
-
-    def rows(self) -> list[dict[str, Any]]:
-        """The steps logged (after `truncate_after`, every line is one)."""
-        with Folder.open(self.run_dir, key="run_dir") as run:
-            return [parse_json(line) for line in self._lines(run)]
-
-    def log(self, metrics: dict[str, float]) -> None:
-        with Folder.open(self.run_dir, key="run_dir") as run:
-            run.append_text(self.NAME, json.dumps(metrics) + "\n")
-        values = {k: v for k, v in metrics.items() if k != "step"}
-        for tracker in self.trackers:
-            tracker.log(values, metrics["step"])
-
-    def close(self) -> None:
-        for tracker in self.trackers:
-            tracker.close()
-        self.trackers = []
-
-
 # ----------------------------------------------------------------------------- the run
-
-
-def _logged_step(line: str, last: int) -> bool:
-    """Whether `line` is a step logged at or before step `last`: a line cut short by a kill, or one that is
-    not a step's metrics at all, is not."""
-    try:
-        row = parse_json(line)
-    except JSONError:
-        return False
-    numbers = [row.get(k) for k in ("step", "mismatch/k3")] if isinstance(row, dict) else [None]
-    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers) and row["step"] <= last
 
 
 def _saved_config(run_dir: Path) -> dict[str, Any] | None:

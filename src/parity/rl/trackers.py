@@ -1,7 +1,7 @@
 """Experiment trackers: every step's metrics go to TensorBoard (`tensorboard=true`, when installed) and to
 each tracker `log.to` names, through its own library.
 
-`metrics.jsonl` is always written (`rl/loop.MetricsLog`); trackers are extra and optional. A tracker
+`metrics.jsonl` is always written (`rl/metrics_log.MetricsLog`); trackers are extra and optional. A tracker
 `log.to` names whose library is not installed is refused before the run starts. Each library's own
 offline mode applies: WANDB_MODE=offline, MLFLOW_TRACKING_URI (a file store in the run, mlruns/, by default), trackio's
 local store.
