@@ -18,6 +18,7 @@ from parity.rl.algorithms import (
     trl_advantage,
     weighted_rewards,
 )
+from parity.rl.tasks import TASKS
 
 
 def trl_nanstd(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
@@ -142,9 +143,9 @@ def test_parity_advantages_leave_out_unscored_rows():
 )
 def test_trl_keys_choose_the_advantage(keys, advantage, scale, aggregation):
     a = AlgorithmConfig(name="grpo", **keys)
-    a.resolve("builtin")
+    a.resolve(TASKS["builtin"])
     assert (a.advantage, a.scale_rewards, a.multi_objective_aggregation) == (advantage, scale, aggregation)
-    a.resolve("builtin")  # config.yaml's resolved values load again
+    a.resolve(TASKS["builtin"])  # config.yaml's resolved values load again
     assert a.advantage == advantage
 
 
@@ -162,4 +163,4 @@ def test_trl_keys_choose_the_advantage(keys, advantage, scale, aggregation):
 )
 def test_trl_keys_refused(keys, message):
     with pytest.raises(ConfigError, match=message):
-        AlgorithmConfig(name="grpo", **keys).resolve("builtin")
+        AlgorithmConfig(name="grpo", **keys).resolve(TASKS["builtin"])
