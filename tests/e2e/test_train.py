@@ -19,7 +19,7 @@ from parity.cli import main
 from parity.rl.data import DataError
 from parity.rl.loop import Run
 from parity.rl.rewards import score_rollouts
-from parity.rl.step import prepare, resolve_old
+from parity.rl.step import prepare, resolve_old, trained_rewards
 from parity.rl.train_config import TrainConfig
 
 TINY = [*TINY_RUN, "rollout.max_new_tokens=48", "steps=4"]
@@ -87,7 +87,8 @@ def test_a_rejection_rule_gets_old_before_the_update_and_the_prepared_batch_is_f
         old, source = resolve_old(batch, run.plan, run.backend.trainer)
         assert source == "learner_pass" and old.shape == batch.rollout_logprobs.shape
         result = score_rollouts(batch, problems, run.tokenizer, run.rewards)
-        prepared = prepare(batch, result, run.plan, "drgrpo", "zero_reward", (old, source))
+        trained = trained_rewards(batch, result, "drgrpo", "zero_reward")
+        prepared = prepare(batch, trained, run.plan, "zero_reward", (old, source))
         assert prepared.rejected is not None and not prepared.loss_mask[prepared.rejected].any()
         with pytest.raises(dataclasses.FrozenInstanceError):
             prepared.old_logprobs = None

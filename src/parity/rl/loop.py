@@ -577,7 +577,8 @@ class Run:
             )
         times["reward"] = time.perf_counter() - t
         t = time.perf_counter()
-        self._show_completions(batch, problems, result)
+        trained = trained_rewards(batch, result, a.advantage, a.truncated)  # what the loss and the files see
+        self._show_completions(batch, problems, result, trained)
         times["completions"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -588,7 +589,7 @@ class Run:
             "(or set trainer.activation_checkpointing=true)",
         ):
             old = self.backend.old_logprobs(batch, self.plan)
-            prepared = prepare(batch, result, self.plan, a.advantage, a.truncated, old)
+            prepared = prepare(batch, trained, self.plan, a.truncated, old)
             update = self.backend.update(self.step_count, batch, prepared, self.plan)
         self._check_finite(update)
         times["train"] = time.perf_counter() - t
@@ -639,11 +640,13 @@ class Run:
             )
         self.truncation_warned = True
 
-    def _show_completions(self, batch: RolloutBatch, problems: list[Problem], result) -> None:
-        """completions/step_N.jsonl with every completion of the step, the reward it trains on, its advantage
-        and its scores; `log.completions` of them printed as a table."""
+    def _show_completions(
+        self, batch: RolloutBatch, problems: list[Problem], result, trained: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """completions/step_N.jsonl with every completion of the step, the reward it trains on and its advantage
+        (`trained`), and its scores; `log.completions` of them printed as a table."""
         groups = batch.group_index.tolist()
-        trained, advantages = trained_rewards(batch, result, self.cfg.algorithm.advantage, self.cfg.algorithm.truncated)
+        trained, advantages = trained
         rows = completion_rows(
             self.step_count + 1,
             [problems[g] for g in groups],

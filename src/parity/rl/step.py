@@ -203,16 +203,15 @@ def trained_rewards(
 
 def prepare(
     batch: RolloutBatch,
-    result: RewardResult,
+    trained: tuple[torch.Tensor, torch.Tensor],
     plan: UpdatePlan,
-    advantage: str,
     truncated: str,
     old: tuple[torch.Tensor | None, str],
 ) -> Prepared:
-    """Rewards to advantages and the loss mask, with the estimator's rejection applied; `old` is
-    `resolve_old`'s answer."""
+    """The loss mask, with the estimator's rejection applied, beside the rewards and advantages
+    `trained_rewards` gave (`trained`); `old` is `resolve_old`'s answer."""
     old_logprobs, old_source = old
-    rewards, advantages = trained_rewards(batch, result, advantage, truncated)
+    rewards, advantages = trained
     loss_mask = batch.sampled_mask.clone()
     if truncated == "drop":
         loss_mask[batch.truncated] = False
