@@ -108,3 +108,28 @@ def test_mismatch_command_exact_and_locate(tmp_path, capsys):
     assert "## Where the engines part: bf16" in (out / "mismatch.md").read_text()
     assert mismatch("exact=true", "pairs=[bf16/fp32]") == 2
     assert "mixes precisions" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "plain"])
+@pytest.mark.parametrize("sampling", [PLAIN, FILTERED], ids=["plain", "top-k-top-p"])
+def test_the_full_vocabulary_record_from_training_passes_is_the_pass_of_its_own(exact, sampling):
+    """`train_on_batch(full_vocab=True)` fills the record from the update's own passes (micro-batches of other
+    rows than the recorded ones): exact mode gives the bits of the diagnostic's own pass over the recorded rows,
+    and plain mode the same distributions to FP32 rounding."""
+    from parity.engines.trainer import OptimConfig, Trainer, full_vocab_logprobs
+
+    model, engine = engines("builtin", "fp32", exact=exact)
+    batch = engine.generate(random_prompts(6, model.config.vocab_size, seed=9), 3, sampling, 4, full_vocab=40)
+    record = batch.full_vocab
+    assert len(record.rows) == 3 and (record.steps >= 0).any() and (record.steps < 0).any()  # short rows too
+    own = full_vocab_logprobs(model, batch, torch.float32)
+    trainer = Trainer(model, "fp32", OptimConfig(lr=0.0))
+    with torch.no_grad():
+        for rows in torch.arange(len(batch.prompt_ids)).split(5):
+            trainer.batch_logprobs(batch, rows, full_vocab=True)
+    got = record.trainer_logprobs
+    assert torch.equal(got.isnan(), own.isnan())
+    if exact:
+        assert torch.equal(got.nan_to_num(), own.nan_to_num())
+    else:
+        torch.testing.assert_close(got.nan_to_num(), own.nan_to_num(), rtol=0, atol=1e-5)

@@ -456,3 +456,22 @@ def test_a_template_bomb_is_one_line_in_bounded_memory(name, bombs_rendered):
     lines = result["stderr"].strip().splitlines()
     assert result["code"] == 2 and len(lines) == 1 and "chat template" in lines[0], result["stderr"][-2000:]
     assert len(lines[0]) < 600 and not result["wrote"]
+
+
+def test_the_non_finite_scan_names_exactly_the_tensors_with_inf_or_nan():
+    """Sums first, the elementwise check only where a sum is not finite: finite values whose sum overflows
+    are not named, and every dtype's inf and NaN are."""
+    import torch
+
+    from parity.rl.checkpoint import non_finite_tensors
+
+    tensors = {
+        "fine": torch.randn(64, 32),
+        "nan": torch.randn(64, 32).index_put_((torch.tensor([5]), torch.tensor([7])), torch.tensor(float("nan"))),
+        "overflowing_sum": torch.full((8, 8), 3e38),
+        "fp16_inf": torch.tensor([1.0, float("-inf")], dtype=torch.float16),
+        "bf16": torch.ones(10, dtype=torch.bfloat16),
+        "ints": torch.arange(3),
+    }
+    assert non_finite_tensors(tensors) == ["nan", "fp16_inf"]
+    assert non_finite_tensors({"ints": torch.arange(3)}) == []

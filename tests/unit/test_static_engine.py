@@ -85,8 +85,10 @@ def test_top_k_examines_candidates_only_and_keeps_ties(wide_vocab_dir, precision
     ):
         new = engine.generate(prompts, 3, sampling, seed=1, full_vocab=8)
         assert_same(new, reference_rollout.generate(engine, prompts, 3, sampling, seed=1, full_vocab=8))
-    with torch.no_grad():
-        engine.weights.lm_head.zero_()  # every logit equal: top-k keeps all 700
+    state = {name: t.float() for name, t in engine.named_weights().items()}
+    head = "model.embed_tokens.weight" if "lm_head.weight" not in state else "lm_head.weight"
+    state[head] = torch.zeros_like(state[head])  # every logit equal: top-k keeps all 700
+    engine.load_weights(state, engine.weight_version + 1)
     new = engine.generate(prompts, 2, SamplingParams(top_k=1, max_new_tokens=5), seed=2)
     assert new.support.shape[-1] == 700
     assert_same(new, reference_rollout.generate(engine, prompts, 2, SamplingParams(top_k=1, max_new_tokens=5), seed=2))

@@ -13,6 +13,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -168,10 +169,12 @@ def sequence_logprobs(
     dtype: torch.dtype,
     routing: Routing | None = None,
     replay: bool = False,
+    on_head: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[PackedBatch, torch.Tensor]:
     """The trainer's code path: log p of each response token [B, T] FP32 (0 on padding)
     with the model computed in `dtype`, and the packed batch it ran on. `routing` (the
     rollout engine's experts, MoE models) travels in the packed batch; `replay` uses it.
+    `on_head` sees the LM head's output at the response tokens (row-major) before it is read.
     The log-probs are on the model's device, wherever the batch is."""
     device = next(model.parameters()).device
     response_ids, response_mask = response_ids.to(device), response_mask.to(device)
@@ -180,8 +183,11 @@ def sequence_logprobs(
     bucket = kernels.per_shape_kernels(dtype, device)
     packed = pack(prompt_ids, response_ids, response_mask, bucket=bucket, routing=routing)
     num_scored = int(response_mask.sum())
+    head = model(packed, dtype, replay)[:num_scored]
+    if on_head is not None:
+        on_head(head)
     scored = token_logprobs(
-        model(packed, dtype, replay)[:num_scored],
+        head,
         response_ids[response_mask],
         None if support is None else support[response_mask],
         temperature,
@@ -193,7 +199,12 @@ def sequence_logprobs(
 
 
 def score_rows(
-    model: CausalLM, batch: RolloutBatch, rows: torch.Tensor, dtype: torch.dtype, replay: bool = False
+    model: CausalLM,
+    batch: RolloutBatch,
+    rows: torch.Tensor,
+    dtype: torch.dtype,
+    replay: bool = False,
+    on_head: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[PackedBatch, torch.Tensor]:
     """`sequence_logprobs` on `rows` of a rollout batch: their prompts and responses, at the temperature
     they were sampled at, restricted to each token's recorded support, with the rollout engine's experts
@@ -208,6 +219,7 @@ def score_rows(
         dtype,
         None if batch.routing is None else batch.routing.rows(rows),
         replay,
+        on_head,
     )
 
 
@@ -252,20 +264,51 @@ def full_vocab_logprobs(model: CausalLM, batch: RolloutBatch, dtype: torch.dtype
     rows = record.rows.to(device)
     mask = batch.response_mask.to(device)[rows]
     packed = pack([batch.prompt_ids[r] for r in rows.tolist()], batch.response_ids.to(device)[rows], mask, routing=None)
-    # Scored tokens are row-major: row i's response token t is at starts[i] + t. Only the recorded
-    # positions go through the LM head (a vocabulary-wide matmul each).
+    # Only the recorded positions go through the LM head (a vocabulary-wide matmul each).
+    steps = record.steps.to(device)
+    head = model.lm_head(model.hidden_states(packed, dtype)[packed.score_index[_recorded_positions(mask, steps)]])
+    return _full_vocab_rows(head, batch, rows, steps, model.config.final_softcap)
+
+
+@torch.no_grad()
+def record_full_vocab(batch: RolloutBatch, rows: torch.Tensor, head: torch.Tensor, cap: float | None) -> None:
+    """`full_vocab_logprobs` from a pass the trainer makes anyway: fill `batch.full_vocab.trainer_logprobs` for
+    the recorded rows among `rows` from `head`, the LM head's output at those rows' response tokens
+    (`sequence_logprobs`'s `on_head`), on the weights that sampled."""
+    record = batch.full_vocab
+    device = head.device
+    if record.trainer_logprobs is None:
+        record.trainer_logprobs = torch.full(record.rollout_logprobs.shape, float("nan"), device=device)
+    match = rows.to(device)[None, :] == record.rows.to(device)[:, None]  # [R, len(rows)]
+    found = match.any(-1)
+    if not bool(found.any()):
+        return
+    steps = record.steps.to(device)[found]
+    at = match[found].int().argmax(-1)  # each found row's place among `rows`
+    mask = batch.response_mask.to(device)[rows.to(device)]
+    head = head.detach()[_recorded_positions(mask, steps, at)]
+    record.trainer_logprobs[found] = _full_vocab_rows(head, batch, record.rows.to(device)[found], steps, cap)
+
+
+def _recorded_positions(mask: torch.Tensor, steps: torch.Tensor, at: torch.Tensor | None = None) -> torch.Tensor:
+    """Where recorded positions `steps` [R, k] (-1: none) sit among the response tokens of the rows of
+    `mask` [B, T] laid row-major (`at`: each recorded row's row in `mask`; default: the same order), flat."""
     lengths = mask.sum(-1)
     starts = torch.cumsum(lengths, 0) - lengths
-    steps = record.steps.to(device)
-    valid = steps >= 0
-    index = (starts[:, None] + steps.clamp(min=0)).flatten()
-    head = model.lm_head(model.hidden_states(packed, dtype)[packed.score_index[index]])
+    return ((starts if at is None else starts[at])[:, None] + steps.clamp(min=0)).flatten()
+
+
+def _full_vocab_rows(
+    head: torch.Tensor, batch: RolloutBatch, rows: torch.Tensor, steps: torch.Tensor, cap: float | None
+) -> torch.Tensor:
+    """Log-probs [R, k, V] from the LM head's output [R·k, V] at recorded rows `rows`' positions `steps` [R, k],
+    as the rollout engine computed μ (temperature, support); NaN at a position the row did not have."""
     support = None
     if batch.support is not None:
-        support = batch.support.to(device)[rows[:, None], steps.clamp(min=0)].flatten(0, 1)
-    logits = kernels.restrict(_scaled(head, batch.sampling.temperature, model.config.final_softcap), support)
+        support = batch.support.to(head.device)[rows[:, None], steps.clamp(min=0)].flatten(0, 1)
+    logits = kernels.restrict(_scaled(head, batch.sampling.temperature, cap), support)
     logprobs = torch.log_softmax(logits, dim=-1).view(*steps.shape, -1)
-    return logprobs.masked_fill(~valid[..., None], float("nan"))
+    return logprobs.masked_fill(~(steps >= 0)[..., None], float("nan"))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -333,10 +376,16 @@ class Trainer:
         self._count_pass(packed, int(response_mask.sum()))
         return scored
 
-    def batch_logprobs(self, batch: RolloutBatch, rows: torch.Tensor, replay: bool = False) -> torch.Tensor:
+    def batch_logprobs(
+        self, batch: RolloutBatch, rows: torch.Tensor, replay: bool = False, full_vocab: bool = False
+    ) -> torch.Tensor:
         """π of `rows` of a rollout batch (`score_rows`); differentiable when grad is on. `replay`: a MoE
-        model uses the experts the rollout engine chose."""
-        packed, scored = score_rows(self.model, batch, rows, self.dtype, replay)
+        model uses the experts the rollout engine chose. `full_vocab`: the pass also fills the batch's
+        full-vocabulary record for its recorded rows among `rows` (`record_full_vocab`)."""
+        on_head = None
+        if full_vocab and batch.full_vocab is not None:
+            on_head = partial(record_full_vocab, batch, rows, cap=self.model.config.final_softcap)
+        packed, scored = score_rows(self.model, batch, rows, self.dtype, replay, on_head)
         self._count_pass(packed, int(batch.response_mask[rows].sum()))
         return scored
 

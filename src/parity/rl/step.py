@@ -33,7 +33,7 @@ from parity.engines.precision import to_dtype
 from parity.engines.sampler import ExactnessError, Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import Tokenizer
-from parity.engines.trainer import StepStats, Trainer
+from parity.engines.trainer import StepStats, Trainer, full_vocab_logprobs
 from parity.rl.algorithms import (
     ESTIMATORS,
     PER_FUNCTION_ADVANTAGES,
@@ -237,6 +237,7 @@ def train_on_batch(
     rank: int = 0,
     world: int = 1,
     before_first_step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+    full_vocab: bool = False,
 ) -> UpdateResult:
     """Every optimizer update of one step: `ppo_epochs` passes over `num_minibatches`
     mini-batches of whole groups (shuffled per epoch after the first).
@@ -245,7 +246,9 @@ def train_on_batch(
     the losses keep the whole mini-batch's denominators, so the learners' gradients sum to
     the single-learner gradient (the sharded optimizer sums them). `before_first_step` sees π_old of
     every row, and this learner's rows of the first mini-batch with their first π_θ pass, before the
-    optimizer first steps (exact mode's check: a failure there moves no weight)."""
+    optimizer first steps (exact mode's check: a failure there moves no weight). `full_vocab` (one learner):
+    fill the batch's full-vocabulary record on the weights that sampled, from the first update's passes
+    where they hold every recorded row (and replay no experts), else by a pass of its own before it steps."""
     if plan.lr is not None:
         trainer.set_lr(plan.lr)
     estimator = ESTIMATORS[plan.algorithm.name]
@@ -266,6 +269,10 @@ def train_on_batch(
     order_gen = torch.Generator().manual_seed(order_seed)
     pending: list[tuple[list[float], torch.Tensor | float]] = []  # (where it goes, scalar) until the update ends
     first_update: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, π_θ) of the first update's passes
+    record = batch.full_vocab if full_vocab else None
+    record_in_passes = (
+        record is not None and world == 1 and not plan.routing_replay and int(record.rows.max()) < rows_per_mb
+    )
     for epoch in range(plan.algorithm.ppo_epochs):
         # Mini-batches hold whole groups, shuffled per epoch.
         groups = torch.randperm(plan.prompts, generator=order_gen) if epoch else torch.arange(plan.prompts)
@@ -275,7 +282,8 @@ def train_on_batch(
             with trainer.casting_once():
                 micro_batches = batch.micro_batches(mb.tensor_split(world)[rank], plan.micro_batch_tokens)
                 for rows in micro_batches:
-                    logp = trainer.batch_logprobs(batch, rows, plan.routing_replay)
+                    record_here = record_in_passes and not out.updates
+                    logp = trainer.batch_logprobs(batch, rows, plan.routing_replay, record_here)
                     if first_pass is not None and epoch == 0:
                         first_pass[rows] = logp.detach()
                     if before_first_step is not None and out.updates == 0:
@@ -309,6 +317,8 @@ def train_on_batch(
             if before_first_step is not None and out.updates == 0:
                 # π_old is known for every row now: given, or this first mini-batch's pass
                 before_first_step(pi_old, *(torch.cat(parts) for parts in zip(*first_update)))
+            if record is not None and not record_in_passes and not out.updates:
+                record.trainer_logprobs = full_vocab_logprobs(trainer.model, batch, trainer.dtype)
             out.step_stats = trainer.step()
             # The micro-batches' figures reach the host once per update, after the step has waited for them.
             for (target, _), value in zip(pending, host_floats([v for _, v in pending], trainer.device)):
@@ -506,11 +516,12 @@ class LocalBackend:
         t = time.perf_counter()
         self.sampler.score_samples(batch)
         times["score"] = time.perf_counter() - t
-        if batch.full_vocab is not None:
+        if batch.full_vocab is not None and self.sampler.scorer is not None:
             t = time.perf_counter()
-            # The trainer still holds the weights that sampled: it updates after this.
-            self.sampler.score_full_vocab(batch, None if self.sampler.scorer is not None else self.trainer.model)
+            self.sampler.score_full_vocab(batch)
             times["full_vocab"] = time.perf_counter() - t
+        # Otherwise the trainer, which holds the weights that sampled until it updates, fills the record in
+        # its update (`train_on_batch(full_vocab=True)`).
         return problems, batch
 
     def old_logprobs(self, batch: RolloutBatch, plan: UpdatePlan) -> tuple[torch.Tensor | None, str]:
@@ -535,6 +546,7 @@ class LocalBackend:
             self.parts.order_seed(step),
             self.reference,
             before_first_step=check_exact if self.parts.cfg.exact else None,
+            full_vocab=self.sampler.scorer is None,
         )
         update.flops = sum(tr.matmul_flops for tr in trainers) - flops_before
         # Only trained weights can turn non-finite: a LoRA run's frozen base is not scanned every step.

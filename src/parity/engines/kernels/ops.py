@@ -71,6 +71,11 @@ MIN_BATCHED_ROWS = 4
 # its chunk. Within one block's fixed shape the trailing zeros change nothing; the blocks past a
 # query's last key add exact zeros. (The GPU kernel walks keys in blocks of 64 too, `attention.py`.)
 EXACT_KEY_BLOCK = 64
+# Outside exact mode the CPU rollout engine also keeps each FP32-held matmul weight reordered into oneDNN's
+# blocked layout for calls of this many rows (`Numerics.engine_matrix`). PyTorch sends an FP32 `F.linear` to
+# MKL, which at a decode step's few rows reaches 45-80 GFLOP/s on SmolLM2's shapes where the reordered weight
+# reaches 120-150 (AMD EPYC, 2 threads; docs/benchmarks.md, issue 56); the reorder runs once per weight sync.
+PACKED_ROWS = 16
 
 
 def emulated(t: torch.Tensor) -> bool:
@@ -122,7 +127,10 @@ def linear(
     rows, cols = x.shape[:-1], weight.shape[0]
     x2, weight = x.reshape(-1, x.shape[-1]), weight if prerounded else weight.to(x.dtype)
     bias = None if bias is None else bias.to(x.dtype)
-    if row_blocks:
+    if weight.is_mkldnn:  # `Numerics.engine_matrix`'s reordered FP32 weight (at least MIN_ROWS columns)
+        x2 = _pad(x2, -2)
+        matmul = _packed_linear
+    elif row_blocks:
         # Without gradients (the rollout engine, π_old) the blocks are called directly: a decode
         # step's many small calls would each pay for an autograd node.
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
@@ -139,6 +147,11 @@ def linear(
         out = out[: rows.numel(), :cols]
     # A 2-D input gets the matmul's own tensor, not a view of it (FSDP2 warns of a root module returning one).
     return out if x.dim() == 2 else out.reshape(*rows, cols)
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` on a weight reordered by `torch.ops.mkldnn._reorder_linear_weight` (oneDNN's kernel)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def _row_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -227,6 +240,15 @@ class Numerics:
     ) -> torch.Tensor:
         """`linear` (above)."""
         return linear(x, weight, bias, prerounded)
+
+    def engine_matrix(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The rollout engine's copy of a stored matmul weight in the layout `linear` reads fastest here, or None
+        where the stored tensor is that layout: on the CPU, an FP32-held weight reordered for oneDNN
+        (PACKED_ROWS). The engine keeps the stored tensor too (weight syncs and checksums read it)."""
+        usable = weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        if not usable or min(weight.shape) < MIN_ROWS:
+            return None
+        return torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_ROWS)
 
     def fused_rows(self, x: torch.Tensor) -> bool:
         """Whether RMSNorm and SiLU · up run as one Triton pass per row (`fused.py`), in both engines: on
@@ -468,6 +490,9 @@ class _Exact(Numerics):
     each adapter member added on its own), so that μ is π's bits (docs/exact.md)."""
 
     exact = True
+
+    def engine_matrix(self, weight: torch.Tensor) -> torch.Tensor | None:
+        return None  # the engine multiplies by the weight as the trainer does: no other kernel
 
     def engine_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
         return self.rms_norm(x, weight, eps, gemma)
