@@ -156,7 +156,12 @@ def forward(engine, angles, ids, positions, cache, keys=None, last=None):
             mlp = engine._mlp(layer, engine._norm(x, layer.post_norm), routing)
             x = x + mlp
     final = engine._norm(x[:, 0] if last is None else x[rows, last], engine.weights.norm)
-    logits = softcap(engine.numerics.linear(final, engine.weights.head(), prerounded=True).float(), cfg.final_softcap)
+    logits = softcap(
+        engine.numerics.linear(
+            final, engine.weights.lm_head, prerounded=True, fast=engine.weights.lm_head_fast
+        ).float(),
+        cfg.final_softcap,
+    )
     return logits, torch.stack(routing, dim=2) if routing else None
 
 

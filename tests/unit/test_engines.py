@@ -261,9 +261,11 @@ def test_weights_cast_once_per_update_give_the_same_gradients(qwen2_dir):
 @pytest.mark.parametrize(
     "support, exact", [(False, False), (True, False), (True, True)], ids=["all", "support", "exact"]
 )
-def test_chunked_head_logprobs_equal_autograds_log_softmax(dtype, temperature, cap, support, exact, monkeypatch):
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "reused-head"])
+def test_chunked_head_logprobs_equal_autograds_log_softmax(dtype, temperature, cap, support, exact, reuse, monkeypatch):
     """Over the whole vocabulary or a support (top-k/top-p), in chunks; exact mode's values are the bits of the
-    rollout engine's arithmetic (a log-softmax of the whole row, the tokens outside the support at -inf)."""
+    rollout engine's arithmetic (a log-softmax of the whole row, the tokens outside the support at -inf). With
+    `reuse_head` the gradient is written into the head's own storage, with the same values."""
     monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", {"cpu": 64})  # 37 rows of 50: 29 chunks, the last short
     gen = torch.Generator().manual_seed(0)
     head = (torch.randn(37, 50, generator=gen) * 3).to(dtype)
@@ -275,8 +277,11 @@ def test_chunked_head_logprobs_equal_autograds_log_softmax(dtype, temperature, c
         kept = kept.masked_fill(torch.arange(6) > torch.arange(37)[:, None] % 6, -1)
     fused = head.clone().requires_grad_()
     numerics = kernels.numerics(exact=exact)
-    logprobs = trainer_mod.token_logprobs(fused, tokens, kept, temperature, cap=cap, numerics=numerics)
+    given = fused * 1 if reuse else fused  # reused: an intermediate, as the LM head's output is
+    logprobs = trainer_mod.token_logprobs(given, tokens, kept, temperature, cap, numerics, reuse_head=reuse)
     (logprobs * g).sum().backward()
+    if reuse:
+        assert not torch.equal(given.detach(), head)  # the storage took the gradient
     plain = head.clone().requires_grad_()
     logits = plain.float() if cap is None else torch.tanh(plain.float() / cap) * cap
     expected = torch.log_softmax(kernels.restrict(logits / temperature, kept), -1).gather(-1, tokens[:, None])[:, 0]

@@ -243,7 +243,8 @@ class RolloutEngine:
 
     def _project(self, layer: LayerWeights, part: str, x: torch.Tensor) -> torch.Tensor:
         """The projection `part` of `layer` (qkv, o, gate_up, down), with its unmerged adapter."""
-        out = self.numerics.linear(x, self.weights.matrix(layer, part), getattr(layer, part + "_bias"), prerounded=True)
+        weight, bias = getattr(layer, part), getattr(layer, part + "_bias")
+        out = self.numerics.linear(x, weight, bias, prerounded=True, fast=layer.fast.get(part))
         if part in layer.lora:
             out = self.numerics.add_adapter(out, x, *layer.lora[part])
         return out
@@ -326,7 +327,7 @@ class RolloutEngine:
         (FP32 with a soft-cap): the draw reads them as FP32 (`sampling.draw`), and the fused one reads the
         16-bit values directly rather than a [B, V] FP32 copy (78 MB a step at 128 rows of Qwen2's)."""
         final = self._norm(hidden, self.weights.norm)
-        logits = self.numerics.linear(final, self.weights.head(), prerounded=True)
+        logits = self.numerics.linear(final, self.weights.lm_head, prerounded=True, fast=self.weights.lm_head_fast)
         if self.config.final_softcap is not None:
             logits = softcap(logits.float(), self.config.final_softcap)
         if self._tap is not None:

@@ -41,7 +41,7 @@ class LayerWeights:
     # its B is block-diagonal, so one pair serves Q, K and V (or gate and up) together. With the pair,
     # each adapted member's (output columns, rank columns) in it, for exact mode (`RolloutEngine._project`).
     lora: dict[str, tuple[torch.Tensor, torch.Tensor, list[tuple[slice, slice]]]] = field(default_factory=dict)
-    # Per projection, the copy the numerics multiplies by faster (`Numerics.engine_matrix`), remade every load.
+    # Per projection, the copy the numerics multiplies by faster (`Numerics.fast_matrix`), remade every load.
     fast: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -139,8 +139,8 @@ class RolloutWeights:
         self.layout += 1
 
     def _reorder(self) -> None:
-        """The numerics' faster copies of the stored matmul weights (`Numerics.engine_matrix`), after a load."""
-        fast = self.numerics.engine_matrix
+        """The numerics' faster copies of the stored matmul weights (`Numerics.fast_matrix`), after a load."""
+        fast = self.numerics.fast_matrix
         self.lm_head_fast = fast(self.lm_head)
         for layer in self.layers:
             layer.fast = {}
@@ -149,14 +149,6 @@ class RolloutWeights:
                 copy = None if stored is None else fast(stored)
                 if copy is not None:
                     layer.fast[part] = copy
-
-    def matrix(self, layer: LayerWeights, part: str) -> torch.Tensor:
-        """Projection `part`'s weight as `linear` should read it (prerounded)."""
-        return layer.fast.get(part, getattr(layer, part))
-
-    def head(self) -> torch.Tensor:
-        """The LM head's weight as `linear` should read it (prerounded)."""
-        return self.lm_head if self.lm_head_fast is None else self.lm_head_fast
 
     @torch.no_grad()
     def _copy_into_stored(self, state: dict[str, torch.Tensor]) -> None:

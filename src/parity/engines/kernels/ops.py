@@ -71,10 +71,11 @@ MIN_BATCHED_ROWS = 4
 # its chunk. Within one block's fixed shape the trailing zeros change nothing; the blocks past a
 # query's last key add exact zeros. (The GPU kernel walks keys in blocks of 64 too, `attention.py`.)
 EXACT_KEY_BLOCK = 64
-# Outside exact mode the CPU rollout engine also keeps each FP32-held matmul weight reordered into oneDNN's
-# blocked layout for calls of this many rows (`Numerics.engine_matrix`). PyTorch sends an FP32 `F.linear` to
-# MKL, which at a decode step's few rows reaches 45-80 GFLOP/s on SmolLM2's shapes where the reordered weight
-# reaches 120-150 (AMD EPYC, 2 threads; docs/benchmarks.md, issue 56); the reorder runs once per weight sync.
+# Outside exact mode both engines multiply on the CPU by FP32 weights reordered into oneDNN's blocked layout
+# for calls of this many rows (`Numerics.fast_matrix`): PyTorch sends an FP32 `F.linear` to MKL, which at a
+# decode step's 16 rows reaches 45-80 GFLOP/s on SmolLM2's shapes and 130-180 at a training pass's 700,
+# where the reordered weight reaches 120-150 and 170-205 (AMD EPYC, 2 threads; docs/benchmarks.md, issue
+# 56). A reorder reads the weight once: per weight sync in the rollout engine, per update in the trainer.
 PACKED_ROWS = 16
 
 
@@ -119,21 +120,26 @@ def linear(
     bias: torch.Tensor | None = None,
     prerounded: bool = False,
     row_blocks: bool = False,
+    fast: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T + bias` in the dtype of `x`, accumulating in FP32; each output element
     is independent of the other rows and columns (see MIN_ROWS). `prerounded`: `weight` is as `store_for_engine`
     stores it (already rounded to the dtype of `x`). `row_blocks` (exact mode on the CPU): every
-    matmul call gets exactly EXACT_CPU_ROWS rows, so a row's bits cannot depend on its batch."""
+    matmul call gets exactly EXACT_CPU_ROWS rows, so a row's bits cannot depend on its batch. `fast`: `weight`
+    as `Numerics.fast_matrix` reorders it, which the forward multiplies by instead (the backward reads `weight`)."""
     rows, cols = x.shape[:-1], weight.shape[0]
     x2, weight = x.reshape(-1, x.shape[-1]), weight if prerounded else weight.to(x.dtype)
     bias = None if bias is None else bias.to(x.dtype)
-    if weight.is_mkldnn:  # `Numerics.engine_matrix`'s reordered FP32 weight (at least MIN_ROWS columns)
+    # Without gradients (the rollout engine, π_old) the kernels are called directly: a decode
+    # step's many small calls would each pay for an autograd node.
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if fast is not None:
         x2 = _pad(x2, -2)
-        matmul = _packed_linear
+
+        def matmul(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return _FastForward.apply(inputs, weight, bias, fast) if grad else _fast_linear(inputs, fast, bias)
+
     elif row_blocks:
-        # Without gradients (the rollout engine, π_old) the blocks are called directly: a decode
-        # step's many small calls would each pay for an autograd node.
-        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         matmul = _RowBlocks.apply if grad else _row_blocks
     else:
         x2, weight = _pad(x2, -2), _pad(weight, -2)
@@ -149,9 +155,9 @@ def linear(
     return out if x.dim() == 2 else out.reshape(*rows, cols)
 
 
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear` on a weight reordered by `torch.ops.mkldnn._reorder_linear_weight` (oneDNN's kernel)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+def _fast_linear(x: torch.Tensor, fast: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` by a weight `Numerics.fast_matrix` reordered for oneDNN (its kernel)."""
+    return torch.ops.mkldnn._linear_pointwise(x, fast, bias, "none", [], "")
 
 
 def _row_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -177,15 +183,9 @@ def _row_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out
 
 
-class _RowBlocks(torch.autograd.Function):
-    """`_row_blocks` with the usual backward, one matmul per gradient rather than one per block: only
-    the values must not depend on the batch."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return _row_blocks(x, weight, bias)
+class _PlainBackward(torch.autograd.Function):
+    """A linear layer whose forward computes its values another way (a subclass's) and whose backward is the
+    usual one, one matmul per gradient: only the values must not change."""
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -193,7 +193,27 @@ class _RowBlocks(torch.autograd.Function):
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad.T @ x if ctx.needs_input_grad[1] else None
         grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_weight, grad_bias
+        return grad_x, grad_weight, grad_bias, *([None] * (len(ctx.needs_input_grad) - 3))
+
+
+class _RowBlocks(_PlainBackward):
+    """`_row_blocks` (exact mode): the values must not depend on the batch."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _row_blocks(x, weight, bias)
+
+
+class _FastForward(_PlainBackward):
+    """`_fast_linear` by `fast`, the reordered copy of `weight`; the gradients on `weight` itself."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fast: torch.Tensor):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _fast_linear(x, fast, bias)
 
 
 def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -236,19 +256,25 @@ class Numerics:
         return "slots" if self.device.type == "cuda" else "dense"
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prerounded: bool = False
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        prerounded: bool = False,
+        fast: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`linear` (above)."""
-        return linear(x, weight, bias, prerounded)
+        return linear(x, weight, bias, prerounded, fast=fast)
 
-    def engine_matrix(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The rollout engine's copy of a stored matmul weight in the layout `linear` reads fastest here, or None
-        where the stored tensor is that layout: on the CPU, an FP32-held weight reordered for oneDNN
-        (PACKED_ROWS). The engine keeps the stored tensor too (weight syncs and checksums read it)."""
+    @torch.no_grad()
+    def fast_matrix(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """A copy of a matmul weight in the layout `linear(..., fast=)` multiplies by fastest here, or None where
+        the weight's own layout is that: on the CPU an FP32 weight reordered for oneDNN (PACKED_ROWS). Valid
+        until the weight changes: the rollout engine makes it at each load, the trainer at each update."""
         usable = weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
         if not usable or min(weight.shape) < MIN_ROWS:
             return None
-        return torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_ROWS)
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
 
     def fused_rows(self, x: torch.Tensor) -> bool:
         """Whether RMSNorm and SiLU · up run as one Triton pass per row (`fused.py`), in both engines: on
@@ -491,8 +517,8 @@ class _Exact(Numerics):
 
     exact = True
 
-    def engine_matrix(self, weight: torch.Tensor) -> torch.Tensor | None:
-        return None  # the engine multiplies by the weight as the trainer does: no other kernel
+    def fast_matrix(self, weight: torch.Tensor) -> torch.Tensor | None:
+        return None  # one kernel, whose bits both engines are held to
 
     def engine_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
         return self.rms_norm(x, weight, eps, gemma)
@@ -533,9 +559,7 @@ class CpuExact(_Exact):
     """Exact mode on the CPU: every linear layer's matmul in calls of exactly EXACT_CPU_ROWS rows; attention
     spelled out in every precision, padded where the CPU's kernels would pick another path for a short row."""
 
-    def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prerounded: bool = False
-    ) -> torch.Tensor:
+    def linear(self, x, weight, bias=None, prerounded=False, fast=None) -> torch.Tensor:
         return linear(x, weight, bias, prerounded, row_blocks=True)
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -576,9 +600,7 @@ class TritonExact(_Exact):
     cache_layout = "slots"
     _cuda_matmul_path = "triton batch-invariant"
 
-    def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prerounded: bool = False
-    ) -> torch.Tensor:
+    def linear(self, x, weight, bias=None, prerounded=False, fast=None) -> torch.Tensor:
         from parity.engines.kernels import invariant
 
         return invariant.linear(

@@ -62,7 +62,8 @@ class Linear(nn.Module):
         self.casts: dict | None = None  # set through CausalLM.casting_once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.numerics.linear(x, cast_once(self.casts, self.weight, x.dtype), self.bias)
+        weight = cast_once(self.casts, self.weight, x.dtype)
+        return self.numerics.linear(x, weight, self.bias, fast=fast_once(self.casts, weight, self.numerics))
 
 
 def cast_once(casts: dict | None, weight: torch.Tensor, dtype: torch.dtype, use: str = "matmul") -> torch.Tensor:
@@ -74,6 +75,21 @@ def cast_once(casts: dict | None, weight: torch.Tensor, dtype: torch.dtype, use:
     key = (id(weight), dtype, torch.is_grad_enabled(), use)
     if key not in casts:
         casts[key] = weight.to(dtype)
+    return casts[key]
+
+
+def fast_once(casts: dict | None, weight: torch.Tensor, numerics: kernels.Numerics) -> torch.Tensor | None:
+    """Inside `CausalLM.casting_once`, the copy of `weight` (as cast) that `numerics` multiplies by faster
+    (`Numerics.fast_matrix`), made by the first forward that needs it: one reorder per update, not per pass.
+    Outside, None (a lone pass would pay the reorder for one use)."""
+    if casts is None:
+        return None
+    key = (id(weight), weight.dtype, "fast")
+    if key not in casts:
+        fast = numerics.fast_matrix(weight)
+        if fast is None:  # nothing faster for this weight: asked again each time (a check, no copy)
+            return None
+        casts[key] = fast
     return casts[key]
 
 
