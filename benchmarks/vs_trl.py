@@ -180,6 +180,7 @@ def parity_run(work: Work, tmp: Path):
             f"run_dir={tmp / 'run'}",
             "checkpoint_every=-1",
             "tensorboard=false",
+            "log.completions=0",
             f"trainer.micro_batch_tokens={work.prompts * work.group * (work.new_tokens + 64)}",  # one micro-batch
             f"seed={work.seed}",
             *([f"lora.rank={work.lora_rank}", f"lora.merge={str(work.lora_merge).lower()}"] if work.lora_rank else []),
@@ -311,8 +312,9 @@ def parity_steps(work: Work, warmup: int) -> dict:
 def parity_matmul_floor(work: Work, warmup: int, repeats: int = 7) -> dict:
     """Seconds that one Parity step's linear-layer matmuls take on their own.
 
-    Every `F.linear` of a real step (after `warmup` steps) is recorded with its shapes,
-    then each is run alone on random inputs of those shapes: its forward, plus for the
+    Every linear layer of a real step (`kernels.ops.linear`, after `warmup` steps) is recorded with its shapes,
+    then each is run alone on random inputs of those shapes, by the kernel the step used (oneDNN on a reordered
+    weight, or `F.linear`): its forward, plus for the
     trainer's the backward matmuls it needs (the input gradient, and the weight gradient
     unless the weight is frozen, as a LoRA base is). The sum is what
     the projections, MLP and LM head cost on this CPU at the shapes the step uses, with
@@ -321,25 +323,26 @@ def parity_matmul_floor(work: Work, warmup: int, repeats: int = 7) -> dict:
     """
     import torch
     import torch.nn.functional as F
-    from torch.overrides import TorchFunctionMode
+
+    from parity.engines.kernels import ops
 
     calls: list[tuple] = []
+    linear = ops.linear
 
-    class RecordLinear(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is F.linear:  # the trainer's run with grad enabled; the rollout's without
-                x, w, trainer = args[0], args[1], torch.is_grad_enabled()
-                calls.append(
-                    (
-                        tuple(x.shape),
-                        tuple(w.shape),
-                        x.dtype,
-                        trainer,
-                        trainer and x.requires_grad,
-                        trainer and w.requires_grad,
-                    )
-                )
-            return func(*args, **(kwargs or {}))
+    def recorded(x, weight, *args, fast=None, **kwargs):  # every linear layer of both engines comes here
+        trainer = torch.is_grad_enabled()  # the trainer's run with grad enabled; the rollout's without
+        calls.append(
+            (
+                tuple(x.shape),
+                tuple(weight.shape),
+                x.dtype,
+                trainer,
+                trainer and x.requires_grad,
+                trainer and weight.requires_grad,
+                fast is not None,  # on a weight reordered for oneDNN (`Numerics.fast_matrix`)
+            )
+        )
+        return linear(x, weight, *args, fast=fast, **kwargs)
 
     def seconds(fn, *args) -> float:
         fn(*args)  # first call: BF16 kernels are built per shape
@@ -357,18 +360,24 @@ def parity_matmul_floor(work: Work, warmup: int, repeats: int = 7) -> dict:
         run = parity_run(work, Path(tmp))
         for _ in range(warmup):
             run.step()
-        with RecordLinear():
+        ops.linear = recorded
+        try:
             run.step()
+        finally:
+            ops.linear = linear
     cost: dict[tuple, float] = {}
     floor = {"rollout_s": 0.0, "trainer_s": 0.0}
     for call in calls:
-        x_shape, w_shape, dtype, trainer, input_grad, weight_grad = call
+        x_shape, w_shape, dtype, trainer, input_grad, weight_grad, fast = call
         if call not in cost:
             x = torch.randn(x_shape, dtype=dtype).reshape(-1, x_shape[-1])
             w = torch.randn(w_shape, dtype=dtype)
             g = torch.randn(x.shape[0], w_shape[0], dtype=dtype)
             grads = input_grad or weight_grad
-            cost[call] = seconds(F.linear, x, w) + (seconds(backward, x, w, g, input_grad, weight_grad) if grads else 0)
+            forward = (
+                seconds(ops._fast_linear, x, ops.numerics().fast_matrix(w), None) if fast else seconds(F.linear, x, w)
+            )
+            cost[call] = forward + (seconds(backward, x, w, g, input_grad, weight_grad) if grads else 0)
         floor["trainer_s" if trainer else "rollout_s"] += cost[call]
     return floor
 
