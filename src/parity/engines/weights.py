@@ -45,17 +45,42 @@ class LayerWeights:
     fast: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def projections(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
-    """A dense layer's projections as the engine holds them (`_Layer` fields), each with its Hugging
-    Face members (module names under the layer) and their output widths, in the order they are
-    stacked: Q, K and V fused, gate and up fused."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {
-        "qkv": (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
-        "o": (("self_attn.o_proj", cfg.hidden_size),),
-        "gate_up": (("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)),
-        "down": (("mlp.down_proj", cfg.hidden_size),),
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the dense layer's matmuls, as the engine fuses them
+MATRICES = (*PROJECTIONS, "router")  # held as `kernels.store_for_engine` keeps a matmul weight
+
+
+def layer_names(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple[str, int | None], ...]]:
+    """Layer i's Hugging Face map, the one the engine loads, syncs and checks by: each `LayerWeights` field
+    (MoE experts aside) and the parameters stacked into it in order, with each one's rows in a fused field
+    (None: the field is that one tensor). Q, K and V are fused, and gate and up."""
+    p = f"model.layers.{i}."
+    a, m = p + "self_attn.", p + "mlp."
+    q, kv, inner = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    qkv = ((a + "q_proj", q), (a + "k_proj", kv), (a + "v_proj", kv))
+    gate_up = ((m + "gate_proj", inner), (m + "up_proj", inner))
+    one = {
+        "input_norm": p + "input_layernorm.weight",
+        "post_norm": p + "post_attention_layernorm.weight",
+        "o": a + "o_proj.weight",
+        "o_bias": a + "o_proj.bias",
+        "down": m + "down_proj.weight",
+        "down_bias": m + "down_proj.bias",
+        "q_norm": a + "q_norm.weight",
+        "k_norm": a + "k_norm.weight",
+        "pre_mlp_norm": p + "pre_feedforward_layernorm.weight",
+        "post_mlp_norm": p + "post_feedforward_layernorm.weight",
+        "router": m + "gate.weight",
     }
+    out = {part: ((name, None),) for part, name in one.items()}
+    for part, members in (("qkv", qkv), ("gate_up", gate_up)):
+        out[part] = tuple((name + ".weight", rows) for name, rows in members)
+        out[part + "_bias"] = tuple((name + ".bias", rows) for name, rows in members)
+    return out
+
+
+def _modules(members: tuple[tuple[str, int | None], ...]) -> list[tuple[str, int | None]]:
+    """A projection's members as module names (`model.layers.0.self_attn.q_proj`) with their rows."""
+    return [(name.rpartition(".")[0], rows) for name, rows in members]
 
 
 class RolloutWeights:
@@ -95,8 +120,11 @@ class RolloutWeights:
             # The engine owns its buffers (later syncs copy into them), never the sender's tensor.
             return t.clone() if t.data_ptr() == source.data_ptr() else t
 
-        def cat(*names: str, matrix: bool = True) -> torch.Tensor | None:
-            return torch.cat([w(n, matrix) for n in names]) if names[0] in state else None
+        def stacked(members: tuple[tuple[str, int | None], ...], matrix: bool) -> torch.Tensor | None:
+            """The members stacked (one: as is), or None where the model has none of them."""
+            if members[0][0] not in state:
+                return None
+            return torch.cat([w(name, matrix) for name, _ in members]) if len(members) > 1 else w(members[0][0], matrix)
 
         cfg = self.config
         self.embed = w("model.embed_tokens.weight", matrix=True)
@@ -104,36 +132,13 @@ class RolloutWeights:
         self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight", matrix=True)
         self.layers = []
         for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            a, m = p + "self_attn.", p + "mlp."
-            experts = range(cfg.num_experts if i in cfg.moe_layers else 0)
-            self.layers.append(
-                LayerWeights(
-                    input_norm=w(p + "input_layernorm.weight"),
-                    qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                    qkv_bias=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias", matrix=False),
-                    o=w(a + "o_proj.weight", matrix=True),
-                    o_bias=w(a + "o_proj.bias"),
-                    post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=cat(m + "gate_proj.weight", m + "up_proj.weight"),
-                    gate_up_bias=cat(m + "gate_proj.bias", m + "up_proj.bias", matrix=False),
-                    down=w(m + "down_proj.weight", matrix=True),
-                    down_bias=w(m + "down_proj.bias"),
-                    q_norm=w(a + "q_norm.weight"),
-                    k_norm=w(a + "k_norm.weight"),
-                    pre_mlp_norm=w(p + "pre_feedforward_layernorm.weight"),
-                    post_mlp_norm=w(p + "post_feedforward_layernorm.weight"),
-                    router=w(m + "gate.weight", matrix=True),
-                    experts_gate_up=torch.stack(
-                        [cat(f"{m}experts.{e}.gate_proj.weight", f"{m}experts.{e}.up_proj.weight") for e in experts]
-                    )
-                    if experts
-                    else None,
-                    experts_down=torch.stack([w(f"{m}experts.{e}.down_proj.weight", matrix=True) for e in experts])
-                    if experts
-                    else None,
-                )
-            )
+            fields = {part: stacked(members, part in MATRICES) for part, members in layer_names(cfg, i).items()}
+            experts, m = range(cfg.num_experts if i in cfg.moe_layers else 0), f"model.layers.{i}.mlp.experts."
+            if experts:  # each expert's gate and up fused, the experts stacked
+                pairs = [(f"{m}{e}.gate_proj.weight", f"{m}{e}.up_proj.weight") for e in experts]
+                fields["experts_gate_up"] = torch.stack([torch.cat([w(n, True) for n in pair]) for pair in pairs])
+                fields["experts_down"] = torch.stack([w(f"{m}{e}.down_proj.weight", matrix=True) for e in experts])
+            self.layers.append(LayerWeights(**fields))
         self._reorder()
         self.weight_version = version
         self.layout += 1
@@ -144,7 +149,7 @@ class RolloutWeights:
         self.lm_head_fast = fast(self.lm_head)
         for layer in self.layers:
             layer.fast = {}
-            for part in projections(self.config):
+            for part in PROJECTIONS:
                 stored = getattr(layer, part)
                 copy = None if stored is None else fast(stored)
                 if copy is not None:
@@ -168,17 +173,20 @@ class RolloutWeights:
         unknown = set(adapters)
         for i, layer in enumerate(self.layers):
             layer.lora = {}
-            for part, members in projections(self.config).items():
-                pairs = [adapters.get(f"model.layers.{i}.{name}") for name, _ in members]
-                unknown -= {f"model.layers.{i}.{name}" for name, _ in members}
+            names = layer_names(self.config, i)
+            for part in PROJECTIONS:
+                members = _modules(names[part])
+                pairs = [adapters.get(name) for name, _ in members]
+                unknown -= {name for name, _ in members}
                 if all(p is None for p in pairs):
                     continue
                 ranks = [0 if p is None else p[0].shape[0] for p in pairs]
                 a = torch.cat([p[0] for p in pairs if p is not None])
-                b = torch.zeros(sum(w for _, w in members), sum(ranks), dtype=a.dtype, device=a.device)
+                widths = [rows or getattr(layer, part).shape[0] for _, rows in members]
+                b = torch.zeros(sum(widths), sum(ranks), dtype=a.dtype, device=a.device)
                 row = col = 0
                 blocks = []
-                for p, (_, width), rank in zip(pairs, members, ranks):
+                for p, width, rank in zip(pairs, widths, ranks):
                     if p is not None:
                         b[row : row + width, col : col + rank] = p[1]
                         blocks.append((slice(row, row + width), slice(col, col + rank)))
@@ -206,26 +214,16 @@ class RolloutWeights:
         if not cfg.tie_word_embeddings:
             out["lm_head.weight"] = self.lm_head
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            a, m = p + "self_attn.", p + "mlp."
-            for part, members in projections(cfg).items():
-                for suffix, tensor in (("weight", getattr(layer, part)), ("bias", getattr(layer, part + "_bias"))):
-                    if tensor is not None:
-                        for (name, _), piece in zip(members, tensor.split([w for _, w in members])):
-                            out[f"{p}{name}.{suffix}"] = piece
+            for part, members in layer_names(cfg, i).items():
+                tensor = getattr(layer, part)
+                if tensor is None:
+                    continue
+                pieces = tensor.split([rows for _, rows in members]) if len(members) > 1 else (tensor,)
+                out.update({name: piece for (name, _), piece in zip(members, pieces)})
             if layer.router is not None:
+                m = f"model.layers.{i}.mlp.experts."
                 for e in range(cfg.num_experts):
                     gate, up = layer.experts_gate_up[e].chunk(2)
-                    out[f"{m}experts.{e}.gate_proj.weight"], out[f"{m}experts.{e}.up_proj.weight"] = gate, up
-                    out[f"{m}experts.{e}.down_proj.weight"] = layer.experts_down[e]
-            single = {
-                p + "input_layernorm.weight": layer.input_norm,
-                p + "post_attention_layernorm.weight": layer.post_norm,
-                p + "pre_feedforward_layernorm.weight": layer.pre_mlp_norm,
-                p + "post_feedforward_layernorm.weight": layer.post_mlp_norm,
-                a + "q_norm.weight": layer.q_norm,
-                a + "k_norm.weight": layer.k_norm,
-                m + "gate.weight": layer.router,
-            }
-            out.update({name: t for name, t in single.items() if t is not None})
+                    out[f"{m}{e}.gate_proj.weight"], out[f"{m}{e}.up_proj.weight"] = gate, up
+                    out[f"{m}{e}.down_proj.weight"] = layer.experts_down[e]
         return out
