@@ -227,9 +227,9 @@ def test_activation_checkpointing_gives_the_same_gradients(arch, llama_dir, tmp_
         assert torch.equal(grads[0][name], grads[1][name]), name
 
 
-def test_weights_cast_once_per_update_give_the_same_gradients(qwen2_dir):
-    """Two micro-batches with each weight cast once for both (`CausalLM.casting_once`, a tied head too) give
-    the gradients of casting it in every forward, bit for bit, and the casts are made once."""
+def _gradients_cast_each_time_and_once(model_dir, dtype: torch.dtype) -> tuple[list[dict], dict]:
+    """Two micro-batches' gradients with each weight cast in every forward, then inside `CausalLM.casting_once`
+    (each weight cast once for both, a tied head too), and what the scope held at its end."""
     from parity.engines.models.modules import Linear
     from parity.engines.packing import pack
 
@@ -241,19 +241,45 @@ def test_weights_cast_once_per_update_give_the_same_gradients(qwen2_dir):
         ),
         pack([[5, 6, 7]], torch.tensor([[20, 21, 22, 23]]), torch.ones(1, 4, dtype=torch.bool)),
     ]
-    grads, casts = [], []
+    grads, held = [], {}
     for once in (False, True):
-        model = load_model(qwen2_dir, kernels.numerics())
+        model = load_model(model_dir, kernels.numerics())
         with model.casting_once() if once else contextlib.nullcontext():
             for packed in micro_batches:
-                model(packed, torch.bfloat16).logsumexp(-1).sum().backward()
+                model(packed, dtype).logsumexp(-1).sum().backward()
             if once:
-                casts.append(len(next(m for m in model.modules() if isinstance(m, Linear)).casts))
+                held = dict(next(m for m in model.modules() if isinstance(m, Linear)).casts)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert all(m.casts is None for m in model.modules() if isinstance(m, Linear))
+    return grads, held
+
+
+def test_weights_cast_once_per_update_give_the_same_gradients(qwen2_dir):
+    """BF16: each weight cast once for both micro-batches gives the gradients of casting it in every forward,
+    bit for bit, and the casts are made once."""
+    from parity.engines.models.modules import Linear
+
+    grads, held = _gradients_cast_each_time_and_once(qwen2_dir, torch.bfloat16)
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
-    assert casts == [sum(isinstance(m, Linear) for m in model.modules()) + 1]  # and the embedding's
-    assert all(m.casts is None for m in model.modules() if isinstance(m, Linear))
+    model = load_model(qwen2_dir, kernels.numerics())
+    assert len(held) == sum(isinstance(m, Linear) for m in model.modules()) + 1  # and the embedding's
+
+
+def test_an_update_multiplies_by_weights_reordered_once(qwen2_dir, monkeypatch):
+    """FP32 inside `CausalLM.casting_once`: each linear layer's forwards multiply by one oneDNN-reordered copy of
+    its weight (`Numerics.fast_matrix`, made here for every weight whatever its size), made by the first pass;
+    the gradients are those of the plain passes to FP32 round-off."""
+    from parity.engines.kernels import ops
+    from parity.engines.models.modules import Linear
+
+    monkeypatch.setattr(ops, "FAST_MIN_ELEMENTS", 0)
+    grads, held = _gradients_cast_each_time_and_once(qwen2_dir, torch.float32)
+    made = [v for k, v in held.items() if k[-1] == "fast"]
+    model = load_model(qwen2_dir, kernels.numerics())
+    assert len(made) == sum(isinstance(m, Linear) for m in model.modules()) and all(t.is_mkldnn for t in made)
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -218,3 +218,30 @@ def test_the_choice_can_be_overridden(monkeypatch):
         cpu.emulated_dtypes()
     monkeypatch.delenv(cpu.OVERRIDE_ENV)
     cpu.emulated_dtypes.cache_clear()
+
+
+def test_a_reordered_weight_gives_f_linears_values_and_gradients():
+    """`Numerics.fast_matrix`: a large FP32 weight reordered for oneDNN gives `F.linear`'s values to FP32 round-off
+    at any row count, and so does the backward, which multiplies by the weight itself; small, 16-bit and
+    exact-mode weights get no copy."""
+    numerics = kernels.numerics()
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(576, 576, generator=gen)  # SmolLM2's Q and O projections: 2**18 elements and more
+    fast = numerics.fast_matrix(weight)
+    assert fast is not None and fast.is_mkldnn
+    for rows in (1, 16, 300):
+        x = torch.randn(rows, 576, generator=gen)
+        grad = torch.randn(rows, 576, generator=gen)
+        ours, theirs = ((x.clone().requires_grad_(), weight.clone().requires_grad_()) for _ in range(2))
+        out = numerics.linear(ours[0], ours[1], fast=fast)
+        out.backward(grad)
+        expected = F.linear(*theirs)
+        expected.backward(grad)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)  # sums of 576 terms near 24 in size
+        for mine, reference in zip(ours, theirs):  # the weight itself in the backward: MKL's round-off only
+            torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-5, atol=1e-4)
+        with torch.no_grad():  # the rollout engine's call: no autograd node
+            torch.testing.assert_close(numerics.linear(x, weight, fast=fast), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    assert numerics.fast_matrix(torch.randn(128, 384)) is None  # the built-in model's: MKL is faster there
+    assert numerics.fast_matrix(weight.bfloat16()) is None
+    assert kernels.numerics(exact=True).fast_matrix(weight) is None

@@ -10,6 +10,7 @@ import torch
 import reference_rollout
 from architectures import ARCHITECTURES, save_random_model
 from conftest import save_hf_model
+from engine_pair import random_prompts, trainer_logprobs
 from parity.engines import kernels
 from parity.engines.lora import LoRAConfig, adapter_pairs, apply_lora
 from parity.engines.models.io import export_state, load_model, resolve_model_dir
@@ -32,13 +33,6 @@ def engine_for(model_dir, precision: str, exact: bool) -> tuple[torch.nn.Module,
     engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, kernels.numerics(exact=exact))
     engine.load_weights(export_state(model), version=0)
     return model, engine
-
-
-def random_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(3, vocab, (int(k),), generator=gen).tolist() for k in torch.randint(1, 13, (n,), generator=gen)
-    ]
 
 
 def assert_same(new, old) -> None:
@@ -195,3 +189,23 @@ def test_varlen_attention_on_cuda_is_the_padded_rows_attention():
     (padded.float() * g).sum().backward()
     assert (ours.float() - padded.float()).abs().max() < 2e-2
     assert all((a.float() - t.grad.float()).abs().max() < 5e-2 for a, t in zip(grads, (q, k, v)))
+
+
+def test_reordered_weights_sample_what_the_previous_engine_sampled(monkeypatch):
+    """Plain FP32 multiplies by oneDNN-reordered copies of the engine's weights (`Numerics.fast_matrix`, made
+    here for every weight whatever its size): the loop, cache and draw give what the previous engine gave on
+    them, a weight sync remakes the copies, and μ stays the trainer's π to FP32 round-off."""
+    from parity.engines.kernels import ops
+
+    monkeypatch.setattr(ops, "FAST_MIN_ELEMENTS", 0)
+    model, engine = engine_for("builtin", "fp32", exact=False)
+    assert engine.weights.lm_head_fast is not None and all(layer.fast for layer in engine.weights.layers)
+    prompts = random_prompts(10, model.config.vocab_size, seed=2)
+    for sampling in (PLAIN, SAMPLINGS["top-k-top-p"]):
+        new = engine.generate(prompts, 4, sampling, seed=5, full_vocab=20)
+        assert_same(new, reference_rollout.generate(engine, prompts, 4, sampling, seed=5, full_vocab=20))
+        pi = trainer_logprobs(model, new, "fp32", micro_batch=40)
+        torch.testing.assert_close(pi[new.response_mask], new.rollout_logprobs[new.response_mask], rtol=0, atol=1e-4)
+    before = engine.weights.lm_head_fast
+    engine.load_weights({n: t * 0.5 for n, t in engine.named_weights().items()}, engine.weight_version + 1)
+    assert engine.weights.lm_head_fast is not before

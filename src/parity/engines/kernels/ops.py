@@ -77,6 +77,10 @@ EXACT_KEY_BLOCK = 64
 # where the reordered weight reaches 120-150 and 170-205 (AMD EPYC, 2 threads; docs/benchmarks.md, issue
 # 56). A reorder reads the weight once: per weight sync in the rollout engine, per update in the trainer.
 PACKED_ROWS = 16
+# ... for weights of at least this many elements. oneDNN's call costs about 25 µs more than MKL's and a reorder
+# at least 200 µs, which a small weight's matmuls never win back: 128x384 (the built-in model's) took 34 µs at
+# 16 rows against MKL's 22, 576x576 75 against 103 (AMD EPYC, 2 threads).
+FAST_MIN_ELEMENTS = 2**18
 
 
 def emulated(t: torch.Tensor) -> bool:
@@ -269,10 +273,10 @@ class Numerics:
     @torch.no_grad()
     def fast_matrix(self, weight: torch.Tensor) -> torch.Tensor | None:
         """A copy of a matmul weight in the layout `linear(..., fast=)` multiplies by fastest here, or None where
-        the weight's own layout is that: on the CPU an FP32 weight reordered for oneDNN (PACKED_ROWS). Valid
+        the weight's own layout is that: on the CPU a large FP32 weight reordered for oneDNN (PACKED_ROWS). Valid
         until the weight changes: the rollout engine makes it at each load, the trainer at each update."""
         usable = weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-        if not usable or min(weight.shape) < MIN_ROWS:
+        if not usable or min(weight.shape) < MIN_ROWS or weight.numel() < FAST_MIN_ELEMENTS:
             return None
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
 
