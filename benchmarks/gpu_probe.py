@@ -8,7 +8,8 @@ recorded as such and the others still run):
 
 - `tests`: the CUDA tests (`pytest -m cuda`) and the whole of tests/unit/test_invariant.py on the card;
 - `device`: the card, a device-to-device copy's bandwidth (bytes read + written) and the dense matmul rate
-  per precision: the ceilings every figure is read against;
+  per precision: the measured ceilings, which the summary reads every figure against second, after the
+  card's published specification (`CARDS`);
 - `engine`: on a Qwen2.5-0.5B-shaped model (random weights): ms per decode step at batch 128, read off the
   engine's own state reads (every CHECK_EVERY steps) once the step is captured, against the floor
   (weights + the KV cache rows read at that step) ÷ bandwidth; with CUDA graphs (BF16, BF16 exact, FP16)
@@ -62,6 +63,31 @@ SIZES = {
         matmul_rows=(16,),
     ),
 }
+# The cards' published specifications (NVIDIA's data sheets): memory bandwidth (GB/s) and dense rates (TFLOP/s,
+# no sparsity) per precision: BF16 and FP16 on the tensor cores, FP32 without them (Parity turns TF32 off).
+# Every decode floor and MFU is read against these first, as the field quotes them, and against what the
+# `device` section measured on the card second. Matched by the device name's words, the longer names first.
+CARDS = {
+    "H200 NVL": dict(bandwidth_gb_s=4800, tflops={"bf16": 835, "fp16": 835, "fp32": 60}),
+    "H200": dict(bandwidth_gb_s=4800, tflops={"bf16": 989, "fp16": 989, "fp32": 67}),
+    "H100 NVL": dict(bandwidth_gb_s=3900, tflops={"bf16": 835, "fp16": 835, "fp32": 60}),
+    "H100 PCIe": dict(bandwidth_gb_s=2000, tflops={"bf16": 756, "fp16": 756, "fp32": 51}),
+    "H100": dict(bandwidth_gb_s=3350, tflops={"bf16": 989, "fp16": 989, "fp32": 67}),  # SXM5 ("H100 80GB HBM3")
+    "A100 80GB PCIe": dict(bandwidth_gb_s=1935, tflops={"bf16": 312, "fp16": 312, "fp32": 19.5}),
+    "A100-SXM4-80GB": dict(bandwidth_gb_s=2039, tflops={"bf16": 312, "fp16": 312, "fp32": 19.5}),
+    "A100": dict(bandwidth_gb_s=1555, tflops={"bf16": 312, "fp16": 312, "fp32": 19.5}),  # 40 GB
+}
+
+
+def card_spec(name: str | None) -> tuple[str, dict] | None:
+    """The specification of a device named `name` (`torch.cuda.get_device_properties(0).name`), or None."""
+    words = (name or "").replace("NVIDIA ", "")
+    for card, spec in CARDS.items():
+        if all(part in words for part in card.split()):
+            return card, spec
+    return None
+
+
 DEADLINES = {"tests": 150, "device": 60, "engine": 150, "train": 150, "matmul": 90, "baseline": 150}
 EXACT_SAMPLING = dict(temperature=0.8, top_k=50, top_p=0.9)
 ROUNDS = 7  # train steps per arm, the arms in turn (5 left the 8k ratios 10% apart run to run on an H100)
@@ -529,17 +555,37 @@ def summary(record: dict) -> str:
     s = record["sections"]
     device = s.get("device", {}).get("result", {})
     bandwidth = device.get("bandwidth_gb_s", float("nan")) * 1e9
+    measured_peak = device.get("peak_tflops") or {}
     lines = [f"# GPU probe: {device.get('card', record['device'])}, torch {device.get('torch', '?')}", ""]
-    lines.append(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; dense TFLOP/s {device.get('peak_tflops')}")
-    lines += ["", "| figure | previous code | this code |", "|---|---|---|"]
+    known = card_spec(device.get("card"))
+    if known is None:  # the measured ceilings stand in for the specification, and the summary says so
+        spec_bandwidth, spec_peak = bandwidth, {}
+        lines.append("no specification for this device (`CARDS`): the 'spec' figures are read against the measured")
+    else:
+        spec_name, spec = known
+        spec_bandwidth, spec_peak = spec["bandwidth_gb_s"] * 1e9, spec["tflops"]
+        lines.append(f"specification ({spec_name}): {spec['bandwidth_gb_s']} GB/s; dense TFLOP/s {spec['tflops']}")
+    lines.append(f"measured on the card: copy bandwidth {bandwidth / 1e9:.0f} GB/s; dense TFLOP/s {measured_peak}")
+    lines += [
+        "",
+        "Each figure against the specification first, then against what was measured on the card.",
+        "",
+        "| figure | previous code | this code |",
+        "|---|---|---|",
+    ]
+
+    def against(value: float, floor_spec: float, floor_measured: float, unit: str) -> str:
+        """`value` as a multiple of the floor at the specification's ceiling and at the measured one."""
+        return f"{value:.3f} {unit} = {value / floor_spec:.1f}× spec floor, {value / floor_measured:.1f}× measured"
+
     new, old = s.get("engine", {}).get("result", {}), s.get("baseline-engine", {}).get("result", {})
 
     def decode(result, arm):
         d = result.get("decode", {}).get(arm)
         if not d:
             return "—"
-        floor = (d["weight_bytes"] + d["kv_bytes"]) / bandwidth * 1000
-        return f"{d['step_ms']:.3f} ms ({d['step_ms'] / floor:.1f}× the {floor:.3f} ms floor)"
+        read = d["weight_bytes"] + d["kv_bytes"]
+        return against(d["step_ms"], read / spec_bandwidth * 1000, read / bandwidth * 1000, "ms")
 
     for arm in ("bf16", "bf16-exact", "fp16", "bf16-eager"):
         lines.append(f"| decode step, batch {new.get('decode', {}).get(arm, {}).get('rows', '?')}, {arm} | "
@@ -560,8 +606,14 @@ def summary(record: dict) -> str:
                      f"of {sum(r['tokens'] for r in new['exact_agreement'])} |")  # fmt: skip
     t_new, t_old = s.get("train", {}).get("result", {}), s.get("baseline-train", {}).get("result", {})
     for key in [k for k in t_new or t_old if "/" not in k and "@" in k and not k.startswith("train_profile")]:
+        precision = key.split("@")[0].split("-")[0]
+        peak, measured = spec_peak.get(precision) or measured_peak.get(precision), measured_peak.get(precision)
         cells = [
-            f"{r[key]['mfu']:.1%} MFU, {r[key]['tokens_per_s']:.0f} tok/s" if key in r else "—" for r in (t_old, t_new)
+            f"MFU {r[key]['tflops'] / peak:.1%} of spec, {r[key]['tflops'] / measured:.1%} of measured; "
+            f"{r[key]['tokens_per_s']:.0f} tok/s"
+            if key in r
+            else "—"
+            for r in (t_old, t_new)
         ]
         lines.append(f"| train {key} | {cells[0]} | {cells[1]} |")
     for result, label in ((t_old, "previous"), (t_new, "this")):

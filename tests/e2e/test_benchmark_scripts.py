@@ -100,3 +100,33 @@ def test_the_episodes_benchmark_runs(tmp_path):
     record = json.loads(out.read_text())
     assert record["turns_mean"] > 1 and record["fed_tokens"] > 0
     assert record["seconds"]["kv_cache"] > 0 and record["seconds"]["prefill_again"] > 0
+
+
+def test_the_gpu_probe_reads_its_figures_against_the_cards_specification():
+    """The summary states a decode step against the (weights + KV) floor at the named card's published
+    bandwidth and MFU against its published dense rate, each beside the same figure against what the probe
+    measured on the card; a device without a specification is read against the measured ceilings and says so."""
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import gpu_probe
+
+    assert gpu_probe.card_spec("NVIDIA H200")[0] == "H200"
+    assert gpu_probe.card_spec("NVIDIA H100 80GB HBM3")[0] == "H100"
+    assert gpu_probe.card_spec("NVIDIA H100 PCIe")[0] == "H100 PCIe"
+    assert gpu_probe.card_spec("NVIDIA A100-SXM4-80GB")[0] == "A100-SXM4-80GB"
+    assert gpu_probe.card_spec("cpu") is None
+    decode = {"bf16": {"rows": 128, "step_ms": 1.82, "weight_bytes": 0.9e9, "kv_bytes": 0.1e9}}
+    train = {"bf16@8k": {"tflops": 247.25, "tokens_per_s": 1000.0, "seconds": 1.0}}
+    record = {
+        "device": "cuda",
+        "sections": {
+            "device": {"result": {"card": "NVIDIA H200", "bandwidth_gb_s": 4000.0, "peak_tflops": {"bf16": 750.0}}},
+            "engine": {"result": {"decode": decode}},
+            "train": {"result": train},
+        },
+    }
+    summary = gpu_probe.summary(record)
+    # 1 GB read: 0.2083 ms at the H200's 4.8 TB/s, 0.25 ms at the 4 TB/s measured
+    assert "1.820 ms = 8.7× spec floor, 7.3× measured" in summary
+    assert "MFU 25.0% of spec, 33.0% of measured" in summary  # 247.25 of 989 and of 750 TFLOP/s
+    record["sections"]["device"]["result"]["card"] = "cpu"
+    assert "no specification for this device" in gpu_probe.summary(record)
