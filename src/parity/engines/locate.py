@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.engines.batch import RolloutBatch
-from parity.engines.models.modules import CausalLM, final_logits
+from parity.engines.models.modules import LAYER_STAGES, CausalLM, final_logits
 from parity.engines.packing import pack
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
@@ -59,13 +59,14 @@ def trainer_trace(
 
     handles = []
     for i, layer in enumerate(model.model.layers):
-        handles += [
-            layer.input_layernorm.register_forward_hook(keep(f"layer{i}.input_norm")),
-            layer.self_attn.o_proj.register_forward_pre_hook(keep_input(f"layer{i}.attention_core")),
-            layer.self_attn.register_forward_hook(keep(f"layer{i}.attention")),
-            layer.mlp.register_forward_hook(keep(f"layer{i}.mlp")),
-            layer.register_forward_hook(keep(f"layer{i}.output")),
-        ]
+        # Each stage's value: the output of its module, the attention core's as the output projection's input.
+        modules = (layer.input_layernorm, layer.self_attn.o_proj, layer.self_attn, layer.mlp, layer)
+        for stage, module in zip(LAYER_STAGES, modules):
+            name = f"layer{i}.{stage}"
+            if stage == "attention_core":
+                handles.append(module.register_forward_pre_hook(keep_input(name)))
+            else:
+                handles.append(module.register_forward_hook(keep(name)))
     handles.append(model.model.norm.register_forward_hook(keep("norm")))
     device = next(model.parameters()).device
     tokens = torch.tensor([response], device=device)

@@ -34,7 +34,7 @@ from parity.engines import precision as prec
 from parity.engines.batch import FullVocab, RolloutBatch
 from parity.engines.kvcache import StepContext, kv_cache
 from parity.engines.models.config import SLIDING, ModelConfig, rope_tables
-from parity.engines.models.modules import rope_angles, route, softcap
+from parity.engines.models.modules import LAYER_STAGES, rope_angles, route, softcap
 from parity.engines.packing import Routing
 from parity.engines.sampling import (
     SamplingParams,
@@ -316,10 +316,9 @@ class RolloutEngine:
                 x, post = self.numerics.engine_add_norm(x, attn, layer.post_norm, cfg.rms_norm_eps)
                 mlp = pending = self._mlp(layer, post, routing)
             if self._tap is not None:
-                for part, value in (("input_norm", normed), ("attention_core", core), ("attention", attn)):
-                    self._tap(f"layer{i}.{part}", value)
-                self._tap(f"layer{i}.mlp", mlp)
-                self._tap(f"layer{i}.output", x if pending is None else x + pending)
+                output = x if pending is None else x + pending
+                for stage, value in zip(LAYER_STAGES, (normed, core, attn, mlp, output)):
+                    self._tap(f"layer{i}.{stage}", value)
         return x if pending is None else x + pending
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

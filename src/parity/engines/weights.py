@@ -95,6 +95,7 @@ class RolloutWeights:
             names = CausalLM(config, numerics).state_dict().keys()
         self._expected = {n for n in names if not (config.tie_word_embeddings and n == "lm_head.weight")}
         self.layers: list[LayerWeights] = []
+        self.lm_head_fast: torch.Tensor | None = None  # the LM head as `Numerics.fast_matrix` reorders it
         self.weight_version = -1
         self.layout = 0  # bumped whenever a buffer is allocated anew (see the module docstring)
 

@@ -21,6 +21,10 @@ from parity.engines import kernels
 from parity.engines.models.config import FULL, ModelConfig, rope_tables
 from parity.engines.packing import PackedBatch, gather_rows
 
+# What a decoder layer computes, in order, by the names `parity mismatch --locate` compares both engines at:
+# the input norm, attention before and after its output projection, the MLP, the layer's output.
+LAYER_STAGES = ("input_norm", "attention_core", "attention", "mlp", "output")
+
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
