@@ -557,28 +557,12 @@ def open_run(
     the run in that directory continued (`Run.resume`: its saved config, with `overrides` of RESUMABLE_KEYS),
     each on the backend its config asks for. A run that has already taken all its steps comes back closed,
     with `completed` set: there is nothing to train."""
+    given = dict(progress=progress, rewards=rewards, tools=tools, environment=environment)
     if resume is not None:
-        run = Run.resume(
-            resume,
-            overrides,
-            trust_reward_fn=trust_reward_fn,
-            progress=progress,
-            rewards=rewards,
-            backend=backend_for_run(resume),
-            tools=tools,
-            environment=environment,
-        )
+        run = Run.resume(resume, overrides, trust_reward_fn=trust_reward_fn, backend=backend_for_run(resume), **given)
     else:
         assert cfg is not None, "open_run: a config or a run directory to resume"
-        run = Run.create(
-            cfg,
-            progress=progress,
-            rewards=rewards,
-            datasets=datasets,
-            backend=backend_for(cfg),
-            tools=tools,
-            environment=environment,
-        )
+        run = Run.create(cfg, datasets=datasets, backend=backend_for(cfg), **given)
     if run.completed:
         run.close()
     return run
