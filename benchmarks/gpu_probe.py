@@ -18,7 +18,11 @@ recorded as such and the others still run):
 - `train`: the trainer's step (forward, backward, optimizer) on a packed batch of 8k and 32k tokens: tokens/s
   and model FLOP utilisation in BF16, BF16 exact and FP16;
 - `matmul`: exact mode's matmul (`invariant.TILES` and other tile shapes) against cuBLAS at the model's
-  projection shapes, 128 and 16,384 rows, and whether other tiles give the same bits;
+  projection shapes, 128 and 16,384 rows, and whether other tiles give the same bits; cuBLASLt beside cuBLAS;
+- `learners`: the learner's FSDP2 path (`distributed.actors.Learner`, world size 1: NCCL on a card, gloo on
+  the CPU; decoder layers gathered in the trainer precision by `MixedPrecisionPolicy`) against one process's
+  trainer, LEARNER_STEPS GRPO steps on the same batches, in FP32, BF16, FP16 and BF16 exact: exact mode must
+  keep every weight bit for bit, and its learner stops before stepping if its first pass is not π_old's bits;
 - with `--baseline-src`, the `engine` and `train` figures again from that source tree (the code before this
   change), in the same call.
 
@@ -30,6 +34,7 @@ everything at toy sizes on any device (CI runs it on the CPU).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -54,6 +59,7 @@ SIZES = {
         exact=[(16, 16, 64), (2, 8, 512)],
         train={"8k": (16, 8, 32, 60), "32k": (16, 8, 32, 252)},
         matmul_rows=(128, 16384),
+        learners=(16, 8, 32, 128),
     ),
     "small": dict(
         decode=(16, 8, 24),
@@ -61,6 +67,7 @@ SIZES = {
         exact=[(2, 4, 16)],
         train={"8k": (2, 4, 8, 12)},
         matmul_rows=(16,),
+        learners=(2, 4, 8, 12),
     ),
 }
 # The cards' published specifications (NVIDIA's data sheets): memory bandwidth (GB/s) and dense rates (TFLOP/s,
@@ -88,7 +95,8 @@ def card_spec(name: str | None) -> tuple[str, dict] | None:
     return None
 
 
-DEADLINES = {"tests": 150, "device": 60, "engine": 150, "train": 150, "matmul": 90, "baseline": 150}
+DEADLINES = {"tests": 150, "device": 60, "engine": 150, "train": 150, "matmul": 90, "learners": 120, "baseline": 150}
+LEARNER_STEPS = 4
 EXACT_SAMPLING = dict(temperature=0.8, top_k=50, top_p=0.9)
 ROUNDS = 7  # train steps per arm, the arms in turn (5 left the 8k ratios 10% apart run to run on an H100)
 
@@ -125,7 +133,7 @@ def load_model(model_dir: str):
         from parity.engines.models.io import load_model
     except ImportError:  # a baseline from before the models package (issue 45)
         from parity.engines.models import load_model
-
+    if "numerics" not in inspect.signature(load_model).parameters:  # a baseline from before the model's numerics
         return load_model(model_dir)
     return load_model(model_dir, kernels.numerics())
 
@@ -436,6 +444,19 @@ def tflops_of(fn, flops: int, device: str) -> float:
     return flops / (triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median") / 1e3) / 1e12
 
 
+def blas_tflops(library: str, a: torch.Tensor, w: torch.Tensor, flops: int, device: str) -> float | None:
+    """`a @ w.T` through PyTorch's other BLAS backend on CUDA (cuBLASLt's kernels for a few rows may read
+    the weight faster than cuBLAS's); None on the CPU."""
+    if device != "cuda":
+        return None
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        return tflops_of(lambda: a @ w.t(), flops, device)
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 def section_matmul(args) -> dict:
     """cuBLAS and exact mode's matmul at the model's projection shapes; other tile shapes' speed and bits."""
     from parity.engines.kernels import invariant
@@ -472,6 +493,7 @@ def section_matmul(args) -> dict:
             reference = invariant.matmul(a, w.t())
             row = {
                 "cublas_tflops": tflops_of(lambda a=a, w=w: a @ w.t(), flops, args.device),
+                "cublaslt_tflops": blas_tflops("cublaslt", a, w, flops, args.device),
                 "tiles_tflops": tflops_of(lambda a=a, w=w: invariant.matmul(a, w.t()), flops, args.device),
             }
             for t in others:
@@ -489,7 +511,108 @@ def section_matmul(args) -> dict:
     return out
 
 
-SECTIONS = {"device": section_device, "engine": section_engine, "train": section_train, "matmul": section_matmul}
+def learner_batch(step: int, shape: tuple[int, int, int, int], vocab: int, device: str):
+    """A step's synthetic batch: random responses of random lengths (so that micro-batches pack unevenly),
+    random rewards; π_old and μ are filled in by the caller."""
+    from parity.engines.batch import RolloutBatch
+    from parity.engines.sampling import SamplingParams
+
+    prompts, group, prompt_len, response_len = shape
+    rows = prompts * group
+    gen = torch.Generator().manual_seed(100 + step)
+    lengths = torch.randint(response_len // 4, response_len + 1, (rows,), generator=gen)
+    mask = torch.arange(response_len)[None] < lengths[:, None]
+    ids = torch.randint(3, vocab, (prompts, prompt_len), generator=gen).tolist()
+    batch = RolloutBatch(
+        prompt_ids=[ids[i // group] for i in range(rows)],
+        response_ids=(torch.randint(3, vocab, (rows, response_len), generator=gen) * mask).to(device),
+        response_mask=mask.to(device),
+        rollout_logprobs=torch.zeros(rows, response_len, device=device),
+        support=None,
+        truncated=(lengths == response_len).to(device),
+        group_index=torch.arange(prompts).repeat_interleave(group).to(device),
+        weight_version=step,
+        sampling=SamplingParams(max_new_tokens=response_len),
+    )
+    return batch, torch.rand(rows, generator=gen).to(device)
+
+
+def learners_match(model_dir: str, device: str, arm: str, shape, steps: int) -> dict:
+    """One FSDP2 learner (`distributed.actors.Learner`, world size 1: NCCL on a card, gloo on the CPU) against
+    one process's trainer, step for step on the same batches: GRPO's loss over two mini-batches a step, π_old
+    scored by the one process. Exact mode: the learner's first π_θ pass must be π_old's bits (checked before
+    it steps, as in a run: it stops otherwise), and both must end with the same weights, bit for bit."""
+    from parity import config
+    from parity.distributed.actors import Learner
+    from parity.engines import kernels
+    from parity.engines.trainer import Trainer
+    from parity.rl.algorithms import group_advantages
+    from parity.rl.step import Prepared, UpdatePlan, train_on_batch
+    from parity.rl.train_config import TrainConfig
+
+    precision, exact = arm.split("-")[0], arm.endswith("exact")
+    prompts, group, _, response_len = shape
+    cfg = config.load(TrainConfig, None, [
+        f"model={model_dir}", f"precision={precision}", f"exact={str(exact).lower()}", f"device={device}",
+        "algorithm.name=grpo", "algorithm.num_minibatches=2", f"prompts_per_step={prompts}",
+        f"rollout.group_size={group}", f"rollout.max_new_tokens={response_len}", "trainer.lr=1e-5",
+    ])  # fmt: skip
+    plan = UpdatePlan(cfg.algorithm, cfg.trainer.micro_batch_tokens, prompts, group, response_len)
+    one = Trainer(load_model(model_dir).to(device), cfg.trainer_precision, cfg.trainer)
+    one.model.numerics = kernels.numerics(device, exact=exact)
+    learner = Learner(0, 1, model_dir, cfg, threads=None)
+    learner.setup("127.0.0.1", free_port())
+    rows = []
+    for step in range(steps):
+        batch, rewards = learner_batch(step, shape, one.model.config.vocab_size, device)
+        batch.old_logprobs = one.score(batch, plan.micro_batch_tokens)
+        batch.rollout_logprobs = batch.old_logprobs.clone()
+        advantages = group_advantages(rewards, batch.group_index, cfg.algorithm.advantage)
+        prepared = Prepared(rewards, advantages, batch.sampled_mask.clone(), None, batch.old_logprobs, "sampler")
+        a = train_on_batch(one, batch, prepared, plan, order_seed=step)
+        b = learner.update(batch, prepared, plan, order_seed=step, check_exact=exact)
+        rows.append({"loss": [a.losses, b.losses], "grad_norm": [a.grad_norms, b.grad_norms]})
+    mine, theirs = one.full_weights(), learner.trainer.full_weights()
+    differ = [n for n in mine if not torch.equal(mine[n], theirs[n])]
+    worst = max(float((mine[n] - theirs[n]).abs().max()) for n in mine)
+    losses = [x for r in rows for x in zip(*r["loss"])] + [x for r in rows for x in zip(*r["grad_norm"])]
+    rel = max(abs(x - y) / max(abs(x), 1e-12) for x, y in losses)
+    out = {"steps": rows, "weights_differing": len(differ), "weights": len(mine), "max_abs_weight_diff": worst,
+           "max_rel_loss_or_norm_diff": rel, "tokens_per_step": int(batch.response_mask.sum())}  # fmt: skip
+    del one, learner
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def section_learners(args) -> dict:
+    """The learner's FSDP2 path on this device against one process, in each precision and in exact mode."""
+    shape = SIZES[args.size]["learners"]
+    out = {}
+    for arm in ("fp32", "bf16", "fp16", "bf16-exact"):
+        try:
+            out[arm] = learners_match(args.model_dir, args.device, arm, shape, LEARNER_STEPS)
+        except Exception as e:  # noqa: BLE001 - an arm that fails is recorded, and the others still run
+            out[arm] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        print(f"learners {arm}: {json.dumps({k: v for k, v in out[arm].items() if k != 'steps'})}", flush=True)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+SECTIONS = {
+    "device": section_device,
+    "engine": section_engine,
+    "train": section_train,
+    "matmul": section_matmul,
+    "learners": section_learners,
+}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -627,6 +750,14 @@ def summary(record: dict) -> str:
                 lines.append(
                     f"| FP16 train / BF16 at {size} ({label} code) | {fp16['seconds'] / plain['seconds']:.2f}× | |"
                 )
+    for arm, r in s.get("learners", {}).get("result", {}).items():
+        figure = f"FSDP2 learner (world size 1) against one process, {arm}, {LEARNER_STEPS} steps"
+        if "error" in r:
+            lines.append(f"| {figure} | | failed: {r['error'][:200]} |")
+            continue
+        lines.append(f"| {figure} | | {r['weights'] - r['weights_differing']} of {r['weights']} weights bit for bit, "
+                     f"max |Δw| {r['max_abs_weight_diff']:.1e}; losses and grad norms within "
+                     f"{r['max_rel_loss_or_norm_diff']:.1e} (relative) |")  # fmt: skip
     tests = s.get("tests", {})
     if tests:
         lines.append(f"\ntests: CUDA rc {tests.get('cuda_rc')}, test_invariant rc {tests.get('invariant_rc')} "
@@ -658,7 +789,7 @@ def main() -> None:
         "--tests", action="store_true", help="run the CUDA tests and tests/unit/test_invariant.py first"
     )
     parser.add_argument("--small", action="store_true", help="toy sizes (the CPU smoke run)")
-    parser.add_argument("--sections", default="device,engine,train,matmul")
+    parser.add_argument("--sections", default="device,engine,train,matmul,learners")
     parser.add_argument("--model-dir")
     parser.add_argument("--child", choices=sorted(SECTIONS), help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)

@@ -65,7 +65,7 @@ def _learner(rank: int, world: int, model_dir: str, way: str, folder: Path) -> N
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     else:
-        model = load_sharded(Path(model_dir), mesh, kernels.numerics())
+        model = load_sharded(Path(model_dir), mesh, kernels.numerics(), "fp32")
     seconds = time.perf_counter() - start
     done.set()
     sampler.join()

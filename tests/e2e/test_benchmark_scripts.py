@@ -49,14 +49,20 @@ def test_the_gpu_probe_runs_on_the_cpu(tmp_path):
     )
     record = json.loads((tmp_path / "probe.json").read_text())
     sections = record["sections"]
-    assert set(sections) == {"device", "engine", "train", "matmul", "baseline-engine"}
+    assert set(sections) == {"device", "engine", "train", "matmul", "learners", "baseline-engine"}
     assert all("result" in s and not s.get("error") for s in sections.values()), sections
+    # The FSDP2 learner (gloo, world size 1) keeps one process's bits in 16-bit precisions and in exact mode
+    # (its decoder layers gathered by MixedPrecisionPolicy in the trainer precision), and FP32 to rounding.
+    learners = sections["learners"]["result"]
+    assert all(learners[arm]["weights_differing"] == 0 for arm in ("bf16", "fp16", "bf16-exact")), learners
+    assert learners["fp32"]["max_rel_loss_or_norm_diff"] < 1e-5, learners["fp32"]
     engine = sections["engine"]["result"]
     assert all(r["differing"] == 0 for r in engine["exact_agreement"])
     assert all(d["step_ms"] > 0 for d in engine["decode"].values())
     assert all(r["fused_columns_same_bits"] for r in sections["matmul"]["result"].values())
     summary = (tmp_path / "summary.md").read_text()
     assert "decode step, batch 16, bf16" in summary and "train bf16@8k" in summary
+    assert "FSDP2 learner (world size 1) against one process, bf16-exact" in summary
 
 
 @pytest.mark.slow

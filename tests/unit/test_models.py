@@ -196,7 +196,7 @@ def _sharded_load_findings(world: int, model_dir, checkpoint) -> dict:
 
     model_io._WeightFiles.read = recorded
     try:
-        sharded = load_sharded(model_dir, init_device_mesh("cpu", (world,)), kernels.numerics())
+        sharded = load_sharded(model_dir, init_device_mesh("cpu", (world,)), kernels.numerics(), "fp32")
         model_io._WeightFiles.read = real_read
         whole = load_model(model_dir, kernels.numerics())
         expected = whole.state_dict()
@@ -210,6 +210,18 @@ def _sharded_load_findings(world: int, model_dir, checkpoint) -> dict:
         packed = pack([[5, 6, 7, 8]], torch.tensor([[9, 10, 11]]), torch.ones(1, 3, dtype=torch.bool))
         with torch.no_grad():
             logits_equal = torch.equal(sharded(packed, torch.float32), whole(packed, torch.float32))
+        # In a 16-bit precision a decoder layer gathers its weights in that precision (MixedPrecisionPolicy),
+        # the root FP32; the logits are the whole model's all the same.
+        half = load_sharded(model_dir, init_device_mesh("cpu", (world,)), kernels.numerics(), "bf16")
+        gathered = {}
+
+        def record(where: str, module: torch.nn.Module, args: tuple) -> None:
+            gathered.setdefault(where, str(module.weight.dtype))
+
+        half.model.layers[0].self_attn.q_proj.register_forward_pre_hook(partial(record, "layer"))
+        half.model.norm.register_forward_pre_hook(partial(record, "root"))
+        with torch.no_grad():
+            half_logits_equal = torch.equal(half(packed, torch.bfloat16), whole(packed, torch.bfloat16))
         try:  # a learner given a one-process checkpoint (a learner group writes sharded ones only)
             load_checkpoint(checkpoint, Trainer(sharded, "fp32", OptimConfig()))
             refused = None
@@ -224,6 +236,8 @@ def _sharded_load_findings(world: int, model_dir, checkpoint) -> dict:
             "rows_read": rows_read,
             "rows": {k: v.shape[0] for k, v in expected.items()},
             "logits_equal": logits_equal,
+            "half_gathered": gathered,
+            "half_logits_equal": half_logits_equal,
         }
     finally:
         model_io._WeightFiles.read = real_read
@@ -262,12 +276,17 @@ def test_each_learner_reads_only_its_rows(sharded_loads, arch):
     """FSDP2 learners build the model on the meta device, shard it and read only their own rows of each
     weight (3 ranks: uneven shards, and a rank with no row of a short tensor); the shards make the
     model loaded whole, bit for bit: tied embeddings stay tied, the RoPE tables are recomputed, and the
-    forward pass gives the same logits. A learner given a one-process checkpoint refuses it in one line."""
+    forward pass gives the same logits; in BF16 too, where each decoder layer gathers BF16 weights and the
+    root FP32 ones. A learner given a one-process checkpoint refuses it in one line."""
     model_dir, found = sharded_loads[arch]
     world = SHARDED_WORLD
     tied = load_model(model_dir, kernels.numerics()).config.tie_word_embeddings
     for rank in found:
         assert rank["local_equal"] and rank["full_equal"] and rank["buffers_equal"] and rank["logits_equal"]
+        assert rank["half_logits_equal"] and rank["half_gathered"] == {
+            "layer": "torch.bfloat16",
+            "root": "torch.float32",
+        }
         assert rank["tied"] == tied
         assert (
             "a one-process checkpoint; a learner group resumes its own sharded ones" in rank["whole_checkpoint_refused"]

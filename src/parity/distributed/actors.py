@@ -47,14 +47,27 @@ def _set_process_threads(threads: int | None) -> None:
         reuse_freed_memory()
 
 
-def load_sharded(model_dir: Path, mesh, numerics: kernels.Numerics) -> CausalLM:
+def load_sharded(model_dir: Path, mesh, numerics: kernels.Numerics, precision: str) -> CausalLM:
     """The model in `model_dir` sharded by FSDP2 over `mesh` (each decoder layer, then the root), this
-    process reading only its own rows of every weight: no learner holds the base model whole."""
-    from torch.distributed.fsdp import fully_shard
+    process reading only its own rows of every weight: no learner holds the base model whole.
+
+    A decoder layer gathers its weights in the trainer precision (`MixedPrecisionPolicy`: half the bytes of
+    FP32) and reduces their gradients in FP32. Every weight of a layer is used once per pass, rounded to that
+    precision, so the gathered copy is the cast the model would make, bit for bit. The root (embedding, final
+    norm, a tied LM head) gathers FP32 and the model casts it: a tied weight's two gradients then meet in
+    FP32, as in one process, not in the 16-bit sum a 16-bit gather would give."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dtype = to_dtype(precision)
+    layer_policy = MixedPrecisionPolicy(
+        param_dtype=None if dtype == torch.float32 else dtype,
+        reduce_dtype=torch.float32,
+        cast_forward_inputs=False,  # the RoPE angles stay FP32, as the layer is given them
+    )
 
     def shard(model: CausalLM) -> None:
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=layer_policy)
         fully_shard(model, mesh=mesh)
 
     return load_model(model_dir, numerics, shard=shard)
@@ -150,7 +163,8 @@ class Learner:
         _set_process_threads(threads)
         self.rank, self.world = rank, world
         self.model_dir, self.precision, self.optim = model_dir, cfg.trainer_precision, cfg.trainer
-        self.numerics = kernels.numerics("cpu", cfg.exact)
+        self.device = torch.device(cfg.device)
+        self.numerics = kernels.numerics(cfg.device, cfg.exact)
         self.with_reference = cfg.algorithm.kl_coef > 0  # a frozen copy of the starting model, for the KL loss
         self.trainer: Trainer | None = None
         self.reference: Trainer | None = None
@@ -167,19 +181,24 @@ class Learner:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def setup(self, host: str, port: int) -> None:
-        """Join the process group and build the trainer on the base model."""
+        """Join the process group (gloo on the CPU, NCCL on CUDA; once per process) and build the trainer on the
+        base model."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world)
-        self.mesh = init_device_mesh("cpu", (self.world,))
+        if not dist.is_initialized():
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world)
+        self.mesh = init_device_mesh(self.device.type, (self.world,))
         self.reset()
         if self.with_reference:
             self.reference = Trainer(self._sharded_base(), self.precision, self.optim)
             self.reference.model.requires_grad_(False)
 
     def _sharded_base(self) -> CausalLM:
-        model = load_sharded(Path(self.model_dir), self.mesh, self.numerics)
+        model = load_sharded(Path(self.model_dir), self.mesh, self.numerics, self.precision)
         model.activation_checkpointing = self.optim.activation_checkpointing
         return model
 
@@ -258,7 +277,7 @@ class Learner:
             failed = None
         except ExactnessError as e:
             failed = e
-        flags = torch.tensor([0.0 if failed is None else 1.0])
+        flags = torch.tensor([0.0 if failed is None else 1.0], device=self.device)  # NCCL reduces on the card
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if failed is not None:
             raise failed

@@ -626,8 +626,8 @@ class TrainConfig:
             return
         if self.device != "cpu":
             raise ConfigError(
-                f"device={self.device}: distributed training runs on the CPU only so far (gloo learners; "
-                "the NCCL placement in docs/scaling.md is not built)"
+                f"device={self.device}: distributed training runs on the CPU only so far (Ray does not place "
+                "rollout workers and learners on GPUs yet: docs/scaling.md)"
             )
         if d.rollout_workers < 1:
             raise ConfigError(

@@ -180,7 +180,7 @@ def load_model(
             with torch.device("meta"):
                 model = CausalLM(cfg, numerics)
             shard(model)
-            model.to_empty(device="cpu")
+            model.to_empty(device=numerics.device)
             model.init_buffers()
         params = {
             k: v
