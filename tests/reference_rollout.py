@@ -3,8 +3,8 @@
 The static-shape engine (`parity.engines.rollout`) must give the same tokens, log-probs and
 supports, bit for bit, on the CPU. This module keeps the previous loop — a KV cache grown a block
 at a time and copied when finished rows leave, the filtered distribution built over the whole
-vocabulary with a [B, V] mask per step — running on a new engine's weights and layer helpers
-(`_norm`, `_project`, `_mlp`), so the comparison isolates the loop, the cache and the sampling.
+vocabulary with a [B, V] mask per step — running on a new engine's weights and their layer methods
+(`LayerWeights.norm`, `attention_inputs`, ...), so the comparison isolates the loop, the cache and the sampling.
 
 One change from aff8d8d: `filter_logits` (the definition in `sampling.py`, used here) sorts stably.
 The old unstable sort left the order of equal logits to the sort's implementation, so which of two
@@ -20,6 +20,7 @@ import torch
 
 from parity.engines.batch import FullVocab, RolloutBatch
 from parity.engines.models.config import FULL, SLIDING, rope_tables
+from parity.engines.models.decoder import mlp
 from parity.engines.models.modules import apply_rope, rope_angles, softcap
 from parity.engines.packing import Routing
 from parity.engines.sampling import SamplingParams, filter_logits, sample_categorical
@@ -125,13 +126,11 @@ def forward(engine, angles, ids, positions, cache, keys=None, last=None):
     for i, layer in enumerate(engine.weights.layers):
         kind = cfg.layer_type(i)
         cos, sin = angles[kind]
-        normed = engine._norm(x, layer.input_norm)
-        qkv = engine._project(layer, "qkv", normed)
-        qk, v = qkv.split([(h + hkv) * d, hkv * d], dim=-1)
-        qk = qk.view(b, t, h + hkv, d)
-        if layer.q_norm is not None:
-            q, k = qk.split([h, hkv], dim=2)
-            qk = torch.cat([engine._norm(q, layer.q_norm), engine._norm(k, layer.k_norm)], dim=2)
+        normed = layer.norm("input_layernorm", x)
+        q, k, v = layer.attention_inputs(normed)
+        if cfg.qk_norm:
+            q, k = layer.norm("q_norm", q), layer.norm("k_norm", k)
+        qk, v = torch.cat([q, k], dim=2), v.reshape(b, t, hkv * d)
         q, k = apply_rope(qk.transpose(1, 2), cos, sin).split([h, hkv], dim=1)
         scale, cap = cfg.query_scale, cfg.attn_softcap
         if keys is None:
@@ -146,16 +145,19 @@ def forward(engine, angles, ids, positions, cache, keys=None, last=None):
             k_t, v_all = cache.k[i, ..., :keys], cache.v[i, :, :, :keys]
             attn = decode_attention(engine.numerics, q, k_t, v_all, masks[kind], scale, cap)
         core = attn.transpose(1, 2).reshape(b, t, h * d)
-        attn = engine._project(layer, "o", core)
+        attn = layer.attention_output(core)
         if cfg.gemma:
-            x = x + engine._norm(attn, layer.post_norm)
-            mlp = engine._mlp(layer, engine._norm(x, layer.pre_mlp_norm), routing)
-            x = x + engine._norm(mlp, layer.post_mlp_norm)
+            x = x + layer.norm("post_attention_layernorm", attn)
+            out, routed = mlp(layer, layer.norm("pre_feedforward_layernorm", x), cfg, engine.numerics)
+            x = x + layer.norm("post_feedforward_layernorm", out)
         else:
             x = x + attn
-            mlp = engine._mlp(layer, engine._norm(x, layer.post_norm), routing)
-            x = x + mlp
-    final = engine._norm(x[:, 0] if last is None else x[rows, last], engine.weights.norm)
+            out, routed = mlp(layer, layer.norm("post_attention_layernorm", x), cfg, engine.numerics)
+            x = x + out
+        if routed is not None:
+            routing.append(routed[0].view(b, t, -1))
+    last_hidden = x[:, 0] if last is None else x[rows, last]
+    final = engine.numerics.engine_norm(last_hidden, engine.weights.norm, cfg.rms_norm_eps, cfg.gemma)
     logits = softcap(
         engine.numerics.linear(
             final, engine.weights.lm_head, prerounded=True, fast=engine.weights.lm_head_fast

@@ -256,7 +256,7 @@ def test_unmerged_lora_shares_the_base_and_syncs_only_adapters(tmp_path, monkeyp
     run.step()
     run.step()
     run.rewards.close()
-    a, b, _ = engine.weights.layers[0].lora["o"]  # BF16 values, held in FP32 on the CPU (RolloutEngine._project)
+    a, b, _ = engine.weights.layers[0].lora["o"]  # BF16 values, held in FP32 on the CPU (LayerWeights.project)
     assert a.dtype == b.dtype == torch.float32
     assert torch.equal(a, o_proj.lora_A.to(torch.bfloat16).float())
     assert torch.equal(b, (o_proj.lora_B * o_proj.scale).to(torch.bfloat16).float()) and b.abs().max() > 0

@@ -166,7 +166,9 @@ def test_weights_stored_in_rollout_precision(llama_dir):
         held = torch.float32 if dtype in cpu.emulated_dtypes() else dtype
         for weight in (engine.weights.embed, layer.qkv, layer.gate_up):
             assert weight.dtype == held and torch.equal(weight, weight.to(dtype).to(held))
-        assert layer.input_norm.dtype == dtype and engine.named_weights()["model.embed_tokens.weight"].dtype == dtype
+        assert (
+            layer.input_layernorm.dtype == dtype and engine.named_weights()["model.embed_tokens.weight"].dtype == dtype
+        )
         assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
 
 

@@ -17,13 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from parity.engines.batch import RolloutBatch
-from parity.engines.models.modules import LAYER_STAGES, CausalLM, final_logits
+from parity.engines.models.decoder import LAYER_STAGES
+from parity.engines.models.modules import CausalLM, final_logits
 from parity.engines.packing import pack
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.trainer import token_logprobs
-
-LAYER_PARTS = ("input_norm", "attention_core", "attention", "mlp", "output")
 
 
 @dataclass(frozen=True)
@@ -45,38 +44,18 @@ def trainer_trace(
     """The trainer's code path on one sequence, every stage as `RolloutEngine.trace` records it."""
     stages: dict[str, torch.Tensor] = {}
 
-    def keep(name: str):
-        def hook(module, inputs, output):
-            stages[name] = output.detach().float()
+    def keep(name: str, value: torch.Tensor) -> None:
+        stages[name] = value.detach().float()
 
-        return hook
-
-    def keep_input(name: str):
-        def hook(module, inputs):
-            stages[name] = inputs[0].detach().float()
-
-        return hook
-
-    handles = []
-    for i, layer in enumerate(model.model.layers):
-        # Each stage's value: the output of its module, the attention core's as the output projection's input.
-        modules = (layer.input_layernorm, layer.self_attn.o_proj, layer.self_attn, layer.mlp, layer)
-        for stage, module in zip(LAYER_STAGES, modules):
-            name = f"layer{i}.{stage}"
-            if stage == "attention_core":
-                handles.append(module.register_forward_pre_hook(keep_input(name)))
-            else:
-                handles.append(module.register_forward_hook(keep(name)))
-    handles.append(model.model.norm.register_forward_hook(keep("norm")))
     device = next(model.parameters()).device
     tokens = torch.tensor([response], device=device)
     packed = pack([prompt], tokens, torch.ones_like(tokens, dtype=torch.bool))
+    handle = model.model.norm.register_forward_hook(lambda module, inputs, output: keep("norm", output))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), model.traced(keep):
             logits = model(packed, dtype)
     finally:
-        for h in handles:
-            h.remove()
+        handle.remove()
     stages["norm"] = stages["norm"][packed.score_index]
     cap = model.config.final_softcap
     stages["logits"] = final_logits(logits, cap)
@@ -89,7 +68,7 @@ def compare(rollout: dict[str, torch.Tensor], trainer: dict[str, torch.Tensor], 
     sequence start for layer stages and from the first response token's prediction (the last
     prompt token, position prompt_len − 1) for norm, logits and log-prob."""
     layers = sorted({int(name.split(".")[0].removeprefix("layer")) for name in trainer if name.startswith("layer")})
-    order = [f"layer{i}.{part}" for i in layers for part in LAYER_PARTS] + ["norm", "logits", "logprob"]
+    order = [f"layer{i}.{part}" for i in layers for part in LAYER_STAGES] + ["norm", "logits", "logprob"]
     out = []
     for name in order:
         a, b = rollout[name], trainer[name]

@@ -34,7 +34,8 @@ from parity.engines import precision as prec
 from parity.engines.batch import FullVocab, RolloutBatch
 from parity.engines.kvcache import StepContext, kv_cache
 from parity.engines.models.config import SLIDING, ModelConfig, rope_tables
-from parity.engines.models.modules import LAYER_STAGES, rope_angles, route, softcap
+from parity.engines.models.decoder import decoder_layer, heads_together, layer_tap, scale_embeddings, stream
+from parity.engines.models.modules import rope_angles, softcap
 from parity.engines.packing import Routing
 from parity.engines.sampling import (
     SamplingParams,
@@ -44,7 +45,7 @@ from parity.engines.sampling import (
     log_distribution,
     supports_in_id_order,
 )
-from parity.engines.weights import LayerWeights, RolloutWeights
+from parity.engines.weights import RolloutWeights
 
 # Decode batch sizes stay multiples of this: each size is one CUDA graph (and, on the CPU, oneDNN builds
 # BF16 kernels per shape), so a handful of sizes serve every rollout.
@@ -199,15 +200,12 @@ class RolloutEngine:
     ):
         self.config = config
         self.precision = precision
-        # The device, and exact mode: the trainer's norm and attention numerics, so that μ is the
-        # trainer's π bit for bit. No default: an engine never computes with another mode's kernels by omission.
-        self.numerics = numerics
         self.dtype = prec.to_dtype(precision)
-        self.device = self.numerics.device
+        self.device = numerics.device
         self.pad_id = pad_id
         self.eos_ids = tuple(sorted(set(eos_ids)))
         self._eos = torch.tensor(self.eos_ids, device=self.device)
-        self.weights = RolloutWeights(config, self.dtype, self.numerics)
+        self.weights = RolloutWeights(config, self.dtype, numerics)
         # Decode tokens between host reads of the batch's state (`generate`): free on the CPU, a wait on a GPU.
         self.check_every = 1 if self.device.type == "cpu" else CHECK_EVERY
         # CUDA graphs for the decode step; set to False to run it eagerly. A capture that fails turns them off
@@ -218,6 +216,17 @@ class RolloutEngine:
         self._capture_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # `trace` sets this to record each stage's output (stage name, tensor) as the layers run.
         self._tap: Callable[[str, torch.Tensor], None] | None = None
+
+    @property
+    def numerics(self) -> kernels.Numerics:
+        """The device, and exact mode: the trainer's norm and attention numerics, so that μ is the trainer's π bit
+        for bit. No default: an engine never computes with another mode's kernels by omission. Its weights
+        compute with it (`RolloutWeights.numerics`)."""
+        return self.weights.numerics
+
+    @numerics.setter
+    def numerics(self, value: kernels.Numerics) -> None:
+        self.weights.numerics = value
 
     # ------------------------------------------------------------------ weights
 
@@ -238,42 +247,6 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ one forward through the layers
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self.numerics.engine_norm(x, weight, self.config.rms_norm_eps, self.config.gemma)
-
-    def _project(self, layer: LayerWeights, part: str, x: torch.Tensor) -> torch.Tensor:
-        """The projection `part` of `layer` (qkv, o, gate_up, down), with its unmerged adapter."""
-        weight, bias = getattr(layer, part), getattr(layer, part + "_bias")
-        out = self.numerics.linear(x, weight, bias, prerounded=True, fast=layer.fast.get(part))
-        if part in layer.lora:
-            out = self.numerics.add_adapter(out, x, *layer.lora[part])
-        return out
-
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor, routing: list[torch.Tensor]) -> torch.Tensor:
-        act = self.config.activation
-        if layer.router is None:
-            gate, up = self._project(layer, "gate_up", x).chunk(2, dim=-1)
-            return self._project(layer, "down", self.numerics.gated_activation(act, gate, up))
-        flat = x.reshape(-1, x.shape[-1])
-        cfg = self.config
-        used, weights, _ = route(
-            self.numerics.linear(flat, layer.router, prerounded=True), cfg.experts_per_token, cfg.norm_topk_prob
-        )
-        routing.append(used.view(*x.shape[:-1], -1))
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(flat)
-        for e in used.unique().tolist():
-            token, slot = (used == e).nonzero(as_tuple=True)
-            gate, up = self.numerics.linear(flat[token], layer.experts_gate_up[e], prerounded=True).chunk(2, dim=-1)
-            y = (
-                self.numerics.linear(
-                    self.numerics.gated_activation(act, gate, up), layer.experts_down[e], prerounded=True
-                )
-                * weights[token, slot, None]
-            )
-            out.index_add_(0, token, y)
-        return out.view_as(x)
-
     def _layers(
         self,
         ids: torch.Tensor,
@@ -281,51 +254,32 @@ class RolloutEngine:
         attend: Callable[..., torch.Tensor],
         routing: list[torch.Tensor],
     ) -> torch.Tensor:
-        """Hidden states [B, T, H] of tokens `ids` [B, T] after every decoder layer, before the final norm.
-        `angles`: RoPE's cos and sin per attention type, broadcastable to [B, heads, T, D]; `attend(layer,
-        kind, qk, v, cos, sin)` ropes the query and key heads qk [B, T, heads + KV heads, D], stores the new keys
-        and values v [B, T, KV heads · D] and returns the attention [B, heads, T, D]. MoE layers append their
-        experts to `routing`."""
+        """Hidden states [B, T, H] of tokens `ids` [B, T] after every decoder layer (`decoder.decoder_layer` on
+        the stored weights), before the final norm. `angles`: RoPE's cos and sin per attention type,
+        broadcastable to [B, heads, T, D]; `attend(layer, kind, qk, v, cos, sin)` ropes the query and key heads
+        qk [B, T, heads + KV heads, D], stores the new keys and values v [B, T, KV heads · D] and returns the
+        attention [B, heads, T, D]. MoE layers append their experts to `routing`."""
         cfg = self.config
         b, t = ids.shape
-        h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = self.weights.embed[ids].to(self.dtype)
-        if cfg.gemma:
-            x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype)
+        x = scale_embeddings(self.weights.embed[ids].to(self.dtype), cfg)
         pending = None  # the last MLP's output, added to the stream by the next norm's pass
         for i, layer in enumerate(self.weights.layers):
             kind = cfg.layer_type(i)
-            cos, sin = angles[kind]
-            if pending is None:
-                normed = self._norm(x, layer.input_norm)
-            else:
-                x, normed = self.numerics.engine_add_norm(x, pending, layer.input_norm, cfg.rms_norm_eps)
-            qkv = self._project(layer, "qkv", normed)
-            qk, v = qkv.split([(h + hkv) * d, hkv * d], dim=-1)
-            qk = qk.view(b, t, h + hkv, d)
-            if layer.q_norm is not None:
-                q, k = qk.split([h, hkv], dim=2)
-                qk = torch.cat([self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)], dim=2)
-            core = attend(i, kind, qk, v, cos, sin).transpose(1, 2).reshape(b, t, h * d)
-            attn = self._project(layer, "o", core)
-            if cfg.gemma:
-                x = x + self._norm(attn, layer.post_norm)
-                mlp = self._mlp(layer, self._norm(x, layer.pre_mlp_norm), routing)
-                x = x + self._norm(mlp, layer.post_mlp_norm)
-            else:
-                x, post = self.numerics.engine_add_norm(x, attn, layer.post_norm, cfg.rms_norm_eps)
-                mlp = pending = self._mlp(layer, post, routing)
-            if self._tap is not None:
-                output = x if pending is None else x + pending
-                for stage, value in zip(LAYER_STAGES, (normed, core, attn, mlp, output)):
-                    self._tap(f"layer{i}.{stage}", value)
-        return x if pending is None else x + pending
+
+            def core(q, k, v, i=i, kind=kind):
+                out = attend(i, kind, heads_together(q, k), v.flatten(-2), *angles[kind])
+                return out.transpose(1, 2).reshape(b, t, -1)
+
+            x, pending, routed = decoder_layer(layer, x, pending, core, cfg, self.numerics, tap=layer_tap(self._tap, i))
+            if routed is not None:
+                routing.append(routed[0].view(b, t, -1))
+        return stream(x, pending)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] from last hidden states [B, H]: final norm, LM head, soft-cap. In the LM head's dtype
         (FP32 with a soft-cap): the draw reads them as FP32 (`sampling.draw`), and the fused one reads the
         16-bit values directly rather than a [B, V] FP32 copy (78 MB a step at 128 rows of Qwen2's)."""
-        final = self._norm(hidden, self.weights.norm)
+        final = self.numerics.engine_norm(hidden, self.weights.norm, self.config.rms_norm_eps, self.config.gemma)
         logits = self.numerics.linear(final, self.weights.lm_head, prerounded=True, fast=self.weights.lm_head_fast)
         if self.config.final_softcap is not None:
             logits = softcap(logits.float(), self.config.final_softcap)

@@ -25,7 +25,8 @@ from parity.engines.batch import RolloutBatch
 from parity.engines.kernels import Numerics
 from parity.engines.locate import StageDiff, first_divergence, format_table, locate_row, worst_row
 from parity.engines.models.config import ModelConfig
-from parity.engines.models.modules import CausalLM, routing_differs
+from parity.engines.models.decoder import routing_differs
+from parity.engines.models.modules import CausalLM
 from parity.engines.packing import PackedBatch
 from parity.engines.rollout import Between, RolloutEngine
 from parity.engines.sampling import SamplingParams

@@ -19,30 +19,74 @@ from parity.engines.models.modules import CausalLM
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor
+    """One decoder layer as the rollout engine holds it, and its `decoder.Layer`: the engine's norms (one
+    rounding, the residual added in the same pass), the fused projections with their unmerged adapters."""
+
+    config: ModelConfig
+    numerics: kernels.Numerics
+    input_layernorm: torch.Tensor
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
-    post_norm: torch.Tensor
+    post_attention_layernorm: torch.Tensor
     gate_up: torch.Tensor | None  # dense MLP
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor | None
     down_bias: torch.Tensor | None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
-    pre_mlp_norm: torch.Tensor | None = None  # Gemma's norms around the MLP
-    post_mlp_norm: torch.Tensor | None = None
+    pre_feedforward_layernorm: torch.Tensor | None = None  # Gemma's norms around the MLP
+    post_feedforward_layernorm: torch.Tensor | None = None
     router: torch.Tensor | None = None  # MoE: [E, H], and each expert's fused projections
     experts_gate_up: torch.Tensor | None = None  # [E, 2I, H]
     experts_down: torch.Tensor | None = None  # [E, H, I]
     # Unmerged LoRA (`load_adapters`): per projection ("qkv", "o", "gate_up", "down") the pair (A, B)
     # whose x·Aᵀ·Bᵀ is added to the base projection; a fused projection's A stacks its members' and
     # its B is block-diagonal, so one pair serves Q, K and V (or gate and up) together. With the pair,
-    # each adapted member's (output columns, rank columns) in it, for exact mode (`RolloutEngine._project`).
+    # each adapted member's (output columns, rank columns) in it, for exact mode (`Numerics.add_adapter`).
     lora: dict[str, tuple[torch.Tensor, torch.Tensor, list[tuple[slice, slice]]]] = field(default_factory=dict)
     # Per projection, the copy the numerics multiplies by faster (`Numerics.fast_matrix`), remade every load.
     fast: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return self.numerics.engine_norm(x, getattr(self, name), self.config.rms_norm_eps, self.config.gemma)
+
+    def add_norm(self, name: str, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.numerics.engine_add_norm(x, delta, getattr(self, name), self.config.rms_norm_eps)
+
+    def project(self, part: str, x: torch.Tensor) -> torch.Tensor:
+        """The projection `part` (qkv, o, gate_up, down), with its unmerged adapter."""
+        weight, bias = getattr(self, part), getattr(self, part + "_bias")
+        out = self.numerics.linear(x, weight, bias, prerounded=True, fast=self.fast.get(part))
+        if part in self.lora:
+            out = self.numerics.add_adapter(out, x, *self.lora[part])
+        return out
+
+    def attention_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views into the fused projection's output (Q's heads, then K's, then V's)."""
+        cfg, rows = self.config, x.shape[:-1]
+        h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, k, v = self.project("qkv", x).split([h * d, hkv * d, hkv * d], dim=-1)
+        return q.view(*rows, h, d), k.view(*rows, hkv, d), v.view(*rows, hkv, d)
+
+    def attention_output(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project("o", x)
+
+    def mlp_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.project("gate_up", x).chunk(2, dim=-1)
+
+    def mlp_output(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project("down", x)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        return None if self.router is None else self.numerics.linear(x, self.router, prerounded=True)
+
+    def expert_inputs(self, expert: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.numerics.linear(x, self.experts_gate_up[expert], prerounded=True).chunk(2, dim=-1)
+
+    def expert_output(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return self.numerics.linear(x, self.experts_down[expert], prerounded=True)
 
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the dense layer's matmuls, as the engine fuses them
@@ -58,17 +102,15 @@ def layer_names(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple[str, int | No
     q, kv, inner = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     qkv = ((a + "q_proj", q), (a + "k_proj", kv), (a + "v_proj", kv))
     gate_up = ((m + "gate_proj", inner), (m + "up_proj", inner))
+    norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
     one = {
-        "input_norm": p + "input_layernorm.weight",
-        "post_norm": p + "post_attention_layernorm.weight",
+        **{norm: p + norm + ".weight" for norm in norms},
         "o": a + "o_proj.weight",
         "o_bias": a + "o_proj.bias",
         "down": m + "down_proj.weight",
         "down_bias": m + "down_proj.bias",
         "q_norm": a + "q_norm.weight",
         "k_norm": a + "k_norm.weight",
-        "pre_mlp_norm": p + "pre_feedforward_layernorm.weight",
-        "post_mlp_norm": p + "post_feedforward_layernorm.weight",
         "router": m + "gate.weight",
     }
     out = {part: ((name, None),) for part, name in one.items()}
@@ -89,15 +131,26 @@ class RolloutWeights:
     def __init__(self, config: ModelConfig, dtype: torch.dtype, numerics: kernels.Numerics):
         self.config = config
         self.dtype = dtype
-        self.numerics = numerics
         self.device = numerics.device
         with torch.device("meta"):
             names = CausalLM(config, numerics).state_dict().keys()
         self._expected = {n for n in names if not (config.tie_word_embeddings and n == "lm_head.weight")}
         self.layers: list[LayerWeights] = []
+        self.numerics = numerics
         self.lm_head_fast: torch.Tensor | None = None  # the LM head as `Numerics.fast_matrix` reorders it
         self.weight_version = -1
         self.layout = 0  # bumped whenever a buffer is allocated anew (see the module docstring)
+
+    @property
+    def numerics(self) -> kernels.Numerics:
+        """How the weights compute; every layer's (`LayerWeights.numerics`) follows it."""
+        return self._numerics
+
+    @numerics.setter
+    def numerics(self, value: kernels.Numerics) -> None:
+        self._numerics = value
+        for layer in self.layers:
+            layer.numerics = value
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Copy weights in (Hugging Face names), cast to the rollout precision, fuse, and
@@ -139,7 +192,7 @@ class RolloutWeights:
                 pairs = [(f"{m}{e}.gate_proj.weight", f"{m}{e}.up_proj.weight") for e in experts]
                 fields["experts_gate_up"] = torch.stack([torch.cat([w(n, True) for n in pair]) for pair in pairs])
                 fields["experts_down"] = torch.stack([w(f"{m}{e}.down_proj.weight", matrix=True) for e in experts])
-            self.layers.append(LayerWeights(**fields))
+            self.layers.append(LayerWeights(cfg, self.numerics, **fields))
         self._reorder()
         self.weight_version = version
         self.layout += 1

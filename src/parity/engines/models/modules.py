@@ -1,17 +1,17 @@
-"""The torch modules of the one decoder transformer Parity runs for every supported family, and `CausalLM`.
+"""The trainer's model, `CausalLM`: torch modules holding the weights of the one decoder Parity runs for every
+supported family, which `decoder.decoder_layer` computes.
 
 Parity runs its own compact implementation of the Llama family and its relatives
 (Llama, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 2/3) rather than the
 `transformers` modelling code, so that every matmul goes through the kernels of
-`engines.kernels` (`linear`, `Numerics.attention`) and the rollout engine can keep a
-KV cache. Parameter names match Hugging Face's, so checkpoints load and
+`engines.kernels` (`linear`, `Numerics.attention`) and the rollout engine runs the same
+layer over a KV cache. Parameter names match Hugging Face's, so checkpoints load and
 save in the Hugging Face format with no conversion (`models.io`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 
 import torch
 from torch import nn
@@ -19,11 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 from parity.engines import kernels
 from parity.engines.models.config import FULL, ModelConfig, rope_tables
+from parity.engines.models.decoder import Tap, decoder_layer, layer_tap, scale_embeddings, stream
 from parity.engines.packing import PackedBatch, gather_rows
-
-# What a decoder layer computes, in order, by the names `parity mismatch --locate` compares both engines at:
-# the input norm, attention before and after its output projection, the MLP, the layer's output.
-LAYER_STAGES = ("input_norm", "attention_core", "attention", "mlp", "output")
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -98,11 +95,12 @@ def fast_once(casts: dict | None, weight: torch.Tensor, numerics: kernels.Numeri
 
 
 class Attention(nn.Module):
+    """Attention's weights (Hugging Face's names) and its settings: the layer's window, scale and soft-cap."""
+
     def __init__(self, cfg: ModelConfig, window: int | None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window, self.scale, self.softcap = window, cfg.query_scale, cfg.attn_softcap
-        self.numerics = kernels.numerics()  # set through CausalLM.numerics
         self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.qkv_bias)
         self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
@@ -113,79 +111,37 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
-        """`x` [N, H] is the packed token stream; attention runs on its rows."""
-        n, d = x.shape[0], self.head_dim
-        q, k = self.q_proj(x).view(n, self.num_heads, d), self.k_proj(x).view(n, self.num_kv_heads, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, d)
-        out = self.numerics.packed_attention(q, k, v, packed, self.window, self.scale, self.softcap)
-        return self.o_proj(out.reshape(n, -1))
-
 
 class MLP(nn.Module):
+    """A gated MLP's weights."""
+
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
         width = intermediate_size or cfg.intermediate_size
-        self.activation = cfg.activation
         self.gate_proj = Linear(cfg.hidden_size, width, cfg.mlp_bias)
         self.up_proj = Linear(cfg.hidden_size, width, cfg.mlp_bias)
         self.down_proj = Linear(width, cfg.hidden_size, cfg.mlp_bias)
-        self.numerics = kernels.numerics()  # set through CausalLM.numerics
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.numerics.gated_activation(self.activation, self.gate_proj(x), self.up_proj(x)))
-
-
-def route(
-    router_logits: torch.Tensor, top_k: int, normalise: bool, replay: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-k routing: (experts used [N, k], their weights [N, k] FP32, experts chosen [N, k]).
-    Softmax in FP32 over all experts; `replay` (another engine's choice) replaces the chosen
-    experts, and their weights are still this router's probabilities, so the router trains."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    chosen = torch.topk(probs, top_k, dim=-1).indices
-    used = chosen if replay is None else replay
-    weights = probs.gather(-1, used)
-    if normalise:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return used, weights, chosen
-
-
-def routing_differs(chosen: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """[N, layers] True where two routings [N, layers, k] picked different expert sets."""
-    return (chosen.sort(-1).values != other.sort(-1).values).any(-1)
 
 
 class SparseMoE(nn.Module):
-    """A mixture of experts MLP (Qwen3-MoE): each token's output is the weighted sum of its
-    top-k experts'. `chosen` keeps the last forward's routing (what this router picked)."""
+    """A mixture of experts MLP's weights (Qwen3-MoE; `decoder.mlp` runs it). `chosen` keeps the last forward's
+    routing (what this router picked)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.top_k, self.normalise = cfg.experts_per_token, cfg.norm_topk_prob
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.chosen: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> torch.Tensor:
-        used, weights, chosen = route(self.gate(x), self.top_k, self.normalise, replay)
-        self.chosen = chosen.detach()
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            token, slot = (used == e).nonzero(as_tuple=True)
-            if token.numel():
-                y = expert(gather_rows(x, token)) * weights[token, slot, None]
-                out = out.index_add(0, token, y)
-        return out
-
 
 class DecoderLayer(nn.Module):
+    """One decoder layer's weights under Hugging Face's names, computed by `decoder.decoder_layer` with this
+    module as its `decoder.Layer`: the trainer's norms (two roundings, as Hugging Face's), Q, K and V
+    projected apart, attention over the packed batch. `tap` (set by `CausalLM.traced`) sees each stage."""
+
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
+        self.config = cfg
         self.self_attn = Attention(cfg, cfg.window(index))
         self.mlp = SparseMoE(cfg) if index in cfg.moe_layers else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
@@ -193,17 +149,60 @@ class DecoderLayer(nn.Module):
         if cfg.gemma:  # Gemma: norms after attention and around the MLP
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma=True)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma=True)
-        self.gemma = cfg.gemma
+        self.numerics = kernels.numerics()  # set through CausalLM.numerics
+        self.tap: Tap | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch, replay: torch.Tensor | None
     ) -> torch.Tensor:
-        mlp = partial(self.mlp, replay=replay) if isinstance(self.mlp, SparseMoE) else self.mlp
-        if self.gemma:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, packed))
-            return x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, packed)
-        return x + mlp(self.post_attention_layernorm(x))
+        """The layer's output [N, H] on the packed stream `x` [N, H]: the MLP's output is added here, not by the
+        next layer's norm, so that a layer's input and output are one tensor (what activation checkpointing
+        keeps, what FSDP2 sees)."""
+        attention = self.self_attn
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            out = self.numerics.packed_attention(q, k, v, packed, attention.window, attention.scale, attention.softcap)
+            return out.reshape(out.shape[0], -1)
+
+        x, pending, routing = decoder_layer(self, x, None, attend, self.config, self.numerics, replay, self.tap)
+        if routing is not None:
+            self.mlp.chosen = routing[1].detach()
+        return stream(x, pending)
+
+    # ------------------------------------------------------------------ decoder.Layer
+
+    def norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self.self_attn if name in ("q_norm", "k_norm") else self, name)(x)
+
+    def add_norm(self, name: str, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + delta
+        return x, self.norm(name, x)
+
+    def attention_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a, rows = self.self_attn, x.shape[:-1]
+        q = a.q_proj(x).view(*rows, a.num_heads, a.head_dim)
+        k = a.k_proj(x).view(*rows, a.num_kv_heads, a.head_dim)
+        return q, k, a.v_proj(x).view(*rows, a.num_kv_heads, a.head_dim)
+
+    def attention_output(self, x: torch.Tensor) -> torch.Tensor:
+        return self.self_attn.o_proj(x)
+
+    def mlp_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mlp.gate_proj(x), self.mlp.up_proj(x)
+
+    def mlp_output(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp.down_proj(x)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.mlp.gate(x) if isinstance(self.mlp, SparseMoE) else None
+
+    def expert_inputs(self, expert: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mlp = self.mlp.experts[expert]
+        return mlp.gate_proj(x), mlp.up_proj(x)
+
+    def expert_output(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp.experts[expert].down_proj(x)
 
 
 class Backbone(nn.Module):
@@ -217,8 +216,8 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """A decoder-only causal LM (the Llama family and its relatives), as the trainer runs it.
     The compute dtype is chosen per call: the FP32 master weights are cast on the fly
-    (autograd flows through the cast). The rollout engine has its own inference path
-    over the same weights."""
+    (autograd flows through the cast). The rollout engine runs the same decoder layer over
+    its own copy of the weights (`engines.weights`)."""
 
     def __init__(self, cfg: ModelConfig, numerics: kernels.Numerics):
         super().__init__()
@@ -245,7 +244,7 @@ class CausalLM(nn.Module):
     def numerics(self, value: kernels.Numerics) -> None:
         self._numerics = value
         for module in self.modules():
-            if isinstance(module, (Attention, Linear, MLP, RMSNorm)):
+            if isinstance(module, (DecoderLayer, Linear, RMSNorm)):
                 module.numerics = value
 
     @contextlib.contextmanager
@@ -264,6 +263,17 @@ class CausalLM(nn.Module):
             for module in linears:
                 module.casts = None
             self._casts = None
+
+    @contextlib.contextmanager
+    def traced(self, tap: Tap):
+        """Within: every decoder layer gives each stage it computes to `tap` as ("layer{i}.{stage}", value)."""
+        for i, layer in enumerate(self.model.layers):
+            layer.tap = layer_tap(tap, i)
+        try:
+            yield
+        finally:
+            for layer in self.model.layers:
+                layer.tap = None
 
     def init_buffers(self) -> None:
         """Compute the RoPE tables (again after `to_empty`, which leaves a model built on the meta
@@ -286,9 +296,8 @@ class CausalLM(nn.Module):
         """Final normalised hidden states [N, H] in `dtype` of the packed token stream.
         `replay`: the MoE layers use the experts in `packed.routing` (the rollout engine's)."""
         cfg = self.config
-        x = gather_rows(cast_once(self._casts, self.model.embed_tokens.weight, dtype, "embedding"), packed.token_ids)
-        if cfg.gemma:
-            x = x * torch.tensor(cfg.hidden_size**0.5, dtype=dtype)
+        embed = cast_once(self._casts, self.model.embed_tokens.weight, dtype, "embedding")
+        x = scale_embeddings(gather_rows(embed, packed.token_ids), cfg)
         angles = {}
         for kind in set(cfg.layer_types) or {FULL}:
             cos, sin = rope_angles(packed.positions, getattr(self, f"inv_freq_{kind}"), dtype)
