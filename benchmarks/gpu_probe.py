@@ -557,7 +557,7 @@ def learners_match(model_dir: str, device: str, arm: str, shape, steps: int) -> 
         "algorithm.name=grpo", "algorithm.num_minibatches=2", f"prompts_per_step={prompts}",
         f"rollout.group_size={group}", f"rollout.max_new_tokens={response_len}", "trainer.lr=1e-5",
     ])  # fmt: skip
-    plan = UpdatePlan(cfg.algorithm, cfg.trainer.micro_batch_tokens, prompts, group, response_len)
+    plan = UpdatePlan(cfg.algorithm.build(), cfg.trainer.micro_batch_tokens, prompts, group, response_len)
     one = Trainer(load_model(model_dir).to(device), cfg.trainer_precision, cfg.trainer)
     one.model.numerics = kernels.numerics(device, exact=exact)
     learner = Learner(0, 1, model_dir, cfg, threads=None)

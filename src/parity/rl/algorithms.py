@@ -256,11 +256,6 @@ def vetoed(old_logprobs, rollout_logprobs, mask, cfg: LossConfig) -> torch.Tenso
     return (((old_logprobs - rollout_logprobs).detach() < math.log(cfg.token_veto)) & mask.bool()).any(-1)
 
 
-def needs_old_before_update(name: str, cfg: LossConfig) -> bool:
-    """Whether π_old must be known before the first update (a rejection shapes the loss mask)."""
-    return ESTIMATORS[name].reject is not None or cfg.token_veto > 0
-
-
 def rejected_sequences(
     name: str, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
 ) -> torch.Tensor | None:
@@ -922,10 +917,35 @@ class AlgorithmConfig:
             )
         a.advantage = chosen
 
-    def loss_config(self) -> LossConfig:
-        """The estimator's parameters, as its loss function takes them."""
+    def build(self) -> Algorithm:
+        """The resolved keys (`resolve` first) as the step reads them, once: the estimator and its loss settings."""
         a = self
-        return LossConfig(
-            token_veto=a.token_veto,
-            **{key: getattr(a, key) for key in TUNABLE if getattr(a, key) is not None},
-        )
+        loss = LossConfig(token_veto=a.token_veto, **{k: getattr(a, k) for k in TUNABLE if getattr(a, k) is not None})
+        return Algorithm(
+            a.name, ESTIMATORS[a.name], loss, a.aggregation, a.ppo_epochs, a.num_minibatches, a.ratio_source,
+            a.kl_coef, a.kl_estimator,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """An `AlgorithmConfig` resolved (`AlgorithmConfig.build`): what one step's updates compute with."""
+
+    name: str
+    estimator: Estimator
+    loss: LossConfig  # the estimator's parameters, as its loss function takes them
+    aggregation: str
+    ppo_epochs: int
+    num_minibatches: int
+    ratio_source: str
+    kl_coef: float
+    kl_estimator: str
+
+    @property
+    def rejects(self) -> bool:
+        """Whether π_old must be known before the first update (a rejection shapes the loss mask)."""
+        return self.estimator.reject is not None or self.loss.token_veto > 0
+
+    def rejected(self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor):
+        """`rejected_sequences` under this algorithm's rules."""
+        return rejected_sequences(self.name, old_logprobs, rollout_logprobs, mask, self.loss)

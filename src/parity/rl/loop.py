@@ -527,7 +527,7 @@ class Run:
     def _update_plan(self) -> UpdatePlan:
         cfg = self.cfg
         return UpdatePlan(
-            algorithm=cfg.algorithm,
+            algorithm=cfg.algorithm.build(),
             micro_batch_tokens=cfg.trainer.micro_batch_tokens,
             prompts=cfg.prompts_per_step,
             group_size=cfg.rollout.group_size,

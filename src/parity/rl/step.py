@@ -35,17 +35,13 @@ from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import Tokenizer
 from parity.engines.trainer import StepStats, Trainer, full_vocab_logprobs
 from parity.rl.algorithms import (
-    ESTIMATORS,
     PER_FUNCTION_ADVANTAGES,
-    AlgorithmConfig,
-    LossConfig,
+    Algorithm,
     PolicyInputs,
     aggregate,
     denominators,
     group_advantages,
     kl_penalty,
-    needs_old_before_update,
-    rejected_sequences,
 )
 from parity.rl.checkpoint import RunState, load_checkpoint, non_finite_tensors, restore_latest, save_checkpoint
 from parity.rl.data import DataOrder
@@ -96,20 +92,15 @@ class RunParts:
 
 @dataclass(frozen=True)
 class UpdatePlan:
-    """What `train_on_batch` needs besides the batch: the algorithm's resolved keys and the batch's shape."""
+    """What `train_on_batch` needs besides the batch: the algorithm, resolved, and the batch's shape."""
 
-    algorithm: AlgorithmConfig  # resolved (`AlgorithmConfig.resolve`)
+    algorithm: Algorithm  # `AlgorithmConfig.build`
     micro_batch_tokens: int
     prompts: int
     group_size: int
     max_new_tokens: int
     routing_replay: bool = False  # MoE: π_θ uses the experts the rollout engine chose
     lr: float | None = None  # this step's learning rate (`trainer.lr_schedule`); None: the optimizer's own
-
-    @functools.cached_property
-    def loss(self) -> LossConfig:
-        """The estimator's parameters, as its loss function takes them."""
-        return self.algorithm.loss_config()
 
 
 @dataclass(frozen=True)
@@ -178,9 +169,7 @@ def resolve_old(batch: RolloutBatch, plan: UpdatePlan, trainer: Trainer | None) 
     where the sampler scores every batch (distributed workers)."""
     if batch.old_logprobs is not None:
         return batch.old_logprobs, "sampler"
-    if plan.algorithm.ppo_epochs * plan.algorithm.num_minibatches > 1 or needs_old_before_update(
-        plan.algorithm.name, plan.loss
-    ):
+    if plan.algorithm.ppo_epochs * plan.algorithm.num_minibatches > 1 or plan.algorithm.rejects:
         return trainer.score(batch, plan.micro_batch_tokens, plan.routing_replay), "learner_pass"
     return None, "first_pass"
 
@@ -216,8 +205,8 @@ def prepare(
     if truncated == "drop":
         loss_mask[batch.truncated] = False
     rejected = None
-    if needs_old_before_update(plan.algorithm.name, plan.loss):  # then resolve_old gave π_old
-        rejected = rejected_sequences(plan.algorithm.name, old_logprobs, batch.rollout_logprobs, loss_mask, plan.loss)
+    if plan.algorithm.rejects:  # then resolve_old gave π_old
+        rejected = plan.algorithm.rejected(old_logprobs, batch.rollout_logprobs, loss_mask)
         loss_mask[rejected] = False
     return Prepared(rewards, advantages, loss_mask, rejected, old_logprobs, old_source)
 
@@ -251,7 +240,8 @@ def train_on_batch(
     where they hold every recorded row (and replay no experts), else by a pass of its own before it steps."""
     if plan.lr is not None:
         trainer.set_lr(plan.lr)
-    estimator = ESTIMATORS[plan.algorithm.name]
+    algorithm = plan.algorithm
+    estimator = algorithm.estimator
     mu, old, loss_mask, advantages = (
         batch.rollout_logprobs,
         prepared.old_logprobs,
@@ -261,11 +251,11 @@ def train_on_batch(
     out = UpdateResult()
     first_pass = torch.zeros_like(mu) if old is None else None
     pi_old = old if old is not None else first_pass
-    loss_old = mu if plan.algorithm.ratio_source == "rollout" else pi_old
+    loss_old = mu if algorithm.ratio_source == "rollout" else pi_old
     ref = None
     if reference is not None:
         ref = reference.score(batch, plan.micro_batch_tokens, plan.routing_replay)
-    rows_per_mb = batch.response_ids.shape[0] // plan.algorithm.num_minibatches
+    rows_per_mb = batch.response_ids.shape[0] // algorithm.num_minibatches
     order_gen = torch.Generator().manual_seed(order_seed)
     pending: list[tuple[list[float], torch.Tensor | float]] = []  # (where it goes, scalar) until the update ends
     first_update: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, π_θ) of the first update's passes
@@ -273,7 +263,7 @@ def train_on_batch(
     record_in_passes = (
         record is not None and world == 1 and not plan.routing_replay and int(record.rows.max()) < rows_per_mb
     )
-    for epoch in range(plan.algorithm.ppo_epochs):
+    for epoch in range(algorithm.ppo_epochs):
         # Mini-batches hold whole groups, shuffled per epoch.
         groups = torch.randperm(plan.prompts, generator=order_gen) if epoch else torch.arange(plan.prompts)
         row_order = (groups[:, None] * plan.group_size + torch.arange(plan.group_size)).flatten()
@@ -296,21 +286,21 @@ def train_on_batch(
                         advantages=advantages[rows],
                         mask=mask,
                     )
-                    token_loss, loss_stats = estimator.loss(inputs, plan.loss)
+                    token_loss, loss_stats = estimator.loss(inputs, algorithm.loss)
                     # α, the real policy change, and phantom clipping, on every ratio source.
                     n = mask.sum().clamp(min=1)
                     loss_stats["alpha/abs_mean"] = ((logp.detach() - pi_old[rows]).abs() * mask).sum() / n
                     if estimator.clipped is not None:
                         by_gap, by_policy = (
-                            estimator.clipped(logp.detach(), ref, advantages[rows], mask, plan.loss)
+                            estimator.clipped(logp.detach(), ref, advantages[rows], mask, algorithm.loss)
                             for ref in (mu[rows], pi_old[rows])
                         )
                         loss_stats["phantom/clip_frac"] = phantom_clip_frac(by_gap, by_policy, mask)
                     if ref is not None:
-                        kl = kl_penalty(logp, ref[rows], plan.algorithm.kl_estimator)
+                        kl = kl_penalty(logp, ref[rows], algorithm.kl_estimator)
                         pending += [(out.kls, (kl.detach() * mask).sum()), (out.kl_tokens, mask.sum())]
-                        token_loss = token_loss + plan.algorithm.kl_coef * kl
-                    loss = aggregate(token_loss, mask, plan.algorithm.aggregation, norm)
+                        token_loss = token_loss + algorithm.kl_coef * kl
+                    loss = aggregate(token_loss, mask, algorithm.aggregation, norm)
                     trainer.backward(loss)
                     pending.append((out.losses, loss.detach()))
                     pending += [(out.stats.setdefault(k, []), v) for k, v in loss_stats.items()]
