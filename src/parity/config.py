@@ -427,5 +427,12 @@ def _has_path(data: dict[str, Any], dotted: str) -> bool:
     return True
 
 
+class _Dumper(yaml.SafeDumper):
+    """YAML's safe dumper, writing a `str` subclass (a `Precision`) as the string it is."""
+
+
+_Dumper.add_multi_representer(str, _Dumper.represent_str)
+
+
 def dump_yaml(obj: Any) -> str:
-    return yaml.safe_dump(to_dict(obj), sort_keys=False)
+    return yaml.dump(to_dict(obj), Dumper=_Dumper, sort_keys=False)

@@ -278,7 +278,7 @@ def results_json(model: str, results: list[PairResult]) -> dict[str, Any]:
 
 def markdown_table(results: list[PairResult]) -> str:
     """One row per precision pair; each metric with its ratio to the FP16/FP16 run."""
-    ref = next((r for r in results if r.trainer_precision == r.rollout_precision == "fp16"), None)
+    ref = next((r for r in results if r.trainer_precision == r.rollout_precision == prec.Precision.FP16), None)
     head = "| trainer | rollout | tokens | " + " | ".join(TABLE_METRICS) + " |"
     lines = [head, "|" + "---|" * (3 + len(TABLE_METRICS))]
     for r in results:

@@ -1,4 +1,4 @@
-"""Precision names and dtypes, and the dynamic loss scaler.
+"""The precisions, by their config names, with their properties; the dynamic loss scaler.
 
 The kernels that give each precision its numerics are in `engines.kernels`.
 """
@@ -6,15 +6,37 @@ The kernels that give each precision its numerics are in `engines.kernels`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
-PRECISIONS = tuple(DTYPES)
+
+class Precision(StrEnum):
+    """A precision as configs name it (a `str`: it compares, prints and serialises as its name)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
+
+    @property
+    def loss_scaled(self) -> bool:
+        """Training in it needs the dynamic loss scale: FP16's range underflows small gradients."""
+        return self is Precision.FP16
+
+    @classmethod
+    def named(cls, name: str) -> Precision:
+        """The precision called `name`; ValueError naming the choices for any other."""
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(f"unknown precision {name!r}; expected one of {', '.join(PRECISIONS)}") from None
+
+
+PRECISIONS = tuple(p.value for p in Precision)
 
 # FP16 range, used by the doctor and by the loss scaler's docs.
 FP16_MAX = 65504.0
@@ -22,11 +44,8 @@ FP16_MIN_NORMAL = 6.103515625e-05
 
 
 def to_dtype(precision: str) -> torch.dtype:
-    """Map a precision name (`fp32`, `bf16`, `fp16`) to its torch dtype."""
-    try:
-        return DTYPES[precision]
-    except KeyError:
-        raise ValueError(f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}") from None
+    """The torch dtype of a precision name (`fp32`, `bf16`, `fp16`)."""
+    return Precision.named(precision).dtype
 
 
 @dataclass

@@ -350,7 +350,7 @@ class Trainer:
             fused=True,  # one kernel for all parameters: 3.5x faster than the default on CPU
         )
         self.scaler = prec.DynamicLossScaler(
-            enabled=precision == "fp16",
+            enabled=prec.Precision.named(precision).loss_scaled,
             init_scale=optim.loss_scale_init,
             growth_interval=optim.loss_scale_growth_interval,
         )

@@ -684,7 +684,7 @@ class Run:
                 f"step {step}: the weights hold inf/NaN after the optimizer step (trainer.lr="
                 f"{self.cfg.trainer.lr:g}); the run stopped without saving them ({', '.join(bad[:3])}); {where()}"
             )
-        if self.cfg.trainer_precision == "fp16":  # the one precision with a loss scaler
+        if self.cfg.trainer_precision.loss_scaled:
             self.skipped_streak = self.skipped_streak + 1 if skipped_updates == updates else 0
             if self.skipped_streak >= self.cfg.health.max_skipped_steps:
                 raise TrainingError(

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from parity.engines.models.io import SHIPPED_MODELS, ModelError, model_file, read_json
+from parity.engines.precision import PRECISIONS, Precision
 
 # The metrics a card shows, when the step logged them.
 CARD_METRICS = (
@@ -28,7 +29,6 @@ CARD_METRICS = (
 )
 # A Hub repository id, ORG/NAME (the Hub's own rule: letters, digits, `-`, `_`, `.`, at most 96 characters each).
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
-DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
 
 def _is_hub_id(text: object) -> bool:
@@ -76,7 +76,7 @@ def _without_paths(value: Any) -> Any:
 def usage(base: str | None, lora: bool, precision: str) -> str:
     """Loading code for the folder: transformers for a whole model, PEFT on its base for a LoRA adapter; in the
     precision the run sampled in, which is how the policy it trained behaves."""
-    dtype = DTYPES.get(precision, "torch.float32")
+    dtype = str(Precision(precision).dtype) if precision in PRECISIONS else "torch.float32"
     if lora:
         base_line = f'"{base}"' if base else '"BASE_MODEL"  # the base model trained on: its directory or Hub id'
         return (

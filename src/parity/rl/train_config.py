@@ -448,12 +448,12 @@ class TrainConfig:
             )
 
     @property
-    def rollout_precision(self) -> str:
-        return self.rollout.precision or self.precision
+    def rollout_precision(self) -> prec.Precision:
+        return prec.Precision.named(self.rollout.precision or self.precision)
 
     @property
-    def trainer_precision(self) -> str:
-        return self.trainer.precision or self.precision
+    def trainer_precision(self) -> prec.Precision:
+        return prec.Precision.named(self.trainer.precision or self.precision)
 
     def _check_ranges(self) -> None:
         for key, ok, expected in NUMERIC_RANGES:
@@ -465,8 +465,8 @@ class TrainConfig:
 
         for key, value in (
             ("precision", self.precision),
-            ("rollout.precision", self.rollout_precision),
-            ("trainer.precision", self.trainer_precision),
+            ("rollout.precision", self.rollout.precision or self.precision),
+            ("trainer.precision", self.trainer.precision or self.precision),
         ):
             one_of(key, value, prec.PRECISIONS)
         if self.rollout_precision != self.trainer_precision and not self.allow_precision_mismatch:

@@ -34,6 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from parity.config import ConfigError
 from parity.engines.kernels import cpu, cuda
 from parity.engines.packing import PackedBatch, gather_rows
+from parity.engines.precision import Precision
 
 # Matmuls get at least this many rows, columns and terms per dot product. The CPU's FP32
 # GEMM picks other kernels for small shapes (on this machine: 1-3, 5-7 and 9-11 rows;
@@ -503,13 +504,13 @@ class Numerics:
         out = {"device": str(self.device), "exact": str(self.exact).lower(), "torch": torch.__version__}
         if self.device.type == "cuda":
             out.update(cuda.describe(self.device))
-            out.update({f"matmul_{n}": self._cuda_matmul_path for n in ("fp32", "bf16", "fp16")})
+            out.update({f"matmul_{p}": self._cuda_matmul_path for p in Precision})
             return out
         features = cpu.features()
         out.update(features.describe())
         emulated_dtypes = cpu.emulated_dtypes()
-        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
-            out[f"matmul_{name}"] = cpu.EMULATED if dtype in emulated_dtypes else cpu.NATIVE
+        for p in Precision:
+            out[f"matmul_{p}"] = cpu.EMULATED if p.dtype in emulated_dtypes else cpu.NATIVE
         return out
 
     _cuda_matmul_path = cpu.NATIVE
