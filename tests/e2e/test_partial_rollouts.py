@@ -190,13 +190,13 @@ def test_a_killed_worker_loses_no_prompt_of_its_pool(tmp_path):
                 time.sleep(0.5)
             history.append(run.step())
         trained = sum(m["train/samples"] for m in history) // 4
-        waiting = len(run.backend.outstanding)
+        waiting = len(run.backend.requests.outstanding)
     finally:
         run.close()
     assert history[-1]["faults/worker_restarts"] == 1
     assert all(m["train/samples"] == 8 * 4 and m["async/staleness_max"] <= 2 for m in history)
     assert max(m["async/continued_frac"] for m in history[:3]) > 0  # the pool held unfinished responses
-    assert trained + waiting == run.backend.next_key  # none lost, none trained twice
+    assert trained + waiting == run.backend.requests.next_key  # none lost, none trained twice
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

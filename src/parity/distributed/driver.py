@@ -24,7 +24,6 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,10 +32,10 @@ from parity import config as config_mod
 from parity.config import ConfigError
 from parity.distributed.actors import Learner, RolloutWorker
 from parity.distributed.cluster import LocalCluster, import_ray, join, require_cpus
+from parity.distributed.requests import Pools, Request, Shard, WholeGroups
 from parity.engines.batch import RolloutBatch, concat_batches
 from parity.engines.models.io import load_config, load_model
 from parity.engines.models.modules import CausalLM
-from parity.engines.partial import PoolRequest
 from parity.engines.sampler import ExactnessError
 from parity.folders import Folder
 from parity.rl.checkpoint import (
@@ -74,28 +73,6 @@ def _actor_state(actor) -> str | None:
         return state.actors(actor_id=actor._actor_id.hex())["State"]
     except Exception:  # noqa: BLE001 - a Ray without this call: the wait is bounded by the timeout alone
         return None
-
-
-@dataclass
-class _Shard:
-    worker: int
-    prompts: list[list[int]]
-    seed: int
-    ref: object = None  # the Ray ObjectRef of (RolloutBatch, timings)
-    # Partial rollouts: the prompts' keys, the complete groups wanted back and the oldest version to train on.
-    keys: list[int] = field(default_factory=list)
-    need: int = 0
-    min_version: int = 0
-
-
-@dataclass
-class _Request:
-    """One step's rollouts, split by whole prompt groups over the workers."""
-
-    step: int
-    problems: list[Problem]
-    data_position: int  # the data order's position after taking these problems
-    shards: list[_Shard] = field(default_factory=list)
 
 
 LEARNER_DEATH_WAIT_S = 10.0  # how long a failed step waits for Ray to report a learner's death
@@ -160,18 +137,18 @@ class RayBackend:
         host, port = ray.get(self.learners[0].rendezvous.remote())
         self._learners_call("setup", host, port)
         self.worker_pids = ray.get([w.pid.remote() for w in self.workers])
-        self.pending: deque[_Request] = deque()
+        self.pending: deque[Request] = deque()
         self.load_refs: list[list] = [[] for _ in self.workers]
         self.last_load: dict[str, float] = {}
         self.weights = None  # the newest (tensors ref, manifest), for restarted workers
         self.restarts = 0
         self.dropped = 0
-        self.dropped_tokens = 0
-        # Partial rollouts: each prompt sent and not yet trained on, by key: (problem, its data position, worker);
-        # and each worker's groups beyond what its pending requests take back (its pool's spare groups).
-        self.outstanding: dict[int, tuple[Problem, int, int]] = {}
-        self.spare = [0] * len(self.workers)
-        self.next_key = 0
+        shape = (cfg.rollout.group_size, parts.sampling, cfg.diagnostics.full_vocab_positions)
+        self.requests = (
+            Pools(*shape, len(self.workers), cfg.async_.max_token_staleness)
+            if cfg.async_.partial_rollouts
+            else WholeGroups(*shape)
+        )
         self.consumed_position = parts.data.position  # `restore` moves it
         self.step_end = time.perf_counter()
         self.sync_metrics: dict[str, float] = {}
@@ -350,24 +327,17 @@ class RayBackend:
         """Ask the workers for step `step`'s samples, whole prompt groups per worker."""
         cfg = self.cfg
         shares = [len(r) for r in torch.arange(cfg.prompts_per_step).tensor_split(len(self.workers))]
-        # Partial rollouts: a worker's pool holds twice the groups a request takes back, so that a request
-        # can end once the quickest half is complete (its first request brings the spare half).
-        sends = [n + max(n - self.spare[w], 0) if cfg.async_.partial_rollouts else n for w, n in enumerate(shares)]
+        sends = self.requests.sizes(shares)
         start = self.parts.data.position
         problems = [self.parts.problems[i] for i in self.parts.data.take(sum(sends))]
         prompts = self._prompts(problems)
-        request = _Request(step, problems, self.parts.data.position)
+        request = Request(step, problems, self.parts.data.position)
         first = 0
         for w, (n, need) in enumerate(zip(sends, shares)):
             # Worker 0 uses the single-process seed, so one worker samples what one process would.
-            shard = _Shard(w, prompts[first : first + n], self.parts.rollout_seed(step) + 7_777_777 * w)
-            if cfg.async_.partial_rollouts:
-                shard.keys = list(range(self.next_key, self.next_key + n))
-                shard.need, shard.min_version = need, step - cfg.async_.max_token_staleness
-                for i, key in enumerate(shard.keys):
-                    self.outstanding[key] = (problems[first + i], start + first + i, w)
-                self.next_key += n
-                self.spare[w] += n - need
+            shard = Shard(w, prompts[first : first + n], self.parts.rollout_seed(step) + 7_777_777 * w)
+            positions = list(range(start + first, start + first + n))
+            self.requests.open(shard, problems[first : first + n], positions, need, step)
             first += n
             self._send(shard)
             request.shards.append(shard)
@@ -378,26 +348,8 @@ class RayBackend:
         renders each first prompt from what its environment's reset gives)."""
         return problems if self.cfg.episodes else [self.parts.encode(p) for p in problems]
 
-    def _send(self, shard: _Shard) -> None:
-        worker = self.workers[shard.worker]
-        cfg = self.cfg
-        full_vocab = cfg.diagnostics.full_vocab_positions
-        if cfg.async_.partial_rollouts:
-            request = PoolRequest(
-                shard.prompts,
-                shard.keys,
-                shard.need,
-                cfg.rollout.group_size,
-                self.parts.sampling,
-                shard.seed,
-                shard.min_version,
-                full_vocab,
-            )
-            shard.ref = worker.generate_partial.remote(request)
-            return
-        shard.ref = worker.generate.remote(
-            shard.prompts, cfg.rollout.group_size, self.parts.sampling, shard.seed, full_vocab
-        )
+    def _send(self, shard: Shard) -> None:
+        shard.ref = self.requests.call(self.workers[shard.worker], shard)
 
     def _recover(self, worker: int) -> None:
         """After worker `worker` died: wait for Ray's restart, give it the newest weights and
@@ -450,12 +402,7 @@ class RayBackend:
         )
         self.load_refs[worker] = [self.workers[worker].load_weights.remote(*self.weights)]
         resend = [s for r in self.pending for s in r.shards if s.worker == worker and s.ref is not None]
-        if self.cfg.async_.partial_rollouts and resend:
-            # The worker's pool died with it: its groups from requests already answered start again.
-            queued = {k for s in resend for k in s.keys}
-            lost = [k for k, (_, _, w) in self.outstanding.items() if w == worker and k not in queued]
-            resend[0].keys = lost + resend[0].keys
-            resend[0].prompts = self._prompts([self.outstanding[k][0] for k in lost]) + resend[0].prompts
+        self.requests.lost(worker, resend, self._prompts)
         for shard in resend:
             self._send(shard)
 
@@ -492,14 +439,7 @@ class RayBackend:
             parts.append(batch)
             infos.append(info)
         self.pending.popleft()
-        problems = request.problems
-        self.consumed_position = request.data_position
-        if cfg.async_.partial_rollouts:
-            problems = [self.outstanding.pop(k)[0] for info in infos for k in info["keys"]]
-            self.dropped_tokens += sum(info["dropped_tokens"] for info in infos)
-            # A resume samples again from the oldest prompt not yet trained on (and some after it twice).
-            taken = [position for _, position, _ in self.outstanding.values()]
-            self.consumed_position = min(taken, default=self.parts.data.position)
+        problems, self.consumed_position = self.requests.delivered(request, infos, self.parts.data.position)
         times["rollout"] = time.perf_counter() - t  # the learners wait this long for samples
         times["score"] = max(i["score"] for i in infos)
         times["worker_rollout"] = max(i["rollout"] for i in infos)
@@ -515,16 +455,8 @@ class RayBackend:
             "async/staleness_max": float(staleness.max()),
             "async/queue_depth": queue_depth,
             "async/dropped": self.dropped,
+            **self.requests.metrics(versions, infos),
         }
-        if cfg.async_.partial_rollouts:
-            spans = [len(row[row >= 0].unique()) for row in versions]
-            self.async_metrics.update(
-                {
-                    "async/continued_frac": sum(n > 1 for n in spans) / len(spans),
-                    "async/dropped_tokens": self.dropped_tokens,
-                    "async/unfinished": sum(info["unfinished"] for info in infos),
-                }
-            )
         return problems, batch
 
 
