@@ -570,7 +570,7 @@ def learners_match(model_dir: str, device: str, arm: str, shape, steps: int) -> 
         advantages = group_advantages(rewards, batch.group_index, cfg.algorithm.advantage)
         prepared = Prepared(rewards, advantages, batch.sampled_mask.clone(), None, batch.old_logprobs, "sampler")
         a = train_on_batch(one, batch, prepared, plan, order_seed=step)
-        b = learner.update(batch, prepared, plan, order_seed=step, check_exact=exact)
+        b = learner.update(batch, prepared, plan, order_seed=step, sampled_here=True)
         rows.append({"loss": [a.losses, b.losses], "grad_norm": [a.grad_norms, b.grad_norms]})
     mine, theirs = one.full_weights(), learner.trainer.full_weights()
     differ = [n for n in mine if not torch.equal(mine[n], theirs[n])]

@@ -78,7 +78,7 @@ class RolloutWorker:
 
     def __init__(self, index: int, model_dir: str, cfg: TrainConfig, threads: int | None):
         _set_process_threads(threads)
-        self.index, self.exact = index, cfg.exact
+        self.index = index
         self.where = f"rollout worker {index}"
         numerics = kernels.numerics("cpu", cfg.exact)
         tokenizer = load_tokenizer(model_dir)
@@ -129,7 +129,7 @@ class RolloutWorker:
         self.sampler.score_samples(batch)
         if batch.full_vocab is not None:
             self.sampler.score_full_vocab(batch)
-        self._check_exact(batch)
+        self._verify(batch)
         self.idle_since, idle = time.perf_counter(), start - self.idle_since
         return batch, {"idle": idle, "rollout": sampled - start, "score": self.idle_since - sampled}
 
@@ -145,15 +145,15 @@ class RolloutWorker:
         complete groups (`PartialRollouts.generate`); the info also holds their keys, the tokens dropped as
         too old and the responses left unfinished in the pool."""
         start = time.perf_counter()
-        batch, done, dropped = self.pool.generate(request, self._check_exact)
+        batch, done, dropped = self.pool.generate(request, self._verify)
         self.idle_since, idle = time.perf_counter(), start - self.idle_since
         info = {"idle": idle, "rollout": self.idle_since - start, "score": 0.0}
         return batch, {**info, "keys": done, "dropped_tokens": dropped, "unfinished": self.pool.unfinished}
 
-    def _check_exact(self, batch: RolloutBatch) -> None:
-        """Exact mode, checked here before this worker's weights are replaced, so that locating works."""
-        if self.exact:
-            self.sampler.verify_exact(batch, batch.old_logprobs, where=self.where)
+    def _verify(self, batch: RolloutBatch) -> None:
+        """What the numerics promise (exact mode: μ = π_old), checked here before this worker's weights are
+        replaced, so that locating works."""
+        self.sampler.verify(batch, batch.old_logprobs, where=self.where)
 
 
 class Learner:
@@ -240,11 +240,12 @@ class Learner:
         return bad, self.trainer.scaler.state_dict(), self.trainer.weight_version
 
     def update(
-        self, batch: RolloutBatch, prepared: Prepared, plan: UpdatePlan, order_seed: int, check_exact: bool = False
+        self, batch: RolloutBatch, prepared: Prepared, plan: UpdatePlan, order_seed: int, sampled_here: bool = False
     ) -> UpdateResult:
-        """This rank's share of the step's updates; non-finite weights are reported, by name. `check_exact`:
-        the batch was sampled on the weights this learner holds (staleness 0, exact mode), so its first
-        π_θ pass must be π_old's bits; every learner stops before its optimizer steps if one's is not."""
+        """This rank's share of the step's updates; non-finite weights are reported, by name. `sampled_here`:
+        the batch was sampled on the weights this learner holds (staleness 0), so its first π_θ pass is what
+        the numerics promise of π_old (exact mode: its bits); every learner stops before its optimizer steps
+        if one's is not."""
         t = time.perf_counter()
         trainers = [self.trainer] + ([self.reference] if self.reference is not None else [])
         flops = sum(tr.matmul_flops for tr in trainers)
@@ -257,7 +258,7 @@ class Learner:
             self.reference,
             rank=self.rank,
             world=self.world,
-            before_first_step=functools.partial(self._check_first_pass, batch) if check_exact else None,
+            before_first_step=functools.partial(self._check_first_pass, batch) if sampled_here else None,
         )
         result.flops = sum(tr.matmul_flops for tr in trainers) - flops
         result.seconds = time.perf_counter() - t
@@ -267,13 +268,13 @@ class Learner:
     def _check_first_pass(
         self, batch: RolloutBatch, old: torch.Tensor, rows: torch.Tensor, first_pass: torch.Tensor
     ) -> None:
-        """Exact mode at staleness 0: this learner's first π_θ pass against π_old; the learners agree on the
-        outcome (a collective) so that none steps while another stops."""
+        """At staleness 0, this learner's first π_θ pass against π_old (`check_first_pass`: exact mode's bits);
+        the learners agree on the outcome (a collective) so that none steps while another stops."""
         import torch.distributed as dist
 
         where = f"learner {self.rank} of {self.world}"
         try:
-            check_first_pass(old, batch.sampled_mask, rows, first_pass, where)
+            check_first_pass(self.numerics, old, batch.sampled_mask, rows, first_pass, where)
             failed = None
         except ExactnessError as e:
             failed = e

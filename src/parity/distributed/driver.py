@@ -263,9 +263,9 @@ class RayBackend:
 
         self.step = step
         batch_ref, prepared_ref = ray.put(batch), ray.put(prepared)
-        # Exact mode, the samples from the weights the learners hold: their first π_θ pass must be π_old.
-        check = self.cfg.exact and batch.weight_version == step
-        parts = self._learners_call("update", batch_ref, prepared_ref, plan, self.parts.order_seed(step), check)
+        # Samples from the weights the learners hold: their first π_θ pass is checked against π_old (exact mode).
+        sampled_here = batch.weight_version == step
+        parts = self._learners_call("update", batch_ref, prepared_ref, plan, self.parts.order_seed(step), sampled_here)
         return UpdateResult.merge(parts)
 
     # -- weights to the workers -----------------------------------------------------

@@ -38,12 +38,17 @@ class ExactnessError(RuntimeError):
 
 
 def check_first_pass(
-    old: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, first_pass: torch.Tensor, where: str
+    numerics: Numerics,
+    old: torch.Tensor,
+    mask: torch.Tensor,
+    rows: torch.Tensor,
+    first_pass: torch.Tensor,
+    where: str,
 ) -> None:
-    """Exact mode: the trainer's first π_θ pass over `rows`, on the weights that sampled, must be π_old's
-    bits (its own batch shape and, with sharded learners, its all-gathered weights change none)."""
-    differs = (first_pass != old[rows]) & mask[rows]
-    if bool(differs.any()):
+    """What `numerics` promise of the trainer's first π_θ pass over `rows` on the weights that sampled: in exact
+    mode π_old's bits (its own batch shape and, with sharded learners, its all-gathered weights change none)."""
+    differs = numerics.differing(first_pass, old[rows], mask[rows])
+    if differs is not None and bool(differs.any()):
         row = int(rows[int(differs.any(-1).nonzero()[0])])
         largest = float(((first_pass - old[rows]) * mask[rows]).abs().max())
         raise ExactnessError(
@@ -75,6 +80,7 @@ class Sampler:
         routing_replay: bool = False,
     ):
         self.engine = RolloutEngine(config, rollout_precision, eos_ids, pad_id, numerics)
+        self.numerics = numerics  # the run's mode: what `verify` holds the engines to
         self.trainer_precision = trainer_precision
         # A MoE model's routing mismatch is measured where π_old is scored, so it is scored every step.
         self.score_old = score_old or config.num_experts > 0
@@ -169,7 +175,7 @@ class Sampler:
         if self.probe:
             batch.probe_logprobs = self.score(batch, self.engine.precision)[0]
 
-    def verify_exact(
+    def verify(
         self,
         batch: RolloutBatch,
         old: torch.Tensor,
@@ -177,14 +183,18 @@ class Sampler:
         first_pass: torch.Tensor | None = None,
         where: str = "",
     ) -> None:
-        """Exact mode's check, run where the weights that sampled still are: every sampled token's μ must
-        equal π_old (`old`); so must every entry of the whole distributions the engine recorded, and the
-        trainer's first π_θ pass over `rows` (`first_pass`) where it ran on those weights. Raises
-        ExactnessError naming the row and, re-scoring it stage by stage, where the engines part; `where`
-        names this sampler (a rollout worker)."""
+        """What the numerics in force promise (`Numerics.differing`), checked where the weights that sampled
+        still are. Exact mode: every sampled token's μ must equal π_old (`old`); so must every entry of the
+        whole distributions the engine recorded, and the trainer's first π_θ pass over `rows` (`first_pass`)
+        where it ran on those weights. Raises ExactnessError naming the row and, re-scoring it stage by stage,
+        where the engines part; `where` names this sampler (a rollout worker). Plain numerics promise none of
+        it, and nothing is checked."""
+        numerics = self.numerics
         on = f" on {where}" if where else ""
         mask = batch.sampled_mask
-        differs = (old != batch.rollout_logprobs) & mask
+        differs = numerics.differing(old, batch.rollout_logprobs, mask)
+        if differs is None:
+            return
         if bool(differs.any()):
             row = worst_row(old, batch)
             largest = float(((old - batch.rollout_logprobs) * mask).abs().max())
@@ -204,7 +214,8 @@ class Sampler:
         record = batch.full_vocab
         if record is not None and record.trainer_logprobs is not None:
             valid = record.steps >= 0
-            differing = ((record.rollout_logprobs != record.trainer_logprobs).any(-1) & valid).nonzero()
+            apart = numerics.differing(record.rollout_logprobs, record.trainer_logprobs, valid[..., None])
+            differing = apart.any(-1).nonzero()
             if len(differing):
                 i, j = differing[0].tolist()
                 finite = torch.isfinite(record.rollout_logprobs[i, j])
@@ -215,7 +226,7 @@ class Sampler:
                     f"{int(record.rows[i])}, response token {int(record.steps[i, j])}, max |Δ log p| {float(gap):.3g})"
                 )
         if rows is not None and first_pass is not None:
-            check_first_pass(old, batch.sampled_mask, rows, first_pass, where or "the trainer")
+            check_first_pass(numerics, old, batch.sampled_mask, rows, first_pass, where or "the trainer")
 
     def locate(self, batch: RolloutBatch, row: int) -> list[StageDiff]:
         """Where the rollout engine and the trainer's code path (in the rollout precision, on the

@@ -521,10 +521,11 @@ class LocalBackend:
         trainers = [self.trainer] + ([self.reference] if self.reference is not None else [])
         flops_before = sum(tr.matmul_flops for tr in trainers)
 
-        def check_exact(pi_old: torch.Tensor, rows: torch.Tensor, first_pass: torch.Tensor) -> None:
-            """μ = π_old before the optimizer steps: a failing step moves, syncs and saves nothing."""
+        def verify(pi_old: torch.Tensor, rows: torch.Tensor, first_pass: torch.Tensor) -> None:
+            """What the numerics promise (exact mode: μ = π_old), before the optimizer steps: a failing step
+            moves, syncs and saves nothing."""
             try:
-                self.sampler.verify_exact(batch, pi_old, rows, first_pass)
+                self.sampler.verify(batch, pi_old, rows, first_pass)
             except ExactnessError as e:
                 raise TrainingError(f"step {step + 1}: {e}") from None
 
@@ -535,7 +536,7 @@ class LocalBackend:
             plan,
             self.parts.order_seed(step),
             self.reference,
-            before_first_step=check_exact if self.parts.cfg.exact else None,
+            before_first_step=verify,
             full_vocab=self.sampler.scorer is None,
         )
         update.flops = sum(tr.matmul_flops for tr in trainers) - flops_before

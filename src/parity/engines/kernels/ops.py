@@ -281,6 +281,12 @@ class Numerics:
             return None
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
 
+    def differing(self, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """Where this mode promises that `a` and `b` (the rollout engine's log-probabilities and the trainer's)
+        hold the same bits and they do not, [...] bool, False outside `mask`. Plain numerics promise no bits:
+        None, and nothing is checked."""
+        return None
+
     def fused_rows(self, x: torch.Tensor) -> bool:
         """Whether RMSNorm and SiLU · up run as one Triton pass per row (`fused.py`), in both engines: on
         CUDA (a few kernels fewer per layer, forward and backward, and a row's bits whatever its batch); the
@@ -521,6 +527,9 @@ class _Exact(Numerics):
     each adapter member added on its own), so that μ is π's bits (docs/exact.md)."""
 
     exact = True
+
+    def differing(self, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        return (a != b) & mask
 
     def fast_matrix(self, weight: torch.Tensor) -> torch.Tensor | None:
         return None  # one kernel, whose bits both engines are held to
