@@ -1,4 +1,5 @@
-"""`parity train`: the synchronous RL loop and its run directory (its config: `rl/train_config.py`).
+"""`parity train`: the synchronous RL loop and its run (its config: `rl/train_config.py`; the run directory
+before the run is built, new or resumed: `rl/run_setup.py`).
 
 One step, top to bottom (`Run.step`), with the three policies kept apart — μ (the
 sampler's log-probs), π_old (the trainer's code path and precision on the weights
@@ -48,10 +49,9 @@ from parity.rl.checkpoint import (
     RunState,
     checkpoints,
     require_finite_weights,
-    saved_config,
 )
 from parity.rl.completions import completion_rows, markdown_table, sample_rows, write_completions
-from parity.rl.data import DATA_DIR, DataOrder, load_problems, prompt_limit, write_rows
+from parity.rl.data import DataOrder, load_problems, prompt_limit
 from parity.rl.diagnostics import mismatch_alarm
 from parity.rl.episodes import episode_setup
 from parity.rl.evaluation import EvalSet, Evaluator, eval_sampling, evaluation_due, heldout_problems
@@ -59,6 +59,7 @@ from parity.rl.metrics_log import MetricsLog
 from parity.rl.problems import Problem
 from parity.rl.reward_fns import Reward, RewardCheckError, binary_reward, config_rewards, data_columns, run_rewards
 from parity.rl.rewards import RewardHealth, score_rollouts
+from parity.rl.run_setup import lock_for_resume, new_run_dir, resumed_config
 from parity.rl.step import (
     LocalBackend,
     Prepared,
@@ -73,20 +74,15 @@ from parity.rl.step import (
 )
 from parity.rl.tasks import EVAL_SEED, TASKS, builtin_problems
 from parity.rl.trackers import check_trackers, open_trackers
-from parity.rl.train_config import RESUMABLE_KEYS, TrainConfig
-from parity.rundir import RunLock, check_run_dir, clean_leftovers, foreign_entries
+from parity.rl.train_config import TrainConfig
+from parity.rundir import RunLock
 from parity.runtime import reuse_freed_memory
 
 # ----------------------------------------------------------------------------- the run
 
 
-def _saved_config(run_dir: Path) -> dict[str, Any] | None:
-    """The config stored in the newest checkpoint whose state.json reads, flattened."""
-    for path in reversed(checkpoints(run_dir)):
-        saved = saved_config(path)
-        if saved is not None:
-            return {TrainConfig.RENAMED_KEYS.get(k, k): v for k, v in config_mod.flatten(saved).items()}
-    return None
+def _note(line: str) -> None:
+    print(f"resume: {line}", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -366,40 +362,21 @@ class Run:
         API's). `datasets`: rows for "train" (and "eval") held in memory, written into the run directory's
         data/ so that config.yaml names files that `--resume` and `parity eval` read. `backend`: where the
         engines run (`parity.distributed.driver.backend_for(cfg)` picks it from the config)."""
-        run_dir = Path(cfg.run_dir or time.strftime("runs/train-%Y%m%d-%H%M%S"))
-        check_run_dir(run_dir)
         if rewards is None and cfg.task.reward_fn:
             # before run_dir is made: an import that must be stopped at once (`rewards.bounded`) leaves nothing
             rewards = config_rewards(cfg)
-        created = not run_dir.exists()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lock = RunLock(run_dir)  # before looking inside: two runs starting at once cannot both pass
+        new = new_run_dir(cfg, datasets)
         try:
-            if (run_dir / "metrics.jsonl").exists() or checkpoints(run_dir) or (run_dir / "config.yaml").exists():
-                raise ConfigError(
-                    f"run_dir: {run_dir} already holds a run; continue it with `parity train --resume {run_dir}` "
-                    "or choose another run_dir"
-                )
-            cfg.run_dir = str(run_dir)
-            cfg.resolve_paths(Path.cwd())
-            for split, rows in (datasets or {}).items():
-                path = write_rows(run_dir, f"{DATA_DIR}/{split}.jsonl", rows, split, data_columns(cfg))
-                if split == "train":
-                    cfg.task.data = str(path.resolve())
-                else:
-                    cfg.eval.data = str(path.resolve())
             # model, data, reward checked before anything is written
-            run = cls(cfg, run_dir, progress, rewards, backend, tools, environment)
-            run.created_dir = created
+            run = cls(cfg, new.path, progress, rewards, backend, tools, environment)
+            run.created_dir = new.created
             with run._closed_on_failure():
-                atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
+                atomic_write_text(new.path / "config.yaml", config_mod.dump_yaml(cfg))
                 run.record_numerics()
         except BaseException:
-            lock.release()
-            if created and not (run_dir / "config.yaml").exists():
-                shutil.rmtree(run_dir, ignore_errors=True)  # a refused run leaves nothing behind
+            new.abandon()
             raise
-        run.lock = lock
+        run.lock = new.lock
         return run
 
     @classmethod
@@ -418,109 +395,35 @@ class Run:
         saved config; `overrides` may set only RESUMABLE_KEYS (data paths relative to the working
         directory). `rewards`: the Python callables of its `task.reward_fn` (the API's)."""
         run_dir = Path(run_dir)
-        if not (run_dir / "config.yaml").is_file():
-            if run_dir.is_dir() and (run_dir / ".lock").is_file() and not foreign_entries(run_dir):
-                raise ConfigError(
-                    f"--resume {run_dir}: the run there stopped before it started (no config.yaml yet); "
-                    f"start it again with run_dir={run_dir}"
-                )
-            raise ConfigError(f"--resume {run_dir}: no config.yaml there; is this a run directory?")
-        check_run_dir(run_dir)
-        lock = RunLock(run_dir)
+        lock = lock_for_resume(run_dir)
         try:
-            run = cls._resume_locked(
-                run_dir,
-                overrides or [],
-                trust_reward_fn or rewards is not None,
-                progress,
-                rewards,
-                backend,
-                tools,
-                environment,
-            )
+            cfg = resumed_config(run_dir, overrides or [], trust_reward_fn or rewards is not None, _note)
+            # checks model, data, reward before writing anything
+            run = cls(cfg, run_dir, progress, rewards, backend, tools, environment)
+            with run._closed_on_failure():
+                if overrides:
+                    atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
+                run.record_numerics()
+                run._restore()
         except BaseException:
             lock.release()
             raise
         run.lock = lock
         return run
 
-    @classmethod
-    def _resume_locked(
-        cls,
-        run_dir: Path,
-        overrides: list[str],
-        trust_reward_fn: bool,
-        progress: bool,
-        rewards: list[Reward] | None,
-        backend: type[Backend],
-        tools: list | None,
-        environment: object,
-    ) -> Run:
-        def note(line: str) -> None:
-            print(f"resume: {line}", file=sys.stderr)
-
-        for line in clean_leftovers(run_dir):
-            note(line)
-        for item in overrides:
-            key = item.split("=", 1)[0].strip()
-            if key not in RESUMABLE_KEYS:
-                raise ConfigError(
-                    f"--resume {run_dir}: {key} cannot change on resume (a resumed run trains exactly as it "
-                    f"started); only {', '.join(RESUMABLE_KEYS)} can. Start a new run to change {key}"
-                )
-        cfg = config_mod.load(TrainConfig, run_dir / "config.yaml", overrides)
-        cfg.run_dir = str(run_dir)
-        cfg.resolve_paths(Path.cwd())  # an override names a file from here; the saved paths are absolute
-        code = [
-            f"{k}={v}"
-            for k, v in (
-                ("task.reward_fn", cfg.task.reward_fn),
-                ("task.environment", cfg.task.environment),
-                ("task.tools", cfg.task.tools),
-            )
-            if v
-        ]
-        if code and not trust_reward_fn:
-            raise ConfigError(
-                f"--resume {run_dir}: its config.yaml sets {', '.join(code)}, which imports and "
-                "runs that Python code in this process; resume only runs you trust, and confirm with "
-                "--trust-reward-fn"
-            )
-        saved = _saved_config(run_dir)
-        if saved is not None:
-            current = config_mod.flatten(config_mod.to_dict(cfg))
-            # A key this version added after the run was saved trains as before at its default.
-            defaults = config_mod.flatten(config_mod.to_dict(TrainConfig()))
-            saved = {k: saved.get(k, defaults.get(k)) for k in current}
-            changed = [k for k in current if k != "run_dir" and saved[k] != current[k]]
-            refused = [k for k in changed if k not in RESUMABLE_KEYS]
-            if refused:
-                diffs = "; ".join(f"{k}: {saved.get(k)!r} when saved, {current[k]!r} now" for k in refused[:4])
-                raise ConfigError(
-                    f"--resume {run_dir}: config.yaml differs from the config the run was trained with ({diffs}); "
-                    f"a resumed run trains exactly as it started (only {', '.join(RESUMABLE_KEYS)} may change). "
-                    "Undo the edit, or start a new run"
-                )
-            for k in changed:
-                note(f"{k} {saved.get(k)!r} -> {current[k]!r}")
-        # checks model, data, reward before writing anything
-        run = cls(cfg, run_dir, progress, rewards, backend, tools, environment)
-        with run._closed_on_failure():
-            if overrides:
-                atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
-            run.record_numerics()
-            state = run.backend.restore(note)
-            if state is not None:
-                run.step_count = state.step
-                run.data.position = state.data_position
-                note(f"continuing from step {state.step}")
-            elif checkpoints(run_dir) or run.log.path.is_file():
-                note("no usable checkpoint; starting again from step 0")
-            run.log.truncate_after(run.step_count)
-            for logged in run.log.rows():
-                run.alarm_series.append(logged["mismatch/k3"])
-                run.alarmed = run.alarmed or bool(logged.get("health/mismatch_alarm"))
-        return run
+    def _restore(self) -> None:
+        """The newest intact checkpoint's state into this run (a resume), the log cut back to it."""
+        state = self.backend.restore(_note)
+        if state is not None:
+            self.step_count = state.step
+            self.data.position = state.data_position
+            _note(f"continuing from step {state.step}")
+        elif checkpoints(self.run_dir) or self.log.path.is_file():
+            _note("no usable checkpoint; starting again from step 0")
+        self.log.truncate_after(self.step_count)
+        for logged in self.log.rows():
+            self.alarm_series.append(logged["mismatch/k3"])
+            self.alarmed = self.alarmed or bool(logged.get("health/mismatch_alarm"))
 
     # -- one step -------------------------------------------------------------
 
