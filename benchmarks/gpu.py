@@ -308,7 +308,7 @@ def rollout_vs_generate(model: str, precision: str, device: str, shapes: list[tu
 def exact_sweep(model: str, precision: str, device: str, shapes: list[tuple[int, int, int]]) -> list[dict]:
     """Exact mode at each shape: the rollout engine samples (top-k/top-p), the trainer's code path scores
     the same tokens in micro-batches of 8 rows; the tokens whose μ and π_old differ (must be none)."""
-    from parity.engines.trainer import score_rows
+    from parity.engines.trainer import logprobs_of_rows
 
     net = load_model(model, kernels.numerics()).to(device).requires_grad_(False)
     net.numerics = kernels.numerics(device, exact=True)
@@ -328,7 +328,7 @@ def exact_sweep(model: str, precision: str, device: str, shapes: list[tuple[int,
         parts = []
         with torch.no_grad():
             for rows in torch.arange(len(batch.prompt_ids)).split(8):
-                parts.append(score_rows(net, batch, rows, prec.to_dtype(precision))[1])
+                parts.append(logprobs_of_rows(net, batch, rows, prec.to_dtype(precision))[1])
         sync(device)
         score_s = time.perf_counter() - t
         mask = batch.response_mask

@@ -226,7 +226,7 @@ def exact_agreement(model, engine, precision: str, shapes, device: str) -> list[
     """μ against the trainer's π_old on the tokens the engine sampled (top-k/top-p): every token must agree."""
     from parity.engines import precision as prec
     from parity.engines.sampling import SamplingParams
-    from parity.engines.trainer import score_rows
+    from parity.engines.trainer import logprobs_of_rows
 
     rows = []
     for prompts, group, new_tokens in shapes:
@@ -236,7 +236,7 @@ def exact_agreement(model, engine, precision: str, shapes, device: str) -> list[
         parts = []
         with torch.no_grad():
             for chunk in torch.arange(len(batch.prompt_ids)).split(32):
-                parts.append(score_rows(model, batch, chunk, prec.to_dtype(precision))[1])
+                parts.append(logprobs_of_rows(model, batch, chunk, prec.to_dtype(precision))[1])
         mask = batch.response_mask
         pi, mu = torch.cat(parts)[mask], batch.rollout_logprobs[mask]
         rows.append(
@@ -310,7 +310,7 @@ def train_step(trainer, batch, budget: int | None) -> None:
         for part in parts:
             if hasattr(trainer, "batch_logprobs"):
                 logp = trainer.batch_logprobs(batch, part)
-            else:  # the trainer before issue 45's score_rows
+            else:  # the trainer before issue 45's logprobs_of_rows
                 logp = trainer.logprobs([batch.prompt_ids[i] for i in part.tolist()], batch.response_ids[part],
                                         batch.response_mask[part])  # fmt: skip
             trainer.backward(-(logp * batch.response_mask[part]).sum() / total)
@@ -565,7 +565,7 @@ def learners_match(model_dir: str, device: str, arm: str, shape, steps: int) -> 
     rows = []
     for step in range(steps):
         batch, rewards = learner_batch(step, shape, one.model.config.vocab_size, device)
-        batch.old_logprobs = one.score(batch, plan.micro_batch_tokens)
+        batch.old_logprobs = one.frozen_logprobs(batch, plan.micro_batch_tokens)
         batch.rollout_logprobs = batch.old_logprobs.clone()
         advantages = group_advantages(rewards, batch.group_index, cfg.algorithm.advantage)
         prepared = Prepared(rewards, advantages, batch.sampled_mask.clone(), None, batch.old_logprobs, "sampler")

@@ -37,7 +37,7 @@ def _sample(path, rollout: str, trainer: str, replay: bool):
     )
     sampler.load_weights(model.state_dict(), version=0)
     batch = sampler.generate([tok.encode(p) for p in PROMPTS], 4, SamplingParams(max_new_tokens=24), seed=0)
-    sampler.score_samples(batch)
+    sampler.fill_old_logprobs(batch)
     gap = (batch.old_logprobs - batch.rollout_logprobs).abs()[batch.response_mask]
     return batch, gap
 

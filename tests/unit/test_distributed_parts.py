@@ -58,7 +58,7 @@ def test_concat_batches_keeps_rows_and_groups():
     a = sampler.generate([[5, 6, 7]], 2, sampling, seed=1)
     b = sampler.generate([[5, 6], [9, 9, 9, 9]], 3, sampling, seed=2)
     for part in (a, b):
-        sampler.score_samples(part)
+        sampler.fill_old_logprobs(part)
     both = concat_batches([a, b])
     assert both.response_ids.shape[0] == 2 + 6
     assert both.group_index.tolist() == [0, 0, 1, 1, 1, 2, 2, 2]

@@ -199,7 +199,7 @@ def mismatch_parts(
     problems = ArithmeticTask().problems(num_prompts, seed=seed, split="eval")
     prompts = [tok.encode_prompt(p.prompt) for p in problems]
     batch = sampler.generate(prompts, 4, SamplingParams(max_new_tokens=96), seed=seed)
-    sampler.score_samples(batch)
+    sampler.fill_old_logprobs(batch)
     mu, mask = batch.rollout_logprobs, batch.response_mask
     beta = batch.old_logprobs - batch.probe_logprobs
     no_adv = torch.zeros(beta.shape[0], device=beta.device)

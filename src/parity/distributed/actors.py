@@ -126,9 +126,9 @@ class RolloutWorker:
             batch = self.sampler.generate(first, group_size, sampling, seed, full_vocab, limits, episodes.between)
             self._finish(episodes, batch)
         sampled = time.perf_counter()
-        self.sampler.score_samples(batch)
+        self.sampler.fill_old_logprobs(batch)
         if batch.full_vocab is not None:
-            self.sampler.score_full_vocab(batch)
+            self.sampler.fill_full_vocab(batch)
         self._verify(batch)
         self.idle_since, idle = time.perf_counter(), start - self.idle_since
         return batch, {"idle": idle, "rollout": sampled - start, "score": self.idle_since - sampled}

@@ -39,7 +39,7 @@ class RolloutBatch:
     group_index: torch.Tensor  # [B] int64, the prompt each row answers
     weight_version: int
     sampling: SamplingParams
-    # Filled by `Sampler.score_samples` (the trainer's code path on the sampling weights):
+    # Filled by `Sampler.fill_old_logprobs` (the trainer's code path on the sampling weights):
     routing: Routing | None = None  # MoE: the experts the engine chose for every token it fed
     old_logprobs: torch.Tensor | None = None  # [B, T] π_old, trainer precision
     probe_logprobs: torch.Tensor | None = None  # [B, T] the same forward in the rollout precision

@@ -132,7 +132,7 @@ class PartialRollouts:
         self, request: PoolRequest, check: Callable[[RolloutBatch], None] | None = None
     ) -> tuple[RolloutBatch, list[int], int]:
         """Add the request's prompts to the pool, sample until `need` whole groups are complete and return
-        them, oldest first, as one batch scored like `Sampler.score_samples` does, with their keys and the
+        them, oldest first, as one batch scored like `Sampler.fill_old_logprobs` does, with their keys and the
         number of tokens dropped as older than `min_version`. `check(segment)` runs on what this call
         sampled, before anything else (exact mode's check, where the sampling weights still are)."""
         r = request
@@ -195,9 +195,9 @@ class PartialRollouts:
                 prompts, 1, sampling, seed, full_vocab, limits, enough, episodes.between, budgets
             )
             self.episode_seconds += episodes.seconds
-        self.sampler.score_samples(segment)
+        self.sampler.fill_old_logprobs(segment)
         if segment.full_vocab is not None:
-            self.sampler.score_full_vocab(segment)
+            self.sampler.fill_full_vocab(segment)
         if check is not None:
             check(segment)
         lengths = segment.response_lengths.tolist()

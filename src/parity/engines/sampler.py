@@ -30,7 +30,7 @@ from parity.engines.models.modules import CausalLM
 from parity.engines.packing import PackedBatch
 from parity.engines.rollout import Between, RolloutEngine
 from parity.engines.sampling import SamplingParams
-from parity.engines.trainer import full_vocab_logprobs, score_batch
+from parity.engines.trainer import full_vocab_logprobs, logprobs_of_batch
 
 
 class ExactnessError(RuntimeError):
@@ -115,14 +115,14 @@ class Sampler:
         self.engine.load_adapters(adapters, version)
 
     @torch.no_grad()
-    def score(self, batch: RolloutBatch, precision: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def logprobs(self, batch: RolloutBatch, precision: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs [B, T] of the batch's tokens from the trainer's code path on the sampling
         weights, in `precision`, in the micro-batches the trainer uses (same shapes, same bits);
         for a MoE model, also the fraction of tokens per MoE layer whose experts differ from the
         rollout engine's (the routing mismatch: what the trainer's routers pick, even when the
         experts used are replayed, so a layer's inputs then come from replayed layers below)."""
         if self.scorer is None:
-            raise RuntimeError("Sampler.score() needs score_old or probe")
+            raise RuntimeError("Sampler.logprobs() needs score_old or probe")
         differing, tokens = 0, 0
 
         def count_routing(rows: torch.Tensor, packed: PackedBatch) -> None:
@@ -132,7 +132,7 @@ class Sampler:
                 differing = differing + routing_differs(self.scorer.routing()[real], packed.routing[real]).sum(0)
                 tokens += packed.num_tokens
 
-        logprobs = score_batch(
+        logprobs = logprobs_of_batch(
             self.scorer, batch, prec.to_dtype(precision), self.micro_batch_tokens, self.routing_replay, count_routing
         )
         mismatch = differing / tokens if tokens else None
@@ -153,27 +153,27 @@ class Sampler:
         (`RolloutEngine.generate`)."""
         return self.engine.generate(prompts, group_size, sampling, seed, full_vocab, limits, between=between)
 
-    def score_full_vocab(self, batch: RolloutBatch, model: CausalLM | None = None) -> None:
+    def fill_full_vocab(self, batch: RolloutBatch, model: CausalLM | None = None) -> None:
         """Fill `batch.full_vocab.trainer_logprobs`: the trainer's code path and precision on the weights
         that sampled, at the positions the engine recorded. `model`: those weights, where this sampler
         keeps no copy of its own (in one process the trainer holds them until it updates)."""
         scorer = self.scorer if model is None else model
         if scorer is None:
-            raise RuntimeError("Sampler.score_full_vocab() needs the sampling weights: score_old, probe or model")
+            raise RuntimeError("Sampler.fill_full_vocab() needs the sampling weights: score_old, probe or model")
         record = batch.full_vocab
         record.trainer_logprobs = full_vocab_logprobs(scorer, batch, prec.to_dtype(self.trainer_precision))
 
-    def score_samples(self, batch: RolloutBatch) -> None:
+    def fill_old_logprobs(self, batch: RolloutBatch) -> None:
         """Fill `batch.old_logprobs` (when `score_old`) and `batch.probe_logprobs` (when `probe`)."""
         if batch.weight_version != self.weight_version:
             raise RuntimeError(
-                f"score_samples: the batch was sampled at weight version {batch.weight_version}, "
+                f"fill_old_logprobs: the batch was sampled at weight version {batch.weight_version}, "
                 f"the sampler now holds {self.weight_version}"
             )
         if self.score_old:
-            batch.old_logprobs, batch.routing_mismatch = self.score(batch, self.trainer_precision)
+            batch.old_logprobs, batch.routing_mismatch = self.logprobs(batch, self.trainer_precision)
         if self.probe:
-            batch.probe_logprobs = self.score(batch, self.engine.precision)[0]
+            batch.probe_logprobs = self.logprobs(batch, self.engine.precision)[0]
 
     def verify(
         self,

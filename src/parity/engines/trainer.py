@@ -208,7 +208,7 @@ def sequence_logprobs(
     return packed, out.masked_scatter(response_mask, scored)
 
 
-def score_rows(
+def logprobs_of_rows(
     model: CausalLM,
     batch: RolloutBatch,
     rows: torch.Tensor,
@@ -241,7 +241,7 @@ def casting_once(model: CausalLM):
 
 
 @torch.no_grad()
-def score_batch(
+def logprobs_of_batch(
     model: CausalLM,
     batch: RolloutBatch,
     dtype: torch.dtype,
@@ -256,7 +256,7 @@ def score_batch(
     parts = []
     with casting_once(model):
         for rows in batch.micro_batches(torch.arange(batch.response_ids.shape[0]), micro_batch_tokens):
-            packed, scored = score_rows(model, batch, rows, dtype, replay)
+            packed, scored = logprobs_of_rows(model, batch, rows, dtype, replay)
             if each is not None:
                 each(rows, packed)
             parts.append(scored)
@@ -389,19 +389,19 @@ class Trainer:
     def batch_logprobs(
         self, batch: RolloutBatch, rows: torch.Tensor, replay: bool = False, full_vocab: bool = False
     ) -> torch.Tensor:
-        """π of `rows` of a rollout batch (`score_rows`); differentiable when grad is on. `replay`: a MoE
+        """π of `rows` of a rollout batch (`logprobs_of_rows`); differentiable when grad is on. `replay`: a MoE
         model uses the experts the rollout engine chose. `full_vocab`: the pass also fills the batch's
         full-vocabulary record for its recorded rows among `rows` (`record_full_vocab`)."""
         on_head = None
         if full_vocab and batch.full_vocab is not None:
             on_head = partial(record_full_vocab, batch, rows, cap=self.model.config.final_softcap)
-        packed, scored = score_rows(self.model, batch, rows, self.dtype, replay, on_head)
+        packed, scored = logprobs_of_rows(self.model, batch, rows, self.dtype, replay, on_head)
         self._count_pass(packed, int(batch.response_mask[rows].sum()))
         return scored
 
-    def score(self, batch: RolloutBatch, micro_batch_tokens: int, replay: bool = False) -> torch.Tensor:
-        """π of every row of a rollout batch, without grad, in the trainer's micro-batches (`score_batch`)."""
-        return score_batch(
+    def frozen_logprobs(self, batch: RolloutBatch, micro_batch_tokens: int, replay: bool = False) -> torch.Tensor:
+        """π of every row of a rollout batch, without grad, in the trainer's micro-batches (`logprobs_of_batch`)."""
+        return logprobs_of_batch(
             self.model,
             batch,
             self.dtype,

@@ -27,7 +27,7 @@ from parity.engines.models.modules import CausalLM
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import Tokenizer
-from parity.engines.trainer import score_batch
+from parity.engines.trainer import logprobs_of_batch
 from parity.rl.diagnostics import mismatch_metrics
 from parity.rl.problems import Problem
 from parity.rl.rewards import RewardRunner, score_rollouts
@@ -219,7 +219,7 @@ class Evaluator:
 
     def _kl_to_trainer(self, batch: RolloutBatch, model: CausalLM) -> float:
         """Per-token KL(μ ‖ π) on `batch`'s sampled tokens (k3), π from the trainer's code path and precision."""
-        pi = score_batch(model, batch, prec.to_dtype(self.trainer_precision), self.micro_batch_tokens)
+        pi = logprobs_of_batch(model, batch, prec.to_dtype(self.trainer_precision), self.micro_batch_tokens)
         return mismatch_metrics(pi, batch.rollout_logprobs, batch.sampled_mask)["k3"]
 
 

@@ -170,7 +170,7 @@ def resolve_old(batch: RolloutBatch, plan: UpdatePlan, trainer: Trainer | None) 
     if batch.old_logprobs is not None:
         return batch.old_logprobs, "sampler"
     if plan.algorithm.ppo_epochs * plan.algorithm.num_minibatches > 1 or plan.algorithm.rejects:
-        return trainer.score(batch, plan.micro_batch_tokens, plan.routing_replay), "learner_pass"
+        return trainer.frozen_logprobs(batch, plan.micro_batch_tokens, plan.routing_replay), "learner_pass"
     return None, "first_pass"
 
 
@@ -254,7 +254,7 @@ def train_on_batch(
     loss_old = mu if algorithm.ratio_source == "rollout" else pi_old
     ref = None
     if reference is not None:
-        ref = reference.score(batch, plan.micro_batch_tokens, plan.routing_replay)
+        ref = reference.frozen_logprobs(batch, plan.micro_batch_tokens, plan.routing_replay)
     rows_per_mb = batch.response_ids.shape[0] // algorithm.num_minibatches
     order_gen = torch.Generator().manual_seed(order_seed)
     pending: list[tuple[list[float], torch.Tensor | float]] = []  # (where it goes, scalar) until the update ends
@@ -504,11 +504,11 @@ class LocalBackend:
                 episodes.drift_logprobs(batch, model, to_dtype(cfg.trainer_precision))
             times.update(batch.episodes.times())
         t = time.perf_counter()
-        self.sampler.score_samples(batch)
+        self.sampler.fill_old_logprobs(batch)
         times["score"] = time.perf_counter() - t
         if batch.full_vocab is not None and self.sampler.scorer is not None:
             t = time.perf_counter()
-            self.sampler.score_full_vocab(batch)
+            self.sampler.fill_full_vocab(batch)
             times["full_vocab"] = time.perf_counter() - t
         # Otherwise the trainer, which holds the weights that sampled until it updates, fills the record in
         # its update (`train_on_batch(full_vocab=True)`).
