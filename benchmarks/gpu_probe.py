@@ -304,7 +304,7 @@ def train_step(trainer, batch, budget: int | None) -> None:
     if budget is None:  # the previous trainer: 64-row micro-batches, each weight cast per forward
         parts, scope = rows.split(64), contextlib.nullcontext()
     else:
-        parts, scope = batch.micro_batches(rows, budget), trainer.casting_once()
+        parts, scope = batch.micro_batches(rows, budget), trainer.model.casting_once()
     total = batch.num_tokens
     with scope:
         for part in parts:

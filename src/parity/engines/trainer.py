@@ -9,7 +9,6 @@ FP16 training, and the sampler runs the same function on the weights that sample
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -233,13 +232,6 @@ def logprobs_of_rows(
     )
 
 
-def casting_once(model: CausalLM):
-    """`CausalLM.casting_once` (weights cast once for several passes, not per pass) where the model is
-    whole: a sharded learner's weights are gathered anew by each forward."""
-    sharded = any(hasattr(p, "device_mesh") for p in model.parameters())
-    return contextlib.nullcontext() if sharded else model.casting_once()
-
-
 @torch.no_grad()
 def logprobs_of_batch(
     model: CausalLM,
@@ -254,7 +246,7 @@ def logprobs_of_batch(
     shapes (in exact mode, the same bits). `each(rows, packed)` sees every pass while the model still holds
     what the pass recorded (a MoE model's routing)."""
     parts = []
-    with casting_once(model):
+    with model.casting_once():
         for rows in batch.micro_batches(torch.arange(batch.response_ids.shape[0]), micro_batch_tokens):
             packed, scored = logprobs_of_rows(model, batch, rows, dtype, replay)
             if each is not None:
@@ -414,10 +406,6 @@ class Trainer:
         # Backward costs 2x forward (input and weight gradients); a frozen base needs input gradients only.
         passes = (2 if self.lora is not None else 3) if torch.is_grad_enabled() else 1
         self.matmul_flops += passes * matmul_flops(self.model.config, packed, scored)
-
-    def casting_once(self):
-        """Weights cast once for one update's micro-batches (`casting_once`)."""
-        return casting_once(self.model)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` times the current loss scale (1 unless FP16)."""

@@ -269,7 +269,7 @@ def train_on_batch(
         row_order = (groups[:, None] * plan.group_size + torch.arange(plan.group_size)).flatten()
         for mb in row_order.split(rows_per_mb):
             norm = denominators(loss_mask[mb], plan.max_new_tokens)
-            with trainer.casting_once():
+            with trainer.model.casting_once():
                 micro_batches = batch.micro_batches(mb.tensor_split(world)[rank], plan.micro_batch_tokens)
                 for rows in micro_batches:
                     record_here = record_in_passes and not out.updates

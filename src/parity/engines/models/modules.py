@@ -251,7 +251,11 @@ class CausalLM(nn.Module):
     def casting_once(self):
         """Within: each FP32 weight is cast to a compute dtype once, by the first forward that needs it, and the
         cast is reused by every later forward and backward (the same values: the bits do not change). The
-        trainer wraps one optimizer update's micro-batches in it; the weights must not change inside."""
+        trainer wraps one optimizer update's micro-batches in it; the weights must not change inside. A sharded
+        model (an FSDP2 learner's) keeps nothing: each forward gathers its weights anew."""
+        if any(hasattr(p, "device_mesh") for p in self.parameters()):
+            yield
+            return
         casts: dict = {}
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for module in linears:
