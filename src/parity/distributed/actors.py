@@ -163,7 +163,6 @@ class Learner:
         _set_process_threads(threads)
         self.rank, self.world = rank, world
         self.model_dir, self.precision, self.optim = model_dir, cfg.trainer_precision, cfg.trainer
-        self.device = torch.device(cfg.device)
         self.numerics = kernels.numerics(cfg.device, cfg.exact)
         self.with_reference = cfg.algorithm.kl_coef > 0  # a frozen copy of the starting model, for the KL loss
         self.trainer: Trainer | None = None
@@ -187,11 +186,12 @@ class Learner:
         from torch.distributed.device_mesh import init_device_mesh
 
         if not dist.is_initialized():
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            device = self.numerics.device
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world)
-        self.mesh = init_device_mesh(self.device.type, (self.world,))
+        self.mesh = init_device_mesh(self.numerics.device.type, (self.world,))
         self.reset()
         if self.with_reference:
             self.reference = Trainer(self._sharded_base(), self.precision, self.optim)
@@ -249,6 +249,8 @@ class Learner:
         t = time.perf_counter()
         trainers = [self.trainer] + ([self.reference] if self.reference is not None else [])
         flops = sum(tr.matmul_flops for tr in trainers)
+        # Numerics that promise no bits (plain mode) leave nothing to check, and the learners no collective to run.
+        check = sampled_here and self.numerics.exact
         result = train_on_batch(
             self.trainer,
             batch,
@@ -258,7 +260,7 @@ class Learner:
             self.reference,
             rank=self.rank,
             world=self.world,
-            before_first_step=functools.partial(self._check_first_pass, batch) if sampled_here else None,
+            before_first_step=functools.partial(self._check_first_pass, batch) if check else None,
         )
         result.flops = sum(tr.matmul_flops for tr in trainers) - flops
         result.seconds = time.perf_counter() - t
@@ -278,7 +280,7 @@ class Learner:
             failed = None
         except ExactnessError as e:
             failed = e
-        flags = torch.tensor([0.0 if failed is None else 1.0], device=self.device)  # NCCL reduces on the card
+        flags = torch.tensor([0.0 if failed is None else 1.0], device=self.numerics.device)  # NCCL: on the card
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if failed is not None:
             raise failed

@@ -20,7 +20,7 @@ class Precision(StrEnum):
 
     @property
     def dtype(self) -> torch.dtype:
-        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
+        return _DTYPES[self.value]
 
     @property
     def loss_scaled(self) -> bool:
@@ -37,6 +37,7 @@ class Precision(StrEnum):
 
 
 PRECISIONS = tuple(p.value for p in Precision)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # FP16 range, used by the doctor and by the loss scaler's docs.
 FP16_MAX = 65504.0
