@@ -105,7 +105,7 @@ def forward(engine, angles, ids, positions, cache, keys=None, last=None):
     cfg = engine.config
     b, t = ids.shape
     h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    x = engine.weights.embed[ids].to(engine.dtype)
+    x = engine.weights.root["embed"][ids].to(engine.dtype)
     if cfg.gemma:
         x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype)
     angles = {kind: (cos[positions][:, None], sin[positions][:, None]) for kind, (cos, sin) in angles.items()}
@@ -157,7 +157,7 @@ def forward(engine, angles, ids, positions, cache, keys=None, last=None):
         if routed is not None:
             routing.append(routed[0].view(b, t, -1))
     last_hidden = x[:, 0] if last is None else x[rows, last]
-    final = engine.numerics.engine_norm(last_hidden, engine.weights.norm, cfg.rms_norm_eps, cfg.gemma)
+    final = engine.numerics.engine_norm(last_hidden, engine.weights.root["norm"], cfg.rms_norm_eps, cfg.gemma)
     logits = softcap(
         engine.numerics.linear(
             final, engine.weights.lm_head, prerounded=True, fast=engine.weights.lm_head_fast

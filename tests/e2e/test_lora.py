@@ -245,11 +245,11 @@ def test_unmerged_lora_shares_the_base_and_syncs_only_adapters(tmp_path, monkeyp
     o_proj = model.model.layers[0].self_attn.o_proj
     # The frozen base is held once: a projection the engine does not fuse is the trainer's own BF16
     # tensor, and the trainer's Q, K, V, gate and up are views into the engine's fused projections.
-    assert engine.weights.layers[0].o.data_ptr() == o_proj.weight.data_ptr()
+    assert engine.weights.layers[0].tensors["o"].data_ptr() == o_proj.weight.data_ptr()
     layer = model.model.layers[1]
     fused = {
-        engine.weights.layers[1].qkv.untyped_storage().data_ptr(),
-        engine.weights.layers[1].gate_up.untyped_storage().data_ptr(),
+        engine.weights.layers[1].tensors["qkv"].untyped_storage().data_ptr(),
+        engine.weights.layers[1].tensors["gate_up"].untyped_storage().data_ptr(),
     }
     for proj in (*(getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj")), layer.mlp.up_proj):
         assert proj.weight.untyped_storage().data_ptr() in fused

@@ -164,11 +164,10 @@ def test_weights_stored_in_rollout_precision(llama_dir):
         # Matmul weights are kept in FP32 where the precision's matmuls run the FP32 kernel
         # (`kernels.store_for_engine`).
         held = torch.float32 if dtype in cpu.emulated_dtypes() else dtype
-        for weight in (engine.weights.embed, layer.qkv, layer.gate_up):
+        for weight in (engine.weights.root["embed"], layer.tensors["qkv"], layer.tensors["gate_up"]):
             assert weight.dtype == held and torch.equal(weight, weight.to(dtype).to(held))
-        assert (
-            layer.input_layernorm.dtype == dtype and engine.named_weights()["model.embed_tokens.weight"].dtype == dtype
-        )
+        assert layer.tensors["input_layernorm"].dtype == dtype
+        assert engine.named_weights()["model.embed_tokens.weight"].dtype == dtype
         assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
 
 

@@ -34,7 +34,8 @@ from parity.engines import precision as prec
 from parity.engines.batch import FullVocab, RolloutBatch
 from parity.engines.kvcache import StepContext, kv_cache
 from parity.engines.models.config import SLIDING, ModelConfig, rope_tables
-from parity.engines.models.decoder import decoder_layer, heads_together, layer_tap, scale_embeddings, stream
+from parity.engines.models.decoder import heads_together, layer_tap, scale_embeddings, stream
+from parity.engines.models.families import family
 from parity.engines.models.modules import rope_angles, softcap
 from parity.engines.packing import Routing
 from parity.engines.sampling import (
@@ -254,15 +255,16 @@ class RolloutEngine:
         attend: Callable[..., torch.Tensor],
         routing: list[torch.Tensor],
     ) -> torch.Tensor:
-        """Hidden states [B, T, H] of tokens `ids` [B, T] after every decoder layer (`decoder.decoder_layer` on
-        the stored weights), before the final norm. `angles`: RoPE's cos and sin per attention type,
+        """Hidden states [B, T, H] of tokens `ids` [B, T] after every decoder layer (the family's layer function
+        on the stored weights), before the final norm. `angles`: RoPE's cos and sin per attention type,
         broadcastable to [B, heads, T, D]; `attend(layer, kind, qk, v, cos, sin)` ropes the query and key heads
         qk [B, T, heads + KV heads, D], stores the new keys and values v [B, T, KV heads · D] and returns the
         attention [B, heads, T, D]. MoE layers append their experts to `routing`."""
         cfg = self.config
         b, t = ids.shape
-        x = scale_embeddings(self.weights.embed[ids].to(self.dtype), cfg)
+        x = scale_embeddings(self.weights.root["embed"][ids].to(self.dtype), cfg)
         pending = None  # the last MLP's output, added to the stream by the next norm's pass
+        decoder_layer = family(cfg).layer
         for i, layer in enumerate(self.weights.layers):
             kind = cfg.layer_type(i)
 
@@ -279,10 +281,11 @@ class RolloutEngine:
         """Logits [B, V] from last hidden states [B, H]: final norm, LM head, soft-cap. In the LM head's dtype
         (FP32 with a soft-cap): the draw reads them as FP32 (`sampling.draw`), and the fused one reads the
         16-bit values directly rather than a [B, V] FP32 copy (78 MB a step at 128 rows of Qwen2's)."""
-        final = self.numerics.engine_norm(hidden, self.weights.norm, self.config.rms_norm_eps, self.config.gemma)
+        cfg = self.config
+        final = self.numerics.engine_norm(hidden, self.weights.root["norm"], cfg.rms_norm_eps, cfg.gemma)
         logits = self.numerics.linear(final, self.weights.lm_head, prerounded=True, fast=self.weights.lm_head_fast)
-        if self.config.final_softcap is not None:
-            logits = softcap(logits.float(), self.config.final_softcap)
+        if cfg.final_softcap is not None:
+            logits = softcap(logits.float(), cfg.final_softcap)
         if self._tap is not None:
             self._tap("norm", final)
             self._tap("logits", logits)

@@ -14,6 +14,7 @@ import torch
 
 from parity.engines import kernels
 from parity.engines.models.config import ModelConfig
+from parity.engines.models.families import family
 from parity.engines.models.modules import CausalLM
 
 
@@ -24,23 +25,10 @@ class LayerWeights:
 
     config: ModelConfig
     numerics: kernels.Numerics
-    input_layernorm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
-    post_attention_layernorm: torch.Tensor
-    gate_up: torch.Tensor | None  # dense MLP
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor | None
-    down_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    pre_feedforward_layernorm: torch.Tensor | None = None  # Gemma's norms around the MLP
-    post_feedforward_layernorm: torch.Tensor | None = None
-    router: torch.Tensor | None = None  # MoE: [E, H], and each expert's fused projections
-    experts_gate_up: torch.Tensor | None = None  # [E, 2I, H]
-    experts_down: torch.Tensor | None = None  # [E, H, I]
+    # By `layer_names`' parts: qkv, gate_up (fused) and their biases, o, down, the norms (Hugging Face's
+    # names), a MoE layer's router and its experts' fused projections stacked (experts_gate_up [E·2I, H],
+    # experts_down [E·H, I]). A part the model lacks is absent.
+    tensors: dict[str, torch.Tensor]
     # Unmerged LoRA (`load_adapters`): per projection ("qkv", "o", "gate_up", "down") the pair (A, B)
     # whose x·Aᵀ·Bᵀ is added to the base projection; a fused projection's A stacks its members' and
     # its B is block-diagonal, so one pair serves Q, K and V (or gate and up) together. With the pair,
@@ -50,14 +38,14 @@ class LayerWeights:
     fast: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return self.numerics.engine_norm(x, getattr(self, name), self.config.rms_norm_eps, self.config.gemma)
+        return self.numerics.engine_norm(x, self.tensors[name], self.config.rms_norm_eps, self.config.gemma)
 
     def add_norm(self, name: str, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.numerics.engine_add_norm(x, delta, getattr(self, name), self.config.rms_norm_eps)
+        return self.numerics.engine_add_norm(x, delta, self.tensors[name], self.config.rms_norm_eps)
 
     def project(self, part: str, x: torch.Tensor) -> torch.Tensor:
         """The projection `part` (qkv, o, gate_up, down), with its unmerged adapter."""
-        weight, bias = getattr(self, part), getattr(self, part + "_bias")
+        weight, bias = self.tensors[part], self.tensors.get(part + "_bias")
         out = self.numerics.linear(x, weight, bias, prerounded=True, fast=self.fast.get(part))
         if part in self.lora:
             out = self.numerics.add_adapter(out, x, *self.lora[part])
@@ -80,49 +68,54 @@ class LayerWeights:
         return self.project("down", x)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor | None:
-        return None if self.router is None else self.numerics.linear(x, self.router, prerounded=True)
+        router = self.tensors.get("router")
+        return None if router is None else self.numerics.linear(x, router, prerounded=True)
 
     def expert_inputs(self, expert: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.numerics.linear(x, self.experts_gate_up[expert], prerounded=True).chunk(2, dim=-1)
+        weight = self.tensors["experts_gate_up"].unflatten(0, (self.config.num_experts, -1))[expert]
+        return self.numerics.linear(x, weight, prerounded=True).chunk(2, dim=-1)
 
     def expert_output(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return self.numerics.linear(x, self.experts_down[expert], prerounded=True)
+        weight = self.tensors["experts_down"].unflatten(0, (self.config.num_experts, -1))[expert]
+        return self.numerics.linear(x, weight, prerounded=True)
 
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the dense layer's matmuls, as the engine fuses them
-MATRICES = (*PROJECTIONS, "router")  # held as `kernels.store_for_engine` keeps a matmul weight
+MATRICES = (*PROJECTIONS, "router", "experts_gate_up", "experts_down", "embed", "lm_head")  # `store_for_engine`'s
+Members = tuple[tuple[str, int], ...]  # the Hugging Face tensors stacked into one part, with their rows
 
 
-def layer_names(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple[str, int | None], ...]]:
-    """Layer i's Hugging Face map, the one the engine loads, syncs and checks by: each `LayerWeights` field
-    (MoE experts aside) and the parameters stacked into it in order, with each one's rows in a fused field
-    (None: the field is that one tensor). Q, K and V are fused, and gate and up."""
+def layer_names(cfg: ModelConfig, i: int) -> dict[str, Members]:
+    """Layer i's Hugging Face map, the one the engine loads, syncs and checks by: each part of
+    `LayerWeights.tensors` and the tensors stacked into it, in order, with their rows. Q, K and V are fused,
+    gate and up, and a MoE layer's experts stacked (gate, up, then the next expert's)."""
     p = f"model.layers.{i}."
     a, m = p + "self_attn.", p + "mlp."
-    q, kv, inner = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    qkv = ((a + "q_proj", q), (a + "k_proj", kv), (a + "v_proj", kv))
-    gate_up = ((m + "gate_proj", inner), (m + "up_proj", inner))
-    norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-    one = {
-        **{norm: p + norm + ".weight" for norm in norms},
-        "o": a + "o_proj.weight",
-        "o_bias": a + "o_proj.bias",
-        "down": m + "down_proj.weight",
-        "down_bias": m + "down_proj.bias",
-        "q_norm": a + "q_norm.weight",
-        "k_norm": a + "k_norm.weight",
-        "router": m + "gate.weight",
+    q, kv, hidden = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
+    inner = cfg.intermediate_size
+    fused = {
+        "qkv": ((a + "q_proj", q), (a + "k_proj", kv), (a + "v_proj", kv)),
+        "gate_up": ((m + "gate_proj", inner), (m + "up_proj", inner)),
+        "o": ((a + "o_proj", hidden),),
+        "down": ((m + "down_proj", hidden),),
     }
-    out = {part: ((name, None),) for part, name in one.items()}
-    for part, members in (("qkv", qkv), ("gate_up", gate_up)):
-        out[part] = tuple((name + ".weight", rows) for name, rows in members)
-        out[part + "_bias"] = tuple((name + ".bias", rows) for name, rows in members)
+    out = {part: tuple((name + ".weight", rows) for name, rows in members) for part, members in fused.items()}
+    out |= {part + "_bias": tuple((name + ".bias", rows) for name, rows in members) for part, members in fused.items()}
+    out |= {norm: ((p + norm + ".weight", hidden),) for norm in family(cfg).norms}
+    out |= {"q_norm": ((a + "q_norm.weight", cfg.head_dim),), "k_norm": ((a + "k_norm.weight", cfg.head_dim),)}
+    if i in cfg.moe_layers:
+        e, experts, width = m + "experts.", range(cfg.num_experts), cfg.moe_intermediate_size
+        out["router"] = ((m + "gate.weight", cfg.num_experts),)
+        pairs = [(f"{e}{j}.gate_proj.weight", f"{e}{j}.up_proj.weight") for j in experts]
+        out["experts_gate_up"] = tuple((name, width) for pair in pairs for name in pair)
+        out["experts_down"] = tuple((f"{e}{j}.down_proj.weight", hidden) for j in experts)
     return out
 
 
-def _modules(members: tuple[tuple[str, int | None], ...]) -> list[tuple[str, int | None]]:
-    """A projection's members as module names (`model.layers.0.self_attn.q_proj`) with their rows."""
-    return [(name.rpartition(".")[0], rows) for name, rows in members]
+def root_names(cfg: ModelConfig) -> dict[str, Members]:
+    """The weights outside the layers, as `layer_names` gives a layer's (a tied LM head is the embedding)."""
+    out = {"embed": (("model.embed_tokens.weight", cfg.vocab_size),), "norm": (("model.norm.weight", cfg.hidden_size),)}
+    return out if cfg.tie_word_embeddings else out | {"lm_head": (("lm_head.weight", cfg.vocab_size),)}
 
 
 class RolloutWeights:
@@ -135,6 +128,7 @@ class RolloutWeights:
         with torch.device("meta"):
             names = CausalLM(config, numerics).state_dict().keys()
         self._expected = {n for n in names if not (config.tie_word_embeddings and n == "lm_head.weight")}
+        self.root: dict[str, torch.Tensor] = {}  # by `root_names`' parts
         self.layers: list[LayerWeights] = []
         self.numerics = numerics
         self.lm_head_fast: torch.Tensor | None = None  # the LM head as `Numerics.fast_matrix` reorders it
@@ -152,49 +146,48 @@ class RolloutWeights:
         for layer in self.layers:
             layer.numerics = value
 
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.root.get("lm_head", self.root["embed"])
+
+    @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Copy weights in (Hugging Face names), cast to the rollout precision, fuse, and
-        record their version."""
+        """Copy weights in (Hugging Face names), rounded to the rollout precision, fused, and record their
+        version. The first load allocates the buffers; later ones write into them (the same bits as a fresh
+        load), so the decode step's graphs stay valid, unless adapters were loaded: a load drops them."""
         missing = sorted(self._expected - state.keys())
         if missing:
             raise ValueError(f"weight sync: missing {missing[:4]}")
-        if self.layers and not any(layer.lora for layer in self.layers):
-            self._copy_into_stored(state)
-            self._reorder()
-            self.weight_version = version
-            return
-
-        def w(name: str, matrix: bool = False) -> torch.Tensor | None:
-            """The tensor in the rollout precision; a matmul weight as `kernels.store_for_engine` keeps it."""
-            if name not in state:
-                return None
-            source = state[name].detach()
-            t = source.to(self.device)
-            t = kernels.store_for_engine(t, self.dtype) if matrix else t.to(self.dtype)
-            # The engine owns its buffers (later syncs copy into them), never the sender's tensor.
-            return t.clone() if t.data_ptr() == source.data_ptr() else t
-
-        def stacked(members: tuple[tuple[str, int | None], ...], matrix: bool) -> torch.Tensor | None:
-            """The members stacked (one: as is), or None where the model has none of them."""
-            if members[0][0] not in state:
-                return None
-            return torch.cat([w(name, matrix) for name, _ in members]) if len(members) > 1 else w(members[0][0], matrix)
-
-        cfg = self.config
-        self.embed = w("model.embed_tokens.weight", matrix=True)
-        self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight", matrix=True)
-        self.layers = []
-        for i in range(cfg.num_layers):
-            fields = {part: stacked(members, part in MATRICES) for part, members in layer_names(cfg, i).items()}
-            experts, m = range(cfg.num_experts if i in cfg.moe_layers else 0), f"model.layers.{i}.mlp.experts."
-            if experts:  # each expert's gate and up fused, the experts stacked
-                pairs = [(f"{m}{e}.gate_proj.weight", f"{m}{e}.up_proj.weight") for e in experts]
-                fields["experts_gate_up"] = torch.stack([torch.cat([w(n, True) for n in pair]) for pair in pairs])
-                fields["experts_down"] = torch.stack([w(f"{m}{e}.down_proj.weight", matrix=True) for e in experts])
-            self.layers.append(LayerWeights(cfg, self.numerics, **fields))
+        if not self.layers or any(layer.lora for layer in self.layers):
+            self._allocate(state)
+        for name, stored in self.stored_views().items():
+            new = state[name].detach()
+            if new.shape != stored.shape:
+                raise ValueError(f"weight sync: {name} has shape {tuple(new.shape)}, expected {tuple(stored.shape)}")
+            # copy_ rounds to a 16-bit buffer's dtype itself; an FP32-held weight takes the rounded values.
+            stored.copy_(new.to(device=stored.device, dtype=self.dtype) if stored.dtype != self.dtype else new)
         self._reorder()
         self.weight_version = version
+
+    def _allocate(self, state: dict[str, torch.Tensor]) -> None:
+        """Empty buffers for every part whose tensors `state` holds (a matmul weight held as
+        `kernels.store_for_engine` keeps it)."""
+
+        held = kernels.store_for_engine(torch.empty(0, dtype=self.dtype, device=self.device), self.dtype).dtype
+
+        def buffers(parts: dict[str, Members]) -> dict[str, torch.Tensor]:
+            out = {}
+            for part, members in parts.items():
+                if members[0][0] in state:
+                    shape = state[members[0][0]].shape
+                    rows = sum(r for _, r in members) if len(members) > 1 else shape[0]
+                    dtype = held if part in MATRICES else self.dtype
+                    out[part] = torch.empty((rows, *shape[1:]), dtype=dtype, device=self.device)
+            return out
+
+        self.root = buffers(root_names(self.config))
+        cfg = self.config
+        self.layers = [LayerWeights(cfg, self.numerics, buffers(layer_names(cfg, i))) for i in range(cfg.num_layers)]
         self.layout += 1
 
     def _reorder(self) -> None:
@@ -202,23 +195,8 @@ class RolloutWeights:
         fast = self.numerics.fast_matrix
         self.lm_head_fast = fast(self.lm_head)
         for layer in self.layers:
-            layer.fast = {}
-            for part in PROJECTIONS:
-                stored = getattr(layer, part)
-                copy = None if stored is None else fast(stored)
-                if copy is not None:
-                    layer.fast[part] = copy
-
-    @torch.no_grad()
-    def _copy_into_stored(self, state: dict[str, torch.Tensor]) -> None:
-        """A later sync: each weight rounded to the rollout precision into the buffers the first load
-        built, on their device (the same bits as a fresh load, without allocating the model again)."""
-        for name, stored in self.stored_views().items():
-            new = state[name].detach()
-            if new.shape != stored.shape:
-                raise ValueError(f"weight sync: {name} has shape {tuple(new.shape)}, expected {tuple(stored.shape)}")
-            # copy_ rounds to a 16-bit buffer's dtype itself; an FP32-held weight takes the rounded values.
-            stored.copy_(new.to(device=stored.device, dtype=self.dtype) if stored.dtype != self.dtype else new)
+            copies = {part: fast(layer.tensors[part]) for part in PROJECTIONS if part in layer.tensors}
+            layer.fast = {part: copy for part, copy in copies.items() if copy is not None}
 
     def load_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], version: int) -> None:
         """Apply LoRA unmerged on the loaded base: `adapters` maps a projection's Hugging Face module
@@ -229,14 +207,14 @@ class RolloutWeights:
             layer.lora = {}
             names = layer_names(self.config, i)
             for part in PROJECTIONS:
-                members = _modules(names[part])
+                members = [(name.rpartition(".")[0], rows) for name, rows in names[part]]  # module names
                 pairs = [adapters.get(name) for name, _ in members]
                 unknown -= {name for name, _ in members}
                 if all(p is None for p in pairs):
                     continue
                 ranks = [0 if p is None else p[0].shape[0] for p in pairs]
                 a = torch.cat([p[0] for p in pairs if p is not None])
-                widths = [rows or getattr(layer, part).shape[0] for _, rows in members]
+                widths = [rows for _, rows in members]
                 b = torch.zeros(sum(widths), sum(ranks), dtype=a.dtype, device=a.device)
                 row = col = 0
                 blocks = []
@@ -263,21 +241,12 @@ class RolloutWeights:
     def stored_views(self) -> dict[str, torch.Tensor]:
         """Every stored weight as held (a matmul weight possibly in FP32), under its Hugging Face name:
         views into the fused projections."""
-        cfg = self.config
-        out = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
-        if not cfg.tie_word_embeddings:
-            out["lm_head.weight"] = self.lm_head
-        for i, layer in enumerate(self.layers):
-            for part, members in layer_names(cfg, i).items():
-                tensor = getattr(layer, part)
-                if tensor is None:
-                    continue
+        held = [(root_names(self.config), self.root)]
+        held += [(layer_names(self.config, i), layer.tensors) for i, layer in enumerate(self.layers)]
+        out = {}
+        for names, tensors in held:
+            for part, tensor in tensors.items():
+                members = names[part]
                 pieces = tensor.split([rows for _, rows in members]) if len(members) > 1 else (tensor,)
                 out.update({name: piece for (name, _), piece in zip(members, pieces)})
-            if layer.router is not None:
-                m = f"model.layers.{i}.mlp.experts."
-                for e in range(cfg.num_experts):
-                    gate, up = layer.experts_gate_up[e].chunk(2)
-                    out[f"{m}{e}.gate_proj.weight"], out[f"{m}{e}.up_proj.weight"] = gate, up
-                    out[f"{m}{e}.down_proj.weight"] = layer.experts_down[e]
         return out

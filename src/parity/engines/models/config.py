@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-# model_type -> the transformers class that loads the same checkpoint
+# model_type -> the transformers class that loads the same checkpoint; `families.register` adds to it
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -23,7 +23,6 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
-SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -137,8 +136,7 @@ class ModelConfig:
         arch = hf.get("model_type")
         if arch not in ARCHITECTURES:
             raise ModelError(
-                f"{source}: unsupported architecture model_type={arch!r}; "
-                f"Parity runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{source}: unsupported architecture model_type={arch!r}; Parity runs {', '.join(ARCHITECTURES)}"
             )
         gemma = arch.startswith("gemma")
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"

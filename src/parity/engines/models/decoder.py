@@ -1,12 +1,11 @@
-"""The decoder layer's computation, written once for both engines.
+"""The decoder layer's parts, written once for both engines.
 
 The trainer's modules (`modules.DecoderLayer`) and the rollout engine's stored weights (`engines.weights`)
 hold a layer's weights differently: FP32 masters cast per pass with Q, K and V apart, against the rollout
 precision with Q/K/V and gate/up fused, LoRA unmerged and the norms that round once. Each is a `Layer`: it
-says how it normalises and multiplies. What a layer computes from them, in which order, is
-`decoder_layer`, and an architecture's structure (where its norms stand, q/k norms, mixtures of experts)
-lives here alone. How attention reaches the other tokens (a packed batch, a KV cache) is the caller's
-`attend`.
+says how it normalises and multiplies. From these parts (attention with its q/k norms, the MLP or mixture
+of experts, the input norm) each family's layer function (`families.py`) puts a layer together in its
+order. How attention reaches the other tokens (a packed batch, a KV cache) is the caller's `attend`.
 
 The residual stream is carried as (x, pending): the MLP's output is added by the next layer's input norm
 (`Layer.add_norm`), so that an engine may add and normalise in one pass; the trainer adds, then
@@ -28,6 +27,8 @@ from parity.engines.packing import gather_rows
 LAYER_STAGES = ("input_norm", "attention_core", "attention", "mlp", "output")
 
 Tap = Callable[[str, torch.Tensor], None]
+# Attention over the other tokens (RoPE, the cache): (q, k, v) heads -> [..., heads · head_dim].
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Layer(Protocol):
@@ -97,40 +98,30 @@ def mlp(
     return out.view_as(x), (used, chosen)
 
 
-def decoder_layer(
-    layer: Layer,
-    x: torch.Tensor,
-    pending: torch.Tensor | None,
-    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    cfg: ModelConfig,
-    numerics,
-    replay: torch.Tensor | None = None,
-    tap: Tap | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-    """One decoder layer on the stream (x, pending) [..., hidden]: the new (x, pending) and the MoE layer's
-    routing (`mlp`). `attend(q, k, v)` is attention over the other tokens (RoPE, the cache) -> [..., heads ·
-    head_dim]. `tap(stage, value)` sees every stage of LAYER_STAGES."""
-    if pending is None:
-        normed = layer.norm("input_layernorm", x)
-    else:
-        x, normed = layer.add_norm("input_layernorm", x, pending)
+def attention(
+    layer: Layer, normed: torch.Tensor, attend: Attend, cfg: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the normalised stream: (its core, `attend`'s output [..., heads · head_dim], and that
+    through the output projection). Q, K and V with their q/k norms."""
     q, k, v = layer.attention_inputs(normed)
     if cfg.qk_norm:
         q, k = layer.norm("q_norm", q), layer.norm("k_norm", k)
     core = attend(q, k, v)
-    attn = layer.attention_output(core)
-    if cfg.gemma:  # norms after attention and around the MLP
-        x = x + layer.norm("post_attention_layernorm", attn)
-        out, routing = mlp(layer, layer.norm("pre_feedforward_layernorm", x), cfg, numerics, replay)
-        x, pending = x + layer.norm("post_feedforward_layernorm", out), None
-    else:
-        x, post = layer.add_norm("post_attention_layernorm", x, attn)
-        out, routing = mlp(layer, post, cfg, numerics, replay)
-        pending = out
+    return core, layer.attention_output(core)
+
+
+def input_norm(layer: Layer, x: torch.Tensor, pending: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(The stream with the last MLP's output added, its input norm)."""
+    if pending is None:
+        return x, layer.norm("input_layernorm", x)
+    return layer.add_norm("input_layernorm", x, pending)
+
+
+def show_stages(tap: Tap | None, *values: torch.Tensor) -> None:
+    """Give `tap` each stage of LAYER_STAGES, in order (the layer's output as its stream's value)."""
     if tap is not None:
-        for stage, value in zip(LAYER_STAGES, (normed, core, attn, out, stream(x, pending))):
+        for stage, value in zip(LAYER_STAGES, values):
             tap(stage, value)
-    return x, pending, routing
 
 
 def layer_tap(tap: Tap | None, layer: int) -> Tap | None:

@@ -1,5 +1,5 @@
 """The trainer's model, `CausalLM`: torch modules holding the weights of the one decoder Parity runs for every
-supported family, which `decoder.decoder_layer` computes.
+supported family, which its family's layer function computes (`families.py`).
 
 Parity runs its own compact implementation of the Llama family and its relatives
 (Llama, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 2/3) rather than the
@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 from parity.engines import kernels
 from parity.engines.models.config import FULL, ModelConfig, rope_tables
-from parity.engines.models.decoder import Tap, decoder_layer, layer_tap, scale_embeddings, stream
+from parity.engines.models.decoder import Tap, layer_tap, scale_embeddings, stream
+from parity.engines.models.families import family
 from parity.engines.packing import PackedBatch, gather_rows
 
 
@@ -135,20 +136,19 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One decoder layer's weights under Hugging Face's names, computed by `decoder.decoder_layer` with this
-    module as its `decoder.Layer`: the trainer's norms (two roundings, as Hugging Face's), Q, K and V
-    projected apart, attention over the packed batch. `tap` (set by `CausalLM.traced`) sees each stage."""
+    """One decoder layer's weights under Hugging Face's names (the norms its family names), computed by the
+    family's layer function with this module as its `decoder.Layer`: the trainer's norms (two roundings, as
+    Hugging Face's), Q, K and V projected apart, attention over the packed batch. `tap` (set by
+    `CausalLM.traced`) sees each stage."""
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.config = cfg
+        self.family = family(cfg)
         self.self_attn = Attention(cfg, cfg.window(index))
         self.mlp = SparseMoE(cfg) if index in cfg.moe_layers else MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
-        if cfg.gemma:  # Gemma: norms after attention and around the MLP
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma=True)
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma=True)
+        for name in self.family.norms:
+            self.add_module(name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma))
         self.numerics = kernels.numerics()  # set through CausalLM.numerics
         self.tap: Tap | None = None
 
@@ -165,7 +165,7 @@ class DecoderLayer(nn.Module):
             out = self.numerics.packed_attention(q, k, v, packed, attention.window, attention.scale, attention.softcap)
             return out.reshape(out.shape[0], -1)
 
-        x, pending, routing = decoder_layer(self, x, None, attend, self.config, self.numerics, replay, self.tap)
+        x, pending, routing = self.family.layer(self, x, None, attend, self.config, self.numerics, replay, self.tap)
         if routing is not None:
             self.mlp.chosen = routing[1].detach()
         return stream(x, pending)
