@@ -251,17 +251,19 @@ class RolloutEngine:
     def _layers(
         self,
         ids: torch.Tensor,
+        positions: torch.Tensor,
         angles: dict[str, tuple[torch.Tensor, torch.Tensor]],
         attend: Callable[..., torch.Tensor],
         routing: list[torch.Tensor],
     ) -> torch.Tensor:
-        """Hidden states [B, T, H] of tokens `ids` [B, T] after every decoder layer (the family's layer function
-        on the stored weights), before the final norm. `angles`: RoPE's cos and sin per attention type,
-        broadcastable to [B, heads, T, D]; `attend(layer, kind, qk, v, cos, sin)` ropes the query and key heads
-        qk [B, T, heads + KV heads, D], stores the new keys and values v [B, T, KV heads · D] and returns the
-        attention [B, heads, T, D]. MoE layers append their experts to `routing`."""
+        """Hidden states [B, T, H] of tokens `ids` [B, T] at `positions` ([B, T] or [1, T]) after every decoder
+        layer (the family's layer function on the stored weights), before the final norm. `angles`: RoPE's cos
+        and sin tables per attention type; `attend(layer, kind, qk, v, cos, sin)` ropes the query and key heads
+        qk [B, T, heads + KV heads, D] by cos and sin [B, 1, T, D], stores the new keys and values v [B, T, KV
+        heads · D] and returns the attention [B, heads, T, D]. MoE layers append their experts to `routing`."""
         cfg = self.config
         b, t = ids.shape
+        angles = {kind: (cos[positions][:, None], sin[positions][:, None]) for kind, (cos, sin) in angles.items()}
         x = scale_embeddings(self.weights.root["embed"][ids].to(self.dtype), cfg)
         pending = None  # the last MLP's output, added to the stream by the next norm's pass
         decoder_layer = family(cfg).layer
@@ -308,8 +310,6 @@ class RolloutEngine:
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
         ids = ids.to(dev)  # one copy to the device, not one per prompt
-        positions = torch.arange(length, device=dev)
-        at = {kind: (cos[positions][None, None], sin[positions][None, None]) for kind, (cos, sin) in angles.items()}
         b, hkv, d = len(prompts), cfg.num_kv_heads, cfg.head_dim
 
         def attend(i: int, kind: str, qk, v, cos, sin):
@@ -318,7 +318,7 @@ class RolloutEngine:
             return cache.prefill(i, qk, values, cos, sin, prompt_of_row, window, cfg.query_scale, cfg.attn_softcap)
 
         routing: list[torch.Tensor] = []
-        hidden = self._layers(ids, at, attend, routing)
+        hidden = self._layers(ids, torch.arange(length, device=dev)[None], angles, attend, routing)
         last = torch.tensor([len(p) - 1 for p in prompts], device=dev)
         logits = self._logits(hidden[torch.arange(b, device=dev), last])
         return logits, torch.stack(routing, dim=2) if routing else None
@@ -330,16 +330,12 @@ class RolloutEngine:
         go to the cache, it attends over its cache, and the logits [n, V] of its next token come back, with
         the experts each MoE layer chose ([n, 1, MoE layers, k]). Device ops on fixed shapes only."""
         cfg = self.config
-        at = {
-            kind: (cos[ctx.positions][:, None, None], sin[ctx.positions][:, None, None])
-            for kind, (cos, sin) in angles.items()
-        }
 
         def attend(i: int, kind: str, qk, v, cos, sin):
             return cache.decode(i, qk, v, cos, sin, ctx, kind, cfg.query_scale, cfg.attn_softcap)
 
         routing: list[torch.Tensor] = []
-        hidden = self._layers(tokens[:, None], at, attend, routing)
+        hidden = self._layers(tokens[:, None], ctx.positions[:, None], angles, attend, routing)
         return self._logits(hidden[:, 0]), torch.stack(routing, dim=2) if routing else None
 
     # ------------------------------------------------------------------ sampling loop
@@ -607,14 +603,13 @@ class RolloutEngine:
         inputs = inputs.to(dev)
         start = ws.position[at]
         positions = (start[:, None] + torch.arange(width, device=dev)).clamp(max=ws.max_position)
-        angles = {kind: (cos[positions][:, None], sin[positions][:, None]) for kind, (cos, sin) in ws.angles.items()}
         ctx = ws.cache.extend_context(at, positions, torch.tensor(counts, device=dev), cfg.sliding_window)
 
         def attend(i: int, kind: str, qk, v, cos, sin):
             return ws.cache.extend(i, qk, v, cos, sin, ctx, kind, cfg.query_scale, cfg.attn_softcap)
 
         routing: list[torch.Tensor] = []
-        self._layers(inputs, angles, attend, routing)
+        self._layers(inputs, positions, ws.angles, attend, routing)
         count = torch.tensor(counts, device=dev)
         rows = torch.tensor([f[1] for f in feeds], device=dev)
         if routing:  # the experts of each token fed: the turn's last token's column and the ids'
