@@ -242,19 +242,15 @@ def train_on_batch(
         trainer.set_lr(plan.lr)
     algorithm = plan.algorithm
     estimator = algorithm.estimator
-    mu, old, loss_mask, advantages = (
-        batch.rollout_logprobs,
-        prepared.old_logprobs,
-        prepared.loss_mask,
-        prepared.advantages,
-    )
+    mu, loss_mask, advantages = batch.rollout_logprobs, prepared.loss_mask, prepared.advantages
     out = UpdateResult()
-    first_pass = torch.zeros_like(mu) if old is None else None
-    pi_old = old if old is not None else first_pass
-    loss_old = mu if algorithm.ratio_source == "rollout" else pi_old
-    ref = None
+    # π_old: known before the update, or filled in by its first pass (`resolve_old`).
+    first_pass = torch.zeros_like(mu) if prepared.old_logprobs is None else None
+    pi_old = prepared.old_logprobs if first_pass is None else first_pass
+    ratio_base = mu if algorithm.ratio_source == "rollout" else pi_old  # what the loss's ratio is against
+    pi_ref = None  # the reference policy's log-probabilities, for the KL penalty
     if reference is not None:
-        ref = reference.frozen_logprobs(batch, plan.micro_batch_tokens, plan.routing_replay)
+        pi_ref = reference.frozen_logprobs(batch, plan.micro_batch_tokens, plan.routing_replay)
     rows_per_mb = batch.response_ids.shape[0] // algorithm.num_minibatches
     order_gen = torch.Generator().manual_seed(order_seed)
     pending: list[tuple[list[float], torch.Tensor | float]] = []  # (where it goes, scalar) until the update ends
@@ -281,7 +277,7 @@ def train_on_batch(
                     mask = loss_mask[rows]
                     inputs = PolicyInputs(
                         logprobs=logp,
-                        old_logprobs=loss_old[rows],
+                        old_logprobs=ratio_base[rows],
                         rollout_logprobs=mu[rows],
                         advantages=advantages[rows],
                         mask=mask,
@@ -292,12 +288,12 @@ def train_on_batch(
                     loss_stats["alpha/abs_mean"] = ((logp.detach() - pi_old[rows]).abs() * mask).sum() / n
                     if estimator.clipped is not None:
                         by_gap, by_policy = (
-                            estimator.clipped(logp.detach(), ref, advantages[rows], mask, algorithm.loss)
-                            for ref in (mu[rows], pi_old[rows])
+                            estimator.clipped(logp.detach(), against, advantages[rows], mask, algorithm.loss)
+                            for against in (mu[rows], pi_old[rows])
                         )
                         loss_stats["phantom/clip_frac"] = phantom_clip_frac(by_gap, by_policy, mask)
-                    if ref is not None:
-                        kl = kl_penalty(logp, ref[rows], algorithm.kl_estimator)
+                    if pi_ref is not None:
+                        kl = kl_penalty(logp, pi_ref[rows], algorithm.kl_estimator)
                         pending += [(out.kls, (kl.detach() * mask).sum()), (out.kl_tokens, mask.sum())]
                         token_loss = token_loss + algorithm.kl_coef * kl
                     loss = aggregate(token_loss, mask, algorithm.aggregation, norm)
