@@ -6,16 +6,13 @@ may differ in (q/k norms, biases, sliding windows, soft-caps, mixtures of expert
 read from its config.json, which the shared parts follow. Both engines build and run each layer through
 its family: the trainer's modules make the norms it names, the rollout engine loads and syncs them, and
 both call its `layer`. A family with a structure of its own is one `register` call beside its layer
-function, here or in a file of its own (tests/unit/test_families.py adds one that way).
-
-A layer function takes (layer, x, pending, attend, cfg, numerics, replay, tap) and returns the new stream
-(x, pending) and the MoE routing (`decoder.mlp`); `tap` sees every stage of `decoder.LAYER_STAGES`.
+function (a `LayerFunction`), here or in a file of its own (tests/unit/test_families.py adds one that way).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -25,16 +22,25 @@ from parity.engines.models.decoder import Attend, Layer, Tap, attention, input_n
 LayerOutput = tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]
 
 
-def pre_norm_layer(
-    layer: Layer,
-    x: torch.Tensor,
-    pending: torch.Tensor | None,
-    attend: Attend,
-    cfg: ModelConfig,
-    numerics,
-    replay: torch.Tensor | None = None,
-    tap: Tap | None = None,
-) -> LayerOutput:
+class LayerFunction(Protocol):
+    """A family's layer: the new stream (x, pending) and the MoE routing (`decoder.mlp`) of one layer's
+    weights `layer` on the stream (x, pending); `attend(q, k, v)` is attention over the other tokens,
+    `replay` another engine's experts, `tap` sees every stage of `decoder.LAYER_STAGES`."""
+
+    def __call__(
+        self,
+        layer: Layer,
+        x: torch.Tensor,
+        pending: torch.Tensor | None,
+        attend: Attend,
+        cfg: ModelConfig,
+        numerics,
+        replay: torch.Tensor | None = None,
+        tap: Tap | None = None,
+    ) -> LayerOutput: ...
+
+
+def pre_norm_layer(layer, x, pending, attend, cfg, numerics, replay=None, tap=None) -> LayerOutput:
     """Llama's order: a norm before attention and one before the MLP, each output added to the stream (the
     MLP's by the next layer's input norm: it is returned as `pending`)."""
     x, normed = input_norm(layer, x, pending)
@@ -46,16 +52,7 @@ def pre_norm_layer(
     return x, out, routing
 
 
-def sandwich_layer(
-    layer: Layer,
-    x: torch.Tensor,
-    pending: torch.Tensor | None,
-    attend: Attend,
-    cfg: ModelConfig,
-    numerics,
-    replay: torch.Tensor | None = None,
-    tap: Tap | None = None,
-) -> LayerOutput:
+def sandwich_layer(layer, x, pending, attend, cfg, numerics, replay=None, tap=None) -> LayerOutput:
     """Gemma's order: the pre-norm layer with a norm after attention and norms around the MLP as well."""
     x, normed = input_norm(layer, x, pending)
     core, attn = attention(layer, normed, attend, cfg)
@@ -69,8 +66,8 @@ def sandwich_layer(
 @dataclass(frozen=True)
 class Family:
     model_type: str  # config.json's
-    hf_class: str  # the transformers class that loads the same checkpoint (written to a saved config)
-    layer: Callable[..., LayerOutput]
+    hf_class: str  # the transformers class that loads the same checkpoint
+    layer: LayerFunction
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")  # each layer's, HF names
 
 
