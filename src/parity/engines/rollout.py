@@ -566,14 +566,15 @@ class RolloutEngine:
                 raise ValueError(
                     f"between(): row {row} got {len(ids)} ids and a limit of {limit} with {budget - c} columns left"
                 )
-            if ws.pausing:  # paused at the turn boundary: what comes next is in its outputs, fed later
-                ws.tokens[row, c : c + len(ids)] = torch.tensor(ids, device=self.device)
-                ws.mask[row, c : c + len(ids)] = True
-                ws.fed[row, c : c + len(ids)] = True
+            # The ids are the row's outputs (fed, μ 0), whether they are fed now or by a later call.
+            ws.tokens[row, c : c + len(ids)] = torch.tensor(ids, device=self.device)
+            ws.mask[row, c : c + len(ids)] = True
+            ws.fed[row, c : c + len(ids)] = True
+            if ws.pausing:  # paused at the turn boundary: fed by the call that continues it
                 ws.column[row] = c + len(ids)  # past them: a finished row's later draws write pad there
                 ws.over.add(row)
-                continue
-            feeds.append((new[row], row, c, ids, limit))
+            else:
+                feeds.append((new[row], row, c, ids, limit))
         if feeds:
             self._extend(ws, feeds)
 
@@ -585,21 +586,18 @@ class RolloutEngine:
 
     def _extend(self, ws: _Workspace, feeds: list[tuple[int, int, int, list[int], int]]) -> None:
         """Continue rows from their caches. `feeds`: (active position, output row, next column, ids, limit of
-        the next turn). The turn's last token and the ids but the last go through one forward at their
-        positions; the ids go to the outputs (fed, μ 0); the last id becomes the row's next input."""
+        the next turn), the ids already in the outputs. The turn's last token and the ids but the last go
+        through one forward at their positions; the last id becomes the row's next input."""
         dev, cfg = self.device, self.config
         at = torch.tensor([f[0] for f in feeds], device=dev)
         width = max(len(f[3]) for f in feeds)  # the turn's last token + all ids but the last
         inputs = torch.full((len(feeds), width), self.pad_id, dtype=torch.long)
         counts = []
-        for i, (_, row, c, ids, _) in enumerate(feeds):
+        for i, (_, row, c, ids, limit) in enumerate(feeds):
             inputs[i, 0] = ws.token[at[i]]
             inputs[i, 1 : len(ids)] = torch.tensor(ids[:-1])
             counts.append(len(ids))
-            ws.tokens[row, c : c + len(ids)] = torch.tensor(ids, device=dev)
-            ws.mask[row, c : c + len(ids)] = True
-            ws.fed[row, c : c + len(ids)] = True
-            ws.limit[row] = min(c + len(ids) + feeds[i][4], ws.budgets[row])
+            ws.limit[row] = min(c + len(ids) + limit, ws.budgets[row])
         inputs = inputs.to(dev)
         start = ws.position[at]
         positions = (start[:, None] + torch.arange(width, device=dev)).clamp(max=ws.max_position)
