@@ -101,8 +101,8 @@ def mlp(
 def attention(
     layer: Layer, normed: torch.Tensor, attend: Attend, cfg: ModelConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of the normalised stream: (its core, `attend`'s output [..., heads · head_dim], and that
-    through the output projection). Q, K and V with their q/k norms."""
+    """Attention of the normalised stream, with the q/k norms: (core, out), `attend`'s output [..., heads ·
+    head_dim] and that through the output projection."""
     q, k, v = layer.attention_inputs(normed)
     if cfg.qk_norm:
         q, k = layer.norm("q_norm", q), layer.norm("k_norm", k)
