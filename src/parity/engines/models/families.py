@@ -6,7 +6,7 @@ may differ in (q/k norms, biases, sliding windows, soft-caps, mixtures of expert
 read from its config.json, which the shared parts follow. Both engines build and run each layer through
 its family: the trainer's modules make the norms it names, the rollout engine loads and syncs them, and
 both call its `layer`. A family with a structure of its own is one `register` call beside its layer
-function (a `LayerFunction`), here or in a file of its own (tests/unit/test_model_families.py adds one that way).
+function (a `LayerFunction`), here or in a file of its own (tests/unit/test_model_families.py adds one so).
 """
 
 from __future__ import annotations
