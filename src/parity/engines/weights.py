@@ -3,7 +3,8 @@ fused into one matrix each (as inference engines hold them), loaded and synced u
 
 Kept apart from the decode loop (`rollout.py`): a weight sync writes into the buffers the first load built,
 so the decode step's CUDA graphs, which read those buffers, stay valid; anything that allocates anew
-(the first load, new LoRA adapters) bumps `layout`, which tells the engine to capture again.
+(the first load, new LoRA adapters, a load that drops them) bumps `layout`, which tells the engine to
+capture again.
 """
 
 from __future__ import annotations
