@@ -125,3 +125,31 @@ def test_a_report_shows_the_newest_completions(tmp_path, capsys):
     assert report(tmp_path, run, capsys) == (0, [])
     shown = (tmp_path / "out" / "report.md").read_text()
     assert "completions of step 12" in shown and "the answer is 2" in shown and "1 (cut off)" in shown
+
+
+def _history(accuracies: list[float], k3: float) -> list[dict]:
+    return [
+        {**json.loads(metrics_line(i + 1)), "reward/accuracy": a, "mismatch/k3": k3} for i, a in enumerate(accuracies)
+    ]
+
+
+def test_a_run_that_falls_after_its_best_is_called_a_collapse():
+    from parity.commands.report import summarize
+    from parity.commands.sanity import _verdict, reading
+
+    rises = [0.5, 0.7, 0.9, 1.0, 1.0, 1.0, 1.0]
+    runs = {
+        "fp16-exact/pg_seq_is": summarize(_history([*rises, 0.3, 0.0, 0.0, 0.0, 0.0], k3=0.0)),
+        "bf16/grpo": summarize(_history([*rises, 0.9, 1.0, 0.95, 1.0, 1.0], k3=1e-4)),
+    }
+    collapsed, steady = runs["fp16-exact/pg_seq_is"], runs["bf16/grpo"]
+    # The 5-step average peaks at 0.98 (steps 3-7) and first drops below half of it at step 10: (1 + 1 + .3) / 5.
+    assert collapsed["collapse_step"] == 10 and steady["collapse_step"] is None
+    assert "Then it collapsed: below half its best (0.98) from step 10, 0.06 at the end." in _verdict(
+        "fp16-exact/pg_seq_is", collapsed
+    )
+    text = "\n".join(reading({"runs": runs, "base_mismatch": {}}))
+    assert "Collapsed after their best: fp16-exact/pg_seq_is" in text and "not the precision gap" in text
+    assert "both converge" not in text
+    runs.pop("fp16-exact/pg_seq_is")
+    assert "both converge" in "\n".join(reading({"runs": runs, "base_mismatch": {}}))

@@ -37,6 +37,8 @@ def save_figure(fig, path: Path) -> None:
 
 TARGET_ACCURACY = 0.95
 SMOOTHING = 5  # steps in the moving average that "training accuracy" means
+# A run collapsed when, after its best, its training accuracy fell below this fraction of that best.
+COLLAPSE_FRACTION = 0.5
 
 
 # The metrics every step of `parity train` logs, which reports read (and a reward: accuracy or mean).
@@ -114,6 +116,8 @@ def summarize(history: list[dict]) -> dict:
     acc = moving_average([m[key] for m in history])
     elapsed = [sum(m["time/step"] for m in history[: i + 1]) for i in range(len(history))]
     hit = next((i for i, a in enumerate(acc) if a >= TARGET_ACCURACY), None)
+    peak = acc.index(max(acc))
+    fell = next((i for i in range(peak, len(acc)) if acc[i] < COLLAPSE_FRACTION * acc[peak]), None)
     last = history[-SMOOTHING:]
     return {
         "steps": len(history),
@@ -123,6 +127,7 @@ def summarize(history: list[dict]) -> dict:
         "best_accuracy": max(acc),
         "steps_to_95": None if hit is None else history[hit]["step"],
         "seconds_to_95": None if hit is None else round(elapsed[hit], 1),
+        "collapse_step": None if fell is None else history[fell]["step"],
         "wall_seconds": round(elapsed[-1], 1),
         "final_mismatch_k3": sum(m["mismatch/k3"] for m in last) / len(last),
         "final_seq_abs_log_ratio": sum(m["mismatch/seq_abs_log_ratio"] for m in last) / len(last),

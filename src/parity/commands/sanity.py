@@ -352,12 +352,37 @@ def _died(configs: dict[str, TrainConfig], done: dict[str, list[dict]], jobs: in
 
 
 def _verdict(name: str, s: dict) -> str:
-    if s["steps_to_95"] is not None:
-        return f"- **{name}** reached 95% training accuracy at step {s['steps_to_95']} ({s['seconds_to_95']:.0f} s)."
-    return (
-        f"- **{name}** did not reach 95% in {s['steps']} steps: training accuracy "
-        f"{s['initial_accuracy']:.2f} → {s['final_accuracy']:.2f} (best {s['best_accuracy']:.2f})."
+    if s["steps_to_95"] is None:
+        line = (
+            f"- **{name}** did not reach 95% in {s['steps']} steps: training accuracy "
+            f"{s['initial_accuracy']:.2f} → {s['final_accuracy']:.2f} (best {s['best_accuracy']:.2f})."
+        )
+    else:
+        line = f"- **{name}** reached 95% training accuracy at step {s['steps_to_95']} ({s['seconds_to_95']:.0f} s)."
+    if s.get("collapse_step") is not None:
+        line += (
+            f" Then it collapsed: below half its best ({s['best_accuracy']:.2f}) from step {s['collapse_step']}, "
+            f"{s['final_accuracy']:.2f} at the end."
+        )
+    return line
+
+
+def _collapses(runs: dict) -> list[str]:
+    """The reading's sentence on runs that collapsed after their best, if any."""
+    collapsed = [name for name, s in runs.items() if s.get("collapse_step") is not None]
+    if not collapsed:
+        return []
+    exact = [name for name in collapsed if runs[name].get("final_mismatch_k3") == 0]
+    line = (
+        f"Collapsed after their best: {', '.join(collapsed)} (one seed each: this says a run can collapse here, "
+        "not how often)."
     )
+    if exact:
+        line += (
+            f" {', '.join(exact)}: no mismatch (k3 0, μ equal to π_old), so what moved the policy away from the one "
+            "that sampled was the updates themselves (`is/weight_max` shows by how much), not the precision gap."
+        )
+    return [line]
 
 
 def reading(summary: dict) -> list[str]:
@@ -366,17 +391,20 @@ def reading(summary: dict) -> list[str]:
     reached = {name: s["steps_to_95"] is not None for name, s in runs.items()}
     by_prec = {p: [n for n in runs if n.startswith(p + "/")] for p in ("fp16", "bf16")}
     lines = ["## Reading", ""]
-    if all(reached.values()):
+    if all(reached.values()) and not _collapses(runs):
         lines.append(
             "Every run reached 95% training accuracy: on this model and task BF16 and FP16 behave the same — "
             "both converge, with every estimator."
         )
+    elif all(reached.values()):
+        lines.append("Every run reached 95% training accuracy.")
     else:
         missed = [n for n, ok in reached.items() if not ok]
         lines.append(f"Runs that did not reach 95%: {', '.join(missed)}.")
         for p in ("fp16", "bf16"):
             if by_prec[p] and all(not reached[n] for n in by_prec[p]):
                 lines.append(f"No {p.upper()} run reached 95%.")
+    lines += _collapses(runs)
     if "bf16" in base and "fp16" in base:
         b, f = base["bf16"], base["fp16"]
         spread = math.expm1(b["seq_abs_log_ratio"]) * 100
