@@ -153,3 +153,9 @@ def test_a_run_that_falls_after_its_best_is_called_a_collapse():
     assert "both converge" not in text
     runs.pop("fp16-exact/pg_seq_is")
     assert "both converge" in "\n".join(reading({"runs": runs, "base_mismatch": {}}))
+    # A run that never learned (best 0.3) is not said to collapse, nor is a mean reward, which may be negative.
+    assert summarize(_history([0.1, 0.3, 0.3, 0.3, 0.3, 0.3, 0.0, 0.0, 0.0, 0.0, 0.0], k3=0.0))["collapse_step"] is None
+    rewards = [{k: v for k, v in m.items() if k != "reward/accuracy"} for m in _history([-0.4] * 6 + [-0.1] * 6, 0.0)]
+    for m, value in zip(rewards, [-0.4] * 6 + [-0.1] * 6):
+        m["reward/mean"] = value
+    assert summarize(rewards)["collapse_step"] is None

@@ -37,7 +37,8 @@ def save_figure(fig, path: Path) -> None:
 
 TARGET_ACCURACY = 0.95
 SMOOTHING = 5  # steps in the moving average that "training accuracy" means
-# A run collapsed when, after its best, its training accuracy fell below this fraction of that best.
+# A run collapsed when, after a best of at least this accuracy, its training accuracy fell below this fraction
+# of that best (a mean reward, which may be negative, is never called a collapse).
 COLLAPSE_FRACTION = 0.5
 
 
@@ -117,7 +118,9 @@ def summarize(history: list[dict]) -> dict:
     elapsed = [sum(m["time/step"] for m in history[: i + 1]) for i in range(len(history))]
     hit = next((i for i, a in enumerate(acc) if a >= TARGET_ACCURACY), None)
     peak = acc.index(max(acc))
-    fell = next((i for i in range(peak, len(acc)) if acc[i] < COLLAPSE_FRACTION * acc[peak]), None)
+    fell = None
+    if key == "reward/accuracy" and acc[peak] >= COLLAPSE_FRACTION:
+        fell = next((i for i in range(peak, len(acc)) if acc[i] < COLLAPSE_FRACTION * acc[peak]), None)
     last = history[-SMOOTHING:]
     return {
         "steps": len(history),
