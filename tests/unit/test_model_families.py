@@ -34,13 +34,8 @@ def post_norm_layer(layer, x, pending, attend, cfg, numerics, replay=None, tap=N
 
 @pytest.fixture(scope="module")
 def post_norm():
-    family = Family(
-        "test_post_norm",
-        "Olmo2ForCausalLM",
-        post_norm_layer,
-        ("post_attention_layernorm", "post_feedforward_layernorm"),
-    )
-    register(family)
+    family = Family("test_post_norm", post_norm_layer, ("post_attention_layernorm", "post_feedforward_layernorm"))
+    register(family, hf_class="Olmo2ForCausalLM")
     hf = {**TINY_CONFIG, "model_type": family.model_type}
     yield ModelConfig.from_hf(hf)
     FAMILIES.pop(family.model_type)

@@ -391,7 +391,8 @@ def reading(summary: dict) -> list[str]:
     reached = {name: s["steps_to_95"] is not None for name, s in runs.items()}
     by_prec = {p: [n for n in runs if n.startswith(p + "/")] for p in ("fp16", "bf16")}
     lines = ["## Reading", ""]
-    if all(reached.values()) and not _collapses(runs):
+    collapses = _collapses(runs)
+    if all(reached.values()) and not collapses:
         lines.append(
             "Every run reached 95% training accuracy: on this model and task BF16 and FP16 behave the same — "
             "both converge, with every estimator."
@@ -404,7 +405,7 @@ def reading(summary: dict) -> list[str]:
         for p in ("fp16", "bf16"):
             if by_prec[p] and all(not reached[n] for n in by_prec[p]):
                 lines.append(f"No {p.upper()} run reached 95%.")
-    lines += _collapses(runs)
+    lines += collapses
     if "bf16" in base and "fp16" in base:
         b, f = base["bf16"], base["fp16"]
         spread = math.expm1(b["seq_abs_log_ratio"]) * 100

@@ -1,7 +1,8 @@
 """Model families by Hugging Face `model_type`: the order in which a decoder layer puts its parts together.
 
 A family is its layer function (where the norms stand around attention and the MLP, `decoder.py`'s parts
-in its order) and the norm weights that order reads, under Hugging Face's names. Everything else a family
+in its order) and the norm weights that order reads, under Hugging Face's names; the transformers class that
+loads its checkpoints is `config.ARCHITECTURES`'. Everything else a family
 may differ in (q/k norms, biases, sliding windows, soft-caps, mixtures of experts) is a `ModelConfig` value
 read from its config.json, which the shared parts follow. Both engines build and run each layer through
 its family: the trainer's modules make the norms it names, the rollout engine loads and syncs them, and
@@ -47,7 +48,7 @@ def pre_norm_layer(layer, x, pending, attend, cfg, numerics, replay=None, tap=No
     core, attn = attention(layer, normed, attend, cfg)
     x, post = layer.add_norm("post_attention_layernorm", x, attn)
     out, routing = mlp(layer, post, cfg, numerics, replay)
-    if tap is not None:
+    if tap is not None:  # the layer's output is one more addition here (the next norm adds it): only when seen
         show_stages(tap, normed, core, attn, out, stream(x, out))
     return x, out, routing
 
@@ -66,7 +67,6 @@ def sandwich_layer(layer, x, pending, attend, cfg, numerics, replay=None, tap=No
 @dataclass(frozen=True)
 class Family:
     model_type: str  # config.json's
-    hf_class: str  # the transformers class that loads the same checkpoint
     layer: LayerFunction
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")  # each layer's, HF names
 
@@ -74,10 +74,14 @@ class Family:
 FAMILIES: dict[str, Family] = {}
 
 
-def register(family: Family) -> Family:
-    """Make `family.model_type` a model Parity loads, trains and samples."""
+def register(family: Family, hf_class: str | None = None) -> Family:
+    """Make `family.model_type` a model Parity loads, trains and samples. `hf_class`: the transformers class that
+    loads the same checkpoint, for a `model_type` that `config.ARCHITECTURES` does not list yet."""
+    if hf_class is not None:
+        ARCHITECTURES[family.model_type] = hf_class
+    if family.model_type not in ARCHITECTURES:
+        raise ValueError(f"register: model_type {family.model_type!r} needs its transformers class (hf_class)")
     FAMILIES[family.model_type] = family
-    ARCHITECTURES[family.model_type] = family.hf_class
     return family
 
 
@@ -87,6 +91,6 @@ def family(cfg: ModelConfig) -> Family:
 
 GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 for model_type in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"):
-    register(Family(model_type, ARCHITECTURES[model_type], pre_norm_layer))
+    register(Family(model_type, pre_norm_layer))
 for model_type in ("gemma2", "gemma3_text"):
-    register(Family(model_type, ARCHITECTURES[model_type], sandwich_layer, GEMMA_NORMS))
+    register(Family(model_type, sandwich_layer, GEMMA_NORMS))
