@@ -397,28 +397,34 @@ def section_train(args) -> dict:
 
 
 def budget_sweep(trainer, batch, *budgets: int, peak: float, device: str) -> dict:
-    """The same step at other micro-batch token budgets (median of 3 after a warm-up), one trainer on the card:
-    is the default the fastest? (At 8k tokens per micro-batch, the 32k step took 0.84 s against 0.60 s at 16k:
+    """The same step at other micro-batch token budgets (median of 3 after a warm-up), one trainer on the card,
+    with the LM head whole and a chunk at a time (`trainer.chunked_head`): is the default the fastest, and what
+    does the chunked head save? (At 8k tokens per micro-batch, the 32k step took 0.84 s against 0.60 s at 16k:
     H100, call 1.)"""
     out = {}
     for tokens in budgets:
-        times, flops = [], []
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        for i in range(4):
-            before = trainer.matmul_flops
-            sync(device)
-            start = time.perf_counter()
-            train_step(trainer, batch, tokens)
-            sync(device)
-            if i:
-                times.append(time.perf_counter() - start)
-                flops.append(trainer.matmul_flops - before)
-        seconds = statistics.median(times)
-        out[str(tokens)] = {"seconds": seconds, "mfu": statistics.median(flops) / seconds / 1e12 / peak}
-        if device == "cuda":  # the whole process: the model, its gradients, AdamW's state and the step's activations
-            out[str(tokens)]["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
-        print(f"train bf16 at {tokens} tokens per micro-batch: {seconds:.3f} s/step {out[str(tokens)]}", flush=True)
+        for head, chunked in (("whole head", False), ("chunked head", True)):
+            trainer.model.chunked_head = chunked
+            times, flops = [], []
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            for i in range(4):
+                before = trainer.matmul_flops
+                sync(device)
+                start = time.perf_counter()
+                train_step(trainer, batch, tokens)
+                sync(device)
+                if i:
+                    times.append(time.perf_counter() - start)
+                    flops.append(trainer.matmul_flops - before)
+            seconds = statistics.median(times)
+            mfu = statistics.median(flops) / seconds / 1e12 / peak
+            arm = out[f"{tokens}/{head}"] = {"seconds": seconds, "mfu": mfu}
+            if device == "cuda":  # the whole process: the model, its gradients, AdamW's state, the step's activations
+                arm["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+            print(f"train bf16 at {tokens} tokens per micro-batch, {head}: {seconds:.3f} s/step {arm}", flush=True)
+    trainer.model.chunked_head = "auto"
     return out
 
 

@@ -60,6 +60,9 @@ def test_the_gpu_probe_runs_on_the_cpu(tmp_path):
     assert all(r["differing"] == 0 for r in engine["exact_agreement"])
     assert all(d["step_ms"] > 0 for d in engine["decode"].values())
     assert all(r["fused_columns_same_bits"] for r in sections["matmul"]["result"].values())
+    # The micro-batch sweep runs each budget with the LM head whole and a chunk at a time.
+    sweep = next(v for k, v in sections["train"]["result"].items() if k.endswith("/micro_batch_tokens"))
+    assert {key.split("/")[1] for key in sweep} == {"whole head", "chunked head"}
     summary = (tmp_path / "summary.md").read_text()
     assert "decode step, batch 16, bf16" in summary and "train bf16@8k" in summary
     assert "FSDP2 learner (world size 1) against one process, bf16-exact" in summary
@@ -136,3 +139,25 @@ def test_the_gpu_probe_reads_its_figures_against_the_cards_specification():
     assert "MFU 25.0% of spec, 33.0% of measured" in summary  # 247.25 of 989 and of 750 TFLOP/s
     record["sections"]["device"]["result"]["card"] = "cpu"
     assert "no specification for this device" in gpu_probe.summary(record)
+
+
+def test_an_fsdp2_learner_with_a_chunked_head_keeps_one_processs_bits(tmp_path, monkeypatch):
+    """`gpu_probe.learners_match` (one FSDP2 learner on gloo against one process, two GRPO steps) with every LM
+    head chunked (3 chunks of a micro-batch): the same weights bit for bit in FP32, BF16 and BF16 exact."""
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    from tests.architectures import save_random_model
+
+    import gpu_probe
+    from parity.engines import trainer
+    from parity.engines.models import modules
+
+    monkeypatch.setattr(modules, "CHUNKED_HEAD_BYTES", 0)
+    monkeypatch.setattr(trainer, "LOGPROB_CHUNK_ELEMENTS", {"cpu": 7 * 64})
+    chunked = []
+    forward = trainer.ChunkedHeadLogProbs.forward
+    monkeypatch.setattr(trainer.ChunkedHeadLogProbs, "forward", lambda *a: chunked.append(1) or forward(*a))
+    model_dir = save_random_model(tmp_path / "qwen2", "qwen2")
+    for arm in ("fp32", "bf16", "bf16-exact"):
+        result = gpu_probe.learners_match(str(model_dir), "cpu", arm, (4, 2, 6, 8), 2)
+        assert result["weights_differing"] == 0 and result["max_rel_loss_or_norm_diff"] == 0.0, (arm, result)
+    assert chunked

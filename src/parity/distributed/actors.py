@@ -35,7 +35,7 @@ from parity.rl.checkpoint import RunState, load_checkpoint, local_parameters, no
 from parity.rl.episodes import Episodes, episode_setup
 from parity.rl.problems import Problem
 from parity.rl.step import Prepared, UpdatePlan, UpdateResult, build_sampler, train_on_batch
-from parity.rl.train_config import TrainConfig
+from parity.rl.train_config import CHUNKED_HEAD_MODES, TrainConfig
 from parity.runtime import reuse_freed_memory
 
 
@@ -200,6 +200,7 @@ class Learner:
     def _sharded_base(self) -> CausalLM:
         model = load_sharded(Path(self.model_dir), self.mesh, self.numerics, self.precision)
         model.activation_checkpointing = self.optim.activation_checkpointing
+        model.chunked_head = CHUNKED_HEAD_MODES[self.optim.chunked_head]
         return model
 
     def reset(self) -> None:

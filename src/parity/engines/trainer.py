@@ -91,11 +91,9 @@ class HeadLogProbs(torch.autograd.Function):
     ):
         picked = torch.empty(head.shape[0], device=head.device)
         lse = torch.empty_like(picked)
-        for chunk in _row_chunks(head):
+        for chunk in _row_chunks(*head.shape, head.device):
             z = _scaled(head[chunk], temperature, cap)
-            picked[chunk], lse[chunk] = numerics.token_logprobs(
-                z, tokens[chunk], None if support is None else support[chunk]
-            )
+            picked[chunk], lse[chunk] = numerics.token_logprobs(z, tokens[chunk], _rows(support, chunk))
         ctx.save_for_backward(head, tokens, lse, *(() if support is None else (support,)))
         ctx.temperature, ctx.cap, ctx.reuse = temperature, cap, reuse
         return picked
@@ -107,25 +105,81 @@ class HeadLogProbs(torch.autograd.Function):
         # `reuse`: nothing reads `head` after this, and each chunk's gradient overwrites it once read. A fresh
         # [M, V] tensor is first-touched memory: 1.1 s of page faults a step at 4,096 scored tokens (SmolLM2).
         out = head if ctx.reuse else torch.empty_like(head)
-        for chunk in _row_chunks(head):
-            g = grad[chunk, None]
-            # d log p(t) / dz = onehot(t) - softmax(z) over the support, times the incoming gradient
-            z = _scaled(head[chunk], ctx.temperature, ctx.cap)
-            if support is not None:
-                z = kernels.restrict(z, support[chunk])
-            dz = torch.exp(z - lse[chunk, None]).mul_(-g)
-            dz.scatter_add_(-1, tokens[chunk, None], g)
-            if ctx.temperature != 1.0:
-                dz /= ctx.temperature
-            if ctx.cap is not None:  # d cap·tanh(x / cap) / dx = 1 - tanh²
-                dz *= 1 - torch.tanh(head[chunk].float() / ctx.cap).square()
-            out[chunk] = dz
+        for chunk in _row_chunks(*head.shape, head.device):
+            out[chunk] = _head_gradient(
+                head[chunk], tokens[chunk], lse[chunk], grad[chunk], _rows(support, chunk), ctx.temperature, ctx.cap
+            )
         return out, None, None, None, None, None, None
 
 
-def _row_chunks(head: torch.Tensor) -> list[slice]:
-    rows = max(1, LOGPROB_CHUNK_ELEMENTS.get(head.device.type, LOGPROB_CHUNK_ELEMENTS["cpu"]) // head.shape[-1])
-    return [slice(start, start + rows) for start in range(0, head.shape[0], rows)]
+class ChunkedHeadLogProbs(torch.autograd.Function):
+    """`HeadLogProbs` from the LM head's input: the final hidden states `hidden` [M, H] and the head's weight
+    [V, H] as the model multiplies them in the compute dtype (`fast`: its faster copy, `Linear.weights_in`).
+    Each chunk of rows goes through the head, gives its log-probabilities, and is gone; the backward computes
+    each chunk's head again, its gradient, and that chunk's share of the hidden states' and the weight's. No
+    [M, V] tensor exists at any time (what `HeadLogProbs` keeps from the forward to the backward is the whole
+    head: 10 GB at 32k tokens of a 152k vocabulary in BF16), for one more pass of the head's matmul. The
+    values are the ones `numerics.linear` gives each chunk's rows (exact mode's: the unchunked head's bits)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, fast, tokens, support, temperature: float, cap: float | None, numerics):
+        picked = torch.empty(hidden.shape[0], device=hidden.device)
+        lse = torch.empty_like(picked)
+        for chunk in _row_chunks(hidden.shape[0], weight.shape[0], hidden.device):
+            z = _scaled(numerics.linear(hidden[chunk], weight, fast=fast), temperature, cap)
+            picked[chunk], lse[chunk] = numerics.token_logprobs(z, tokens[chunk], _rows(support, chunk))
+        ctx.save_for_backward(hidden, weight, tokens, lse, *(() if support is None else (support,)))
+        ctx.fast, ctx.temperature, ctx.cap, ctx.numerics = fast, temperature, cap, numerics
+        return picked
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        hidden, weight, tokens, lse, *support = ctx.saved_tensors
+        support = support[0] if support else None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        # Summed over the chunks in FP32 (in place: a fresh [V, H] per chunk cost 3.6 s a step in page faults,
+        # SmolLM2 at 4,096 tokens), rounded to the weight's dtype once; a 16-bit product goes through one buffer.
+        grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        product = None if grad_weight is None or weight.dtype == torch.float32 else torch.empty_like(weight)
+        for chunk in _row_chunks(hidden.shape[0], weight.shape[0], hidden.device):
+            head = ctx.numerics.linear(hidden[chunk], weight, fast=ctx.fast)
+            dz = _head_gradient(
+                head, tokens[chunk], lse[chunk], grad[chunk], _rows(support, chunk), ctx.temperature, ctx.cap
+            ).to(head.dtype)  # the matmuls' backward runs in the compute dtype, as a `Linear`'s does
+            if grad_hidden is not None:
+                grad_hidden[chunk] = dz @ weight
+            if product is not None:
+                grad_weight += torch.mm(dz.T, hidden[chunk], out=product)
+            elif grad_weight is not None:
+                grad_weight.addmm_(dz.T, hidden[chunk])
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def _head_gradient(head, tokens, lse, grad, support, temperature: float, cap: float | None) -> torch.Tensor:
+    """d log p(token) / d head for a chunk of rows, times the incoming gradient `grad` [rows]: FP32 [rows, V].
+    d log p(t) / dz = onehot(t) - softmax(z) over the support; then the temperature's and the soft-cap's factors."""
+    g = grad[:, None]
+    z = _scaled(head, temperature, cap)
+    if support is not None:
+        z = kernels.restrict(z, support)
+    dz = torch.exp(z - lse[:, None]).mul_(-g)
+    dz.scatter_add_(-1, tokens[:, None], g)
+    if temperature != 1.0:
+        dz /= temperature
+    if cap is not None:  # d cap·tanh(x / cap) / dx = 1 - tanh²
+        dz *= 1 - torch.tanh(head.float() / cap).square()
+    return dz
+
+
+def _row_chunks(rows: int, vocab: int, device: torch.device) -> list[slice]:
+    """Slices of `rows` rows, each [chunk, vocab] holding about LOGPROB_CHUNK_ELEMENTS."""
+    size = max(1, LOGPROB_CHUNK_ELEMENTS.get(device.type, LOGPROB_CHUNK_ELEMENTS["cpu"]) // vocab)
+    return [slice(start, start + size) for start in range(0, rows, size)]
+
+
+def _rows(support: torch.Tensor | None, chunk: slice) -> torch.Tensor | None:
+    return None if support is None else support[chunk]
 
 
 def _scaled(head: torch.Tensor, temperature: float, cap: float | None) -> torch.Tensor:
@@ -175,12 +229,13 @@ def sequence_logprobs(
     dtype: torch.dtype,
     routing: Routing | None = None,
     replay: bool = False,
-    on_head: Callable[[torch.Tensor], None] | None = None,
+    on_head: Callable[[Callable[[torch.Tensor], torch.Tensor]], None] | None = None,
 ) -> tuple[PackedBatch, torch.Tensor]:
     """The trainer's code path: log p of each response token [B, T] FP32 (0 on padding)
     with the model computed in `dtype`, and the packed batch it ran on. `routing` (the
     rollout engine's experts, MoE models) travels in the packed batch; `replay` uses it.
-    `on_head` sees the LM head's output at the response tokens (row-major) before it is read.
+    `on_head` is given a function from positions among the response tokens (row-major) to the LM head's
+    output there (`record_full_vocab`). The head is computed a chunk at a time where `model.chunks_head`.
     The log-probs are on the model's device, wherever the batch is."""
     device = next(model.parameters()).device
     response_ids, response_mask = response_ids.to(device), response_mask.to(device)
@@ -189,20 +244,26 @@ def sequence_logprobs(
     bucket = kernels.per_shape_kernels(dtype, device)
     packed = pack(prompt_ids, response_ids, response_mask, bucket=bucket, routing=routing)
     num_scored = int(response_mask.sum())
-    head = model(packed, dtype, replay)
-    if head.shape[0] != num_scored:  # a bucketed batch's padding (a slice that keeps every row costs a copy back)
-        head = head[:num_scored]
-    if on_head is not None:
-        on_head(head)
-    scored = token_logprobs(
-        head,
-        response_ids[response_mask],
-        None if support is None else support[response_mask],
-        temperature,
-        model.config.final_softcap,
-        model.numerics,
-        reuse_head=True,
-    )
+    tokens, kept = response_ids[response_mask], None if support is None else support[response_mask]
+    cap, numerics = model.config.final_softcap, model.numerics
+
+    def chunked(hidden: torch.Tensor, lm_head) -> torch.Tensor:
+        hidden = hidden[:num_scored]  # a bucketed batch's padding goes
+        if on_head is not None:
+            with torch.no_grad():
+                on_head(lambda at: lm_head(hidden[at]))
+        weight, fast = lm_head.weights_in(hidden.dtype)
+        return ChunkedHeadLogProbs.apply(hidden, weight, fast, tokens, kept, temperature, cap, numerics)
+
+    if model.chunks_head(num_scored, dtype):
+        scored = model(packed, dtype, replay, head=chunked)
+    else:
+        head = model(packed, dtype, replay)
+        if head.shape[0] != num_scored:  # a bucketed batch's padding (a slice that keeps every row costs a copy back)
+            head = head[:num_scored]
+        if on_head is not None:
+            on_head(lambda at: head.detach()[at])
+        scored = token_logprobs(head, tokens, kept, temperature, cap, numerics, reuse_head=True)
     out = torch.zeros(response_ids.shape, dtype=scored.dtype, device=scored.device)
     return packed, out.masked_scatter(response_mask, scored)
 
@@ -213,7 +274,7 @@ def logprobs_of_rows(
     rows: torch.Tensor,
     dtype: torch.dtype,
     replay: bool = False,
-    on_head: Callable[[torch.Tensor], None] | None = None,
+    on_head: Callable[[Callable[[torch.Tensor], torch.Tensor]], None] | None = None,
 ) -> tuple[PackedBatch, torch.Tensor]:
     """`sequence_logprobs` on `rows` of a rollout batch: their prompts and responses, at the temperature
     they were sampled at, restricted to each token's recorded support, with the rollout engine's experts
@@ -273,12 +334,18 @@ def full_vocab_logprobs(model: CausalLM, batch: RolloutBatch, dtype: torch.dtype
 
 
 @torch.no_grad()
-def record_full_vocab(batch: RolloutBatch, rows: torch.Tensor, head: torch.Tensor, cap: float | None) -> None:
-    """`full_vocab_logprobs` from a pass the trainer makes anyway: fill `batch.full_vocab.trainer_logprobs` for
-    the recorded rows among `rows` from `head`, the LM head's output at those rows' response tokens
-    (`sequence_logprobs`'s `on_head`), on the weights that sampled."""
+def record_full_vocab(
+    batch: RolloutBatch,
+    rows: torch.Tensor,
+    head_at: Callable[[torch.Tensor], torch.Tensor],
+    cap: float | None,
+    device: torch.device,
+) -> None:
+    """`full_vocab_logprobs` from a pass the trainer makes anyway, on `device`: fill
+    `batch.full_vocab.trainer_logprobs` for the recorded rows among `rows` from `head_at(positions)`, the LM
+    head's output at positions among those rows' response tokens (`sequence_logprobs`'s `on_head`), on the
+    weights that sampled."""
     record = batch.full_vocab
-    device = head.device
     if record.trainer_logprobs is None:
         record.trainer_logprobs = torch.full(record.rollout_logprobs.shape, float("nan"), device=device)
     match = rows.to(device)[None, :] == record.rows.to(device)[:, None]  # [R, len(rows)]
@@ -288,7 +355,7 @@ def record_full_vocab(batch: RolloutBatch, rows: torch.Tensor, head: torch.Tenso
     steps = record.steps.to(device)[found]
     at = match[found].int().argmax(-1)  # each found row's place among `rows`
     mask = batch.response_mask.to(device)[rows.to(device)]
-    head = head.detach()[_recorded_positions(mask, steps, at)]
+    head = head_at(_recorded_positions(mask, steps, at))
     record.trainer_logprobs[found] = _full_vocab_rows(head, batch, record.rows.to(device)[found], steps, cap)
 
 
@@ -386,7 +453,7 @@ class Trainer:
         full-vocabulary record for its recorded rows among `rows` (`record_full_vocab`)."""
         on_head = None
         if full_vocab and batch.full_vocab is not None:
-            on_head = partial(record_full_vocab, batch, rows, cap=self.model.config.final_softcap)
+            on_head = partial(record_full_vocab, batch, rows, cap=self.model.config.final_softcap, device=self.device)
         packed, scored = logprobs_of_rows(self.model, batch, rows, self.dtype, replay, on_head)
         self._count_pass(packed, int(batch.response_mask[rows].sum()))
         return scored

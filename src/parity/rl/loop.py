@@ -74,7 +74,7 @@ from parity.rl.step import (
 )
 from parity.rl.tasks import EVAL_SEED, TASKS, builtin_problems
 from parity.rl.trackers import check_trackers, open_trackers
-from parity.rl.train_config import TrainConfig
+from parity.rl.train_config import CHUNKED_HEAD_MODES, TrainConfig
 from parity.rundir import RunLock
 from parity.runtime import reuse_freed_memory
 
@@ -172,6 +172,7 @@ class Run:
         model = load_model(self.model_dir, self.numerics)
         require_finite_weights(model, self.model_dir, "nothing can be trained from them (`parity doctor` shows where)")
         model.activation_checkpointing = cfg.trainer.activation_checkpointing
+        model.chunked_head = CHUNKED_HEAD_MODES[cfg.trainer.chunked_head]
         if cfg.moe.routing_replay and not model.config.num_experts:
             raise ConfigError(
                 f"moe.routing_replay=true: {cfg.model} is a dense {model.config.architecture} model with no experts"

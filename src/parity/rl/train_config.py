@@ -50,6 +50,7 @@ RESUMABLE_KEYS = (
     "reward.in_process_timeout_s",
 )
 LR_SCHEDULES = ("constant", "linear", "cosine")
+CHUNKED_HEAD_MODES = {"auto": "auto", "always": True, "never": False}  # trainer.chunked_head -> CausalLM.chunked_head
 COMPLETION_FORMATS = ("text", "messages", "auto")  # task.completion_format (`rl/reward_fns.py`)
 TOOL_FORMATS = ("auto", "hermes", "llama3", "mistral", "gemma")  # episode.tool_format (`engines/turns.py`)
 MAX_TURNS = 100
@@ -85,6 +86,10 @@ class TrainerSection(OptimConfig):
     # Keep only each decoder layer's input through the forward and recompute the layer in the
     # backward: activation memory of one layer instead of all, for about one more forward.
     activation_checkpointing: bool = False
+    # The LM head a chunk of rows at a time with its log-probabilities, forward and backward: no [tokens,
+    # vocabulary] tensor, for one more pass of the head's matmul. auto | always | never; auto: where one
+    # micro-batch's head would take more than 512 MiB.
+    chunked_head: str = "auto"
 
 
 @dataclass
@@ -488,6 +493,7 @@ class TrainConfig:
             self.trainer.lr = default_lr(self.model, self.lora.rank > 0)
         if self.trainer.micro_batch_tokens is None:
             self.trainer.micro_batch_tokens = MICRO_BATCH_TOKENS[self.device]
+        one_of("trainer.chunked_head", self.trainer.chunked_head, CHUNKED_HEAD_MODES)
         one_of("reward.isolate", self.reward.isolate, ("auto", "always", "never"))
         one_of("health.on_alarm", self.health.on_alarm, ("warn", "checkpoint", "stop"))
         self._check_ranges()

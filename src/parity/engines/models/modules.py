@@ -12,6 +12,7 @@ save in the Hugging Face format with no conversion (`models.io`).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -22,6 +23,11 @@ from parity.engines.models.config import FULL, ModelConfig, rope_tables
 from parity.engines.models.decoder import Tap, layer_tap, scale_embeddings, stream
 from parity.engines.models.families import family
 from parity.engines.packing import PackedBatch, gather_rows
+
+# `CausalLM.chunked_head="auto"` chunks the LM head where one pass's [scored tokens, vocabulary] head would
+# take more than this. On the CPU the chunked head was no slower at 805 MB (SmolLM2, 4,096 tokens, FP32:
+# the whole head's fresh memory costs what the second pass of its matmul does) and the peak 0.6 GB lower.
+CHUNKED_HEAD_BYTES = 2**29
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -64,8 +70,13 @@ class Linear(nn.Module):
         self.casts: dict | None = None  # set through CausalLM.casting_once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = cast_once(self.casts, self.weight, x.dtype)
-        return self.numerics.linear(x, weight, self.bias, fast=fast_once(self.casts, weight, self.numerics))
+        weight, fast = self.weights_in(x.dtype)
+        return self.numerics.linear(x, weight, self.bias, fast=fast)
+
+    def weights_in(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight as this layer multiplies it in `dtype`, and its faster copy (`fast_once`) or None."""
+        weight = cast_once(self.casts, self.weight, dtype)
+        return weight, fast_once(self.casts, weight, self.numerics)
 
 
 def cast_once(casts: dict | None, weight: torch.Tensor, dtype: torch.dtype, use: str = "matmul") -> torch.Tensor:
@@ -229,6 +240,9 @@ class CausalLM(nn.Module):
         self.init_buffers()
         # Recompute each decoder layer in the backward instead of keeping its activations.
         self.activation_checkpointing = False
+        # The LM head and its log-probabilities a chunk of rows at a time, forward and backward
+        # (`trainer.ChunkedHeadLogProbs`): True, False, or "auto" (`chunks_head`).
+        self.chunked_head: bool | str = "auto"
         self._casts: dict | None = None
         self.numerics = numerics
 
@@ -321,11 +335,27 @@ class CausalLM(nn.Module):
         moe = [layer.mlp.chosen for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
         return torch.stack(moe, dim=1) if moe and all(c is not None for c in moe) else None
 
-    def forward(self, packed: PackedBatch, dtype: torch.dtype, replay: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        packed: PackedBatch,
+        dtype: torch.dtype,
+        replay: bool = False,
+        head: Callable[[torch.Tensor, Linear], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """The LM head's output [len(packed.score_index), V] at the stream's scored positions, in
-        `dtype`, before the final soft-cap (`final_logits` makes logits of it). One module call, so
-        that a sharding wrapper (FSDP2) gathers the weights around all of it."""
-        return self.lm_head(gather_rows(self.hidden_states(packed, dtype, replay), packed.score_index))
+        `dtype`, before the final soft-cap (`final_logits` makes logits of it); or what `head(hidden,
+        lm_head)` makes of the final hidden states there instead (the log-probabilities, with the head
+        computed a chunk at a time: `trainer.sequence_logprobs`). One module call, so that a sharding
+        wrapper (FSDP2) gathers the weights around all of it."""
+        hidden = gather_rows(self.hidden_states(packed, dtype, replay), packed.score_index)
+        return self.lm_head(hidden) if head is None else head(hidden, self.lm_head)
+
+    def chunks_head(self, scored: int, dtype: torch.dtype) -> bool:
+        """Whether a pass scoring `scored` tokens computes the LM head a chunk at a time (`chunked_head`): "auto"
+        does where the whole head would take more than CHUNKED_HEAD_BYTES."""
+        if self.chunked_head != "auto":
+            return bool(self.chunked_head)
+        return scored * self.config.vocab_size * dtype.itemsize > CHUNKED_HEAD_BYTES
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits in FP32 from hidden states (the matmul in the hidden dtype)."""

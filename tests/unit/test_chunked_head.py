@@ -1,0 +1,100 @@
+"""The LM head a chunk of rows at a time (`trainer.chunked_head`, `ChunkedHeadLogProbs`): the log-probabilities
+and every gradient of the whole-head pass, exact mode's bits, and no [tokens, vocabulary] tensor kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests import architectures
+from tests.architectures import save_random_model
+
+from parity.engines import kernels
+from parity.engines import trainer as trainer_mod
+from parity.engines.models.io import load_model
+
+PROMPTS = [[3, 4, 5, 6], [7, 8], [9, 10, 11]]
+
+
+def _batch(vocab: int, gen: torch.Generator):
+    responses = torch.randint(1, vocab, (3, 7), generator=gen)
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1, 5:] = False
+    # Each token's support: itself and up to 5 others (top-k/top-p's), padded with -1.
+    offsets = torch.stack([torch.randperm(vocab - 1, generator=gen)[:5] + 1 for _ in range(21)]).view(3, 7, 5)
+    support = torch.cat([responses[..., None], (responses[..., None] + offsets) % vocab], -1)
+    padding = torch.arange(6) > (torch.arange(21) % 6).view(3, 7, 1)
+    return responses, mask, support.masked_fill(padding, -1)
+
+
+def _pass(model_dir, chunked: bool, dtype, exact: bool, filtered: bool, temperature: float):
+    """(log-probs [3, 7], every parameter's gradient, the saved tensors' shapes) of one pass and its backward."""
+    model = load_model(model_dir, kernels.numerics(exact=exact))
+    model.chunked_head = chunked
+    vocab = model.config.vocab_size
+    responses, mask, support = _batch(vocab, torch.Generator().manual_seed(0))
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        _, logprobs = trainer_mod.sequence_logprobs(
+            model, PROMPTS, responses, mask, support if filtered else None, temperature, dtype
+        )
+    weights = torch.linspace(-1, 1, logprobs.numel()).view_as(logprobs)
+    (logprobs * weights).sum().backward()
+    return logprobs.detach(), {n: p.grad for n, p in model.named_parameters()}, shapes
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])  # a tied head; a soft-capped one
+@pytest.mark.parametrize(
+    "dtype, exact, filtered",
+    [(torch.float32, False, False), (torch.float32, True, True), (torch.bfloat16, False, True)],
+    ids=["fp32", "fp32-exact-filtered", "bf16-filtered"],
+)
+def test_the_chunked_head_gives_the_whole_heads_logprobs_and_gradients(
+    tmp_path, monkeypatch, arch, dtype, exact, filtered
+):
+    """Chunks of 3 rows of 19 scored tokens: log-probs equal (exact mode: bit for bit), every gradient close, and
+    no tensor with a vocabulary-wide last dimension is kept for the backward, where the whole head keeps one."""
+    monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", {"cpu": 3 * 96})
+    monkeypatch.setattr(architectures, "COMMON", {**architectures.COMMON, "vocab_size": 96})  # apart from hidden
+    model_dir = save_random_model(tmp_path / arch, arch)
+    whole, whole_grads, whole_saved = _pass(model_dir, False, dtype, exact, filtered, 0.7)
+    chunked, chunked_grads, chunked_saved = _pass(model_dir, True, dtype, exact, filtered, 0.7)
+    vocab = load_model(model_dir, kernels.numerics()).config.vocab_size
+    assert any(shape[-1:] == (vocab,) for shape in whole_saved)
+    assert not any(shape[-1:] == (vocab,) for shape in chunked_saved)
+    if exact:
+        assert torch.equal(chunked, whole)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, **tolerance, msg=name)
+
+
+def test_auto_chunks_only_a_head_larger_than_the_limit(tmp_path, monkeypatch):
+    from parity.engines.models import modules
+
+    model = load_model(save_random_model(tmp_path / "m", "qwen2"), kernels.numerics())
+    vocab = model.config.vocab_size
+    monkeypatch.setattr(modules, "CHUNKED_HEAD_BYTES", 100 * vocab * 4)
+    assert model.chunked_head == "auto"
+    assert not model.chunks_head(100, torch.float32) and model.chunks_head(101, torch.float32)
+    assert not model.chunks_head(200, torch.bfloat16) and model.chunks_head(201, torch.bfloat16)
+    model.chunked_head = False
+    assert not model.chunks_head(10**6, torch.float32)
+
+
+def test_a_run_trains_and_records_the_full_vocabulary_with_a_chunked_head(tmp_path):
+    """`trainer.chunked_head=always` through `parity train`: the training pass fills the full-vocabulary record
+    from the chunked pass (exact mode: the same bits as the rollout engine's, so every full_vocab/ figure is 0),
+    and a misspelt mode is refused in one line naming the key."""
+    from tests.conftest import metrics
+
+    from parity.cli import main
+
+    run = tmp_path / "run"
+    common = ["train", "steps=2", "prompts_per_step=2", "rollout.group_size=2", "tensorboard=false"]
+    assert main([*common, f"run_dir={run}", "exact=true", "trainer.chunked_head=always"]) == 0
+    rows = metrics(run)
+    assert len(rows) == 2
+    assert all(row["full_vocab/positions"] > 0 and row["full_vocab/max_abs_log_ratio"] == 0.0 for row in rows)
+    assert main([*common, f"run_dir={tmp_path / 'bad'}", "trainer.chunked_head=on"]) == 2
+    assert not (tmp_path / "bad").exists()
