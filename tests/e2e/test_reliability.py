@@ -273,10 +273,14 @@ def test_resume_refuses_an_edited_config_and_changes_outside_the_allow_list(trai
     assert main(["train", "--resume", str(run_dir), "precision=bf16"]) == 2
     assert "precision cannot change on resume" in capsys.readouterr().err
     assert _steps(run_dir) == [1]
-    # steps may change: it is logged and recorded.
-    assert main(["train", "--resume", str(run_dir), "steps=2"]) == 0
-    assert "resume: steps 1 -> 2" in capsys.readouterr().err
-    assert config.load(TrainConfig, cfg).steps == 2 and _steps(run_dir) == [1, 2]
+    # steps may change, and the trainer's memory keys (a run that ran out of memory): logged and recorded.
+    memory = ["trainer.micro_batch_tokens=64", "trainer.activation_checkpointing=true", "trainer.chunked_head=always"]
+    assert main(["train", "--resume", str(run_dir), "steps=2", *memory]) == 0
+    err = capsys.readouterr().err
+    assert "resume: steps 1 -> 2" in err and "trainer.chunked_head 'auto' -> 'always'" in err
+    saved = config.load(TrainConfig, cfg)
+    assert saved.steps == 2 and _steps(run_dir) == [1, 2]
+    assert (saved.trainer.micro_batch_tokens, saved.trainer.activation_checkpointing) == (64, True)
 
 
 def test_resume_accepts_a_run_saved_before_a_key_existed(trained_run, tmp_path, capsys):

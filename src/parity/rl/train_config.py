@@ -34,6 +34,8 @@ MICRO_BATCH_TOKENS = {"cpu": 8192, "cuda": 16384}
 # Keys `parity train --resume RUN key=value` may change: how long and how often, never what is trained (the
 # bounds on your code in the training process stop a run, or refuse it, and never change a score).
 # The learner count changes only how the gradient's sum is split (round-off): sharded checkpoints reshard.
+# So do the trainer's memory keys, for a run resumed after it ran out of memory: they change how the
+# gradient's sums are grouped, not what is trained.
 # Data paths may change too (the same data moved, or the run resumed from another folder): the data order
 # is a position in the file's rows.
 RESUMABLE_KEYS = (
@@ -44,6 +46,9 @@ RESUMABLE_KEYS = (
     "log.to",
     "log.completions",
     "distributed.learners",
+    "trainer.micro_batch_tokens",
+    "trainer.activation_checkpointing",
+    "trainer.chunked_head",
     "task.data",
     "eval.data",
     "reward.import_timeout_s",
