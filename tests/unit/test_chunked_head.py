@@ -98,3 +98,20 @@ def test_a_run_trains_and_records_the_full_vocabulary_with_a_chunked_head(tmp_pa
     assert all(row["full_vocab/positions"] > 0 and row["full_vocab/max_abs_log_ratio"] == 0.0 for row in rows)
     assert main([*common, f"run_dir={tmp_path / 'bad'}", "trainer.chunked_head=on"]) == 2
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_exact_mode_on_cuda_keeps_the_whole_heads_bits(dtype, monkeypatch):
+    """CUDA's exact numerics (`TritonExact`, here in Triton's interpreter): the batch-invariant matmul gives each
+    chunk's rows the bits of the whole head, so the chunked log-probabilities are the whole head's, bit for bit."""
+    pytest.importorskip("triton")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    numerics = kernels.TritonExact(device)
+    monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", {device.type: 5 * 96})
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(19, 32, generator=gen).to(device, dtype)
+    weight = (torch.randn(96, 32, generator=gen) / 4).to(device, dtype)
+    tokens = torch.randint(0, 96, (19,), generator=gen).to(device)
+    whole = trainer_mod.token_logprobs(numerics.linear(hidden, weight), tokens, None, 0.8, 5.0, numerics)
+    chunked = trainer_mod.ChunkedHeadLogProbs.apply(hidden, weight, None, tokens, None, 0.8, 5.0, numerics)
+    assert torch.equal(chunked, whole)
