@@ -152,7 +152,7 @@ def test_an_fsdp2_learner_with_a_chunked_head_keeps_one_processs_bits(tmp_path, 
     from parity.engines.models import modules
 
     monkeypatch.setattr(modules, "CHUNKED_HEAD_BYTES", 0)
-    monkeypatch.setattr(trainer, "LOGPROB_CHUNK_ELEMENTS", {"cpu": 7 * 64})
+    monkeypatch.setattr(trainer, "CHUNKED_HEAD_ELEMENTS", {"cpu": 7 * 64})
     chunked = []
     forward = trainer.ChunkedHeadLogProbs.forward
     monkeypatch.setattr(trainer.ChunkedHeadLogProbs, "forward", lambda *a: chunked.append(1) or forward(*a))

@@ -54,6 +54,7 @@ def test_the_chunked_head_gives_the_whole_heads_logprobs_and_gradients(
     """Chunks of 3 rows of 19 scored tokens: log-probs equal (exact mode: bit for bit), every gradient close, and
     no tensor with a vocabulary-wide last dimension is kept for the backward, where the whole head keeps one."""
     monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", {"cpu": 3 * 96})
+    monkeypatch.setattr(trainer_mod, "CHUNKED_HEAD_ELEMENTS", {"cpu": 3 * 96})
     monkeypatch.setattr(architectures, "COMMON", {**architectures.COMMON, "vocab_size": 96})  # apart from hidden
     model_dir = save_random_model(tmp_path / arch, arch)
     whole, whole_grads, whole_saved = _pass(model_dir, False, dtype, exact, filtered, 0.7)
@@ -107,7 +108,7 @@ def test_exact_mode_on_cuda_keeps_the_whole_heads_bits(dtype, monkeypatch):
     pytest.importorskip("triton")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     numerics = kernels.TritonExact(device)
-    monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", {device.type: 5 * 96})
+    monkeypatch.setattr(trainer_mod, "CHUNKED_HEAD_ELEMENTS", {device.type: 5 * 96})
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(19, 32, generator=gen).to(device, dtype)
     weight = (torch.randn(96, 32, generator=gen) / 4).to(device, dtype)

@@ -72,6 +72,11 @@ class StepStats:
 # CPU (cache-sized); 256 MiB on a GPU, where each chunk costs a few kernel launches (a 151,936-word
 # vocabulary gave 55-row chunks at 32 MiB: ~180 chunks for 10k tokens).
 LOGPROB_CHUNK_ELEMENTS = {"cpu": 2**23, "cuda": 2**26}
+# ... by `ChunkedHeadLogProbs`, whose every chunk also adds a [V, H] product into the weight's gradient: on a
+# GPU, 16-bit products of 74 chunks (32k tokens of Qwen2.5-0.5B at 2**26) would move about 120 GB; at 2**28,
+# 19 chunks, a quarter of that. Not yet measured on a card (`benchmarks/gpu_probe.py`'s sweep measures both
+# heads). The CPU keeps its chunks under glibc's mmap cap (`runtime.py`), and its FP32 sum adds in place.
+CHUNKED_HEAD_ELEMENTS = {"cpu": 2**23, "cuda": 2**28}
 
 
 class HeadLogProbs(torch.autograd.Function):
@@ -125,7 +130,7 @@ class ChunkedHeadLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, fast, tokens, support, temperature: float, cap: float | None, numerics):
         picked = torch.empty(hidden.shape[0], device=hidden.device)
         lse = torch.empty_like(picked)
-        for chunk in _row_chunks(hidden.shape[0], weight.shape[0], hidden.device):
+        for chunk in _row_chunks(hidden.shape[0], weight.shape[0], hidden.device, CHUNKED_HEAD_ELEMENTS):
             z = _scaled(numerics.linear(hidden[chunk], weight, fast=fast), temperature, cap)
             picked[chunk], lse[chunk] = numerics.token_logprobs(z, tokens[chunk], _rows(support, chunk))
         ctx.save_for_backward(hidden, weight, tokens, lse, *(() if support is None else (support,)))
@@ -141,7 +146,7 @@ class ChunkedHeadLogProbs(torch.autograd.Function):
         # SmolLM2 at 4,096 tokens), rounded to the weight's dtype once; a 16-bit product goes through one buffer.
         grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         product = None if grad_weight is None or weight.dtype == torch.float32 else torch.empty_like(weight)
-        for chunk in _row_chunks(hidden.shape[0], weight.shape[0], hidden.device):
+        for chunk in _row_chunks(hidden.shape[0], weight.shape[0], hidden.device, CHUNKED_HEAD_ELEMENTS):
             head = ctx.numerics.linear(hidden[chunk], weight, fast=ctx.fast)
             dz = _head_gradient(
                 head, tokens[chunk], lse[chunk], grad[chunk], _rows(support, chunk), ctx.temperature, ctx.cap
@@ -172,9 +177,10 @@ def _head_gradient(head, tokens, lse, grad, support, temperature: float, cap: fl
     return dz
 
 
-def _row_chunks(rows: int, vocab: int, device: torch.device) -> list[slice]:
-    """Slices of `rows` rows, each [chunk, vocab] holding about LOGPROB_CHUNK_ELEMENTS."""
-    size = max(1, LOGPROB_CHUNK_ELEMENTS.get(device.type, LOGPROB_CHUNK_ELEMENTS["cpu"]) // vocab)
+def _row_chunks(rows: int, vocab: int, device: torch.device, elements: dict | None = None) -> list[slice]:
+    """Slices of `rows` rows, each [chunk, vocab] holding about `elements` (default LOGPROB_CHUNK_ELEMENTS)."""
+    elements = elements or LOGPROB_CHUNK_ELEMENTS
+    size = max(1, elements.get(device.type, elements["cpu"]) // vocab)
     return [slice(start, start + size) for start in range(0, rows, size)]
 
 
