@@ -24,7 +24,6 @@ ARMS = ("never", "always")
 
 
 def one_run(model: str, shape: tuple[int, int, int], arm: str, steps: int, threads: int) -> dict:
-    import parity
     import vs_trl
     from parity.rl import step
 
@@ -44,16 +43,7 @@ def one_run(model: str, shape: tuple[int, int, int], arm: str, steps: int, threa
 
     step.LocalBackend.update = timed
     with tempfile.TemporaryDirectory() as tmp:
-        # `vs_trl.parity_custom`'s keys, with the head's mode
-        rows = [{"prompt": p["prompt"], "answer": int(p["answer"])} for p in work.problems]
-        rewards = [parity.Reward(fn, weight=w) for fn, w in vs_trl.CUSTOM_REWARDS]
-        parity.train(model, rows, rewards, run_dir=Path(tmp) / "run", progress=False, precision="fp32",
-                     algorithm__name="grpo", algorithm__advantage="grpo",
-                     algorithm__aggregation="seq_mean_token_sum_norm", algorithm__truncated="keep",
-                     trainer__lr=vs_trl.LR, prompts_per_step=prompts, rollout__group_size=group,
-                     rollout__max_new_tokens=tokens, steps=steps, checkpoint_every=-1, tensorboard=False,
-                     eval__every=-1, log__completions=0, trainer__micro_batch_tokens=prompts * group * (tokens + 64),
-                     seed=0, trainer__chunked_head=arm)  # fmt: skip
+        vs_trl.parity_custom(work, Path(tmp), trainer__chunked_head=arm)
     return {"arm": arm, "update_s": times, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 

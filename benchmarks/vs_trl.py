@@ -220,8 +220,8 @@ def custom_judged(prompts, completions, **columns):
 CUSTOM_REWARDS = [(custom_correct, 1.0), (custom_judged, 0.1)]
 
 
-def parity_custom(work: Work, tmp: Path):
-    """The custom task through `parity.train`, on the keys `parity_run` sets for the built-in one."""
+def parity_custom(work: Work, tmp: Path, **extra):
+    """The custom task through `parity.train`, on the keys `parity_run` sets for the built-in one (and `extra`)."""
     import parity
 
     rows = [{"prompt": p["prompt"], "answer": int(p["answer"])} for p in work.problems]
@@ -244,7 +244,7 @@ def parity_custom(work: Work, tmp: Path):
         trainer__micro_batch_tokens=work.prompts * work.group * (work.new_tokens + 64),
         seed=work.seed,
     )
-    return parity.train(work.model_dir, rows, rewards, run_dir=tmp / "run", progress=False, **keys)
+    return parity.train(work.model_dir, rows, rewards, run_dir=tmp / "run", progress=False, **keys, **extra)
 
 
 def trl_trainer(work: Work, callbacks: list, on_accuracy=None):
