@@ -209,3 +209,21 @@ def test_reordered_weights_sample_what_the_previous_engine_sampled(monkeypatch):
     before = engine.weights.lm_head_fast
     engine.load_weights({n: t * 0.5 for n, t in engine.named_weights().items()}, engine.weight_version + 1)
     assert engine.weights.lm_head_fast is not before
+
+
+def test_a_decode_steps_query_and_key_heads_are_a_view_of_the_fused_projection():
+    """The query and key heads go to RoPE and the cache as one tensor: for the fused projection's output of a
+    decode step (one token, whose dimension `view` gives Q and K different strides) that is a view, no copy;
+    for heads computed apart (a q/k norm's outputs), a copy. Either way the values of `cat`."""
+    from parity.engines.models.decoder import heads_together
+
+    _, engine = engine_for("builtin", "fp32", exact=False)
+    cfg = engine.config
+    for tokens in (1, 5):
+        x = torch.randn(3, tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(tokens))
+        q, k, _ = engine.weights.layers[0].attention_inputs(x)
+        together = heads_together(q, k)
+        assert together.data_ptr() == q.data_ptr(), f"{tokens} token(s): copied"
+        assert torch.equal(together, torch.cat([q, k], dim=-2))
+    apart = heads_together(q.clone(), k.clone())
+    assert apart.data_ptr() != q.data_ptr() and torch.equal(apart, torch.cat([q, k], dim=-2))

@@ -136,11 +136,15 @@ def stream(x: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
 
 def heads_together(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """The query and key heads as one tensor [..., heads + KV heads, D]: a view where K's heads follow Q's in
-    memory (one fused projection's output), else a copy."""
+    memory (one fused projection's output), else a copy. A dimension of size 1 has no stride to agree on
+    (a decode step's one token: `view` gives Q and K different strides there)."""
     heads, d = q.shape[-2], q.shape[-1]
+    outer = q.shape[:-2]
     adjacent = (
-        q.stride() == k.stride()
-        and q.stride(-1) == 1
+        outer == k.shape[:-2]
+        and all(size == 1 or a == b for size, a, b in zip(outer, q.stride()[:-2], k.stride()[:-2]))
+        and q.stride(-2) == k.stride(-2)
+        and q.stride(-1) == k.stride(-1) == 1
         and q.stride(-2) == d
         and k.data_ptr() == q.data_ptr() + heads * d * q.element_size()
     )
