@@ -666,7 +666,11 @@ def run_tests(args, record: dict) -> None:
     try:
         cuda = subprocess.run([*command, "-m", "cuda", *map(str, files)], timeout=DEADLINES["tests"] * 0.6,
                               capture_output=True, text=True)  # fmt: skip
-        invariant_files = [str(tests / "unit" / "test_invariant.py"), str(tests / "e2e" / "test_invariant_engines.py")]
+        invariant_files = [
+            str(tests / "unit" / "test_invariant.py"),
+            str(tests / "e2e" / "test_invariant_engines.py"),
+            str(tests / "unit" / "test_chunked_head.py"),  # the fused head's kernels, compiled
+        ]
         invariant = subprocess.run([*command, *invariant_files],
                                    timeout=DEADLINES["tests"] * 0.4,
                                    capture_output=True, text=True)  # fmt: skip

@@ -1,5 +1,7 @@
 """The LM head a chunk of rows at a time (`trainer.chunked_head`, `ChunkedHeadLogProbs`): the log-probabilities
-and every gradient of the whole-head pass, exact mode's bits, and no [tokens, vocabulary] tensor kept."""
+and every gradient of the whole-head pass, exact mode's bits, and no [tokens, vocabulary] tensor kept. The head's
+log-probabilities and gradient in one Triton pass per row (`kernels/head.py`, plain numerics on CUDA; here in
+Triton's interpreter): PyTorch's values, whole or chunked."""
 
 from __future__ import annotations
 
@@ -26,9 +28,9 @@ def _batch(vocab: int, gen: torch.Generator):
     return responses, mask, support.masked_fill(padding, -1)
 
 
-def _pass(model_dir, chunked: bool, dtype, exact: bool, filtered: bool, temperature: float):
+def _pass(model_dir, chunked: bool, dtype, exact: bool, filtered: bool, temperature: float, numerics=None):
     """(log-probs [3, 7], every parameter's gradient, the saved tensors' shapes) of one pass and its backward."""
-    model = load_model(model_dir, kernels.numerics(exact=exact))
+    model = load_model(model_dir, numerics or kernels.numerics(exact=exact))
     model.chunked_head = chunked
     vocab = model.config.vocab_size
     responses, mask, support = _batch(vocab, torch.Generator().manual_seed(0))
@@ -116,3 +118,74 @@ def test_exact_mode_on_cuda_keeps_the_whole_heads_bits(dtype, monkeypatch):
     whole = trainer_mod.token_logprobs(numerics.linear(hidden, weight), tokens, None, 0.8, 5.0, numerics)
     chunked = trainer_mod.ChunkedHeadLogProbs.apply(hidden, weight, None, tokens, None, 0.8, 5.0, numerics)
     assert torch.equal(chunked, whole)
+
+
+class FusedHead(kernels.Numerics):
+    """Plain numerics that take the fused head on the CPU, as they do on CUDA (Triton's interpreter runs it)."""
+
+    def fused_head(self, head, support) -> bool:
+        return support is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("temperature, cap", [(1.0, None), (0.7, None), (1.3, 5.0)], ids=["t1", "t0.7", "capped"])
+def test_the_fused_head_gives_pytorchs_logprobs_and_gradient(dtype, temperature, cap):
+    """Rows of 3,000 entries (three blocks, the last partial): log p(token) and the log-normaliser to FP32
+    round-off, and the gradient, in the head's dtype, to one rounding of PyTorch's FP32 one, written apart or
+    into the head itself. On a GPU (gpu_probe.py --tests) compiled, here in Triton's interpreter."""
+    pytest.importorskip("triton")
+    from parity.engines.kernels import head as fused
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(0)
+    plain = kernels.Numerics(device)  # PyTorch's ops, whatever the device
+    plain.fused_head = lambda head, support: False
+    head = (torch.randn(5, 3000, generator=gen) * 4).to(device, dtype)
+    tokens = torch.randint(0, 3000, (5,), generator=gen).to(device)
+    grad = torch.randn(5, generator=gen).to(device)
+    picked, lse = fused.logprobs(head, tokens, temperature, cap)
+    expected_picked, expected_lse = plain.token_logprobs(trainer_mod._scaled(head, temperature, cap), tokens, None)
+    torch.testing.assert_close(picked, expected_picked, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-6, atol=1e-5)
+    expected = torch.empty(head.shape, device=device)
+    trainer_mod._head_gradient(head, tokens, lse, grad, None, temperature, cap, plain, expected)
+    apart = fused.gradient(head, tokens, lse, grad, temperature, cap, torch.empty_like(head))
+    in_place = fused.gradient(head.clone(), tokens, lse, grad, temperature, cap, head.clone())
+    # 16-bit: one rounding of PyTorch's FP32 gradient; FP32: the exponentials' round-off
+    ulp = torch.finfo(dtype).eps
+    tolerance = {"rtol": 2e-5, "atol": 1e-7} if dtype == torch.float32 else {"rtol": ulp, "atol": ulp * 1e-3}
+    for got in (apart, in_place):
+        torch.testing.assert_close(got.float(), expected.to(dtype).float(), **tolerance)
+    written = head.clone()
+    fused.gradient(written, tokens, lse, grad, temperature, cap, written)
+    assert torch.equal(written, apart)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels on CPU tensors, in Triton's interpreter")
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
+def test_the_trainer_takes_the_fused_head_where_the_numerics_say_so(tmp_path, monkeypatch, chunked):
+    """Through `sequence_logprobs` on a soft-capped model, whole head and chunked: with the fused head the
+    log-probabilities and every gradient are PyTorch's to round-off, the kernels run, and a top-k/top-p support
+    keeps PyTorch's path. Exact mode never takes it (its log-normaliser is the rollout engine's)."""
+    pytest.importorskip("triton")
+    from parity.engines.kernels import head as fused
+
+    monkeypatch.setattr(trainer_mod, "LOGPROB_CHUNK_ELEMENTS", {"cpu": 3 * 96})
+    monkeypatch.setattr(trainer_mod, "CHUNKED_HEAD_ELEMENTS", {"cpu": 3 * 96})
+    monkeypatch.setattr(architectures, "COMMON", {**architectures.COMMON, "vocab_size": 96})
+    model_dir = save_random_model(tmp_path / "gemma2", "gemma2")
+    calls = []
+    for name in ("logprobs", "gradient"):
+        original = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, original=original, name=name: calls.append(name) or original(*a))
+    expected, expected_grads, _ = _pass(model_dir, chunked, torch.float32, False, False, 0.7)
+    assert not calls
+    got, grads, _ = _pass(model_dir, chunked, torch.float32, False, False, 0.7, FusedHead(torch.device("cpu")))
+    assert {"logprobs", "gradient"} <= set(calls)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    calls.clear()
+    _pass(model_dir, chunked, torch.float32, False, True, 0.7, FusedHead(torch.device("cpu")))
+    assert not calls
+    assert not kernels.TritonExact(torch.device("cpu")).fused_head(torch.zeros(2, 3), None)

@@ -83,7 +83,7 @@ class HeadLogProbs(torch.autograd.Function):
     """log p(token) from the LM head's output `head` [M, V] (any dtype), with the soft-cap `cap` and
     `temperature` applied in FP32, over the whole vocabulary or over each row's `support` [M, K] (token
     ids, -1 = padding): [M] FP32, with `numerics`' arithmetic (`Numerics.token_logprobs`: exact mode's is
-    the rollout engine's, for the same bits).
+    the rollout engine's, for the same bits; one Triton pass over each row where `Numerics.fused_head`).
 
     Autograd's log-softmax would hold [M, V] FP32 tensors three times over (the upcast logits,
     the saved output, the gradient; 300 MB each for 1,536 tokens of a 49k vocabulary). This keeps
@@ -97,10 +97,11 @@ class HeadLogProbs(torch.autograd.Function):
         picked = torch.empty(head.shape[0], device=head.device)
         lse = torch.empty_like(picked)
         for chunk in _row_chunks(*head.shape, head.device):
-            z = _scaled(head[chunk], temperature, cap)
-            picked[chunk], lse[chunk] = numerics.token_logprobs(z, tokens[chunk], _rows(support, chunk))
+            picked[chunk], lse[chunk] = _chunk_logprobs(
+                head[chunk], tokens[chunk], _rows(support, chunk), temperature, cap, numerics
+            )
         ctx.save_for_backward(head, tokens, lse, *(() if support is None else (support,)))
-        ctx.temperature, ctx.cap, ctx.reuse = temperature, cap, reuse
+        ctx.temperature, ctx.cap, ctx.numerics, ctx.reuse = temperature, cap, numerics, reuse
         return picked
 
     @staticmethod
@@ -110,10 +111,11 @@ class HeadLogProbs(torch.autograd.Function):
         # `reuse`: nothing reads `head` after this, and each chunk's gradient overwrites it once read. A fresh
         # [M, V] tensor is first-touched memory: 1.1 s of page faults a step at 4,096 scored tokens (SmolLM2).
         out = head if ctx.reuse else torch.empty_like(head)
-        for chunk in _row_chunks(*head.shape, head.device):
-            out[chunk] = _head_gradient(
-                head[chunk], tokens[chunk], lse[chunk], grad[chunk], _rows(support, chunk), ctx.temperature, ctx.cap
-            )
+        for rows in _row_chunks(*head.shape, head.device):
+            _head_gradient(
+                head[rows], tokens[rows], lse[rows], grad[rows], _rows(support, rows), ctx.temperature, ctx.cap,
+                ctx.numerics, out[rows],
+            )  # fmt: skip
         return out, None, None, None, None, None, None
 
 
@@ -131,8 +133,10 @@ class ChunkedHeadLogProbs(torch.autograd.Function):
         picked = torch.empty(hidden.shape[0], device=hidden.device)
         lse = torch.empty_like(picked)
         for chunk in _row_chunks(hidden.shape[0], weight.shape[0], hidden.device, CHUNKED_HEAD_ELEMENTS):
-            z = _scaled(numerics.linear(hidden[chunk], weight, fast=fast), temperature, cap)
-            picked[chunk], lse[chunk] = numerics.token_logprobs(z, tokens[chunk], _rows(support, chunk))
+            head = numerics.linear(hidden[chunk], weight, fast=fast)
+            picked[chunk], lse[chunk] = _chunk_logprobs(
+                head, tokens[chunk], _rows(support, chunk), temperature, cap, numerics
+            )
         ctx.save_for_backward(hidden, weight, tokens, lse, *(() if support is None else (support,)))
         ctx.fast, ctx.temperature, ctx.cap, ctx.numerics = fast, temperature, cap, numerics
         return picked
@@ -148,9 +152,12 @@ class ChunkedHeadLogProbs(torch.autograd.Function):
         product = None if grad_weight is None or weight.dtype == torch.float32 else torch.empty_like(weight)
         for chunk in _row_chunks(hidden.shape[0], weight.shape[0], hidden.device, CHUNKED_HEAD_ELEMENTS):
             head = ctx.numerics.linear(hidden[chunk], weight, fast=ctx.fast)
+            # Into the head's own storage, in its dtype: the matmuls' backward runs in the compute dtype, as a
+            # `Linear`'s does.
             dz = _head_gradient(
-                head, tokens[chunk], lse[chunk], grad[chunk], _rows(support, chunk), ctx.temperature, ctx.cap
-            ).to(head.dtype)  # the matmuls' backward runs in the compute dtype, as a `Linear`'s does
+                head, tokens[chunk], lse[chunk], grad[chunk], _rows(support, chunk), ctx.temperature, ctx.cap,
+                ctx.numerics, head,
+            )  # fmt: skip
             if grad_hidden is not None:
                 grad_hidden[chunk] = dz @ weight
             if product is not None:
@@ -161,9 +168,27 @@ class ChunkedHeadLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
-def _head_gradient(head, tokens, lse, grad, support, temperature: float, cap: float | None) -> torch.Tensor:
-    """d log p(token) / d head for a chunk of rows, times the incoming gradient `grad` [rows]: FP32 [rows, V].
-    d log p(t) / dz = onehot(t) - softmax(z) over the support; then the temperature's and the soft-cap's factors."""
+def _chunk_logprobs(
+    head, tokens, support, temperature: float, cap: float | None, numerics: kernels.Numerics
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(token), the log-normaliser) [rows] FP32 of a chunk of the head's rows."""
+    if numerics.fused_head(head, support):
+        from parity.engines.kernels import head as fused_head
+
+        return fused_head.logprobs(head, tokens, temperature, cap)
+    return numerics.token_logprobs(_scaled(head, temperature, cap), tokens, support)
+
+
+def _head_gradient(
+    head, tokens, lse, grad, support, temperature: float, cap: float | None, numerics: kernels.Numerics, out
+) -> torch.Tensor:
+    """d log p(token) / d head for a chunk of rows, times the incoming gradient `grad` [rows], written into `out`
+    [rows, V] (`head` itself allowed) in its dtype and returned. d log p(t) / dz = onehot(t) - softmax(z) over the
+    support; then the temperature's and the soft-cap's factors (FP32)."""
+    if numerics.fused_head(head, support):
+        from parity.engines.kernels import head as fused_head
+
+        return fused_head.gradient(head, tokens, lse, grad, temperature, cap, out)
     g = grad[:, None]
     z = _scaled(head, temperature, cap)
     if support is not None:
@@ -174,7 +199,7 @@ def _head_gradient(head, tokens, lse, grad, support, temperature: float, cap: fl
         dz /= temperature
     if cap is not None:  # d cap·tanh(x / cap) / dx = 1 - tanh²
         dz *= 1 - torch.tanh(head.float() / cap).square()
-    return dz
+    return out.copy_(dz)
 
 
 def _row_chunks(rows: int, vocab: int, device: torch.device, elements: dict | None = None) -> list[slice]:

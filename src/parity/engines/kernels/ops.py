@@ -293,6 +293,12 @@ class Numerics:
         eager ops on the CPU, whose bits the engines are tested against."""
         return x.is_cuda
 
+    def fused_head(self, head: torch.Tensor, support: torch.Tensor | None) -> bool:
+        """Whether the trainer computes the LM head's log-probabilities and their gradient in one Triton pass
+        over each row of the head's output (`head.py`): on CUDA, over the whole vocabulary, its rows contiguous (a
+        top-k/top-p support takes PyTorch's ops, as the CPU always does)."""
+        return support is None and head.is_cuda and head.stride(-1) == 1
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
         """RMSNorm as the trainer (and Hugging Face) computes it: normalise in FP32, then scale: Llama rounds
         to the compute dtype and multiplies by w; Gemma multiplies by (1 + w) in FP32 and rounds once. Either
@@ -533,6 +539,9 @@ class _Exact(Numerics):
 
     def fast_matrix(self, weight: torch.Tensor) -> torch.Tensor | None:
         return None  # one kernel, whose bits both engines are held to
+
+    def fused_head(self, head: torch.Tensor, support: torch.Tensor | None) -> bool:
+        return False  # the log-normaliser in `token_logprobs`' order: the rollout engine's log-softmax bits
 
     def engine_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
         return self.rms_norm(x, weight, eps, gemma)
