@@ -400,11 +400,18 @@ def budget_sweep(trainer, batch, *budgets: int, peak: float, device: str) -> dic
     """The same step at other micro-batch token budgets (median of 3 after a warm-up), one trainer on the card,
     with the LM head whole and a chunk at a time (`trainer.chunked_head`): is the default the fastest, and what
     does the chunked head save? (At 8k tokens per micro-batch, the 32k step took 0.84 s against 0.60 s at 16k:
-    H100, call 1.)"""
+    H100, call 1.) At the first budget also the whole head with PyTorch's ops for its log-probabilities instead
+    of `kernels/head.py`'s pass per row: what the fused head saves."""
     out = {}
+    numerics = trainer.model.numerics
     for tokens in budgets:
-        for head, chunked in (("whole head", False), ("chunked head", True)):
+        arms = [("whole head", False, True), ("chunked head", True, True)]
+        if tokens == budgets[0]:
+            arms.append(("whole head, PyTorch's log-probabilities", False, False))
+        for head, chunked, fused in arms:
             trainer.model.chunked_head = chunked
+            if not fused:  # on this numerics object alone, for this arm (one trainer is on the card)
+                numerics.fused_head = lambda head, support: False
             times, flops = [], []
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -424,6 +431,7 @@ def budget_sweep(trainer, batch, *budgets: int, peak: float, device: str) -> dic
             if device == "cuda":  # the whole process: the model, its gradients, AdamW's state, the step's activations
                 arm["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
             print(f"train bf16 at {tokens} tokens per micro-batch, {head}: {seconds:.3f} s/step {arm}", flush=True)
+            numerics.__dict__.pop("fused_head", None)
     trainer.model.chunked_head = "auto"
     return out
 
