@@ -19,9 +19,10 @@ from collections.abc import Callable
 import torch
 
 from parity.engines.batch import FullVocab, RolloutBatch
+from parity.engines.kernels import apply_rope
 from parity.engines.models.config import FULL, SLIDING, rope_tables
 from parity.engines.models.decoder import mlp
-from parity.engines.models.modules import apply_rope, rope_angles, softcap
+from parity.engines.models.modules import rope_angles, softcap
 from parity.engines.packing import Routing
 from parity.engines.sampling import SamplingParams, filter_logits, sample_categorical
 

@@ -144,8 +144,7 @@ def test_exact_packed_attention_has_the_gradients_of_plain_attention():
 def test_fused_rope_and_cache_write_give_the_eager_bits(dtype):
     """The decode step's fused kernel ropes as `apply_rope` does, op by op, and writes each row's key and value
     to its slot. (Triton's interpreter converts FP32 to BF16 by its own rounding: BF16 is checked on a GPU.)"""
-    from parity.engines.kernels import fused
-    from parity.engines.models.modules import apply_rope
+    from parity.engines.kernels import apply_rope, fused
 
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("the interpreter's BF16 conversion is not round-to-nearest-even")
@@ -161,6 +160,29 @@ def test_fused_rope_and_cache_write_give_the_eager_bits(dtype):
     expected = apply_rope(qk.transpose(1, 2), cos[:, None, None], sin[:, None, None])[:, :, 0]
     assert torch.equal(q, expected[:, :heads]) and torch.equal(keys[at], expected[:, heads:])
     assert torch.equal(values[at], v[:, 0].view(n, kv_heads, d))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_the_trainers_fused_rope_gives_the_eager_bits_forward_and_backward(dtype):
+    """The trainer's RoPE in one pass each way (`fused.rope`, what `Numerics.rope` runs on CUDA): the bits of
+    `apply_rope`'s eager ops and of their autograd, for the query heads of a projection's output (a strided
+    view) as for contiguous heads."""
+    from parity.engines.kernels import apply_rope, fused
+
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("the interpreter's BF16 conversion is not round-to-nearest-even")
+    n, heads, d = 7, 3, 32
+    projection = randn(n, (heads + 1) * d, dtype=dtype)
+    cos, sin = randn(n, 1, d, dtype=dtype, seed=1), randn(n, 1, d, dtype=dtype, seed=2)
+    grad = randn(n, heads, d, dtype=dtype, seed=3)
+    for x in (projection[:, : heads * d].view(n, heads, d), projection[:, d:].reshape(n, heads, d).clone()):
+        ours, eager = x.detach().requires_grad_(), x.detach().requires_grad_()
+        out = fused.rope(ours, cos, sin)
+        expected = apply_rope(eager, cos, sin)
+        assert torch.equal(out, expected)
+        out.backward(grad)
+        expected.backward(grad)
+        assert torch.equal(ours.grad, eager.grad)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])

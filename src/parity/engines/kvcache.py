@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from parity.engines import kernels
+from parity.engines.kernels import apply_rope
 from parity.engines.models.config import FULL, SLIDING, ModelConfig
-from parity.engines.models.modules import apply_rope
 
 
 def roped(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@
 `ops.py` holds them and the `Numerics` an engine computes with (`numerics(device, exact)`), the numerics
 of each precision in one place; this package exposes them as `kernels.<name>`. The other modules are the
 kernels they choose from: `cpu.py` (per processor), `cuda.py` (the matmul flags), and on CUDA the Triton
-kernels of `invariant.py`, `attention.py`, `varlen.py`, `fused.py` and `gumbel.py`.
+kernels of `invariant.py`, `attention.py`, `varlen.py`, `fused.py`, `gumbel.py` and `head.py`.
 """
 
 from parity.engines.kernels.ops import (
@@ -18,6 +18,7 @@ from parity.engines.kernels.ops import (
     Numerics,
     TritonExact,
     activation,
+    apply_rope,
     check_device,
     emulated,
     linear,
@@ -42,6 +43,7 @@ __all__ = [
     "Numerics",
     "TritonExact",
     "activation",
+    "apply_rope",
     "check_device",
     "emulated",
     "linear",

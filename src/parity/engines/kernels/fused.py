@@ -1,12 +1,12 @@
 """Fused elementwise work on CUDA (Triton): RoPE on the new token's query and key heads and the cache
-write of its key and value (one kernel per layer instead of nine); RMSNorm, and the rollout engine's
-residual addition with it, in one pass; SiLU(gate) · up in one pass. RMSNorm and SiLU · up run in both
-engines in every mode on CUDA (`Numerics.fused_rows`), with backward kernels for the trainer, so that the
-engines agree on them by construction.
+write of its key and value (one kernel per layer instead of nine); the trainer's RoPE, forward and backward;
+RMSNorm, and the rollout engine's residual addition with it, in one pass; SiLU(gate) · up in one pass.
+RMSNorm and SiLU · up run in both engines in every mode on CUDA (`Numerics.fused_rows`), with backward
+kernels for the trainer, so that the engines agree on them by construction.
 
 RoPE computes each element as PyTorch's eager ops do, operation by operation: x·cos and rotate(x)·sin
 each rounded to the compute dtype, then their sum rounded (no fused multiply-add), so the roped query and
-key are the bits `models.modules.apply_rope` gives, which exact mode needs (the trainer ropes eagerly).
+key are the bits `ops.apply_rope` gives, which exact mode needs (the prefill ropes with those eager ops).
 """
 
 from __future__ import annotations
@@ -78,6 +78,70 @@ def rope_store(
             BD=max(16, triton.next_power_of_2(dim)), enable_fp_fusion=False,
         )  # fmt: skip
     return q
+
+
+@triton.jit(
+    do_not_specialize=["head_dim", "stride_x", "stride_xh", "stride_c", "stride_y", "stride_yh"],
+    do_not_specialize_on_alignment=["x", "cos", "sin", "y"],
+)
+def _rope_kernel(
+    x, cos, sin, y, head_dim, stride_x, stride_xh, stride_c, stride_y, stride_yh,
+    BACKWARD: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    # Forward: y = x·cos + rotate(x)·sin, rotate(x) = [-x2, x1]. Backward: dx = g·cos + rotateᵀ(g·sin), rotateᵀ(u) =
+    # [u2, -u1]. Each product rounded to the dtype, then their sum, as the eager ops (and their autograd) round.
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, BD)
+    ok = d < head_dim
+    half = head_dim // 2
+    partner = tl.where(d < half, d + half, d - half)
+    dtype = y.dtype.element_ty
+    base = x + row * stride_x + head * stride_xh
+    angles = row * stride_c
+    value = tl.load(base + d, mask=ok, other=0.0).to(tl.float32)
+    c = tl.load(cos + angles + d, mask=ok, other=0.0).to(tl.float32)
+    other = tl.load(base + partner, mask=ok, other=0.0).to(tl.float32)
+    if BACKWARD:  # the partner's g·sin, its sign flipped in the second half
+        product = (other * tl.load(sin + angles + partner, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+        rotated = tl.where(d < half, product.to(tl.float32), -product.to(tl.float32))
+    else:
+        s = tl.load(sin + angles + d, mask=ok, other=0.0).to(tl.float32)
+        rotated = (tl.where(d < half, -other, other) * s).to(dtype).to(tl.float32)
+    out = ((value * c).to(dtype).to(tl.float32) + rotated).to(dtype)
+    tl.store(y + row * stride_y + head * stride_yh + d, out, mask=ok)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, heads, dim = x.shape
+    y = torch.empty((rows, heads, dim), dtype=x.dtype, device=x.device)
+    if rows:
+        _rope_kernel[(rows, heads)](
+            x, cos, sin, y, dim, x.stride(0), x.stride(1), cos.stride(0), y.stride(0), y.stride(1),
+            BACKWARD=backward, BD=max(16, triton.next_power_of_2(dim)), enable_fp_fusion=False,
+        )  # fmt: skip
+    return y
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rope(x, cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rope(grad, cos, sin, backward=True), None, None
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the heads x [N, heads, D] by each row's cos and sin ([N, 1, D] or [N, D], last dimension contiguous),
+    in one pass forward and one backward: the bits `apply_rope`'s eager ops give (products and sum each rounded
+    to x's dtype, no fused multiply-add), where those are five passes over x and autograd's four more."""
+    cos, sin = (t.reshape(t.shape[0], -1) for t in (cos, sin))
+    return _Rope.apply(x, cos, sin)
 
 
 # Rows and strides are never specialised, nor pointers on their alignment: the trainer's packed stream and

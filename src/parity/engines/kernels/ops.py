@@ -221,6 +221,12 @@ class _FastForward(_PlainBackward):
         return _fast_linear(x, fast, bias)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE: x·cos + rotate(x)·sin, rotate(x) = [-x2, x1] over the last dimension's halves."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
 def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
@@ -298,6 +304,16 @@ class Numerics:
         over each row of the head's output (`head.py`): on CUDA, over the whole vocabulary, its rows contiguous (a
         top-k/top-p support takes PyTorch's ops, as the CPU always does)."""
         return support is None and head.is_cuda and head.stride(-1) == 1
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The trainer's RoPE on heads x [N, heads, D] by each token's cos and sin [N, 1, D]: on CUDA one Triton
+        pass forward and one backward (`fused.rope`), in every mode (the eager ops' bits, which exact mode needs);
+        the eager ops elsewhere."""
+        if x.is_cuda:
+            from parity.engines.kernels import fused
+
+            return fused.rope(x, cos, sin)
+        return apply_rope(x, cos, sin)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
         """RMSNorm as the trainer (and Hugging Face) computes it: normalise in FP32, then scale: Llama rounds

@@ -43,11 +43,6 @@ def rope_angles(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
@@ -172,7 +167,7 @@ class DecoderLayer(nn.Module):
         attention = self.self_attn
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.numerics.rope(q, cos, sin), self.numerics.rope(k, cos, sin)
             out = self.numerics.packed_attention(q, k, v, packed, attention.window, attention.scale, attention.softcap)
             return out.reshape(out.shape[0], -1)
 
