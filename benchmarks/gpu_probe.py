@@ -400,18 +400,17 @@ def budget_sweep(trainer, batch, *budgets: int, peak: float, device: str) -> dic
     """The same step at other micro-batch token budgets (median of 3 after a warm-up), one trainer on the card,
     with the LM head whole and a chunk at a time (`trainer.chunked_head`): is the default the fastest, and what
     does the chunked head save? (At 8k tokens per micro-batch, the 32k step took 0.84 s against 0.60 s at 16k:
-    H100, call 1.) At the first budget also the whole head with PyTorch's ops for its log-probabilities instead
-    of `kernels/head.py`'s pass per row: what the fused head saves."""
+    H100, call 1.) At the first budget also the whole head without each of the trainer's fused kernels
+    (ABLATIONS): what each saves."""
     out = {}
     numerics = trainer.model.numerics
     for tokens in budgets:
-        arms = [("whole head", False, True), ("chunked head", True, True)]
+        arms = [("whole head", False, {}), ("chunked head", True, {})]
         if tokens == budgets[0]:
-            arms.append(("whole head, PyTorch's log-probabilities", False, False))
-        for head, chunked, fused in arms:
+            arms += [(f"whole head, {name}", False, eager) for name, eager in ABLATIONS.items()]
+        for head, chunked, eager in arms:
             trainer.model.chunked_head = chunked
-            if not fused:  # on this numerics object alone, for this arm (one trainer is on the card)
-                numerics.fused_head = lambda head, support: False
+            numerics.__dict__.update(eager)  # on this numerics object, for this arm (one trainer is on the card)
             times, flops = [], []
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -431,9 +430,24 @@ def budget_sweep(trainer, batch, *budgets: int, peak: float, device: str) -> dic
             if device == "cuda":  # the whole process: the model, its gradients, AdamW's state, the step's activations
                 arm["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
             print(f"train bf16 at {tokens} tokens per micro-batch, {head}: {seconds:.3f} s/step {arm}", flush=True)
-            numerics.__dict__.pop("fused_head", None)
+            for name in eager:
+                del numerics.__dict__[name]
     trainer.model.chunked_head = "auto"
     return out
+
+
+def _eager_rope(x, cos, sin):
+    from parity.engines.kernels import apply_rope
+
+    return apply_rope(x, cos, sin)
+
+
+# The trainer's fused kernels, each replaced by PyTorch's ops in an arm of `budget_sweep` (a `Numerics` method
+# set on the instance for that arm).
+ABLATIONS = {
+    "PyTorch's log-probabilities": {"fused_head": lambda head, support: False},
+    "eager RoPE": {"rope": _eager_rope},
+}
 
 
 def train_profile(trainer, batch, budget: int) -> list[dict]:

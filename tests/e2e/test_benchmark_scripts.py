@@ -60,10 +60,10 @@ def test_the_gpu_probe_runs_on_the_cpu(tmp_path):
     assert all(r["differing"] == 0 for r in engine["exact_agreement"])
     assert all(d["step_ms"] > 0 for d in engine["decode"].values())
     assert all(r["fused_columns_same_bits"] for r in sections["matmul"]["result"].values())
-    # The micro-batch sweep runs each budget with the LM head whole and a chunk at a time, and the first also with
-    # PyTorch's ops for the head's log-probabilities instead of the fused head's kernels.
+    # The micro-batch sweep runs each budget with the LM head whole and a chunk at a time, and the first also
+    # without each of the trainer's fused kernels.
     sweep = next(v for k, v in sections["train"]["result"].items() if k.endswith("/micro_batch_tokens"))
-    heads = {"whole head", "chunked head", "whole head, PyTorch's log-probabilities"}
+    heads = {"whole head", "chunked head", "whole head, PyTorch's log-probabilities", "whole head, eager RoPE"}
     assert {key.split("/")[1] for key in sweep} == heads
     summary = (tmp_path / "summary.md").read_text()
     assert "decode step, batch 16, bf16" in summary and "train bf16@8k" in summary
