@@ -126,3 +126,41 @@ def test_no_test_asserts_a_wall_clock_time():
             if isinstance(node, ast.Assert) and _timed(node.test, elapsed)
         ]
     assert not found, "tests assert an elapsed time: " + ", ".join(found)
+
+
+# Imported only where they are needed, each refused in one line when missing (or, for triton, only on CUDA,
+# whose PyTorch builds bring it): the extras, not dependencies.
+OPTIONAL_IMPORTS = {"triton", "wandb", "trackio", "mlflow", "huggingface_hub"}
+
+
+def _distribution(name: str) -> str:
+    return name.lower().replace("_", "-")
+
+
+def test_every_package_the_source_imports_is_a_dependency():
+    """`pip install -e .` alone runs every command: each third-party module the source imports is one of the
+    project's dependencies, or an optional import (OPTIONAL_IMPORTS). psutil came through Ray until Ray 2.60
+    stopped bringing it, and `parity sanity`, the README's first command, failed on a fresh machine."""
+    import importlib.metadata
+    import re
+    import sys
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT.parent.parent / "pyproject.toml").read_text())
+    declared = {_distribution(re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0]) for d in pyproject["project"]["dependencies"]}
+    providers = importlib.metadata.packages_distributions()
+    undeclared = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for top in {n.split(".")[0] for n in names}:
+                if top in sys.stdlib_module_names or top == "parity" or top in OPTIONAL_IMPORTS:
+                    continue
+                if not {_distribution(d) for d in providers.get(top, [top])} & declared:
+                    undeclared.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} imports {top}")
+    assert not undeclared, "not in pyproject.toml's dependencies: " + "; ".join(sorted(undeclared))
