@@ -309,7 +309,7 @@ class Numerics:
         """The trainer's RoPE on heads x [N, heads, D] by each token's cos and sin [N, 1, D]: on CUDA one Triton
         pass forward and one backward (`fused.rope`), in every mode (the eager ops' bits, which exact mode needs);
         the eager ops elsewhere."""
-        if x.is_cuda:
+        if x.is_cuda and x.dim() == 3:
             from parity.engines.kernels import fused
 
             return fused.rope(x, cos, sin)
