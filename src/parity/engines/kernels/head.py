@@ -4,10 +4,10 @@ From the head's output h [rows, V] (any dtype), with the final soft-cap and the 
 FP32 (z = cap·tanh(h / cap) / T), the forward gives log p(token) = z[token] - logsumexp(z) and the
 log-normaliser; the backward writes d log p(token) / dh times the incoming gradient g, in h's dtype:
 (g·onehot(token) - g·softmax(z)) / T, times 1 - tanh² under a cap. Each pass reads the head once (and the
-backward writes it once, in place if asked), where PyTorch's ops upcast the rows to FP32 and make five or
-more passes over them: at 32k tokens of a 152k vocabulary that is 10 GB of BF16 read once against about
-150 GB moved (`trainer.HeadLogProbs`; the H200's training profile had the head's FP32 copies, adds and exps
-among its costliest kernels).
+backward writes it once, in place if asked), where PyTorch's ops upcast the rows to FP32 and make about ten
+passes over them, forward and backward: at 32k tokens of a 152k vocabulary, 30 GB moved against about 300 GB
+(`trainer.HeadLogProbs`; the H200's training profile had the head's FP32 copies, adds and exps among its
+costliest kernels).
 
 Plain numerics only (`Numerics.fused_head`): the log-normaliser is summed in another order than
 `torch.logsumexp`'s, which exact mode, held to the rollout engine's bits, must not do. A filtered
