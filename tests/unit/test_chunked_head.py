@@ -165,8 +165,9 @@ def test_the_fused_head_gives_pytorchs_logprobs_and_gradient(dtype, temperature,
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
 def test_the_trainer_takes_the_fused_head_where_the_numerics_say_so(tmp_path, monkeypatch, chunked):
     """Through `sequence_logprobs` on a soft-capped model, whole head and chunked: with the fused head the
-    log-probabilities and every gradient are PyTorch's to round-off, the kernels run, and a top-k/top-p support
-    keeps PyTorch's path. Exact mode never takes it (its log-normaliser is the rollout engine's)."""
+    log-probabilities and every gradient are PyTorch's to round-off, the kernels run (the whole head's rows in one
+    call each way), and a top-k/top-p support keeps PyTorch's path. Exact mode never takes it (its
+    log-normaliser is the rollout engine's)."""
     pytest.importorskip("triton")
     from parity.engines.kernels import head as fused
 
@@ -182,6 +183,8 @@ def test_the_trainer_takes_the_fused_head_where_the_numerics_say_so(tmp_path, mo
     assert not calls
     got, grads, _ = _pass(model_dir, chunked, torch.float32, False, False, 0.7, FusedHead(torch.device("cpu")))
     assert {"logprobs", "gradient"} <= set(calls)
+    if not chunked:  # the whole head's rows in one call each way: no FP32 copy of them to bound
+        assert calls.count("logprobs") == calls.count("gradient") == 1
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     for name, grad in expected_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -88,7 +88,8 @@ class HeadLogProbs(torch.autograd.Function):
     Autograd's log-softmax would hold [M, V] FP32 tensors three times over (the upcast logits,
     the saved output, the gradient; 300 MB each for 1,536 tokens of a 49k vocabulary). This keeps
     only `head` itself (what the matmul wrote, in its dtype) and each row's log-normaliser, and works in
-    row chunks of LOGPROB_CHUNK_ELEMENTS, forward and backward: the same function and gradient."""
+    row chunks of LOGPROB_CHUNK_ELEMENTS, forward and backward (the fused head in one: `_head_chunks`): the
+    same function and gradient."""
 
     @staticmethod
     def forward(
@@ -96,7 +97,7 @@ class HeadLogProbs(torch.autograd.Function):
     ):
         picked = torch.empty(head.shape[0], device=head.device)
         lse = torch.empty_like(picked)
-        for chunk in _row_chunks(*head.shape, head.device):
+        for chunk in _head_chunks(head, support, numerics):
             picked[chunk], lse[chunk] = _chunk_logprobs(
                 head[chunk], tokens[chunk], _rows(support, chunk), temperature, cap, numerics
             )
@@ -111,7 +112,7 @@ class HeadLogProbs(torch.autograd.Function):
         # `reuse`: nothing reads `head` after this, and each chunk's gradient overwrites it once read. A fresh
         # [M, V] tensor is first-touched memory: 1.1 s of page faults a step at 4,096 scored tokens (SmolLM2).
         out = head if ctx.reuse else torch.empty_like(head)
-        for chunk in _row_chunks(*head.shape, head.device):
+        for chunk in _head_chunks(head, support, ctx.numerics):
             _head_gradient(
                 head[chunk], tokens[chunk], lse[chunk], grad[chunk], _rows(support, chunk), ctx.temperature, ctx.cap,
                 ctx.numerics, out[chunk],
@@ -207,6 +208,12 @@ def _row_chunks(rows: int, vocab: int, device: torch.device, elements: dict | No
     elements = elements or LOGPROB_CHUNK_ELEMENTS
     size = max(1, elements.get(device.type, elements["cpu"]) // vocab)
     return [slice(start, start + size) for start in range(0, rows, size)]
+
+
+def _head_chunks(head: torch.Tensor, support: torch.Tensor | None, numerics: kernels.Numerics) -> list[slice]:
+    """`HeadLogProbs`' chunks of rows: all of them at once where the fused head makes no FP32 copy of them (a
+    program per row, as many programs as rows), else `_row_chunks`."""
+    return [slice(None)] if numerics.fused_head(head, support) else _row_chunks(*head.shape, head.device)
 
 
 def _rows(support: torch.Tensor | None, chunk: slice) -> torch.Tensor | None:
