@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from parity.engines.kernels.head import lanes_logsumexp, running_logsumexp
+
 BLOCK = 1024  # entries a program reads at once: 8 per thread, its running state in registers
 SPAN = 8192  # entries per program: 19 programs per row at Qwen2's 151,936
 
@@ -66,11 +68,8 @@ def _gumbel_span_kernel(
         take = key > best  # strictly: a lane keeps its earliest entry of equal keys
         best = tl.where(take, key, best)
         best_index = tl.where(take, v, best_index)
-        if not NORMALISED:  # a running log-sum-exp of the logits, per lane
-            new_top = tl.maximum(top, z)
-            safe = tl.where(new_top > float("-inf"), new_top, 0.0)
-            total = total * tl.exp(top - safe) + tl.where(ok, tl.exp(z - safe), 0.0)
-            top = new_top
+        if not NORMALISED:  # a running log-sum-exp of the logits, per lane (z is -inf where a lane reads none)
+            top, total = running_logsumexp(top, total, z)
     span_best = tl.max(best, 0)
     # the lowest entry among equal keys, as one pass over the row keeps
     index = tl.min(tl.where(best == span_best, best_index, 2147483647), 0)
@@ -80,10 +79,9 @@ def _gumbel_span_kernel(
     tl.store(indices + out, index.to(tl.int64))
     tl.store(picked + out, tl.load(scores + row * stride + index).to(tl.float32) * scale)
     if not NORMALISED:
-        span_top = tl.max(top, 0)
-        safe = tl.where(span_top > float("-inf"), span_top, 0.0)
+        span_top, span_total = lanes_logsumexp(top, total)
         tl.store(tops + out, span_top)
-        tl.store(totals + out, tl.sum(total * tl.exp(top - safe), 0))
+        tl.store(totals + out, span_total)
 
 
 def sample(scores: torch.Tensor, uniforms: torch.Tensor, normalised: bool, temperature: float = 1.0, span: int = SPAN):

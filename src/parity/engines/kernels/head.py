@@ -24,6 +24,23 @@ BLOCK = 1024  # vocabulary entries a program reads at once
 
 
 @triton.jit
+def running_logsumexp(top, total, z):
+    """Each lane's running log-sum-exp, (largest z, sum of exp(z - largest)), after one more z per lane (-inf
+    where a lane reads nothing). The Gumbel draw keeps its logits' so (`gumbel.py`)."""
+    new_top = tl.maximum(top, z)
+    safe = tl.where(new_top > float("-inf"), new_top, 0.0)  # a lane that has read nothing yet
+    return new_top, total * tl.exp(top - safe) + tl.exp(z - safe)
+
+
+@triton.jit
+def lanes_logsumexp(top, total):
+    """The lanes' running log-sum-exps as one: (largest, sum of exp(z - largest)); (-inf, 0) where none read."""
+    largest = tl.max(top, 0)
+    safe = tl.where(largest > float("-inf"), largest, 0.0)
+    return largest, tl.sum(total * tl.exp(top - safe), 0)
+
+
+@triton.jit
 def _scaled(h, inv_cap, cap, inv_temperature, HAS_CAP: tl.constexpr):
     """(z, tanh(h / cap)): the logits the distribution is over, FP32, and the cap's tanh for the backward (h
     itself, unread, without a cap)."""
@@ -52,13 +69,9 @@ def _logprobs_kernel(
         ok = start + lanes < vocab
         h = tl.load(head + row * stride + start + lanes, mask=ok, other=0.0).to(tl.float32)
         z, _ = _scaled(h, inv_cap, cap, inv_temperature, HAS_CAP)
-        z = tl.where(ok, z, float("-inf"))
-        new_top = tl.maximum(top, z)
-        safe = tl.where(new_top > float("-inf"), new_top, 0.0)
-        total = total * tl.exp(top - safe) + tl.where(ok, tl.exp(z - safe), 0.0)
-        top = new_top
-    row_top = tl.max(top, 0)
-    lse = row_top + tl.log(tl.sum(total * tl.exp(top - row_top), 0))
+        top, total = running_logsumexp(top, total, tl.where(ok, z, float("-inf")))
+    row_top, row_total = lanes_logsumexp(top, total)
+    lse = row_top + tl.log(row_total)
     token = tl.load(tokens + row)
     z_token, _ = _scaled(tl.load(head + row * stride + token).to(tl.float32), inv_cap, cap, inv_temperature, HAS_CAP)
     tl.store(picked + row, z_token - lse)
