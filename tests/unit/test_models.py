@@ -20,30 +20,31 @@ from parity.rl.checkpoint import RunState, save_checkpoint
 
 @pytest.mark.parametrize("fixture", ["llama_dir", "qwen2_dir"])
 def test_packed_logits_match_transformers_fp32(fixture, request):
-    """Shared prompts stored once, ragged responses, no padding: every stream
-    position's logits equal transformers' on the row written out in full."""
+    """Shared prompts and a prefix two prompts share stored once, ragged responses, no padding: every
+    stream position's logits equal transformers' on the row written out in full."""
     from transformers import AutoModelForCausalLM
 
     path = request.getfixturevalue(fixture)
     ours = load_model(path, kernels.numerics())
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
-    short, long = torch.randint(3, 40, (3,), generator=gen).tolist(), torch.randint(3, 40, (9,), generator=gen).tolist()
+    short = torch.randint(3, 40, (3,), generator=gen).tolist()
+    long = short[:2] + torch.randint(3, 40, (7,), generator=gen).tolist()
+    assert long[2] != short[2]
     prompts = [short, short, long, long, long]
     lengths = [4, 1, 6, 3, 0]
     responses = torch.randint(3, 40, (5, 6), generator=gen)
     mask = torch.arange(6) < torch.tensor(lengths)[:, None]
     packed = pack(prompts, responses, mask)
-    # The stream: each distinct prompt once, then every response without its last token.
+    # The stream: the prompts' common prefix once, the rest of each distinct prompt once, then every
+    # response without its last token.
     streamed = [max(n - 1, 0) for n in lengths]
-    assert packed.num_tokens == 3 + 9 + sum(streamed)
-    prompt_at = {0: list(range(0, 3)), 2: list(range(3, 12))}
-    starts = (12 + torch.tensor([0] + streamed).cumsum(0)).tolist()
+    assert packed.num_tokens == 2 + 1 + 7 + sum(streamed)
     with torch.no_grad():
         got = ours.logits(ours.hidden_states(packed, torch.float32))
         for row, prompt in enumerate(prompts):
-            response_at = list(range(starts[row], starts[row] + streamed[row]))
-            stream = torch.tensor(prompt_at[0 if row < 2 else 2] + response_at)
+            start = int(packed.response_start[row])
+            stream = torch.cat([packed.prompt_index[row, : len(prompt)], torch.arange(start, start + streamed[row])])
             full = torch.tensor(prompt + responses[row, : streamed[row]].tolist())
             assert torch.equal(packed.token_ids[stream], full)
             expected = ref(full[None]).logits[0]

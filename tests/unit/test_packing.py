@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import parity.engines.kernels
 from parity.engines import kernels
 from parity.engines.models.io import load_model
-from parity.engines.packing import ROW_MULTIPLE, STREAM_MULTIPLE, pack
+from parity.engines.packing import ROW_MULTIPLE, STREAM_MULTIPLE, common_prefix, pack
 from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer, matmul_flops
 
@@ -47,11 +49,13 @@ def test_packed_logprobs_and_grads_equal_one_row_at_a_time(llama_dir):
         assert torch.allclose(got, p.grad, atol=1e-5, rtol=1e-4)
 
 
-def test_layout_stores_each_prompt_once_without_padding(llama_dir):
+def test_layout_stores_each_prompt_prefix_once_without_padding(llama_dir):
     tok = load_tokenizer(llama_dir)
     prompt_ids, response_ids, mask = _batch(tok)
     packed = pack(prompt_ids, response_ids, mask)
-    n_prompts = len(prompt_ids[0]) + len(prompt_ids[3])
+    shared = common_prefix(prompt_ids[0], prompt_ids[3])
+    assert shared > 0  # both start with BOS and "12"
+    n_prompts = len(prompt_ids[0]) + len(prompt_ids[3]) - shared
     # Each response streams all but its last token.
     assert packed.num_tokens == n_prompts + int((mask.sum(-1) - 1).sum())
     assert packed.seq_lengths.tolist() == [len(p) + int(n) - 1 for p, n in zip(prompt_ids, mask.sum(-1))]
@@ -63,6 +67,27 @@ def test_layout_stores_each_prompt_once_without_padding(llama_dir):
     # Chunks are sorted longest first, each padded only to its own longest row.
     widths = [index.shape[1] for index in packed.attention_rows]
     assert widths == sorted(widths, reverse=True) and widths[-1] < widths[0]
+
+
+def test_prompts_are_stored_as_a_trie():
+    """A system prompt that every prompt starts with, a prompt that is another's prefix, identical
+    prompts: each token of each distinct prefix is in the stream once, at its position, and each row
+    reads its own prompt's tokens; the variable-length layout computes every stream token once."""
+    system = [1, 7, 7, 7, 2]
+    a, b = system + [10, 11, 12], system + [10, 11, 12, 13, 14]  # a is a prefix of b
+    c, d = system + [20, 21], [1, 7, 9]  # d parts from the system prompt after two tokens
+    prompts = [b, a, c, a, d, b]
+    packed = pack(prompts)
+    assert packed.num_tokens == len(system) + 3 + 2 + 2 + 1  # system, a's rest, b's two more, c's rest, d's last
+    for row, p in enumerate(prompts):
+        index = packed.prompt_index[row, : len(p)]
+        assert packed.token_ids[index].tolist() == p
+        assert packed.positions[index].tolist() == list(range(len(p)))
+    assert packed.prompt_index[0, :5].tolist() == packed.prompt_index[2, :5].tolist()
+    assert torch.equal(packed.prompt_index[1, :8], packed.prompt_index[0, :8])
+    rows = packed.rows
+    assert sorted(rows.q_order.tolist()) == list(range(packed.num_tokens))
+    assert int(rows.q_count.sum()) == packed.num_tokens
 
 
 def test_bucketed_layout_changes_nothing_but_round_off(llama_dir, monkeypatch):
@@ -111,7 +136,8 @@ def test_matmul_flops_by_hand(llama_dir):
 
 
 def test_micro_batches_keep_to_a_token_budget():
-    """Rows in order, a prompt counted once per micro-batch that reads it, a row alone when it is over budget."""
+    """Rows in order, a prompt counted once per micro-batch that reads it and without the prefix it shares with
+    one before it there, a row alone when it is over budget; each micro-batch's count is what `pack` stores."""
     from parity.engines.batch import RolloutBatch
     from parity.engines.sampling import SamplingParams
 
@@ -131,3 +157,20 @@ def test_micro_batches_keep_to_a_token_budget():
     # 4+6, +2 (prompt shared) = 12, +3+4 = 19; then 20+6 alone (over budget), then 20+1 alone
     assert [p.tolist() for p in parts] == [[0, 1, 2], [3], [4]]
     assert [p.tolist() for p in batch.micro_batches(torch.tensor([4, 3]), tokens=27)] == [[4, 3]]
+
+    # A system prompt the three prompts share is counted once: 4+2, +1+3, +1+5 = 16; pack stores 16 less
+    # one token per response (its last).
+    system = [9, 9, 9]
+    mask = torch.arange(6) < torch.tensor([2, 3, 5])[:, None]
+    batch = dataclasses.replace(
+        batch,
+        prompt_ids=[system + [1], system + [2], system + [2, 4]],
+        response_ids=torch.zeros(3, 6, dtype=torch.long),
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(3, 6),
+        truncated=torch.zeros(3, dtype=torch.bool),
+        group_index=torch.arange(3),
+    )
+    assert [p.tolist() for p in batch.micro_batches(torch.arange(3), tokens=16)] == [[0, 1, 2]]
+    assert pack(batch.prompt_ids, batch.response_ids, mask).num_tokens == 16 - 3
+    assert [p.tolist() for p in batch.micro_batches(torch.arange(3), tokens=15)] == [[0, 1], [2]]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from parity.engines.packing import Routing
+from parity.engines.packing import Routing, common_prefix
 from parity.engines.sampling import SamplingParams
 
 
@@ -80,20 +81,24 @@ class RolloutBatch:
 
     def micro_batches(self, rows: torch.Tensor, tokens: int) -> list[torch.Tensor]:
         """`rows` (in order) as consecutive micro-batches of at most `tokens` packed tokens each (a prompt
-        counted once per micro-batch that reads it, a response in full), one row at least. The trainer and
-        the sampler split a batch alike, so that π_old is scored in the trainer's shapes."""
+        counted without the longest prefix it shares with a prompt before it in the micro-batch, as `pack`
+        stores it; a response in full), one row at least. The trainer and the sampler split a batch alike, so
+        that π_old is scored in the trainer's shapes."""
         lengths = self.response_lengths.tolist()
-        parts, current, used, prompts = [], [], 0, set()
+        parts, current, used, prompts = [], [], 0, []
         for row in rows.tolist():
             prompt = tuple(self.prompt_ids[row])
-            cost = lengths[row] + (0 if prompt in prompts else len(prompt))
+            # The longest prefix shared with any prompt so far is shared with a neighbour in sorted order.
+            at = bisect.bisect(prompts, prompt)
+            shared = max((common_prefix(prompt, prompts[i]) for i in (at - 1, at) if 0 <= i < len(prompts)), default=0)
+            cost = lengths[row] + len(prompt) - shared
             if current and used + cost > tokens:
                 parts.append(current)
-                current, used, prompts = [], 0, set()
+                current, used, prompts, at = [], 0, [], 0
                 cost = lengths[row] + len(prompt)
             current.append(row)
             used += cost
-            prompts.add(prompt)
+            prompts.insert(at, prompt)
         if current:
             parts.append(current)
         return [torch.tensor(part, dtype=torch.long) for part in parts]

@@ -6,12 +6,16 @@ trainer's matmuls on short batches (a third of the positions were padding on the
 built-in task, and prompts were computed eight times). Here every token the model
 must see is stored once, in one stream of N tokens:
 
-    [ unique prompt 0 | unique prompt 1 | ... | response 0 | response 1 | ... ]
+    [ prompt tokens, each prefix once | response 0 | response 1 | ... ]
 
 (each response without its last token, which predicts nothing and is attended by
-nothing). Every position-wise op (embedding, norms, projections, MLP, LM head)
-runs on that stream. Only attention needs whole sequences: `gather_rows(x, index)` lays the
-stream out as right-padded rows (prompt then response; a shared prompt is read by
+nothing). The prompts are stored as a trie: a prefix that several prompts start
+with (a chat template's system prompt, a task's instructions, a tool list, the
+whole prompt within a group) is computed once, since a causal model gives its
+tokens the same keys, values and outputs in every sequence that starts with it.
+Every position-wise op (embedding, norms, projections, MLP, LM head) runs on that
+stream. Only attention needs whole sequences: `gather_rows(x, index)` lays the
+stream out as right-padded rows (prompt then response; a shared prefix is read by
 each of its rows), sorted by length into a few chunks so that short rows are not
 padded to the longest, causal attention runs on each chunk, and `from_rows` picks
 each token's output back from one row. Gradients flow back through the same gathers.
@@ -19,6 +23,7 @@ each token's output back from one row. Gradients flow back through the same gath
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -45,19 +50,20 @@ def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PackedBatch:
-    token_ids: torch.Tensor  # [N] each prompt once, then each response but its last token
+    token_ids: torch.Tensor  # [N] each prompt prefix once, then each response but its last token
     positions: torch.Tensor  # [N] position of each token in its own sequence
     seq_lengths: torch.Tensor  # [B] stream tokens each row attends over (its prompt and response)
     attention_rows: tuple[torch.Tensor, ...]  # chunks of rows [b_k, L_k]: stream index per slot (padding -> 0)
     from_rows: torch.Tensor  # [N] slot holding each token's attention output (chunks flattened, in order)
     score_index: torch.Tensor  # [M] stream token whose output predicts each response token (row-major), then padding
     num_tokens: int  # real stream tokens; any after them are padding that nothing reads
-    # Per row: where its prompt starts in the stream and how long it is, where its response starts, and
-    # whether it is the first row reading its prompt (the one whose slots compute the prompt's tokens).
-    prompt_start: torch.Tensor
+    # Per row: the stream index of each of its prompt's tokens ([B, longest prompt], padding 0), its prompt's
+    # length, where its response starts, and the first prompt position whose token it computes (the tokens
+    # before it are another row's: the prefix it shares with a row before it in the trie's order).
+    prompt_index: torch.Tensor
     prompt_len: torch.Tensor
     response_start: torch.Tensor
-    owns_prompt: torch.Tensor
+    computes_from: torch.Tensor
     routing: torch.Tensor | None = None  # [N, MoE layers, k] experts to replay per stream token
 
     @cached_property
@@ -71,8 +77,9 @@ class PackedBatch:
         row = torch.repeat_interleave(torch.arange(b, device=device), kv_count, output_size=total)
         slot = torch.arange(total, device=device) - kv_start[row]
         p_len = self.prompt_len[row]
-        kv_order = torch.where(slot < p_len, self.prompt_start[row] + slot, self.response_start[row] + slot - p_len)
-        q_pos0 = torch.where(self.owns_prompt, 0, self.prompt_len)
+        in_prompt = self.prompt_index[row, slot.clamp(max=self.prompt_index.shape[1] - 1)]
+        kv_order = torch.where(slot < p_len, in_prompt, self.response_start[row] + slot - p_len)
+        q_pos0 = self.computes_from
         q_count = kv_count - q_pos0
         as_int = {"dtype": torch.int32}
         return RowLayout(
@@ -120,6 +127,24 @@ class Routing:
         return Routing([p.to(device) for p in self.prompts], self.responses.to(device))
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest prefix two token sequences share."""
+    if a == b:
+        return len(a)
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _prompt_trie(prompt_ids: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
+    """The prompts as a trie: the rows in the lexicographic order of their prompts, and per row the row
+    before it in that order (-1 for the first) and the length of the prefix they share, which is the
+    longest prefix the row shares with any row before it."""
+    order = sorted(range(len(prompt_ids)), key=prompt_ids.__getitem__)
+    before, shared = [-1] * len(order), [0] * len(order)
+    for prev, row in zip(order, order[1:]):
+        before[row], shared[row] = prev, common_prefix(prompt_ids[prev], prompt_ids[row])
+    return order, before, shared
+
+
 def pack(
     prompt_ids: list[list[int]],
     response_ids: torch.Tensor | None = None,
@@ -128,7 +153,7 @@ def pack(
     routing: Routing | None = None,
     device: torch.device | str = "cpu",
 ) -> PackedBatch:
-    """Pack rows of prompt + response. Identical prompts are stored once.
+    """Pack rows of prompt + response. A prefix that several prompts share is stored once.
 
     `response_ids` [B, T] and `response_mask` [B, T] (True on real tokens, a prefix
     of each row) may be None to pack prompts alone. Each response token is scored
@@ -143,18 +168,21 @@ def pack(
     if response_ids is None:
         response_ids = torch.zeros((b, 0), dtype=torch.long, device=device)
         response_mask = torch.zeros((b, 0), dtype=torch.bool, device=device)
-    unique: dict[tuple[int, ...], int] = {}
-    first_row = []  # the first row reading each unique prompt
-    for row, p in enumerate(prompt_ids):
-        if tuple(p) not in unique:
-            unique[tuple(p)] = len(unique)
-            first_row.append(row)
-    prompts = list(unique)
-    prompt_of_row = torch.tensor([unique[tuple(p)] for p in prompt_ids], device=device)
 
-    unique_len = torch.tensor([len(p) for p in prompts], device=device)
-    unique_start = torch.cumsum(unique_len, 0) - unique_len
-    n_prompt = int(unique_len.sum())
+    # Each row's prompt tokens in the stream: the shared prefix where the row before it in the trie has
+    # them, then the tokens it computes itself, appended to the stream in the trie's order.
+    order, before, shared = _prompt_trie(prompt_ids)
+    index: list[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * b
+    start = 0
+    for row in order:
+        own = torch.arange(start, start + len(prompt_ids[row]) - shared[row])
+        index[row] = torch.cat([index[before[row]][: shared[row]], own]) if shared[row] else own
+        start += len(own)
+    n_prompt = start
+    prompt_index = torch.nn.utils.rnn.pad_sequence(index, batch_first=True).to(device)
+    computes_from = torch.tensor(shared, device=device)
+    p_len = torch.tensor([len(p) for p in prompt_ids], device=device)
+
     # A response's last token predicts nothing and is attended by nothing: not in the stream.
     t = response_ids.shape[1]
     slot_t = torch.arange(t, device=device).expand(b, t)
@@ -162,11 +190,9 @@ def pack(
     in_stream = slot_t < resp_len[:, None]
     resp_start = n_prompt + torch.cumsum(resp_len, 0) - resp_len
 
-    token_ids = torch.cat(
-        [torch.tensor([tok for p in prompts for tok in p], dtype=torch.long, device=device), response_ids[in_stream]]
-    )
-    prompt_positions = torch.cat([torch.arange(n, device=device) for n in unique_len.tolist()])
-    p_len, p_start = unique_len[prompt_of_row], unique_start[prompt_of_row]
+    own_ids = [tok for row in order for tok in prompt_ids[row][shared[row] :]]
+    token_ids = torch.cat([torch.tensor(own_ids, dtype=torch.long, device=device), response_ids[in_stream]])
+    prompt_positions = torch.cat([torch.arange(shared[row], len(prompt_ids[row])) for row in order]).to(device)
     positions = torch.cat([prompt_positions, (p_len[:, None] + slot_t)[in_stream]])
 
     # Row layout: slot i of row r is prompt token i, then response token i - p_len.
@@ -180,22 +206,24 @@ def pack(
             width = -(-width // ROW_MULTIPLE) * ROW_MULTIPLE
         slot = torch.arange(width, device=device).expand(len(rows), width)
         r_len, r_plen = seq_len[rows][:, None], p_len[rows][:, None]
-        index = torch.where(slot < r_plen, p_start[rows][:, None] + slot, resp_start[rows][:, None] + slot - r_plen)
-        attention_rows.append(index.masked_fill(slot >= r_len, 0))
+        in_prompt = prompt_index[rows][:, slot[0].clamp(max=prompt_index.shape[1] - 1)]
+        index_k = torch.where(slot < r_plen, in_prompt, resp_start[rows][:, None] + slot - r_plen)
+        attention_rows.append(index_k.masked_fill(slot >= r_len, 0))
         row_base[rows] = offset + torch.arange(len(rows), device=device) * width
         offset += len(rows) * width
 
-    # Each token's output comes from one row: a prompt's from the first row that reads it.
-    prompt_from = row_base[torch.tensor(first_row, device=device)].repeat_interleave(unique_len) + prompt_positions
+    # Each token's output comes from one row: a prompt token's from the row that computes it.
+    prompt_from = torch.cat([int(row_base[row]) + torch.arange(shared[row], len(prompt_ids[row])) for row in order])
     resp_from = (row_base[:, None] + p_len[:, None] + slot_t)[in_stream]
-    from_rows = torch.cat([prompt_from, resp_from])
+    from_rows = torch.cat([prompt_from.to(device), resp_from])
 
     # Response token j is predicted by token j-1, or by the prompt's last token for j = 0.
-    prev = torch.where(slot_t == 0, (p_start + p_len - 1)[:, None], resp_start[:, None] + slot_t - 1)
+    last = prompt_index.gather(1, (p_len - 1)[:, None])
+    prev = torch.where(slot_t == 0, last, resp_start[:, None] + slot_t - 1)
     num_tokens, score_index = token_ids.numel(), prev[response_mask]
     stream_routing = None
     if routing is not None:
-        prompt_routes = [routing.prompts[row][-len(prompt_ids[row]) :] for row in first_row]
+        prompt_routes = [routing.prompts[row][-len(prompt_ids[row]) :][shared[row] :] for row in order]
         stream_routing = torch.cat([*prompt_routes, routing.responses[in_stream]])
     if bucket:
         # Padding tokens (id 0 at position 0) are computed but attended by nothing; the
@@ -213,11 +241,9 @@ def pack(
         from_rows=from_rows,
         score_index=score_index,
         num_tokens=num_tokens,
-        prompt_start=p_start,
+        prompt_index=prompt_index,
         prompt_len=p_len,
         response_start=resp_start,
-        owns_prompt=torch.zeros(b, dtype=torch.bool, device=device).index_fill_(
-            0, torch.tensor(first_row, device=device), True
-        ),
+        computes_from=computes_from,
         routing=stream_routing,
     )

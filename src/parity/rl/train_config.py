@@ -85,8 +85,9 @@ class TrainerSection(OptimConfig):
     # after `warmup_steps` steps rising linearly from 0 (trainer/lr logs it every step)
     lr_schedule: str = "constant"
     warmup_steps: int = 0
-    # Tokens per forward/backward (a prompt counted once per micro-batch, responses in full); unset: 8,192
-    # on the CPU, 16,384 on CUDA (large enough for the matmuls to fill the GPU).
+    # Tokens per forward/backward (a prompt counted once per micro-batch, less the prefix it shares with one
+    # before it there; responses in full); unset: 8,192 on the CPU, 16,384 on CUDA (large enough for the
+    # matmuls to fill the GPU).
     micro_batch_tokens: int | None = None
     # Keep only each decoder layer's input through the forward and recompute the layer in the
     # backward: activation memory of one layer instead of all, for about one more forward.

@@ -3,7 +3,7 @@ mode's attention in the prefill and the trainer, on CUDA.
 
 A *row* is one sequence: its keys at positions 0, 1, ... (each key found at `kv_start[row] + p`
 in the key storage, or through a table, `kv_order[kv_start[row] + p]`, for the trainer's packed
-stream where a prompt is stored once for its whole group), and its queries at consecutive
+stream where a prompt prefix is stored once for every row that starts with it), and its queries at consecutive
 positions from `q_pos0[row]`, each attending to the keys at positions <= its own (and inside the
 sliding window, if any). The decode step is a row per sequence with one query; the prefill a row
 per prompt; the trainer a row per packed sequence.

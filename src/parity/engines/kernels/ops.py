@@ -477,7 +477,7 @@ class Numerics:
         softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of the trainer's packed stream (`packing.py`): q [N, H, D], k and v [N, Hkv, D],
-        each token attending to its own sequence (a shared prompt, then its response) -> [N, H, D]. On CUDA:
+        each token attending to its own sequence (its prompt, prefixes shared, then its response) -> [N, H, D]. On CUDA:
         flash attention over variable-length rows (`varlen.py`) where PyTorch has it and the model allows it.
         Otherwise (the CPU, always): the rows laid out padded, in a few length-sorted chunks, through
         `attention`."""

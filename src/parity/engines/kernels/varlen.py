@@ -1,7 +1,7 @@
 """The trainer's attention over its packed stream on CUDA, without padding.
 
-The stream holds each prompt once and each response after it (`packing.py`). Every stream token is
-a query exactly once, in its row (`PackedBatch.rows`); a row's keys are its prompt then its response,
+The stream holds each prompt prefix once and each response after it (`packing.py`). Every stream token
+is a query exactly once, in its row (`PackedBatch.rows`); a row's keys are its prompt then its response,
 gathered per row (a prompt's keys and values once for each row that reads it: KV heads only).
 
 * Plain mode: PyTorch's flash attention over variable-length rows (`torch.nn.attention.varlen`,
