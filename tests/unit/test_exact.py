@@ -33,6 +33,19 @@ def test_rollout_and_trainer_agree_bit_for_bit(precision, prompts, group_size, s
     assert torch.equal(pi[mask], batch.rollout_logprobs[mask])
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_prompts_that_share_a_prefix_agree_bit_for_bit(precision):
+    """Prompts that start with one system prompt, one a prefix of another: the trainer computes the shared
+    tokens once (`packing.pack`'s trie), the engine prefills each prompt whole, and μ is π bit for bit."""
+    model, engine = engines("builtin", precision)
+    system = random_prompts(1, model.config.vocab_size, seed=11)[0] + [5, 6, 7]
+    rest = random_prompts(5, model.config.vocab_size, seed=12)
+    prompts = [system + r for r in rest] + [system, system + rest[0][:1]]
+    batch = engine.generate(prompts, 3, FILTERED, seed=4)
+    pi = trainer_logprobs(model, batch, precision, micro_batch=7)
+    assert torch.equal(pi[batch.response_mask], batch.rollout_logprobs[batch.response_mask])
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_hf_checkpoints_agree_bit_for_bit(precision, arch, llama_dir, qwen2_dir):
