@@ -193,6 +193,9 @@ def pack(
     own_ids = [tok for row in order for tok in prompt_ids[row][shared[row] :]]
     token_ids = torch.cat([torch.tensor(own_ids, dtype=torch.long, device=device), response_ids[in_stream]])
     prompt_positions = torch.cat([torch.arange(shared[row], len(prompt_ids[row])) for row in order]).to(device)
+    # The row that computes each of those tokens.
+    owned = torch.tensor([len(prompt_ids[row]) - shared[row] for row in order], device=device)
+    computed_by = torch.tensor(order, device=device).repeat_interleave(owned)
     positions = torch.cat([prompt_positions, (p_len[:, None] + slot_t)[in_stream]])
 
     # Row layout: slot i of row r is prompt token i, then response token i - p_len.
@@ -213,9 +216,9 @@ def pack(
         offset += len(rows) * width
 
     # Each token's output comes from one row: a prompt token's from the row that computes it.
-    prompt_from = torch.cat([int(row_base[row]) + torch.arange(shared[row], len(prompt_ids[row])) for row in order])
+    prompt_from = row_base[computed_by] + prompt_positions
     resp_from = (row_base[:, None] + p_len[:, None] + slot_t)[in_stream]
-    from_rows = torch.cat([prompt_from.to(device), resp_from])
+    from_rows = torch.cat([prompt_from, resp_from])
 
     # Response token j is predicted by token j-1, or by the prompt's last token for j = 0.
     last = prompt_index.gather(1, (p_len - 1)[:, None])
