@@ -24,6 +24,31 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _interpret_dot_by_position():
+    """Triton's interpreter multiplies each pair of tiles by numpy's matmul, that is by the host's BLAS, whose
+    bits can depend on where a row or column sits in the tile: OpenBLAS 0.3.31's Haswell kernel on an AMD EPYC
+    with avx512_vp2intersect changed a row's sums (by 2.9e-6) when the row moved within a 64 x 32 tile, so the
+    batch-invariance tests checked the BLAS, not the kernels. A GPU's `tl.dot` gives an element the same sums
+    wherever it sits in its tile, and so does this: each FP32 product, summed over k in order."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    blas_dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not a.data.dtype == b.data.dtype == d.data.dtype == np.float32:
+            return blas_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        products = a.data[:, :, None] * b.data[None, :, :]  # [M, K, N]
+        return interpreter.TensorHandle(products.sum(axis=1) + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    with contextlib.suppress(ImportError):  # no triton: the tests that need it skip
+        _interpret_dot_by_position()
+
+
 TIERS = {"unit", "e2e"}  # tests/unit and tests/e2e (docs/testing.md)
 
 # With `-n auto --dist loadgroup`, pytest-xdist runs the suite in one process per core. Each takes its share of
