@@ -313,8 +313,8 @@ def parity_matmul_floor(work: Work, warmup: int, repeats: int = 7) -> dict:
     """Seconds that one Parity step's linear-layer matmuls take on their own.
 
     Every linear layer of a real step (`kernels.ops.linear`, after `warmup` steps) is recorded with its shapes,
-    then each is run alone on random inputs of those shapes, by the kernel the step used (oneDNN on a reordered
-    weight, or `F.linear`): its forward, plus for the
+    then each is run alone on random inputs of those shapes through `ops.linear` as the step called it (a weight
+    reordered for oneDNN where the call had one), so by the kernels the step used: its forward, plus for the
     trainer's the backward matmuls it needs (the input gradient, and the weight gradient
     unless the weight is frozen, as a LoRA base is). The sum is what
     the projections, MLP and LM head cost on this CPU at the shapes the step uses, with
@@ -322,7 +322,6 @@ def parity_matmul_floor(work: Work, warmup: int, repeats: int = 7) -> dict:
     and the optimizer are not in it.
     """
     import torch
-    import torch.nn.functional as F
 
     from parity.engines.kernels import ops
 
@@ -353,8 +352,11 @@ def parity_matmul_floor(work: Work, warmup: int, repeats: int = 7) -> dict:
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    def backward(x, w, grad_out, input_grad, weight_grad):  # what the backward computes (LoRA: no weight grad)
-        return (grad_out @ w if input_grad else None), (grad_out.t() @ x if weight_grad else None)
+    def replay(x, w, fast, grad_out, wrt):  # the forward, and the backward's products for `wrt` (LoRA: no weight)
+        with torch.set_grad_enabled(bool(wrt)):
+            out = linear(x, w, fast=fast)
+            if wrt:
+                torch.autograd.grad(out, wrt, grad_out)
 
     with tempfile.TemporaryDirectory() as tmp:
         run = parity_run(work, Path(tmp))
@@ -370,14 +372,11 @@ def parity_matmul_floor(work: Work, warmup: int, repeats: int = 7) -> dict:
     for call in calls:
         x_shape, w_shape, dtype, trainer, input_grad, weight_grad, fast = call
         if call not in cost:
-            x = torch.randn(x_shape, dtype=dtype).reshape(-1, x_shape[-1])
-            w = torch.randn(w_shape, dtype=dtype)
+            x = torch.randn(x_shape, dtype=dtype).reshape(-1, x_shape[-1]).requires_grad_(input_grad)
+            w = torch.randn(w_shape, dtype=dtype).requires_grad_(weight_grad)
             g = torch.randn(x.shape[0], w_shape[0], dtype=dtype)
-            grads = input_grad or weight_grad
-            forward = (
-                seconds(ops._fast_linear, x, ops.numerics().fast_matrix(w), None) if fast else seconds(F.linear, x, w)
-            )
-            cost[call] = forward + (seconds(backward, x, w, g, input_grad, weight_grad) if grads else 0)
+            wrt = [t for t in (x, w) if t.requires_grad]
+            cost[call] = seconds(replay, x, w, ops.numerics().fast_matrix(w) if fast else None, g, wrt)
         floor["trainer_s" if trainer else "rollout_s"] += cost[call]
     return floor
 

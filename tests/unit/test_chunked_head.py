@@ -116,7 +116,7 @@ def test_exact_mode_on_cuda_keeps_the_whole_heads_bits(dtype, monkeypatch):
     weight = (torch.randn(96, 32, generator=gen) / 4).to(device, dtype)
     tokens = torch.randint(0, 96, (19,), generator=gen).to(device)
     whole = trainer_mod.token_logprobs(numerics.linear(hidden, weight), tokens, None, 0.8, 5.0, numerics)
-    chunked = trainer_mod.ChunkedHeadLogProbs.apply(hidden, weight, None, tokens, None, 0.8, 5.0, numerics)
+    chunked = trainer_mod.ChunkedHeadLogProbs.apply(hidden, weight, tokens, None, 0.8, 5.0, numerics)
     assert torch.equal(chunked, whole)
 
 

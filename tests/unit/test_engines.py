@@ -267,20 +267,26 @@ def test_weights_cast_once_per_update_give_the_same_gradients(qwen2_dir):
     assert len(held) == sum(isinstance(m, Linear) for m in model.modules()) + 1  # and the embedding's
 
 
-def test_an_update_multiplies_by_weights_reordered_once(qwen2_dir, monkeypatch):
-    """FP32 inside `CausalLM.casting_once`: each linear layer's forwards multiply by one oneDNN-reordered copy of
-    its weight (`Numerics.fast_matrix`, made here for every weight whatever its size), made by the first pass;
-    the gradients are those of the plain passes to FP32 round-off."""
+def test_an_fp32_update_on_onednn_gives_mkls_gradients(qwen2_dir, monkeypatch):
+    """FP32 inside `CausalLM.casting_once`: every linear layer's forward and backward run on oneDNN by the
+    weights as stored (`ops.on_onednn`, here for every weight whatever its size; no reordered copies are made),
+    and the gradients are those of MKL's matmuls (`F.linear`) to FP32 round-off."""
     from parity.engines.kernels import ops
     from parity.engines.models.modules import Linear
 
+    calls = []
+    onednn = ops._fast_linear
+    monkeypatch.setattr(ops, "_fast_linear", lambda *args: calls.append(args[1]) or onednn(*args))
     monkeypatch.setattr(ops, "FAST_MIN_ELEMENTS", 0)
-    grads, held = _gradients_cast_each_time_and_once(qwen2_dir, torch.float32)
-    made = [v for k, v in held.items() if k[-1] == "fast"]
+    monkeypatch.setattr(ops, "MIN_ROWS", 1)
+    on_onednn = _gradients_cast_each_time_and_once(qwen2_dir, torch.float32)[0][1]
     model = load_model(qwen2_dir, kernels.numerics())
-    assert len(made) == sum(isinstance(m, Linear) for m in model.modules()) and all(t.is_mkldnn for t in made)
-    for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-5, msg=name)
+    weights = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
+    assert len(calls) >= 2 * 3 * len(weights) and not any(t.is_mkldnn for t in calls)  # 2 micro-batches, 3 products
+    monkeypatch.setattr(ops, "on_onednn", lambda weight: False)
+    on_mkl = _gradients_cast_each_time_and_once(qwen2_dir, torch.float32)[0][1]
+    for name in on_mkl:
+        torch.testing.assert_close(on_onednn[name], on_mkl[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from parity import config
 from parity.config import ConfigError
 from parity.engines import kernels
-from parity.engines.kernels import cpu
+from parity.engines.kernels import cpu, ops
 from parity.rl.loop import Run
 from parity.rl.train_config import TrainConfig
 
@@ -220,28 +220,39 @@ def test_the_choice_can_be_overridden(monkeypatch):
     cpu.emulated_dtypes.cache_clear()
 
 
-def test_a_reordered_weight_gives_f_linears_values_and_gradients():
-    """`Numerics.fast_matrix`: a large FP32 weight reordered for oneDNN gives `F.linear`'s values to FP32 round-off
-    at any row count, and so does the backward, which multiplies by the weight itself; small, 16-bit and
-    exact-mode weights get no copy."""
+@pytest.mark.parametrize("out_features", [576, ops.ONEDNN_GRAD_WEIGHT_MAX_ROWS + 16])
+def test_fp32_matmuls_on_onednn_give_f_linears_values_and_gradients(out_features, monkeypatch):
+    """A large FP32 weight's matmuls go to oneDNN (`ops.on_onednn`), by the weight as stored or by the copy
+    `Numerics.fast_matrix` reorders, forward and backward (a vocabulary-sized weight's gradient by MKL), and
+    give `F.linear`'s values and gradients to FP32 round-off at any row count; small, 16-bit and exact-mode
+    weights get no copy."""
     numerics = kernels.numerics()
+    calls = []
+    onednn = ops._fast_linear
+    monkeypatch.setattr(ops, "_fast_linear", lambda *args: calls.append(args[1].shape) or onednn(*args))
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(576, 576, generator=gen)  # SmolLM2's Q and O projections: 2**18 elements and more
+    weight = torch.randn(out_features, 576, generator=gen)  # SmolLM2's Q and O projections: 2**18 elements
     fast = numerics.fast_matrix(weight)
     assert fast is not None and fast.is_mkldnn
-    for rows in (1, 16, 300):
+    for rows, copy in ((1, fast), (16, None), (300, fast), (300, None)):
         x = torch.randn(rows, 576, generator=gen)
-        grad = torch.randn(rows, 576, generator=gen)
+        grad = torch.randn(rows, out_features, generator=gen)
         ours, theirs = ((x.clone().requires_grad_(), weight.clone().requires_grad_()) for _ in range(2))
-        out = numerics.linear(ours[0], ours[1], fast=fast)
+        calls.clear()
+        out = numerics.linear(ours[0], ours[1], fast=copy)
         out.backward(grad)
+        assert len(calls) == (3 if out_features <= ops.ONEDNN_GRAD_WEIGHT_MAX_ROWS else 2)  # forward, both gradients
         expected = F.linear(*theirs)
         expected.backward(grad)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)  # sums of 576 terms near 24 in size
-        for mine, reference in zip(ours, theirs):  # the weight itself in the backward: MKL's round-off only
-            torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-5, atol=1e-4)
+        for mine, reference in zip(ours, theirs):  # the input's gradient: sums of out_features terms
+            torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-5, atol=1e-5 * out_features**0.5)
         with torch.no_grad():  # the rollout engine's call: no autograd node
-            torch.testing.assert_close(numerics.linear(x, weight, fast=fast), F.linear(x, weight), rtol=1e-5, atol=1e-4)
-    assert numerics.fast_matrix(torch.randn(128, 384)) is None  # the built-in model's: MKL is faster there
+            torch.testing.assert_close(numerics.linear(x, weight, fast=copy), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    calls.clear()
+    numerics.linear(torch.randn(4, 384), torch.randn(128, 384))  # the built-in model's: MKL is faster there
+    kernels.numerics(exact=True).linear(torch.randn(4, 576), weight)
+    assert not calls
+    assert numerics.fast_matrix(torch.randn(128, 384)) is None
     assert numerics.fast_matrix(weight.bfloat16()) is None
     assert kernels.numerics(exact=True).fast_matrix(weight) is None

@@ -122,7 +122,7 @@ class HeadLogProbs(torch.autograd.Function):
 
 class ChunkedHeadLogProbs(torch.autograd.Function):
     """`HeadLogProbs` from the LM head's input: the final hidden states `hidden` [M, H] and the head's weight
-    [V, H] as the model multiplies them in the compute dtype (`fast`: its faster copy, `Linear.weights_in`).
+    [V, H] as the model multiplies them in the compute dtype (`Linear.weight_in`).
     Each chunk of rows goes through the head, gives its log-probabilities, and is gone; the backward computes
     each chunk's head again, its gradient, and that chunk's share of the hidden states' and the weight's. No
     [M, V] tensor exists at any time (what `HeadLogProbs` keeps from the forward to the backward is the whole
@@ -130,16 +130,16 @@ class ChunkedHeadLogProbs(torch.autograd.Function):
     values are the ones `numerics.linear` gives each chunk's rows (exact mode's: the unchunked head's bits)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, fast, tokens, support, temperature: float, cap: float | None, numerics):
+    def forward(ctx, hidden, weight, tokens, support, temperature: float, cap: float | None, numerics):
         picked = torch.empty(hidden.shape[0], device=hidden.device)
         lse = torch.empty_like(picked)
         for chunk in _row_chunks(hidden.shape[0], weight.shape[0], hidden.device, CHUNKED_HEAD_ELEMENTS):
-            head = numerics.linear(hidden[chunk], weight, fast=fast)
+            head = numerics.linear(hidden[chunk], weight)
             picked[chunk], lse[chunk] = _chunk_logprobs(
                 head, tokens[chunk], _rows(support, chunk), temperature, cap, numerics
             )
         ctx.save_for_backward(hidden, weight, tokens, lse, *(() if support is None else (support,)))
-        ctx.fast, ctx.temperature, ctx.cap, ctx.numerics = fast, temperature, cap, numerics
+        ctx.temperature, ctx.cap, ctx.numerics = temperature, cap, numerics
         return picked
 
     @staticmethod
@@ -152,7 +152,7 @@ class ChunkedHeadLogProbs(torch.autograd.Function):
         grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         product = None if grad_weight is None or weight.dtype == torch.float32 else torch.empty_like(weight)
         for chunk in _row_chunks(hidden.shape[0], weight.shape[0], hidden.device, CHUNKED_HEAD_ELEMENTS):
-            head = ctx.numerics.linear(hidden[chunk], weight, fast=ctx.fast)
+            head = ctx.numerics.linear(hidden[chunk], weight)
             # Into the head's own storage, in its dtype: the matmuls' backward runs in the compute dtype, as a
             # `Linear`'s does.
             dz = _head_gradient(
@@ -166,7 +166,7 @@ class ChunkedHeadLogProbs(torch.autograd.Function):
             elif grad_weight is not None:
                 grad_weight.addmm_(dz.T, hidden[chunk])
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _chunk_logprobs(
@@ -290,8 +290,9 @@ def sequence_logprobs(
         if on_head is not None:
             with torch.no_grad():
                 on_head(lambda at: lm_head(hidden[at]))
-        weight, fast = lm_head.weights_in(hidden.dtype)
-        return ChunkedHeadLogProbs.apply(hidden, weight, fast, tokens, kept, temperature, cap, numerics)
+        return ChunkedHeadLogProbs.apply(
+            hidden, lm_head.weight_in(hidden.dtype), tokens, kept, temperature, cap, numerics
+        )
 
     if model.chunks_head(num_scored, dtype):
         scored = model(packed, dtype, replay, head=chunked)

@@ -72,16 +72,29 @@ MIN_BATCHED_ROWS = 4
 # its chunk. Within one block's fixed shape the trailing zeros change nothing; the blocks past a
 # query's last key add exact zeros. (The GPU kernel walks keys in blocks of 64 too, `attention.py`.)
 EXACT_KEY_BLOCK = 64
-# Outside exact mode both engines multiply on the CPU by FP32 weights reordered into oneDNN's blocked layout
-# for calls of this many rows (`Numerics.fast_matrix`): PyTorch sends an FP32 `F.linear` to MKL, which at a
-# decode step's 16 rows reaches 45-80 GFLOP/s on SmolLM2's shapes and 130-180 at a training pass's 700,
-# where the reordered weight reaches 120-150 and 170-205 (AMD EPYC, 2 threads; docs/benchmarks.md, issue
-# 56). A reorder reads the weight once: per weight sync in the rollout engine, per update in the trainer.
+# Outside exact mode FP32 matmuls on the CPU go to oneDNN rather than to MKL, where PyTorch sends an FP32
+# `F.linear`: at a decode step's 16 rows MKL reached 45-80 GFLOP/s on SmolLM2's shapes and 130-180 at a
+# training pass's 700, oneDNN 120-150 and 170-205 (AMD EPYC, 2 threads; docs/benchmarks.md, issue 56); on an
+# AMD EPYC with full-width AVX-512 oneDNN ran at about twice MKL's rate in the forward and in both products
+# of the backward (2.2 against 5.1 ms at 640 rows of 576 -> 1536). The rollout engine multiplies by weights
+# reordered into oneDNN's blocked layout for calls of this many rows (`Numerics.fast_matrix`), once per
+# weight sync; the trainer, whose weights change every update, by the weights as stored (within 5% of the
+# reordered ones at its row counts, with no reorder: 37 ms for SmolLM2's LM head).
 PACKED_ROWS = 16
 # ... for weights of at least this many elements. oneDNN's call costs about 25 µs more than MKL's and a reorder
 # at least 200 µs, which a small weight's matmuls never win back: 128x384 (the built-in model's) took 34 µs at
 # 16 rows against MKL's 22, 576x576 75 against 103 (AMD EPYC, 2 threads).
 FAST_MIN_ELEMENTS = 2**18
+# The backward's weight gradient of a weight with more rows than this (a vocabulary's: the LM head) stays with
+# MKL: through oneDNN SmolLM2's 49,152 x 576 took 199 ms against MKL's 163 on the AVX2 class (143 against 166
+# with AVX-512), at 512 rows.
+ONEDNN_GRAD_WEIGHT_MAX_ROWS = 2**14
+
+
+def on_onednn(weight: torch.Tensor) -> bool:
+    """Whether a matmul by `weight` runs on oneDNN (see PACKED_ROWS): a large FP32 weight on the CPU."""
+    usable = weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return usable and min(weight.shape) >= MIN_ROWS and weight.numel() >= FAST_MIN_ELEMENTS
 
 
 def emulated(t: torch.Tensor) -> bool:
@@ -131,18 +144,21 @@ def linear(
     is independent of the other rows and columns (see MIN_ROWS). `prerounded`: `weight` is as `store_for_engine`
     stores it (already rounded to the dtype of `x`). `row_blocks` (exact mode on the CPU): every
     matmul call gets exactly EXACT_CPU_ROWS rows, so a row's bits cannot depend on its batch. `fast`: `weight`
-    as `Numerics.fast_matrix` reorders it, which the forward multiplies by instead (the backward reads `weight`)."""
+    as `Numerics.fast_matrix` reorders it, which the forward multiplies by instead (the backward reads `weight`);
+    without it, a weight `on_onednn` goes to oneDNN as it is stored."""
     rows, cols = x.shape[:-1], weight.shape[0]
     x2, weight = x.reshape(-1, x.shape[-1]), weight if prerounded else weight.to(x.dtype)
     bias = None if bias is None else bias.to(x.dtype)
     # Without gradients (the rollout engine, π_old) the kernels are called directly: a decode
     # step's many small calls would each pay for an autograd node.
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if fast is None and not row_blocks and x.dtype == torch.float32 and on_onednn(weight):
+        fast = weight
     if fast is not None:
         x2 = _pad(x2, -2)
 
         def matmul(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            return _FastForward.apply(inputs, weight, bias, fast) if grad else _fast_linear(inputs, fast, bias)
+            return _OneDnn.apply(inputs, weight, bias, fast) if grad else _fast_linear(inputs, fast, bias)
 
     elif row_blocks:
         matmul = _RowBlocks.apply if grad else _row_blocks
@@ -161,7 +177,7 @@ def linear(
 
 
 def _fast_linear(x: torch.Tensor, fast: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear` by a weight `Numerics.fast_matrix` reordered for oneDNN (its kernel)."""
+    """`F.linear` by oneDNN's kernel: `fast` a weight `Numerics.fast_matrix` reordered, or any strided FP32 one."""
     return torch.ops.mkldnn._linear_pointwise(x, fast, bias, "none", [], "")
 
 
@@ -188,21 +204,9 @@ def _row_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out
 
 
-class _PlainBackward(torch.autograd.Function):
-    """A linear layer whose forward computes its values another way (a subclass's) and whose backward is the
-    usual one, one matmul per gradient: only the values must not change."""
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad.T @ x if ctx.needs_input_grad[1] else None
-        grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_weight, grad_bias, *([None] * (len(ctx.needs_input_grad) - 3))
-
-
-class _RowBlocks(_PlainBackward):
-    """`_row_blocks` (exact mode): the values must not depend on the batch."""
+class _RowBlocks(torch.autograd.Function):
+    """`_row_blocks` (exact mode): the values must not depend on the batch; the backward is the usual one,
+    one matmul per gradient."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -210,15 +214,35 @@ class _RowBlocks(_PlainBackward):
         ctx.has_bias = bias is not None
         return _row_blocks(x, weight, bias)
 
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.T @ x if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias
 
-class _FastForward(_PlainBackward):
-    """`_fast_linear` by `fast`, the reordered copy of `weight`; the gradients on `weight` itself."""
+
+class _OneDnn(torch.autograd.Function):
+    """`_fast_linear` by `fast` (`weight` itself, or its reordered copy), and the backward on oneDNN too: the
+    input's gradient by `weight`ᵀ, the weight's as (gradient)ᵀ · x, each a strided view."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fast: torch.Tensor):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return _fast_linear(x, fast, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = _fast_linear(grad, weight.t(), None) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            on_mkl = weight.shape[0] > ONEDNN_GRAD_WEIGHT_MAX_ROWS
+            grad_weight = grad.T @ x if on_mkl else _fast_linear(grad.t(), x.t(), None)
+        grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias, None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -281,11 +305,8 @@ class Numerics:
     def fast_matrix(self, weight: torch.Tensor) -> torch.Tensor | None:
         """A copy of a matmul weight in the layout `linear(..., fast=)` multiplies by fastest here, or None where
         the weight's own layout is that: on the CPU a large FP32 weight reordered for oneDNN (PACKED_ROWS). Valid
-        until the weight changes: the rollout engine makes it at each load, the trainer at each update."""
-        usable = weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-        if not usable or min(weight.shape) < MIN_ROWS or weight.numel() < FAST_MIN_ELEMENTS:
-            return None
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
+        until the weight changes: the rollout engine makes it at each load."""
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS) if on_onednn(weight) else None
 
     def differing(self, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         """Where this mode promises that `a` and `b` (the rollout engine's log-probabilities and the trainer's)

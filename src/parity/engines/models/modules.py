@@ -65,13 +65,11 @@ class Linear(nn.Module):
         self.casts: dict | None = None  # set through CausalLM.casting_once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, fast = self.weights_in(x.dtype)
-        return self.numerics.linear(x, weight, self.bias, fast=fast)
+        return self.numerics.linear(x, self.weight_in(x.dtype), self.bias)
 
-    def weights_in(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The weight as this layer multiplies it in `dtype`, and its faster copy (`fast_once`) or None."""
-        weight = cast_once(self.casts, self.weight, dtype)
-        return weight, fast_once(self.casts, weight, self.numerics)
+    def weight_in(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as this layer multiplies it in `dtype`."""
+        return cast_once(self.casts, self.weight, dtype)
 
 
 def cast_once(casts: dict | None, weight: torch.Tensor, dtype: torch.dtype, use: str = "matmul") -> torch.Tensor:
@@ -83,21 +81,6 @@ def cast_once(casts: dict | None, weight: torch.Tensor, dtype: torch.dtype, use:
     key = (id(weight), dtype, torch.is_grad_enabled(), use)
     if key not in casts:
         casts[key] = weight.to(dtype)
-    return casts[key]
-
-
-def fast_once(casts: dict | None, weight: torch.Tensor, numerics: kernels.Numerics) -> torch.Tensor | None:
-    """Inside `CausalLM.casting_once`, the copy of `weight` (as cast) that `numerics` multiplies by faster
-    (`Numerics.fast_matrix`), made by the first forward that needs it: one reorder per update, not per pass.
-    Outside, None (a lone pass would pay the reorder for one use)."""
-    if casts is None:
-        return None
-    key = (id(weight), weight.dtype, "fast")
-    if key not in casts:
-        fast = numerics.fast_matrix(weight)
-        if fast is None:  # nothing faster for this weight: asked again each time (a check, no copy)
-            return None
-        casts[key] = fast
     return casts[key]
 
 
