@@ -75,9 +75,8 @@ def test_two_fsdp2_learners_match_one_process(tmp_path, kl, ray_cluster):
             # The KL term's gradient, a difference of nearby log-probs, carries more of the round-off over 10 steps;
             # loss/kl itself (about 5e-4) is such a difference, FP32's round-off of log-probs near 1 in size
             # (2e-8 apart on an AMD EPYC, 3.9e-5 of it).
-            # Both sides carry round-off of different kernels, too: the one process's forwards multiply by weights
-            # reordered for oneDNN once per update (`Numerics.fast_matrix`), the FSDP2 learners' gather theirs anew
-            # each forward and take MKL's (1.1e-5 of grad/norm by step 4 on an AMD EPYC).
+            # Both sides carry round-off of their own, too: FSDP2's learners sum their gradients across processes
+            # (1.1e-5 of grad/norm by step 4 on an AMD EPYC, when their matmul kernels also differed).
             abs_tol = 1e-7 if key == "loss/kl" else 1e-8
             assert a[key] == pytest.approx(b[key], rel=3e-5, abs=abs_tol), (a["step"], key)
     print(f"largest relative difference over 10 steps (losses, grad norms, rewards, clip, IS): {worst:.2e}")

@@ -1,17 +1,24 @@
-"""The trainer's update with this checkout's packing against another revision's, on alternate steps of one run.
+"""The trainer's update as this checkout runs it against one other way, on alternate steps of one run.
 
-Separate processes on a shared VM differ by more than a 10% change (docs/benchmarks.md), so both packings run
-in one process: `engines/packing.py` as it was at `--rev` is loaded from git beside this checkout's, and the
-trainer's `pack` is switched between them before every update. The run is `benchmarks/vs_trl.py --custom-task`'s
-Parity side (chat prompts, two batched rewards, FP32). Prints each arm's median update and rollout, the first
-step of each arm left out, and the stream's prompt tokens under each packing.
+Separate processes on a shared VM differ by more than a 10% change (docs/benchmarks.md), so both arms run in
+one process, switched before every update. The other arm is one of:
 
-    python benchmarks/packing_ab.py --model /path/to/SmolLM2-135M-Instruct --rev 99c81c6 [--shape 4,4,32] [--steps 21]
+- `--rev REV`: `engines/packing.py` as it was at git revision REV, loaded from git beside this checkout's (the
+  trainer's `pack` is switched); the stream's prompt tokens under each packing are printed too;
+- `--mkl`: the trainer's FP32 matmuls by MKL (`F.linear` and its autograd) instead of oneDNN
+  (`kernels.ops.on_onednn`); the rollout engine's are untouched.
+
+The run is `benchmarks/vs_trl.py --custom-task`'s Parity side (chat prompts, two batched rewards, FP32). Prints
+each arm's median update and rollout, the first step of each arm left out.
+
+    python benchmarks/update_ab.py --model /path/to/SmolLM2-135M-Instruct (--rev 99c81c6 | --mkl) [--shape 4,4,32]
+        [--steps 21]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import statistics
 import subprocess
@@ -43,17 +50,22 @@ def packing_at(rev: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a Hugging Face model directory Parity runs")
-    parser.add_argument("--rev", required=True, help="the git revision whose packing is the other arm")
+    other = parser.add_mutually_exclusive_group(required=True)
+    other.add_argument("--rev", help="the other arm: the packing of this git revision")
+    other.add_argument("--mkl", action="store_true", help="the other arm: the trainer's FP32 matmuls by MKL")
     parser.add_argument("--shape", default="4,4,32", help="prompts, group size, max new tokens")
     parser.add_argument("--steps", type=int, default=21)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
     from parity.engines import trainer
+    from parity.engines.kernels import ops
     from parity.rl import step
 
-    arms = {"this checkout": trainer.pack, args.rev: packing_at(args.rev).pack}
-    names = list(arms)
+    packings = {"this checkout": trainer.pack}
+    if args.rev:
+        packings[args.rev] = packing_at(args.rev).pack
+    names = ["this checkout", args.rev or "MKL"]
     updates, rollouts, calls = {n: [] for n in names}, {n: [] for n in names}, [0]
     update, rollout = step.LocalBackend.update, step.LocalBackend.rollouts
 
@@ -62,13 +74,18 @@ def main() -> None:
 
     def timed_update(*a, **k):
         name = arm()
-        trainer.pack = arms[name]
-        start = time.perf_counter()
-        try:
-            return update(*a, **k)
-        finally:
-            updates[name].append(time.perf_counter() - start)
-            calls[0] += 1
+        trainer.pack = packings.get(name, packings["this checkout"])
+        with contextlib.ExitStack() as patched:
+            if name == "MKL":
+                on_onednn = ops.on_onednn
+                ops.on_onednn = lambda weight: False
+                patched.callback(setattr, ops, "on_onednn", on_onednn)
+            start = time.perf_counter()
+            try:
+                return update(*a, **k)
+            finally:
+                updates[name].append(time.perf_counter() - start)
+                calls[0] += 1
 
     def timed_rollouts(*a, **k):
         start = time.perf_counter()
@@ -102,7 +119,7 @@ def main() -> None:
     rows = [tok.encode_prompt(p["prompt"]) for p in problems[:prompts] for _ in range(group)]
     for name in names:
         u, r = updates[name][1:], rollouts[name][1:]
-        stream = arms[name](rows).num_tokens
+        stream = packings.get(name, packings["this checkout"])(rows).num_tokens
         print(
             f"{name}: update median {statistics.median(u):.3f} s (n={len(u)}), rollout median "
             f"{statistics.median(r):.3f} s; the first {prompts} prompts x {group} stored as {stream} tokens"
