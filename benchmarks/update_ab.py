@@ -62,10 +62,8 @@ def main() -> None:
     from parity.engines.kernels import ops
     from parity.rl import step
 
-    packings = {"this checkout": trainer.pack}
-    if args.rev:
-        packings[args.rev] = packing_at(args.rev).pack
     names = ["this checkout", args.rev or "MKL"]
+    packings = dict(zip(names, [trainer.pack, packing_at(args.rev).pack if args.rev else trainer.pack]))
     updates, rollouts, calls = {n: [] for n in names}, {n: [] for n in names}, [0]
     update, rollout = step.LocalBackend.update, step.LocalBackend.rollouts
 
@@ -74,7 +72,7 @@ def main() -> None:
 
     def timed_update(*a, **k):
         name = arm()
-        trainer.pack = packings.get(name, packings["this checkout"])
+        trainer.pack = packings[name]
         with contextlib.ExitStack() as patched:
             if name == "MKL":
                 on_onednn = ops.on_onednn
@@ -119,7 +117,7 @@ def main() -> None:
     rows = [tok.encode_prompt(p["prompt"]) for p in problems[:prompts] for _ in range(group)]
     for name in names:
         u, r = updates[name][1:], rollouts[name][1:]
-        stream = packings.get(name, packings["this checkout"])(rows).num_tokens
+        stream = packings[name](rows).num_tokens
         print(
             f"{name}: update median {statistics.median(u):.3f} s (n={len(u)}), rollout median "
             f"{statistics.median(r):.3f} s; the first {prompts} prompts x {group} stored as {stream} tokens"

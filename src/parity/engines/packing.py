@@ -76,9 +76,7 @@ class PackedBatch:
         total = int(kv_count.sum())
         row = torch.repeat_interleave(torch.arange(b, device=device), kv_count, output_size=total)
         slot = torch.arange(total, device=device) - kv_start[row]
-        p_len = self.prompt_len[row]
-        in_prompt = self.prompt_index[row, slot.clamp(max=self.prompt_index.shape[1] - 1)]
-        kv_order = torch.where(slot < p_len, in_prompt, self.response_start[row] + slot - p_len)
+        kv_order = _stream_index(self.prompt_index, self.prompt_len, self.response_start, row, slot)
         q_pos0 = self.computes_from
         q_count = kv_count - q_pos0
         as_int = {"dtype": torch.int32}
@@ -97,9 +95,9 @@ class PackedBatch:
 @dataclass(frozen=True)
 class RowLayout:
     """A packed batch's rows for variable-length attention: each row's queries are the stream tokens it
-    computes (its prompt's too if it owns it, then its response), `q_order` listing them row after row (each
-    stream token once); its keys are its whole sequence, `kv_order[kv_start[r] + p]` being the stream index of
-    row r's position p. Query j of row r is at position q_pos0[r] + j."""
+    computes (its prompt's from `computes_from` on, then its response), `q_order` listing them row after row
+    (each stream token once); its keys are its whole sequence, `kv_order[kv_start[r] + p]` being the stream
+    index of row r's position p. Query j of row r is at position q_pos0[r] + j."""
 
     q_order: torch.Tensor  # [num_tokens] stream index of each query, row by row
     q_first: torch.Tensor  # [B] int32: row r's first query in q_order
@@ -125,6 +123,15 @@ class Routing:
 
     def to(self, device: torch.device | str) -> Routing:
         return Routing([p.to(device) for p in self.prompts], self.responses.to(device))
+
+
+def _stream_index(
+    prompt_index: torch.Tensor, prompt_len: torch.Tensor, response_start: torch.Tensor, row: torch.Tensor, slot
+) -> torch.Tensor:
+    """The stream index of position `slot` of row `row` (broadcast together): a prompt token where the trie put
+    it (`prompt_index`), a response token after its row's `response_start`."""
+    in_prompt = prompt_index[row, slot.clamp(max=prompt_index.shape[1] - 1)]
+    return torch.where(slot < prompt_len[row], in_prompt, response_start[row] + slot - prompt_len[row])
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -207,11 +214,9 @@ def pack(
         width = int(seq_len[rows].max())
         if bucket:
             width = -(-width // ROW_MULTIPLE) * ROW_MULTIPLE
-        slot = torch.arange(width, device=device).expand(len(rows), width)
-        r_len, r_plen = seq_len[rows][:, None], p_len[rows][:, None]
-        in_prompt = prompt_index[rows][:, slot[0].clamp(max=prompt_index.shape[1] - 1)]
-        index_k = torch.where(slot < r_plen, in_prompt, resp_start[rows][:, None] + slot - r_plen)
-        attention_rows.append(index_k.masked_fill(slot >= r_len, 0))
+        slot = torch.arange(width, device=device)[None]
+        index_k = _stream_index(prompt_index, p_len, resp_start, rows[:, None], slot)
+        attention_rows.append(index_k.masked_fill(slot >= seq_len[rows][:, None], 0))
         row_base[rows] = offset + torch.arange(len(rows), device=device) * width
         offset += len(rows) * width
 
