@@ -1,5 +1,5 @@
 """The rollout engine's weights: stored in the rollout precision, with the Q/K/V and gate/up projections
-fused into one matrix each (as inference engines hold them), loaded and synced under Hugging Face names.
+fused into one matrix each (as inference engines hold them), loaded and synced under the trainer's model's names.
 
 Kept apart from the decode loop (`rollout.py`): a weight sync writes into the buffers the first load built,
 so the decode step's CUDA graphs, which read those buffers, stay valid; anything that allocates anew
@@ -15,7 +15,6 @@ import torch
 
 from parity.engines import kernels
 from parity.engines.models.config import ModelConfig
-from parity.engines.models.families import family
 from parity.engines.models.modules import CausalLM
 
 
@@ -26,7 +25,7 @@ class LayerWeights:
 
     config: ModelConfig
     numerics: kernels.Numerics
-    # By `layer_names`' parts: qkv, gate_up (fused) and their biases, o, down, the norms (Hugging Face's
+    # By `fusions`' parts: qkv, gate_up (fused) and their biases, o, down, the norms (Hugging Face's
     # names), a MoE layer's router and its experts' fused projections stacked (experts_gate_up [E·2I, H],
     # experts_down [E·H, I]). A part the model lacks is absent.
     tensors: dict[str, torch.Tensor]
@@ -84,39 +83,42 @@ class LayerWeights:
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the dense layer's matmuls, as the engine fuses them
 MATRICES = (*PROJECTIONS, "router", "experts_gate_up", "experts_down", "embed", "lm_head")  # `store_for_engine`'s
 Members = tuple[tuple[str, int], ...]  # the Hugging Face tensors stacked into one part, with their rows
+ROOT = {"embed": ("model.embed_tokens",), "norm": ("model.norm",), "lm_head": ("lm_head",)}
 
 
-def layer_names(cfg: ModelConfig, i: int) -> dict[str, Members]:
-    """Layer i's Hugging Face map, the one the engine loads, syncs and checks by: each part of
-    `LayerWeights.tensors` and the tensors stacked into it, in order, with their rows. Q, K and V are fused,
-    gate and up, and a MoE layer's experts stacked (gate, up, then the next expert's)."""
-    p = f"model.layers.{i}."
-    a, m = p + "self_attn.", p + "mlp."
-    q, kv, hidden = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
-    inner = cfg.intermediate_size
-    fused = {
-        "qkv": ((a + "q_proj", q), (a + "k_proj", kv), (a + "v_proj", kv)),
-        "gate_up": ((m + "gate_proj", inner), (m + "up_proj", inner)),
-        "o": ((a + "o_proj", hidden),),
-        "down": ((m + "down_proj", hidden),),
+def fusions(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """The modules of a layer whose weights the engine stacks into one part, in order: Q, K and V, gate and up,
+    a MoE layer's experts (gate, up, then the next expert's)."""
+    experts = range(cfg.num_experts)
+    return {
+        "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "o": ("self_attn.o_proj",),
+        "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+        "down": ("mlp.down_proj",),
+        "router": ("mlp.gate",),
+        "experts_gate_up": tuple(f"mlp.experts.{j}.{m}" for j in experts for m in ("gate_proj", "up_proj")),
+        "experts_down": tuple(f"mlp.experts.{j}.down_proj" for j in experts),
     }
-    out = {part: tuple((name + ".weight", rows) for name, rows in members) for part, members in fused.items()}
-    out |= {part + "_bias": tuple((name + ".bias", rows) for name, rows in members) for part, members in fused.items()}
-    out |= {norm: ((p + norm + ".weight", hidden),) for norm in family(cfg).norms}
-    out |= {"q_norm": ((a + "q_norm.weight", cfg.head_dim),), "k_norm": ((a + "k_norm.weight", cfg.head_dim),)}
-    if i in cfg.moe_layers:
-        e, experts, width = m + "experts.", range(cfg.num_experts), cfg.moe_intermediate_size
-        out["router"] = ((m + "gate.weight", cfg.num_experts),)
-        pairs = [(f"{e}{j}.gate_proj.weight", f"{e}{j}.up_proj.weight") for j in experts]
-        out["experts_gate_up"] = tuple((name, width) for pair in pairs for name in pair)
-        out["experts_down"] = tuple((f"{e}{j}.down_proj.weight", hidden) for j in experts)
+
+
+def parts(
+    shapes: dict[str, torch.Size], prefix: str, groups: dict[str, tuple[str, ...]], rest: bool
+) -> dict[str, Members]:
+    """The engine's parts of the parameters under `prefix` (`shapes`: the trainer's model's, by Hugging Face name):
+    each group's modules' parameters stacked in order, with their rows (a bias as "<part>_bias"); with `rest`,
+    each other parameter there a part of its own, named by its module (`input_layernorm`, `q_norm`)."""
+    out, taken = {}, set()
+    for part, modules in groups.items():
+        for kind, name in (("weight", part), ("bias", part + "_bias")):
+            members = [f"{prefix}{m}.{kind}" for m in modules if f"{prefix}{m}.{kind}" in shapes]
+            if members:
+                out[name] = tuple((n, shapes[n][0]) for n in members)
+                taken.update(members)
+    for n in shapes if rest else ():
+        if n.startswith(prefix) and n not in taken:
+            module, _, kind = n.rpartition(".")
+            out[module.rpartition(".")[2] + ("" if kind == "weight" else "_" + kind)] = ((n, shapes[n][0]),)
     return out
-
-
-def root_names(cfg: ModelConfig) -> dict[str, Members]:
-    """The weights outside the layers, as `layer_names` gives a layer's (a tied LM head is the embedding)."""
-    out = {"embed": (("model.embed_tokens.weight", cfg.vocab_size),), "norm": (("model.norm.weight", cfg.hidden_size),)}
-    return out if cfg.tie_word_embeddings else out | {"lm_head": (("lm_head.weight", cfg.vocab_size),)}
 
 
 class RolloutWeights:
@@ -126,10 +128,15 @@ class RolloutWeights:
         self.config = config
         self.dtype = dtype
         self.device = numerics.device
-        with torch.device("meta"):
-            names = CausalLM(config, numerics).state_dict().keys()
-        self._expected = {n for n in names if not (config.tie_word_embeddings and n == "lm_head.weight")}
-        self.root: dict[str, torch.Tensor] = {}  # by `root_names`' parts
+        with torch.device("meta"):  # a tied LM head is the embedding: one parameter, under the embedding's name
+            shapes = {name: p.shape for name, p in CausalLM(config, numerics).named_parameters()}
+        self._shapes = shapes
+        self._expected = set(shapes)
+        groups = fusions(config)
+        # Each stored part's Hugging Face tensors: the root's, then each layer's.
+        self.names = [parts(shapes, "", ROOT, rest=False)]
+        self.names += [parts(shapes, f"model.layers.{i}.", groups, rest=True) for i in range(config.num_layers)]
+        self.root: dict[str, torch.Tensor] = {}  # by `ROOT`'s parts
         self.layers: list[LayerWeights] = []
         self.numerics = numerics
         self.lm_head_fast: torch.Tensor | None = None  # the LM head as `Numerics.fast_matrix` reorders it
@@ -160,7 +167,7 @@ class RolloutWeights:
         if missing:
             raise ValueError(f"weight sync: missing {missing[:4]}")
         if not self.layers or any(layer.lora for layer in self.layers):
-            self._allocate(state)
+            self._allocate()
         for name, stored in self.stored_views().items():
             new = state[name].detach()
             if new.shape != stored.shape:
@@ -170,25 +177,22 @@ class RolloutWeights:
         self._reorder()
         self.weight_version = version
 
-    def _allocate(self, state: dict[str, torch.Tensor]) -> None:
-        """Empty buffers for every part whose tensors `state` holds (a matmul weight held as
-        `kernels.store_for_engine` keeps it)."""
-
+    def _allocate(self) -> None:
+        """Empty buffers for every part (a matmul weight held as `kernels.store_for_engine` keeps it)."""
         held = kernels.store_for_engine(torch.empty(0, dtype=self.dtype, device=self.device), self.dtype).dtype
 
-        def buffers(parts: dict[str, Members]) -> dict[str, torch.Tensor]:
-            out = {}
-            for part, members in parts.items():
-                if members[0][0] in state:
-                    shape = state[members[0][0]].shape
-                    rows = sum(r for _, r in members) if len(members) > 1 else shape[0]
-                    dtype = held if part in MATRICES else self.dtype
-                    out[part] = torch.empty((rows, *shape[1:]), dtype=dtype, device=self.device)
-            return out
+        def buffers(names: dict[str, Members]) -> dict[str, torch.Tensor]:
+            shapes = {
+                part: (sum(rows for _, rows in members), *self._shapes[members[0][0]][1:])
+                for part, members in names.items()
+            }
+            return {
+                part: torch.empty(shape, dtype=held if part in MATRICES else self.dtype, device=self.device)
+                for part, shape in shapes.items()
+            }
 
-        self.root = buffers(root_names(self.config))
-        cfg = self.config
-        self.layers = [LayerWeights(cfg, self.numerics, buffers(layer_names(cfg, i))) for i in range(cfg.num_layers)]
+        self.root = buffers(self.names[0])
+        self.layers = [LayerWeights(self.config, self.numerics, buffers(names)) for names in self.names[1:]]
         self.layout += 1
 
     def _reorder(self) -> None:
@@ -204,10 +208,9 @@ class RolloutWeights:
         name (`model.layers.0.self_attn.q_proj`) to (A [r, in], scale·B [out, r]); projections not
         named keep no adapter. Replaces the previous adapters and records the version."""
         unknown = set(adapters)
-        for i, layer in enumerate(self.layers):
+        for layer, names in zip(self.layers, self.names[1:]):
             layer.lora = {}
-            names = layer_names(self.config, i)
-            for part in PROJECTIONS:
+            for part in (p for p in PROJECTIONS if p in names):
                 members = [(name.rpartition(".")[0], rows) for name, rows in names[part]]  # module names
                 pairs = [adapters.get(name) for name, _ in members]
                 unknown -= {name for name, _ in members}
@@ -242,10 +245,8 @@ class RolloutWeights:
     def stored_views(self) -> dict[str, torch.Tensor]:
         """Every stored weight as held (a matmul weight possibly in FP32), under its Hugging Face name:
         views into the fused projections."""
-        held = [(root_names(self.config), self.root)]
-        held += [(layer_names(self.config, i), layer.tensors) for i, layer in enumerate(self.layers)]
         out = {}
-        for names, tensors in held:
+        for names, tensors in zip(self.names, [self.root] + [layer.tensors for layer in self.layers]):
             for part, tensor in tensors.items():
                 members = names[part]
                 pieces = tensor.split([rows for _, rows in members]) if len(members) > 1 else (tensor,)
