@@ -130,8 +130,7 @@ class RolloutWeights:
         self.device = numerics.device
         with torch.device("meta"):  # a tied LM head is the embedding: one parameter, under the embedding's name
             shapes = {name: p.shape for name, p in CausalLM(config, numerics).named_parameters()}
-        self._shapes = shapes
-        self._expected = set(shapes)
+        self._shapes = shapes  # every parameter a load must send
         groups = fusions(config)
         # Each stored part's Hugging Face tensors: the root's, then each layer's.
         self.names = [parts(shapes, "", ROOT, rest=False)]
@@ -163,7 +162,7 @@ class RolloutWeights:
         """Copy weights in (Hugging Face names), rounded to the rollout precision, fused, and record their
         version. The first load allocates the buffers; later ones write into them (the same bits as a fresh
         load), so the decode step's graphs stay valid, unless adapters were loaded: a load drops them."""
-        missing = sorted(self._expected - state.keys())
+        missing = sorted(self._shapes.keys() - state.keys())
         if missing:
             raise ValueError(f"weight sync: missing {missing[:4]}")
         if not self.layers or any(layer.lora for layer in self.layers):
@@ -182,14 +181,11 @@ class RolloutWeights:
         held = kernels.store_for_engine(torch.empty(0, dtype=self.dtype, device=self.device), self.dtype).dtype
 
         def buffers(names: dict[str, Members]) -> dict[str, torch.Tensor]:
-            shapes = {
-                part: (sum(rows for _, rows in members), *self._shapes[members[0][0]][1:])
-                for part, members in names.items()
-            }
-            return {
-                part: torch.empty(shape, dtype=held if part in MATRICES else self.dtype, device=self.device)
-                for part, shape in shapes.items()
-            }
+            out = {}
+            for part, members in names.items():
+                shape = (sum(rows for _, rows in members), *self._shapes[members[0][0]][1:])  # members stacked
+                out[part] = torch.empty(shape, dtype=held if part in MATRICES else self.dtype, device=self.device)
+            return out
 
         self.root = buffers(self.names[0])
         self.layers = [LayerWeights(self.config, self.numerics, buffers(names)) for names in self.names[1:]]
