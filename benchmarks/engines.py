@@ -93,7 +93,7 @@ class Workloads:
         engine = RolloutEngine(
             model.config, precision, self.tok.eos_ids if eos else (-1,), self.tok.pad_id, kernels.numerics()
         )
-        engine.load_weights(model.state_dict(), 0)
+        engine.weights.load(model.state_dict(), 0)
         sampling = SamplingParams(temperature=1.0, max_new_tokens=self.spec["new_tokens"])
 
         def run() -> int:
@@ -148,7 +148,7 @@ class Workloads:
         model = load_model(self.model_dir, kernels.numerics())
         engine = RolloutEngine(model.config, precision, -1, self.tok.pad_id, kernels.numerics())
         trainer = Trainer(model, precision, OptimConfig(lr=1e-6))
-        engine.load_weights(*trainer.export_weights())
+        engine.weights.load(*trainer.export_weights())
         sampling = SamplingParams(max_new_tokens=self.spec["new_tokens"])
         batch = engine.generate(self.prompts, self.spec["group"], sampling, seed=0)
 

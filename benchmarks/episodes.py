@@ -100,7 +100,7 @@ def main() -> None:
     cont = RolloutEngine(model.config, args.precision, ends, tok.pad_id, numerics)
     again = RolloutEngine(model.config, args.precision, (), tok.pad_id, numerics)  # rows run to their limits
     for engine in (cont, again):
-        engine.load_weights(weights, version=0)
+        engine.weights.load(weights, version=0)
     gen = torch.Generator().manual_seed(0)
     top = vocab - (args.end_ids if random_model else 0)  # the prompts and fed ids hold no end-of-turn id
     prompts = [torch.randint(3, top, (args.prompt_tokens,), generator=gen).tolist() for _ in range(args.prompts)]

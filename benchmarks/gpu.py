@@ -223,7 +223,7 @@ def decode_figures(model: str, precision: str, device: str, batch: int, bytes_pe
     net = load_model(model, kernels.numerics()).to(device)
     tok = load_tokenizer(resolve_model_dir(model))
     engine = RolloutEngine(net.config, precision, (-1,), tok.pad_id, kernels.numerics(device))
-    engine.load_weights(net.state_dict(), version=0)
+    engine.weights.load(net.state_dict(), version=0)
     prompts = [[3 + (i + j) % (net.config.vocab_size - 3) for j in range(4)] for i in range(batch)]
     short, long = 8, 40
 
@@ -241,7 +241,7 @@ def decode_figures(model: str, precision: str, device: str, batch: int, bytes_pe
         return best
 
     step_ms = (timed(long) - timed(short)) / (long - short) * 1000
-    weight_bytes = sum(t.numel() * t.element_size() for t in engine.named_weights().values())
+    weight_bytes = sum(t.numel() * t.element_size() for t in engine.weights.named_weights().values())
     floor_ms = weight_bytes / bytes_per_s * 1000
     syncs = None
     if device == "cuda":
@@ -266,7 +266,7 @@ def rollout_vs_generate(model: str, precision: str, device: str, shapes: list[tu
     hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(model), dtype=dtype).to(device).eval()
     net = load_model(model, kernels.numerics())
     engine = RolloutEngine(net.config, precision, (-1,), 0, kernels.numerics(device))
-    engine.load_weights(net.state_dict(), version=0)
+    engine.weights.load(net.state_dict(), version=0)
     del net
     vocab = engine.config.vocab_size
     out = []
@@ -313,7 +313,7 @@ def exact_sweep(model: str, precision: str, device: str, shapes: list[tuple[int,
     net = load_model(model, kernels.numerics()).to(device).requires_grad_(False)
     net.numerics = kernels.numerics(device, exact=True)
     engine = RolloutEngine(net.config, precision, (-1,), 0, net.numerics)
-    engine.load_weights(net.state_dict(), version=0)
+    engine.weights.load(net.state_dict(), version=0)
     vocab, out = net.config.vocab_size, []
     for prompts, group, new_tokens in shapes:
         gen = torch.Generator().manual_seed(prompts * 1000 + new_tokens)

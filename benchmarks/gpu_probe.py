@@ -148,7 +148,8 @@ def engine_for(model_dir: str, precision: str, device: str, exact: bool, graphs:
     engine = RolloutEngine(model.config, precision, (-1,), 0, numerics)  # EOS off: every row decodes to the end
     if hasattr(engine, "use_graphs"):
         engine.use_graphs = graphs
-    engine.load_weights(model.state_dict(), version=0)
+    # the previous engine (the baseline) loads through `load_weights`
+    (getattr(engine, "load_weights", None) or engine.weights.load)(model.state_dict(), version=0)
     return model, engine
 
 
@@ -178,7 +179,8 @@ def decode_step_ms(engine, device: str, rows: int, prompt: int, new_tokens: int)
     mean_position = first + every * len(measured) / 2
     cfg = engine.config
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * rows * mean_position
-    weight_bytes = sum(t.numel() * t.element_size() for t in engine.named_weights().values())
+    named = getattr(engine, "named_weights", None) or engine.weights.named_weights  # the baseline's, or ours
+    weight_bytes = sum(t.numel() * t.element_size() for t in named().values())
     return {
         "rows": rows,
         "step_ms": statistics.median(measured) * 1000,

@@ -4,7 +4,7 @@ For each model, on one rollout batch (every row generates exactly `new_tokens`):
 
 - train step: `Trainer.logprobs` forward + scaled backward + optimizer step, full fine-tuning
   and LoRA timed alternately in one process (A, B, A, B, ...) so machine noise hits both alike;
-- sync: `Trainer.export_weights()` + `RolloutEngine.load_weights()`, the weight hand-over of
+- sync: `Trainer.export_weights()` + `RolloutWeights.load()`, the weight hand-over of
   every RL step (with LoRA: W + scale·B·A merged in FP32, then cast by the engine), alternated
   likewise;
 - peak memory: max RSS of a fresh process that loads the model, builds the trainer and the
@@ -59,7 +59,7 @@ class Setup:
         return b.num_tokens
 
     def sync(self) -> int:
-        self.engine.load_weights(*self.trainer.export_weights())
+        self.engine.weights.load(*self.trainer.export_weights())
         return 1
 
     def trainable(self) -> int:

@@ -55,13 +55,13 @@ def measure(model_dir: Path, precision: str, args: argparse.Namespace) -> dict:
         kind: RolloutEngine(config, precision, tokenizer.eos_ids, tokenizer.pad_id, kernels.numerics())
         for kind in ("merged", "unmerged")
     }
-    engines["unmerged"].load_weights(*trainer.export_weights(merge=False))  # the base, once
+    engines["unmerged"].weights.load(*trainer.export_weights(merge=False))  # the base, once
 
     def sync(kind: str) -> None:
         if kind == "merged":
-            engines[kind].load_weights(*trainer.export_weights())
+            engines[kind].weights.load(*trainer.export_weights())
         else:
-            engines[kind].load_adapters(*trainer.export_adapters())
+            engines[kind].weights.load_adapters(*trainer.export_adapters())
 
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens)
     times: dict[str, dict[str, list[float]]] = {k: {"sync_s": [], "rollout_s": []} for k in engines}

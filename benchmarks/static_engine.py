@@ -85,7 +85,7 @@ def main() -> None:
             ids = [torch.randint(3, model.config.vocab_size, (12,), generator=gen).tolist() for _ in range(prompts)]
             for precision in args.precisions.split(","):
                 engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, kernels.numerics())
-                engine.load_weights(export_state(model), version=0)
+                engine.weights.load(export_state(model), version=0)
                 for label, extra in SAMPLINGS.items():
                     sampling = SamplingParams(max_new_tokens=new_tokens, **extra)
                     row = compare(engine, ids, group, sampling, args.repeats)

@@ -22,7 +22,7 @@ def engines(model_dir, precision: str, exact: bool = True):
     model = load_model(model_dir, kernels.numerics(exact=exact))
     tok = load_tokenizer(resolve_model_dir(model_dir))
     engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, model.numerics)
-    engine.load_weights(export_state(model), version=0)
+    engine.weights.load(export_state(model), version=0)
     return model, engine
 
 

@@ -292,7 +292,7 @@ def generate(
         support=support,
         truncated=~ended,
         group_index=torch.arange(n_prompts, device=dev).repeat_interleave(group_size),
-        weight_version=engine.weight_version,
+        weight_version=engine.weights.version,
         sampling=sampling,
         routing=routing,
         full_vocab=None if recorder is None else recorder.record(),

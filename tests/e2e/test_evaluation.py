@@ -123,7 +123,7 @@ def test_batch_shape_metrics_against_a_hand_computation():
 def test_recording_the_whole_distribution_changes_no_sample():
     model, tok = load_model("builtin", kernels.numerics()), load_tokenizer(BUILTIN_DIR)
     engine = RolloutEngine(model.config, "bf16", tok.eos_ids, tok.pad_id, kernels.numerics())
-    engine.load_weights(export_state(model), version=0)
+    engine.weights.load(export_state(model), version=0)
     # 48 rows: finished rows leave the decode batch (16 at a time) while recorded rows are still sampling
     prompts = [tok.encode(f"{a}+{b}=") for a, b in ((4705, 386), (12, 9), (99, 999), (5, 123456))] * 2
     sampling = SamplingParams(top_k=6, max_new_tokens=40)

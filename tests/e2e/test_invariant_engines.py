@@ -49,7 +49,7 @@ def test_the_two_engines_agree_bit_for_bit_through_the_invariant_kernels(precisi
     model = load_model("builtin", kernels.TritonExact(torch.device(DEVICE)))
     tok = load_tokenizer(BUILTIN_DIR)
     engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, model.numerics)
-    engine.load_weights(export_state(model), version=0)
+    engine.weights.load(export_state(model), version=0)
     short = dataclasses.replace(FILTERED, max_new_tokens=8)  # each token is a decode step in the interpreter
     batch = engine.generate(random_prompts(4, model.config.vocab_size, seed=4), 3, short, seed=0)
     assert batch.response_lengths.min() < batch.response_lengths.max()
@@ -108,7 +108,7 @@ def test_an_episode_continued_from_the_cache_agrees_bit_for_bit_through_the_inva
     model = load_model("builtin", kernels.TritonExact(torch.device(DEVICE)))
     tok = load_tokenizer(BUILTIN_DIR)
     engine = RolloutEngine(model.config, "bf16", tok.eos_ids, tok.pad_id, model.numerics)
-    engine.load_weights(export_state(model), version=0)
+    engine.weights.load(export_state(model), version=0)
     turns = Turns(2, limit=4)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=12)
     # Solutions written out to their last digits: the first turn ends within a few tokens.

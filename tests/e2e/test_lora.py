@@ -187,7 +187,7 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(tmp_path):
     # The sync sent the merged weights: the engine's projection is W + scale·B·A rounded to BF16.
     q = model.model.layers[0].self_attn.q_proj
     merged = (q.weight.float() + (q.lora_B @ q.lora_A) * q.scale).to(torch.bfloat16)
-    assert torch.equal(run.backend.sampler.engine.named_weights()["model.layers.0.self_attn.q_proj.weight"], merged)
+    assert torch.equal(run.backend.sampler.engine.weights.named_weights()["model.layers.0.self_attn.q_proj.weight"], merged)
 
 
 def test_merged_weights_give_the_rollout_engine_the_trainers_pi(llama_dir):
@@ -198,7 +198,7 @@ def test_merged_weights_give_the_rollout_engine_the_trainers_pi(llama_dir):
     assert not any(k.endswith(("lora_A", "lora_B")) for k in state) and "lm_head.weight" in state
     assert isinstance(trainer.model.model.layers[0].mlp.down_proj, LoRALinear)
     engine = RolloutEngine(trainer.model.config, "fp32", tok.eos_ids, tok.pad_id, kernels.numerics())
-    engine.load_weights(state, version)
+    engine.weights.load(state, version)
     batch = engine.generate([tok.encode(p) for p in ("12+34=", "7+8=")], 4, SamplingParams(max_new_tokens=24), 0)
     with torch.no_grad():
         pi = trainer.logprobs(batch.prompt_ids, batch.response_ids, batch.response_mask)
@@ -215,8 +215,8 @@ def test_unmerged_adapters_give_the_rollout_engine_the_trainers_pi(llama_dir, ta
     )
     _random_adapters(trainer, seed=3)
     engine = RolloutEngine(trainer.model.config, "fp32", tok.eos_ids, tok.pad_id, kernels.numerics())
-    engine.load_weights(*trainer.export_weights(merge=False))
-    engine.load_adapters(*trainer.export_adapters())
+    engine.weights.load(*trainer.export_weights(merge=False))
+    engine.weights.load_adapters(*trainer.export_adapters())
     parts = {"q_proj": "qkv", "v_proj": "qkv", "k_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up"}
     assert set(engine.weights.layers[0].lora) == {
         parts.get(t, "down" if t == "down_proj" else "gate_up") for t in targets
@@ -226,7 +226,7 @@ def test_unmerged_adapters_give_the_rollout_engine_the_trainers_pi(llama_dir, ta
         pi = trainer.logprobs(batch.prompt_ids, batch.response_ids, batch.response_mask)
     assert (pi - batch.rollout_logprobs).abs().max() < 2e-5
     with pytest.raises(ValueError, match="no projection named"):
-        engine.load_adapters({"model.layers.0.self_attn.x_proj": (torch.zeros(4, 8), torch.zeros(8, 4))}, 1)
+        engine.weights.load_adapters({"model.layers.0.self_attn.x_proj": (torch.zeros(4, 8), torch.zeros(8, 4))}, 1)
 
 
 def test_unmerged_lora_shares_the_base_and_syncs_only_adapters(tmp_path, monkeypatch):
@@ -260,7 +260,7 @@ def test_unmerged_lora_shares_the_base_and_syncs_only_adapters(tmp_path, monkeyp
     assert a.dtype == b.dtype == torch.float32
     assert torch.equal(a, o_proj.lora_A.to(torch.bfloat16).float())
     assert torch.equal(b, (o_proj.lora_B * o_proj.scale).to(torch.bfloat16).float()) and b.abs().max() > 0
-    assert engine.weight_version == run.backend.trainer.weight_version == 2
+    assert engine.weights.version == run.backend.trainer.weight_version == 2
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -53,7 +53,7 @@ def test_rollout_engine_matches_transformers(arch_dir):
     arch, path = arch_dir
     tok, model, ref = load_tokenizer(path), load_model(path, kernels.numerics()), reference(path)
     engine = RolloutEngine(model.config, "fp32", tok.eos_ids, tok.pad_id, kernels.numerics())
-    engine.load_weights(model.state_dict(), version=0)
+    engine.weights.load(model.state_dict(), version=0)
     prompts = [tok.encode(p) for p in PROMPTS]
     batch = engine.generate(prompts, 3, SamplingParams(max_new_tokens=20), seed=0)
     assert batch.response_lengths.max() > 8  # past the sliding window

@@ -25,7 +25,7 @@ def _setup(path, precision="fp32"):
     model = load_model(path, kernels.numerics())
     trainer = Trainer(model, precision, OptimConfig(lr=1e-3))
     engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, kernels.numerics())
-    engine.load_weights(*trainer.export_weights())
+    engine.weights.load(*trainer.export_weights())
     return tok, trainer, engine
 
 
@@ -146,8 +146,8 @@ def test_weight_sync_fp32_agrees_to_round_off(fixture, request):
     trainer.backward(-logp.sum() / batch.num_tokens)
     stats = trainer.step()
     assert not stats.skipped and stats.weight_version == 1
-    engine.load_weights(*trainer.export_weights())
-    assert engine.weight_version == 1
+    engine.weights.load(*trainer.export_weights())
+    assert engine.weights.version == 1
     batch = engine.generate(prompts, 2, sampling, seed=1)
     assert batch.weight_version == 1
     with torch.no_grad():
@@ -167,7 +167,7 @@ def test_weights_stored_in_rollout_precision(llama_dir):
         for weight in (engine.weights.root["embed"], layer.tensors["qkv"], layer.tensors["gate_up"]):
             assert weight.dtype == held and torch.equal(weight, weight.to(dtype).to(held))
         assert layer.tensors["input_layernorm"].dtype == dtype
-        assert engine.named_weights()["model.embed_tokens.weight"].dtype == dtype
+        assert engine.weights.named_weights()["model.embed_tokens.weight"].dtype == dtype
         assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
 
 
@@ -180,19 +180,19 @@ def test_a_later_sync_fills_the_buffers_of_the_first(llama_dir, precision):
     with torch.no_grad():
         for p in trainer.model.parameters():
             p.add_(torch.randn_like(p) * 1e-2)
-    engine.load_weights(*trainer.export_weights())
+    engine.weights.load(*trainer.export_weights())
     assert {name: t.data_ptr() for name, t in engine.weights.stored_views().items()} == buffers
     fresh = RolloutEngine(engine.config, precision, [engine.pad_id], engine.pad_id, kernels.numerics())
-    fresh.load_weights(*trainer.export_weights())
-    moved, expected = engine.named_weights(), fresh.named_weights()
+    fresh.weights.load(*trainer.export_weights())
+    moved, expected = engine.weights.named_weights(), fresh.weights.named_weights()
     assert moved.keys() == expected.keys()
     assert all(torch.equal(moved[name], expected[name]) for name in expected)
-    before = engine.named_weights()["model.norm.weight"].clone()
+    before = engine.weights.named_weights()["model.norm.weight"].clone()
     with torch.no_grad():  # the engine holds copies, not the sender's tensors
         trainer.model.model.norm.weight.add_(1.0)
-    assert torch.equal(engine.named_weights()["model.norm.weight"], before)
+    assert torch.equal(engine.weights.named_weights()["model.norm.weight"], before)
     with pytest.raises(ValueError, match="model.norm.weight has shape"):
-        engine.load_weights({**trainer.export_weights()[0], "model.norm.weight": torch.ones(3)}, 2)
+        engine.weights.load({**trainer.export_weights()[0], "model.norm.weight": torch.ones(3)}, 2)
 
 
 def test_sampler_matches_the_distribution():

@@ -201,7 +201,7 @@ def test_exact_mode_on_cuda(precision):
     model = load_model("builtin", kernels.numerics("cuda", exact=True))
     tok = load_tokenizer(BUILTIN_DIR)
     engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, model.numerics)
-    engine.load_weights(export_state(model), version=0)
+    engine.weights.load(export_state(model), version=0)
     batch = engine.generate(random_prompts(24, model.config.vocab_size, seed=4), 4, FILTERED, seed=0)
     pi = trainer_logprobs(model, batch, precision, micro_batch=40)
     assert torch.equal(pi[batch.response_mask], batch.rollout_logprobs[batch.response_mask])

@@ -106,7 +106,7 @@ def test_the_trainer_computes_the_registered_order(post_norm):
 def test_the_engine_samples_the_registered_family_with_the_trainers_bits(post_norm, precision, sampling):
     model = _model(post_norm, exact=True)
     engine = RolloutEngine(post_norm, precision, [post_norm.eos_token_id], post_norm.pad_token_id, model.numerics)
-    engine.load_weights(export_state(model), version=0)
+    engine.weights.load(export_state(model), version=0)
     batch = engine.generate(random_prompts(6, post_norm.vocab_size, seed=3), 2, sampling, seed=4)
     assert batch.response_mask.sum() > 20
     pi = trainer_logprobs(model, batch, precision, micro_batch=4)

@@ -31,7 +31,7 @@ def engine_for(model_dir, precision: str, exact: bool) -> tuple[torch.nn.Module,
     model = load_model(model_dir, kernels.numerics())
     tok = load_tokenizer(resolve_model_dir(model_dir))
     engine = RolloutEngine(model.config, precision, tok.eos_ids, tok.pad_id, kernels.numerics(exact=exact))
-    engine.load_weights(export_state(model), version=0)
+    engine.weights.load(export_state(model), version=0)
     return model, engine
 
 
@@ -79,10 +79,10 @@ def test_top_k_examines_candidates_only_and_keeps_ties(wide_vocab_dir, precision
     ):
         new = engine.generate(prompts, 3, sampling, seed=1, full_vocab=8)
         assert_same(new, reference_rollout.generate(engine, prompts, 3, sampling, seed=1, full_vocab=8))
-    state = {name: t.float() for name, t in engine.named_weights().items()}
+    state = {name: t.float() for name, t in engine.weights.named_weights().items()}
     head = "model.embed_tokens.weight" if "lm_head.weight" not in state else "lm_head.weight"
     state[head] = torch.zeros_like(state[head])  # every logit equal: top-k keeps all 700
-    engine.load_weights(state, engine.weight_version + 1)
+    engine.weights.load(state, engine.weights.version + 1)
     new = engine.generate(prompts, 2, SamplingParams(top_k=1, max_new_tokens=5), seed=2)
     assert new.support.shape[-1] == 700
     assert_same(new, reference_rollout.generate(engine, prompts, 2, SamplingParams(top_k=1, max_new_tokens=5), seed=2))
@@ -131,7 +131,7 @@ def test_lora_adapters_sample_what_the_previous_engine_sampled(exact):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
-    engine.load_adapters(adapter_pairs(model), version=1)
+    engine.weights.load_adapters(adapter_pairs(model), version=1)
     prompts = random_prompts(6, model.config.vocab_size, seed=9)
     sampling = SAMPLINGS["top-k-top-p"]
     assert_same(engine.generate(prompts, 3, sampling, 0), reference_rollout.generate(engine, prompts, 3, sampling, 0))
@@ -151,7 +151,7 @@ def test_cuda_graphs_replay_what_eager_steps_compute(exact, sampling):
     for graphs in (True, False):
         engine = RolloutEngine(model.config, "bf16", tok.eos_ids, tok.pad_id, numerics)
         engine.use_graphs = graphs
-        engine.load_weights(export_state(model), version=0)
+        engine.weights.load(export_state(model), version=0)
         engines.append(engine)
     prompts = random_prompts(24, model.config.vocab_size, seed=6)
     params = SamplingParams(**{**SAMPLINGS[sampling].__dict__, "max_new_tokens": 64})
@@ -207,7 +207,7 @@ def test_reordered_weights_sample_what_the_previous_engine_sampled(monkeypatch):
         pi = trainer_logprobs(model, new, "fp32", micro_batch=40)
         torch.testing.assert_close(pi[new.response_mask], new.rollout_logprobs[new.response_mask], rtol=0, atol=1e-4)
     before = engine.weights.lm_head_fast
-    engine.load_weights({n: t * 0.5 for n, t in engine.named_weights().items()}, engine.weight_version + 1)
+    engine.weights.load({n: t * 0.5 for n, t in engine.weights.named_weights().items()}, engine.weights.version + 1)
     assert engine.weights.lm_head_fast is not before
 
 

@@ -206,7 +206,7 @@ def episode_scores(
     asked for the prompt's key."""
     tok = load_tokenizer(tokenizer_dir)
     engine = RolloutEngine(model.config, "fp32", tok.eos_ids, tok.pad_id, kernels.numerics())
-    engine.load_weights(model.state_dict(), version=0)
+    engine.weights.load(model.state_dict(), version=0)
     first = engine.generate(
         [tok.encode_chat(p.prompt) for p in problems], samples, SamplingParams(max_new_tokens=64), seed=seed
     )

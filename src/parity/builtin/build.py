@@ -103,7 +103,7 @@ def accuracy_spread(model: CausalLM, tokenizer_dir: Path, problems: int, samples
     tok = load_tokenizer(tokenizer_dir)
     probs = ArithmeticTask().problems(problems, seed=seed, split="eval")
     engine = RolloutEngine(model.config, "fp32", tok.eos_ids, tok.pad_id, kernels.numerics())
-    engine.load_weights(model.state_dict(), version=0)
+    engine.weights.load(model.state_dict(), version=0)
     runner = RewardRunner(builtin_reward, isolate=False)
     acc = torch.tensor(problem_accuracies(engine, tok, probs, runner, samples, seed=seed, batch_prompts=problems))
     return {

@@ -184,7 +184,7 @@ def measure_pair(
 ) -> tuple[torch.Tensor, RolloutBatch, dict[str, float], dict[str, float]]:
     """Sample with `engine`, score with `trainer`; returns π, the batch with μ, the full-vocabulary
     comparison at `cfg.full_vocab_positions` positions and the trainer's batch-shape invariance."""
-    engine.load_weights(*trainer.export_weights())
+    engine.weights.load(*trainer.export_weights())
     sampling = cfg.sampling.params()
     batch = engine.generate(prompts, cfg.group_size, sampling, seed=cfg.seed, full_vocab=cfg.full_vocab_positions)
 

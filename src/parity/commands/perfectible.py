@@ -158,7 +158,7 @@ def measure_accuracies(cfg: PerfectibleConfig, problems: list[Problem], progress
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir, kernels.numerics())
     engine = RolloutEngine(model.config, cfg.precision, tok.eos_ids, tok.pad_id, kernels.numerics(cfg.device))
-    engine.load_weights(model.state_dict(), version=0)
+    engine.weights.load(model.state_dict(), version=0)
     task = TASKS[cfg.task]
     runner = RewardRunner(task.reward, isolate=not task.trusted)
     try:

@@ -75,40 +75,37 @@ class DenseKVCache:
         self.k[:, :rows, ..., :slots] = 0
         self.v[:, :rows, :, :slots] = 0
 
-    def prefill(
-        self,
-        layer: int,
-        qk: torch.Tensor,
-        v: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        prompt_of_row: torch.Tensor,
-        window: int | None,
-        scale: float | None,
-        softcap: float | None,
-    ) -> torch.Tensor:
-        """Rope the prompts' query and key heads (qk [P, T, H + Hkv, D]), store the keys and values (v [P, Hkv,
-        T, D]) in every row of their prompt and return the prompts' causal attention [P, H, T, D]."""
-        q, k = roped(qk, cos, sin, self.config.num_heads)
+    def prefill(self, layer: int, qk, v, cos, sin, prompt_of_row: torch.Tensor) -> torch.Tensor:
+        """Rope the prompts' query and key heads (qk [P, T, H + Hkv, D]), store the keys and values (v [P, T,
+        Hkv·D]) in every row of their prompt (`prompt_of_row`) and return the prompts' causal attention [P, H,
+        T, D]."""
+        cfg = self.config
+        q, k = roped(qk, cos, sin, cfg.num_heads)
         p, hkv, t, d = k.shape
+        v = v.view(p, t, hkv, d).transpose(1, 2)
         # The attention reads them as stored (FP32 rounded values, keys transposed), as it always has.
         keys = torch.empty((p, hkv, d, t), dtype=self.k.dtype).copy_(k.transpose(-1, -2))
         values = torch.empty((p, hkv, t, d), dtype=self.v.dtype).copy_(v)
         self.k[layer, : len(prompt_of_row), ..., :t] = keys[prompt_of_row]
         self.v[layer, : len(prompt_of_row), :, :t] = values[prompt_of_row]
-        return self.numerics.attention(q, keys.transpose(-1, -2), values, window, scale, softcap)
+        return self.numerics.attention(
+            q, keys.transpose(-1, -2), values, cfg.window(layer), cfg.query_scale, cfg.attn_softcap
+        )
 
-    def step_context(self, n: int, positions: torch.Tensor, keys: int, window: int | None) -> StepContext:
-        slots = torch.arange(keys)
-        visible = {FULL: slots <= positions[:, None]}
+    def _masks(self, positions: torch.Tensor, keys: int) -> dict[str, torch.Tensor]:
+        """Per attention type, the additive bias [*positions.shape, keys] that hides the slots a query at
+        each of `positions` does not see."""
+        slots, window = torch.arange(keys), self.config.sliding_window
+        visible = {FULL: slots <= positions[..., None]}
         if window is not None:
-            visible[SLIDING] = visible[FULL] & (slots > positions[:, None] - window)
-        masks = {
-            kind: torch.zeros(v.shape).masked_fill(~v, float("-inf"))[:, None, None] for kind, v in visible.items()
-        }
+            visible[SLIDING] = visible[FULL] & (slots > positions[..., None] - window)
+        return {kind: torch.zeros(v.shape).masked_fill(~v, float("-inf")) for kind, v in visible.items()}
+
+    def step_context(self, n: int, positions: torch.Tensor, keys: int) -> StepContext:
+        masks = {kind: mask[:, None, None] for kind, mask in self._masks(positions, keys).items()}
         return StepContext(n, positions, masks=masks, keys=keys)
 
-    def decode(self, layer: int, qk, v, cos, sin, ctx: StepContext, kind: str, scale, softcap) -> torch.Tensor:
+    def decode(self, layer: int, qk, v, cos, sin, ctx: StepContext) -> torch.Tensor:
         """Rope the active rows' new query and key heads (qk [n, 1, H + Hkv, D]), write the keys and values (v
         [n, 1, Hkv·D]) at their positions and return each row's attention over its cache [n, H, 1, D]."""
         q, k = roped(qk, cos, sin, self.config.num_heads)
@@ -117,20 +114,19 @@ class DenseKVCache:
         self.k[layer, rows, :, :, ctx.positions] = k[:, :, 0].to(self.k.dtype)
         self.v[layer, rows, :, ctx.positions] = v.view(n, hkv, d).to(self.v.dtype)
         k_t, values = self.k[layer, :n, ..., : ctx.keys], self.v[layer, :n, :, : ctx.keys]
-        return self.numerics.decode_attention(q, k_t, values, ctx.masks[kind], scale=scale, softcap=softcap)
+        return self._attend(layer, q, k_t, values, ctx.masks)
 
-    def extend_context(
-        self, active: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor, window: int | None
-    ) -> ExtendContext:
+    def _attend(self, layer: int, q, k_t, values, masks: dict[str, torch.Tensor]) -> torch.Tensor:
+        cfg = self.config
+        mask = masks[cfg.layer_type(layer)]
+        return self.numerics.decode_attention(q, k_t, values, mask, scale=cfg.query_scale, softcap=cfg.attn_softcap)
+
+    def extend_context(self, active: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor) -> ExtendContext:
         keys = int(positions.max()) + 1
-        slots = torch.arange(keys)
-        visible = {FULL: slots <= positions[..., None]}
-        if window is not None:
-            visible[SLIDING] = visible[FULL] & (slots > positions[..., None] - window)
-        masks = {kind: torch.zeros(v.shape).masked_fill(~v, float("-inf"))[:, None] for kind, v in visible.items()}
+        masks = {kind: mask[:, None] for kind, mask in self._masks(positions, keys).items()}
         return ExtendContext(active, positions, counts, masks=masks, keys=keys)
 
-    def extend(self, layer: int, qk, v, cos, sin, ctx: ExtendContext, kind: str, scale, softcap) -> torch.Tensor:
+    def extend(self, layer: int, qk, v, cos, sin, ctx: ExtendContext) -> torch.Tensor:
         """`decode` for several new tokens per row (qk [m, K, H + Hkv, D], v [m, K, Hkv·D]): their keys and
         values written at their positions, each query attending over its row's cache up to itself -> [m, H,
         K, D]. Each query's bits are the ones `decode` gives it: the same spelled-out attention, whose
@@ -142,7 +138,7 @@ class DenseKVCache:
             self.k[layer, ctx.active, :, :, ctx.positions[:, j]] = k[:, :, j].to(self.k.dtype)
             self.v[layer, ctx.active, :, ctx.positions[:, j]] = values[:, j].to(self.v.dtype)
         k_t, vs = self.k[layer, ctx.active, ..., : ctx.keys], self.v[layer, ctx.active, :, : ctx.keys]
-        return self.numerics.decode_attention(q, k_t, vs, ctx.masks[kind], scale=scale, softcap=softcap)
+        return self._attend(layer, q, k_t, vs, ctx.masks)
 
     def keep(self, keep: torch.Tensor, n: int, filled: int) -> None:
         """Active rows `keep` (their positions among the first n) become the first len(keep): copy them, the
@@ -164,15 +160,17 @@ class SlotKVCache:
     def reset(self, rows: int, slots: int) -> None:
         self.table.copy_(torch.arange(len(self.table), device=self.table.device))
 
-    def prefill(self, layer, qk, v, cos, sin, prompt_of_row, window, scale, softcap) -> torch.Tensor:
-        q, k = roped(qk, cos, sin, self.config.num_heads)
-        t = k.shape[2]
+    def prefill(self, layer: int, qk, v, cos, sin, prompt_of_row: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        q, k = roped(qk, cos, sin, cfg.num_heads)
+        p, hkv, t, d = k.shape
+        v = v.view(p, t, hkv, d).transpose(1, 2)
         rows = self.k[layer].view(-1, self.slots, *self.k.shape[2:])
         rows[: len(prompt_of_row), :t] = k.transpose(1, 2)[prompt_of_row]
         self.v[layer].view_as(rows)[: len(prompt_of_row), :t] = v.transpose(1, 2)[prompt_of_row]
-        return self.numerics.attention(q, k, v, window, scale, softcap)
+        return self.numerics.attention(q, k, v, cfg.window(layer), cfg.query_scale, cfg.attn_softcap)
 
-    def step_context(self, n: int, positions: torch.Tensor, keys: int, window: int | None) -> StepContext:
+    def step_context(self, n: int, positions: torch.Tensor, keys: int) -> StepContext:
         from parity.engines.kernels import attention
 
         groups = self.config.num_heads // self.config.num_kv_heads
@@ -180,8 +178,8 @@ class SlotKVCache:
         rows = attention.one_query_per_row(positions, starts, groups)
         return StepContext(n, positions, rows=rows, at=starts + positions)
 
-    def decode(self, layer, qk, v, cos, sin, ctx: StepContext, kind: str, scale, softcap) -> torch.Tensor:
-        from parity.engines.kernels import attention, fused
+    def decode(self, layer: int, qk, v, cos, sin, ctx: StepContext) -> torch.Tensor:
+        from parity.engines.kernels import fused
 
         heads, d = self.config.num_heads, self.config.head_dim
         if self.k.is_cuda:  # RoPE and the cache write in one kernel; cos and sin [n, 1, 1, D] are each row's
@@ -192,17 +190,20 @@ class SlotKVCache:
             self.k[layer, ctx.at] = k[:, :, 0]
             self.v[layer, ctx.at] = v.view(len(ctx.at), -1, d)
             q = q[:, :, 0]
-        window = self.config.sliding_window if kind == SLIDING else None
-        scale = d**-0.5 if scale is None else scale
         # every row's one query has its tile: nothing to zero first
-        out = attention.rows_attention(
-            q, self.k[layer], self.v[layer], ctx.rows, scale, window, softcap, out=torch.empty_like(q)
-        )
-        return out[:, :, None]
+        return self._attend(layer, q, ctx, out=torch.empty_like(q))[:, :, None]
 
-    def extend_context(
-        self, active: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor, window: int | None
-    ) -> ExtendContext:
+    def _attend(self, layer: int, q, ctx, out=None) -> torch.Tensor:
+        """Each query row of `ctx.rows` over its cache row, by `attention.py`'s kernel."""
+        from parity.engines.kernels import attention
+
+        cfg = self.config
+        scale = cfg.head_dim**-0.5 if cfg.query_scale is None else cfg.query_scale
+        return attention.rows_attention(
+            q, self.k[layer], self.v[layer], ctx.rows, scale, cfg.window(layer), cfg.attn_softcap, out=out
+        )
+
+    def extend_context(self, active: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor) -> ExtendContext:
         from parity.engines.kernels import attention
 
         groups = self.config.num_heads // self.config.num_kv_heads
@@ -220,11 +221,9 @@ class SlotKVCache:
         )
         return ExtendContext(active, positions, counts, rows=rows, at=starts[:, None] + positions)
 
-    def extend(self, layer, qk, v, cos, sin, ctx: ExtendContext, kind: str, scale, softcap) -> torch.Tensor:
+    def extend(self, layer: int, qk, v, cos, sin, ctx: ExtendContext) -> torch.Tensor:
         """Several new tokens per row (see `DenseKVCache.extend`), through `attention.py`'s kernel, which gives
         each query the bits the decode step gives it; a row's padding queries are left at 0."""
-        from parity.engines.kernels import attention
-
         heads, d = self.config.num_heads, self.config.head_dim
         q, k = roped(qk, cos, sin, heads)
         m, hkv, width, _ = k.shape
@@ -232,10 +231,7 @@ class SlotKVCache:
         at = ctx.at[real]
         self.k[layer, at] = k.transpose(1, 2)[real]
         self.v[layer, at] = v.view(m, width, hkv, d)[real]
-        window = self.config.sliding_window if kind == SLIDING else None
-        scale = d**-0.5 if scale is None else scale
-        flat = q.transpose(1, 2).reshape(m * width, heads, d)
-        out = attention.rows_attention(flat, self.k[layer], self.v[layer], ctx.rows, scale, window, softcap)
+        out = self._attend(layer, q.transpose(1, 2).reshape(m * width, heads, d), ctx)
         return out.view(m, width, heads, d).transpose(1, 2)
 
     def keep(self, keep: torch.Tensor, n: int, filled: int) -> None:

@@ -33,7 +33,7 @@ from parity.engines import kernels
 from parity.engines import precision as prec
 from parity.engines.batch import FullVocab, RolloutBatch
 from parity.engines.kvcache import StepContext, kv_cache
-from parity.engines.models.config import SLIDING, ModelConfig, rope_tables
+from parity.engines.models.config import ModelConfig, rope_tables
 from parity.engines.models.decoder import heads_together, layer_tap, scale_embeddings, stream
 from parity.engines.models.families import family
 from parity.engines.models.modules import rope_angles, softcap
@@ -165,29 +165,6 @@ class Between(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class _Call:
-    """One `generate` call's arguments, checked (a filtered draw that needs wider buffers runs it again)."""
-
-    prompts: list[list[int]]
-    group_size: int
-    sampling: SamplingParams
-    seed: int
-    full_vocab: int
-    lengths: list[int]  # each output row's prompt length
-    limits: list[int]
-    budgets: list[int]
-    stop: Callable[[torch.Tensor], bool] | None
-    between: Between | None
-
-
-class _Widen(Exception):
-    """A filtered draw needed wider buffers than the call had: it runs again with `widths`."""
-
-    def __init__(self, widths: Widths):
-        self.widths = widths
-
-
 class RolloutEngine:
     """Samples from a copy of the policy whose weights are stored in the rollout precision."""
 
@@ -229,23 +206,6 @@ class RolloutEngine:
     def numerics(self, value: kernels.Numerics) -> None:
         self.weights.numerics = value
 
-    # ------------------------------------------------------------------ weights
-
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Copy weights in (Hugging Face names), cast to the rollout precision, fuse, and record their version."""
-        self.weights.load_weights(state, version)
-
-    def load_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], version: int) -> None:
-        """LoRA unmerged on the loaded base (`RolloutWeights.load_adapters`)."""
-        self.weights.load_adapters(adapters, version)
-
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        return self.weights.named_weights()
-
-    @property
-    def weight_version(self) -> int:
-        return self.weights.weight_version
-
     # ------------------------------------------------------------------ one forward through the layers
 
     def _layers(
@@ -254,30 +214,30 @@ class RolloutEngine:
         positions: torch.Tensor,
         angles: dict[str, tuple[torch.Tensor, torch.Tensor]],
         attend: Callable[..., torch.Tensor],
-        routing: list[torch.Tensor],
-    ) -> torch.Tensor:
+        ctx: object,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states [B, T, H] of tokens `ids` [B, T] at `positions` ([B, T] or [1, T]) after every decoder
-        layer (the family's layer function on the stored weights), before the final norm. `angles`: RoPE's cos
-        and sin tables per attention type; `attend(layer, kind, qk, v, cos, sin)` ropes the query and key heads
-        qk [B, T, heads + KV heads, D] by cos and sin [B, 1, T, D], stores the new keys and values v [B, T, KV
-        heads · D] and returns the attention [B, heads, T, D]. MoE layers append their experts to `routing`."""
+        layer (the family's layer function on the stored weights), before the final norm, and the experts each
+        MoE layer chose ([B, T, MoE layers, k], None for a dense model). `angles`: RoPE's cos and sin tables per
+        attention type; `attend(layer, qk, v, cos, sin, ctx)` is the cache's `prefill`, `decode` or `extend`: it
+        ropes the query and key heads qk [B, T, heads + KV heads, D] by cos and sin [B, 1, T, D], stores the
+        new keys and values v [B, T, KV heads · D] and returns the attention [B, heads, T, D]."""
         cfg = self.config
         b, t = ids.shape
         angles = {kind: (cos[positions][:, None], sin[positions][:, None]) for kind, (cos, sin) in angles.items()}
         x = scale_embeddings(self.weights.root["embed"][ids].to(self.dtype), cfg)
         pending = None  # the last MLP's output, added to the stream by the next norm's pass
-        decoder_layer = family(cfg).layer
+        routing, decoder_layer = [], family(cfg).layer
         for i, layer in enumerate(self.weights.layers):
-            kind = cfg.layer_type(i)
 
-            def core(q, k, v, i=i, kind=kind):
-                out = attend(i, kind, heads_together(q, k), v.flatten(-2), *angles[kind])
+            def core(q, k, v, i=i, cos_sin=angles[cfg.layer_type(i)]):
+                out = attend(i, heads_together(q, k), v.flatten(-2), *cos_sin, ctx)
                 return out.transpose(1, 2).reshape(b, t, -1)
 
             x, pending, routed = decoder_layer(layer, x, pending, core, cfg, self.numerics, tap=layer_tap(self._tap, i))
             if routed is not None:
                 routing.append(routed[0].view(b, t, -1))
-        return stream(x, pending)
+        return stream(x, pending), torch.stack(routing, dim=2) if routing else None
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] from last hidden states [B, H]: final norm, LM head, soft-cap. In the LM head's dtype
@@ -304,24 +264,15 @@ class RolloutEngine:
         and values go to every cache row of its group (`prompt_of_row`), attending causally (a pad attends to
         the real tokens before it; nothing attends to a pad). Returns the logits [P, V] after each prompt's last
         token, and the experts each MoE layer chose ([P, T, MoE layers, k], None for a dense model)."""
-        cfg, dev = self.config, self.device
+        dev = self.device
         length = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), length), self.pad_id, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
         ids = ids.to(dev)  # one copy to the device, not one per prompt
-        b, hkv, d = len(prompts), cfg.num_kv_heads, cfg.head_dim
-
-        def attend(i: int, kind: str, qk, v, cos, sin):
-            window = cfg.sliding_window if kind == SLIDING else None
-            values = v.view(b, length, hkv, d).transpose(1, 2)
-            return cache.prefill(i, qk, values, cos, sin, prompt_of_row, window, cfg.query_scale, cfg.attn_softcap)
-
-        routing: list[torch.Tensor] = []
-        hidden = self._layers(ids, torch.arange(length, device=dev)[None], angles, attend, routing)
+        hidden, routes = self._layers(ids, torch.arange(length, device=dev)[None], angles, cache.prefill, prompt_of_row)
         last = torch.tensor([len(p) - 1 for p in prompts], device=dev)
-        logits = self._logits(hidden[torch.arange(b, device=dev), last])
-        return logits, torch.stack(routing, dim=2) if routing else None
+        return self._logits(hidden[torch.arange(len(prompts), device=dev), last]), routes
 
     def decode_step(
         self, tokens: torch.Tensor, cache, ctx: StepContext, angles: dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -329,14 +280,8 @@ class RolloutEngine:
         """Feed each of the first n active rows its token `tokens` [n] at `ctx.positions`: its keys and values
         go to the cache, it attends over its cache, and the logits [n, V] of its next token come back, with
         the experts each MoE layer chose ([n, 1, MoE layers, k]). Device ops on fixed shapes only."""
-        cfg = self.config
-
-        def attend(i: int, kind: str, qk, v, cos, sin):
-            return cache.decode(i, qk, v, cos, sin, ctx, kind, cfg.query_scale, cfg.attn_softcap)
-
-        routing: list[torch.Tensor] = []
-        hidden = self._layers(tokens[:, None], ctx.positions[:, None], angles, attend, routing)
-        return self._logits(hidden[:, 0]), torch.stack(routing, dim=2) if routing else None
+        hidden, routes = self._layers(tokens[:, None], ctx.positions[:, None], angles, cache.decode, ctx)
+        return self._logits(hidden[:, 0]), routes
 
     # ------------------------------------------------------------------ sampling loop
 
@@ -411,37 +356,26 @@ class RolloutEngine:
         self._workspace = ws
         return ws
 
-    def _reset(
-        self, ws: _Workspace, lengths: list[int], limits: list[int], max_len: int, max_new: int, seed: int
-    ) -> None:
-        rows, dev = len(lengths), self.device
+    def _reset(self, ws: _Workspace, lengths: list[int], limits: list[int], budgets: list[int], seed: int) -> None:
+        rows, dev, max_new = len(lengths), self.device, max(budgets)
+        max_len = max(n + budget for n, budget in zip(lengths, budgets))
         ws.cache.reset(rows, max_len)
         ws.order.copy_(torch.arange(rows, device=dev))
         ws.position_of_row.copy_(ws.order)
         ws.position.copy_(torch.tensor(lengths, device=dev))
         ws.limit.copy_(torch.tensor(limits, device=dev))
-        ws.done.zero_()
-        ws.step.zero_()
-        ws.column.zero_()
         ws.max_position.fill_(max_len - 1)
-        ws.tokens.fill_(self.pad_id)
-        ws.logprobs.zero_()
-        ws.mask.zero_()
+        starts = {"done": False, "step": 0, "column": 0, "tokens": self.pad_id, "logprobs": 0, "mask": False}
+        starts |= {"kept_ids": -1, "kept_most": 0, "candidates_most": 0, "routes": -1, "fed": False}
+        for name, value in starts.items():
+            if (buffer := getattr(ws, name)) is not None:
+                buffer.fill_(value)
         gen = torch.Generator(device=dev).manual_seed(seed)
         # One number per row per step, in the order the steps draw them.
         ws.uniforms[:max_new] = torch.cat([torch.rand(rows, 1, generator=gen, device=dev) for _ in range(max_new)], 1).T
-        if ws.kept_ids is not None:
-            ws.kept_ids.fill_(-1)
-        if ws.kept_most is not None:
-            ws.kept_most.zero_()
-            ws.candidates_most.zero_()
-        if ws.routes is not None:
-            ws.routes.fill_(-1)
         if ws.recorder is not None:
             ws.recorder.reset(seed, rows, max_new)
-        if ws.fed is not None:
-            ws.fed.zero_()
-            ws.over, ws.pausing = set(), False
+        ws.budgets, ws.over, ws.pausing = budgets, set(), False
 
     def _sample(self, ws: _Workspace, n: int, logits: torch.Tensor) -> None:
         """Sample the next token of the first n active rows from their logits [n, V] and record it, each at its
@@ -476,7 +410,7 @@ class RolloutEngine:
         """One decode step of the first n active rows: feed their last tokens, sample the next. Captured as a
         CUDA graph per n; `keys` (the slots the CPU cache attends over) is read by the CPU only."""
         positions = ws.position[:n]
-        ctx = ws.cache.step_context(n, positions, keys, self.config.sliding_window)
+        ctx = ws.cache.step_context(n, positions, keys)
         logits, routes = self.decode_step(ws.token[:n], ws.cache, ctx, ws.angles)
         if routes is not None:  # the experts of the token just fed: the response token before the row's column
             rows = ws.order[:n]
@@ -578,17 +512,11 @@ class RolloutEngine:
         if feeds:
             self._extend(ws, feeds)
 
-    @staticmethod
-    def _reach(ws: _Workspace, n: int, slot: int, between: Between | None) -> int:
-        """The highest slot any of the first n rows writes next: `slot` (the longest prompt's at this step),
-        or in an episode, where rows run ahead of the step by the ids fed to them, the furthest row's."""
-        return slot if between is None else int(ws.position[:n].max())
-
     def _extend(self, ws: _Workspace, feeds: list[tuple[int, int, int, list[int], int]]) -> None:
         """Continue rows from their caches. `feeds`: (active position, output row, next column, ids, limit of
         the next turn), the ids already in the outputs. The turn's last token and the ids but the last go
         through one forward at their positions; the last id becomes the row's next input."""
-        dev, cfg = self.device, self.config
+        dev = self.device
         at = torch.tensor([f[0] for f in feeds], device=dev)
         width = max(len(f[3]) for f in feeds)  # the turn's last token + all ids but the last
         inputs = torch.full((len(feeds), width), self.pad_id, dtype=torch.long)
@@ -598,20 +526,12 @@ class RolloutEngine:
             inputs[i, 1 : len(ids)] = torch.tensor(ids[:-1])
             counts.append(len(ids))
             ws.limit[row] = min(c + len(ids) + limit, ws.budgets[row])
-        inputs = inputs.to(dev)
-        start = ws.position[at]
+        start, count = ws.position[at], torch.tensor(counts, device=dev)
         positions = (start[:, None] + torch.arange(width, device=dev)).clamp(max=ws.max_position)
-        ctx = ws.cache.extend_context(at, positions, torch.tensor(counts, device=dev), cfg.sliding_window)
-
-        def attend(i: int, kind: str, qk, v, cos, sin):
-            return ws.cache.extend(i, qk, v, cos, sin, ctx, kind, cfg.query_scale, cfg.attn_softcap)
-
-        routing: list[torch.Tensor] = []
-        self._layers(inputs, positions, ws.angles, attend, routing)
-        count = torch.tensor(counts, device=dev)
+        ctx = ws.cache.extend_context(at, positions, count)
+        _, routes = self._layers(inputs.to(dev), positions, ws.angles, ws.cache.extend, ctx)
         rows = torch.tensor([f[1] for f in feeds], device=dev)
-        if routing:  # the experts of each token fed: the turn's last token's column and the ids'
-            routes = torch.stack(routing, dim=2)
+        if routes is not None:  # the experts of each token fed: the turn's last token's column and the ids'
             first = ws.column[rows] - 1
             for j in range(width):
                 real = j < count
@@ -627,8 +547,8 @@ class RolloutEngine:
         """Read the batch's state: (active rows from now on, whether the call is over). Finished rows are
         dropped once they are a quarter of the batch, down to a multiple of ROW_BUCKET rows, topped up with
         finished ones; the cache keeps the `filled` slots every live row has written."""
-        if (widths := self._widths_needed(ws)) is not None:
-            raise _Widen(widths)
+        if self._widths_needed(ws) is not None:  # the call runs again with wider buffers (`generate`)
+            return n, True
         done = ws.done[:n]
         finished = int(done.sum())
         if finished == n:
@@ -681,7 +601,7 @@ class RolloutEngine:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs at least one prompt, each with at least one token")
         if not self.weights.layers:
-            raise RuntimeError("RolloutEngine.generate() before load_weights()")
+            raise RuntimeError("RolloutEngine.generate() before engine.weights.load()")
         lengths = [len(p) for p in prompts for _ in range(group_size)]
         limits = limits or [sampling.max_new_tokens] * len(lengths)
         if len(limits) != len(lengths) or min(limits) < 1:
@@ -701,38 +621,37 @@ class RolloutEngine:
                 f"prompt + new tokens ({max_len}) exceeds the model's "
                 f"max_position_embeddings ({self.config.max_position_embeddings})"
             )
-        call = _Call(prompts, group_size, sampling, seed, full_vocab, lengths, limits, budgets, stop, between)
         widths = Widths.initial(sampling, self.config.vocab_size) if sampling.filtered else None
-        while True:
-            try:
-                return self._generate(call, max_len, max_new, widths)
-            except _Widen as wider:
-                widths = wider.widths
+        while True:  # a filtered draw that outgrew its buffers runs the call again with wider ones
+            ws = self._workspace_for(len(lengths), max_len, max_new, sampling, widths, full_vocab, between is not None)
+            self._reset(ws, lengths, limits, budgets, seed)
+            prompt_routes = self._decode(ws, prompts, group_size, stop, between)
+            if (widths := self._widths_needed(ws)) is None:
+                return self._batch(ws, prompts, group_size, prompt_routes)
 
-    def _generate(self, call: _Call, max_len: int, max_new: int, widths: Widths | None) -> RolloutBatch:
-        prompts, group_size, sampling, lengths = call.prompts, call.group_size, call.sampling, call.lengths
-        between, stop = call.between, call.stop
-        prompt_len = max(lengths)
-        ws = self._workspace_for(len(lengths), max_len, max_new, sampling, widths, call.full_vocab, between is not None)
-        self._reset(ws, lengths, call.limits, max_len, max_new, call.seed)
-        ws.budgets = call.budgets
+    def _decode(self, ws: _Workspace, prompts, group_size: int, stop, between: Between | None) -> torch.Tensor | None:
+        """Prefill, then decode steps until every row is done, `stop` says so or a filtered draw outgrew its
+        buffers. Returns the experts the prompts' tokens chose (MoE)."""
+        n, prompt_len, max_slot = len(ws.budgets), max(map(len, prompts)), int(ws.max_position)
         check_every = 1 if between is not None else self.check_every
         prompt_of_row = torch.arange(len(prompts), device=self.device).repeat_interleave(group_size)
         logits, prompt_routes = self.prefill(prompts, ws.cache, prompt_of_row, ws.angles)
-        n = len(lengths)
         self._sample(ws, n, logits.repeat_interleave(group_size, dim=0))
-        for t in range(max_new - 1):  # t: the response token just sampled
+
+        def reach() -> int:
+            """The highest slot any active row writes next: the longest prompt's at this step, or in an episode,
+            where rows run ahead of the step by the ids fed to them, the furthest row's."""
+            return prompt_len + t if between is None else int(ws.position[:n].max())
+
+        for t in range(max(ws.budgets) - 1):  # t: the response token just sampled
             if (t + 1) % check_every == 0:
                 if between is not None:
                     self._next_turns(ws, n, between)
-                n, over = self._check(ws, n, self._reach(ws, n, prompt_len + t, between), stop)
+                n, over = self._check(ws, n, reach(), stop)
                 if over:
                     break
-            # The highest slot a row writes now (a live row with the longest prompt; finished rows are clamped).
-            self._run_step(ws, n, min(self._reach(ws, n, prompt_len + t, between), max_len - 1) + 1)
-        if (widths := self._widths_needed(ws)) is not None:
-            raise _Widen(widths)
-        return self._batch(ws, prompts, group_size, prompt_routes)
+            self._run_step(ws, n, min(reach(), max_slot) + 1)  # finished rows are clamped below max_slot
+        return prompt_routes
 
     def _batch(self, ws: _Workspace, prompts, group_size: int, prompt_routes) -> RolloutBatch:
         """The call's outputs, copied out of the workspace (the next call reuses it)."""
@@ -762,7 +681,7 @@ class RolloutEngine:
             support=support,
             truncated=~ended,
             group_index=torch.arange(len(prompts), device=self.device).repeat_interleave(group_size),
-            weight_version=self.weight_version,
+            weight_version=self.weights.version,
             sampling=ws.sampling,
             routing=routing,
             full_vocab=None if ws.recorder is None else ws.recorder.record(),
@@ -784,7 +703,7 @@ class RolloutEngine:
             logits = [self.prefill([prompt], cache, torch.zeros(1, dtype=torch.long, device=dev), angles)[0]]
             for j, token in enumerate(response[:-1]):
                 position = torch.tensor([n + j], device=dev)
-                ctx = cache.step_context(1, position, n + j + 1, self.config.sliding_window)
+                ctx = cache.step_context(1, position, n + j + 1)
                 logits.append(self.decode_step(torch.tensor([token], device=dev), cache, ctx, angles)[0])
         finally:
             self._tap = None

@@ -98,10 +98,10 @@ class Sampler:
 
     @property
     def weight_version(self) -> int:
-        return self.engine.weight_version
+        return self.engine.weights.version
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        self.engine.load_weights(state, version)
+        self.engine.weights.load(state, version)
         if self.scorer is not None:
             with torch.no_grad():
                 for name, tensor in self.scorer.state_dict().items():
@@ -112,7 +112,7 @@ class Sampler:
         """LoRA applied unmerged on the engine's base (`RolloutEngine.load_adapters`)."""
         if self.scorer is not None:
             raise RuntimeError("Sampler.load_adapters: the trainer's code path here holds merged weights only")
-        self.engine.load_adapters(adapters, version)
+        self.engine.weights.load_adapters(adapters, version)
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, precision: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -234,5 +234,5 @@ class Sampler:
         The trainer's model is rebuilt from the engine's own weights: in the engine's precision
         they are the trainer's FP32 weights cast as the trainer casts them."""
         model = CausalLM(self.engine.config, self.engine.numerics).requires_grad_(False).to(self.engine.device)
-        model.load_state_dict({k: v.float() for k, v in self.engine.named_weights().items()}, strict=False)
+        model.load_state_dict({k: v.float() for k, v in self.engine.weights.named_weights().items()}, strict=False)
         return locate_row(model, self.engine, batch, row, self.engine.dtype)

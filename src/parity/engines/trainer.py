@@ -550,7 +550,7 @@ class Trainer:
         return {n: _full(p) for n, p in self.model.named_parameters()}
 
     def export_weights(self, merge: bool = True) -> tuple[dict[str, torch.Tensor], int]:
-        """The weights and their version, for `RolloutEngine.load_weights` (which casts): FP32, with
+        """The weights and their version, for `RolloutWeights.load` (which casts): FP32, with
         LoRA adapters merged in, or with `merge=False` the frozen base alone, as held (the adapters
         then travel by `export_adapters`)."""
         if self.lora is None:

@@ -139,7 +139,7 @@ class RolloutWeights:
         self.layers: list[LayerWeights] = []
         self.numerics = numerics
         self.lm_head_fast: torch.Tensor | None = None  # the LM head as `Numerics.fast_matrix` reorders it
-        self.weight_version = -1
+        self.version = -1
         self.layout = 0  # bumped whenever a buffer is allocated anew (see the module docstring)
 
     @property
@@ -158,7 +158,7 @@ class RolloutWeights:
         return self.root.get("lm_head", self.root["embed"])
 
     @torch.no_grad()
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+    def load(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Copy weights in (Hugging Face names), rounded to the rollout precision, fused, and record their
         version. The first load allocates the buffers; later ones write into them (the same bits as a fresh
         load), so the decode step's graphs stay valid, unless adapters were loaded: a load drops them."""
@@ -174,7 +174,7 @@ class RolloutWeights:
             # copy_ rounds to a 16-bit buffer's dtype itself; an FP32-held weight takes the rounded values.
             stored.copy_(new.to(device=stored.device, dtype=self.dtype) if stored.dtype != self.dtype else new)
         self._reorder()
-        self.weight_version = version
+        self.version = version
 
     def _allocate(self) -> None:
         """Empty buffers for every part (a matmul weight held as `kernels.store_for_engine` keeps it)."""
@@ -229,7 +229,7 @@ class RolloutWeights:
                 layer.lora[part] = (a, b, blocks)
         if unknown:
             raise ValueError(f"adapter sync: no projection named {sorted(unknown)[:3]}")
-        self.weight_version = version
+        self.version = version
         self.layout += 1
 
     def named_weights(self) -> dict[str, torch.Tensor]:

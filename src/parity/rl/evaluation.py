@@ -180,7 +180,7 @@ class Evaluator:
         batches: dict[str, RolloutBatch] = {}
         scores: dict[str, torch.Tensor] = {}
         for label, engine in tqdm(self.engines.items(), desc="eval", unit="policy", leave=False, disable=not progress):
-            engine.load_weights(weights, version)
+            engine.weights.load(weights, version)
             batch = self._answer(engine, seed)
             result = score_rollouts(batch, es.problems, self.tokenizer, self.rewards)
             outcomes[label] = outcome_metrics(batch, result.rewards, es.samples, es.binary, result.per_function)

@@ -471,7 +471,7 @@ class LocalBackend:
         if base or not unmerged:
             self.sampler.load_weights(*self.trainer.export_weights(merge=not unmerged))
         if unmerged and base:  # the frozen base once: the trainer takes the engine's (fused) copy
-            self.trainer.share_frozen(self.sampler.engine.named_weights())
+            self.trainer.share_frozen(self.sampler.engine.weights.named_weights())
         if unmerged:
             self.sampler.load_adapters(*self.trainer.export_adapters())
 
