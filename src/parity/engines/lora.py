@@ -211,7 +211,7 @@ def merged_state(model: CausalLM) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def adapter_pairs(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Each adapted projection's (A, scale·B), FP32, under its module name: what the rollout engine
-    applies unmerged (`RolloutEngine.load_adapters`), with B scaled as `Numerics.lora_linear` scales it."""
+    applies unmerged (`RolloutWeights.load_adapters`), with B scaled as `Numerics.lora_linear` scales it."""
     return {name: (m.lora_A.detach().clone(), m.lora_B * m.scale) for name, m in adapted(model)}
 
 

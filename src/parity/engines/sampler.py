@@ -109,7 +109,7 @@ class Sampler:
                         tensor.copy_(state[name])
 
     def load_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], version: int) -> None:
-        """LoRA applied unmerged on the engine's base (`RolloutEngine.load_adapters`)."""
+        """LoRA applied unmerged on the engine's base (`RolloutWeights.load_adapters`)."""
         if self.scorer is not None:
             raise RuntimeError("Sampler.load_adapters: the trainer's code path here holds merged weights only")
         self.engine.weights.load_adapters(adapters, version)

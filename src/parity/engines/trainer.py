@@ -571,5 +571,5 @@ class Trainer:
         return shared
 
     def export_adapters(self) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], int]:
-        """LoRA's (A, scale·B) per projection and the version, for `RolloutEngine.load_adapters`."""
+        """LoRA's (A, scale·B) per projection and the version, for `RolloutWeights.load_adapters`."""
         return adapter_pairs(self.model), self.weight_version
