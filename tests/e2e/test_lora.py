@@ -187,7 +187,9 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(tmp_path):
     # The sync sent the merged weights: the engine's projection is W + scale·B·A rounded to BF16.
     q = model.model.layers[0].self_attn.q_proj
     merged = (q.weight.float() + (q.lora_B @ q.lora_A) * q.scale).to(torch.bfloat16)
-    assert torch.equal(run.backend.sampler.engine.weights.named_weights()["model.layers.0.self_attn.q_proj.weight"], merged)
+    assert torch.equal(
+        run.backend.sampler.engine.weights.named_weights()["model.layers.0.self_attn.q_proj.weight"], merged
+    )
 
 
 def test_merged_weights_give_the_rollout_engine_the_trainers_pi(llama_dir):

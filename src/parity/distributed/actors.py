@@ -100,7 +100,12 @@ class RolloutWorker:
 
         t = time.perf_counter()
         self.sampler.load_weights(tensors, manifest.version)
-        verify(self.sampler.engine.weights.named_weights(), manifest.engine, f"{self.where} (rollout engine)", manifest.version)
+        verify(
+            self.sampler.engine.weights.named_weights(),
+            manifest.engine,
+            f"{self.where} (rollout engine)",
+            manifest.version,
+        )
         wire = getattr(torch, manifest.wire_dtype)
         scorer = {k: v.to(wire) for k, v in self.sampler.scorer.state_dict().items()}
         verify(scorer, manifest.scorer, f"{self.where} (π_old scorer)", manifest.version)

@@ -356,9 +356,10 @@ class RolloutEngine:
         self._workspace = ws
         return ws
 
-    def _reset(self, ws: _Workspace, lengths: list[int], limits: list[int], budgets: list[int], seed: int) -> None:
+    def _reset(
+        self, ws: _Workspace, lengths: list[int], limits: list[int], budgets: list[int], max_len: int, seed: int
+    ) -> None:
         rows, dev, max_new = len(lengths), self.device, max(budgets)
-        max_len = max(n + budget for n, budget in zip(lengths, budgets))
         ws.cache.reset(rows, max_len)
         ws.order.copy_(torch.arange(rows, device=dev))
         ws.position_of_row.copy_(ws.order)
@@ -624,15 +625,17 @@ class RolloutEngine:
         widths = Widths.initial(sampling, self.config.vocab_size) if sampling.filtered else None
         while True:  # a filtered draw that outgrew its buffers runs the call again with wider ones
             ws = self._workspace_for(len(lengths), max_len, max_new, sampling, widths, full_vocab, between is not None)
-            self._reset(ws, lengths, limits, budgets, seed)
-            prompt_routes = self._decode(ws, prompts, group_size, stop, between)
+            self._reset(ws, lengths, limits, budgets, max_len, seed)
+            prompt_routes = self._decode(ws, prompts, group_size, max_len, stop, between)
             if (widths := self._widths_needed(ws)) is None:
                 return self._batch(ws, prompts, group_size, prompt_routes)
 
-    def _decode(self, ws: _Workspace, prompts, group_size: int, stop, between: Between | None) -> torch.Tensor | None:
+    def _decode(
+        self, ws: _Workspace, prompts, group_size: int, max_len: int, stop, between: Between | None
+    ) -> torch.Tensor | None:
         """Prefill, then decode steps until every row is done, `stop` says so or a filtered draw outgrew its
         buffers. Returns the experts the prompts' tokens chose (MoE)."""
-        n, prompt_len, max_slot = len(ws.budgets), max(map(len, prompts)), int(ws.max_position)
+        n, prompt_len = len(ws.budgets), max(map(len, prompts))
         check_every = 1 if between is not None else self.check_every
         prompt_of_row = torch.arange(len(prompts), device=self.device).repeat_interleave(group_size)
         logits, prompt_routes = self.prefill(prompts, ws.cache, prompt_of_row, ws.angles)
@@ -650,7 +653,7 @@ class RolloutEngine:
                 n, over = self._check(ws, n, reach(), stop)
                 if over:
                     break
-            self._run_step(ws, n, min(reach(), max_slot) + 1)  # finished rows are clamped below max_slot
+            self._run_step(ws, n, min(reach(), max_len - 1) + 1)  # finished rows are clamped below max_len
         return prompt_routes
 
     def _batch(self, ws: _Workspace, prompts, group_size: int, prompt_routes) -> RolloutBatch:
