@@ -1,22 +1,15 @@
-"""The rollout (inference) engine: `prefill` the prompts, then a static-shape `decode_step` per token.
+"""The rollout (inference) engine: `prefill` the prompts, then one static-shape `decode_step` per token.
 
-One call samples `group_size` responses for each prompt. Each prompt is prefilled once and its keys
-and values written to every row of its group; then each decode step feeds every active row its last
-token, attends over the KV cache, and samples the next token on the device (`sampling.draw`),
-recording μ, its log-probability under the distribution actually sampled from (after temperature,
-top-k and top-p), and, when filtering is on, the ids of that distribution's support, so the trainer
-can score π on the same support.
-
-Everything a step reads or writes lives in a `_Workspace` of fixed shapes, allocated once per shape of
-call (rows, the longest row, new tokens, sampling settings) and reused by the next call of that shape:
-the KV cache, each row's token, position and finished flag, a table from active positions to output
-rows, each row's random numbers for every step (drawn up front per (row, step), so a sample never
-depends on which rows share its batch), and the outputs. A step never reads the host. On CUDA each
-step is captured as a CUDA graph, one per batch size, and replayed; the host reads the batch's state
-every `CHECK_EVERY` steps: it stops when every row has finished, and drops finished rows once they are
-a quarter of the batch (down to a multiple of ROW_BUCKET rows, a new graph's batch size). On the CPU the
-same code runs eagerly and checks after every token, where a read costs nothing; its tokens, μ and
-supports are bit for bit those of the engine before this structure (tests/reference_rollout.py).
+A call samples `group_size` responses per prompt. Each prompt is prefilled once, its keys and values written to
+every row of its group; each decode step feeds every active row its last token and samples the next on the
+device (`sampling.draw`), recording μ, the token's log-probability under the distribution actually sampled from
+(after temperature, top-k and top-p), and with filtering that distribution's support, for the trainer to score π
+on. A step reads and writes only a `_Workspace` of fixed shapes, reused by the next call of the same shape, never
+the host; each row's random numbers are drawn up front per (row, step), so a sample never depends on which rows
+share its batch. On CUDA each step is a CUDA graph per batch size, and the host reads the batch every
+`CHECK_EVERY` steps: it stops when every row is done and drops finished rows once they are a quarter of the
+batch. On the CPU the same code runs eagerly and checks after every token; its tokens, μ and supports are bit for
+bit those of tests/reference_rollout.py.
 """
 
 from __future__ import annotations
@@ -63,11 +56,9 @@ STEP_MULTIPLE = 64
 
 
 class _FullVocabRecorder:
-    """Keeps the whole next-token distribution at `per_row` positions of each of a few rows while they are
-    sampled, chosen uniformly among each row's tokens: every (row, step) has a random key and a row keeps
-    the positions with the smallest keys among those it sampled (a reservoir, updated with tensor ops in
-    the decode step). Its random numbers come from a generator of its own: recording changes nothing
-    that is sampled."""
+    """The whole next-token distribution at `per_row` positions of a few rows, chosen uniformly among each row's
+    sampled tokens: a reservoir kept with tensor ops in the decode step (a row keeps the positions with the
+    smallest of its random keys). Its own generator: recording changes nothing that is sampled."""
 
     def __init__(self, positions: int, batch: int, max_new: int, vocab: int, device: torch.device):
         self.per_row = min(positions, FULL_VOCAB_PER_ROW)
@@ -89,10 +80,9 @@ class _FullVocabRecorder:
         self.logprobs.zero_()
 
     def observe(self, columns: torch.Tensor, position_of_row: torch.Tensor, live: torch.Tensor, logp) -> None:
-        """A step: `columns` [output rows] the response index each row samples, `position_of_row` each output
-        row's position in the decode batch (-1 once it left), `live` marks the batch's rows that sample a
-        token, `logp` [rows, V] the distribution each sampled from (or a function giving its rows at given
-        positions)."""
+        """A step: `columns` [output rows] the column each row samples, `position_of_row` its position in the
+        decode batch (-1 once it left), `live` the batch's rows that sample, `logp` [rows, V] the distribution
+        each sampled from (or a function giving its rows at given positions)."""
         where = position_of_row[self.rows]
         at = where.clamp(min=0)
         slot = self.kept_keys.argmax(-1)
@@ -111,37 +101,37 @@ class _FullVocabRecorder:
 
 @dataclass
 class _Workspace:
-    """One shape of call's device state (see the module docstring). Per active position of the decode
-    batch: `order` (its output row), `token`, `position` (where its next token goes), `done`; per output
-    row: `limit`, `position_of_row` (-1 once it left the batch) and the outputs."""
+    """One shape of call's device state (see the module docstring). Per active position of the decode batch:
+    `order` (its output row), `token`, `position` (where its next token goes), `done`; per output row: `limit`,
+    `column` (where its next token goes), `position_of_row` (-1 once it left the batch) and the outputs.
+    `starts`: the value each buffer starts a call with (the others are set from the call's arguments)."""
 
     key: tuple
     cache: object
     angles: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    sampling: SamplingParams
+    widths: Widths | None
+    recorder: _FullVocabRecorder | None
+    starts: dict[str, object]
     order: torch.Tensor
     position_of_row: torch.Tensor
     token: torch.Tensor
     position: torch.Tensor
     done: torch.Tensor
     limit: torch.Tensor
+    column: torch.Tensor
     step: torch.Tensor  # [1]: the response index sampled next
     max_position: torch.Tensor  # the last slot a row may write this call (0-d)
     uniforms: torch.Tensor  # [steps, rows]: each row's number at each step
     tokens: torch.Tensor
     logprobs: torch.Tensor
     mask: torch.Tensor
-    sampling: SamplingParams
-    widths: Widths | None
     kept_ids: torch.Tensor | None = None  # [rows, steps, widths.support] int32
     kept_most: torch.Tensor | None = None  # the most ids a live row kept at a step (0-d)
     candidates_most: torch.Tensor | None = None  # the most candidates a live row needed (0-d)
     routes: torch.Tensor | None = None  # MoE: [rows, steps, MoE layers, k]
-    recorder: _FullVocabRecorder | None = None
-    column: torch.Tensor | None = None  # per output row: the column its next token goes to
-    # Episodes: [rows, steps] whether a column was fed between turns; the output rows whose episode is over
-    # (host side).
-    fed: torch.Tensor | None = None
-    over: set[int] = field(default_factory=set)
+    fed: torch.Tensor | None = None  # episodes: [rows, steps] whether a column was fed between turns
+    over: set[int] = field(default_factory=set)  # episodes: the output rows whose episode is over (host side)
     budgets: list[int] = field(default_factory=list)  # the columns each output row may fill in its episode
     pausing: bool = False  # `stop` answered yes: rows that end a turn now stop there, fed what comes next
     graphs: dict[int, torch.cuda.CUDAGraph] | None = None  # per batch size; None: eager steps
@@ -314,44 +304,46 @@ class RolloutEngine:
         if ws is not None and ws.key == key:
             return ws
         self._workspace = None  # the old one's memory (and graphs) go first
-        cfg, dev = self.config, self.device
-        moe = bool(cfg.moe_layers)
-
-        def filled(value, *shape, dtype=torch.long):
-            return torch.full(shape, value, dtype=dtype, device=dev)
-
-        ws = _Workspace(
-            key=key,
-            cache=kv_cache(cfg, rows, slots, self.dtype, self.numerics),
-            angles=self._angles(slots),
-            order=filled(0, rows),
-            position_of_row=filled(0, rows),
-            token=filled(0, rows),
-            position=filled(0, rows),
-            done=filled(False, rows, dtype=torch.bool),
-            limit=filled(0, rows),
-            step=filled(0, 1),
-            column=filled(0, rows),
-            max_position=filled(0),
-            uniforms=filled(0.0, steps, rows, dtype=torch.float32),
-            tokens=filled(0, rows, steps),
-            logprobs=filled(0.0, rows, steps, dtype=torch.float32),
-            mask=filled(False, rows, steps, dtype=torch.bool),
-            sampling=sampling,
-            widths=widths,
-        )
+        cfg, long, flag = self.config, torch.long, torch.bool
+        # Each buffer's shape, dtype and the value a call starts it with (None: set from the call's arguments).
+        buffers = {
+            "order": ((rows,), long, None),
+            "position_of_row": ((rows,), long, None),
+            "token": ((rows,), long, None),
+            "position": ((rows,), long, None),
+            "limit": ((rows,), long, None),
+            "done": ((rows,), flag, False),
+            "column": ((rows,), long, 0),
+            "step": ((1,), long, 0),
+            "max_position": ((), long, None),
+            "uniforms": ((steps, rows), torch.float32, None),
+            "tokens": ((rows, steps), long, self.pad_id),
+            "logprobs": ((rows, steps), torch.float32, 0.0),
+            "mask": ((rows, steps), flag, False),
+        }
         if widths is not None:
-            ws.kept_ids = filled(-1, rows, steps, widths.support, dtype=torch.int32)
+            buffers["kept_ids"] = ((rows, steps, widths.support), torch.int32, -1)
             if widths.support < cfg.vocab_size:  # a buffer the draw could outgrow: watched
-                ws.kept_most, ws.candidates_most = filled(0), filled(0)
-        if moe:
-            ws.routes = filled(-1, rows, steps, len(cfg.moe_layers), cfg.experts_per_token)
-        if full_vocab > 0:
-            ws.recorder = _FullVocabRecorder(full_vocab, rows, steps, cfg.vocab_size, dev)
+                buffers |= {"kept_most": ((), long, 0), "candidates_most": ((), long, 0)}
+        if cfg.moe_layers:
+            buffers["routes"] = ((rows, steps, len(cfg.moe_layers), cfg.experts_per_token), long, -1)
         if episodes:
-            ws.fed = filled(False, rows, steps, dtype=torch.bool)
+            buffers["fed"] = ((rows, steps), flag, False)
+        recorder = _FullVocabRecorder(full_vocab, rows, steps, cfg.vocab_size, self.device) if full_vocab > 0 else None
+        ws = _Workspace(
+            key,
+            kv_cache(cfg, rows, slots, self.dtype, self.numerics),
+            self._angles(slots),
+            sampling,
+            widths,
+            recorder,
+            starts={name: start for name, (_, _, start) in buffers.items() if start is not None},
+            **{
+                name: torch.zeros(shape, dtype=dtype, device=self.device) for name, (shape, dtype, _) in buffers.items()
+            },
+        )
         # The decode step as a CUDA graph: dense models only (a MoE layer reads its experts back to the host).
-        if self.use_graphs and self.device.type == "cuda" and self.graphs_off_reason is None and not moe:
+        if self.use_graphs and self.device.type == "cuda" and self.graphs_off_reason is None and not cfg.moe_layers:
             ws.graphs, ws.pool = {}, torch.cuda.graph_pool_handle()
         self._workspace = ws
         return ws
@@ -366,11 +358,8 @@ class RolloutEngine:
         ws.position.copy_(torch.tensor(lengths, device=dev))
         ws.limit.copy_(torch.tensor(limits, device=dev))
         ws.max_position.fill_(max_len - 1)
-        starts = {"done": False, "step": 0, "column": 0, "tokens": self.pad_id, "logprobs": 0, "mask": False}
-        starts |= {"kept_ids": -1, "kept_most": 0, "candidates_most": 0, "routes": -1, "fed": False}
-        for name, value in starts.items():
-            if (buffer := getattr(ws, name)) is not None:
-                buffer.fill_(value)
+        for name, value in ws.starts.items():
+            getattr(ws, name).fill_(value)
         gen = torch.Generator(device=dev).manual_seed(seed)
         # One number per row per step, in the order the steps draw them.
         ws.uniforms[:max_new] = torch.cat([torch.rand(rows, 1, generator=gen, device=dev) for _ in range(max_new)], 1).T
@@ -489,9 +478,7 @@ class RolloutEngine:
                 [ids[:c] for ids, (_, c) in zip(tokens, ended)],
                 [ws.budgets[row] - c for row, c in ended],
             )
-        for row in rows:
-            if row not in going_on:
-                ws.over.add(row)
+        ws.over.update(row for row in rows if row not in going_on)
         if not going_on:
             return
         feeds = []

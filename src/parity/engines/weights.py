@@ -203,29 +203,26 @@ class RolloutWeights:
         """Apply LoRA unmerged on the loaded base: `adapters` maps a projection's Hugging Face module
         name (`model.layers.0.self_attn.q_proj`) to (A [r, in], scale·B [out, r]); projections not
         named keep no adapter. Replaces the previous adapters and records the version."""
-        unknown = set(adapters)
+        unknown, held = set(adapters), self.numerics.adapter_dtype(self.dtype)
         for layer, names in zip(self.layers, self.names[1:]):
             layer.lora = {}
             for part in (p for p in PROJECTIONS if p in names):
                 members = [(name.rpartition(".")[0], rows) for name, rows in names[part]]  # module names
-                pairs = [adapters.get(name) for name, _ in members]
                 unknown -= {name for name, _ in members}
+                pairs = [adapters.get(name) for name, _ in members]
                 if all(p is None for p in pairs):
                     continue
-                ranks = [0 if p is None else p[0].shape[0] for p in pairs]
                 a = torch.cat([p[0] for p in pairs if p is not None])
-                widths = [rows for _, rows in members]
-                b = torch.zeros(sum(widths), sum(ranks), dtype=a.dtype, device=a.device)
-                row = col = 0
-                blocks = []
-                for p, width, rank in zip(pairs, widths, ranks):
-                    if p is not None:
-                        b[row : row + width, col : col + rank] = p[1]
-                        blocks.append((slice(row, row + width), slice(col, col + rank)))
-                    row, col = row + width, col + rank
+                # B block-diagonal: each member's output rows against its own rank columns (none without adapter).
+                bs = [a.new_zeros(rows, 0) if p is None else p[1].to(a.dtype) for p, (_, rows) in zip(pairs, members)]
+                ends = torch.tensor([b.shape for b in bs]).cumsum(0).tolist()
+                blocks = [
+                    (slice(row - b.shape[0], row), slice(col - b.shape[1], col))
+                    for b, (row, col), p in zip(bs, ends, pairs)
+                    if p is not None
+                ]
                 # Rounded to the rollout precision, held as `Numerics.add_adapter` reads them.
-                held = self.numerics.adapter_dtype(self.dtype)
-                a, b = (t.to(device=self.device, dtype=self.dtype).to(held) for t in (a, b))
+                a, b = (t.to(device=self.device, dtype=self.dtype).to(held) for t in (a, torch.block_diag(*bs)))
                 layer.lora[part] = (a, b, blocks)
         if unknown:
             raise ValueError(f"adapter sync: no projection named {sorted(unknown)[:3]}")
