@@ -579,8 +579,8 @@ class RolloutEngine:
         as they are (partial rollouts continue them later).
 
         `between`: episodes of several model turns. A row that ends a turn is fed the ids `between` gives
-        (the tool's answer and the next turn's prompt, `Between`) from its KV cache on, one decode step per
-        id, then samples its next turn; its outputs hold both (`RolloutBatch.env_mask` marks the fed ids).
+        (the tool's answer and the next turn's prompt, `Between`) from its KV cache on, in one forward
+        (`_extend`), then samples its next turn; its outputs hold both (`RolloutBatch.env_mask` marks the fed ids).
         `budgets` (default `sampling.max_new_tokens`) then bounds each row's whole episode after its prompt
         and `limits` its first turn. The host reads the batch after every token. With `stop`, an episode's
         rows stop at turn boundaries: once `stop` answers yes, a row that ends a turn gets what `between`
