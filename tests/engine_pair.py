@@ -1,6 +1,6 @@
 """The two engines on one model, for the tests that compare them: the rollout engine beside the model it was
-loaded from, random prompts, and the trainer's π of a batch's tokens (tests/unit/test_exact.py and the
-tests of episodes, kernels, architectures and the GPU engines)."""
+loaded from, random prompts, the trainer's π of a batch's tokens, and an episode's `between` (`Turns`) (for
+tests/unit/test_exact.py and the tests of episodes, kernels, architectures and the GPU engines)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from parity.engines.trainer import sequence_logprobs
 
 PLAIN = SamplingParams(max_new_tokens=20)
 FILTERED = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_new_tokens=20)
+FED = [5, 6, 1, 7]  # holds id 1, the built-in model's end-of-turn: a fed id never ends a turn
 
 
 def engines(model_dir, precision: str, exact: bool = True):
@@ -51,3 +52,21 @@ def trainer_logprobs(model, batch, precision: str, micro_batch: int) -> torch.Te
                 )[1]
             )
     return torch.cat(parts)
+
+
+class Turns:
+    """Feeds FED after each turn, `turns` turns in all, each at most `limit` tokens; records what it saw."""
+
+    def __init__(self, turns: int, limit: int = 24):
+        self.turns, self.limit = turns, limit
+        self.ended: dict[int, int] = {}
+        self.seen: list[tuple[int, list[int], int]] = []
+
+    def __call__(self, rows, tokens, rooms):
+        out = {}
+        for row, ids, room in zip(rows, tokens, rooms):
+            self.seen.append((row, ids, room))
+            self.ended[row] = self.ended.get(row, 0) + 1
+            if self.ended[row] < self.turns and len(FED) + 1 < room:
+                out[row] = (FED, self.limit)
+        return out

@@ -12,12 +12,14 @@ import torch
 
 pytest.importorskip("triton")
 
+from engine_pair import FED, Turns, trainer_logprobs  # noqa: E402
+from kernel_inputs import DEVICE, DTYPES, randn  # noqa: E402
 from parity.engines import kernels  # noqa: E402
 from parity.engines.kernels import invariant  # noqa: E402
 from parity.engines.models.io import BUILTIN_DIR, export_state, load_model  # noqa: E402
 from parity.engines.rollout import RolloutEngine  # noqa: E402
+from parity.engines.sampling import SamplingParams  # noqa: E402
 from parity.engines.tokenizer import load_tokenizer  # noqa: E402
-from test_invariant import DEVICE, DTYPES, randn  # noqa: E402  (tests/unit, on pytest's pythonpath)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
@@ -101,10 +103,6 @@ def test_the_gumbel_draw_gives_the_same_token_however_the_vocabulary_is_split():
 def test_an_episode_continued_from_the_cache_agrees_bit_for_bit_through_the_invariant_kernels():
     """Episodes on CUDA's cache layout (`SlotKVCache.extend`: the ids fed between turns written by one forward
     through the decode step's Triton kernel): μ = π_old for every sampled token of every turn."""
-    from engine_pair import trainer_logprobs
-    from parity.engines.sampling import SamplingParams
-    from test_episode_engine import FED, Turns
-
     model = load_model("builtin", kernels.TritonExact(torch.device(DEVICE)))
     tok = load_tokenizer(BUILTIN_DIR)
     engine = RolloutEngine(model.config, "bf16", tok.eos_ids, tok.pad_id, model.numerics)

@@ -5,30 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine_pair import engines, random_prompts, trainer_logprobs
+from engine_pair import FED, Turns, engines, random_prompts, trainer_logprobs
 from parity.engines.sampling import SamplingParams
 
-FED = [5, 6, 1, 7]  # holds id 1, the built-in model's end-of-turn: a fed id never ends a turn
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=90)
 FILTERED = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_new_tokens=90)
-
-
-class Turns:
-    """Feeds FED after each turn, `turns` turns in all, each at most `limit` tokens; records what it saw."""
-
-    def __init__(self, turns: int, limit: int = 24):
-        self.turns, self.limit = turns, limit
-        self.ended: dict[int, int] = {}
-        self.seen: list[tuple[int, list[int], int]] = []
-
-    def __call__(self, rows, tokens, rooms):
-        out = {}
-        for row, ids, room in zip(rows, tokens, rooms):
-            self.seen.append((row, ids, room))
-            self.ended[row] = self.ended.get(row, 0) + 1
-            if self.ended[row] < self.turns and len(FED) + 1 < room:
-                out[row] = (FED, self.limit)
-        return out
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

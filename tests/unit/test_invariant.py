@@ -13,15 +13,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from kernel_inputs import DEVICE, DTYPES, randn  # noqa: E402
 from parity.engines import kernels  # noqa: E402
 from parity.engines.kernels import invariant  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def randn(*shape, dtype=torch.float32, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=DEVICE, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
