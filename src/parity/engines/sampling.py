@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 # Top-k's candidates: the k largest logits and this many more, for logits equal to the k-th (a tie, frequent
 # in 16-bit logits), which top-k keeps as well. A step that ties more than this asks for a wider buffer
-# (`Draw.widths_needed`).
+# (`RolloutEngine._widths_needed`).
 TIE_ROOM = 64
 # Top-p alone keeps a prefix of the whole sorted vocabulary; its kept ids first get this many columns.
 TOP_P_SUPPORT = 256
