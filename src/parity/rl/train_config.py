@@ -263,7 +263,7 @@ def default_lr(model: str, lora: bool) -> float:
     return 1e-5 if lora else 1e-6
 
 
-MAX_SEED = 2**32 - 1  # the seeds are scaled and offset (`Run.rollout_seed`) and must stay within torch's int64
+MAX_SEED = 2**32 - 1  # the seeds are scaled and offset (`RunParts.rollout_seed`) and must stay within torch's int64
 # Steps, and the counts of steps: far past any fine-tuning run (11 days at a step a second), and within what
 # keeps each step's rollout seed (`seed * 1,000,003 + step`) apart from the next seed's.
 MAX_STEPS = 1_000_000
