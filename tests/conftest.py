@@ -19,7 +19,7 @@ import pytest
 import torch
 
 # Without a GPU, the batch-invariant Triton kernels of exact mode on CUDA run in Triton's CPU
-# interpreter (tests/test_invariant.py). It is read when a kernel is defined, so it is set first.
+# interpreter (tests/unit/test_invariant.py). It is read when a kernel is defined, so it is set first.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
