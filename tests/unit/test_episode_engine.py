@@ -103,3 +103,22 @@ def test_a_stop_pauses_episodes_at_turn_boundaries():
     assert all(int(n) <= b for n, b in zip(bounded.response_lengths, budgets))
     with pytest.raises(ValueError, match="row budgets >= their limits"):
         engine.generate(prompts, 4, SAMPLING, seed=7, limits=[24] * 8, between=Turns(2), budgets=[20] * 8)
+
+
+def test_a_between_that_answers_for_a_row_it_was_not_asked_about_is_refused():
+    """`between` may only continue the rows it was given (rows that just ended a turn): an answer for another
+    row, or ids that do not fit the row's room, is a ValueError naming the row."""
+    model, engine = engines("builtin", "fp32", exact=False)
+    prompts = random_prompts(2, model.config.vocab_size, seed=4)  # rows 0-3 end turns early
+
+    def stranger(rows, tokens, rooms):
+        return {max(rows) + 100: (FED, 4)}
+
+    with pytest.raises(ValueError, match=r"between\(\): row \d+ did not just end a turn"):
+        engine.generate(prompts, 4, SAMPLING, seed=7, limits=[24] * 8, between=stranger)
+
+    def too_long(rows, tokens, rooms):
+        return {row: ([5] * room, 4) for row, room in zip(rows, rooms)}
+
+    with pytest.raises(ValueError, match=r"between\(\): row \d+ got \d+ ids and a limit of 4"):
+        engine.generate(prompts, 4, SAMPLING, seed=7, limits=[24] * 8, between=too_long)

@@ -467,23 +467,23 @@ class RolloutEngine:
         if not new:
             return
         rows = list(new)
-        columns = ws.column[rows].tolist()  # each row's next free column: its turn ended just before it
-        last = ws.tokens[rows, ws.column[rows] - 1].tolist()
-        ended = [(row, c) for row, c, token in zip(rows, columns, last) if token in self.eos_ids]
+        column = ws.column[rows]  # each row's next free column: its turn ended just before it
+        columns, last = column.tolist(), ws.tokens[rows, column - 1].tolist()
+        ended = {row: c for row, c, token in zip(rows, columns, last) if token in self.eos_ids}
         going_on = {}
         if ended:
-            tokens = ws.tokens[[row for row, _ in ended], : max(c for _, c in ended)].tolist()
+            tokens = ws.tokens[list(ended), : max(ended.values())].tolist()
             going_on = between(
-                [row for row, _ in ended],
-                [ids[:c] for ids, (_, c) in zip(tokens, ended)],
-                [ws.budgets[row] - c for row, c in ended],
+                list(ended),
+                [ids[:c] for ids, c in zip(tokens, ended.values())],
+                [ws.budgets[row] - c for row, c in ended.items()],
             )
         ws.over.update(row for row in rows if row not in going_on)
-        if not going_on:
-            return
         feeds = []
         for row, (ids, limit) in going_on.items():
-            c, budget = columns[rows.index(row)], ws.budgets[row]
+            if row not in ended:
+                raise ValueError(f"between(): row {row} did not just end a turn (the rows asked: {list(ended)})")
+            c, budget = ended[row], ws.budgets[row]
             if not 0 < len(ids) < budget - c or limit < 1:
                 raise ValueError(
                     f"between(): row {row} got {len(ids)} ids and a limit of {limit} with {budget - c} columns left"
