@@ -353,8 +353,6 @@ class Trainer:
         else:
             if self.result is not None:
                 self._newest_checkpoint("evaluate")
-            if cfg.episodes:
-                raise ConfigError("evaluate: the run trains episodes, which `parity eval` does not run yet")
             target = cfg.model
             keys.update(
                 task=cfg.task.name,
@@ -363,6 +361,7 @@ class Trainer:
                 max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
                 reference=cfg.trainer_precision,
                 seed=cfg.seed,
+                completion_format=cfg.task.completion_format,
             )
             held = self.datasets.get("eval")
             if rows is None and held is not None:
@@ -378,7 +377,14 @@ class Trainer:
                 keys["data"] = str(write_rows(Path(tmp), "eval.jsonl", rows, "eval"))
             eval_cfg = config_mod.load(EvalConfig, None, None, {"target": target, **keys})
             result = run_eval(
-                eval_cfg, progress=self.progress, rewards=self.rewards or None, trust_reward_fn=True, newest_only=True
+                eval_cfg,
+                progress=self.progress,
+                rewards=self.rewards or None,
+                trust_reward_fn=True,
+                newest_only=True,
+                tools=self.tools or None,
+                environment=self.environment,
+                episodes_of=cfg if cfg.episodes else None,
             )
         return result["states"][-1]["metrics"]
 

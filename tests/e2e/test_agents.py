@@ -5,6 +5,7 @@ spell control tokens, on real tokenizers: tests/unit/test_turns.py."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from parity.cli import main
 from parity.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
+EVAL = dict(prompts_per_step=4, rollout__group_size=2, eval__num_prompts=4, eval__samples=1)
 SMALL = ["steps=2", "prompts_per_step=4", "rollout.group_size=4", "checkpoint_every=-1", "log.completions=0"]
 
 
@@ -52,9 +54,61 @@ def test_the_builtin_tool_task_in_exact_mode(tmp_path, lora):
     assert 0 <= last["eval/accuracy"] <= 1 and last["eval/prompts"] == 32  # held-out episodes, after the last step
     if lora:
         return
-    assert main(["eval", str(run)]) == 2  # `parity eval` samples one turn: it says so
     assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
     assert "tool lookup:" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_parity_eval_answers_in_episodes_as_the_runs_own_evaluation_did(tmp_path):
+    """`parity eval RUN` on a run of episodes: every state answers held-out episodes in each serving precision
+    and under the trainer's policy; the last checkpoint's figures are the run's own held-out evaluation of that
+    step, to the bit (the same weights, problems, environments and random numbers). Their episodes' budget
+    (64) is below a turn's limit (96): a turn takes at most the budget."""
+    run, out = tmp_path / "run", tmp_path / "eval"
+    held = [
+        "eval.every=0",
+        "eval.num_prompts=8",
+        "eval.samples=2",
+        "eval.precisions=[bf16,fp16]",
+        "eval.max_new_tokens=64",
+    ]
+    small = [a for a in SMALL if not a.startswith("checkpoint_every")]
+    args = ["model=builtin-agent", "task.name=lookup", *small, "checkpoint_every=2", *held, f"run_dir={run}"]
+    assert main(["train", *args]) == 0
+    own = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    keys = ["num_prompts=8", "samples=2", "precisions=[bf16,fp16]", "max_new_tokens=64", f"out={out}"]
+    assert main(["eval", str(run), *keys]) == 0
+    result = json.loads((out / "eval.json").read_text())
+    assert [s["name"] for s in result["states"]] == ["base", "step_000002"]
+    assert result["turn_tokens"] == 64 and "each model turn at most 64" in (out / "eval.md").read_text()
+    last = result["states"][-1]["metrics"]
+    compared = ("eval/bf16/", "eval/fp16/", "eval/trainer/", "deploy/")
+    assert {k: v for k, v in own.items() if k.startswith(compared)} == {
+        k: v for k, v in last.items() if k.startswith(compared)
+    }
+    assert last["eval/trainer/mean_length"] > 30  # a tool call and an answer: the model's own tokens
+
+
+def test_an_environments_own_rewards_score_its_evaluation(tmp_path):
+    """Without reward functions, an environment's own rewards score its episodes: in training, and in the
+    held-out evaluation `evaluate()` runs (whole episodes in the environment, as `parity eval` answers)."""
+    page: dict = {}
+    exec(_blocks()[1], page)  # the page's HiddenTable (its __main__ part does not run)
+    rng = random.Random(0)
+    rows = []
+    for _ in range(8):
+        table = dict(zip(page["KEYS"], map(str, rng.sample(range(100, 1000), len(page["KEYS"])))))
+        key = rng.choice(page["KEYS"])
+        rows.append(
+            {"prompt": f"{key}?", "table": ",".join(f"{k}={v}" for k, v in table.items()), "answer": table[key]}
+        )
+    environment = page["HiddenTable"]
+    trainer = parity.Trainer(
+        "builtin-agent", rows, environment=environment, run_dir=tmp_path / "r", progress=False, steps=1, **EVAL
+    )
+    result = trainer.train()
+    metrics = trainer.evaluate(rows[:4])
+    assert "reward/environment/mean" in result.history[-1] and 0 <= metrics["eval/trainer/reward/environment/mean"] <= 1
+    assert metrics["eval/trainer/mean_length"] > 30  # a call and an answer, in the environment
 
 
 def test_rewards_see_the_episode_and_a_resume_needs_trust(tmp_path, capsys):
@@ -86,6 +140,20 @@ def test_rewards_see_the_episode_and_a_resume_needs_trust(tmp_path, capsys):
     assert result.history[-1]["episode/tool_calls_mean"] > 0.9
     assert main(["train", "--resume", str(tmp_path / "r"), "steps=2"]) == 2
     assert re.search(r"task\.tools=.*--trust-reward-fn", capsys.readouterr().err)
+    data = tmp_path / "held.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["eval", str(tmp_path / "r"), f"data={data}", f"out={tmp_path / 'e'}"]) == 2
+    assert re.search(r"the run's episodes call task\.tools=.*confirm with --trust-reward-fn", capsys.readouterr().err)
+    # The API evaluates in episodes too, with the tools it was given: the base model, then the trained one.
+    trainer = parity.Trainer(
+        "builtin-agent", rows, [graded], tools=[lookup], run_dir=tmp_path / "t", progress=False, steps=1, **EVAL
+    )
+    for trained in (False, True):
+        if trained:
+            trainer.train()
+        seen.clear()
+        metrics = trainer.evaluate(rows)
+        assert seen["messages"][2]["role"] == "tool" and 0 <= metrics["eval/trainer/reward_mean"] <= 1
     with pytest.raises(ConfigError, match="tools and environment: give one"):
         parity.train("builtin-agent", rows, tools=[lookup], environment=dict, steps=1)
     with pytest.raises(ConfigError, match="episodes are conversations, rendered by the model's chat template"):

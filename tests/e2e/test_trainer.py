@@ -89,6 +89,25 @@ def test_peft_config_trains_adapters_that_peft_loads(tmp_path):
     assert not torch.equal(_last_logits(adapted), before)  # PEFT loads the trained adapters onto the base
 
 
+def test_evaluate_gives_completions_in_the_runs_form_before_training_too(tmp_path):
+    """task.completion_format=messages: reward functions get TRL's chat form in `evaluate()` of the base model
+    (a model target) as in training and in `evaluate()` of a checkpoint (the run's target)."""
+    forms = []
+
+    def chat_form(completions, **columns):
+        forms.append(type(completions[0]).__name__)
+        return [0.0] * len(completions)
+
+    trainer = parity.Trainer(
+        "builtin", ROWS, chat_form, config=EVAL, run_dir=tmp_path / "r", progress=False, steps=1,
+        task__completion_format="messages", **SMALL,
+    )  # fmt: skip
+    trainer.evaluate(ROWS[:4])
+    trainer.train()
+    trainer.evaluate(ROWS[:4])
+    assert forms and set(forms) == {"list"}
+
+
 class Steer(parity.TrainerCallback):
     """Asks for an evaluation before step 2 and a checkpoint after step 1, and stops after step 3."""
 

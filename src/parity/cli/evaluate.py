@@ -18,7 +18,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "policy; report accuracy, pass@k, length, the gap to the trainer's policy and the per-token KL. "
             "TARGET is a model directory ('builtin', or a Hugging Face id in the local cache), a LoRA adapter "
             "folder (its base and adapters), or a `parity train` run directory (its base model and every "
-            "checkpoint it kept, scored by the run's own rewards). Config keys: precisions (default "
+            "checkpoint it kept, scored by the run's own rewards; a run of episodes answers in whole episodes, "
+            "with its tools or environment). Config keys: precisions (default "
             "[fp32,bf16,fp16]), reference (auto: a run's trainer precision, fp32 for a model), data (auto: a run's "
             "eval.data, else the task's held-out split; or a JSONL/Parquet file), task, difficulty, reward_fn "
             "(module:function, several comma-separated; default a run's own), reward_weights, num_prompts, "
@@ -32,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--trust-reward-fn",
         action="store_true",
-        help="score a run with its own task.reward_fn, Python code that Parity imports and runs",
+        help="score a run with its own task.reward_fn, and answer its episodes with its task.tools or "
+        "task.environment: Python code that Parity imports and runs",
     )
     p.set_defaults(func=cmd_eval)
 

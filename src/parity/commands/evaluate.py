@@ -33,17 +33,27 @@ from parity.engines.lora import (
     read_adapter,
     read_adapter_config,
 )
+from parity.engines.models.config import ModelError
 from parity.engines.models.io import load_checked_config, load_model, resolve_model_dir
 from parity.engines.models.modules import CausalLM
-from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, has_builtin_tokenizer, load_tokenizer
+from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, has_builtin_tokenizer, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import regular_file_problem
 from parity.outdir import claim_output_dir, write_output, write_output_json
 from parity.rl.checkpoint import checkpoints, load_checkpoint, require_finite_weights
 from parity.rl.data import DataColumns, load_problems, prompt_limit
+from parity.rl.episodes import EpisodeSetup, episode_setup
 from parity.rl.evaluation import TRAINER, EvalSet, Evaluator, eval_sampling, heldout_problems
 from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS
-from parity.rl.reward_fns import Reward, UserRewards, bind_all, data_columns, import_reward_fn
+from parity.rl.reward_fns import (
+    EPISODE_COLUMNS,
+    Reward,
+    UserRewards,
+    bind_all,
+    data_columns,
+    environment_reward,
+    import_reward_fn,
+)
 from parity.rl.rewards import RewardRunner
 from parity.rl.tasks import EVAL_SEED, TASKS, builtin_problems
 from parity.rl.train_config import COMPLETION_FORMATS, MAX_SEED, MICRO_BATCH_TOKENS, RewardSection, TrainConfig
@@ -158,12 +168,6 @@ def resolve_target(cfg: EvalConfig) -> Target:
                 "checkpoints; evaluate the run once it stops"
             )
         run = config_mod.load(TrainConfig, path / "config.yaml")
-        if run.episodes:
-            raise ConfigError(
-                f"{path}: the run trains episodes (task.tools, task.environment or task.name=lookup), which "
-                "`parity eval` does not run yet (it samples one turn); the run's own held-out evaluation "
-                "(eval.every) runs them"
-            )
         saved = checkpoints(path)
         if not saved:
             raise ConfigError(
@@ -173,9 +177,10 @@ def resolve_target(cfg: EvalConfig) -> Target:
         return Target(resolve_model_dir(run.model), run, saved)
     if (path / "config.yaml").is_file():
         raise ConfigError(f"{path}: a run directory without metrics or checkpoints yet: nothing to evaluate")
-    if cfg.target != "builtin" and not path.is_dir():
-        raise ConfigError(f"{cfg.target}: no such directory (a model directory, 'builtin', or a `parity train` run)")
-    return Target(resolve_model_dir(cfg.target), None, [])
+    try:  # builtin, builtin-agent, a model directory, or a Hugging Face id in the local cache
+        return Target(resolve_model_dir(cfg.target), None, [])
+    except ModelError as e:
+        raise ConfigError(f"target: {e}; or a `parity train` run directory") from None
 
 
 def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
@@ -243,8 +248,17 @@ def _reward_specs(cfg: EvalConfig, run: TrainConfig | None) -> tuple[list[str], 
 
 
 def _rewards(
-    cfg: EvalConfig, target: Target, task: str, problems, rewards: list[Reward] | None, trust_reward_fn: bool
+    cfg: EvalConfig,
+    target: Target,
+    task: str,
+    problems,
+    rewards: list[Reward] | None,
+    trust_reward_fn: bool,
+    episode_run: TrainConfig | None,
 ) -> RewardRunner | UserRewards:
+    """What scores the answers, as in the run (`reward_fns.run_rewards`): `rewards`, `reward_fn`, a run's own
+    reward functions, an environment's own rewards (a run with an environment and no reward functions), else
+    the task's built-in reward. In an episode run a function may also name the episode's columns."""
     specs, weights = _reward_specs(cfg, target.run)
     bounds = target.run.reward if target.run else RewardSection()  # how long its code may run here
     if rewards is None and specs:
@@ -254,8 +268,11 @@ def _rewards(
                 "would import and run; confirm with --trust-reward-fn (or pass reward_fn=module:function)"
             )
         rewards = [Reward(import_reward_fn(spec, bounds.import_timeout_s), weight=w) for spec, w in zip(specs, weights)]
+    if rewards is None and not specs and episode_run is not None and episode_run.task.environment:
+        rewards = [Reward(environment_reward, name="environment")]
     if rewards:
-        bound = bind_all(rewards, sorted({k for p in problems for k in p.columns}))
+        episodes = set(EPISODE_COLUMNS) if episode_run is not None and episode_run.episodes else set()
+        bound = bind_all(rewards, sorted({k for p in problems for k in p.columns} | episodes))
         fmt = cfg.completion_format
         if fmt == "run":
             fmt = target.run.task.completion_format if target.run else "text"
@@ -264,23 +281,49 @@ def _rewards(
     return RewardRunner(TASKS[task].reward, isolate, in_process_timeout_s=bounds.in_process_timeout_s)
 
 
+def _episodes(
+    cfg: EvalConfig, run: TrainConfig | None, tokenizer: Tokenizer, trust_code: bool, tools, environment
+) -> EpisodeSetup | None:
+    """A run's episodes (task.tools, task.environment, or task.name=lookup's tables): every policy then answers
+    with whole episodes, as the run's own held-out evaluation does; None for one-turn answers. A run's tools and
+    environment are Python code that is imported and run here: `trust_code`, unless given as objects."""
+    if run is None or not run.episodes:
+        return None
+    specs = (("task.tools", ",".join(run.task.tools)), ("task.environment", run.task.environment))
+    code = [f"{key}={spec}" for key, spec in specs if spec]
+    if code and not trust_code and tools is None and environment is None:
+        raise ConfigError(
+            f"{cfg.target}: the run's episodes call {', '.join(code)}, Python code that `parity eval` would import "
+            "and run; confirm with --trust-reward-fn"
+        )
+    return episode_setup(run, tokenizer, tools, environment)
+
+
 def run_eval(
     cfg: EvalConfig,
     progress: bool = True,
     rewards: list[Reward] | None = None,
     trust_reward_fn: bool = False,
     newest_only: bool = False,
+    tools: list | None = None,
+    environment: object = None,
+    episodes_of: TrainConfig | None = None,
 ) -> dict[str, Any]:
     """Evaluate every state of the target (`newest_only`: its newest alone, a run's newest checkpoint); returns
     what eval.json holds. `rewards`: Python callables to score with (the API's); else `reward_fn`, a run's own
-    reward functions (with `trust_reward_fn`), or the task's built-in reward."""
+    reward functions (with `trust_reward_fn`), or the task's built-in reward. A run of episodes is answered in
+    episodes, with its tools or environment (`tools`, `environment`: the API's objects; else imported, with
+    `trust_reward_fn`); `episodes_of`: the run whose episodes a model target is answered in (the API's, before
+    its first checkpoint)."""
     target = resolve_target(cfg)
     evalset, task, source = evaluation_set(cfg, target)
     run = target.run
     reference = cfg.reference if cfg.reference != "auto" else run.trainer_precision if run else "fp32"
     tokenizer = load_tokenizer(target.model_dir)
     numerics = kernels.numerics(cfg.device)
-    scorer = _rewards(cfg, target, task, evalset.problems, rewards, trust_reward_fn)
+    episode_run = run or episodes_of
+    episodes = _episodes(cfg, episode_run, tokenizer, trust_reward_fn, tools, environment)
+    scorer = _rewards(cfg, target, task, evalset.problems, rewards, trust_reward_fn, episode_run)
     if progress:
         print(f"eval: {len(evalset.problems)} prompts from {source}", file=sys.stderr)
     states = [("base", 0, None)] + [(p.name, _step(p), p) for p in target.checkpoints]
@@ -295,7 +338,17 @@ def run_eval(
         _check_lora(target, base)
         micro_batch_tokens = run.trainer.micro_batch_tokens if run else MICRO_BATCH_TOKENS[cfg.device]
         evaluator = Evaluator(
-            base.config, tokenizer, evalset, scorer, None, cfg.precisions, reference, micro_batch_tokens, cfg.device
+            base.config,
+            tokenizer,
+            evalset,
+            scorer,
+            None,
+            cfg.precisions,
+            reference,
+            micro_batch_tokens,
+            cfg.device,
+            episodes,
+            episode_run.episode.turn_tokens if episodes else 0,
         )
         for name, step, path in tqdm(states, desc="checkpoints", unit="state", disable=not progress):
             trainer = _trainer(target, run, path, reference, cfg.device, base)
@@ -316,6 +369,7 @@ def run_eval(
         "samples": cfg.samples,
         "temperature": cfg.temperature,
         "max_new_tokens": evalset.sampling.max_new_tokens,
+        "turn_tokens": evaluator.turn_tokens or None,  # episodes: a model turn's limit (max_new_tokens: the episode's)
         "numerics": numerics.describe(),
         "states": results,
     }
@@ -406,7 +460,9 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
         f"# Held-out evaluation: {result['target']}\n\n"
         f"{result['prompts']} held-out prompts ({result['data']}) x {result['samples']} samples at temperature "
         f"{result['temperature']} "
-        f"(0 = greedy), up to {result['max_new_tokens']} new tokens, task {result['task']}; the same random draws for "
+        f"(0 = greedy), up to {result['max_new_tokens']} new tokens"
+        + (f" per episode (each model turn at most {result['turn_tokens']})" if result.get("turn_tokens") else "")
+        + f", task {result['task']}; the same random draws for "
         f"every state and policy. Policies: the weights served in each precision, and the trainer's policy "
         f"({result['reference']}, sampled with the trainer's arithmetic). Gap = a policy's score minus the "
         "trainer policy's, ± its standard error over prompts (paired); responses changed: rows whose response "

@@ -140,8 +140,8 @@ class Evaluator:
     ):
         self.tokenizer, self.evalset, self.rewards = tokenizer, evalset, rewards
         # An episode run's (`rl/episodes.EpisodeSetup`): every policy answers with whole episodes, each turn
-        # at most `turn_tokens`.
-        self.episodes, self.turn_tokens = episodes, turn_tokens
+        # at most `turn_tokens`, within the episode's budget (eval.max_new_tokens may be below it).
+        self.episodes, self.turn_tokens = episodes, min(turn_tokens, evalset.sampling.max_new_tokens)
         self.trainer_precision = trainer_precision
         self.micro_batch_tokens = micro_batch_tokens  # the trainer's, for the KL to its policy
         # label -> (precision, numerics): each served precision as an inference engine runs it, and the
