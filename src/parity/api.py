@@ -500,24 +500,29 @@ def evaluate(
     target: str | Path,
     rewards: RewardLike | Iterable[RewardLike] | None = (),
     *,
+    tools: Iterable[Callable[..., Any]] | None = None,
+    environment: Callable[[], Any] | None = None,
     out: str | Path | None = None,
     progress: bool = True,
     **keys: Any,
 ) -> dict[str, Any]:
     """`parity eval` from Python: the held-out score of a model, a LoRA adapter folder, or every
     checkpoint of a run, per serving precision. `rewards`: the functions to score with (a run's own by
-    default, imported from its config.yaml). `keys`: `parity eval`'s keys (precisions, data, samples...).
+    default, imported from its config.yaml). A run of episodes answers in episodes, with `tools` or
+    `environment` (default: the run's own, imported from its config.yaml). `keys`: `parity eval`'s keys
+    (precisions, data, samples...).
     Writes eval.json, eval.md and eval.png into `out` when given; returns what eval.json holds."""
     use_free_cores()
     target = _path("target", target, 'a model directory, a LoRA adapter folder, a run directory or "builtin"')
     bound = _rewards(rewards)
+    tools, environment = _tools(tools), _environment(environment)
     if out is not None:
         out = Path(_path("out", out, "a folder's path or None"))
         check_output_dir(out, "out")  # before the evaluation, not after it
     _flag("progress", progress)
     values = {k.replace("__", "."): v for k, v in keys.items()}
     cfg = config_mod.load(EvalConfig, None, None, {"target": target, **values, "out": str(out or "")})
-    result = run_eval(cfg, progress=progress, rewards=bound or None, trust_reward_fn=True)
+    result = run_eval(cfg, progress, bound or None, trust_reward_fn=True, tools=tools or None, environment=environment)
     if out is not None:
         write_outputs(result, out)
     return result

@@ -109,6 +109,14 @@ def test_an_environments_own_rewards_score_its_evaluation(tmp_path):
     metrics = trainer.evaluate(rows[:4])
     assert "reward/environment/mean" in result.history[-1] and 0 <= metrics["eval/trainer/reward/environment/mean"] <= 1
     assert metrics["eval/trainer/mean_length"] > 30  # a call and an answer, in the environment
+    data = tmp_path / "held.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows[:4]))
+    keys = dict(data=str(data), precisions=["bf16"], samples=1, progress=False)
+    offline = parity.evaluate(tmp_path / "r", environment=environment, **keys)  # parity eval, from Python
+    assert [s["name"] for s in offline["states"]] == ["base", "step_000001"]
+    assert "eval/trainer/reward/environment/mean" in offline["states"][-1]["metrics"]
+    with pytest.raises(ConfigError, match="^tools: expected a list of functions, got"):
+        parity.evaluate(tmp_path / "r", tools=3, **keys)
 
 
 def test_rewards_see_the_episode_and_a_resume_needs_trust(tmp_path, capsys):
