@@ -85,6 +85,9 @@ def test_full_vocabulary_metrics_against_a_hand_computation():
     assert m["top1_agree"] == 0.5
     same = full_vocab_metrics(mu, mu.clone())
     assert (same["tv"], same["kl"], same["max_abs_log_ratio"], same["top1_agree"]) == (0.0, 0.0, 0.0, 1.0)
+    # As the engines record a short response's missing slot: zeros from the engine, NaN from the trainer.
+    engines = full_vocab_metrics(torch.cat([mu, torch.zeros(1, 4)]), torch.cat([pi, torch.full((1, 4), float("nan"))]))
+    assert engines == m
 
 
 def test_the_gap_standard_error_is_paired_by_prompt():

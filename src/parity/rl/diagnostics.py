@@ -93,8 +93,9 @@ def mismatch_by_length(
 
 def full_vocab_metrics(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor) -> dict[str, float]:
     """The two engines' whole next-token distributions compared at the same positions: log-probs
-    [..., V] (-inf outside the sampled support, NaN rows for positions not recorded). Per position,
-    averaged over the positions:
+    [..., V] (-inf outside the sampled support; a position not recorded, of a short response, is a NaN row
+    on either side: the trainer's, while the engine's holds zeros there). Per position, averaged over the
+    positions:
 
         tv                 ½ Σ_v |μ(v) − π(v)|                  total variation
         kl                 Σ_v μ(v) (log μ(v) − log π(v))        KL(μ‖π), exact over the support
@@ -103,7 +104,7 @@ def full_vocab_metrics(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.T
     """
     mu = rollout_logprobs.detach().double().flatten(0, -2)
     pi = trainer_logprobs.detach().double().flatten(0, -2)
-    recorded = ~mu.isnan().any(-1)
+    recorded = ~(mu.isnan().any(-1) | pi.isnan().any(-1))
     mu, pi = mu[recorded], pi[recorded]
     if not len(mu):
         return {"positions": 0}
