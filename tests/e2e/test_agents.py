@@ -61,8 +61,9 @@ def test_the_builtin_tool_task_in_exact_mode(tmp_path, lora):
 def test_parity_eval_answers_in_episodes_as_the_runs_own_evaluation_did(tmp_path):
     """`parity eval RUN` on a run of episodes: every state answers held-out episodes in each serving precision
     and under the trainer's policy; the last checkpoint's figures are the run's own held-out evaluation of that
-    step, to the bit (the same weights, problems, environments and random numbers). Their episodes' budget
-    (64) is below a turn's limit (96): a turn takes at most the budget."""
+    step, to the bit (the same weights, problems, environments and random numbers), and `parity eval
+    builtin-agent task=lookup` is its base state. Their episodes' budget (64) is below a turn's limit (96): a
+    turn takes at most the budget."""
     run, out = tmp_path / "run", tmp_path / "eval"
     held = [
         "eval.every=0",
@@ -86,6 +87,14 @@ def test_parity_eval_answers_in_episodes_as_the_runs_own_evaluation_did(tmp_path
         k: v for k, v in last.items() if k.startswith(compared)
     }
     assert last["eval/trainer/mean_length"] > 30  # a tool call and an answer: the model's own tokens
+    # The base model as a model target of the task answers the same episodes: the run's base state, to the bit.
+    keys = [*keys[:-1], "task=lookup", "reference=fp16", f"out={tmp_path / 'base'}"]
+    assert main(["eval", "builtin-agent", *keys]) == 0
+    base = json.loads((tmp_path / "base" / "eval.json").read_text())["states"]
+    assert base[0]["metrics"] == result["states"][0]["metrics"]
+    # perfectible samples one turn per problem: a task of episodes is refused in one line
+    assert main(["perfectible", "model=builtin-agent", "task=lookup", f"out={tmp_path / 'p.jsonl'}"]) == 2
+    assert not (tmp_path / "p.jsonl").exists()
 
 
 def test_an_environments_own_rewards_score_its_evaluation(tmp_path):

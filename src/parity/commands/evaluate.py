@@ -299,6 +299,15 @@ def _episodes(
     return episode_setup(run, tokenizer, tools, environment)
 
 
+def _task_of_episodes(target: Target, task: str, max_new_tokens: int) -> TrainConfig | None:
+    """For a model target and a built-in task answered in episodes (task=lookup): the run of that task whose
+    episodes the model answers in (its environment, limits and tool-call format)."""
+    if not TASKS[task].episodes:
+        return None
+    values = {"model": str(target.model_dir), "task.name": task, "rollout.max_new_tokens": max_new_tokens}
+    return config_mod.load(TrainConfig, None, None, values)
+
+
 def run_eval(
     cfg: EvalConfig,
     progress: bool = True,
@@ -321,7 +330,7 @@ def run_eval(
     reference = cfg.reference if cfg.reference != "auto" else run.trainer_precision if run else "fp32"
     tokenizer = load_tokenizer(target.model_dir)
     numerics = kernels.numerics(cfg.device)
-    episode_run = run or episodes_of
+    episode_run = run or episodes_of or _task_of_episodes(target, task, evalset.sampling.max_new_tokens)
     episodes = _episodes(cfg, episode_run, tokenizer, trust_reward_fn, tools, environment)
     scorer = _rewards(cfg, target, task, evalset.problems, rewards, trust_reward_fn, episode_run)
     if progress:

@@ -59,6 +59,11 @@ class PerfectibleConfig:
         kernels.check_device(self.device)
         if self.task not in TASKS or not TASKS[self.task].binary:
             raise ConfigError(f"task: {self.task!r} has no right answer; use builtin, exact, math or number")
+        if TASKS[self.task].episodes:
+            raise ConfigError(
+                f"task: {self.task!r} is answered in episodes with tools, which perfectible does not sample (one "
+                "turn per problem); use builtin, exact, math or number"
+            )
         if self.difficulty not in DIFFICULTIES:
             raise ConfigError(f"difficulty: unknown value {self.difficulty!r}; allowed: {', '.join(DIFFICULTIES)}")
         if difficulty_has_no_effect(self.difficulty, self.task, self.data):
