@@ -215,12 +215,11 @@ class RolloutWeights:
                 a = torch.cat([p[0] for p in pairs if p is not None])
                 # B block-diagonal: each member's output rows against its own rank columns (none without adapter).
                 bs = [a.new_zeros(rows, 0) if p is None else p[1].to(a.dtype) for p, (_, rows) in zip(pairs, members)]
-                ends = torch.tensor([b.shape for b in bs]).cumsum(0).tolist()
-                blocks = [
-                    (slice(row - b.shape[0], row), slice(col - b.shape[1], col))
-                    for b, (row, col), p in zip(bs, ends, pairs)
-                    if p is not None
-                ]
+                blocks, row, col = [], 0, 0  # each adapted member's (output rows, rank columns) in B
+                for p, block in zip(pairs, bs):
+                    if p is not None:
+                        blocks.append((slice(row, row + block.shape[0]), slice(col, col + block.shape[1])))
+                    row, col = row + block.shape[0], col + block.shape[1]
                 # Rounded to the rollout precision, held as `Numerics.add_adapter` reads them.
                 a, b = (t.to(device=self.device, dtype=self.dtype).to(held) for t in (a, torch.block_diag(*bs)))
                 layer.lora[part] = (a, b, blocks)
