@@ -26,15 +26,16 @@ from parity.engines.lora import TARGETS as LORA_TARGETS
 from parity.engines.lora import AdapterError, check_adapter_fields
 from parity.engines.models.io import resolve_model_dir
 from parity.outdir import check_output_dir
-from parity.rl.callbacks import (  # noqa: F401 - TrainerCallback, TrainerControl: parity's names
+from parity.rl.callbacks import (  # noqa: F401 - CallbackError, TrainerCallback, TrainerControl: parity's names
     Callback,
+    CallbackError,
     TrainerCallback,
     TrainerControl,
     TrainerState,
     checked_callbacks,
 )
 from parity.rl.checkpoint import checkpoints, export_model
-from parity.rl.data import write_rows
+from parity.rl.data import DataError, write_rows  # noqa: F401 - parity.DataError
 from parity.rl.episodes import Step  # noqa: F401 - parity.Step, what an environment returns
 from parity.rl.reward_fns import Reward, function_spec
 from parity.rl.train_config import TrainConfig

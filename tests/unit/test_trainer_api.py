@@ -208,3 +208,12 @@ def test_the_trainers_arguments_are_checked_as_trains(tmp_path):
         assert str(e.value).startswith(line)
     with pytest.raises(ConfigError, match=r"^resume_from_checkpoint=True: no run_dir is set"):
         parity.Trainer().train(resume_from_checkpoint=True)
+
+
+def test_every_name_the_package_exports_is_there():
+    """`from parity import *` and the names docs/your-task.md tells users to catch (`parity.DataError`)."""
+    namespace: dict = {}
+    exec("from parity import *", namespace)
+    assert set(parity.__all__) <= set(namespace)
+    assert issubclass(parity.DataError, ValueError) and issubclass(parity.CallbackError, RuntimeError)
+    assert set(parity.__all__) <= set(dir(parity))
