@@ -96,6 +96,10 @@ def _rows(data: Dataset, name: str) -> list[dict[str, Any]] | str:
     return list(rows)
 
 
+# TRL's reward_funcs also take a reward model's Hub id; Parity runs no model it was not given.
+MODEL_BY_NAME = " (a reward model by its name, as TRL takes one, is not taken: give a function that scores with it)"
+
+
 def _rewards(rewards: object) -> list[Reward]:
     """`rewards=` as Rewards: None or () for the task's own reward, or one function or Reward, or an iterable
     of them (each function checked by `Reward`)."""
@@ -104,11 +108,17 @@ def _rewards(rewards: object) -> list[Reward]:
     if isinstance(rewards, Reward) or (callable(rewards) and not isinstance(rewards, type)):
         rewards = [rewards]
     elif isinstance(rewards, (str, bytes, Mapping)) or not isinstance(rewards, Iterable):
-        raise ConfigError(f"rewards: expected a function, a parity.Reward or a list of them, got {described(rewards)}")
+        raise ConfigError(
+            f"rewards: expected a function, a parity.Reward or a list of them, got {described(rewards)}"
+            + (MODEL_BY_NAME if isinstance(rewards, str) else "")
+        )
     out = []
     for i, r in enumerate(rewards):
         if not isinstance(r, Reward) and (isinstance(r, type) or not callable(r)):
-            raise ConfigError(f"rewards[{i}]: expected a function or a parity.Reward, got {described(r)}")
+            raise ConfigError(
+                f"rewards[{i}]: expected a function or a parity.Reward, got {described(r)}"
+                + (MODEL_BY_NAME if isinstance(r, str) else "")
+            )
         out.append(r if isinstance(r, Reward) else Reward(r))
     return out
 

@@ -21,6 +21,7 @@ from parity.cli import main
 from parity.config import ConfigError
 from parity.engines.models.config import ModelError
 from parity.engines.models.io import resolve_model_dir
+from parity.engines.tokenizer import load_tokenizer
 from parity.engines.trainer import scheduled_lr
 from parity.rl.callbacks import CallbackError
 from parity.rl.data import DataError
@@ -51,7 +52,8 @@ def test_batched_and_per_sample_rewards_get_typed_columns_weights_and_metrics(tm
         "builtin", ROWS, [correct, parity.Reward(short, weight=0.5)], run_dir=tmp_path / "r", progress=False, **SMALL
     )  # no eval: the rows hold no held-out split, and none is generated for your rewards
     assert all(type(a) is int for a in seen["answer"]) and all(type(v) is int for v in seen["level"])
-    assert len(seen["prompts"]) == 16 and seen["columns"] == ["answer", "level"]
+    assert len(seen["prompts"]) == 16  # **columns: the data's, and what TRL gives besides them
+    assert seen["columns"] == ["answer", "completion_ids", "level", "log_extra", "log_metric", "trainer_state"]
     metrics = result.history[-1]
     for name in ("correct", "short"):
         assert f"reward/{name}/mean" in metrics and f"reward/{name}/std" in metrics
@@ -751,3 +753,37 @@ def test_trl_rewards_and_names_run_unchanged(tmp_path):
     with pytest.raises(RewardCheckError, match=r"string indices must be integers.* \(completions are strings \(task"):
         parity.train("builtin-agent", rows, n_chars, run_dir=tmp_path / "s", progress=False, **small)
     assert not (tmp_path / "s").exists()
+
+
+def test_trl_s_reward_arguments_reach_the_metrics_and_the_completions_files(tmp_path):
+    """`completion_ids` are the tokens the completion decodes from, `trainer_state` the steps done, and
+    what `log_metric` and `log_extra` get lands in metrics.jsonl and the completions files, as in TRL."""
+    tokenizer = load_tokenizer(resolve_model_dir("builtin"))
+    steps_seen = []
+
+    def judged(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, **kwargs):
+        assert [tokenizer.decode(ids) for ids in completion_ids] == completions
+        steps_seen.append(trainer_state.global_step)
+        log_metric("judge/mean_ids", sum(map(len, completion_ids)) / len(completion_ids))
+        log_extra("ids", [len(ids) for ids in completion_ids])
+        return [len(ids) % 2 == 0 for ids in completion_ids]  # a bool scores 1 or 0, as in TRL
+
+    result = parity.train("builtin", ROWS, judged, run_dir=tmp_path / "r", progress=False, **{**SMALL, "steps": 2})
+    assert steps_seen == [0, 1]
+    for step, metrics in enumerate(result.history, 1):
+        rows = _rows_of(tmp_path / "r" / "completions" / f"step_{step:06d}.jsonl")
+        assert [row["extra"]["ids"] for row in rows] == [row["length"] for row in rows]
+        assert metrics["judge/mean_ids"] == pytest.approx(sum(row["length"] for row in rows) / len(rows))
+        assert [row["reward/judged"] for row in rows] == [float(row["length"] % 2 == 0) for row in rows]
+
+
+def test_a_data_column_named_as_a_reward_argument_is_refused_before_anything_is_written(tmp_path):
+    """A column `completions` would reach a TRL reward in place of the completions: refused, naming it."""
+
+    def correct(prompts, completions, answer):
+        return [0.0] * len(completions)
+
+    rows = [{**row, "completions": "reference"} for row in ROWS]
+    with pytest.raises(RewardCheckError, match=r"^the data's column 'completions' has the name of an argument"):
+        parity.train("builtin", rows, correct, run_dir=tmp_path / "r", progress=False, **SMALL)
+    assert not (tmp_path / "r").exists()

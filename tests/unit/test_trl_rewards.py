@@ -93,7 +93,8 @@ def test_none_is_not_scored_on_any_batch_including_the_first(capsys):
 
 def test_a_function_returning_none_for_the_whole_first_batch_warns(capsys):
     _run([Reward(per_sample_none)], [(TEXT, "skip", 1), (TEXT, "skip", 1)])
-    assert "reward per_sample_none returned None for every completion of the first batch (2)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "reward per_sample_none returned None or NaN for every completion of the first batch (2)" in err
 
 
 def test_unscored_samples_are_null_in_the_completions_file_and_table(tmp_path):
@@ -108,3 +109,140 @@ def test_unscored_samples_are_null_in_the_completions_file_and_table(tmp_path):
     assert written[1]["reward"] is None and written[1]["score"] is None and written[1]["reward/f"] is None
     assert read_completions(tmp_path / "run", 10_000)[1]["reward/f"] is None
     assert "| None | 0 | None |" in markdown_table(written)  # reward, advantage, reward/f
+
+
+# ----------------------------------------------------------------------------- what TRL's GRPOTrainer gives too
+
+IDS = Problem("1+1=", "2", {"answer": "2", "completion_ids": [7, 8]})  # as `score_rollouts` makes the items
+
+
+def trl_arguments(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, **kwargs):
+    """TRL's reward with every argument its trainer gives: the metric and column it logs come back."""
+    log_metric("judge/calls", float(len(completions)))
+    log_metric("judge/calls", 0.0)  # logged twice in a step: the mean, as TRL logs it
+    log_extra("ids", [len(ids) for ids in completion_ids])
+    return [float(trainer_state.global_step + sum(ids)) for ids in completion_ids]
+
+
+def history_length(completions, trainer_state, **kwargs):
+    return [float(len(trainer_state.log_history))] * len(completions)
+
+
+def test_a_reward_gets_trl_s_completion_ids_trainer_state_and_loggers():
+    from parity.rl.callbacks import TrainerState
+
+    rewards = UserRewards(bind_all([Reward(trl_arguments)], ["answer"]), state=lambda: TrainerState(global_step=3))
+    out = rewards([(IDS, "ab", 2), (IDS, "cd", 2)])
+    assert out.rewards == [18.0, 18.0] and out.errors == 0
+    assert out.metrics == {"judge/calls": 1.0} and out.extra == {"ids": [2, 2]}
+
+
+def test_in_the_worker_too_with_the_state_but_its_history():
+    from parity.rl.callbacks import TrainerState
+
+    state = TrainerState(global_step=1, log_history=[{"step": 1}])
+    bound = bind_all([Reward(trl_arguments), Reward(history_length)], ["answer"])
+    rewards = UserRewards(bound, isolate=True, timeout_s=60, state=lambda: state)
+    try:
+        out = rewards([(IDS, "ab", 2)])
+    finally:
+        rewards.close()
+    assert out.per_function == {"trl_arguments": [16.0], "history_length": [0.0]}
+    assert out.metrics == {"judge/calls": 0.5} and out.extra == {"ids": [2]}
+
+
+def test_a_per_sample_function_logs_its_samples_value():
+    def per_sample(prompt, completion, completion_ids, log_extra, **kw):
+        log_extra("first", completion_ids[0])
+        return 1
+
+    other = Problem("1+1=", "2", {"answer": "2", "completion_ids": [9]})
+    out = _run([Reward(per_sample)], [(IDS, "ab", 2), (other, "c", 1)])
+    assert out.extra == {"first": [7, 9]} and out.rewards == [1.0, 1.0]
+
+
+def test_bools_score_as_numbers_and_nan_is_not_scored_as_in_trl():
+    def judged(completions, **kw):
+        return [True, False, math.nan]
+
+    out = _run([Reward(judged)], [(TEXT, "a", 1)] * 3)
+    assert out.rewards[:2] == [1.0, 0.0] and math.isnan(out.rewards[2]) and out.errors == 0
+    with pytest.raises(RewardCheckError, match="failed on every sample: sample 0: ValueError: reward is inf"):
+        _run([Reward(lambda completions, **kw: [math.inf])], [(TEXT, "a", 1)])
+
+
+def test_async_functions_are_awaited_a_per_sample_ones_calls_together():
+    import asyncio
+
+    running, most = [0], [0]
+
+    async def judge(prompt, completion, **kw):
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        await asyncio.sleep(0.01)
+        running[0] -= 1
+        if completion == "bad":
+            raise ValueError("judge down")
+        return len(completion)
+
+    async def batched(completions, **kw):
+        await asyncio.sleep(0)
+        return [2.0] * len(completions)
+
+    out = _run([Reward(judge), Reward(batched)], [(TEXT, "abc", 3), (TEXT, "bad", 3), (TEXT, "de", 2)])
+    assert out.per_function == {"judge": [3.0, 0.0, 2.0], "batched": [2.0, 2.0, 2.0]}
+    assert out.errors == 1 and "ValueError: judge down" in out.first_error and most[0] == 3
+
+
+def test_async_in_a_running_event_loop_a_notebooks():
+    import asyncio
+
+    async def batched(completions, **kw):
+        return [1.0] * len(completions)
+
+    async def in_a_notebook():
+        return _run([Reward(batched)], [(TEXT, "a", 1)])
+
+    assert asyncio.run(in_a_notebook()).rewards == [1.0]
+
+
+def test_columns_trl_keeps_back_and_a_column_that_would_hide_an_argument():
+    from parity.rl.reward_fns import reward_columns
+
+    problems = [Problem("p", "2", {"answer": 2, "prompt": "x", "completion": "ref", "completion_ids": [1]})]
+    assert reward_columns(problems, episodes=False) == [
+        "answer",
+        "completion_ids",
+        "log_extra",
+        "log_metric",
+        "trainer_state",
+    ]
+    for name in ("completions", "prompts", "trainer_state"):
+        with pytest.raises(RewardCheckError, match=f"the data's column '{name}' has the name of an argument"):
+            reward_columns([Problem("p", "2", {name: 1})], episodes=False)
+    with pytest.raises(RewardCheckError, match="column 'messages'"):
+        reward_columns([Problem("p", "2", {"messages": 1})], episodes=True)
+
+    def per_sample(prompt, completion, **columns):  # TRL's prompt-completion data: "completion" is not passed
+        return float(sorted(columns) == ["answer", "completion_ids", "log_extra", "log_metric", "trainer_state"])
+
+    item = Problem("p", "2", {"answer": 2, "completion": "ref", "completion_ids": [1]})
+    assert _run([Reward(per_sample)], [(item, "a", 1)]).rewards == [1.0]
+
+
+def test_trl_s_reward_models_are_refused_in_one_line_saying_what_to_give(tmp_path):
+    import torch
+
+    import parity
+    from parity.config import ConfigError
+
+    class Scorer(torch.nn.Module):
+        def forward(self, input_ids):
+            return input_ids
+
+    with pytest.raises(ConfigError, match=r"^Reward\(fn\): got a torch module, Scorer \(TRL's reward model\)"):
+        Reward(Scorer())
+    for rewards in ("trl-lib/Qwen2-0.5B-Reward", ["trl-lib/Qwen2-0.5B-Reward"]):
+        with pytest.raises(ConfigError, match="a reward model by its name, as TRL takes one, is not taken"):
+            parity.train("builtin", [{"prompt": "1+1=", "answer": 2}], rewards, run_dir=tmp_path / "r")
+    assert not (tmp_path / "r").exists()

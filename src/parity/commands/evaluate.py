@@ -46,13 +46,13 @@ from parity.rl.episodes import EpisodeSetup, episode_setup
 from parity.rl.evaluation import TRAINER, EvalSet, Evaluator, eval_sampling, heldout_problems
 from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS
 from parity.rl.reward_fns import (
-    EPISODE_COLUMNS,
     Reward,
     UserRewards,
     bind_all,
     data_columns,
     environment_reward,
     import_reward_fn,
+    reward_columns,
 )
 from parity.rl.rewards import RewardRunner
 from parity.rl.tasks import EVAL_SEED, TASKS, builtin_problems
@@ -271,8 +271,7 @@ def _rewards(
     if rewards is None and not specs and episode_run is not None and episode_run.task.environment:
         rewards = [Reward(environment_reward, name="environment")]
     if rewards:
-        episodes = set(EPISODE_COLUMNS) if episode_run is not None and episode_run.episodes else set()
-        bound = bind_all(rewards, sorted({k for p in problems for k in p.columns} | episodes))
+        bound = bind_all(rewards, reward_columns(problems, episode_run is not None and episode_run.episodes))
         fmt = cfg.completion_format
         if fmt == "run":
             fmt = target.run.task.completion_format if target.run else "text"

@@ -496,12 +496,11 @@ class EpisodeBatch:
             tuple(sum(x) / len(logprobs) for x in zip(*logprobs)) if logprobs else None,
         )
 
-    def reward_items(self, problems: list[Problem], groups: list[int], lengths: list[int]) -> list[tuple]:
+    def reward_items(self, problems: list[Problem], lengths: list[int]) -> list[tuple]:
         """What the rewards score (`UserRewards`' items): each episode's last answer, with its data row's
-        columns plus EPISODE_COLUMNS."""
+        columns (`problems`: each episode's) plus EPISODE_COLUMNS."""
         items = []
-        for episode, group, length in zip(self.episodes, groups, lengths):
-            problem = problems[group]
+        for episode, problem, length in zip(self.episodes, problems, lengths):
             columns = {
                 **problem.columns,
                 "messages": episode.messages,

@@ -203,7 +203,7 @@ class Run:
             )
         self.data = DataOrder(len(self.problems), cfg.seed)
         self.episodes = episode_setup(cfg, self.tokenizer, tools, environment) if cfg.episodes else None
-        self.rewards = run_rewards(cfg, self.problems, rewards)
+        self.rewards = run_rewards(cfg, self.problems, rewards, state=lambda: self.state)
         self.reward_health = RewardHealth(cfg.reward.warn_error_rate, cfg.reward.max_failed_steps)
         self.sampling = SamplingParams(
             cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p, cfg.rollout.max_new_tokens
@@ -220,6 +220,7 @@ class Run:
         self.skipped_streak = 0  # consecutive steps whose every update the FP16 scaler skipped
         self.zero_variance_warned = False
         self.unscored_warned = False  # every reward function returned None for a sample: said once
+        self.warned: set[str] = set()  # `_warn_once`'s
         self.saved_step = 0  # the step of the newest checkpoint this run wrote or resumed from
         self.state = TrainerState(max_steps=cfg.steps)  # where the run stands, for callbacks (`train`)
         self.truncation_warned = False  # this streak of steps cutting off most responses was warned of
@@ -524,7 +525,17 @@ class Run:
         metrics["perf/tokens_per_s"] = batch.num_tokens / times["step"]
         metrics["perf/train_gflops"] = update.flops / 1e9 / times["train"]
         self._warn_truncation(metrics)
+        for name, value in result.metrics.items():  # what reward functions gave `log_metric`, under its name
+            if name in metrics:
+                self._warn_once(f"log_metric({name!r}) is a metric Parity logs: the reward function's is left out")
+            else:
+                metrics[name] = value
         return metrics
+
+    def _warn_once(self, line: str) -> None:
+        if line not in self.warned:
+            self.warned.add(line)
+            tqdm.write(f"WARNING step {self.step_count}: {line}", file=sys.stderr)
 
     def _warn_truncation(self, metrics: dict[str, float]) -> None:
         """A step that cut off more than half of its responses under a rule that zeroes their reward (or drops
@@ -551,6 +562,10 @@ class Run:
         (`trained`), and its scores; `log.completions` of them printed as a table."""
         groups = batch.group_index.tolist()
         trained, advantages = trained
+        extra = None if batch.episodes is None else batch.episodes.records(batch)
+        if result.extra:  # what reward functions gave `log_extra`: a column each, under "extra"
+            logged = [{"extra": {k: v[i] for k, v in result.extra.items()}} for i in range(len(groups))]
+            extra = logged if extra is None else [{**e, **x} for e, x in zip(extra, logged)]
         rows = completion_rows(
             self.step_count + 1,
             [problems[g] for g in groups],
@@ -561,7 +576,7 @@ class Run:
             batch.truncated.tolist(),
             trained.tolist(),
             advantages.tolist(),
-            None if batch.episodes is None else batch.episodes.records(batch),
+            extra,
         )
         write_completions(self.run_dir, self.step_count + 1, rows)
         if self.cfg.log.completions:

@@ -19,11 +19,19 @@ baseline, with advantage 0); `reward/<name>/mean` and `reward/<name>/std` log ea
 scores, over the samples it scored.
 
 Completions are passed as text, or with `task.completion_format=messages` (or `auto` on chat prompts, as
-TRL does) as TRL passes them with chat prompts: `[{"role": "assistant", "content": text}]`.
+TRL does) as TRL passes them with chat prompts: `[{"role": "assistant", "content": text}]`. As TRL's
+`GRPOTrainer` does, a function is also given `completion_ids` (each completion's token ids),
+`trainer_state` (`callbacks.TrainerState`), `log_metric(name, value)` and `log_extra(column, values)`; the
+data's `prompt`, `completion` and `completion_ids` columns are not passed (TRL keeps them back too). NaN
+is not scored, as None. An async function is awaited: a per-sample one's calls of a batch together.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -32,12 +40,13 @@ import numbers
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from parity.config import ConfigError, described
+from parity.rl.callbacks import TrainerState
 from parity.rl.data import DataColumns
 from parity.rl.problems import Problem
 from parity.rl.rewards import (
@@ -63,6 +72,11 @@ STRING_HINT = (
     "chat form, [{'role': 'assistant', 'content': text}]"
 )
 COMPLETION_NAMES = {True: "completions", False: "completion"}
+# What TRL's GRPOTrainer gives a reward function besides the prompts, the completions and the data's columns.
+TRL_ARGUMENTS = ("completion_ids", "trainer_state", "log_extra", "log_metric")
+# Data columns not passed to reward functions, as TRL keeps them back: the prompt's, a reference completion's,
+# and `completion_ids` (the completions' own are given under that name).
+KEPT_BACK = ("prompt", "completion", "completion_ids")
 
 
 class RewardCheckError(ConfigError):
@@ -84,6 +98,11 @@ class Reward:
         fn, label = self.fn, getattr(self.fn, "__name__", None) or type(self.fn).__name__
         if isinstance(fn, type) or not callable(fn):
             raise ConfigError(f"Reward(fn): expected a function, got {described(fn)}")
+        if any(f"{c.__module__}.{c.__name__}" == "torch.nn.modules.module.Module" for c in type(fn).__mro__):
+            raise ConfigError(
+                f"Reward(fn): got a torch module, {type(fn).__name__} (TRL's reward model): give a function that "
+                "scores the completions with it"
+            )
         weight = self.weight
         if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
             raise ConfigError(f"Reward({label}, weight=...): expected a finite number, got {described(weight)}")
@@ -188,7 +207,7 @@ def bind(reward: Reward | Callable[..., Any], columns: Sequence[str]) -> BoundRe
             f"reward {name}: a per-sample reward takes (prompt, completion, **columns); its parameters are "
             f"({', '.join(p.name for p in params)}) (a batched one names prompts or completions)"
         )
-    given = {PROMPT_NAMES[batched], COMPLETION_NAMES[batched], *columns}
+    given = {PROMPT_NAMES[batched], COMPLETION_NAMES[batched], *TRL_ARGUMENTS, *columns}
     rest = [p for p in params[positional:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if not batched:
         rest = [p for p in rest if p not in heads[:2]]
@@ -204,6 +223,21 @@ def bind(reward: Reward | Callable[..., Any], columns: Sequence[str]) -> BoundRe
     return BoundReward(fn, name, reward.weight, batched, positional, keywords)
 
 
+def reward_columns(problems: Sequence[Problem], episodes: bool) -> list[str]:
+    """What a reward function may name besides the prompts and completions: the data's columns less
+    KEPT_BACK, TRL_ARGUMENTS and, in a run of episodes, EPISODE_COLUMNS. A column named as one of those
+    arguments would hide it: a RewardCheckError."""
+    data = {k for p in problems for k in p.columns} - set(KEPT_BACK)
+    given = {"prompts", "completions", *TRL_ARGUMENTS, *(EPISODE_COLUMNS if episodes else ())}
+    clash = sorted(data & given)
+    if clash:
+        raise RewardCheckError(
+            f"the data's column {clash[0]!r} has the name of an argument reward functions are given "
+            f"({', '.join(sorted(given))}): rename the column"
+        )
+    return sorted(data | given - {"prompts", "completions"})
+
+
 def bind_all(rewards: Sequence[Reward | Callable[..., Any]], columns: Sequence[str]) -> list[BoundReward]:
     bound = [bind(r, columns) for r in rewards]
     names = [b.name for b in bound]
@@ -216,10 +250,48 @@ def bind_all(rewards: Sequence[Reward | Callable[..., Any]], columns: Sequence[s
 
 
 def _number(value: object) -> float:
-    """A reward value as a float; a TypeError for anything else (a bool is not a reward)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+    """A reward value as a float (a bool as 1 or 0, as TRL's tensor of the rewards makes it); a TypeError for
+    anything else."""
+    if not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
         raise TypeError(f"returned {type(value).__name__} {value!r:.60}, not a number")
     return float(value)
+
+
+def _awaited(value: Any) -> Any:
+    """`value`, or, if it is awaitable (an async reward's), what it comes to: run on an event loop of its own,
+    in a thread of its own where this thread already runs one (a notebook's)."""
+    if not inspect.isawaitable(value):
+        return value
+
+    async def result() -> Any:
+        return await value
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(result())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, result()).result()
+
+
+async def _together(values: list[Any]) -> list[Any]:
+    """Each value, awaited together where awaitable (a per-sample async function's calls of one batch); what
+    one raises is given in its place, wrapped as `_Raised`."""
+
+    async def one(value: Any) -> Any:
+        try:
+            return await value if inspect.isawaitable(value) else value
+        except Exception as e:  # noqa: BLE001 - a failure of the function's, counted as any other
+            return _Raised(e)
+
+    return list(await asyncio.gather(*(one(v) for v in values)))
+
+
+@dataclass(frozen=True)
+class _Raised:
+    """What a call raised, held in place of its value."""
+
+    error: BaseException
 
 
 def is_chat(prompt: Any) -> bool:
@@ -252,6 +324,27 @@ class Scores:
     first_error: str | None = None
     trace: str = ""
     type_error: str | None = None  # the function returned something that is not a reward (a broken function)
+    metrics: dict[str, list[float]] = field(default_factory=dict)  # what it gave `log_metric`, by name
+    extra: dict[str, list[Any]] = field(default_factory=dict)  # what it gave `log_extra`: a value per sample
+
+
+class _Logs:
+    """The `log_metric` and `log_extra` a function is given (TRL's), keeping what it logs in its `Scores`."""
+
+    def __init__(self, scores: Scores, n: int):
+        self.scores, self.n = scores, n
+
+    def metric(self, name: str, value: float) -> None:
+        self.scores.metrics.setdefault(str(name), []).append(_number(value))
+
+    def extra(self, column: str, values: list[Any]) -> None:
+        if isinstance(values, (str, bytes)) or len(values) != self.n:
+            raise ValueError(f"log_extra({column!r}, ...): expected a list of {self.n} values, one per completion")
+        self.scores.extra[str(column)] = list(values)
+
+    def extra_of(self, i: int) -> Callable[[str, Any], None]:
+        """A per-sample function's `log_extra(column, value)`: its sample's value in the column."""
+        return lambda column, value: self.scores.extra.setdefault(str(column), [None] * self.n).__setitem__(i, value)
 
 
 def call_reward(
@@ -260,15 +353,24 @@ def call_reward(
     completions: list[Any],
     columns: dict[str, list[Any]],
     timeout_s: float | None = None,
+    state: TrainerState | None = None,
 ) -> Scores:
-    """Call `reward` on a batch, in its form, and collect what it returned and how it failed; each call
-    within `timeout_s` (in the training process; `Overran` past it), None in a worker process."""
+    """Call `reward` on a batch, in its form, and collect what it returned, logged and how it failed; each
+    call within `timeout_s` (in the training process; `Overran` past it), None in a worker process.
+    `columns`: a list per argument given by name (the data's, `completion_ids`); `state`: `trainer_state`."""
     n = len(completions)
+    scores = Scores([0.0] * n)
+    logs = _Logs(scores, n)
+    shared = {"trainer_state": state, "log_metric": logs.metric}
+
+    def keywords(given: dict[str, Any]) -> dict[str, Any]:
+        return given if reward.keywords is None else {k: given[k] for k in reward.keywords if k in given}
+
     if reward.batched:
-        kwargs = {PROMPT_NAMES[True]: prompts, COMPLETION_NAMES[True]: completions, **columns}
-        kwargs = kwargs if reward.keywords is None else {k: kwargs[k] for k in reward.keywords if k in kwargs}
+        given = {PROMPT_NAMES[True]: prompts, COMPLETION_NAMES[True]: completions, **columns, **shared}
+        kwargs = keywords({**given, "log_extra": logs.extra})
         try:
-            returned = bounded_call(reward.name, timeout_s, lambda: reward.fn(**kwargs))
+            returned = bounded_call(reward.name, timeout_s, lambda: _awaited(reward.fn(**kwargs)))
         except (Overran, Interrupted):
             raise
         except BaseException as e:  # noqa: BLE001 - a failure of the function's, as in a worker process
@@ -279,29 +381,28 @@ def call_reward(
         if len(returned) != n:
             what = f"returned {len(returned)} values for {n} completions"
             return Scores([0.0] * n, n, what, type_error=what)
-        calls = [lambda v=v: v for v in returned]
+        values = list(returned)
     else:
-        calls = [
-            lambda i=i: reward.fn(
-                prompts[i],
-                completions[i],
-                **{k: v[i] for k, v in columns.items() if reward.keywords is None or k in reward.keywords},
-            )
-            for i in range(n)
-        ]
-    scores = Scores([0.0] * n)
-    for i, call in enumerate(calls):
+        values = []
+        for i in range(n):
+            kwargs = keywords({**{k: v[i] for k, v in columns.items()}, **shared, "log_extra": logs.extra_of(i)})
+            call = functools.partial(reward.fn, prompts[i], completions[i], **kwargs)
+            try:
+                values.append(bounded_call(reward.name, timeout_s, call))
+            except (Overran, Interrupted):
+                raise
+            except BaseException as e:  # noqa: BLE001 - a failure of the function's, as in a worker process
+                values.append(_Raised(e))
+        if any(inspect.isawaitable(v) for v in values):  # an async function: its calls awaited together
+            values = bounded_call(reward.name, timeout_s, lambda: _awaited(_together(values)))
+    for i, returned in enumerate(values):
         try:
-            returned = bounded_call(reward.name, timeout_s, call)
-            if returned is None:  # not scored by this function
-                scores.values[i] = math.nan
-                continue
-            value = _number(returned)
-            if not math.isfinite(value):
+            if isinstance(returned, _Raised):
+                raise returned.error
+            value = math.nan if returned is None else _number(returned)  # None: not scored by this function
+            if math.isinf(value):
                 raise ValueError(f"reward is {value}")
-            scores.values[i] = value
-        except (Overran, Interrupted):
-            raise
+            scores.values[i] = value  # NaN too: not scored, as TRL counts it
         except TypeError as e:
             scores.errors += 1
             if scores.type_error is None and str(e).startswith("returned"):
@@ -322,10 +423,14 @@ def _trace(e: BaseException) -> str:
 
 
 def call_rewards(
-    rewards: list[BoundReward], prompts: list[Any], completions: list[str], columns: dict[str, list[Any]]
+    rewards: list[BoundReward],
+    prompts: list[Any],
+    completions: list[str],
+    columns: dict[str, list[Any]],
+    state: TrainerState | None,
 ) -> list[Scores]:
     """Every function on one batch (what a reward worker process runs per batch)."""
-    return [call_reward(r, prompts, completions, columns) for r in rewards]
+    return [call_reward(r, prompts, completions, columns, state=state) for r in rewards]
 
 
 class UserRewards:
@@ -333,7 +438,8 @@ class UserRewards:
     `in_process_timeout_s`, past which the run stops), or with `isolate` in a long-lived worker process
     started by spawn (it imports the functions once, and is replaced after `timeout_s`). Called like
     `RewardRunner` on (problem, completion, length) items; `completion_format` (task.completion_format):
-    the completions as text, or as TRL's chat messages (`messages`, or `auto`: on chat prompts)."""
+    the completions as text, or as TRL's chat messages (`messages`, or `auto`: on chat prompts). `state`:
+    what `trainer_state` is at each call (the run's; a worker gets it without its `log_history`)."""
 
     def __init__(
         self,
@@ -343,8 +449,9 @@ class UserRewards:
         strict=False,
         in_process_timeout_s: float = IN_PROCESS_TIMEOUT_S,
         completion_format: str = "text",
+        state: Callable[[], TrainerState] = TrainerState,
     ):
-        self.rewards, self.strict, self.isolate = rewards, strict, isolate
+        self.rewards, self.strict, self.isolate, self.state = rewards, strict, isolate, state
         self.completion_format = completion_format
         self.in_process_timeout_s = in_process_timeout_s
         self.worker = RewardRunner(_CallRewards(rewards), True, timeout_s, strict, start="spawn") if isolate else None
@@ -361,15 +468,16 @@ class UserRewards:
 
     def _scores(self, prompts, completions, columns) -> tuple[list[Scores], bool]:
         """Each function's scores, and whether the worker timed out on the batch (every score then failed)."""
+        state = self.state()
         if self.worker is None:
             got = []
             for reward in self.rewards:
                 try:
-                    got.append(call_reward(reward, prompts, completions, columns, self.in_process_timeout_s))
+                    got.append(call_reward(reward, prompts, completions, columns, self.in_process_timeout_s, state))
                 except Overran:
                     raise RewardError(overran_line(reward.name, self.in_process_timeout_s)) from None
             return got, False
-        reply, failure = self.worker.call((prompts, completions, columns))
+        reply, failure = self.worker.call((prompts, completions, columns, dataclasses.replace(state, log_history=[])))
         if failure is None:
             return reply, False
         n = len(completions)
@@ -382,14 +490,18 @@ class UserRewards:
         fmt = self.completion_format
         if fmt == "messages" or (fmt == "auto" and prompts and is_chat(prompts[0])):
             completions = as_messages(completions)
-        names = sorted({k for p, _, _ in items for k in p.columns})
+        names = sorted({k for p, _, _ in items for k in p.columns} - {"prompt", "completion"})  # as TRL keeps back
         columns = {k: [p.columns.get(k) for p, _, _ in items] for k in names}
         got, timed_out = self._scores(prompts, completions, columns)
         if not self.checked:
             self._check_first(got, n, timed_out)
         # The weighted sum over the functions that scored each sample; NaN where none did (all None).
         result = RewardResult([math.nan] * n, errors=0, timeouts=0)
+        logged: dict[str, list[float]] = {}  # `log_metric`'s values, by name, over every function
         for reward, scores in zip(self.rewards, got):
+            for name, values in scores.metrics.items():
+                logged.setdefault(name, []).extend(values)
+            result.extra.update(scores.extra)
             for i, v in enumerate(scores.values):
                 if not math.isnan(v):
                     before = result.rewards[i]
@@ -409,6 +521,7 @@ class UserRewards:
                 if self.strict:
                     self.close()
                     raise RewardCheckError(f"reward {line} (reward.strict=true)")
+        result.metrics = {name: sum(values) / len(values) for name, values in logged.items()}  # TRL's mean
         return result
 
     def _check_first(self, got: list[Scores], n: int, timed_out: bool) -> None:
@@ -419,8 +532,8 @@ class UserRewards:
         for reward, scores in zip(self.rewards, got):
             if n and all(math.isnan(v) for v in scores.values):
                 print(
-                    f"WARNING reward {reward.name} returned None for every completion of the first batch ({n}): it "
-                    "scored none of them (None means: this function does not apply to the sample)",
+                    f"WARNING reward {reward.name} returned None or NaN for every completion of the first batch ({n}): "
+                    "it scored none of them (None and NaN mean: this function does not apply to the sample)",
                     file=sys.stderr,
                 )
             form = "batched" if reward.batched else "per-sample"
@@ -445,7 +558,7 @@ class _CallRewards:
 
     rewards: list[BoundReward]
 
-    def __call__(self, batch: tuple[list[Any], list[str], dict[str, list[Any]]]) -> list[Scores]:
+    def __call__(self, batch: tuple[list[Any], list[str], dict[str, list[Any]], TrainerState | None]) -> list[Scores]:
         return call_rewards(self.rewards, *batch)
 
 
@@ -482,11 +595,15 @@ def config_rewards(cfg: TrainConfig) -> list[Reward]:
 
 
 def run_rewards(
-    cfg: TrainConfig, problems: list[Problem], rewards: list[Reward] | None = None
+    cfg: TrainConfig,
+    problems: list[Problem],
+    rewards: list[Reward] | None = None,
+    state: Callable[[], TrainerState] = TrainerState,
 ) -> RewardRunner | UserRewards:
     """What scores a run's samples: `rewards` (Python callables, from the API), else the functions
     `task.reward_fn` names, else `task.name`'s built-in reward. Reward functions of your own run in this
-    process unless `reward.isolate=always` (a spawned worker; docs/your-task.md says why, with timings)."""
+    process unless `reward.isolate=always` (a spawned worker; docs/your-task.md says why, with timings);
+    `state` gives their `trainer_state`."""
     if rewards is None and cfg.task.reward_fn:
         rewards = config_rewards(cfg)
     if cfg.task.reward_weights and not rewards:
@@ -498,11 +615,9 @@ def run_rewards(
         rewards = [Reward(environment_reward, name="environment")]
     r = cfg.reward
     if rewards:
-        columns = sorted({k for p in problems for k in p.columns} | (set(EPISODE_COLUMNS) if cfg.episodes else set()))
-        bound = bind_all(rewards, columns)
-        return UserRewards(
-            bound, r.isolate == "always", r.timeout_s, r.strict, r.in_process_timeout_s, cfg.task.completion_format
-        )
+        bound = bind_all(rewards, reward_columns(problems, cfg.episodes))
+        fmt = cfg.task.completion_format
+        return UserRewards(bound, r.isolate == "always", r.timeout_s, r.strict, r.in_process_timeout_s, fmt, state)
     task = TASKS[cfg.task.name]
     isolate = {"auto": not task.trusted, "always": True, "never": False}[r.isolate]
     return RewardRunner(task.reward, isolate, r.timeout_s, r.strict, "fork", r.in_process_timeout_s)

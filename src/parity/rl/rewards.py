@@ -165,6 +165,8 @@ class RewardResult:
     # Each reward function's own scores (NaN: it returned None, not scoring the sample) and weight.
     per_function: dict[str, list[float]] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # what reward functions gave `log_metric`, averaged
+    extra: dict[str, list[Any]] = field(default_factory=dict)  # what they gave `log_extra`: a value per sample
 
 
 class _Failure(NamedTuple):
@@ -392,19 +394,21 @@ def training_rewards(rewards: torch.Tensor, truncated: torch.Tensor, mode: str) 
 def score_rollouts(
     batch: RolloutBatch, problems: list[Problem], tokenizer: Tokenizer, runner: RewardRunner
 ) -> RewardResult:
-    """Decode each response and score it against its prompt's problem (`problems[group]`). An episode is
-    scored on its last answer, with its messages (`rl/episodes.Episodes.reward_items`)."""
+    """Decode each response and score it against its prompt's problem (`problems[group]`), its token ids
+    given as the column `completion_ids` (TRL's). An episode is scored on its last answer, with its messages
+    (`rl/episodes.Episodes.reward_items`)."""
     lengths = batch.response_lengths.tolist()
-    groups = batch.group_index.tolist()
+    groups, ids = batch.group_index.tolist(), batch.response_ids.tolist()
+    problems = [
+        Problem(problems[g].prompt, problems[g].answer, {**problems[g].columns, "completion_ids": row[:n]})
+        for g, n, row in zip(groups, lengths, ids)
+    ]
     if batch.episodes is not None:
-        items = batch.episodes.reward_items(problems, groups, lengths)
+        items = batch.episodes.reward_items(problems, lengths)
         result = runner(items)
         result.responses = batch.episodes.transcripts()
         return result
-    items = [
-        (problems[g], tokenizer.decode(batch.response_ids[i, :n].tolist()), n)
-        for i, (g, n) in enumerate(zip(groups, lengths))
-    ]
+    items = [(p, tokenizer.decode(p.columns["completion_ids"]), n) for p, n in zip(problems, lengths)]
     result = runner(items)
     result.responses = [response for _, response, _ in items]
     return result
