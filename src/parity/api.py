@@ -232,16 +232,20 @@ class Trainer:
         if model != "builtin":  # else the config's (a YAML file's, a dict's), or the built-in model
             values["model"] = model
         if self.rewards:
-            # The weights of `parity.Reward`s; plain functions take the config's task.reward_weights (TRL's
-            # reward_weights) when it has them
-            weights = _config_weights(config)
-            if weights and not any(isinstance(r, Reward) for r in _as_list(rewards)):
+            # Plain functions take task.reward_weights (TRL's reward_weights), one per function, from the keys
+            # or the config, when given; a `parity.Reward` keeps its own weight.
+            weights = values.pop("task.reward_weights", None) or _config(config, values).task.reward_weights
+            if weights:
                 if len(weights) != len(self.rewards):
                     raise ConfigError(
                         f"task.reward_weights: {len(weights)} weights for {len(self.rewards)} reward functions "
                         "(rewards=); give one per function, or none (1 each)"
                     )
-                self.rewards = [dataclasses.replace(r, weight=w) for r, w in zip(self.rewards, weights)]
+                given = _as_list(rewards)
+                self.rewards = [
+                    r if isinstance(g, Reward) else dataclasses.replace(r, weight=w)
+                    for g, r, w in zip(given, self.rewards, weights)
+                ]
             values["task.reward_fn"] = [function_spec(r.fn) for r in self.rewards]
             values["task.reward_weights"] = [r.weight for r in self.rewards]
         if self.tools:
@@ -481,16 +485,6 @@ def train(
 
 def _as_list(rewards: object) -> list[object]:
     return [rewards] if isinstance(rewards, Reward) or callable(rewards) else list(rewards or [])
-
-
-def _config_weights(config: object) -> list[float]:
-    """`task.reward_weights` of a `config` given as a TrainConfig or a dict (empty: none)."""
-    if isinstance(config, TrainConfig):
-        return config.task.reward_weights
-    if isinstance(config, Mapping):
-        task = config.get("task")
-        return config.get("task.reward_weights") or (task.get("reward_weights") if isinstance(task, Mapping) else None)
-    return []
 
 
 def _config(config: object, values: dict[str, Any]) -> TrainConfig:

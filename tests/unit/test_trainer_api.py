@@ -217,3 +217,25 @@ def test_every_name_the_package_exports_is_there():
     assert set(parity.__all__) <= set(namespace)
     assert issubclass(parity.DataError, ValueError) and issubclass(parity.CallbackError, RuntimeError)
     assert set(parity.__all__) <= set(dir(parity))
+
+
+def test_reward_weights_reach_the_plain_functions_from_the_keys_and_every_config():
+    """TRL's reward_weights, one per function, by a keyword, a dict or GRPOConfig; a `parity.Reward` keeps
+    its own weight (they were dropped: a keyword's always, a config's beside any `parity.Reward`)."""
+
+    def fa(prompts, completions, **kw):
+        return [0.0] * len(completions)
+
+    def fb(prompts, completions, **kw):
+        return [0.0] * len(completions)
+
+    rows = [{"prompt": "1+1=", "answer": 2}]
+    for rewards, kwargs, weights in [
+        ([fa, fb], {"task__reward_weights": [2.0, 0.5]}, [2.0, 0.5]),
+        ([fa, fb], {"config": {"task.reward_weights": [1.5, 0.5]}}, [1.5, 0.5]),
+        ([fa, parity.Reward(fb, weight=3.0)], {"config": parity.GRPOConfig(reward_weights=[2.0, 0.5])}, [2.0, 3.0]),
+    ]:
+        trainer = parity.Trainer("builtin", rows, rewards, **kwargs)
+        assert [r.weight for r in trainer.rewards] == trainer.config.task.reward_weights == weights
+    with pytest.raises(ConfigError, match=r"^task.reward_weights: 1 weights for 2 reward functions"):
+        parity.Trainer("builtin", rows, [fa, fb], task__reward_weights=[2.0])
