@@ -175,3 +175,30 @@ def test_rewards_see_the_episode_and_a_resume_needs_trust(tmp_path, capsys):
         parity.train("builtin-agent", rows, tools=[lookup], environment=dict, steps=1)
     with pytest.raises(ConfigError, match="episodes are conversations, rendered by the model's chat template"):
         parity.train("builtin", [{"prompt": "1+2=", "answer": 3}], tools=[lookup], steps=1, run_dir=tmp_path / "x")
+
+
+class _NoTable:
+    def reset(self, row):
+        raise KeyError("table")
+
+    def step(self, action):
+        return parity.Step(done=True)
+
+
+class _NoStep:
+    def reset(self, row):
+        return "hi"
+
+
+def test_an_environment_that_cannot_start_leaves_no_run_and_one_without_step_is_refused_up_front(tmp_path):
+    """An environment that fails as it is reset stops the run before it trains, in one line, and the run
+    directory goes with it (it was left holding config.yaml, so the run could not be made again); a class
+    with no step() is refused before anything is loaded or written."""
+    rows = [{"prompt": [{"role": "user", "content": f"{k}?"}], "answer": 1} for k in "ab"]
+    small = dict(steps=1, prompts_per_step=2, rollout__group_size=2, progress=False)
+    with pytest.raises(ConfigError, match=r"^environment: _NoTable failed as it was made or reset: KeyError"):
+        parity.train("builtin-agent", rows, environment=_NoTable, run_dir=tmp_path / "r", **small)
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(ConfigError, match=r"^environment: _NoStep has no method step\(\)"):
+        parity.train("builtin-agent", rows, environment=_NoStep, run_dir=tmp_path / "s", **small)
+    assert not (tmp_path / "s").exists()

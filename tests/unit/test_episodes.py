@@ -132,6 +132,9 @@ class _BadReset:
     def reset(self, row):
         raise KeyError("table")
 
+    def step(self, action):
+        return Step(done=True)
+
 
 def test_an_environment_that_cannot_start_stops_the_run_in_one_line():
     from parity.rl.episodes import _new_episode
@@ -141,6 +144,8 @@ def test_an_environment_that_cannot_start_stops_the_run_in_one_line():
     ):
         _new_episode(_BadReset, {"prompt": "x"}, 1.0)
     with pytest.raises(ConfigError, match=r"reset\(\)'s answer is 5, not a list of messages"):
-        _new_episode(lambda: type("E", (), {"reset": lambda self, row: 5})(), {}, 1.0)
+        _new_episode(lambda: type("E", (), {"reset": lambda self, row: 5, "step": lambda self, a: None})(), {}, 1.0)
+    with pytest.raises(ConfigError, match=r"^environment: <lambda> has no method step\(\); an environment has"):
+        _new_episode(lambda: type("E", (), {"reset": lambda self, row: "hi"})(), {}, 1.0)
     env, messages = _new_episode(lambda: ToolEnvironment([add], "prompt", 1.0), {"prompt": "2+3?"}, 1.0)
     assert messages == [{"role": "user", "content": "2+3?"}] and isinstance(env, ToolEnvironment)

@@ -207,6 +207,8 @@ def episode_setup(cfg: TrainConfig, tokenizer: Tokenizer, tools=None, environmen
         make = environment or import_reward_fn(cfg.task.environment, timeout_s, "task.environment")
         if not callable(make):
             raise ConfigError(f"environment: expected a class (or a function making one), got {type(make).__name__}")
+        if isinstance(make, type):
+            _check_environment(make, make.__name__)
     else:
         tools = tools or [import_reward_fn(spec, timeout_s, "task.tools") for spec in cfg.task.tools]
         for fn in tools:
@@ -292,6 +294,16 @@ def environment_step(env: Any, assistant: Message, timeout_s: float) -> Step:
     return Step(_checked_messages(step.messages, "step().messages"), bool(step.done), reward)
 
 
+def _check_environment(environment: object, name: str) -> None:
+    """An environment (or its class) has the methods an episode calls: a ConfigError naming the one it lacks."""
+    for method in ("reset", "step"):
+        if not callable(getattr(environment, method, None)):
+            raise ConfigError(
+                f"environment: {name} has no method {method}(); an environment has reset(row) -> the first "
+                "messages and step(action) -> parity.Step (docs/agents.md)"
+            )
+
+
 def _new_episode(make: Callable[[], Any], row: dict[str, Any], timeout_s: float) -> tuple[Any, list[Message]]:
     """An environment made and reset on a data row, within `timeout_s`: (it, the first messages). Its failure
     is every episode's, so it stops the run, in one line (ConfigError)."""
@@ -300,6 +312,7 @@ def _new_episode(make: Callable[[], Any], row: dict[str, Any], timeout_s: float)
     try:
         with bounded(timeout_s, late, 1):
             env = make()
+            _check_environment(env, name)
             messages = env.reset(row)
     except Overran:
         raise ConfigError(
@@ -307,6 +320,8 @@ def _new_episode(make: Callable[[], Any], row: dict[str, Any], timeout_s: float)
             f"{timeout_s:g} s"
         ) from None
     except Interrupted:
+        raise
+    except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - code of yours: one line naming it
         raise ConfigError(f"environment: {name} failed as it was made or reset: {exception_summary(e)}") from None
