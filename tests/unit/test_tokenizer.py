@@ -254,8 +254,13 @@ def test_prompt_modes(family_dirs):
     qwen = load_tokenizer(family_dirs["qwen2"][0])
     with pytest.raises(ChatTemplateError, match=r"chat templates are off \(none\)"):
         qwen.encode_prompt(CHATS[0], "none")
-    with pytest.raises(ValueError, match="must be one of auto, none, got 'chatml'"):
+    with pytest.raises(ValueError, match="must be one of auto, messages, none, got 'chatml'"):
         qwen.encode_prompt("hi", "chatml")
+    # `messages` (TRL's): the template for a prompt given as messages, a string prompt as raw text
+    assert qwen.encode_prompt("hi", "messages") == qwen.encode("hi") != qwen.encode_prompt("hi", "auto")
+    assert qwen.encode_prompt(CHATS[0], "messages") == qwen.encode_prompt(CHATS[0], "auto")
+    with pytest.raises(ChatTemplateError, match="list of messages needs a chat template; the model has none"):
+        builtin.encode_prompt(CHATS[0], "messages")
 
 
 def test_copy_tokenizer_files(family_dirs, tmp_path):

@@ -78,7 +78,9 @@ def test_batches_counts_and_the_rest():
         ({"num_generation": 4}, r"^GRPOConfig: num_generation: no Parity counterpart; did you mean num_generations\?$"),
         ({"vllm_mode": "server", "foo": 1}, r"^GRPOConfig: vllm_mode, foo: no Parity counterpart"),
         ({"use_vllm": True}, r"^GRPOConfig\(use_vllm=True\): Parity samples with its own rollout engine"),
-        ({"logging_steps": 10}, r"^GRPOConfig\(logging_steps=10\): Parity logs every step"),
+        ({"logging_steps": 0}, r"^GRPOConfig\(logging_steps=0\): expected a positive count"),
+        ({"warmup_steps": 0.1}, r"^GRPOConfig\(warmup_steps=0.1\): is a fraction of max_steps: give max_steps"),
+        ({"save_steps": 2.5}, r"^GRPOConfig\(save_steps=2.5\): must be a whole number of steps"),
         ({"beta": 0.04}, r"^GRPOConfig\(beta=0.04\): with use_bias_correction_kl=True"),
         ({"loss_type": "cispo"}, r"^GRPOConfig\(epsilon_high=0.2\): with loss_type='cispo' caps the ratio"),
         ({"num_generations": 3}, r"^GRPOConfig\(generation_batch_size=8\): must be divisible by num_generations=3"),
@@ -92,3 +94,15 @@ def test_what_parity_cannot_express_is_one_line(given, message):
     with pytest.raises(ConfigError, match=message) as raised:
         parity.GRPOConfig(**given)
     assert "\n" not in str(raised.value)
+
+
+def test_transformers_5_s_fractions_and_names():
+    """transformers 5 (TRL 1.16's): a warmup or save interval below 1 is a fraction of max_steps, rounded up;
+    activation_checkpointing is gradient_checkpointing's new name and wins where given; logging_steps is
+    taken at any value (TRL's default is 10; Parity logs every step)."""
+    c = parity.GRPOConfig(max_steps=20, warmup_steps=0.1, save_steps=0.5, logging_steps=10)
+    assert (c.trainer.warmup_steps, c.checkpoint_every) == (2, 10)
+    assert parity.GRPOConfig(warmup_steps=2.5).trainer.warmup_steps == 2  # truncated, as transformers does
+    assert parity.GRPOConfig().trainer.activation_checkpointing is True  # TRL's default
+    off = parity.GRPOConfig(activation_checkpointing=False, gradient_checkpointing=True)
+    assert off.trainer.activation_checkpointing is False

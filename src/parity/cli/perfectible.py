@@ -14,8 +14,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="problems the base model solves sometimes: sample K per problem, keep accuracy in [lo, hi]",
         description=(
             "Config keys: model, task (builtin|exact|math|number), data (builtin or JSONL/Parquet with prompt, "
-            "answer), chat_template (auto|none), num_candidates, samples, lo, hi, max_new_tokens, precision, seed, "
-            "out (JSONL)."
+            "answer), chat_template (auto|messages|none), num_candidates, samples, lo, hi, max_new_tokens, precision, "
+            "seed, out (JSONL)."
         ),
     )
     add_config_args(p)

@@ -38,8 +38,9 @@ from parity.engines.models.config import ModelError, config_token_ids
 from parity.engines.models.io import BUILTIN_DIR, model_file, read_json, read_text, resolve_model_dir
 
 # task.chat_template (and mismatch/perfectible `chat_template`, doctor --chat-template): `auto` applies the
-# model's chat template when it has one, `none` encodes prompts as raw text.
-CHAT_TEMPLATE_MODES = ("auto", "none")
+# model's chat template when it has one, `messages` to prompts given as messages only (a string stays raw
+# text, as TRL's GRPOTrainer encodes it), `none` encodes prompts as raw text.
+CHAT_TEMPLATE_MODES = ("auto", "messages", "none")
 
 # Every file a model directory may hold for its tokenizer and chat template: a checkpoint copies them all
 # (`copy_tokenizer_files`), so that it tokenizes and templates exactly as the model it was trained from.
@@ -306,20 +307,22 @@ class Tokenizer:
         """The vocabulary entry of `token_id` (an added token's content as written), or None."""
         return self._tok.id_to_token(token_id)
 
-    def uses_chat_template(self, mode: str) -> bool:
-        """Whether prompts go through the chat template under `mode` (one of CHAT_TEMPLATE_MODES)."""
+    def uses_chat_template(self, mode: str, prompt: Prompt = "") -> bool:
+        """Whether `prompt` goes through the chat template under `mode` (one of CHAT_TEMPLATE_MODES)."""
         if mode not in CHAT_TEMPLATE_MODES:
             raise ValueError(f"chat template mode must be one of {', '.join(CHAT_TEMPLATE_MODES)}, got {mode!r}")
-        return mode == "auto" and self.chat_template is not None
+        if mode == "none" or self.chat_template is None:
+            return False
+        return mode == "auto" or not isinstance(prompt, str)
 
     def encode_prompt(self, prompt: Prompt, chat_template: str = "auto") -> list[int]:
         """The ids of a prompt, the one way every command encodes prompts. With the chat template (`auto` and
         the model has one) a string is one user message; a list of messages needs the template; otherwise
         a string is encoded as plain text."""
-        if self.uses_chat_template(chat_template):
+        if self.uses_chat_template(chat_template, prompt):
             return self.encode_chat([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
         if not isinstance(prompt, str):
-            why = "the model has none" if chat_template == "auto" else "chat templates are off (none)"
+            why = "the model has none" if chat_template != "none" else "chat templates are off (none)"
             raise ChatTemplateError(f"{self.source}: a prompt given as a list of messages needs a chat template; {why}")
         return self.encode(prompt)
 

@@ -71,7 +71,8 @@ class PromptLimit:
             raise DataError(f"{where}: {e}") from None
         num_tokens = len(ids)
         if not ids:  # an empty chat template, or one that renders only whitespace or comments: nothing to sample after
-            how = "the chat template renders it" if self.tokenizer.uses_chat_template(self.chat_template) else "it"
+            templated = self.tokenizer.uses_chat_template(self.chat_template, prompt)
+            how = "the chat template renders it" if templated else "it"
             raise DataError(f"{where}: the prompt encodes as no tokens at all ({how} as nothing)")
         if num_tokens > self.max_tokens:
             raise DataError(f"{where}: prompt is {num_tokens} tokens; at most {self.max_tokens} fit{self.reason}")
@@ -125,11 +126,13 @@ def load_problems(
     for where, row in rows:
         problem = _problem(where, row, columns)
         if limit is not None:
-            if not isinstance(problem.prompt, str) and not limit.tokenizer.uses_chat_template(limit.chat_template):
+            if not limit.tokenizer.uses_chat_template(limit.chat_template, problem.prompt) and not isinstance(
+                problem.prompt, str
+            ):
                 why = (
                     f"{chat_template_key}=none"
                     if limit.chat_template == "none"
-                    else f"the model {limit.tokenizer.source} has none ({chat_template_key}=auto)"
+                    else f"the model {limit.tokenizer.source} has none ({chat_template_key}={limit.chat_template})"
                 )
                 raise DataError(
                     f"{where}: '{columns.prompt}' is a list of messages, which needs a chat template, and {why}"

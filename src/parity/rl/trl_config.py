@@ -54,7 +54,9 @@ TRL_DEFAULTS: dict[str, Any] = {
     "adam_beta2": 0.999,
     "adam_epsilon": 1e-8,
     "max_grad_norm": 1.0,
-    "gradient_checkpointing": True,
+    "gradient_checkpointing": True,  # transformers 5's deprecated name of activation_checkpointing
+    "activation_checkpointing": None,  # None: gradient_checkpointing's value
+    "logging_steps": 10,  # how often TRL logs; Parity logs every step whatever it is
     "bf16": None,
     "fp16": False,
     "seed": 42,
@@ -65,8 +67,8 @@ TRL_DEFAULTS: dict[str, Any] = {
     "log_completions": False,
     "num_completions_to_print": None,
 }
-# TRL's names whose behaviour Parity has at one value only (TRL's default, but logging_steps: Parity logs
-# every step): that value is taken, another is refused, saying so.
+# TRL's names whose behaviour Parity has at one value only (TRL's default): that value is taken, another is
+# refused, saying so.
 FIXED: dict[str, tuple[Any, str]] = {
     "use_vllm": (False, "Parity samples with its own rollout engine"),
     "delta": (None, "Parity's PPO clip has no upper bound on r for A < 0 (INTELLECT-2's two-sided clip)"),
@@ -75,7 +77,6 @@ FIXED: dict[str, tuple[Any, str]] = {
     "top_entropy_quantile": (1.0, "Parity trains on every token"),
     "off_policy_mask_threshold": (None, "Parity's off-policy sequence mask is algorithm.name=grpo_opsm"),
     "num_train_epochs": (3.0, "Parity counts steps: give max_steps"),
-    "logging_steps": (1, "Parity logs every step (metrics.jsonl)"),
 }
 # loss_type -> (algorithm.name, algorithm.aggregation): how TRL normalises each loss (compute_loss).
 LOSS_TYPES = {
@@ -107,7 +108,8 @@ def grpo_config(**given: Any) -> TrainConfig:
             fixed, why = FIXED[name]
             raise _refuse(name, value, f"{why}; only {name}={fixed!r} is taken")
     t = {**TRL_DEFAULTS, **{k: v for k, v in given.items() if k in TRL_DEFAULTS}}
-    keys: dict[str, Any] = {"task.completion_format": "auto"}
+    # TRL's chat form: completions as messages on chat prompts; a string prompt encoded as raw text
+    keys: dict[str, Any] = {"task.completion_format": "auto", "task.chat_template": "messages"}
 
     # Batches: a Parity step is TRL's generation batch (generation_batch_size completions of
     # num_generations each), trained in updates of per_device_train_batch_size × gradient_accumulation_steps.
@@ -157,7 +159,24 @@ def grpo_config(**given: Any) -> TrainConfig:
         }
     )
 
+    def of_max_steps(name: str, count: float) -> float:
+        """A count below 1 is a fraction of max_steps, rounded up (transformers' warmup, save and logging)."""
+        if isinstance(count, bool) or not isinstance(count, (int, float)) or count < 0:
+            raise _refuse(name, count, "expected a count of steps, or a fraction of max_steps below 1")
+        if 0 < count < 1:
+            if t["max_steps"] == -1:
+                raise _refuse(name, count, "is a fraction of max_steps: give max_steps (Parity counts steps)")
+            return math.ceil(t["max_steps"] * count)
+        if count != int(count) and name != "warmup_steps":  # transformers truncates a warmup of 2.5 to 2
+            raise _refuse(name, count, "must be a whole number of steps when 1 or more (as in transformers)")
+        return int(count)
+
+    logging = t["logging_steps"]  # checked only: Parity logs every step
+    if isinstance(logging, bool) or not isinstance(logging, (int, float)) or logging <= 0:
+        raise _refuse("logging_steps", logging, "expected a positive count of steps or a fraction of them")
+
     def steps_of(name: str, count: int) -> int:
+        count = of_max_steps(name, count)
         if count % updates:
             raise _refuse(name, count, f"counts optimizer updates; a Parity step makes {updates}: give a multiple")
         return count // updates
@@ -210,8 +229,8 @@ def grpo_config(**given: Any) -> TrainConfig:
     schedules = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
     if t["lr_scheduler_type"] not in schedules:
         raise _refuse("lr_scheduler_type", t["lr_scheduler_type"], f"Parity's schedules are {', '.join(schedules)}")
-    warmup = t["warmup_steps"]
-    if not warmup and t["warmup_ratio"]:
+    warmup = of_max_steps("warmup_steps", t["warmup_steps"])
+    if not warmup and t["warmup_ratio"]:  # transformers < 5's name
         if t["max_steps"] == -1:
             raise _refuse("warmup_ratio", t["warmup_ratio"], "needs max_steps (Parity counts steps, not epochs)")
         warmup = math.ceil(t["max_steps"] * t["warmup_ratio"])
@@ -227,7 +246,9 @@ def grpo_config(**given: Any) -> TrainConfig:
             "trainer.beta2": t["adam_beta2"],
             "trainer.eps": t["adam_epsilon"],
             "trainer.grad_clip": t["max_grad_norm"],
-            "trainer.activation_checkpointing": t["gradient_checkpointing"],
+            "trainer.activation_checkpointing": (
+                t["gradient_checkpointing"] if t["activation_checkpointing"] is None else t["activation_checkpointing"]
+            ),
             "seed": t["seed"],
         }
     )
