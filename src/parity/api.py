@@ -96,6 +96,8 @@ def _rows(data: Dataset, name: str) -> list[dict[str, Any]] | str:
     return list(rows)
 
 
+# GRPOTrainer's names for `Trainer`'s arguments, taken as they are.
+TRL_TRAINER_NAMES = {"reward_funcs": "rewards", "args": "config", "train_dataset": "dataset"}
 # TRL's reward_funcs also take a reward model's Hub id; Parity runs no model it was not given.
 MODEL_BY_NAME = " (a reward model by its name, as TRL takes one, is not taken: give a function that scores with it)"
 
@@ -189,7 +191,8 @@ def _lora_keys(peft_config: object) -> dict[str, Any]:
 class Trainer:
     """RL fine-tuning as an object, for a user of TRL's `GRPOTrainer`: `Trainer(model, dataset, rewards,
     config=..., eval_dataset=..., callbacks=..., peft_config=...)`, then `train()`, `evaluate()`,
-    `save_model()` and `push_to_hub()`. `parity.train` is `Trainer(...).train()`.
+    `save_model()` and `push_to_hub()`. `parity.train` is `Trainer(...).train()`. GRPOTrainer's names
+    (`reward_funcs`, `args`, `train_dataset`) are taken for theirs (TRL_TRAINER_NAMES).
 
     The arguments are `parity.train`'s (docs/your-task.md), checked when the Trainer is made, before anything
     is loaded or written: a wrong one raises a one-line `ConfigError` (or `DataError`, for rows).
@@ -214,6 +217,15 @@ class Trainer:
         **keys: Any,
     ):
         use_free_cores()
+        trl = {name: keys.pop(name) for name in TRL_TRAINER_NAMES if name in keys}  # TRL's code, as written
+        if "processing_class" in keys:
+            raise ConfigError("processing_class: Parity reads the tokenizer and chat template from the model directory")
+        ours = {"rewards": rewards, "config": config, "dataset": dataset}
+        for name, value in trl.items():
+            if ours[TRL_TRAINER_NAMES[name]] not in (None, ()):
+                raise ConfigError(f"{name} and {TRL_TRAINER_NAMES[name]}: give one ({name} is TRL's name for it)")
+            ours[TRL_TRAINER_NAMES[name]] = value
+        rewards, config, dataset = ours["rewards"], ours["config"], ours["dataset"]
         self.rewards = _rewards(rewards)
         self.tools, self.environment = _tools(tools), _environment(environment)
         if self.tools and self.environment is not None:

@@ -239,3 +239,18 @@ def test_reward_weights_reach_the_plain_functions_from_the_keys_and_every_config
         assert [r.weight for r in trainer.rewards] == trainer.config.task.reward_weights == weights
     with pytest.raises(ConfigError, match=r"^task.reward_weights: 1 weights for 2 reward functions"):
         parity.Trainer("builtin", rows, [fa, fb], task__reward_weights=[2.0])
+
+
+def test_grpo_trainer_s_argument_names_are_taken_as_they_are():
+    def reward(prompts, completions, **kw):
+        return [0.0] * len(completions)
+
+    rows = [{"prompt": "1+1=", "answer": 2}]
+    trainer = parity.Trainer(
+        model="builtin", reward_funcs=[reward], args=parity.GRPOConfig(max_steps=3), train_dataset=rows
+    )
+    assert trainer.config.steps == 3 and trainer.datasets["train"] == rows and trainer.rewards[0].fn is reward
+    with pytest.raises(ConfigError, match=r"^reward_funcs and rewards: give one \(reward_funcs is TRL's name for it\)"):
+        parity.Trainer("builtin", rows, reward, reward_funcs=[reward])
+    with pytest.raises(ConfigError, match=r"^processing_class: Parity reads the tokenizer"):
+        parity.Trainer("builtin", rows, reward, processing_class=object())
