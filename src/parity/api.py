@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from parity.rl.callbacks import (  # noqa: F401 - CallbackError, TrainerCallback
 from parity.rl.checkpoint import checkpoints, export_model
 from parity.rl.data import DataError, write_rows  # noqa: F401 - parity.DataError
 from parity.rl.episodes import Step  # noqa: F401 - parity.Step, what an environment returns
-from parity.rl.reward_fns import Reward, function_spec
+from parity.rl.reward_fns import Reward, found_again, function_spec
 from parity.rl.train_config import TrainConfig
 from parity.rl.trl_config import grpo_config
 from parity.rundir import checkpoint_step
@@ -94,6 +95,16 @@ def _rows(data: Dataset, name: str) -> list[dict[str, Any]] | str:
             f"{described(data)}"
         )
     return list(rows)
+
+
+def _warn_not_found_again(what: str, fn: object) -> None:
+    """Say once that config.yaml cannot name `fn` for `--resume` and `parity eval` to import it."""
+    print(
+        f"WARNING {what} {function_spec(fn)}: a lambda, a nested function, a functools.partial or a callable object "
+        "is not found again by its name: `parity train --resume` and `parity eval` of this run need it given from "
+        "Python again (a module-level function is found)",
+        file=sys.stderr,
+    )
 
 
 # GRPOTrainer's names for `Trainer`'s arguments, taken as they are.
@@ -259,11 +270,19 @@ class Trainer:
                     for g, r, w in zip(given, self.rewards, weights)
                 ]
             values["task.reward_fn"] = [function_spec(r.fn) for r in self.rewards]
+            for r in self.rewards:
+                if not found_again(r.fn):
+                    _warn_not_found_again("reward function", r.fn)
             values["task.reward_weights"] = [r.weight for r in self.rewards]
         if self.tools:
             values["task.tools"] = [function_spec(fn) for fn in self.tools]
+            for fn in self.tools:
+                if not found_again(fn):
+                    _warn_not_found_again("tool", fn)
         if self.environment is not None:
             values["task.environment"] = function_spec(self.environment)
+            if not found_again(self.environment):
+                _warn_not_found_again("environment", self.environment)
         self.datasets: dict[str, list[dict[str, Any]]] = {}
         for split, name, data, key in (
             ("train", "dataset", dataset, "task.data"),

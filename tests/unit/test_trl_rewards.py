@@ -246,3 +246,33 @@ def test_trl_s_reward_models_are_refused_in_one_line_saying_what_to_give(tmp_pat
         with pytest.raises(ConfigError, match="a reward model by its name, as TRL takes one, is not taken"):
             parity.train("builtin", [{"prompt": "1+1=", "answer": 2}], rewards, run_dir=tmp_path / "r")
     assert not (tmp_path / "r").exists()
+
+
+class _Scorer:
+    def __call__(self, prompts, completions, **kw):
+        return [0.0] * len(completions)
+
+
+def test_rewards_config_yaml_cannot_name_are_warned_of_and_a_class_it_named_is_refused(capsys, tmp_path):
+    """A lambda, a nested function, a functools.partial or a callable object trains, but config.yaml cannot
+    name it for `--resume` and `parity eval`: said when the run is made; the class such a run recorded is
+    refused in one line at the resume (it was `Reward(fn): expected a function, got the class partial`)."""
+    import functools
+
+    import parity
+    from parity.config import ConfigError
+    from parity.rl.reward_fns import config_rewards, found_again
+    from parity.rl.train_config import TrainConfig
+
+    assert found_again(trl_length) and not found_again(functools.partial(trl_length))
+    assert not found_again(_Scorer()) and not found_again(lambda completions: completions)
+    rows = [{"prompt": "1+1=", "answer": 2}]
+    parity.Trainer("builtin", rows, [trl_length, functools.partial(trl_length), _Scorer()])
+    err = capsys.readouterr().err
+    assert "trl_length: a lambda" not in err
+    assert "WARNING reward function functools:partial: a lambda, a nested function" in err
+    assert f"WARNING reward function {__name__}:_Scorer: a lambda" in err
+    cfg = TrainConfig()
+    cfg.task.reward_fn = ["functools:partial"]
+    with pytest.raises(ConfigError, match=r"^task.reward_fn: functools:partial is a class, not a reward function"):
+        config_rewards(cfg)

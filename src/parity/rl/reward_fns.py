@@ -139,6 +139,16 @@ def function_spec(fn: Callable[..., Any]) -> str:
     return f"{module}:{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
+def found_again(fn: Callable[..., Any]) -> bool:
+    """Whether `function_spec(fn)` names `fn` itself: not a lambda, a nested function, a functools.partial or
+    a callable object, which `--resume` and `parity eval` cannot import by name."""
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    found: Any = module
+    for part in getattr(fn, "__qualname__", "<none>").split("."):
+        found = getattr(found, part, None)
+    return module is not None and found is fn
+
+
 def _import_file(path: Path) -> ModuleType:
     """A Python file as a module named after it, its top level run (a script's `if __name__ == "__main__":`
     part is not)."""
@@ -590,8 +600,16 @@ def binary_reward(cfg: TrainConfig) -> bool:
 def config_rewards(cfg: TrainConfig) -> list[Reward]:
     """The reward functions `task.reward_fn` names, imported, with `task.reward_weights`."""
     weights = cfg.task.reward_weights or [1.0] * len(cfg.task.reward_fn)
-    timeout_s = cfg.reward.import_timeout_s
-    return [Reward(import_reward_fn(spec, timeout_s), weight=w) for spec, w in zip(cfg.task.reward_fn, weights)]
+    rewards = []
+    for spec, weight in zip(cfg.task.reward_fn, weights):
+        fn = import_reward_fn(spec, cfg.reward.import_timeout_s)
+        if isinstance(fn, type):  # what a functools.partial or a callable object passed from Python records
+            raise ConfigError(
+                f"task.reward_fn: {spec} is a class, not a reward function; a run given a functools.partial or a "
+                "callable object from Python records its class: give the rewards from Python again (rewards=)"
+            )
+        rewards.append(Reward(fn, weight=weight))
+    return rewards
 
 
 def run_rewards(
