@@ -787,3 +787,22 @@ def test_a_data_column_named_as_a_reward_argument_is_refused_before_anything_is_
     with pytest.raises(RewardCheckError, match=r"^the data's column 'completions' has the name of an argument"):
         parity.train("builtin", rows, correct, run_dir=tmp_path / "r", progress=False, **SMALL)
     assert not (tmp_path / "r").exists()
+
+
+def test_a_refused_run_names_the_dataset_row_and_leaves_no_folder_it_made(tmp_path, monkeypatch):
+    """A bad prompt in rows held in memory is named by its row (it named the run's own copy of the data,
+    already removed), and the folders made for the run go with it, parents too (`runs/` stayed)."""
+    monkeypatch.chdir(tmp_path)
+
+    def reward(prompts, completions, **kw):
+        return [0.0] * len(completions)
+
+    for prompt, what in ((None, "null"), ("", "empty"), (5, "a number")):
+        with pytest.raises(DataError, match=rf"^train dataset row 1: expected .*'prompt' is {what}$"):
+            parity.train("builtin", [{"prompt": "1+1="}, {"prompt": prompt}], reward, steps=1)
+    with pytest.raises(RewardCheckError, match="the data's column 'completions'"):
+        parity.train("builtin", [{"prompt": "1+1=", "completions": 1}], reward, run_dir="a/b/c", steps=1)
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(RewardCheckError):
+        parity.train("builtin", [{"prompt": "1+1=", "completions": 1}], reward, run_dir="kept/b/c", steps=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not any((tmp_path / "kept").iterdir())

@@ -19,7 +19,7 @@ from parity.rl.train_config import TrainConfig
             ["task.name=chess"],
             "task.name: unknown value 'chess'; allowed: builtin, exact, length, lookup, math, number",
         ),
-        (["task.chat_template=chatml"], "task.chat_template: unknown value 'chatml'; allowed: auto, none"),
+        (["task.chat_template=chatml"], "task.chat_template: unknown value 'chatml'; allowed: auto, messages, none"),
         (["algorithm.clip_hi=0.3"], r"^unknown config key algorithm.clip_hi; did you mean algorithm.clip_high\?$"),
         (["steps=ten"], "steps: expected an integer, got 'ten'"),
         (

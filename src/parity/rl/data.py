@@ -299,9 +299,8 @@ def write_rows(
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise DataError(f"{split} dataset row {i}: expected a dict of columns, got {_kind(row)}")
-        for column in columns.required if columns is not None else ():
-            if column not in row:
-                raise DataError(f"{split} dataset row {i}: {columns.missing(column, list(row))}")
+        if columns is not None:
+            _problem(f"{split} dataset row {i}", row, columns)  # its prompt and answer, named by the row
         try:
             lines.append(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
         except (TypeError, ValueError) as e:

@@ -20,7 +20,6 @@ import contextlib
 import copy
 import dataclasses
 import math
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -59,7 +58,7 @@ from parity.rl.metrics_log import MetricsLog
 from parity.rl.problems import Problem
 from parity.rl.reward_fns import Reward, binary_reward, config_rewards, data_columns, run_rewards
 from parity.rl.rewards import RewardHealth, score_rollouts
-from parity.rl.run_setup import lock_for_resume, new_run_dir, resumed_config
+from parity.rl.run_setup import NewRunDir, lock_for_resume, new_run_dir, resumed_config
 from parity.rl.step import (
     LocalBackend,
     Prepared,
@@ -230,7 +229,7 @@ class Run:
         self.watch_boxed = TASKS[cfg.task.name].boxed and not cfg.task.reward_fn
         self.lock: RunLock | None = None  # set by create/resume; released when train() ends
         self.closed = False  # close() ran: a second call does nothing
-        self.created_dir = False  # create() made run_dir: a run that stops before its first step removes it
+        self.new_dir: NewRunDir | None = None  # create()'s: a run that stops before its first step removes it
         self.log = MetricsLog(run_dir, [])
         self.backend: Backend | None = None
         with self._closed_on_failure():
@@ -371,7 +370,7 @@ class Run:
         try:
             # model, data, reward checked before anything is written
             run = cls(cfg, new.path, progress, rewards, backend, tools, environment)
-            run.created_dir = new.created
+            run.new_dir = new
             with run._closed_on_failure():
                 atomic_write_text(new.path / "config.yaml", config_mod.dump_yaml(cfg))
                 run.record_numerics()
@@ -641,8 +640,8 @@ class Run:
         try:
             return self._train(should_stop, hooks)
         except ConfigError:
-            if self.created_dir and self.step_count == 0:
-                shutil.rmtree(self.run_dir, ignore_errors=True)  # nothing was trained: the run leaves nothing
+            if self.new_dir is not None and self.step_count == 0:
+                self.new_dir.remove()  # nothing was trained: the run leaves nothing
             raise
 
     def _epoch(self) -> float:

@@ -25,13 +25,26 @@ from parity.rundir import RunLock, check_run_dir, clean_leftovers, foreign_entri
 class NewRunDir:
     path: Path
     lock: RunLock
-    created: bool  # the directory did not exist before
+    made: Path | None  # the outermost folder made for it (the run directory, or a parent); None: it existed
 
     def abandon(self) -> None:
         """The run was refused before it started: release the lock, and remove what was made for it."""
         self.lock.release()
-        if self.created and not (self.path / "config.yaml").exists():
-            shutil.rmtree(self.path, ignore_errors=True)  # a refused run leaves nothing behind
+        if not (self.path / "config.yaml").exists():
+            self.remove()
+
+    def remove(self) -> None:
+        """Remove the run directory, and the folders made for it that nothing else has come to hold."""
+        if self.made is None:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)  # a refused run leaves nothing behind
+        for parent in self.path.parents:
+            if not parent.is_relative_to(self.made):
+                break
+            try:
+                parent.rmdir()  # only if empty
+            except OSError:
+                break
 
 
 def new_run_dir(cfg: TrainConfig, datasets: dict[str, list[dict[str, Any]]] | None) -> NewRunDir:
@@ -40,9 +53,10 @@ def new_run_dir(cfg: TrainConfig, datasets: dict[str, list[dict[str, Any]]] | No
     config.yaml names files that `--resume` and `parity eval` read."""
     path = Path(cfg.run_dir or time.strftime("runs/train-%Y%m%d-%H%M%S"))
     check_run_dir(path)
-    created = not path.exists()
+    missing = [folder for folder in (path, *path.parents) if not folder.exists()]
     path.mkdir(parents=True, exist_ok=True)
-    new = NewRunDir(path, RunLock(path), created)  # locked before looking inside: two starts cannot both pass
+    made = missing[-1] if missing else None
+    new = NewRunDir(path, RunLock(path), made)  # locked before looking inside: two starts cannot both pass
     try:
         if (path / "metrics.jsonl").exists() or checkpoints(path) or (path / "config.yaml").exists():
             raise ConfigError(
