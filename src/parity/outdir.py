@@ -22,6 +22,7 @@ from pathlib import Path
 from parity.config import ConfigError
 from parity.files import JSONError, parse_json
 from parity.folders import Folder, refuse_links
+from parity.rundir import enclosing_run
 
 MARK = ".parity-out"
 MAX_MARK_BYTES = 2**20
@@ -97,6 +98,11 @@ def check_output_dir(out: Path, key: str = "--out") -> None:
     """Refuse `out` (the value of `key`) unless Parity may write there; writes nothing."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{key} {out}: a file, not a folder")
+    run = enclosing_run(out)
+    if run is not None:  # a run holds only a run's files: it would not resume, and pruning would delete them
+        raise ConfigError(
+            f"{key} {out}: inside the run directory {run}, which holds a run's files only; choose a folder outside it"
+        )
     if not out.is_dir() or not any(out.iterdir()):
         return
     refuse_links(out, key)

@@ -74,6 +74,15 @@ def checkpoint_step(name: str) -> int | None:
     return int(match[1]) if match and checkpoint_name(int(match[1])) == name else None
 
 
+def enclosing_run(path: Path) -> Path | None:
+    """The run directory that `path` (which need not exist) is, or lies in: a folder holding a run's config.yaml
+    beside its lock, metrics or checkpoints; None if there is none."""
+    for folder in (path.resolve(), *path.resolve().parents):
+        if (folder / "config.yaml").is_file() and any((folder / n).exists() for n in (LOCK_NAME, "metrics.jsonl")):
+            return folder
+    return None
+
+
 def foreign_entries(run_dir: Path) -> list[str]:
     """Names in `run_dir` that no run writes."""
     return sorted(

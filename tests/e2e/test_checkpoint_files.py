@@ -228,3 +228,28 @@ def test_a_resume_reads_only_the_steps_in_metrics_jsonl(trained_run, tmp_path, c
     assert main(["train", "--resume", str(run_dir), "steps=3"]) == 0
     assert "Traceback" not in capsys.readouterr().err
     assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3]
+
+
+def test_what_someone_put_in_a_checkpoint_is_not_pruned_and_nothing_is_made_inside_a_run(trained_run, tmp_path, capsys):
+    """Pruning removed a checkpoint folder whole, with an evaluation or a run someone had put in it: a
+    checkpoint holding what its manifest does not list is kept, with a warning; `parity eval --out` and a new
+    run_dir inside a run are refused in one line, naming the run."""
+    run_dir = _run(trained_run, tmp_path)
+    step_1 = run_dir / "checkpoints" / "step_000001"
+    (step_1 / "notes").mkdir()
+    (step_1 / "notes" / "mine.txt").write_text("mine")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir), "steps=3", "keep_checkpoints=1"]) == 0
+    assert "WARNING checkpoints/step_000001 holds what Parity did not write (notes): kept" in capsys.readouterr().err
+    assert (step_1 / "notes" / "mine.txt").read_text() == "mine"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001", "step_000003"]
+    out = run_dir / "checkpoints" / "step_000003" / "eval"
+    assert main(["eval", str(out.parent / "model"), *EVAL, f"out={out}"]) == 2
+    assert _error_line(capsys.readouterr().err).endswith(
+        f"inside the run directory {run_dir.resolve()}, which holds a run's files only; choose a folder outside it"
+    )
+    assert main(["train", *TINY, "steps=1", f"run_dir={out.parent / 'inner'}"]) == 2
+    assert _error_line(capsys.readouterr().err).endswith(
+        f"inside the run directory {run_dir.resolve()}; choose a folder outside it"
+    )
+    assert not out.exists() and not (out.parent / "inner").exists()

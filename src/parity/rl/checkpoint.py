@@ -37,6 +37,7 @@ import json
 import math
 import re
 import stat
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -356,8 +357,36 @@ def save_checkpoint(
         # Older ones go; `target`, just written from finite weights, is always the newest kept.
         older = [n for n in _checkpoint_names(run) if checkpoint_step(n) < state.step]
         for old in older[: max(len(older) - (keep - 1), 0)]:
-            saved.remove(old)
+            with saved.sub(old) as ckpt:
+                added = _not_written(ckpt)
+            if added:  # what someone put there is not Parity's to delete
+                print(
+                    f"WARNING {CHECKPOINTS_DIR}/{old} holds what Parity did not write ({', '.join(added[:3])}): kept, "
+                    "not pruned (keep_checkpoints); remove it yourself",
+                    file=sys.stderr,
+                )
+            else:
+                saved.remove(old)
     return target
+
+
+def _not_written(ckpt: Folder) -> list[str]:
+    """The entries of a checkpoint folder that its manifest does not list (all of them, without a manifest)."""
+    try:
+        files = set(_read_json(ckpt, MANIFEST).get("files", {})) | {MANIFEST}
+    except (JSONError, OSError, AttributeError):
+        return ckpt.names()
+    folders = {str(parent) for name in files for parent in Path(name).parents if str(parent) != "."}
+    added, stack = [], [""]
+    while stack:
+        below = stack.pop()
+        for name in ckpt.names(below):
+            rel = f"{below}/{name}" if below else name
+            if rel in folders and ckpt.is_dir(rel):
+                stack.append(rel)
+            elif rel not in files:
+                added.append(rel)
+    return sorted(added)
 
 
 def _write_checkpoint(folder: Folder, trained: Trainer | ShardWriter, state: RunState, model_dir: Path) -> None:

@@ -18,7 +18,7 @@ from parity.rl.checkpoint import checkpoints, saved_config
 from parity.rl.data import DATA_DIR, write_rows
 from parity.rl.reward_fns import data_columns
 from parity.rl.train_config import RESUMABLE_KEYS, TrainConfig
-from parity.rundir import RunLock, check_run_dir, clean_leftovers, foreign_entries
+from parity.rundir import RunLock, check_run_dir, clean_leftovers, enclosing_run, foreign_entries
 
 
 @dataclass
@@ -53,6 +53,9 @@ def new_run_dir(cfg: TrainConfig, datasets: dict[str, list[dict[str, Any]]] | No
     config.yaml names files that `--resume` and `parity eval` read."""
     path = Path(cfg.run_dir or time.strftime("runs/train-%Y%m%d-%H%M%S"))
     check_run_dir(path)
+    outer = enclosing_run(path.parent)
+    if outer is not None:  # its checkpoints' pruning, or its own resume, would meet this one
+        raise ConfigError(f"run_dir={path}: inside the run directory {outer}; choose a folder outside it")
     missing = [folder for folder in (path, *path.parents) if not folder.exists()]
     path.mkdir(parents=True, exist_ok=True)
     made = missing[-1] if missing else None
