@@ -159,3 +159,31 @@ def test_a_run_that_falls_after_its_best_is_called_a_collapse():
     for m, value in zip(rewards, [-0.4] * 6 + [-0.1] * 6):
         m["reward/mean"] = value
     assert summarize(rewards)["collapse_step"] is None
+
+
+def test_runs_of_one_folder_name_are_told_apart_and_the_same_run_twice_is_refused(tmp_path, capsys):
+    """`report a/run b/run` reported one run: both are kept, labelled by as much of their path as differs."""
+    runs = []
+    for parent in ("a", "b"):
+        (tmp_path / parent).mkdir()
+        runs.append(make_run(tmp_path / parent, "".join(metrics_line(s) + "\n" for s in (1, 2))))
+    assert main(["report", *map(str, runs), "--out", str(tmp_path / "out")]) == 0
+    assert sorted(json.loads((tmp_path / "out" / "summary.json").read_text())) == ["a/run", "b/run"]
+    assert main(["report", str(runs[0]), str(runs[0]), "--out", str(tmp_path / "out2")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"{runs[0]}: the same run given twice")
+    assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize("value", ["high", None, "missing"])
+def test_a_step_whose_accuracy_is_no_number_is_named_by_its_line(tmp_path, capsys, value):
+    """The first step logs an accuracy, a later one holds text, null or none: one line (it was a traceback)."""
+    second = json.loads(metrics_line(2))
+    if value == "missing":
+        del second["reward/accuracy"]
+    else:
+        second["reward/accuracy"] = value
+    run = make_run(tmp_path, metrics_line(1) + "\n" + json.dumps(second) + "\n")
+    code, err = report(tmp_path, run, capsys)
+    assert code == 2 and err[-1].endswith(
+        "metrics.jsonl:2: expected a JSON object of metrics with a number for 'reward/accuracy'"
+    )

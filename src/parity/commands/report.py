@@ -13,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from parity.config import ConfigError  # noqa: E402
 from parity.files import JSONError, LineTooLong, bounded_lines, parse_json  # noqa: E402
 from parity.folders import Folder  # noqa: E402
 from parity.outdir import check_output_dir, claim_output_dir, write_output, write_output_json  # noqa: E402
@@ -78,6 +79,11 @@ def load_history(run_dir: Path) -> list[dict]:
     return history
 
 
+def _reward_key(first: dict) -> str:
+    """The reward a report reads: the accuracy where the first step logged one, else the mean reward."""
+    return "reward/accuracy" if _number(first.get("reward/accuracy")) is not None else "reward/mean"
+
+
 def _history(path: Path, f) -> list[dict]:
     history: list[dict] = []
     try:
@@ -97,8 +103,8 @@ def _history(path: Path, f) -> list[dict]:
                     f"{path}:{lineno}: corrupt line (not valid JSON); only a killed run's last line may be cut short"
                 ) from None
             missing = [k for k in ("step", *REPORTED) if not isinstance(row, dict) or _number(row.get(k)) is None]
-            if not missing and all(_number(row.get(k)) is None for k in ("reward/accuracy", "reward/mean")):
-                missing = ["reward/mean"]
+            if not missing and _number(row.get(key := _reward_key(history[0] if history else row))) is None:
+                missing = [key]
             if missing:
                 raise DataError(f"{path}:{lineno}: expected a JSON object of metrics with a number for {missing[0]!r}")
             history.append(row)
@@ -113,7 +119,7 @@ def moving_average(values: list[float], n: int = SMOOTHING) -> list[float]:
 
 def summarize(history: list[dict]) -> dict:
     """Headline figures of one run. Accuracy is the moving average over SMOOTHING steps."""
-    key = "reward/accuracy" if "reward/accuracy" in history[0] else "reward/mean"
+    key = _reward_key(history[0])
     acc = moving_average([m[key] for m in history])
     elapsed = [sum(m["time/step"] for m in history[: i + 1]) for i in range(len(history))]
     hit = next((i for i, a in enumerate(acc) if a >= TARGET_ACCURACY), None)
@@ -294,21 +300,36 @@ def plot_histogram(counts: list[int], lo: float, hi: float, path: Path) -> None:
 REPORTED_COMPLETIONS = 6  # rows of each run's newest completions in report.md
 
 
-def completions_section(completions: dict[Path, list[dict]]) -> str:
-    """Each run's newest step's completions (`read_completions`), a few rows with their rewards."""
+def completions_section(completions: dict[str, list[dict]]) -> str:
+    """Each run's newest step's completions (`read_completions`), by its label, a few rows with their rewards."""
     parts = []
-    for run_dir, rows in completions.items():
+    for label, rows in completions.items():
         if rows:
             shown = markdown_table(sample_rows(rows, REPORTED_COMPLETIONS))
-            parts.append(f"\n## {Path(run_dir).name}: completions of step {rows[0]['step']}\n\n{shown}")
+            parts.append(f"\n## {label}: completions of step {rows[0]['step']}\n\n{shown}")
     return "".join(parts)
+
+
+def run_labels(run_dirs: list[Path]) -> list[str]:
+    """Each run's name in the report: its folder's, with as many parents as tell runs of one name apart
+    (`a/run`, `b/run`); the same run given twice is a ConfigError."""
+    paths = [Path(d).resolve() for d in run_dirs]
+    twice = next((d for d, p in zip(run_dirs, paths) if paths.count(p) > 1), None)
+    if twice is not None:
+        raise ConfigError(f"{twice}: the same run given twice")
+    for depth in range(1, max(len(p.parts) for p in paths) + 1):
+        labels = ["/".join(p.parts[-depth:]) for p in paths]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(p) for p in paths]
 
 
 def report_runs(run_dirs: list[Path], out: Path) -> dict[str, dict]:
     """`parity report`: summary table and plots for `parity train` runs, side by side."""
     check_output_dir(out)
-    histories = {Path(d).name: load_history(Path(d)) for d in run_dirs}  # every run read before `out` is made
-    completions = {Path(d): read_completions(Path(d), MAX_LINE_BYTES) for d in run_dirs}
+    labels = run_labels(run_dirs)
+    histories = {label: load_history(Path(d)) for label, d in zip(labels, run_dirs)}  # all read before `out` is made
+    completions = {label: read_completions(Path(d), MAX_LINE_BYTES) for label, d in zip(labels, run_dirs)}
     summaries = {name: summarize(h) for name, h in histories.items()}
     claim_output_dir(out)
     plot_accuracy(histories, out / "accuracy.png")
