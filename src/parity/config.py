@@ -84,6 +84,15 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
                 f"{source}: YAML expands to more than {MAX_YAML_VALUES:,} values (an alias repeats all it names)"
             )
         if isinstance(n, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for key, _ in n.value:
+                if isinstance(key, yaml.ScalarNode) and key.value != "<<":  # `<<` merges a mapping in
+                    line = key.start_mark.line + 1
+                    if key.value in seen:  # YAML keeps the last silently: the first block would be lost
+                        raise ConfigError(
+                            f"{source}:{line}: {key.value!r} is given twice (first on line {seen[key.value]})"
+                        )
+                    seen[key.value] = line
             stack.extend((child, depth + 1) for pair in n.value for child in pair)
         elif isinstance(n, yaml.SequenceNode):
             stack.extend((child, depth + 1) for child in n.value)
@@ -344,7 +353,9 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             if "invalid YAML" not in str(e) and "cannot load this YAML value" not in str(e):
                 raise
             value = raw  # taken as the text it is (`run_dir=2001-13-45`), which the key's type then checks
-        _set_dotted(out, key.strip(), value)
+        given: dict[str, Any] = {}
+        _set_dotted(given, key.strip(), value)
+        out = _merge(out, given)  # `rollout={temperature: 0.5}` adds to an earlier `rollout.group_size=2`
     return out
 
 

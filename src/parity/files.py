@@ -20,11 +20,26 @@ class JSONError(ValueError):
         self.lineno = lineno
 
 
+class _KeyTwice(Exception):
+    pass
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object; a key given twice is refused (`json` keeps the last silently)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        names = [name for name, _ in pairs]
+        raise _KeyTwice(next(name for name in names if names.count(name) > 1))
+    return out
+
+
 def parse_json(text: str) -> Any:
     """`json.loads`, every failure a JSONError: bad syntax, nesting past MAX_JSON_DEPTH (where the
     parser itself would overflow the stack), or an integer too long to convert."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_object)
+    except _KeyTwice as e:
+        raise JSONError(f"invalid JSON (the key {e.args[0]!r} is given twice in one object)") from None
     except json.JSONDecodeError as e:
         where = f"column {e.colno}" if e.lineno == 1 else f"line {e.lineno}, column {e.colno}"
         raise JSONError(f"invalid JSON ({e.msg} at {where})", e.lineno) from None

@@ -359,3 +359,19 @@ def test_yaml_the_safe_loader_cannot_map_is_one_line(tmp_path, text):
     path.write_text(text)
     with pytest.raises(ConfigError, match=rf"^{path}:\d+: (cannot load this YAML value|invalid YAML) \("):
         config.load(MismatchConfig, path)
+
+
+def test_a_key_given_twice_in_a_file_is_refused_and_a_section_override_adds_to_the_earlier_ones(tmp_path):
+    """YAML keeps a repeated key's last value: a second `rollout:` block dropped the first one's keys, and
+    on the command line `rollout={...}` dropped an earlier `rollout.group_size=2`."""
+    from parity.rl.train_config import TrainConfig
+
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  group_size: 2\nsteps: 2\nrollout:\n  temperature: 0.5\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:4: 'rollout' is given twice \(first on line 1\)$"):
+        config.load(TrainConfig, path)
+    path.write_text("trainer:\n  lr: 1.0e-5\n  lr: 2.0e-5\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:3: 'lr' is given twice \(first on line 2\)$"):
+        config.load(TrainConfig, path)
+    cfg = config.load(TrainConfig, None, ["rollout.group_size=2", "rollout={temperature: 0.5}", "steps=3"])
+    assert (cfg.rollout.group_size, cfg.rollout.temperature, cfg.steps) == (2, 0.5, 3)

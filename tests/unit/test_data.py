@@ -131,6 +131,7 @@ def test_not_utf8_names_line_and_column(tmp_path):
         ('{"prompt": "1+1=", "answer": null}', "'answer' is null"),
         ('{"prompt": "1+1=", "answer": true}', "'answer' is a boolean"),
         ('{"prompt": "1+1=", "answer": {"value": 2}}', "'answer' is an object"),
+        ('{"prompt": "1+1=", "answer": NaN}', "'answer' is nan, which no response can be checked against"),
         ('{"prompt": [], "answer": 1}', "'prompt' is an empty list"),
         ('{"prompt": ["hi"], "answer": 1}', "'prompt' message 0 is a string"),
         ('{"prompt": [{"role": "user"}], "answer": 1}', "'prompt' message 0: 'content' is missing, not a string"),
@@ -171,6 +172,14 @@ def test_a_missing_column_names_the_key_that_names_it(tmp_path, line, problem):
     # a command without those keys (`parity mismatch`'s prompts) names the column and the row's alone
     plain = problem.split(" (")[0]
     with pytest.raises(DataError, match=rf"^{re.escape(f'{path}:2: {plain} (the row has ')}[^:]*\)$"):
+        load_problems(path)
+
+
+def test_a_key_given_twice_in_a_row_names_the_line(tmp_path):
+    """JSON keeps a repeated key's last value silently: which answer the row meant is not known."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=", "answer": 4, "answer": 5}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2: invalid JSON \(the key 'answer' is given twice in one object\)"):
         load_problems(path)
 
 

@@ -6,6 +6,7 @@ order a run draws problems in (`DataOrder`).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,6 +230,8 @@ def _problem(where: str, row: object, columns: DataColumns) -> Problem:
     answer = row.get(columns.answer, "")
     if columns.answer_required and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
         raise DataError(f"{expected}; '{columns.answer}' is {_kind(answer)}")
+    if isinstance(answer, float) and not math.isfinite(answer):  # JSON's NaN: no response can equal it
+        raise DataError(f"{expected}; '{columns.answer}' is {answer}, which no response can be checked against")
     extra = {k: v for k, v in row.items() if k != columns.prompt}
     return Problem(prompt=prompt, answer=str(answer) if answer is not None else "", columns=extra)
 
