@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from parity import config
@@ -31,6 +33,8 @@ from parity.rl.train_config import TrainConfig
         (["rollout.group_size=1"], "advantage=drgrpo needs rollout.group_size >= 2"),
         (["task.reward_fn=nomodule"], r"task.reward_fn\[0\]: expected 'module:function'"),
         (["rollout.top_p=0"], r"rollout.top_p must be in \(0, 1\]"),
+        (["device=tpu"], r"^device: unknown value 'tpu'; allowed: cpu, cuda$"),  # was a KeyError traceback
+        (["rollout.max_new_tokens=0"], r"^rollout.max_new_tokens must be >= 1, got 0$"),  # named episode.turn_tokens
         (
             ["algorithm.name=grpo_seq_geo_rs", "algorithm.ratio_source=rollout"],
             "algorithm.name=grpo_seq_geo_rs corrects by π_old/μ, which .*ratio_source=rollout makes 1",
@@ -138,3 +142,18 @@ def test_trainconfig_takes_sections_as_dicts_or_dataclasses_and_round_trips():
     assert b.algorithm.advantage == "trl_batch"
     again = config.load(TrainConfig, None, None, config.to_dict(b))
     assert config.to_dict(again) == config.to_dict(b)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("precision=fp8", "precision: unknown value 'fp8'; allowed: bf16, fp16, fp32"),
+        ("max_new_tokens=0", "max_new_tokens: must be >= 1, got 0"),
+    ],
+)
+def test_perfectible_refuses_a_precision_or_budget_it_cannot_sample_with(override, message):
+    """Both were tracebacks raised after the problems were loaded."""
+    from parity.commands.perfectible import PerfectibleConfig
+
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        config.load(PerfectibleConfig, None, [override])

@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from parity.config import ConfigError, check_range
+from parity.config import ConfigError, check_range, one_of
 from parity.engines import kernels
 from parity.engines.budget import check_rollout_memory
 from parity.engines.models.io import load_checked_config, load_model, resolve_model_dir
+from parity.engines.precision import PRECISIONS
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, load_tokenizer
@@ -57,6 +58,8 @@ class PerfectibleConfig:
 
     def validate(self) -> None:
         kernels.check_device(self.device)
+        one_of("precision", self.precision, PRECISIONS)
+        check_range("max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 1, ">= 1")
         if self.task not in TASKS or not TASKS[self.task].binary:
             raise ConfigError(f"task: {self.task!r} has no right answer; use builtin, exact, math or number")
         if TASKS[self.task].episodes:

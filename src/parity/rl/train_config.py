@@ -485,6 +485,12 @@ class TrainConfig:
                 f"rollout.precision={self.rollout_precision} and trainer.precision={self.trainer_precision} differ; "
                 "a mismatched pair is an ablation: set allow_precision_mismatch=true to run it on purpose"
             )
+        try:  # first: other keys' checks read the sampling settings (episode.turn_tokens)
+            SamplingParams(
+                self.rollout.temperature, self.rollout.top_k, self.rollout.top_p, self.rollout.max_new_tokens
+            )
+        except ValueError as e:
+            raise ConfigError(str(e).replace("sampling.", "rollout.")) from None
         one_of("algorithm.name", self.algorithm.name, ESTIMATORS)
         one_of("task.name", self.task.name, TASKS)
         one_of("task.chat_template", self.task.chat_template, CHAT_TEMPLATE_MODES)
@@ -497,6 +503,7 @@ class TrainConfig:
         self.algorithm.resolve(TASKS[self.task.name])
         if self.trainer.lr is None:
             self.trainer.lr = default_lr(self.model, self.lora.rank > 0)
+        kernels.check_device(self.device)  # before anything is looked up by it
         if self.trainer.micro_batch_tokens is None:
             self.trainer.micro_batch_tokens = MICRO_BATCH_TOKENS[self.device]
         one_of("trainer.chunked_head", self.trainer.chunked_head, CHUNKED_HEAD_MODES)
@@ -517,13 +524,6 @@ class TrainConfig:
         one_of("trainer.lr_schedule", self.trainer.lr_schedule, LR_SCHEDULES)
         for i, name in enumerate(self.log.to):
             one_of(f"log.to[{i}]", name, TRACKERS)
-        try:
-            SamplingParams(
-                self.rollout.temperature, self.rollout.top_k, self.rollout.top_p, self.rollout.max_new_tokens
-            )
-        except ValueError as e:
-            raise ConfigError(str(e).replace("sampling.", "rollout.")) from None
-        kernels.check_device(self.device)
         self._check_eval()
         self._check_distributed()
         self._check_lora()
