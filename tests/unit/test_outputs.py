@@ -108,6 +108,14 @@ def test_sanity_and_phantom_refuse_bad_flags_before_writing(tmp_path, capsys):
     _refused(["phantom", "--steps", "-1", "--out", str(out)], capsys, "--steps: must be >= 1, got -1")
     _refused(["phantom", "--model", "m", "--seeds", "-3", "--out", str(out)], capsys, "--seeds: expected seeds in")
     _refused(["doctor", "--prompts", "-5", "--out", str(out)], capsys, "--prompts: must be between 1 and 1024")
+    # --steps 0 ran the default 60 steps; --seed -1 wrote the folder before it was refused; an option of the
+    # other experiment was ignored
+    _refused(["phantom", "--steps", "0", "--out", str(out)], capsys, "--steps: must be >= 1, got 0")
+    _refused(["phantom", "--seed", "-1", "--out", str(out)], capsys, "--seed: expected seeds in")
+    _refused(["phantom", "--seeds", "0,1", "--out", str(out)], capsys, "--seeds and --no-async go with --model DIR")
+    _refused(["phantom", "--model", "m", "--eps", "0.1", "--out", str(out)], capsys, "--eps goes with the built-in")
+    _refused(["build-model", "--steps", "0", "--out", str(out)], capsys, "--steps: must be >= 1, got 0")
+    _refused(["build-model", "--seed", "-1", "--out", str(out)], capsys, "--seed: must be in [0, 4294967295], got -1")
     assert not out.exists()
 
 

@@ -7,7 +7,9 @@ from pathlib import Path
 
 from parity.builtin.agent import AgentBuildConfig, build_agent_model
 from parity.builtin.build import BuildConfig, build_model
+from parity.config import check_range
 from parity.engines.models.io import AGENT_DIR, BUILTIN_DIR
+from parity.rl.train_config import MAX_SEED
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -29,6 +31,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def cmd_build_model(args: argparse.Namespace) -> int:
+    # checked before the output folder, which is by default the built-in model's own, is touched
+    check_range("--steps", args.steps, args.steps is None or args.steps >= 1, ">= 1")
+    check_range("--seed", args.seed, 0 <= args.seed <= MAX_SEED, f"in [0, {MAX_SEED}]")
     if args.agent:
         out = args.out or AGENT_DIR
         cfg = AgentBuildConfig(steps=AgentBuildConfig.steps if args.steps is None else args.steps, seed=args.seed)

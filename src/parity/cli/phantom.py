@@ -27,10 +27,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--out", default="parity-phantom", help="output directory (default parity-phantom)")
     p.add_argument("--steps", type=int, help="steps per run (default 60 on the built-in model, 25 with --model)")
     p.add_argument(
-        "--eps", default="0.02,0.005,0.001,0.0002", help="built-in model: clip epsilons for the sweep (comma-separated)"
+        "--eps", help="built-in model: clip epsilons for the sweep (comma-separated; default 0.02,0.005,0.001,0.0002)"
     )
-    p.add_argument("--seed", type=int, default=0, help="built-in model: the seed")
-    p.add_argument("--seeds", default="0,1", help="with --model: the seeds, each arm once per seed (default 0,1)")
+    p.add_argument("--seed", type=int, help="built-in model: the seed (default 0)")
+    p.add_argument("--seeds", help="with --model: the seeds, each arm once per seed (default 0,1)")
     p.add_argument("--no-async", action="store_true", help="with --model: leave out the asynchronous arms")
     p.add_argument("--device", default="cpu", help="where every model runs: cpu (default) or cuda")
     p.add_argument("overrides", nargs="*", help="with --model: parity train keys for every run, e.g. trainer.lr=1e-6")
@@ -48,12 +48,17 @@ def _listed(text: str, kind: type, option: str) -> tuple:
 def cmd_phantom(args: argparse.Namespace) -> int:
     from parity.commands import phantom
 
+    # Each option belongs to one of the two experiments: one given to the other is refused, not ignored.
+    given = {"--eps": args.eps is not None, "--seed": args.seed is not None}
     if args.model != "builtin":
-        seeds = _listed(args.seeds, int, "--seeds")
+        if any(given.values()):
+            option = next(name for name, set_ in given.items() if set_)
+            raise ConfigError(f"{option} goes with the built-in model's experiment, not --model DIR")
+        seeds = _listed(args.seeds or "0,1", int, "--seeds")
         summary = phantom.run_writeup(
             args.model,
             Path(args.out),
-            steps=args.steps or phantom.WRITEUP_STEPS,
+            steps=phantom.WRITEUP_STEPS if args.steps is None else args.steps,
             seeds=seeds,
             overrides=tuple(args.overrides),
             with_async=not args.no_async,
@@ -70,13 +75,15 @@ def cmd_phantom(args: argparse.Namespace) -> int:
             f"wrote {args.out}/report.md, summary.json, phantom.png, beta_by_prob.png ({summary['wall_seconds']:.0f} s)"
         )
         return 0
-    if args.overrides or args.no_async:
-        raise ConfigError(
-            "parity phantom: key=value overrides and --no-async go with --model DIR (the write-up's runs)"
-        )
-    eps = _listed(args.eps, float, "--eps")
+    if args.overrides or args.no_async or args.seeds is not None:
+        raise ConfigError("key=value overrides, --seeds and --no-async go with --model DIR (the write-up's runs)")
+    eps = _listed(args.eps or "0.02,0.005,0.001,0.0002", float, "--eps")
     summary = phantom.run_phantom(
-        Path(args.out), steps=args.steps or phantom.BUILTIN_STEPS, eps_sweep=eps, seed=args.seed, device=args.device
+        Path(args.out),
+        steps=phantom.BUILTIN_STEPS if args.steps is None else args.steps,
+        eps_sweep=eps,
+        seed=0 if args.seed is None else args.seed,
+        device=args.device,
     )
     for name, r in summary["runs"].items():
         to2 = r["steps_to_length_2"]

@@ -119,12 +119,12 @@ def _config(run_dir: Path, steps: int, seed: int, overrides: tuple[str, ...]) ->
 PHANTOM_FOLDERS = ("one-update", "runs")
 
 
-def check_runs(steps: int, seeds: tuple[int, ...] = (0,)) -> None:
-    """Refuse --steps and --seeds that no run could take, before anything is written."""
+def check_runs(steps: int, seeds: tuple[int, ...] = (0,), option: str = "--seeds") -> None:
+    """Refuse --steps and --seeds (or --seed) that no run could take, before anything is written."""
     if steps < 1:
         raise ConfigError(f"--steps: must be >= 1, got {steps}")
     if not seeds or any(not 0 <= s <= MAX_SEED for s in seeds):
-        raise ConfigError(f"--seeds: expected seeds in [0, {MAX_SEED}], comma-separated, got {list(seeds) or 'none'}")
+        raise ConfigError(f"{option}: expected seeds in [0, {MAX_SEED}], comma-separated, got {list(seeds) or 'none'}")
 
 
 def train_length_task(
@@ -217,7 +217,7 @@ def run_phantom(
 ) -> dict:
     """The experiment (see the module's docstring); every model runs on `device`."""
     kernels.check_device(device, "--device")
-    check_runs(steps)
+    check_runs(steps, (seed,), "--seed")
     bad_eps = [e for e in eps_sweep if not 0 < e < math.inf]
     if bad_eps or not eps_sweep:
         raise ConfigError(f"--eps: expected clip epsilons > 0, comma-separated, got {bad_eps or 'none'}")
