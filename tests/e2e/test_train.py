@@ -56,14 +56,19 @@ def test_run_writes_config_metrics_and_loadable_checkpoint(tmp_path):
 
 def test_a_completed_run_resumed_says_so_and_trains_nothing(tmp_path, capsys):
     run_dir = tmp_path / "r"
-    assert main(["train", *TINY_RUN, "rollout.max_new_tokens=16", "steps=1", f"run_dir={run_dir}"]) == 0
-    before = (run_dir / "metrics.jsonl").read_text()
+    assert main(["train", *TINY_RUN, "rollout.max_new_tokens=16", "steps=2", f"run_dir={run_dir}"]) == 0
+    before, config = ((run_dir / name).read_text() for name in ("metrics.jsonl", "config.yaml"))
     capsys.readouterr()
     assert main(["train", "--resume", str(run_dir)]) == 0
     out = capsys.readouterr().out
-    assert f"the run already completed its 1 steps; go further with --resume {run_dir} steps=N" in out
+    assert f"the run already completed its 2 steps; go further with --resume {run_dir} steps=N" in out
     assert (run_dir / "metrics.jsonl").read_text() == before
     assert main(["train", "--resume", str(run_dir)]) == 0  # the first resume released the run directory
+    # Fewer steps than the run took: refused (config.yaml was rewritten to say steps: 1 beside step 2's checkpoint)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir), "steps=1"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("steps=1: the run has taken 2 steps; give steps >= 2")
+    assert (run_dir / "config.yaml").read_text() == config and (run_dir / "metrics.jsonl").read_text() == before
 
 
 def test_several_updates_run_the_old_logprob_pass(tmp_path):

@@ -74,7 +74,7 @@ from parity.rl.step import (
 from parity.rl.tasks import EVAL_SEED, TASKS, builtin_problems
 from parity.rl.trackers import check_trackers, open_trackers
 from parity.rl.train_config import CHUNKED_HEAD_MODES, TrainConfig
-from parity.rundir import RunLock
+from parity.rundir import RunLock, checkpoint_step
 from parity.runtime import reuse_freed_memory
 
 # ----------------------------------------------------------------------------- the run
@@ -402,6 +402,10 @@ class Run:
             # checks model, data, reward before writing anything
             run = cls(cfg, run_dir, progress, rewards, backend, tools, environment)
             with run._closed_on_failure():
+                saved = checkpoints(run_dir)
+                done = checkpoint_step(saved[-1].name) if saved else 0
+                if cfg.steps < done:  # config.yaml would say fewer steps than its checkpoints took
+                    raise ConfigError(f"steps={cfg.steps}: the run has taken {done} steps; give steps >= {done}")
                 if overrides:
                     atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
                 run.record_numerics()
