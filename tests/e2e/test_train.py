@@ -50,6 +50,10 @@ def test_run_writes_config_metrics_and_loadable_checkpoint(tmp_path):
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["step_000002", "step_000004"]
     assert AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step_000004" / "model") is not None
+    # The weights are as readable as the files beside them (safetensors wrote them 0600)
+    step = run_dir / "checkpoints" / "step_000004"
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (step / "state.json", *step.rglob("*.safetensors"))}
+    assert len(modes) == 3 and len(set(modes.values())) == 1, modes
     # A second run into the same directory is refused rather than overwriting it.
     assert main(["train", f"run_dir={run_dir}", *TINY]) == 2
 

@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from parity.config import MAX_CONFIG_BYTES
 from parity.engines import kernels
+from parity.engines.models.io import save_tensors
 from parity.engines.models.modules import CausalLM, Linear, cast_once
 from parity.files import JSONError, parse_json, regular_file_problem
 from parity.folders import atomic_dir
@@ -244,7 +245,7 @@ def save_adapter(model: CausalLM, cfg: LoRAConfig, out_dir: str | Path, base_mod
     with atomic_dir(out_dir) as tmp:
         config = peft_config(cfg, base_model)
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        save_file(adapter_state(model), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_tensors(adapter_state(model), tmp / WEIGHTS_FILE, {"format": "pt"})
     return out_dir
 
 

@@ -46,13 +46,13 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from parity.config import ConfigError
 from parity.engines import kernels
 from parity.engines.lora import AdapterError, load_adapter_state, read_adapter, save_adapter
 from parity.engines.models.config import ModelError
-from parity.engines.models.io import load_model, save_model
+from parity.engines.models.io import load_model, save_model, save_tensors
 from parity.engines.tokenizer import copy_tokenizer_files
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import JSONError, parse_json
@@ -412,7 +412,7 @@ def _write_checkpoint(folder: Folder, trained: Trainer | ShardWriter, state: Run
         tensor_file = "optimizer.safetensors"
         scaler, version = trained.scaler.state_dict(), trained.weight_version
     tensors["rng.torch"] = torch.get_rng_state()
-    save_file(tensors, str(tmp / tensor_file))
+    save_tensors(tensors, tmp / tensor_file)
     meta.update(
         step=state.step,
         data_position=state.data_position,

@@ -365,13 +365,22 @@ def export_state(
     }
 
 
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file, readable as the process's umask allows, as every other file Parity writes
+    (safetensors' `save_file` makes it 0600: nobody else could read a shared run's weights)."""
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def save_model(model: CausalLM, out_dir: str | Path, add_files: Callable[[Path], object] | None = None) -> Path:
     """Write config.json + model.safetensors atomically; `add_files(folder)` puts more files
     (the tokenizer's: `tokenizer.copy_tokenizer_files`) in before the folder appears."""
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
-        save_file(export_state(model, device="cpu"), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(export_state(model, device="cpu"), tmp / "model.safetensors", {"format": "pt"})
         if add_files is not None:
             add_files(tmp)
     return out_dir
