@@ -544,7 +544,9 @@ def test_an_uninstalled_tracker_is_refused(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "r").exists()
 
 
-def test_resume_from_another_folder_with_a_moved_data_file(tmp_path, monkeypatch):
+def test_resume_from_another_folder_with_a_moved_data_file(tmp_path, monkeypatch, capsys):
+    """A moved file is given again by task.data (the refusal says so); a file of other problems is refused
+    (the run's data position counted in the first: it went on through another file's rows)."""
     origin, elsewhere = tmp_path / "origin", tmp_path / "elsewhere"
     origin.mkdir(), elsewhere.mkdir()
     (origin / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
@@ -554,7 +556,14 @@ def test_resume_from_another_folder_with_a_moved_data_file(tmp_path, monkeypatch
     monkeypatch.chdir(elsewhere)
     assert main(["train", "--resume", str(origin / "r"), "steps=2"]) == 0
     shutil.move(origin / "train.jsonl", elsewhere / "moved.jsonl")
+    capsys.readouterr()
     assert main(["train", "--resume", str(origin / "r"), "steps=3"]) == 2  # the data is gone: one line
+    assert capsys.readouterr().err.splitlines()[-1].endswith("if the run's data moved, give its place: task.data=PATH")
+    (elsewhere / "other.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:40]))
+    config = (origin / "r" / "config.yaml").read_text()
+    assert main(["train", "--resume", str(origin / "r"), "steps=3", "task.data=other.jsonl"]) == 2
+    assert "not the problems the run trained on (its step 2 checkpoint records others)" in capsys.readouterr().err
+    assert (origin / "r" / "config.yaml").read_text() == config
     assert main(["train", "--resume", str(origin / "r"), "steps=3", "task.data=moved.jsonl"]) == 0
     assert f"data: {elsewhere / 'moved.jsonl'}" in (origin / "r" / "config.yaml").read_text()
     steps = [json.loads(x)["step"] for x in (origin / "r" / "metrics.jsonl").read_text().splitlines()]

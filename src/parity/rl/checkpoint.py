@@ -83,6 +83,7 @@ class RunState:
     weight_version: int = 0  # as loaded; a save records the trainer's (or the learners')
     config: dict[str, Any] | None = None  # the run's config when it was saved
     metrics: dict[str, float] | None = None  # the newest step's metrics, for the saved model's card
+    data_sha256: str | None = None  # the training problems' fingerprint (`data.fingerprint`); None before it
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -280,8 +281,15 @@ def _run_state(meta: Any) -> RunState:
         )
     if meta.get("config") is not None and not isinstance(meta["config"], dict):
         raise CheckpointError("state.json: config must be an object")
+    data = meta.get("data_sha256")
+    if data is not None and not (isinstance(data, str) and _SHA256.fullmatch(data)):
+        raise CheckpointError("state.json: data_sha256 must be a SHA-256 in hex")
     return RunState(
-        _count(meta, "step"), _count(meta, "data_position"), _count(meta, "weight_version"), meta.get("config")
+        _count(meta, "step"),
+        _count(meta, "data_position"),
+        _count(meta, "weight_version"),
+        meta.get("config"),
+        data_sha256=data,
     )
 
 
@@ -416,6 +424,7 @@ def _write_checkpoint(folder: Folder, trained: Trainer | ShardWriter, state: Run
     meta.update(
         step=state.step,
         data_position=state.data_position,
+        data_sha256=state.data_sha256,
         weight_version=version,
         scaler=scaler,
         config=state.config,

@@ -5,6 +5,7 @@ order a run draws problems in (`DataOrder`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Iterator
@@ -314,6 +315,13 @@ def write_rows(
         run.mkdir(str(Path(name).parent))
         run.write_text(name, "".join(lines))
     return run_dir / name
+
+
+def fingerprint(problems: list[Problem]) -> str:
+    """A SHA-256 of the problems, in order (prompt, answer, columns): a resume checks that it trains on the
+    problems its data position counts in."""
+    rows = [[p.prompt, p.answer, p.columns] for p in problems]
+    return hashlib.sha256(json.dumps(rows, sort_keys=True, ensure_ascii=False, default=repr).encode()).hexdigest()
 
 
 class DataOrder:

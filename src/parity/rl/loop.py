@@ -50,7 +50,7 @@ from parity.rl.checkpoint import (
     require_finite_weights,
 )
 from parity.rl.completions import completion_rows, markdown_table, sample_rows, write_completions
-from parity.rl.data import DataOrder, load_problems, prompt_limit
+from parity.rl.data import DataOrder, fingerprint, load_problems, prompt_limit
 from parity.rl.diagnostics import mismatch_alarm
 from parity.rl.episodes import episode_setup
 from parity.rl.evaluation import EvalSet, Evaluator, eval_sampling, evaluation_due, heldout_problems
@@ -201,6 +201,7 @@ class Run:
                 cfg.diagnostics.full_vocab_positions,
             )
         self.data = DataOrder(len(self.problems), cfg.seed)
+        self.data_sha256 = fingerprint(self.problems)  # what a checkpoint records, and a resume checks
         self.episodes = episode_setup(cfg, self.tokenizer, tools, environment) if cfg.episodes else None
         self.rewards = run_rewards(cfg, self.problems, rewards, state=lambda: self.state)
         self.reward_health = RewardHealth(cfg.reward.warn_error_rate, cfg.reward.max_failed_steps)
@@ -406,10 +407,10 @@ class Run:
                 done = checkpoint_step(saved[-1].name) if saved else 0
                 if cfg.steps < done:  # config.yaml would say fewer steps than its checkpoints took
                     raise ConfigError(f"steps={cfg.steps}: the run has taken {done} steps; give steps >= {done}")
+                run._restore()  # before config.yaml changes: it may refuse the run's data
                 if overrides:
                     atomic_write_text(run_dir / "config.yaml", config_mod.dump_yaml(cfg))
                 run.record_numerics()
-                run._restore()
         except BaseException:
             lock.release()
             raise
@@ -419,6 +420,11 @@ class Run:
     def _restore(self) -> None:
         """The newest intact checkpoint's state into this run (a resume), the log cut back to it."""
         state = self.backend.restore(_note)
+        if state is not None and state.data_sha256 not in (None, self.data_sha256):
+            raise ConfigError(
+                f"task.data={self.cfg.task.data}: not the problems the run trained on (its step {state.step} "
+                "checkpoint records others); a resume goes on through the same problems: give the file it trained on"
+            )
         if state is not None:
             self.step_count = state.step
             self.data.position = state.data_position
@@ -760,7 +766,11 @@ class Run:
     def checkpoint(self) -> Path:
         self.saved_step = self.step_count
         state = RunState(
-            self.step_count, self.backend.data_position, config=config_mod.to_dict(self.cfg), metrics=self.last_metrics
+            self.step_count,
+            self.backend.data_position,
+            config=config_mod.to_dict(self.cfg),
+            metrics=self.last_metrics,
+            data_sha256=self.data_sha256,
         )
         return self.backend.save(self.run_dir, state, self.cfg.keep_checkpoints)
 

@@ -110,6 +110,9 @@ def resumed_config(run_dir: Path, overrides: list[str], trust_code: bool, note: 
     cfg = config_mod.load(TrainConfig, run_dir / "config.yaml", overrides)
     cfg.run_dir = str(run_dir)
     cfg.resolve_paths(Path.cwd())  # an override names a file from here; the saved paths are absolute
+    for key, data in (("task.data", cfg.task.data), ("eval.data", cfg.eval.data)):
+        if data not in ("builtin", "auto") and not Path(data).exists():
+            raise ConfigError(f"{key}: {data!r} does not exist; if the run's data moved, give its place: {key}=PATH")
     code = [
         f"{k}={v}"
         for k, v in (
