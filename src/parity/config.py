@@ -12,6 +12,7 @@ import difflib
 import math
 import numbers
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -409,7 +410,8 @@ def load(
     except ConfigError as e:
         # Point at the YAML line, unless the offending value came from an override.
         msg = str(e)
-        key = msg.split(":", 1)[0].removeprefix("unknown config key ").split(";")[0].split("[")[0]
+        named = re.match(r"(?:unknown config key )?([A-Za-z_][\w.]*)", msg)  # the key the message starts with
+        key = named[1] if named else ""
         if key in lines and not _has_path(override_data, key):
             raise ConfigError(f"{source}:{lines[key]}: {msg}") from None
         raise

@@ -375,3 +375,13 @@ def test_a_key_given_twice_in_a_file_is_refused_and_a_section_override_adds_to_t
         config.load(TrainConfig, path)
     cfg = config.load(TrainConfig, None, ["rollout.group_size=2", "rollout={temperature: 0.5}", "steps=3"])
     assert (cfg.rollout.group_size, cfg.rollout.temperature, cfg.steps) == (2, 0.5, 3)
+
+
+def test_a_value_a_check_refuses_is_named_by_its_file_and_line(tmp_path):
+    """The checks after the types (`validate`) name the key in other words than `KEY: ...`: the line was lost."""
+    from parity.rl.train_config import TrainConfig
+
+    path = tmp_path / "c.yaml"
+    path.write_text("steps: 2\nrollout:\n  top_p: 3\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:3: rollout.top_p must be in \(0, 1\], got 3"):
+        config.load(TrainConfig, path)
