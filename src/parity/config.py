@@ -57,6 +57,9 @@ class _SafeLoader(yaml.SafeLoader):
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
         if len(node.value) > MAX_YAML_INT_CHARS:
             raise ValueError(f"an integer written with {len(node.value):,} characters; at most {MAX_YAML_INT_CHARS}")
+        if ":" in node.value:  # YAML 1.1's base 60: steps=1:0 would be 60
+            value = super().construct_yaml_int(node)
+            raise ValueError(f"{node.value} is the base-60 number {value} to YAML 1.1; quote it, or write the number")
         return super().construct_yaml_int(node)
 
 
@@ -342,7 +345,10 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected KEY=VALUE (for example precision=fp16)")
+            raise ConfigError(
+                f"override {item!r}: expected KEY=VALUE (for example precision=fp16); a command's own argument (a run "
+                "or model to evaluate) comes before the KEY=VALUE ones"
+            )
         key, raw = item.split("=", 1)
         if len(raw) > MAX_CONFIG_BYTES:
             raise ConfigError(

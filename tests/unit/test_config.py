@@ -385,3 +385,15 @@ def test_a_value_a_check_refuses_is_named_by_its_file_and_line(tmp_path):
     path.write_text("steps: 2\nrollout:\n  top_p: 3\n")
     with pytest.raises(ConfigError, match=rf"^{path}:3: rollout.top_p must be in \(0, 1\], got 3"):
         config.load(TrainConfig, path)
+
+
+def test_yaml_1_1_s_base_60_numbers_are_refused(tmp_path):
+    """`steps: 1:0` was 60 steps."""
+    from parity.rl.train_config import TrainConfig
+
+    path = tmp_path / "c.yaml"
+    path.write_text("steps: 1:0\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:1: .*1:0 is the base-60 number 60 to YAML 1.1; quote it"):
+        config.load(TrainConfig, path)
+    with pytest.raises(ConfigError, match="^steps: expected an integer, got '1:0'$"):
+        config.load(TrainConfig, None, ["steps=1:0"])

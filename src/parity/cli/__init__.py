@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from parity import __version__
 from parity.cli import build_model, doctor, evaluate, mismatch, perfectible, phantom, report, sanity, train
 from parity.config import ConfigError
 from parity.distributed.cluster import ClusterStartError
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="parity",
         description="RL fine-tuning of language models where the trained policy is the sampling policy.",
     )
+    parser.add_argument("--version", action="version", version=f"parity {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)

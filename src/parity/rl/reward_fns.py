@@ -254,7 +254,8 @@ def bind_all(rewards: Sequence[Reward | Callable[..., Any]], columns: Sequence[s
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise RewardCheckError(
-            f"two reward functions are named {twice[0]!r}; their metrics would mix: name one with Reward(fn, name=...)"
+            f"two reward functions are named {twice[0]!r}; their metrics would mix: name one with Reward(fn, name=...) "
+            "in Python, or give one of them another name in its module"
         )
     return bound
 
