@@ -60,7 +60,8 @@ Dataset = Any  # a `datasets.Dataset`, a list of dicts, or a JSONL/Parquet file'
 @dataclass(frozen=True)
 class TrainResult:
     run_dir: Path
-    history: list[dict[str, float]]  # every step's metrics, as metrics.jsonl holds them
+    history: list[dict[str, float]]  # the metrics of each step this call trained (`Trainer.state.log_history`
+    # and metrics.jsonl hold a resumed run's earlier steps too)
     model_dir: Path | None  # the newest checkpoint's model (or LoRA adapter) folder; None if none was kept
 
 

@@ -63,8 +63,8 @@ def new_run_dir(cfg: TrainConfig, datasets: dict[str, list[dict[str, Any]]] | No
     try:
         if (path / "metrics.jsonl").exists() or checkpoints(path) or (path / "config.yaml").exists():
             raise ConfigError(
-                f"run_dir: {path} already holds a run; continue it with `parity train --resume {path}` "
-                "or choose another run_dir"
+                f"run_dir: {path} already holds a run; continue it with `parity train --resume {path}` (in Python, "
+                "Trainer.train(resume_from_checkpoint=True)) or choose another run_dir"
             )
         cfg.run_dir = str(path)
         cfg.resolve_paths(Path.cwd())
