@@ -276,3 +276,16 @@ def test_rewards_config_yaml_cannot_name_are_warned_of_and_a_class_it_named_is_r
     cfg.task.reward_fn = ["functools:partial"]
     with pytest.raises(ConfigError, match=r"^task.reward_fn: functools:partial is a class, not a reward function"):
         config_rewards(cfg)
+
+
+def _divides_by_zero(completions, **kw):
+    return [1 / 0 for _ in completions]
+
+
+def test_a_function_failing_its_first_batch_shows_its_own_traceback(capsys):
+    """The run stops in one line, after the function's traceback from its own code on (it was not shown)."""
+    with pytest.raises(RewardCheckError, match="failed on every sample: ZeroDivisionError"):
+        _run([Reward(_divides_by_zero)], [(TEXT, "a", 1)])
+    err = capsys.readouterr().err
+    assert "reward _divides_by_zero: first failure, ZeroDivisionError: division by zero\nTraceback" in err
+    assert "in _divides_by_zero" in err and "parity/rl/" not in err

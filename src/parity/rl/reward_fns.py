@@ -428,9 +428,16 @@ def call_reward(
 
 
 def _trace(e: BaseException) -> str:
+    """The traceback of what a reward function raised, from its own code on (Parity's calling frames left out)."""
     import traceback
 
-    return "".join(traceback.format_exception(e))
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PARITY_SOURCE):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(e), e, tb or e.__traceback__))
+
+
+_PARITY_SOURCE = str(Path(__file__).resolve().parents[1])  # src/parity
 
 
 def call_rewards(
@@ -555,6 +562,8 @@ class UserRewards:
             else:
                 continue
             self.close()
+            if scores.trace:  # the function's own traceback, before the one line that stops the run
+                report_first_failure(f"reward {reward.name}: first failure, {scores.first_error}", scores.trace)
             expected = "a list of one number per completion" if reward.batched else "a number"
             raise RewardCheckError(
                 f"reward {reward.name} ({form}) on the first batch of {n} completions: {problem}; "
