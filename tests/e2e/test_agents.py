@@ -202,3 +202,29 @@ def test_an_environment_that_cannot_start_leaves_no_run_and_one_without_step_is_
     with pytest.raises(ConfigError, match=r"^environment: _NoStep has no method step\(\)"):
         parity.train("builtin-agent", rows, environment=_NoStep, run_dir=tmp_path / "s", **small)
     assert not (tmp_path / "s").exists()
+
+
+def test_parity_evaluate_answers_a_model_in_episodes_with_the_tools_or_environment_it_is_given(tmp_path):
+    """`parity.evaluate(MODEL, tools=...)` scored one-turn answers and never called the tool; an environment
+    given was not made."""
+    calls = []
+
+    def lookup(key: str) -> str:
+        """The value under a key."""
+        calls.append(key)
+        return "427"
+
+    def graded(completions, answer, **columns):
+        return [float(c.strip() == str(a)) for c, a in zip(completions, answer)]
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": [{"role": "user", "content": f"{k}?"}], "answer": 427}) + "\n" for k in "abcd")
+    )
+    keys = dict(data=str(data), precisions=["fp32"], num_prompts=2, samples=2, progress=False)
+    out = parity.evaluate("builtin-agent", [graded], tools=[lookup], **keys)
+    assert calls and out["turn_tokens"] and out["states"][0]["metrics"]["eval/fp32/reward/graded/mean"] == 1.0
+    with pytest.raises(ConfigError, match=r"^environment: _NoTable failed as it was made or reset"):
+        parity.evaluate("builtin-agent", [graded], environment=_NoTable, **keys)
+    with pytest.raises(ConfigError, match=r"^tools and environment: give one"):
+        parity.evaluate("builtin-agent", [graded], tools=[lookup], environment=_NoTable, **keys)

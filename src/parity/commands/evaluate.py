@@ -51,6 +51,7 @@ from parity.rl.reward_fns import (
     bind_all,
     data_columns,
     environment_reward,
+    function_spec,
     import_reward_fn,
     reward_columns,
 )
@@ -298,12 +299,16 @@ def _episodes(
     return episode_setup(run, tokenizer, tools, environment)
 
 
-def _task_of_episodes(target: Target, task: str, max_new_tokens: int) -> TrainConfig | None:
-    """For a model target and a built-in task answered in episodes (task=lookup): the run of that task whose
-    episodes the model answers in (its environment, limits and tool-call format)."""
-    if not TASKS[task].episodes:
-        return None
+def _task_of_episodes(target: Target, task: str, max_new_tokens: int, tools, environment) -> TrainConfig | None:
+    """For a model target answered in episodes, the run whose episodes it answers in (the environment, limits
+    and tool-call format): with the API's `tools` or `environment`, or a built-in task of episodes (lookup)."""
     values = {"model": str(target.model_dir), "task.name": task, "rollout.max_new_tokens": max_new_tokens}
+    if tools:
+        values["task.tools"] = [function_spec(fn) for fn in tools]
+    elif environment is not None:
+        values["task.environment"] = function_spec(environment)
+    elif not TASKS[task].episodes:
+        return None
     return config_mod.load(TrainConfig, None, None, values)
 
 
@@ -329,7 +334,11 @@ def run_eval(
     reference = cfg.reference if cfg.reference != "auto" else run.trainer_precision if run else "fp32"
     tokenizer = load_tokenizer(target.model_dir)
     numerics = kernels.numerics(cfg.device)
-    episode_run = run or episodes_of or _task_of_episodes(target, task, evalset.sampling.max_new_tokens)
+    if tools and environment is not None:
+        raise ConfigError("tools and environment: give one (an environment offers its own tools, as its `tools`)")
+    episode_run = (
+        run or episodes_of or _task_of_episodes(target, task, evalset.sampling.max_new_tokens, tools, environment)
+    )
     episodes = _episodes(cfg, episode_run, tokenizer, trust_reward_fn, tools, environment)
     scorer = _rewards(cfg, target, task, evalset.problems, rewards, trust_reward_fn, episode_run)
     if progress:
