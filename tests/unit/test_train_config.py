@@ -157,3 +157,18 @@ def test_perfectible_refuses_a_precision_or_budget_it_cannot_sample_with(overrid
 
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
         config.load(PerfectibleConfig, None, [override])
+
+
+def test_python_files_a_run_imports_are_named_from_anywhere(tmp_path):
+    """Tools and an environment in a file were kept relative, as given: a resume or `parity eval` from another
+    folder could not import them."""
+    from parity.rl.train_config import TrainConfig
+
+    cfg = config.load(TrainConfig, None, ["task.reward_fn=r.py:score,mod:f", "task.tools=t.py:lookup", "steps=1"])
+    cfg.task.environment = "e.py:Env"
+    cfg.resolve_paths(tmp_path)
+    assert cfg.task.reward_fn == [f"{tmp_path.resolve()}/r.py:score", "mod:f"]
+    assert (
+        cfg.task.tools == [f"{tmp_path.resolve()}/t.py:lookup"]
+        and cfg.task.environment == f"{tmp_path.resolve()}/e.py:Env"
+    )

@@ -583,10 +583,15 @@ class TrainConfig:
             self.task.data = str((origin / Path(self.task.data).expanduser()).resolve())
         if self.eval.data != "auto":
             self.eval.data = str((origin / Path(self.eval.data).expanduser()).resolve())
-        for i, spec in enumerate(self.task.reward_fn):
+
+        def found_from_anywhere(spec: str) -> str:  # a Python file's functions: rewards, tools, an environment
             module, function = spec.split(":")
-            if module.endswith(".py"):  # a reward file, found from anywhere
-                self.task.reward_fn[i] = f"{(origin / Path(module).expanduser()).resolve()}:{function}"
+            return f"{(origin / Path(module).expanduser()).resolve()}:{function}" if module.endswith(".py") else spec
+
+        self.task.reward_fn = [found_from_anywhere(spec) for spec in self.task.reward_fn]
+        self.task.tools = [found_from_anywhere(spec) for spec in self.task.tools]
+        if self.task.environment:
+            self.task.environment = found_from_anywhere(self.task.environment)
 
     def _check_eval(self) -> None:
         e = self.eval
