@@ -228,3 +228,38 @@ def test_parity_evaluate_answers_a_model_in_episodes_with_the_tools_or_environme
         parity.evaluate("builtin-agent", [graded], environment=_NoTable, **keys)
     with pytest.raises(ConfigError, match=r"^tools and environment: give one"):
         parity.evaluate("builtin-agent", [graded], tools=[lookup], environment=_NoTable, **keys)
+
+
+class _ExitsInStep:
+    def reset(self, row):
+        return "a?"
+
+    def step(self, action):
+        raise SystemExit(4)
+
+
+class _UnrenderableStep:
+    def reset(self, row):
+        return "a?"
+
+    def step(self, action):  # a message the chat template cannot render: a set is no JSON
+        return parity.Step([{"role": "user", "content": "go on", "tool_calls": [{"set": {1, 2}}]}])
+
+
+@pytest.mark.parametrize("environment", [_ExitsInStep, _UnrenderableStep])
+def test_an_environment_step_that_exits_or_cannot_be_rendered_ends_its_episode_not_the_run(tmp_path, environment):
+    """SystemExit in step() ended the run with no line, and a message the chat template cannot render stopped
+    it blaming the model's template: each now ends its episode, counted as the environment's error."""
+    rows = [{"prompt": [{"role": "user", "content": f"{k}?"}], "answer": 1} for k in "ab"]
+    result = parity.train(
+        "builtin-agent",
+        rows,
+        environment=environment,
+        run_dir=tmp_path / "r",
+        steps=1,
+        prompts_per_step=2,
+        rollout__group_size=2,
+        eval__every=-1,
+        progress=False,
+    )
+    assert result.history[-1]["episode/end_environment_error_frac"] == 1.0

@@ -394,7 +394,7 @@ class Episodes:
                 step = environment_step(env, assistant, setup.tool_timeout_s)
             except Interrupted:
                 raise
-            except Exception as e:  # noqa: BLE001 - the environment's failure ends its episode, counted
+            except BaseException as e:  # noqa: BLE001 - the environment's failure (SystemExit too) ends its episode
                 episode.end, episode.error = "environment_error", exception_summary(e)
                 setup.note_once(f"environment {type(env).__name__}.step() failed (the episode ends): {episode.error}")
                 continue
@@ -408,7 +408,13 @@ class Episodes:
             if episode.turns >= setup.max_turns:
                 episode.end = "max_turns"
                 continue
-            fed = setup.renderer.between_ids(episode.messages[: -len(step.messages)], step.messages)
+            try:
+                fed = setup.renderer.between_ids(episode.messages[: -len(step.messages)], step.messages)
+            except Exception as e:  # noqa: BLE001 - messages the chat template cannot render end the episode
+                del episode.messages[-len(step.messages) :]  # never fed: the conversation is what the model saw
+                episode.end, episode.error = "environment_error", f"its messages do not render: {exception_summary(e)}"
+                setup.note_once(f"environment {type(env).__name__}.step() gave {episode.error} (the episode ends)")
+                continue
             if len(fed) + 1 >= room:
                 episode.end = "no_room"
                 continue
