@@ -172,3 +172,18 @@ def test_python_files_a_run_imports_are_named_from_anywhere(tmp_path):
         cfg.task.tools == [f"{tmp_path.resolve()}/t.py:lookup"]
         and cfg.task.environment == f"{tmp_path.resolve()}/e.py:Env"
     )
+
+
+def test_an_unset_turn_limit_follows_the_response_budget_of_the_config_it_is_in():
+    """episode.turn_tokens unset was filled in when checked: the config, given again with a smaller
+    rollout.max_new_tokens, was refused for a limit the user never set (and a larger one kept the old)."""
+    from parity.rl.train_config import TrainConfig
+
+    cfg = config.load(TrainConfig, None, None, {"model": "builtin-agent", "task.name": "lookup"})
+    assert cfg.episode.turn_tokens is None and cfg.turn_tokens == cfg.rollout.max_new_tokens == 96
+    for budget in (48, 200):
+        again = config.load(
+            TrainConfig, None, None, {**config.flatten(config.to_dict(cfg)), "rollout.max_new_tokens": budget}
+        )
+        assert again.turn_tokens == budget
+    assert config.load(TrainConfig, None, ["episode.turn_tokens=32"]).turn_tokens == 32

@@ -365,7 +365,7 @@ def run_eval(
             micro_batch_tokens,
             cfg.device,
             episodes,
-            episode_run.episode.turn_tokens if episodes else 0,
+            episode_run.turn_tokens if episodes else 0,
         )
         for name, step, path in tqdm(states, desc="checkpoints", unit="state", disable=not progress):
             trainer = _trainer(target, run, path, reference, cfg.device, base)

@@ -86,7 +86,7 @@ class RolloutWorker:
         # Episodes run here, beside the engine: the tools or environment imported from the run's config.
         self.episodes = episode_setup(cfg, tokenizer) if cfg.episodes else None
         self.pool = PartialRollouts(self.sampler, self.episodes, self._finish)  # used by `generate_partial` only
-        self.turn_tokens, self.retokenization = cfg.episode.turn_tokens, cfg.episode.retokenization
+        self.turn_tokens, self.retokenization = cfg.turn_tokens, cfg.episode.retokenization
         self.retokenization_logprob = cfg.episode.retokenization_logprob
         self.idle_since = time.perf_counter()
 

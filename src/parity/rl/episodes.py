@@ -223,7 +223,7 @@ def episode_setup(cfg: TrainConfig, tokenizer: Tokenizer, tools=None, environmen
         make,
         cfg.task.prompt_column,
         e.max_turns,
-        e.turn_tokens,
+        cfg.turn_tokens,
         e.tool_timeout_s,
         None if e.tool_format == "auto" else e.tool_format,
         e.retokenization,

@@ -302,7 +302,7 @@ class Run:
             cfg.trainer.micro_batch_tokens,
             cfg.device,
             self.episodes,
-            cfg.episode.turn_tokens,
+            cfg.turn_tokens,
         )
 
     @property

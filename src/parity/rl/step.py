@@ -489,7 +489,7 @@ class LocalBackend:
             parts.sampling,
             seed=parts.rollout_seed(step),
             full_vocab=cfg.diagnostics.full_vocab_positions,
-            limits=None if episodes is None else [cfg.episode.turn_tokens] * len(problems) * cfg.rollout.group_size,
+            limits=None if episodes is None else [cfg.turn_tokens] * len(problems) * cfg.rollout.group_size,
             between=None if episodes is None else episodes.between,
         )
         times["rollout"] = time.perf_counter() - t

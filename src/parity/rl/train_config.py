@@ -407,6 +407,12 @@ class TrainConfig:
     lora: LoRASection = field(default_factory=LoRASection)
 
     @property
+    def turn_tokens(self) -> int:
+        """The token limit of one model turn: episode.turn_tokens, unset the whole rollout.max_new_tokens (read
+        here, not filled in: a config with another rollout.max_new_tokens follows it)."""
+        return self.episode.turn_tokens or self.rollout.max_new_tokens
+
+    @property
     def episodes(self) -> bool:
         """Several model turns per sample, with an environment or tools between them (the built-in tool
         task, task.name=lookup, has its own)."""
@@ -559,9 +565,7 @@ class TrainConfig:
                 "task.environment and task.tools: give one (an environment offers its own tools, as its `tools`)"
             )
         one_of("episode.tool_format", e.tool_format, TOOL_FORMATS)
-        if e.turn_tokens is None:
-            e.turn_tokens = self.rollout.max_new_tokens
-        if not 1 <= e.turn_tokens <= self.rollout.max_new_tokens:
+        if e.turn_tokens is not None and not 1 <= e.turn_tokens <= self.rollout.max_new_tokens:
             raise ConfigError(
                 f"episode.turn_tokens: must be in [1, rollout.max_new_tokens={self.rollout.max_new_tokens}] (the "
                 f"episode's whole budget), got {e.turn_tokens}"
