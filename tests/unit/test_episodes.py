@@ -68,6 +68,16 @@ def test_tool_text_and_arguments():
         True,
     )
     assert call_tool(add, "add", {"a": 1}, 1.0)[0].startswith("error: TypeError:")
+    assert tool_text(float("nan")) == ("error: the tool returned 'float', not text or JSON", True)  # fed as NaN
+
+
+async def _async_add(a: int, b: int) -> int:
+    return a + b
+
+
+def test_an_async_tool_is_awaited():
+    """Every call of an `async def` tool failed ('the tool returned coroutine')."""
+    assert call_tool(_async_add, "add", {"a": 1, "b": 2}, 1.0) == ("3", False)
 
 
 def test_episode_records():

@@ -37,7 +37,7 @@ from parity.engines.turns import TurnRenderer, drifted_tokens, replacing_tokens,
 from parity.rl.lookup import LOOKUP_SCHEMA, TOOL_NAME, lookup_tool, parse_table
 from parity.rl.problems import Problem
 from parity.rl.reward_fns import import_reward_fn
-from parity.rl.rewards import Interrupted, Overran, bounded, exception_summary
+from parity.rl.rewards import Interrupted, Overran, awaited, bounded, exception_summary
 from parity.rl.tasks import TASKS
 from parity.rl.tools import tool_schema
 from parity.rl.train_config import TrainConfig
@@ -80,7 +80,7 @@ def tool_text(value: Any) -> tuple[str, bool]:
         text = value
     else:
         try:
-            text = json.dumps(value, ensure_ascii=False)
+            text = json.dumps(value, ensure_ascii=False, allow_nan=False)  # NaN is no JSON
         except (TypeError, ValueError):
             text, failed = f"error: the tool returned {type(value).__name__!r}, not text or JSON", True
     if len(text) > TOOL_TEXT_CHARS:
@@ -97,7 +97,7 @@ def call_tool(fn: Callable[..., Any], name: str, arguments: Any, timeout_s: floa
     late = f"parity: the run stopped: tool {name} went on after episode.tool_timeout_s={timeout_s:g} s"
     try:
         with bounded(timeout_s, late, 1):
-            value = fn(**arguments)
+            value = awaited(fn(**arguments))  # an async tool's coroutine, awaited
     except Overran:
         return f"error: {name} did not return within {timeout_s:g} s", True
     except Interrupted:

@@ -29,7 +29,6 @@ is not scored, as None. An async function is awaited: a per-sample one's calls o
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import functools
 import importlib
@@ -57,6 +56,7 @@ from parity.rl.rewards import (
     RewardError,
     RewardResult,
     RewardRunner,
+    awaited,
     bounded,
     bounded_call,
     exception_summary,
@@ -268,23 +268,6 @@ def _number(value: object) -> float:
     return float(value)
 
 
-def _awaited(value: Any) -> Any:
-    """`value`, or, if it is awaitable (an async reward's), what it comes to: run on an event loop of its own,
-    in a thread of its own where this thread already runs one (a notebook's)."""
-    if not inspect.isawaitable(value):
-        return value
-
-    async def result() -> Any:
-        return await value
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(result())
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, result()).result()
-
-
 async def _together(values: list[Any]) -> list[Any]:
     """Each value, awaited together where awaitable (a per-sample async function's calls of one batch); what
     one raises is given in its place, wrapped as `_Raised`."""
@@ -381,7 +364,7 @@ def call_reward(
         given = {PROMPT_NAMES[True]: prompts, COMPLETION_NAMES[True]: completions, **columns, **shared}
         kwargs = keywords({**given, "log_extra": logs.extra})
         try:
-            returned = bounded_call(reward.name, timeout_s, lambda: _awaited(reward.fn(**kwargs)))
+            returned = bounded_call(reward.name, timeout_s, lambda: awaited(reward.fn(**kwargs)))
         except (Overran, Interrupted):
             raise
         except BaseException as e:  # noqa: BLE001 - a failure of the function's, as in a worker process
@@ -405,7 +388,7 @@ def call_reward(
             except BaseException as e:  # noqa: BLE001 - a failure of the function's, as in a worker process
                 values.append(_Raised(e))
         if any(inspect.isawaitable(v) for v in values):  # an async function: its calls awaited together
-            values = bounded_call(reward.name, timeout_s, lambda: _awaited(_together(values)))
+            values = bounded_call(reward.name, timeout_s, lambda: awaited(_together(values)))
     for i, returned in enumerate(values):
         try:
             if isinstance(returned, _Raised):

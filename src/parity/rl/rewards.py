@@ -16,7 +16,10 @@ interrupted and the run refused or stopped.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import inspect
 import math
 import multiprocessing as mp
 import os
@@ -143,6 +146,23 @@ def overran_line(name: str, timeout_s: float) -> str:
         "process; an interrupted call may have left its state half-changed, so the run stops (reward.isolate=always "
         "runs it in a worker process, where a call past reward.timeout_s scores 0)"
     )
+
+
+def awaited(value: Any) -> Any:
+    """`value`, or, if it is awaitable (an async reward's), what it comes to: run on an event loop of its own,
+    in a thread of its own where this thread already runs one (a notebook's)."""
+    if not inspect.isawaitable(value):
+        return value
+
+    async def result() -> Any:
+        return await value
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(result())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, result()).result()
 
 
 def bounded_call(name: str, timeout_s: float | None, call: Any) -> Any:
