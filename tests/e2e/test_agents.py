@@ -263,3 +263,31 @@ def test_an_environment_step_that_exits_or_cannot_be_rendered_ends_its_episode_n
         progress=False,
     )
     assert result.history[-1]["episode/end_environment_error_frac"] == 1.0
+
+
+def test_an_episode_s_length_is_the_model_s_own_tokens_for_the_rewards_and_the_files(tmp_path):
+    """The length task's reward and the completions file counted the tokens fed between turns too (73 for
+    48 sampled), unlike `response/length_*`."""
+
+    def lookup(key: str) -> str:
+        """The value under a key."""
+        return "427 is the value you asked for"
+
+    rows = [{"prompt": [{"role": "user", "content": f"{k}?"}], "answer": 1} for k in "ab"]
+    parity.train(
+        "builtin-agent",
+        rows,
+        tools=[lookup],
+        task__name="length",
+        run_dir=tmp_path / "r",
+        steps=1,
+        prompts_per_step=2,
+        rollout__group_size=2,
+        rollout__max_new_tokens=128,
+        eval__every=-1,
+        progress=False,
+    )
+    written = [json.loads(x) for x in (tmp_path / "r" / "completions" / "step_000001.jsonl").read_text().splitlines()]
+    assert any(row["fed_tokens"] for row in written)
+    for row in written:
+        assert row["length"] == row["sampled_tokens"] and row["score"] == -row["sampled_tokens"]

@@ -581,7 +581,7 @@ class Run:
             result.responses,
             result.rewards,
             result.per_function,
-            batch.response_lengths.tolist(),
+            batch.sampled_mask.sum(-1).tolist(),  # the model's own tokens (an episode's fed ones left out)
             batch.truncated.tolist(),
             trained.tolist(),
             advantages.tolist(),

@@ -415,8 +415,9 @@ def score_rollouts(
     batch: RolloutBatch, problems: list[Problem], tokenizer: Tokenizer, runner: RewardRunner
 ) -> RewardResult:
     """Decode each response and score it against its prompt's problem (`problems[group]`), its token ids
-    given as the column `completion_ids` (TRL's). An episode is scored on its last answer, with its messages
-    (`rl/episodes.Episodes.reward_items`)."""
+    given as the column `completion_ids` (TRL's: in an episode every id after the prompt, the fed ones too).
+    An episode is scored on its last answer, with its messages (`rl/episodes.Episodes.reward_items`); the
+    length a reward reads is the model's own tokens (the length task's), as `response/length_*` count them."""
     lengths = batch.response_lengths.tolist()
     groups, ids = batch.group_index.tolist(), batch.response_ids.tolist()
     problems = [
@@ -424,7 +425,7 @@ def score_rollouts(
         for g, n, row in zip(groups, lengths, ids)
     ]
     if batch.episodes is not None:
-        items = batch.episodes.reward_items(problems, lengths)
+        items = batch.episodes.reward_items(problems, batch.sampled_mask.sum(-1).tolist())
         result = runner(items)
         result.responses = batch.episodes.transcripts()
         return result
