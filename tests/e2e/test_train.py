@@ -65,7 +65,7 @@ def test_a_completed_run_resumed_says_so_and_trains_nothing(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", "--resume", str(run_dir)]) == 0
     out = capsys.readouterr().out
-    assert f"the run already completed its 2 steps; go further with --resume {run_dir} steps=N" in out
+    assert f"the run already completed its 2 steps; go further with `parity train --resume {run_dir} steps=N`" in out
     assert (run_dir / "metrics.jsonl").read_text() == before
     assert main(["train", "--resume", str(run_dir)]) == 0  # the first resume released the run directory
     # Fewer steps than the run took: refused (config.yaml was rewritten to say steps: 1 beside step 2's checkpoint)

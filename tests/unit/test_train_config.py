@@ -187,3 +187,13 @@ def test_an_unset_turn_limit_follows_the_response_budget_of_the_config_it_is_in(
         )
         assert again.turn_tokens == budget
     assert config.load(TrainConfig, None, ["episode.turn_tokens=32"]).turn_tokens == 32
+
+
+def test_the_command_that_continues_a_run_confirms_its_code():
+    """A stopped run of tools or reward functions said `parity train --resume DIR`, which is refused without
+    --trust-reward-fn."""
+    from parity.rl.train_config import TrainConfig
+
+    assert TrainConfig().resume_command("runs/r") == "parity train --resume runs/r"
+    for key in ("task.reward_fn=m:f", "task.tools=m:t"):
+        assert config.load(TrainConfig, None, [key]).resume_command("r") == "parity train --resume r --trust-reward-fn"

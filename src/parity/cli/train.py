@@ -71,8 +71,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             return 128 + stop.signum
         print(f"run directory: {run.run_dir}")
         if run.completed:  # open_run closed it
-            done = run.cfg.steps
-            print(f"the run already completed its {done} steps; go further with --resume {run.run_dir} steps=N")
+            done, again = run.cfg.steps, run.cfg.resume_command(run.run_dir)
+            print(f"the run already completed its {done} steps; go further with `{again} steps=N`")
             return 0
         history = run.train(should_stop=lambda: stop.signum is not None)
         if stop.signum is not None:
@@ -106,4 +106,4 @@ class StopRequests(StopSignals):
         saved = checkpoints(self.run.run_dir)
         newest = f"the newest checkpoint is {saved[-1].name}" if saved else "no checkpoint was written"
         when = f"during step {self.run.step_count + 1}" if at_once else f"after step {self.run.step_count}"
-        return f"stopped by {name} {when}; {newest}; continue with `parity train --resume {self.run.run_dir}`"
+        return f"stopped by {name} {when}; {newest}; continue with `{self.run.cfg.resume_command(self.run.run_dir)}`"

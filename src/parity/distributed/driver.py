@@ -252,7 +252,7 @@ class RayBackend:
     def _learner_died(self, error_name: str) -> TrainingError:
         return TrainingError(
             f"step {self.step + 1}: a learner process died ({error_name}); the run stopped. "
-            f"Continue from the last checkpoint with `parity train --resume {self.run_dir}`"
+            f"Continue from the last checkpoint with `{self.cfg.resume_command(self.run_dir)}`"
         )
 
     def old_logprobs(self, batch: RolloutBatch, plan: UpdatePlan) -> tuple[torch.Tensor | None, str]:

@@ -406,6 +406,11 @@ class TrainConfig:
     moe: MoESection = field(default_factory=MoESection)
     lora: LoRASection = field(default_factory=LoRASection)
 
+    def resume_command(self, run_dir: object) -> str:
+        """The command that continues this run: with --trust-reward-fn where it imports Python code of yours."""
+        code = self.task.reward_fn or self.task.tools or self.task.environment
+        return f"parity train --resume {run_dir}" + (" --trust-reward-fn" if code else "")
+
     @property
     def turn_tokens(self) -> int:
         """The token limit of one model turn: episode.turn_tokens, unset the whole rollout.max_new_tokens (read
