@@ -3,6 +3,7 @@ model, the records an episode keeps, and the keys that are refused."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -129,6 +130,7 @@ class _Odd:
         (Step(["hi"]), "TypeError: step().messages is"),
         (Step(reward=float("nan")), "TypeError: step().reward is nan, not a finite number or None"),
         (Step(reward="1"), "TypeError: step().reward is '1', not a finite number or None"),
+        (Step(done="no"), "TypeError: step().done is 'no', not True or False"),  # bool('no') ended it
     ],
 )
 def test_an_environment_step_that_goes_wrong_is_named(answer, error):
@@ -159,3 +161,39 @@ def test_an_environment_that_cannot_start_stops_the_run_in_one_line():
         _new_episode(lambda: type("E", (), {"reset": lambda self, row: "hi"})(), {}, 1.0)
     env, messages = _new_episode(lambda: ToolEnvironment([add], "prompt", 1.0), {"prompt": "2+3?"}, 1.0)
     assert messages == [{"role": "user", "content": "2+3?"}] and isinstance(env, ToolEnvironment)
+
+
+class _ToolsOf:
+    def __init__(self, tools):
+        self._tools = tools
+
+    @property
+    def tools(self):
+        if self._tools == "raise":
+            raise KeyError("schema")
+        return self._tools
+
+
+@pytest.mark.parametrize(
+    "tools, message",
+    [
+        ("raise", "environment: _ToolsOf.tools failed: KeyError: 'schema'"),
+        ({"type": "function", "function": {"name": "f"}}, "environment: _ToolsOf.tools is dict {"),
+        ([{"type": "function", "function": {}}], "a schema that names no function"),
+        ([{"description": "x"}], "a schema that names no function"),
+    ],
+)
+def test_an_environments_tools_that_cannot_be_offered_are_one_line(tools, message):
+    """A raising property was a traceback, a single schema 'tool type: not a named function'."""
+    from parity.rl.episodes import _schemas
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _schemas(_ToolsOf(tools))
+    assert _schemas(_ToolsOf([{"type": "function", "function": {"name": "f"}}, {"name": "g"}, add]))[2]["function"]
+
+
+def test_an_environment_whose_reset_gives_no_messages_is_refused():
+    from parity.rl.episodes import _new_episode
+
+    with pytest.raises(ConfigError, match=r"^environment: <lambda>.reset\(\) gave no first messages"):
+        _new_episode(lambda: type("E", (), {"reset": lambda self, row: [], "step": lambda self, a: None})(), {}, 1.0)

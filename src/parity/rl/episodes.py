@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from parity.config import ConfigError
+from parity.config import ConfigError, described
 from parity.engines.batch import RolloutBatch
 from parity.engines.tokenizer import Message, Tokenizer
 from parity.engines.trainer import sequence_logprobs
@@ -259,10 +259,22 @@ class EpisodeSetup:
             print(f"parity: {line}", file=sys.stderr)
 
 
-def _schemas(tools: Any) -> list[dict[str, Any]] | None:
-    """The JSON schemas of an environment's `tools` (functions, or schemas as they are)."""
+def _schemas(env: Any) -> list[dict[str, Any]] | None:
+    """The JSON schemas of an environment's `tools` (functions, or schemas as they are); a ConfigError for
+    tools that are not a list of functions and schemas that name their function."""
+    name = type(env).__name__
+    try:
+        tools = getattr(env, "tools", None)
+    except Exception as e:  # noqa: BLE001 - a property of yours: one line naming it
+        raise ConfigError(f"environment: {name}.tools failed: {exception_summary(e)}") from None
     if not tools:
         return None
+    if not isinstance(tools, (list, tuple)):
+        raise ConfigError(f"environment: {name}.tools is {described(tools)}; expected a list of functions or schemas")
+    for t in tools:
+        schema = t.get("function", t) if isinstance(t, dict) else None  # OpenAI's form, or the function's own
+        if isinstance(t, dict) and not (isinstance(schema, dict) and isinstance(schema.get("name"), str)):
+            raise ConfigError(f"environment: {name}.tools holds {t!r:.80}, a schema that names no function")
     return [t if isinstance(t, dict) else tool_schema(t) for t in tools]
 
 
@@ -291,7 +303,9 @@ def environment_step(env: Any, assistant: Message, timeout_s: float) -> Step:
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise TypeError(f"step().reward is {reward!r:.40}, not a finite number or None")
         reward = float(reward)
-    return Step(_checked_messages(step.messages, "step().messages"), bool(step.done), reward)
+    if not isinstance(step.done, bool):  # `bool("no")` is True: a string would end the episode
+        raise TypeError(f"step().done is {step.done!r:.40}, not True or False")
+    return Step(_checked_messages(step.messages, "step().messages"), step.done, reward)
 
 
 def _check_environment(environment: object, name: str) -> None:
@@ -327,6 +341,8 @@ def _new_episode(make: Callable[[], Any], row: dict[str, Any], timeout_s: float)
         raise ConfigError(f"environment: {name} failed as it was made or reset: {exception_summary(e)}") from None
     if isinstance(messages, str):
         return env, [{"role": "user", "content": messages}]
+    if messages == []:
+        raise ConfigError(f"environment: {name}.reset() gave no first messages; the model needs a prompt to answer")
     try:
         return env, _checked_messages(messages, f"{name}.reset()'s answer")
     except TypeError as e:
@@ -364,7 +380,7 @@ class Episodes:
                 environments.append(env)
                 episodes.append(Episode(messages, len(messages)))
             if setup.renderer is None:
-                setup.tools = _schemas(getattr(environments[0], "tools", None))
+                setup.tools = _schemas(environments[0])
                 setup.renderer = TurnRenderer(setup.tokenizer, setup.tools, setup.style)
             prompts.append(setup.renderer.prompt_ids(first))
         return cls(setup, environments, episodes), prompts
