@@ -275,6 +275,9 @@ class Trainer:
                 if not found_again(r.fn):
                     _warn_not_found_again("reward function", r.fn)
             values["task.reward_weights"] = [r.weight for r in self.rewards]
+        for key, given in (("task.tools", self.tools), ("task.environment", self.environment)):
+            if given and key in values:  # the Python objects would win over the key, silently
+                raise ConfigError(f"{key.split('.')[1]}= and {key}: give one (the objects, or where to import them)")
         if self.tools:
             values["task.tools"] = [function_spec(fn) for fn in self.tools]
             for fn in self.tools:

@@ -815,3 +815,14 @@ def test_a_refused_run_names_the_dataset_row_and_leaves_no_folder_it_made(tmp_pa
     with pytest.raises(RewardCheckError):
         parity.train("builtin", [{"prompt": "1+1=", "completions": 1}], reward, run_dir="kept/b/c", steps=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not any((tmp_path / "kept").iterdir())
+
+
+def test_a_run_outside_the_main_thread_says_its_time_limits_do_not_hold(tmp_path, capsys):
+    """SIGALRM reaches the main thread only: a tool that slept past episode.tool_timeout_s there was not cut."""
+    import threading
+
+    thread = threading.Thread(target=parity.train, kwargs=dict(run_dir=tmp_path / "r", progress=False, **SMALL))
+    thread.start()
+    thread.join()
+    assert "WARNING: this run trains outside the main thread, where the time limits" in capsys.readouterr().err
+    assert (tmp_path / "r" / "metrics.jsonl").is_file()

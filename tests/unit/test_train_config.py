@@ -197,3 +197,11 @@ def test_the_command_that_continues_a_run_confirms_its_code():
     assert TrainConfig().resume_command("runs/r") == "parity train --resume runs/r"
     for key in ("task.reward_fn=m:f", "task.tools=m:t"):
         assert config.load(TrainConfig, None, [key]).resume_command("r") == "parity train --resume r --trust-reward-fn"
+
+
+def test_episodes_without_the_chat_template_are_refused():
+    """task.chat_template=none was ignored: an episode's turns are the template's."""
+    from parity.rl.train_config import TrainConfig
+
+    with pytest.raises(ConfigError, match="^task.chat_template=none: episodes are conversations"):
+        config.load(TrainConfig, None, ["model=builtin-agent", "task.tools=m:t", "task.chat_template=none"])

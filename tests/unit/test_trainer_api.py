@@ -254,3 +254,14 @@ def test_grpo_trainer_s_argument_names_are_taken_as_they_are():
         parity.Trainer("builtin", rows, reward, reward_funcs=[reward])
     with pytest.raises(ConfigError, match=r"^processing_class: Parity reads the tokenizer"):
         parity.Trainer("builtin", rows, reward, processing_class=object())
+
+
+def test_tools_given_twice_are_refused():
+    """`tools=` won over `task__tools` silently."""
+
+    def lookup(key: str) -> str:
+        """The value under a key."""
+        return key
+
+    with pytest.raises(ConfigError, match=r"^tools= and task.tools: give one"):
+        parity.Trainer("builtin-agent", [{"prompt": "a?", "answer": 1}], tools=[lookup], task__tools=["m:search"])

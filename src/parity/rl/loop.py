@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -554,12 +555,16 @@ class Run:
             self.truncation_warned = False
             return
         if not self.truncation_warned:
-            samples = int(metrics["train/samples"])
+            samples, budget = int(metrics["train/samples"]), f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens}"
             done = "scored them 0" if a.truncated == "zero_reward" else "left them out of the loss"
+            where, raise_ = f"at {budget}", "rollout.max_new_tokens"
+            if self.cfg.episodes:  # a turn's limit, or the episode's budget with no room for what came between
+                where = f"(a turn at episode.turn_tokens={self.cfg.turn_tokens}, or the episode at {budget})"
+                raise_ = "episode.turn_tokens or rollout.max_new_tokens"
             tqdm.write(
-                f"WARNING step {self.step_count}: {round(cut * samples)} of {samples} responses were cut off at "
-                f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens} and algorithm.truncated={a.truncated} "
-                f"{done}; raise rollout.max_new_tokens, or set algorithm.truncated=keep to train on their rewards",
+                f"WARNING step {self.step_count}: {round(cut * samples)} of {samples} responses were cut off {where} "
+                f"and algorithm.truncated={a.truncated} {done}; raise {raise_}, or set algorithm.truncated=keep to "
+                "train on their rewards",
                 file=sys.stderr,
             )
         self.truncation_warned = True
@@ -668,6 +673,12 @@ class Run:
             )
         if self.announce:
             print(settings_line(cfg), file=sys.stderr)
+        if threading.current_thread() is not threading.main_thread():
+            print(  # `rewards.bounded` arms SIGALRM, which only the main thread receives
+                "WARNING: this run trains outside the main thread, where the time limits of reward functions, tools "
+                "and environments (reward.in_process_timeout_s, episode.tool_timeout_s) cannot be enforced",
+                file=sys.stderr,
+            )
         history = []
         self.saved_step = self.step_count  # a resumed run's step is its checkpoint's
         bar = tqdm(total=cfg.steps, initial=self.step_count, desc="train", unit="step", disable=not self.progress)

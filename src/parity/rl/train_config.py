@@ -582,6 +582,10 @@ class TrainConfig:
             raise ConfigError(refusal)
         if e.retokenization_logprob and not e.retokenization:
             raise ConfigError("episode.retokenization_logprob=true needs episode.retokenization=true (the count)")
+        if t.chat_template == "none":  # it was ignored: an episode's turns are the template's
+            raise ConfigError(
+                "task.chat_template=none: episodes are conversations, rendered by the model's chat template"
+            )
 
     def resolve_paths(self, origin: Path) -> None:
         """Data paths and a model directory made absolute against `origin` (the working directory the run
