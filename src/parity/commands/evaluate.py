@@ -215,7 +215,7 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
             scored = "your reward functions" if run.task.reward_fn else f"task.name={run.task.name}"
             raise ConfigError(
                 f"{cfg.target}: the run trained on {run.task.data} with {scored} and set no eval.data, and Parity "
-                "generates no held-out split for it; pass data=FILE"
+                "generates no held-out split for it; pass data=FILE (eval_dataset= in Python)"
             )
         trained = set()
         if run is not None:
