@@ -86,7 +86,7 @@ def test_batches_counts_and_the_rest():
         ({"num_generations": 3}, r"^GRPOConfig\(generation_batch_size=8\): must be divisible by num_generations=3"),
         ({"num_generations": 16, "generation_batch_size": 32}, r"× gradient_accumulation_steps=1 = 8 completions"),
         ({"max_steps": 3, "num_iterations": 2}, r"^GRPOConfig\(max_steps=3\): counts optimizer updates"),
-        ({"max_completion_length": 0}, r"rollout.max_new_tokens=0"),
+        ({"max_completion_length": 0}, r"rollout.max_new_tokens must be >= 1, got 0"),
         ({"scale_rewards": "std"}, r"^algorithm.scale_rewards: unknown value 'std'"),
     ],
 )
