@@ -186,10 +186,21 @@ def _set(attr, value):
 )
 def test_variants_match_transformers(family_dirs, tmp_path, name, tok_cfg_edit, backend_edit):
     path = _variant(family_dirs[name][0], tmp_path / name, tok_cfg_edit, backend_edit)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 1}))  # room to add
     ours, hf = load_tokenizer(path), _hf(path)
     for text in [*TEXTS, "x <|pad|> y"]:
         assert ours.encode(text) == hf(text)["input_ids"], text
     assert ours.encode_chat(CHATS[0]) == _hf_chat(hf, CHATS[0])
+
+
+def test_a_token_past_the_models_vocabulary_is_refused_naming_it(family_dirs, tmp_path):
+    """A pad token tokenizer_config.json names and tokenizer.json lacks is added after the last id: past the
+    embedding it was an IndexError in the first padded batch of train, mismatch and doctor."""
+    path = _variant(family_dirs["qwen3"][0], tmp_path / "qwen3", {"pad_token": "<|pad|>"})
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    with pytest.raises(ModelError, match=rf"token '<\|pad\|>' has id {vocab}, past config.json's vocab_size={vocab}"):
+        load_tokenizer(path)
 
 
 def test_chat_template_sources(family_dirs, tmp_path):

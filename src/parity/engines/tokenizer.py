@@ -417,6 +417,13 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     # Ids index the model's embedding: config.json's vocab_size bounds them (load_config checks that value).
     declared = cfg.get("vocab_size")
     vocab_size = declared if isinstance(declared, int) and declared > 0 else backend.get_vocab_size()
+    token, last = max(backend.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+    if last >= vocab_size:  # a token the embedding has no row for (a special token the files name but lack)
+        added = " (tokenizer_config.json names it and tokenizer.json lacks it: it was added after the last)"
+        raise ModelError(
+            f"{model_dir}: the tokenizer's token {token!r} has id {last}, past config.json's vocab_size={vocab_size}: "
+            f"the model has no embedding for it{added if token in {t.content for t in missing} else ''}"
+        )
 
     def ids(config: dict[str, Any], key: str, name: str) -> list[int]:
         """The id (or ids) under `key` of config file `name`, each checked against the model's vocabulary."""
