@@ -341,6 +341,14 @@ def _hostile_adapter_configs() -> dict[str, tuple[str, str | bytes]]:
     }
     for key, plain in PLAIN_LORA_OPTIONS.items():
         bad[key] = {k: v for k, v in (kinds | {"all": "all", "1": 1}).items() if v not in plain}
+    # PEFT options outside that list that change what an adapter computes (aLoRA was read as plain LoRA)
+    bad |= {
+        "alora_invocation_tokens": {"list": [1000, 1001]},
+        "lora_bias": {"true": True},
+        "layer_replication": {"list": [[0, 1]]},
+        "trainable_token_indices": {"list": [5]},
+        "a field of a later PEFT": {"string": "x"},
+    }
     cases = {}
     for key, values in bad.items():
         cases |= {f"{key}={name}": (key, json.dumps(valid | {key: value})) for name, value in values.items()}
@@ -389,3 +397,21 @@ def test_an_adapter_config_that_is_a_fifo_is_refused_unread(adapter_dir, tmp_pat
     assert main(["eval", str(folder), "--out", str(tmp_path / "out")]) == 2
     assert f"{folder / CONFIG_FILE} is not a regular file" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", [float("nan"), "int32"])
+def test_adapter_tensors_that_are_not_finite_floats_are_refused(adapter_dir, tmp_path, capsys, value):
+    """An adapter holding NaN was evaluated, its NaN KL written; an integer one was cast silently."""
+    folder = tmp_path / "adapter"
+    shutil.copytree(adapter_dir, folder)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    name = next(k for k in tensors if "lora_B" in k)
+    if value == "int32":
+        tensors[name] = (tensors[name] * 100).to(torch.int32)
+    else:
+        tensors[name][0, 0] = value
+    save_file(tensors, folder / "adapter_model.safetensors")
+    out = tmp_path / "out"
+    assert main(["eval", str(folder), "--out", str(out), "precisions=fp32", "num_prompts=1", "samples=1"]) == 2
+    assert f"adapter tensors that are not finite floating-point numbers: {name}" in capsys.readouterr().err
+    assert not out.exists()

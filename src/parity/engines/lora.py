@@ -53,6 +53,15 @@ PLAIN_LORA_OPTIONS = {
     "alpha_pattern": ({},),
     "layers_to_transform": (None,),
 }
+# PEFT's fields that say nothing of what a trained adapter computes (how it was initialised or saved): any
+# value. Every other field PEFT has or will have must be unset (None, false or empty): aLoRA's invocation
+# tokens, a bias, replicated layers, trainable tokens ... would make a model Parity computes otherwise.
+INERT_FIELDS = {
+    "peft_type", "r", "lora_alpha", "target_modules", "lora_dropout", "task_type", "inference_mode",
+    "base_model_name_or_path", "revision", "auto_mapping", "peft_version", "init_lora_weights", "loftq_config",
+    "eva_config", "corda_config", "lora_ga_config", "megatron_config", "megatron_core", "qalora_group_size",
+    "layers_pattern", "ensure_weight_tying",
+}  # fmt: skip
 
 
 class AdapterError(ValueError):
@@ -182,6 +191,9 @@ def load_adapter_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> No
     ]
     if wrong:
         raise AdapterError(f"adapter shapes do not match lora.rank and the model ({'; '.join(wrong[:3])})")
+    bad = [k for k in params if not tensors[k].is_floating_point() or not torch.isfinite(tensors[k]).all()]
+    if bad:  # an integer tensor would be cast silently, and inf/NaN would reach every score
+        raise AdapterError(f"adapter tensors that are not finite floating-point numbers: {', '.join(bad[:3])}")
     for k, p in params.items():
         p.copy_(tensors[k])
 
@@ -301,6 +313,9 @@ def check_adapter_fields(saved: dict[str, Any], where: str) -> LoRAConfig:
     for key, plain in PLAIN_LORA_OPTIONS.items():
         if key in saved and saved[key] not in plain:
             raise refuse(key, f"{' or '.join(json.dumps(v) for v in plain)} (plain LoRA, which Parity computes)")
+    for key, value in saved.items():
+        if key not in INERT_FIELDS and key not in PLAIN_LORA_OPTIONS and value not in (None, False, [], {}):
+            raise refuse(key, "it unset: Parity computes plain LoRA, and this option changes what an adapter computes")
     return LoRAConfig(rank, float(alpha), tuple(targets), True)
 
 
