@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import stat
 from pathlib import Path
@@ -103,7 +104,14 @@ def check_output_dir(out: Path, key: str = "--out") -> None:
         raise ConfigError(
             f"{key} {out}: inside the run directory {run}, which holds a run's files only; choose a folder outside it"
         )
-    if not out.is_dir() or not any(out.iterdir()):
+    if not out.exists():  # it is made when the work is done: a place it cannot be made is refused now
+        parent = next(p for p in out.absolute().parents if p.exists())
+        if not parent.is_dir():
+            raise ConfigError(f"{key} {out}: {parent} is a file, not a folder")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"{key} {out}: cannot be made in {parent}, where this user may not write")
+        return
+    if not any(out.iterdir()):
         return
     refuse_links(out, key)
     with Folder.open(out, key=key) as folder:

@@ -119,6 +119,15 @@ def test_sanity_and_phantom_refuse_bad_flags_before_writing(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_an_out_folder_that_cannot_be_made_is_refused_before_the_work(tmp_path, capsys):
+    """`--out afile/sub` ran the whole command, then failed with 'Not a directory' naming no key."""
+    (tmp_path / "afile").write_text("mine")
+    out = tmp_path / "afile" / "sub"
+    _refused(["doctor", "--model", "builtin", "--out", str(out)], capsys, f"{out}: {tmp_path / 'afile'} is a file")
+    _refused(["mismatch", "pairs=[]", "--out", str(tmp_path / "m")], capsys, "pairs: expected distinct TRAINER/ROLLOUT")
+    assert (tmp_path / "afile").read_text() == "mine" and not (tmp_path / "m").exists()
+
+
 def test_a_runs_folder_holding_anything_else_is_not_deleted(tmp_path):
     """`parity sanity` and `parity phantom` redo their runs by deleting the previous ones: never a folder
     holding anything but a run's files."""

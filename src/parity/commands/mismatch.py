@@ -92,6 +92,8 @@ class MismatchConfig:
         for key in ("full_vocab_positions", "shape_micro_batch"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must be >= 0 (0 = off), got {getattr(self, key)}")
+        if not self.pairs or len(set(self.pairs)) != len(self.pairs):
+            raise ConfigError(f"pairs: expected distinct TRAINER/ROLLOUT pairs, at least one, got {self.pairs}")
         for p in self.pairs:
             train_p, roll_p = parse_pair(p)
             if self.exact and train_p != roll_p:
