@@ -397,3 +397,15 @@ def test_yaml_1_1_s_base_60_numbers_are_refused(tmp_path):
         config.load(TrainConfig, path)
     with pytest.raises(ConfigError, match="^steps: expected an integer, got '1:0'$"):
         config.load(TrainConfig, None, ["steps=1:0"])
+
+
+def test_eval_refuses_weights_that_do_not_pair_with_its_reward_functions():
+    """zip dropped the extra weights, and weights without functions were ignored."""
+    from parity.commands.evaluate import EvalConfig
+
+    for keys, count in (
+        (["reward_fn=m:f", "reward_weights=[1,2]"], "2 weights for 1"),
+        (["reward_weights=[1]"], "1 weights for 0"),
+    ):
+        with pytest.raises(ConfigError, match=f"^reward_weights: {count} reward functions"):
+            config.load(EvalConfig, None, ["target=builtin", *keys])

@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "eval.data, else the task's held-out split; or a JSONL/Parquet file), task, difficulty, reward_fn "
             "(module:function, several comma-separated; default a run's own), reward_weights, num_prompts, "
             "samples, temperature (0 = greedy), max_new_tokens (0: a run's rollout.max_new_tokens, else 96), "
-            "chat_template, device, seed. "
+            "chat_template, completion_format (run: a run's, else text; or text, messages, auto), device, seed. "
             "Example: parity eval runs/my-run --trust-reward-fn precisions=fp32,bf16 --out eval-my-run"
         ),
     )

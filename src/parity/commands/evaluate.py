@@ -115,6 +115,11 @@ class EvalConfig:
             raise ConfigError(
                 f"chat_template: unknown value {self.chat_template!r}; allowed: {', '.join(CHAT_TEMPLATE_MODES)}"
             )
+        if self.reward_weights and len(self.reward_weights) != len(self.reward_fn):  # zip dropped the extra ones
+            raise ConfigError(
+                f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_fn)} reward functions "
+                "(reward_fn); give one per function, or none (1 each)"
+            )
         for key, low in (("num_prompts", 1), ("samples", 1), ("max_new_tokens", 0)):
             if getattr(self, key) < low:
                 raise ConfigError(f"{key}: must be >= {low}, got {getattr(self, key)}")
