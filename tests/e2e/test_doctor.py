@@ -127,3 +127,16 @@ def test_recommend_weighs_gradient_overflow_and_mismatch():
     assert precision == "bf16" and "loss scaling cannot fix" in reason
     precision, reason = recommend(reports, finite, {"fp16": bf16_metrics, "bf16": fp16_metrics})
     assert precision == "bf16" and "not smaller than BF16's" in reason
+
+
+def test_prompts_that_are_all_one_token_are_one_line():
+    """A chat template rendering every probe as one token built an empty float mask: an IndexError."""
+    import pytest
+
+    from parity.commands.doctor import teacher_forced
+    from parity.config import ConfigError
+
+    contexts, ids, mask = teacher_forced([[5], [1, 2, 3]])
+    assert contexts == [[1]] and ids.tolist() == [[2, 3]] and mask.dtype == torch.bool
+    with pytest.raises(ConfigError, match="^every probe prompt encodes as one token"):
+        teacher_forced([[5], [7]])

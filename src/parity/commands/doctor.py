@@ -144,7 +144,14 @@ def layer_reports(model: CausalLM, prompts: list[list[int]]) -> list[LayerReport
 
 
 def teacher_forced(prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
-    """Each prompt as a response to its own first token: (contexts, response ids [B, T], mask [B, T])."""
+    """Each prompt as a response to its own first token: (contexts, response ids [B, T], mask [B, T]); a
+    one-token prompt has nothing to score, and prompts that are all one token are a ConfigError."""
+    prompts = [p for p in prompts if len(p) > 1]
+    if not prompts:
+        raise ConfigError(
+            "every probe prompt encodes as one token (the chat template?): the FP16 step scores none; "
+            "--chat-template none probes the raw text"
+        )
     responses = [p[1:] for p in prompts]
     width = max(len(r) for r in responses)
     ids = torch.tensor([r + [0] * (width - len(r)) for r in responses])
