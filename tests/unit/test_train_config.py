@@ -34,6 +34,7 @@ from parity.rl.train_config import TrainConfig
         (["task.reward_fn=nomodule"], r"task.reward_fn\[0\]: expected 'module:function'"),
         (["rollout.top_p=0"], r"rollout.top_p must be in \(0, 1\]"),
         (["device=tpu"], r"^device: unknown value 'tpu'; allowed: cpu, cuda$"),  # was a KeyError traceback
+        (["lora.targets=q_proj"], r"^lora.targets=q_proj has no effect with lora.rank=0 \(LoRA off\)"),
         (["rollout.max_new_tokens=0"], r"^rollout.max_new_tokens must be >= 1, got 0$"),  # named episode.turn_tokens
         (
             ["algorithm.name=grpo_seq_geo_rs", "algorithm.ratio_source=rollout"],

@@ -450,6 +450,10 @@ class TrainConfig:
                 raise ConfigError(f"lora.alpha={r.alpha:g} has no effect with lora.rank=0 (LoRA off); set lora.rank")
             if not r.merge:
                 raise ConfigError("lora.merge=false has no effect with lora.rank=0 (LoRA off); set lora.rank")
+            if list(r.targets) != list(TARGETS):
+                raise ConfigError(
+                    f"lora.targets={','.join(r.targets)} has no effect with lora.rank=0 (LoRA off); set lora.rank"
+                )
             return
         r.alpha = 2.0 * r.rank if r.alpha is None else r.alpha
         if not r.merge and self.algorithm.probe:
