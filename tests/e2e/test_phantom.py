@@ -76,7 +76,7 @@ def test_one_update_clips_only_what_the_ratio_source_lets_in(tmp_path, pair, sou
 
 
 def test_gap_splits_into_beta_and_kappa(tmp_path):
-    (m,) = _steps(tmp_path, [*PAIRS["fp32/bf16"], "algorithm.probe=true"], steps=1)
+    (m,) = _steps(tmp_path / "probe", [*PAIRS["fp32/bf16"], "algorithm.probe=true"], steps=1)
     assert m["beta/abs_mean"] > 0 and m["kappa/abs_mean"] > 0 and m["time/score"] > 0
     assert math.isclose(m["gap/mean"], m["beta/mean"] + m["kappa/mean"], rel_tol=1e-5, abs_tol=1e-9)
     # Without the probe in mismatched precision β and κ are unknown and not logged.
