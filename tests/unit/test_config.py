@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -361,40 +363,38 @@ def test_yaml_the_safe_loader_cannot_map_is_one_line(tmp_path, text):
         config.load(MismatchConfig, path)
 
 
-def test_a_key_given_twice_in_a_file_is_refused_and_a_section_override_adds_to_the_earlier_ones(tmp_path):
-    """YAML keeps a repeated key's last value: a second `rollout:` block dropped the first one's keys, and
-    on the command line `rollout={...}` dropped an earlier `rollout.group_size=2`."""
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        # YAML keeps a repeated key's last value: a second `rollout:` block dropped the first one's keys
+        (
+            "rollout:\n  group_size: 2\nsteps: 2\nrollout:\n  temperature: 0.5\n",
+            "4: 'rollout' is given twice (first on line 1)",
+        ),
+        ("trainer:\n  lr: 1.0e-5\n  lr: 2.0e-5\n", "3: 'lr' is given twice (first on line 2)"),
+        # a check after the type names the key in other words than `KEY: ...`: the line was lost
+        ("steps: 2\nrollout:\n  top_p: 3\n", "3: rollout.top_p must be in (0, 1], got 3"),
+        (
+            "steps: 1:0\n",
+            "1: cannot load this YAML value (1:0 is the base-60 number 60 to YAML 1.1; quote it",
+        ),  # 60 steps
+    ],
+)
+def test_a_config_file_s_value_that_would_mislead_is_refused_naming_its_line(tmp_path, text, message):
     from parity.rl.train_config import TrainConfig
 
     path = tmp_path / "c.yaml"
-    path.write_text("rollout:\n  group_size: 2\nsteps: 2\nrollout:\n  temperature: 0.5\n")
-    with pytest.raises(ConfigError, match=rf"^{path}:4: 'rollout' is given twice \(first on line 1\)$"):
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"^{re.escape(f'{path}:{message}')}"):
         config.load(TrainConfig, path)
-    path.write_text("trainer:\n  lr: 1.0e-5\n  lr: 2.0e-5\n")
-    with pytest.raises(ConfigError, match=rf"^{path}:3: 'lr' is given twice \(first on line 2\)$"):
-        config.load(TrainConfig, path)
+
+
+def test_a_section_override_adds_to_the_earlier_keys_of_its_section():
+    """On the command line `rollout={...}` dropped an earlier `rollout.group_size=2`."""
+    from parity.rl.train_config import TrainConfig
+
     cfg = config.load(TrainConfig, None, ["rollout.group_size=2", "rollout={temperature: 0.5}", "steps=3"])
     assert (cfg.rollout.group_size, cfg.rollout.temperature, cfg.steps) == (2, 0.5, 3)
-
-
-def test_a_value_a_check_refuses_is_named_by_its_file_and_line(tmp_path):
-    """The checks after the types (`validate`) name the key in other words than `KEY: ...`: the line was lost."""
-    from parity.rl.train_config import TrainConfig
-
-    path = tmp_path / "c.yaml"
-    path.write_text("steps: 2\nrollout:\n  top_p: 3\n")
-    with pytest.raises(ConfigError, match=rf"^{path}:3: rollout.top_p must be in \(0, 1\], got 3"):
-        config.load(TrainConfig, path)
-
-
-def test_yaml_1_1_s_base_60_numbers_are_refused(tmp_path):
-    """`steps: 1:0` was 60 steps."""
-    from parity.rl.train_config import TrainConfig
-
-    path = tmp_path / "c.yaml"
-    path.write_text("steps: 1:0\n")
-    with pytest.raises(ConfigError, match=rf"^{path}:1: .*1:0 is the base-60 number 60 to YAML 1.1; quote it"):
-        config.load(TrainConfig, path)
     with pytest.raises(ConfigError, match="^steps: expected an integer, got '1:0'$"):
         config.load(TrainConfig, None, ["steps=1:0"])
 
