@@ -99,7 +99,7 @@ def _rows(data: Dataset, name: str) -> list[dict[str, Any]] | str:
 
 
 def _warn_not_found_again(what: str, fn: object) -> None:
-    """Say once that config.yaml cannot name `fn` for `--resume` and `parity eval` to import it."""
+    """Say that config.yaml cannot name `fn` for `--resume` and `parity eval` to import it."""
     print(
         f"WARNING {what} {function_spec(fn)}: a lambda, a nested function, a functools.partial or a callable object "
         "is not found again by its name: `parity train --resume` and `parity eval` of this run need it given from "
