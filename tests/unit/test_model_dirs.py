@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -475,3 +476,28 @@ def test_the_non_finite_scan_names_exactly_the_tensors_with_inf_or_nan():
     }
     assert non_finite_tensors(tensors) == ["nan", "fp16_inf"]
     assert non_finite_tensors({"ints": torch.arange(3)}) == []
+
+
+def test_a_folder_of_parity_s_given_as_a_model_says_what_it_is(tmp_path):
+    """A checkpoint, a run or an adapter folder given where a model directory goes said only 'no
+    tokenizer.json; save the tokenizer beside the weights'; an empty model was the working directory."""
+    from parity import config
+    from parity.config import ConfigError
+    from parity.rl.train_config import TrainConfig
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
+    (ckpt / "model").mkdir(parents=True)
+    (ckpt / "model" / "config.json").write_text("{}")
+    (ckpt / "state.json").write_text("{}")
+    (tmp_path / "run" / "config.yaml").write_text("steps: 1\n")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    for folder, says in [
+        (ckpt, f"(a checkpoint: its model is {ckpt / 'model'})"),
+        (tmp_path / "run", "(a run directory: `parity eval` takes it"),
+        (tmp_path / "adapter", "(a LoRA adapter: `parity eval` takes it"),
+    ]:
+        with pytest.raises(ModelError, match=re.escape(f"{folder}: no tokenizer.json {says}")):
+            load_tokenizer(folder)
+    with pytest.raises(ConfigError, match="^model: empty"):
+        config.load(TrainConfig, None, ["model="])

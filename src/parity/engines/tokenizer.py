@@ -35,7 +35,7 @@ from typing import Any
 
 from parity.engines import template_sandbox
 from parity.engines.models.config import ModelError, config_token_ids
-from parity.engines.models.io import BUILTIN_DIR, model_file, read_json, read_text, resolve_model_dir
+from parity.engines.models.io import BUILTIN_DIR, model_file, not_a_model, read_json, read_text, resolve_model_dir
 
 # task.chat_template (and mismatch/perfectible `chat_template`, doctor --chat-template): `auto` applies the
 # model's chat template when it has one, `messages` to prompts given as messages only (a string stays raw
@@ -378,10 +378,9 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     tokenizer_files(model_dir)  # every file a checkpoint will copy lies inside the directory: checked now
     path = model_file(model_dir, "tokenizer.json")
     if not path.is_file():
-        raise ModelError(
-            f"{model_dir}: no tokenizer.json; save the tokenizer beside the weights "
-            "(tokenizer.save_pretrained(DIR) writes it)"
-        )
+        instead = not_a_model(model_dir)  # a folder of Parity's that is not a model
+        save = "; save the tokenizer beside the weights (tokenizer.save_pretrained(DIR) writes it)"
+        raise ModelError(f"{model_dir}: no tokenizer.json{instead or save}")
 
     def optional(name: str) -> dict[str, Any]:
         return read_json(model_dir / name) if model_file(model_dir, name).is_file() else {}

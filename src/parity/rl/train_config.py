@@ -506,6 +506,8 @@ class TrainConfig:
             )
         except ValueError as e:
             raise ConfigError(str(e).replace("sampling.", "rollout.")) from None
+        if not self.model.strip():  # "" is the working directory to a path
+            raise ConfigError("model: empty; give a model directory, a Hugging Face id in the local cache or builtin")
         one_of("algorithm.name", self.algorithm.name, ESTIMATORS)
         one_of("task.name", self.task.name, TASKS)
         one_of("task.chat_template", self.task.chat_template, CHAT_TEMPLATE_MODES)

@@ -108,6 +108,8 @@ def resolve_model_dir(model: str | Path) -> Path:
         if not (folder / "model.safetensors").is_file():
             raise ModelError(f"the {model} model is missing from {folder}; rebuild it with `{command}`")
         return folder
+    if not str(model).strip():
+        raise ModelError("model: empty; give a model directory, a Hugging Face id in the local cache or builtin")
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -126,11 +128,25 @@ def resolve_model_dir(model: str | Path) -> Path:
     )
 
 
+def not_a_model(folder: Path) -> str:
+    """What a folder given as a model directory is instead, when it is a checkpoint, a run or an adapter of
+    Parity's (a hint for the line that refuses it), else ''."""
+    if (folder / "model" / "config.json").is_file() and (folder / "state.json").is_file():
+        return f" (a checkpoint: its model is {folder / 'model'})"
+    if (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir():
+        return " (a run directory: `parity eval` takes it; a checkpoint's model is checkpoints/step_N/model)"
+    if (folder / "adapter_config.json").is_file():
+        return " (a LoRA adapter: `parity eval` takes it; other commands take its base model)"
+    return ""
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     model_dir = resolve_model_dir(model_dir)
     path = model_file(model_dir, "config.json")
     if not path.is_file():
-        raise ModelError(f"{model_dir}: no config.json; this is not a Hugging Face model directory")
+        raise ModelError(
+            f"{model_dir}: no config.json; this is not a Hugging Face model directory{not_a_model(model_dir)}"
+        )
     return ModelConfig.from_hf(read_json(path), source=str(path))
 
 
