@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import stat
@@ -153,7 +154,18 @@ def write_output(path: Path, data: str | bytes) -> None:
 
 
 def write_output_json(path: Path, obj: object) -> None:
-    write_output(path, json.dumps(obj, indent=2) + "\n")
+    """`obj` as strict JSON: a NaN or an infinity, which JSON has no number for, is written null."""
+    write_output(path, json.dumps(_finite(obj), indent=2, allow_nan=False) + "\n")
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def mark_written(out: Path) -> None:

@@ -154,3 +154,16 @@ def test_build_model_replaces_only_a_folder_it_wrote(tmp_path, capsys):
     assert (ours / "model.safetensors").read_bytes() != first and (ours / MARK).is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["built", "my-llama"]  # no temporary folder left
     assert BUILTIN_DIR.is_dir()
+
+
+def test_result_files_are_strict_json(tmp_path):
+    """eval.json and doctor.json held bare NaN, which strict parsers (jq, JavaScript) refuse."""
+    from parity.outdir import claim_output_dir, write_output_json
+
+    out = claim_output_dir(tmp_path / "out")
+    write_output_json(out / "r.json", {"kl": float("nan"), "gaps": [float("inf"), 1.5], "n": 2})
+
+    def refuse(constant):
+        raise ValueError(constant)
+
+    assert json.loads((out / "r.json").read_text(), parse_constant=refuse) == {"kl": None, "gaps": [None, 1.5], "n": 2}
