@@ -253,3 +253,19 @@ def test_what_someone_put_in_a_checkpoint_is_not_pruned_and_nothing_is_made_insi
         f"inside the run directory {run_dir.resolve()}; choose a folder outside it"
     )
     assert not out.exists() and not (out.parent / "inner").exists()
+
+
+def test_eval_refuses_a_damaged_checkpoint_before_it_evaluates_any_state(trained_run, tmp_path, capsys, monkeypatch):
+    """The base and every earlier checkpoint were evaluated (minutes each on a real model) before the
+    damaged one was read and refused."""
+    from parity.commands import evaluate
+
+    run_dir = _run(trained_run, tmp_path)
+    weights = run_dir / "checkpoints" / "step_000002" / "optimizer.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])
+    evaluated = []
+    monkeypatch.setattr(evaluate.Evaluator, "evaluate", lambda self, *a, **k: evaluated.append(a) or {})
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), *EVAL, f"out={tmp_path / 'eval'}"]) == 2
+    assert "step_000002: optimizer.safetensors is" in _error_line(capsys.readouterr().err)
+    assert evaluated == [] and not (tmp_path / "eval").exists()

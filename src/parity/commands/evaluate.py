@@ -40,7 +40,13 @@ from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, has_builtin
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import regular_file_problem
 from parity.outdir import claim_output_dir, write_output, write_output_json
-from parity.rl.checkpoint import checkpoints, load_checkpoint, require_finite_weights
+from parity.rl.checkpoint import (
+    CheckpointError,
+    checkpoints,
+    load_checkpoint,
+    require_finite_weights,
+    verify_checkpoint,
+)
 from parity.rl.data import DataColumns, load_problems, prompt_limit
 from parity.rl.episodes import EpisodeSetup, episode_setup
 from parity.rl.evaluation import TRAINER, EvalSet, Evaluator, eval_sampling, heldout_problems
@@ -358,6 +364,13 @@ def run_eval(
         base = load_model(target.model_dir, kernels.numerics())
         require_finite_weights(base, target.model_dir, "nothing can be evaluated")
         _check_lora(target, base)
+        # Every state is checked before any is evaluated (minutes each on a real model): an adapter that does not
+        # fit is read now, a checkpoint's files against its manifest.
+        for _, _, path in states:
+            if target.adapter is not None and path is not None:
+                _trainer(target, run, path, reference, cfg.device, base)
+            elif path is not None and (problem := verify_checkpoint(path)) is not None:
+                raise CheckpointError(f"{path}: {problem}")
         micro_batch_tokens = run.trainer.micro_batch_tokens if run else MICRO_BATCH_TOKENS[cfg.device]
         evaluator = Evaluator(
             base.config,
