@@ -271,22 +271,18 @@ class Trainer:
                     for g, r, w in zip(given, self.rewards, weights)
                 ]
             values["task.reward_fn"] = [function_spec(r.fn) for r in self.rewards]
-            for r in self.rewards:
-                if not found_again(r.fn):
-                    _warn_not_found_again("reward function", r.fn)
             values["task.reward_weights"] = [r.weight for r in self.rewards]
         for key, given in (("task.tools", self.tools), ("task.environment", self.environment)):
             if given and key in values:  # the Python objects would win over the key, silently
                 raise ConfigError(f"{key.split('.')[1]}= and {key}: give one (the objects, or where to import them)")
         if self.tools:
             values["task.tools"] = [function_spec(fn) for fn in self.tools]
-            for fn in self.tools:
-                if not found_again(fn):
-                    _warn_not_found_again("tool", fn)
         if self.environment is not None:
             values["task.environment"] = function_spec(self.environment)
-            if not found_again(self.environment):
-                _warn_not_found_again("environment", self.environment)
+        code = [("reward function", r.fn) for r in self.rewards] + [("tool", fn) for fn in self.tools]
+        for what, fn in code + ([("environment", self.environment)] if self.environment is not None else []):
+            if not found_again(fn):
+                _warn_not_found_again(what, fn)
         self.datasets: dict[str, list[dict[str, Any]]] = {}
         for split, name, data, key in (
             ("train", "dataset", dataset, "task.data"),

@@ -365,10 +365,11 @@ def run_eval(
         require_finite_weights(base, target.model_dir, "nothing can be evaluated")
         _check_lora(target, base)
         # Every state is checked before any is evaluated (minutes each on a real model): an adapter that does not
-        # fit is read now, a checkpoint's files against its manifest.
+        # fit is read now (its trainer kept for its turn), a checkpoint's files against its manifest.
+        adapted: dict[Path, Trainer] = {}
         for _, _, path in states:
             if target.adapter is not None and path is not None:
-                _trainer(target, run, path, reference, cfg.device, base)
+                adapted[path] = _trainer(target, run, path, reference, cfg.device, base)
             elif path is not None and (problem := verify_checkpoint(path)) is not None:
                 raise CheckpointError(f"{path}: {problem}")
         micro_batch_tokens = run.trainer.micro_batch_tokens if run else MICRO_BATCH_TOKENS[cfg.device]
@@ -386,7 +387,7 @@ def run_eval(
             episode_run.turn_tokens if episodes else 0,
         )
         for name, step, path in tqdm(states, desc="checkpoints", unit="state", disable=not progress):
-            trainer = _trainer(target, run, path, reference, cfg.device, base)
+            trainer = adapted.pop(path, None) or _trainer(target, run, path, reference, cfg.device, base)
             weights, version = trainer.export_weights(merge=True)
             metrics = evaluator.evaluate(weights, version, (run.seed if run else cfg.seed) + EVAL_SEED, trainer.model)
             results.append({"name": name, "step": step, "metrics": metrics})
