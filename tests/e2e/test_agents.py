@@ -291,3 +291,30 @@ def test_an_episode_s_length_is_the_model_s_own_tokens_for_the_rewards_and_the_f
     assert any(row["fed_tokens"] for row in written)
     for row in written:
         assert row["length"] == row["sampled_tokens"] and row["score"] == -row["sampled_tokens"]
+
+
+class _Verdict:
+    def reset(self, row):
+        return row["prompt"]
+
+    def step(self, action):
+        return parity.Step([{"role": "user", "content": "verdict: seen"}], done=True, reward=1.0)
+
+
+def test_the_environment_s_last_word_is_recorded_not_fed(tmp_path):
+    """`Step(messages, done=True)`: its messages were dropped from the episode; they are the record's last
+    messages, which rewards and the completions file read, and the model is fed nothing after its turn."""
+    seen = []
+
+    def verdict(completions, messages, **columns):
+        seen.extend(m[-1]["content"] for m in messages)
+        return [1.0] * len(messages)
+
+    rows = [{"prompt": [{"role": "user", "content": f"{k}?"}], "answer": 1} for k in "ab"]
+    small = dict(steps=1, prompts_per_step=2, rollout__group_size=2, eval__every=-1, progress=False)
+    parity.train("builtin-agent", rows, [verdict], environment=_Verdict, run_dir=tmp_path / "r", **small)
+    assert seen == ["verdict: seen"] * 4
+    written = [json.loads(x) for x in (tmp_path / "r" / "completions" / "step_000001.jsonl").read_text().splitlines()]
+    for row in written:
+        assert row["messages"][-1] == {"role": "user", "content": "verdict: seen"} and row["turns"] == 1
+        assert row["end"] == "done" and row["fed_tokens"] == 0

@@ -54,7 +54,9 @@ TRUNCATED_ENDS = ("max_turns", "turn_cut_off", "no_room")
 class Step:
     """An environment's answer to an assistant turn."""
 
-    messages: list[Message] = field(default_factory=list)  # what the model reads next (tool or user messages)
+    # What the model reads next (tool or user messages); with `done`, the environment's last word, recorded
+    # in the episode (rewards and the completions file see it) and never fed to the model.
+    messages: list[Message] = field(default_factory=list)
     done: bool = False  # the episode is over: nothing more is sampled
     reward: float | None = None  # added to the episode's `environment_reward` (None: nothing)
 
@@ -417,10 +419,10 @@ class Episodes:
             episode.tool_errors += getattr(env, "errors", 0) - before
             if step.reward is not None:
                 episode.environment_reward += step.reward
+            episode.messages.extend(step.messages)  # a last word with `done` is recorded, never fed
             if step.done or not step.messages:
                 episode.end = "done"
                 continue
-            episode.messages.extend(step.messages)
             if episode.turns >= setup.max_turns:
                 episode.end = "max_turns"
                 continue
