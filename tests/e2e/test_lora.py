@@ -295,6 +295,44 @@ def test_resume_with_lora_is_exact_and_refuses_a_changed_base(tmp_path, capsys):
     assert not (resumed / "checkpoints" / "corrupt").exists()
 
 
+def test_a_moved_base_model_is_given_its_new_place_and_checked(tmp_path, capsys):
+    """A run or an adapter whose base model moved could not be evaluated or resumed: `model=` now gives a LoRA
+    run's base where it is, checked against the fingerprint its checkpoints record; a full run's record none, so
+    its base stays where config.yaml says (a symlink will do)."""
+    base, moved, other = tmp_path / "base", tmp_path / "moved", tmp_path / "other"
+    shutil.copytree(BUILTIN_DIR, base)
+    run, full = tmp_path / "run", tmp_path / "full"
+    tiny = [*TINY, "steps=1", "checkpoint_every=1", "eval.every=-1"]
+    assert main(["train", f"model={base}", "lora.rank=4", f"run_dir={run}", *tiny]) == 0
+    assert main(["train", f"model={base}", f"run_dir={full}", *tiny]) == 0
+    base.rename(moved)
+    shutil.copytree(moved, other)  # the same shapes, another model: the adapters would load on it
+    weights = load_file(str(other / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.01
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    adapter = checkpoints(run)[-1] / "adapter"
+    keys = ["num_prompts=2", "samples=1", "precisions=[bf16]"]
+
+    def refused(args: list[str], message: str) -> None:
+        assert main(args) == 2
+        assert message in capsys.readouterr().err
+
+    for target in (run, adapter):
+        refused(["eval", str(target), *keys, f"out={tmp_path / 'e'}"], "if it moved, give its place: model=DIR")
+        refused(["eval", str(target), f"model={other}", *keys], "is not the one this run's LoRA adapters were trained")
+        assert main(["eval", str(target), f"model={moved}", *keys, f"out={tmp_path / ('eval-' + target.name)}"]) == 0
+    refused(["eval", str(full), f"model={moved}", *keys], "a full run's checkpoints do not record their base model")
+    refused(["eval", "builtin", f"model={moved}", *keys], "builtin is neither")
+
+    refused(["train", "--resume", str(run), "steps=2"], "if the run's model moved, give its place: model=DIR")
+    refused(["train", "--resume", str(run), "steps=2", f"model={other}"], "give that base (model=DIR where it is now)")
+    assert f"model: {base}" in (run / "config.yaml").read_text()  # a refused resume changes nothing
+    assert main(["train", "--resume", str(run), "steps=2", f"model={moved}"]) == 0
+    assert f"model: {moved}" in (run / "config.yaml").read_text() and len(checkpoints(run)) == 2
+    refused(["train", "--resume", str(full), "steps=2"], "put it back there (a symlink will do)")
+    refused(["train", "--resume", str(full), "steps=2", f"model={moved}"], "cannot change on resume of a full run")
+
+
 def test_lora_and_full_checkpoints_do_not_cross(tmp_path):
     def trainer(lora):
         return Trainer(load_model("builtin", kernels.numerics()), "fp16", OptimConfig(), lora)

@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--resume",
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its newest intact checkpoint, with its saved config "
-        f"(only {RESUMABLE} may be overridden)",
+        f"(only {RESUMABLE} may be overridden; and model=, a LoRA run's base model where it is now)",
     )
     p.add_argument(
         "--trust-reward-fn",

@@ -41,7 +41,9 @@ from parity.engines.trainer import OptimConfig, Trainer
 from parity.files import regular_file_problem
 from parity.outdir import claim_output_dir, write_output, write_output_json
 from parity.rl.checkpoint import (
+    ADAPTER_DIR,
     CheckpointError,
+    base_problem,
     checkpoints,
     load_checkpoint,
     require_finite_weights,
@@ -72,6 +74,8 @@ BUILTIN_MAX_NEW_TOKENS = 96  # a model directory's default response budget (a ru
 @dataclass
 class EvalConfig:
     target: str = "builtin"  # a model directory ('builtin'), or a `parity train` run directory
+    # The base model of a LoRA run or an adapter folder where it is now, when it moved (auto: where it was)
+    model: str = "auto"
     precisions: list[str] = field(default_factory=lambda: list(prec.PRECISIONS))  # serving precisions
     # The trainer precision whose policy each gap is measured against: auto = a run's own, fp32 for a model
     reference: str = "auto"
@@ -152,24 +156,64 @@ class Target:
     adapter: tuple[Path, LoRAConfig] | None = None  # an adapter folder and its settings, on model_dir
 
 
-def _adapter_target(path: Path) -> Target:
-    """A PEFT LoRA adapter folder: its base model (`base_model_name_or_path`) with its adapters."""
+def _adapter_target(path: Path, model: str) -> Target:
+    """A PEFT LoRA adapter folder: its base model (`base_model_name_or_path`, or `model` where it is now) with
+    its adapters."""
     try:
         lora, base = read_adapter_config(path)
     except AdapterError as e:
         raise ConfigError(str(e)) from None
+    if model != "auto":  # a checkpoint's adapters are checked against the base it fingerprints; others fit or not
+        model_dir = _base_dir(model, "model")
+        in_checkpoint = path.name == ADAPTER_DIR and (path.parent / "state.json").is_file()
+        problem = base_problem(path.parent, model_dir) if in_checkpoint else None
+        if problem is not None:
+            raise ConfigError(f"model: {problem}")
+        return Target(model_dir, None, [], (path, lora))
     if not isinstance(base, str) or not base:
         raise ConfigError(
             f"{path / CONFIG_FILE}: base_model_name_or_path: expected the base model (a directory or a Hugging Face "
-            f"id), got {base!r:.80}"
+            f"id), got {base!r:.80}; or give it: model=DIR"
         )
-    return Target(resolve_model_dir(base), None, [], (path, lora))
+    return Target(_base_dir(base, "adapter_config.json's base_model_name_or_path"), None, [], (path, lora))
+
+
+def _base_dir(model: str, named_by: str) -> Path:
+    """The base model directory `model` names (given as `named_by`), or a ConfigError saying how to give it
+    where it is now."""
+    try:
+        return resolve_model_dir(model)
+    except ModelError as e:
+        hint = "" if named_by == "model" else "; if it moved, give its place: model=DIR"
+        raise ConfigError(f"{e} ({named_by}){hint}") from None
+
+
+def _run_base(run: TrainConfig, saved: list[Path], model: str) -> Path:
+    """A run's base model: where config.yaml says, or for a LoRA run `model`, where it is now, checked against
+    the fingerprint its checkpoints record. A full run's checkpoints record none (`run_setup._check_moved_model`)."""
+    if model == "auto":
+        if run.lora.rank > 0:
+            return _base_dir(run.model, "config.yaml's model")
+        try:
+            return resolve_model_dir(run.model)
+        except ModelError as e:
+            raise ConfigError(
+                f"{e} (config.yaml's model); if it moved, put it back there (a symlink will do): a full run's "
+                "checkpoints do not record which base model it was"
+            ) from None
+    if run.lora.rank == 0:
+        raise ConfigError("model: a full run's checkpoints do not record their base model; it stays config.yaml's")
+    model_dir = _base_dir(model, "model")
+    problem = base_problem(saved[-1], model_dir)
+    if problem is not None:
+        raise ConfigError(f"model: {problem}")
+    return model_dir
 
 
 def resolve_target(cfg: EvalConfig) -> Target:
     path = Path(cfg.target).expanduser()
     if (path / CONFIG_FILE).exists():
-        return _adapter_target(path)
+        return _adapter_target(path, cfg.model)
     started = (path / "metrics.jsonl").exists() or (path / "checkpoints").is_dir()
     if (path / "config.yaml").is_file() and started:
         refuse_run_links(path, "target")  # a run someone sent: read only what it holds itself
@@ -186,9 +230,11 @@ def resolve_target(cfg: EvalConfig) -> Target:
                 f"{path}: the run kept no checkpoint (checkpoint_every=-1, or it stopped before its first); "
                 "nothing of it to evaluate but its base model, which `parity eval` takes directly"
             )
-        return Target(resolve_model_dir(run.model), run, saved)
+        return Target(_run_base(run, saved, cfg.model), run, saved)
     if (path / "config.yaml").is_file():
         raise ConfigError(f"{path}: a run directory without metrics or checkpoints yet: nothing to evaluate")
+    if cfg.model != "auto":
+        raise ConfigError(f"model: for a LoRA run or an adapter folder whose base model moved; {cfg.target} is neither")
     try:  # builtin, builtin-agent, a model directory, or a Hugging Face id in the local cache
         return Target(resolve_model_dir(cfg.target), None, [])
     except ModelError as e:

@@ -243,15 +243,34 @@ def _manifest_mismatch(ckpt: Folder) -> str | None:
     return None
 
 
-def saved_config(path: Path) -> dict[str, Any] | None:
-    """The run's config that the checkpoint at `path` stores, or None when its state.json does not read."""
+def _saved_state(path: Path) -> dict[str, Any]:
+    """The checkpoint's state.json as a dict ({} when it does not read)."""
     try:
         with open_checkpoint(path) as ckpt:
             meta = _read_json(ckpt, "state.json")
     except (JSONError, OSError, ConfigError):
-        return None
-    config = meta.get("config") if isinstance(meta, dict) else None
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def saved_config(path: Path) -> dict[str, Any] | None:
+    """The run's config that the checkpoint at `path` stores, or None when its state.json does not read."""
+    config = _saved_state(path).get("config")
     return config if isinstance(config, dict) else None
+
+
+def base_problem(path: Path, base_dir: Path, meta: dict[str, Any] | None = None) -> str | None:
+    """Why `base_dir` is not the base model the LoRA checkpoint at `path` was trained on (its state.json
+    records the base's `base_sha256`), or None when it is: the same base may have moved, another must not
+    take its place. `meta`: the checkpoint's state.json, when read already."""
+    meta = _saved_state(path) if meta is None else meta
+    base = meta.get("base_model") if isinstance(meta.get("base_model"), dict) else {}
+    if base.get("sha256") == base_sha256(base_dir):
+        return None
+    return (
+        f"the base model in {base_dir} is not the one this run's LoRA adapters were trained on "
+        f"({base.get('path')}, sha256 {str(base.get('sha256'))[:12]})"
+    )
 
 
 def _count(meta: dict[str, Any], key: str) -> int:
@@ -530,12 +549,9 @@ def _check_kind(path: Path, lora: bool, trainer: Trainer, meta: dict[str, Any], 
         return
     if base_dir is None:
         raise ValueError(f"{path}: loading LoRA adapters needs base_dir, the base model they were trained on")
-    base = meta.get("base_model") if isinstance(meta.get("base_model"), dict) else {}
-    if base.get("sha256") != base_sha256(base_dir):
-        raise ConfigError(
-            f"model: the base model in {base_dir} is not the one this run's LoRA adapters were trained on "
-            f"({base.get('path')}, sha256 {str(base.get('sha256'))[:12]}); restore that base to resume"
-        )
+    problem = base_problem(path, base_dir, meta)
+    if problem is not None:
+        raise ConfigError(f"model: {problem}; give that base (model=DIR where it is now)")
 
 
 def load_checkpoint(path: Path, trainer: Trainer, base_dir: Path | None = None, verified: bool = False) -> RunState:

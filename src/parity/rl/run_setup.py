@@ -14,6 +14,8 @@ from typing import Any
 
 from parity import config as config_mod
 from parity.config import ConfigError
+from parity.engines.models.config import ModelError
+from parity.engines.models.io import resolve_model_dir
 from parity.rl.checkpoint import checkpoints, saved_config
 from parity.rl.data import DATA_DIR, write_rows
 from parity.rl.reward_fns import data_columns
@@ -102,7 +104,7 @@ def resumed_config(run_dir: Path, overrides: list[str], trust_code: bool, note: 
         note(line)
     for item in overrides:
         key = item.split("=", 1)[0].strip()
-        if key not in RESUMABLE_KEYS:
+        if key not in (*RESUMABLE_KEYS, "model"):  # model: a LoRA run's base, moved (checked below)
             raise ConfigError(
                 f"--resume {run_dir}: {key} cannot change on resume (a resumed run trains exactly as it "
                 f"started); only {', '.join(RESUMABLE_KEYS)} can. Start a new run to change {key}"
@@ -110,6 +112,7 @@ def resumed_config(run_dir: Path, overrides: list[str], trust_code: bool, note: 
     cfg = config_mod.load(TrainConfig, run_dir / "config.yaml", overrides)
     cfg.run_dir = str(run_dir)
     cfg.resolve_paths(Path.cwd())  # an override names a file from here; the saved paths are absolute
+    _check_moved_model(run_dir, cfg, any(item.split("=", 1)[0].strip() == "model" for item in overrides))
     for key, data in (("task.data", cfg.task.data), ("eval.data", cfg.eval.data)):
         if data not in ("builtin", "auto") and not Path(data).exists():
             raise ConfigError(f"{key}: {data!r} does not exist; if the run's data moved, give its place: {key}=PATH")
@@ -135,7 +138,7 @@ def resumed_config(run_dir: Path, overrides: list[str], trust_code: bool, note: 
         defaults = config_mod.flatten(config_mod.to_dict(TrainConfig()))
         saved = {k: saved.get(k, defaults.get(k)) for k in current}
         changed = [k for k in current if k != "run_dir" and saved[k] != current[k]]
-        refused = [k for k in changed if k not in RESUMABLE_KEYS]
+        refused = [k for k in changed if k not in (*RESUMABLE_KEYS, "model")]
         if refused:
             diffs = "; ".join(f"{k}: {saved.get(k)!r} when saved, {current[k]!r} now" for k in refused[:4])
             raise ConfigError(
@@ -146,6 +149,29 @@ def resumed_config(run_dir: Path, overrides: list[str], trust_code: bool, note: 
         for k in changed:
             note(f"{k} {saved.get(k)!r} -> {current[k]!r}")
     return cfg
+
+
+def _check_moved_model(run_dir: Path, cfg: TrainConfig, given: bool) -> None:
+    """A resumed run's base model is where config.yaml says, or a LoRA run's was given where it is now (`given`;
+    its checkpoints fingerprint the base, which `load_checkpoint` checks). A full run's checkpoints do not
+    fingerprint their base, which gives the tokenizer and the evaluation's base: it stays where it was."""
+    lora = cfg.lora.rank > 0
+    if given and not lora:
+        raise ConfigError(
+            f"--resume {run_dir}: model cannot change on resume of a full run (its checkpoints do not record which "
+            "base model it was); if the model moved, put it back where config.yaml says (a symlink will do)"
+        )
+    try:
+        resolve_model_dir(cfg.model)
+    except ModelError as e:
+        where = (
+            "give its place: model=DIR (the same base: its checkpoints check it)"
+            if lora
+            else (
+                "put it back there (a symlink will do); a full run's checkpoints do not record which base model it was"
+            )
+        )
+        raise ConfigError(f"--resume {run_dir}: {e}; if the run's model moved, {where}") from None
 
 
 def _saved_config(run_dir: Path) -> dict[str, Any] | None:
