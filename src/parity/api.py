@@ -25,6 +25,7 @@ from parity.config import ConfigError, described
 from parity.distributed.driver import open_run
 from parity.engines.lora import TARGETS as LORA_TARGETS
 from parity.engines.lora import AdapterError, check_adapter_fields
+from parity.engines.models.config import ModelError
 from parity.engines.models.io import resolve_model_dir
 from parity.outdir import check_output_dir
 from parity.rl.callbacks import (  # noqa: F401 - CallbackError, TrainerCallback, TrainerControl: parity's names
@@ -297,6 +298,10 @@ class Trainer:
                 self.datasets[split] = rows
                 values[key] = "builtin" if split == "train" else "auto"  # until written into the run
         self.config = _config(config, values)
+        try:  # before anything runs, and as the API's error: a ModelError is also a damaged checkpoint's
+            resolve_model_dir(self.config.model)
+        except ModelError as e:
+            raise ConfigError(str(e)) from None
         self.run_dir: Path | None = Path(self.config.run_dir) if self.config.run_dir else None
         self.state = TrainerState(max_steps=self.config.steps)
         self.result: TrainResult | None = None

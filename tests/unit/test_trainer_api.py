@@ -189,6 +189,8 @@ def test_the_trainers_arguments_are_checked_as_trains(tmp_path):
          r"^peft_config and lora.rank: give one"),
         (dict(rewards=[3]), r"^rewards\[0\]: expected a function or a parity.Reward, got int 3$"),
         (dict(model=3), r"^model: expected a model directory"),
+        # a ModelError from train() before: not the API's error, and after arguments that were all fine
+        (dict(model="org/not-cached"), r"^model 'org/not-cached': no such directory, .*hf download"),
         (dict(trainer__lr="fast"), r"^trainer.lr: "),
         (dict(progress=1), r"^progress: expected True or False, got int 1$"),
     ]  # fmt: skip

@@ -20,7 +20,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "train",
         help="RL fine-tuning: rollout, rewards, estimator, mismatch metrics, checkpoints",
         description=(
-            "Run RL fine-tuning. Config sections: rollout, trainer, algorithm, task, reward, log, eval (see "
+            "Run RL fine-tuning. Config sections: rollout, trainer, algorithm, task, reward, log, health, diagnostics, "
+            "episode, eval, distributed, async, moe, lora (see "
             "docs/training.md); top-level keys: model (a directory, a Hugging Face id in the local cache, or "
             "builtin), precision, steps, prompts_per_step, seed, run_dir, checkpoint_every. "
             "Example: parity train precision=fp16 algorithm.name=grpo rollout.top_k=5 steps=100"

@@ -273,10 +273,12 @@ class Run:
             problems = load_problems(source, limit, columns=self.columns)
             problems = problems[: e.num_prompts]
         if not problems:
+            scored = f"task.name={cfg.task.name}"
+            if cfg.task.reward_fn or cfg.task.environment:
+                scored = "your reward functions" if cfg.task.reward_fn else "your environment's rewards"
             print(
                 ("control.should_evaluate: " if asked else "")
-                + f"eval: no held-out problems (task.data={cfg.task.data} "
-                + ("with your reward functions" if cfg.task.reward_fn else f"with task.name={cfg.task.name}")
+                + f"eval: no held-out problems (task.data={cfg.task.data} with {scored}"
                 + ", whose problems Parity does not generate); set eval.data=FILE (eval_dataset= in Python) to "
                 "evaluate" + (" (nothing is evaluated)" if asked else ", or eval.every=-1"),
                 file=sys.stderr,

@@ -120,7 +120,7 @@ def resolve_model_dir(model: str | Path) -> Path:
             return snapshot
         raise ModelError(
             f"model {text!r}: no such directory, and not in the local Hugging Face cache ({hf_cache_dir()}); "
-            f"Parity never downloads: fetch it first (huggingface-cli download {text})"
+            f"Parity never downloads: fetch it first (hf download {text})"
         )
     raise ModelError(
         f"model {text!r}: no such directory (give a model directory, a Hugging Face id in the local cache, "
