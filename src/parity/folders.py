@@ -249,11 +249,19 @@ class Folder:
                 f.write(text)
 
     def open_lock(self, name: str) -> int:
-        """A descriptor of `name` for a lock file: read, written, made if missing; never through a link."""
+        """A descriptor of `name` for a lock file: read, written in place, made if missing; never through a link,
+        and never a file with another name too (a hard link: writing the pid would write that file)."""
         try:
-            return os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=self.fd)
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            fd = os.open(name, flags, 0o644, dir_fd=self.fd)
         except OSError as e:
             raise self._error(name, self.fd, name, e) from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            os.close(fd)
+            what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"a file with {st.st_nlink} names"
+            raise NotRegularError(f"{self.shown / name}: {what}, which Parity never makes; remove it")
+        return fd
 
     @contextlib.contextmanager
     def new_dir(self, name: str) -> Iterator[Folder]:

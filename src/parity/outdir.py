@@ -74,9 +74,15 @@ def _plain(name: str) -> bool:
     return bool(name) and "/" not in name and name not in (".", "..", MARK)
 
 
+def _leftover(out: Folder, mark: Mark, name: str) -> bool:
+    """Whether `name` is a temporary file a kill left behind as Parity wrote a recorded file or the mark."""
+    temporary = _TEMPORARY.fullmatch(name)
+    return temporary is not None and (temporary[1] in mark.files or temporary[1] == MARK) and out.is_file(name)
+
+
 def _foreign(out: Folder, mark: Mark) -> list[str]:
     """Entries of `out` that are not Parity's: neither a file whose bytes the mark records, nor a folder it
-    made, nor a temporary file of a recorded name."""
+    made, nor a temporary file of a recorded name (`_leftover`)."""
     foreign = []
     for name in out.names():
         st = out.lstat(name)
@@ -85,10 +91,7 @@ def _foreign(out: Folder, mark: Mark) -> list[str]:
         if stat.S_ISDIR(st.st_mode):
             ours = name in mark.folders
         elif stat.S_ISREG(st.st_mode):
-            temporary = _TEMPORARY.fullmatch(name)
-            ours = (temporary is not None and temporary[1] in mark.files) or (
-                name in mark.files and out.sha256(name) in mark.files[name]
-            )
+            ours = _leftover(out, mark, name) or (name in mark.files and out.sha256(name) in mark.files[name])
         else:
             ours = False
         if not ours:
@@ -132,6 +135,9 @@ def claim_output_dir(out: Path, key: str = "--out", folders: tuple[str, ...] = (
     check_output_dir(out, key)
     with Folder.open(out, create=True, key=key) as folder:
         mark = Mark.read(folder) or Mark()
+        for name in folder.names():
+            if _leftover(folder, mark, name):
+                folder.remove(name)
         mark.folders |= set(folders)
         mark.write(folder)
     return out

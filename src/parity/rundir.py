@@ -19,6 +19,7 @@ import fcntl
 import fnmatch
 import os
 import re
+import stat
 from pathlib import Path
 
 from parity.config import ConfigError
@@ -44,6 +45,7 @@ RUN_ENTRIES = {
     "mlruns",  # log.to=mlflow's store, unless MLFLOW_TRACKING_URI names another
     LOCK_NAME,
 }
+RUN_FILES = {"config.yaml", "numerics.json", "metrics.jsonl", LOCK_NAME}  # the rest of RUN_ENTRIES are folders
 # Folders of a run that a tracker writes in through its own library, with links of its own (W&B links its logs,
 # some to its cache outside the run). Parity reads, writes and deletes nothing below them (a run removed whole
 # goes without following a link), so links there are let through when they point where the tracker itself
@@ -119,6 +121,14 @@ def check_run_dir(run_dir: Path) -> None:
         )
     if run_dir.is_dir():
         refuse_run_links(run_dir, "run_dir")
+        for name in sorted(RUN_ENTRIES):  # links are refused above: lstat is what the run would meet
+            try:
+                mode = (run_dir / name).lstat().st_mode
+            except FileNotFoundError:
+                continue
+            if not (stat.S_ISREG(mode) if name in RUN_FILES else stat.S_ISDIR(mode)):
+                kind = "a regular file" if name in RUN_FILES else "a folder"
+                raise ConfigError(f"run_dir: {run_dir / name} is not {kind}, as a run's {name} is; not a run's own")
         foreign = foreign_entries(run_dir)
         if foreign:
             shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")

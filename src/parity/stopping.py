@@ -27,6 +27,11 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
+def taken_signals() -> list[int]:
+    """The stop signals a command takes: those not ignored (SIG_IGN) where it runs."""
+    return [s for s in STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN]
+
+
 class Stopped(BaseException):
     """A stop signal, raised where the command was. A BaseException, as KeyboardInterrupt is: no
     `except Exception` that handles a failure takes it for one."""
@@ -69,7 +74,9 @@ class StopSignals:
 
     @contextlib.contextmanager
     def installed(self):
-        previous = {s: signal.signal(s, self) for s in STOP_SIGNALS}
+        """Take the stop signals for the block; one ignored as the command started stays so (`nohup`'s SIGHUP:
+        a run meant to outlive its terminal)."""
+        previous = {s: signal.signal(s, self) for s in taken_signals()}
         _installed.append(self)
         try:
             yield self

@@ -4,6 +4,7 @@ damaged checkpoints, leftovers, clean errors and hostile run directories (issue 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -660,6 +661,11 @@ def test_a_run_stopped_at_once_leaves_no_ray_process_and_resumes(tmp_path, how):
 STOP_MARK = "PARITY_TEST_STOP"  # set in a stopped command's environment: its processes, and theirs, inherit it
 
 
+def _default_signals(*signals: int) -> None:
+    for s in signals:
+        signal.signal(s, signal.SIG_DFL)
+
+
 def _signal_once_workers_run(
     tmp_path: Path, args: list[str], sig: int, workers: int, group: bool = False
 ) -> tuple[int, str, dict[int, str]]:
@@ -673,7 +679,11 @@ def _signal_once_workers_run(
     env = {**os.environ, STOP_MARK: str(tmp_path)}
     with stderr.open("w") as err:
         argv = [sys.executable, "-m", "parity", *args]
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True, env=env)
+        # A stop signal ignored where the tests run (a CI under nohup) would stay ignored by the command
+        taken = functools.partial(_default_signals, signal.SIGINT, signal.SIGHUP)
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True, env=env, preexec_fn=taken
+        )
     try:
         deadline = time.monotonic() + 240
         while len(started_workers(proc.pid)) < workers:

@@ -4,7 +4,9 @@ refused, not waited on; an over-long line is measured, not held (issue 54)."""
 from __future__ import annotations
 
 import io
+import json
 import os
+import shutil
 import tracemalloc
 from pathlib import Path
 
@@ -66,6 +68,37 @@ def test_a_linked_file_is_never_read_appended_to_or_locked(run, outside):
             with pytest.raises(LinkError, match="is a symbolic link"):
                 act()
     assert _untouched(outside)
+
+
+def test_a_lock_file_with_a_second_name_or_of_another_kind_is_refused_unwritten(run, outside):
+    """A hard-linked .lock made a resume write its pid into the file it was linked to, outside the run."""
+    os.link(outside / "id_rsa", run / ".lock")
+    with Folder.open(run, key="run_dir") as folder:
+        with pytest.raises(NotRegularError, match=r"\.lock: a file with 2 names, which Parity never makes"):
+            folder.open_lock(".lock")
+        (run / ".lock").unlink()
+        os.mkfifo(run / ".lock")
+        with pytest.raises(NotRegularError, match=r"\.lock: not a regular file"):
+            folder.open_lock(".lock")
+    assert _untouched(outside)
+
+
+@pytest.mark.parametrize(
+    "entry, make", [("checkpoints", "file"), ("completions", "file"), ("metrics.jsonl", "dir"), (".lock", "fifo")]
+)
+def test_a_run_entry_of_the_wrong_kind_is_refused_before_anything_is_written(entry, make, run):
+    """`checkpoints` as a file read as a run without checkpoints: its resume wiped metrics.jsonl, then failed."""
+    from parity.rundir import check_run_dir
+
+    (run / "config.yaml").write_text("steps: 2\n")
+    target = run / entry
+    if target.is_dir():
+        shutil.rmtree(target)
+    elif target.exists():
+        target.unlink()
+    {"file": lambda: target.write_text("x"), "dir": target.mkdir, "fifo": lambda: os.mkfifo(target)}[make]()
+    with pytest.raises(ConfigError, match=rf"^run_dir: {run / entry} is not a (regular file|folder), as a run's"):
+        check_run_dir(run)
 
 
 def test_a_write_replaces_a_link_instead_of_writing_through_it(run, outside):
@@ -157,3 +190,18 @@ def test_links_in_a_trackers_folder_may_lead_only_where_the_tracker_keeps_files(
     (run / "wandb").symlink_to(tmp_path / "w")
     with pytest.raises(ConfigError, match="wandb"):
         refuse_run_links(run, "run_dir")
+
+
+def test_a_resumed_runs_log_is_read_line_by_line_and_a_line_no_step_makes_is_refused(run):
+    """`--resume` read metrics.jsonl whole: a file of gigabytes was a MemoryError traceback."""
+    from parity.rl.metrics_log import MAX_LINE_BYTES, MetricsLog
+
+    lines = [json.dumps({"step": s, "mismatch/k3": 0.1}) for s in (1, 2, 3)] + ['{"step": 4, "mism']
+    (run / "metrics.jsonl").write_text("\n".join(lines))
+    log = MetricsLog(run, [])
+    log.truncate_after(2)  # the steps past the checkpoint, and a line a kill cut short, go
+    assert [row["step"] for row in log.rows()] == [1, 2]
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.truncate(f.tell() + MAX_LINE_BYTES + 10)  # sparse: a line of zeros no step's metrics make
+    with pytest.raises(ConfigError, match=rf"^{run}/metrics.jsonl:3: 16,777,226 bytes, more than a step's metrics"):
+        log.truncate_after(2)

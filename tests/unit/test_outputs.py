@@ -13,7 +13,7 @@ from parity.builtin.build import BuildConfig, build_model
 from parity.cli import main
 from parity.config import ConfigError
 from parity.engines.models.io import BUILTIN_DIR
-from parity.outdir import MARK
+from parity.outdir import MARK, claim_output_dir
 from parity.rundir import remove_run
 
 QUICK_MISMATCH = ["num_prompts=2", "group_size=1", "pairs=[fp32/fp32]", "sampling.max_new_tokens=8"]
@@ -75,6 +75,21 @@ def test_an_output_folder_parity_wrote_is_written_again_and_a_users_file_added_t
     capsys.readouterr()
     _refused(argv, capsys, "holds files Parity did not write (notes.md)")
     assert (out / "notes.md").read_text() == "mine\n"
+
+
+def test_what_a_kill_left_as_parity_wrote_its_mark_is_parity_s(tmp_path):
+    """A kill while the mark was written left its temporary file, and the folder was refused from then on as
+    holding a file Parity did not write; the next command takes the folder and removes what was left."""
+    out = tmp_path / "out"
+    claim_output_dir(out)
+    leftover = out / f".{MARK}.65b189ca.tmp"
+    leftover.write_text("{")
+    (out / ".notes.65b189ca.tmp").write_text("mine: not a file the mark records\n")
+    with pytest.raises(ConfigError, match=r"holds files Parity did not write \(\.notes\.65b189ca\.tmp\)"):
+        claim_output_dir(out)
+    (out / ".notes.65b189ca.tmp").unlink()
+    claim_output_dir(out)
+    assert not leftover.exists() and (out / MARK).is_file()
 
 
 def test_report_refuses_a_missing_run_without_creating_its_folder(tiny_run, tmp_path, capsys):

@@ -19,6 +19,7 @@ from parity.folders import Folder  # noqa: E402
 from parity.outdir import check_output_dir, claim_output_dir, write_output, write_output_json  # noqa: E402
 from parity.rl.completions import markdown_table, read_completions, sample_rows  # noqa: E402
 from parity.rl.data import DataError  # noqa: E402
+from parity.rl.metrics_log import MAX_LINE_BYTES  # noqa: E402
 from parity.rundir import refuse_run_links  # noqa: E402
 
 if TYPE_CHECKING:
@@ -55,9 +56,6 @@ REPORTED = (
 
 def _number(value) -> float | None:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-MAX_LINE_BYTES = 16 * 2**20  # a step's metrics, or one completion's row: far below this
 
 
 def load_history(run_dir: Path) -> list[dict]:

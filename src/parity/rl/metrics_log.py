@@ -7,9 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from parity.files import JSONError, parse_json
+from parity.config import ConfigError
+from parity.files import JSONError, LineTooLong, bounded_lines, parse_json
 from parity.folders import Folder
 from parity.rl.trackers import Tracker
+
+MAX_LINE_BYTES = 16 * 2**20  # a step's metrics (or a completion's row): far below this
 
 
 class MetricsLog:
@@ -22,7 +25,17 @@ class MetricsLog:
         self.trackers = trackers
 
     def _lines(self, run: Folder) -> list[str]:
-        return run.read_bytes(self.NAME).decode(errors="replace").splitlines() if run.is_file(self.NAME) else []
+        """The file's lines, read one at a time: a line no step's metrics make (a file of gigabytes that is not the
+        run's) is a one-line refusal, never held in memory."""
+        if not run.is_file(self.NAME):
+            return []
+        with run.open_read(self.NAME) as f:
+            try:
+                return [line.decode(errors="replace").rstrip("\n") for line in bounded_lines(f, MAX_LINE_BYTES)]
+            except LineTooLong as e:
+                raise ConfigError(
+                    f"{self.path}:{e.lineno}: {e.length:,} bytes, more than a step's metrics hold; not the run's log"
+                ) from None
 
     def truncate_after(self, step: int) -> None:
         """Drop lines logged after `step` (a killed run's steps past its checkpoint)."""
