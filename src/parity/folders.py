@@ -117,7 +117,12 @@ class Folder:
             with contextlib.suppress(OSError):
                 if stat.S_ISLNK(os.stat(leaf, dir_fd=fd, follow_symlinks=False).st_mode):
                     return link_refusal(self.root, str(self.rel / entry), self.key)
-        return e
+        return self._named(entry, e)
+
+    def _named(self, entry: str, e: OSError) -> OSError:
+        """`e` naming the entry by its whole path (an OS error through a descriptor names only the leaf, or a
+        temporary file of it)."""
+        return OSError(e.errno, e.strerror, str(self.shown / entry)) if e.errno else e
 
     # -- descending -----------------------------------------------------------
 
@@ -220,7 +225,11 @@ class Folder:
         link) and renamed over it (a rename replaces a link rather than writing through it)."""
         with self._parent(name) as (fd, leaf):
             tmp = f".{leaf}.{_random_suffix()}.tmp"
-            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=fd)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                out = os.open(tmp, flags, 0o666, dir_fd=fd)
+            except OSError as e:
+                raise self._named(name, e) from None
             try:
                 with os.fdopen(out, "wb") as f:
                     f.write(data)
@@ -269,7 +278,10 @@ class Folder:
         `name` is swapped out as `.NAME.old` just before (`rundir.clean_leftovers` puts it back after a kill
         between the two renames) and deleted after."""
         tmp = f".{name}.{_random_suffix()}.tmp"
-        os.mkdir(tmp, 0o777, dir_fd=self.fd)
+        try:
+            os.mkdir(tmp, 0o777, dir_fd=self.fd)
+        except OSError as e:
+            raise self._named(name, e) from None
         try:
             with self.sub(tmp) as folder:
                 yield folder

@@ -205,3 +205,13 @@ def test_a_resumed_runs_log_is_read_line_by_line_and_a_line_no_step_makes_is_ref
         f.truncate(f.tell() + MAX_LINE_BYTES + 10)  # sparse: a line of zeros no step's metrics make
     with pytest.raises(ConfigError, match=rf"^{run}/metrics.jsonl:3: 16,777,226 bytes, more than a step's metrics"):
         log.truncate_after(2)
+
+
+def test_an_os_error_names_the_entry_by_its_whole_path(run):
+    """Through a descriptor the OS names only the leaf: `error: .step_000020.jsonl.4c72c9c0.tmp: Permission
+    denied`, a temporary file's name without the run's."""
+    name = "x" * 250  # its temporary file's name is past the 255 bytes a name may hold
+    with Folder.open(run, key="run_dir") as folder:
+        with pytest.raises(OSError) as caught:
+            folder.write_text(name, "")
+    assert caught.value.filename == str(run / name) and "too long" in caught.value.strerror
