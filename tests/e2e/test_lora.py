@@ -318,7 +318,7 @@ def test_a_moved_base_model_is_given_its_new_place_and_checked(tmp_path, capsys)
         assert message in capsys.readouterr().err
 
     for target in (run, adapter):
-        refused(["eval", str(target), *keys, f"out={tmp_path / 'e'}"], "if it moved, give its place: model=DIR")
+        refused(["eval", str(target), *keys, f"out={tmp_path / 'e'}"], "moved, give its place: model=DIR")
         refused(["eval", str(target), f"model={other}", *keys], "is not the one this run's LoRA adapters were trained")
         assert main(["eval", str(target), f"model={moved}", *keys, f"out={tmp_path / ('eval-' + target.name)}"]) == 0
     refused(["eval", str(full), f"model={moved}", *keys], "a full run's checkpoints do not record their base model")

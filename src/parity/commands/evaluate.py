@@ -64,6 +64,7 @@ from parity.rl.reward_fns import (
     reward_columns,
 )
 from parity.rl.rewards import RewardRunner
+from parity.rl.run_setup import moved_model_hint
 from parity.rl.tasks import EVAL_SEED, TASKS, builtin_problems
 from parity.rl.train_config import COMPLETION_FORMATS, MAX_SEED, MICRO_BATCH_TOKENS, RewardSection, TrainConfig
 from parity.rundir import in_use_by, refuse_run_links
@@ -190,17 +191,12 @@ def _base_dir(model: str, named_by: str) -> Path:
 
 def _run_base(run: TrainConfig, saved: list[Path], model: str) -> Path:
     """A run's base model: where config.yaml says, or for a LoRA run `model`, where it is now, checked against
-    the fingerprint its checkpoints record. A full run's checkpoints record none (`run_setup._check_moved_model`)."""
+    the fingerprint its checkpoints record. A full run's checkpoints record none."""
     if model == "auto":
-        if run.lora.rank > 0:
-            return _base_dir(run.model, "config.yaml's model")
         try:
             return resolve_model_dir(run.model)
         except ModelError as e:
-            raise ConfigError(
-                f"{e} (config.yaml's model); if it moved, put it back there (a symlink will do): a full run's "
-                "checkpoints do not record which base model it was"
-            ) from None
+            raise ConfigError(f"{e} (config.yaml's model); {moved_model_hint(run.lora.rank > 0)}") from None
     if run.lora.rank == 0:
         raise ConfigError("model: a full run's checkpoints do not record their base model; it stays config.yaml's")
     model_dir = _base_dir(model, "model")

@@ -164,14 +164,17 @@ def _check_moved_model(run_dir: Path, cfg: TrainConfig, given: bool) -> None:
     try:
         resolve_model_dir(cfg.model)
     except ModelError as e:
-        where = (
-            "give its place: model=DIR (the same base: its checkpoints check it)"
-            if lora
-            else (
-                "put it back there (a symlink will do); a full run's checkpoints do not record which base model it was"
-            )
-        )
-        raise ConfigError(f"--resume {run_dir}: {e}; if the run's model moved, {where}") from None
+        raise ConfigError(f"--resume {run_dir}: {e}; {moved_model_hint(lora)}") from None
+
+
+def moved_model_hint(lora: bool) -> str:
+    """What to do when a run's base model is not where its config.yaml says."""
+    if lora:
+        return "if the run's model moved, give its place: model=DIR (its checkpoints check it is the same base)"
+    return (
+        "if the run's model moved, put it back there (a symlink will do): a full run's checkpoints do not record "
+        "which base model it was"
+    )
 
 
 def _saved_config(run_dir: Path) -> dict[str, Any] | None:
