@@ -39,7 +39,7 @@ from parity.rl.callbacks import (  # noqa: F401 - CallbackError, TrainerCallback
 from parity.rl.checkpoint import checkpoints, export_model
 from parity.rl.data import DataError, write_rows  # noqa: F401 - parity.DataError
 from parity.rl.episodes import Step  # noqa: F401 - parity.Step, what an environment returns
-from parity.rl.reward_fns import Reward, found_again, function_spec
+from parity.rl.reward_fns import Reward, found_again, function_spec, importing_user_code
 from parity.rl.train_config import TrainConfig
 from parity.rl.trl_config import grpo_config
 from parity.rundir import checkpoint_step
@@ -97,6 +97,18 @@ def _rows(data: Dataset, name: str) -> list[dict[str, Any]] | str:
             f"{described(data)}"
         )
     return list(rows)
+
+
+def _not_importing(call: str) -> None:
+    """Refuse a run started as Parity imports the user's code by name (a rollout worker's tools, a resume's
+    rewards): a script's top level ran again, and with it the script's own run, which would start a second
+    run inside the first (it hung, waiting on the first run's cluster)."""
+    spec = importing_user_code()
+    if spec is not None:
+        raise ConfigError(
+            f"{call} was called as Parity imported {spec} to find your code by name, which runs the script's top "
+            'level again: put the call under `if __name__ == "__main__":`'
+        )
 
 
 def _warn_not_found_again(what: str, fn: object) -> None:
@@ -229,6 +241,7 @@ class Trainer:
         progress: bool = True,
         **keys: Any,
     ):
+        _not_importing("parity.Trainer")
         use_free_cores()
         trl = {name: keys.pop(name) for name in TRL_TRAINER_NAMES if name in keys}  # TRL's code, as written
         if "processing_class" in keys:
@@ -280,10 +293,6 @@ class Trainer:
             values["task.tools"] = [function_spec(fn) for fn in self.tools]
         if self.environment is not None:
             values["task.environment"] = function_spec(self.environment)
-        code = [("reward function", r.fn) for r in self.rewards] + [("tool", fn) for fn in self.tools]
-        for what, fn in code + ([("environment", self.environment)] if self.environment is not None else []):
-            if not found_again(fn):
-                _warn_not_found_again(what, fn)
         self.datasets: dict[str, list[dict[str, Any]]] = {}
         for split, name, data, key in (
             ("train", "dataset", dataset, "task.data"),
@@ -302,6 +311,18 @@ class Trainer:
             resolve_model_dir(self.config.model)
         except ModelError as e:
             raise ConfigError(str(e)) from None
+        code = [("reward function", r.fn) for r in self.rewards] + [("tool", fn) for fn in self.tools]
+        workers = self.config.distributed.rollout_workers
+        for what, fn in code + ([("environment", self.environment)] if self.environment is not None else []):
+            if found_again(fn):
+                continue
+            if workers and what != "reward function":  # the rewards run here; the episodes on the workers
+                raise ConfigError(
+                    f"{what} {getattr(fn, '__qualname__', fn)!r}: distributed.rollout_workers={workers} import it by "
+                    "name in each worker, which cannot find a lambda, a nested function, a functools.partial or a "
+                    "callable object; define it at a module's top level"
+                )
+            _warn_not_found_again(what, fn)
         self.run_dir: Path | None = Path(self.config.run_dir) if self.config.run_dir else None
         self.state = TrainerState(max_steps=self.config.steps)
         self.result: TrainResult | None = None
@@ -553,6 +574,7 @@ def evaluate(
     `environment` (default: the run's own, imported from its config.yaml). `keys`: `parity eval`'s keys
     (precisions, data, samples...).
     Writes eval.json, eval.md and eval.png into `out` when given; returns what eval.json holds."""
+    _not_importing("parity.evaluate")
     use_free_cores()
     target = _path("target", target, 'a model directory, a LoRA adapter folder, a run directory or "builtin"')
     bound = _rewards(rewards)

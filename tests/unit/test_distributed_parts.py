@@ -92,3 +92,47 @@ def test_weight_sync_verification_names_the_damaged_tensor():
     mixed.append("algorithm.probe=true")
     worker = RolloutWorker(1, str(model_dir), config.load(TrainConfig, None, mixed), threads=None)
     assert worker.load_weights(tensors, manifest)["verified"] == 1.0
+
+
+def test_a_workers_tools_that_cannot_be_imported_are_its_first_answer_not_a_failed_start(tmp_path):
+    """A rollout worker whose episodes' code cannot be imported failed in __init__, which the driver met as
+    Ray's ActorDiedError, a traceback; the worker now starts and `pid`, the driver's first call, raises it."""
+    cfg = config.load(TrainConfig, None, ["model=builtin-agent", f"task.tools={tmp_path / 'gone.py'}:lookup"])
+    worker = RolloutWorker(0, str(resolve_model_dir("builtin-agent")), cfg, threads=None)
+    with pytest.raises(ConfigError, match=r"^task.tools: importing '.*gone.py' failed: FileNotFoundError"):
+        worker.pid()
+
+
+def test_a_script_s_run_started_again_as_its_code_is_imported_by_name_is_refused(tmp_path):
+    """An unguarded script's tools, imported by name in a rollout worker, ran the script's `parity.train` again
+    there: a second run, waiting for ever on the first one's cluster."""
+    from parity.rl.reward_fns import import_reward_fn
+
+    script = tmp_path / "train_agent.py"
+    script.write_text("import parity\n\ndef lookup(key):\n    return key\n\nparity.train('builtin-agent')\n")
+    with pytest.raises(ConfigError, match=r"parity.Trainer was called as Parity imported .*train_agent.py:lookup"):
+        import_reward_fn(f"{script}:lookup", key="task.tools")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_tool_a_rollout_worker_cannot_import_by_name_is_refused_up_front(tmp_path):
+    import parity
+
+    def lookup(key: str) -> str:
+        """The value under a key."""
+        return key
+
+    rows = [{"prompt": [{"role": "user", "content": "a?"}], "answer": 1}]
+    with pytest.raises(ConfigError, match=r"^tool '.*lookup': distributed.rollout_workers=1 import it by name"):
+        parity.Trainer("builtin-agent", rows, tools=[lookup], distributed__rollout_workers=1, run_dir=tmp_path / "r")
+
+
+def test_more_processes_than_a_machine_holds_are_refused_before_the_cluster_starts(tmp_path, monkeypatch, capsys):
+    """64 rollout workers on 2 CPUs were accepted: minutes of start-up, Ray's workers aborting, then out of memory."""
+    from parity.cli import main
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    args = ["model=builtin", "prompts_per_step=64", "rollout.group_size=2", "distributed.rollout_workers=64"]
+    assert main(["train", *args, f"run_dir={tmp_path / 'r'}"]) == 2
+    assert "65 processes, each with its model, on this machine's 2 CPUs; at most 8" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from parity.config import ConfigError
 from parity.engines import kernels
 from parity.engines.batch import RolloutBatch
 from parity.engines.models.io import load_config, load_model
@@ -83,14 +84,21 @@ class RolloutWorker:
         numerics = kernels.numerics("cpu", cfg.exact)
         tokenizer = load_tokenizer(model_dir)
         self.sampler = build_sampler(cfg, load_config(model_dir), tokenizer, numerics, score_old=True)
-        # Episodes run here, beside the engine: the tools or environment imported from the run's config.
-        self.episodes = episode_setup(cfg, tokenizer) if cfg.episodes else None
+        # Episodes run here, beside the engine: the tools or environment imported from the run's config. One that
+        # cannot be is said by `pid`, the driver's first call, as a ConfigError (a failed __init__ is Ray's traceback).
+        self.setup_error: ConfigError | None = None
+        try:
+            self.episodes = episode_setup(cfg, tokenizer) if cfg.episodes else None
+        except ConfigError as e:
+            self.episodes, self.setup_error = None, e
         self.pool = PartialRollouts(self.sampler, self.episodes, self._finish)  # used by `generate_partial` only
         self.turn_tokens, self.retokenization = cfg.turn_tokens, cfg.episode.retokenization
         self.retokenization_logprob = cfg.episode.retokenization_logprob
         self.idle_since = time.perf_counter()
 
     def pid(self) -> int:
+        if self.setup_error is not None:
+            raise self.setup_error
         return os.getpid()
 
     def load_weights(self, tensors: dict[str, torch.Tensor], manifest) -> dict[str, float]:
@@ -174,6 +182,8 @@ class Learner:
         self.reference: Trainer | None = None
 
     def pid(self) -> int:
+        if self.setup_error is not None:
+            raise self.setup_error
         return os.getpid()
 
     def rendezvous(self) -> tuple[str, int]:

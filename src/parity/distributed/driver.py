@@ -75,6 +75,9 @@ def _actor_state(actor) -> str | None:
         return None
 
 
+# A run's own cluster may put more processes than CPUs on a machine (a test's worker and two learners on 2 cores);
+# far more only takes minutes to start, each process loading the model, and then runs out of memory.
+PROCESSES_PER_CPU = 4
 LEARNER_DEATH_WAIT_S = 10.0  # how long a failed step waits for Ray to report a learner's death
 
 
@@ -123,7 +126,14 @@ class RayBackend:
                 join(d.address, d.connect_timeout_s)
                 require_cpus(d.address, processes)
             else:  # a cluster of this machine for this run (and so ended by it): `parity train` needs no setup
-                self.cluster = LocalCluster(num_cpus=max(os.cpu_count() or 1, processes))
+                cpus = os.cpu_count() or 1
+                if processes > PROCESSES_PER_CPU * cpus:
+                    raise ConfigError(
+                        f"distributed.rollout_workers + distributed.learners: {processes} processes, each with its "
+                        f"model, on this machine's {cpus} CPUs; at most {PROCESSES_PER_CPU * cpus} "
+                        f"({PROCESSES_PER_CPU} per CPU) in the cluster a run starts for itself"
+                    )
+                self.cluster = LocalCluster(num_cpus=max(cpus, processes))
         model_dir = str(self.model_dir)
         worker_cls = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=0)(RolloutWorker)
         if cfg.async_.partial_rollouts and load_config(self.model_dir).num_experts:
@@ -136,7 +146,12 @@ class RayBackend:
         self.learners = [learner_cls.remote(r, d.learners, model_dir, cfg, threads) for r in range(d.learners)]
         host, port = ray.get(self.learners[0].rendezvous.remote())
         self._learners_call("setup", host, port)
-        self.worker_pids = ray.get([w.pid.remote() for w in self.workers])
+        try:
+            self.worker_pids = ray.get([w.pid.remote() for w in self.workers])
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, ConfigError):  # the run's tools or environment cannot be imported there
+                raise ConfigError(f"rollout worker: {e.cause}") from None
+            raise
         self.pending: deque[Request] = deque()
         self.load_refs: list[list] = [[] for _ in self.workers]
         self.last_load: dict[str, float] = {}

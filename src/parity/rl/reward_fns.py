@@ -161,6 +161,14 @@ def _import_file(path: Path) -> ModuleType:
     return module
 
 
+_importing: list[str] = []  # the user's code `import_reward_fn` is importing now
+
+
+def importing_user_code() -> str | None:
+    """The spec of the user's code being imported now (its top level running), or None."""
+    return _importing[-1] if _importing else None
+
+
 def import_reward_fn(spec: str, timeout_s: float = WORKER_START_S, key: str = "task.reward_fn") -> Callable[..., Any]:
     """`module:function` or `path/file.py:function` -> the function (or class: an environment), named in
     errors by its config `key`. The working directory is searched
@@ -176,6 +184,7 @@ def import_reward_fn(spec: str, timeout_s: float = WORKER_START_S, key: str = "t
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)
     late = f"importing {module_name!r} did not end within reward.import_timeout_s={timeout_s:g} s"
+    _importing.append(spec)
     try:
         with bounded(timeout_s, f"parity: error: {key}: {late}, nor when it was interrupted", 2, True):
             if module_name.endswith(".py"):
@@ -188,6 +197,8 @@ def import_reward_fn(spec: str, timeout_s: float = WORKER_START_S, key: str = "t
         raise
     except BaseException as e:  # noqa: BLE001 - a missing module, a syntax error, or anything its top level raises
         raise ConfigError(f"{key}: importing {module_name!r} failed: {exception_summary(e)}") from None
+    finally:
+        _importing.pop()
     fn = getattr(module, fn_name, None)
     if fn is None:
         raise ConfigError(f"{key}: module {module_name!r} has no function {fn_name!r}")
