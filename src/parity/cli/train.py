@@ -106,5 +106,7 @@ class StopRequests(StopSignals):
             return f"stopped by {name} before the run started"
         saved = checkpoints(self.run.run_dir)
         newest = f"the newest checkpoint is {saved[-1].name}" if saved else "no checkpoint was written"
-        when = f"during step {self.run.step_count + 1}" if at_once else f"after step {self.run.step_count}"
-        return f"stopped by {name} {when}; {newest}; continue with `{self.run.cfg.resume_command(self.run.run_dir)}`"
+        run = self.run
+        going_on = at_once and run.step_count < run.cfg.steps  # else its steps were all taken: it was closing
+        when = f"during step {run.step_count + 1}" if going_on else f"after step {run.step_count}"
+        return f"stopped by {name} {when}; {newest}; continue with `{run.cfg.resume_command(run.run_dir)}`"
