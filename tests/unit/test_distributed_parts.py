@@ -29,6 +29,7 @@ from parity.rl.train_config import TrainConfig
         (["distributed.rollout_workers=1", "distributed.learners=3"], "must divide the rows of a mini-batch"),
         (["distributed.rollout_workers=9"], "more than prompts_per_step"),
         (["async.max_staleness=-1"], r"async\.max_staleness"),
+        (["distributed.address=auto"], r"distributed.address=auto: the cluster to run rollout workers"),
     ],
 )
 def test_bad_distributed_combinations_are_refused_before_any_work(overrides, message):

@@ -659,6 +659,11 @@ class TrainConfig:
                     f"async.{key}={getattr(self.async_, key)}: asynchronous training needs rollout workers; "
                     "set distributed.rollout_workers >= 1"
                 )
+            if d.address:  # it was ignored: the run went on in one process
+                raise ConfigError(
+                    f"distributed.address={d.address}: the cluster to run rollout workers and learners on; set "
+                    "distributed.rollout_workers >= 1"
+                )
             return
         if self.device != "cpu":
             raise ConfigError(
