@@ -122,6 +122,10 @@ def test_sanity_and_phantom_refuse_bad_flags_before_writing(tmp_path, capsys):
     _refused(["phantom", "--eps", "0.1,x", "--out", str(out)], capsys, "--eps: expected comma-separated floats")
     _refused(["phantom", "--steps", "-1", "--out", str(out)], capsys, "--steps: must be >= 1, got -1")
     _refused(["phantom", "--model", "m", "--seeds", "-3", "--out", str(out)], capsys, "--seeds: expected seeds in")
+    # The write-up's experiment wrote its prompts into --out, then refused a key, or a model they do not fit
+    model = ["phantom", "--model", str(BUILTIN_DIR), "--steps", "1", "--out", str(out)]
+    _refused([*model, "foo.bar=1"], capsys, "unknown config key foo")
+    _refused(model, capsys, "rollout.max_new_tokens=128: the model's max_position_embeddings is 128")
     _refused(["doctor", "--prompts", "-5", "--out", str(out)], capsys, "--prompts: must be between 1 and 1024")
     # --steps 0 ran the default 60 steps; --seed -1 wrote the folder before it was refused; an option of the
     # other experiment was ignored

@@ -35,12 +35,12 @@ from parity.commands.report import Panel, load_history, plot_bars, plot_beta_dis
 from parity.config import ConfigError
 from parity.distributed.driver import backend_for
 from parity.engines import kernels
-from parity.engines.models.io import export_state, load_model, resolve_model_dir
+from parity.engines.models.io import export_state, load_config, load_model, resolve_model_dir
 from parity.engines.sampler import Sampler
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import load_tokenizer
 from parity.outdir import check_output_dir, claim_output_dir, write_output, write_output_json
-from parity.rl.data import DataError
+from parity.rl.data import DataError, prompt_limit
 from parity.rl.diagnostics import PROB_BIN_EDGES, gap_metrics
 from parity.rl.loop import Run
 from parity.rl.problems import ArithmeticTask
@@ -448,12 +448,20 @@ def run_writeup(
     kernels.check_device(device, "--device")
     check_runs(steps, seeds)
     model_dir = resolve_model_dir(model)
-    claim_output_dir(out, folders=PHANTOM_FOLDERS)
     prompt_file = out / "prompts.jsonl"
-    write_output(prompt_file, "".join(json.dumps({"prompt": p, "answer": ""}) + "\n" for p in prompts))
     base = (f"model={model_dir}", f"task.data={prompt_file}", *WRITEUP_SETTINGS, f"device={device}")
-    start = time.perf_counter()
     arms = writeup_arms(with_async, eps)
+    # Every run's config, and the prompts against the model, before anything is written (a bad override, or a
+    # model too short for the prompts, was refused after --out held the prompts).
+    first, *_ = [_config(out, steps, seed, (*base, *arm.overrides, *overrides)) for arm in arms for seed in seeds]
+    positions = load_config(model_dir).max_position_embeddings
+    key, template = "rollout.max_new_tokens", first.task.chat_template
+    limit = prompt_limit(load_tokenizer(model_dir), positions, first.rollout.max_new_tokens, key, template)
+    for i, prompt in enumerate(prompts):
+        limit.check(f"prompt {i}", prompt)
+    claim_output_dir(out, folders=PHANTOM_FOLDERS)
+    write_output(prompt_file, "".join(json.dumps({"prompt": p, "answer": ""}) + "\n" for p in prompts))
+    start = time.perf_counter()
     results: dict[str, dict] = {}
     curves: dict[str, list[dict]] = {}
     step_rows: list[dict] = []
