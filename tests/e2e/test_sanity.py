@@ -100,7 +100,7 @@ def test_sanity_quick_end_to_end(tmp_path, monkeypatch, capfd):
     assert "algorithm.truncated=zero_reward at rollout.max_new_tokens=96" in text
     done = [line for line in printed.out.splitlines() if line.startswith("run ")]
     assert sorted(line.split(" done: ")[1].split(" (")[0] for line in done) == ["bf16/grpo", "fp16/pg_seq_is"]
-    assert all(re.fullmatch(r"run [12]/2 done: \S+ \(8 steps, training accuracy \d\.\d\d\)", line) for line in done)
+    assert all(re.fullmatch(r"run [12]/2 done: \S+ \(8 steps, last step's accuracy \d\.\d\d\)", line) for line in done)
     for run in ("fp16-pg_seq_is", "bf16-grpo"):  # the completions stay in the files
         assert len(list((out / "runs" / run / "completions").glob("step_*.jsonl"))) == 8
     summary = json.loads((out / "summary.json").read_text())

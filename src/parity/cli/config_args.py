@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 
 
-def add_config_args(p: argparse.ArgumentParser) -> None:
+def add_config_args(p: argparse.ArgumentParser, example: str) -> None:
+    """`example`: an override of this command's keys, for its help."""
     p.add_argument("config", nargs="?", help="optional YAML config file")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. precision=bf16")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help=f"config overrides, e.g. {example}")
 
 
 def split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:

@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         ),
     )
     p.add_argument("target", metavar="MODEL_OR_RUN_DIR")
-    add_config_args(p)
+    add_config_args(p, "precisions=[bf16,fp16]")
     p.add_argument("--out", help="output directory (default parity-eval); same as out=DIR")
     p.add_argument(
         "--trust-reward-fn",

@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "raw text."
         ),
     )
-    add_config_args(p)
+    add_config_args(p, "pairs=[bf16/bf16,fp16/fp16]")
     p.add_argument("--model", help="model directory, or 'builtin' (default); same as model=DIR")
     p.add_argument("--out", help="output directory (default parity-mismatch); same as out=DIR")
     p.add_argument(

@@ -14,11 +14,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="problems the base model solves sometimes: sample K per problem, keep accuracy in [lo, hi]",
         description=(
             "Config keys: model, task (builtin|exact|math|number), data (builtin or JSONL/Parquet with prompt, "
-            "answer), chat_template (auto|messages|none), num_candidates, samples, lo, hi, max_new_tokens, precision, "
-            "seed, out (JSONL)."
+            "answer), difficulty (task=number's generated problems: standard|easy|worked), chat_template "
+            "(auto|messages|none), num_candidates, samples, lo, hi, max_new_tokens, truncated (as "
+            "algorithm.truncated), precision, device (cpu|cuda), seed, batch_prompts, out (JSONL)."
         ),
     )
-    add_config_args(p)
+    add_config_args(p, "samples=8")
     p.set_defaults(func=cmd_perfectible)
 
 

@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "Example: parity train precision=fp16 algorithm.name=grpo rollout.top_k=5 steps=100"
         ),
     )
-    add_config_args(p)
+    add_config_args(p, "precision=bf16")
     p.add_argument(
         "--resume",
         metavar="RUN_DIR",

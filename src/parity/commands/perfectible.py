@@ -234,7 +234,7 @@ def cache_key(cfg: PerfectibleConfig) -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parity"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "parity"  # empty: unset, as XDG says
 
 
 def search_path(cfg: PerfectibleConfig) -> Path:

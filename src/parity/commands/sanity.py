@@ -287,9 +287,10 @@ def shared_settings(configs: dict[str, TrainConfig]) -> str:
 
 
 def _done_line(done: int, runs: int, name: str, history: list[dict]) -> str:
-    """A finished run's line: its steps and where its training accuracy ended."""
+    """A finished run's line: its steps and its last step's accuracy (the summary's "final" is the average of the
+    last steps)."""
     last = history[-1] if history else {}
-    accuracy = f", training accuracy {last['reward/accuracy']:.2f}" if "reward/accuracy" in last else ""
+    accuracy = f", last step's accuracy {last['reward/accuracy']:.2f}" if "reward/accuracy" in last else ""
     return f"run {done}/{runs} done: {name} ({len(history)} steps{accuracy})"
 
 

@@ -83,7 +83,7 @@ def hf_cache_dir() -> Path:
     ~/.cache/huggingface/hub."""
     if os.environ.get("HF_HUB_CACHE"):
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
     return Path(home).expanduser() / "hub"
 
 
