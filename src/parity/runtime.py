@@ -1,4 +1,4 @@
-"""Process-wide settings that a CPU run needs to be fast.
+"""Process-wide settings that a CPU run needs to be fast, and where progress bars can be drawn.
 
 glibc's malloc hands every block above its mmap threshold (128 KiB at start) to
 the kernel as a fresh mapping and unmaps it on free. Most tensors of an RL step
@@ -71,3 +71,9 @@ def use_free_cores() -> int:
         _threads = int(named) if named and named.isdigit() and int(named) > 0 else free_cores()
         torch.set_num_threads(_threads)
     return _threads
+
+
+def draws_bars(progress: bool = True) -> bool:
+    """Whether progress bars are drawn: asked for, and stderr a terminal or a notebook's output (which redraws a
+    line); in a log file (nohup, a batch job) each redraw would be appended to one long line."""
+    return progress and (sys.stderr.isatty() or "ipykernel" in sys.modules)

@@ -270,3 +270,17 @@ def test_runs_are_bitwise_reproducible(tmp_path, precision):
         run = Run.create(cfg, progress=False)
         histories.append([{k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))} for m in run.train()])
     assert histories[0] == histories[1]
+
+
+def test_a_run_logged_to_a_file_prints_lines_not_a_bars_redraws(tmp_path):
+    """stderr to a file (nohup, a batch job): the bar's redraws were one line of carriage returns; a line a step
+    now (about 50 in a run)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "parity", "train", *TINY, "log.completions=0", f"run_dir={tmp_path / 'r'}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0 and "\r" not in out.stderr, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("step ") and "/4: reward " in line]
+    assert [line.split(":")[0] for line in lines] == ["step 1/4", "step 2/4", "step 3/4", "step 4/4"]

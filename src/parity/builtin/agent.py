@@ -43,6 +43,7 @@ from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import Message, Tokenizer, load_tokenizer
 from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.lookup import KEYS, TOOL_NAME, LookupProblem, lookup_problems, lookup_reward, lookup_tool
+from parity.runtime import draws_bars
 
 AGENT_SPECIALS = ("<pad>", "<|im_end|>", "<|im_start|>")  # ids 0, 1 (EOS: the end of a turn), 2
 AGENT_ADDED = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")  # added, not special
@@ -262,7 +263,7 @@ def _build(out_dir: Path, tok_dir: Path, cfg: AgentBuildConfig, log) -> dict[str
     trainer = Trainer(model, "fp32", OptimConfig(lr=cfg.lr, weight_decay=0.1, beta2=0.98, grad_clip=1.0))
     rng = random.Random(cfg.seed)
     start = time.time()
-    bar = tqdm(range(cfg.steps), desc="build-model --agent", unit="step")
+    bar = tqdm(range(cfg.steps), desc="build-model --agent", unit="step", disable=not draws_bars())
     for step in bar:
         set_lr(trainer, warmup_lr(cfg.lr, step, cfg.warmup))
         prompts, responses, extent, loss_mask = pretraining_batch(tok, cfg.batch_size, cfg.named_prob, rng)

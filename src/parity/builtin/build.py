@@ -32,6 +32,7 @@ from parity.outdir import check_output_dir, mark_written
 from parity.rl.builtin_rewards import builtin_reward
 from parity.rl.problems import BUILTIN_CHARS, BUILTIN_SPECIALS, ArithmeticTask, Problem
 from parity.rl.rewards import RewardRunner
+from parity.runtime import draws_bars
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ def _build(out_dir: Path, tok_dir: Path, cfg: BuildConfig, log, on_eval) -> dict
     task = ArithmeticTask()
     rng = random.Random(cfg.seed)
     start = time.time()
-    bar = tqdm(range(cfg.steps), desc="build-model", unit="step")
+    bar = tqdm(range(cfg.steps), desc="build-model", unit="step", disable=not draws_bars())
     for step in bar:
         set_lr(trainer, warmup_lr(cfg.lr, step, cfg.warmup))
         problems = task.problems(cfg.batch_size, seed=rng.randrange(2**31))

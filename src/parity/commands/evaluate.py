@@ -68,6 +68,7 @@ from parity.rl.run_setup import moved_model_hint
 from parity.rl.tasks import EVAL_SEED, TASKS, builtin_problems
 from parity.rl.train_config import COMPLETION_FORMATS, MAX_SEED, MICRO_BATCH_TOKENS, RewardSection, TrainConfig
 from parity.rundir import in_use_by, refuse_run_links
+from parity.runtime import draws_bars
 
 BUILTIN_MAX_NEW_TOKENS = 96  # a model directory's default response budget (a run's is its own)
 
@@ -428,7 +429,7 @@ def run_eval(
             episodes,
             episode_run.turn_tokens if episodes else 0,
         )
-        for name, step, path in tqdm(states, desc="checkpoints", unit="state", disable=not progress):
+        for name, step, path in tqdm(states, desc="checkpoints", unit="state", disable=not draws_bars(progress)):
             trainer = adapted.pop(path, None) or _trainer(target, run, path, reference, cfg.device, base)
             weights, version = trainer.export_weights(merge=True)
             metrics = evaluator.evaluate(weights, version, (run.seed if run else cfg.seed) + EVAL_SEED, trainer.model)

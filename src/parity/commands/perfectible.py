@@ -35,6 +35,7 @@ from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, Problem
 from parity.rl.rewards import RewardRunner, score_rollouts, training_rewards
 from parity.rl.tasks import TASKS, builtin_problems, difficulty_has_no_effect
 from parity.rl.train_config import MAX_SEED
+from parity.runtime import draws_bars
 
 
 @dataclass
@@ -151,7 +152,9 @@ def problem_accuracies(
     `max_new_tokens` under `truncated`, one of TRUNCATION_MODES: `zero_reward` scores it 0)."""
     sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
     accuracies: list[float] = []
-    for start in tqdm(range(0, len(problems), batch_prompts), desc="perfectible", unit="batch", disable=not progress):
+    for start in tqdm(
+        range(0, len(problems), batch_prompts), desc="perfectible", unit="batch", disable=not draws_bars(progress)
+    ):
         chunk = problems[start : start + batch_prompts]
         prompts = [tokenizer.encode_prompt(p.prompt, chat_template) for p in chunk]
         batch = engine.generate(prompts, samples, sampling, seed=seed + start)

@@ -76,7 +76,9 @@ from parity.rl.tasks import EVAL_SEED, TASKS, builtin_problems
 from parity.rl.trackers import check_trackers, open_trackers
 from parity.rl.train_config import CHUNKED_HEAD_MODES, TrainConfig
 from parity.rundir import RunLock, checkpoint_step
-from parity.runtime import reuse_freed_memory
+from parity.runtime import draws_bars, reuse_freed_memory
+
+PROGRESS_LINES = 50  # lines a run prints in place of its progress bar when stderr is no terminal
 
 # ----------------------------------------------------------------------------- the run
 
@@ -683,7 +685,10 @@ class Run:
             )
         history = []
         self.saved_step = self.step_count  # a resumed run's step is its checkpoint's
-        bar = tqdm(total=cfg.steps, initial=self.step_count, desc="train", unit="step", disable=not self.progress)
+        # Where no bar can be drawn (a log file), plain lines instead: about 50 in a run, and its last step's.
+        live = draws_bars(self.progress)
+        bar = tqdm(total=cfg.steps, initial=self.step_count, desc="train", unit="step", disable=not live)
+        line_every = max(1, cfg.steps // PROGRESS_LINES) if self.progress and not live else 0
         try:
             hooks.event("on_train_begin")
             self._stop_on_failure(hooks)
@@ -720,6 +725,9 @@ class Run:
                 if "eval/accuracy" in metrics:
                     headline["eval"] = f"{metrics['eval/accuracy']:.2f}"
                 bar.set_postfix(headline)
+                if line_every and (self.step_count % line_every == 0 or self.step_count == cfg.steps):
+                    shown = ", ".join(f"{k} {v}" for k, v in headline.items())
+                    print(f"step {self.step_count}/{cfg.steps}: {shown}, {metrics['time/step']:.2f} s", file=sys.stderr)
                 # A step whose every response is correct trained nothing too, but that is the task solved.
                 if metrics["groups/zero_variance_frac"] == 1.0 and metrics.get("reward/accuracy") != 1.0:
                     if not self.zero_variance_warned:
