@@ -182,8 +182,6 @@ class Learner:
         self.reference: Trainer | None = None
 
     def pid(self) -> int:
-        if self.setup_error is not None:
-            raise self.setup_error
         return os.getpid()
 
     def rendezvous(self) -> tuple[str, int]:
