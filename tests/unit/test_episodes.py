@@ -102,6 +102,7 @@ def test_episode_records():
         (["task.tools=tools:add", "episode.turn_tokens=200"], r"episode.turn_tokens: must be in \[1, rollout"),
         (["task.tools=tools:add", "episode.tool_format=json"], "episode.tool_format"),
         (["task.tools=tools:add", "episode.max_turns=0"], "episode.max_turns"),
+        (["episode.max_turns=8"], r"^episode.max_turns=8: a setting of episodes, and this run has none"),  # ignored
     ],
 )
 def test_episode_keys_refused(overrides, message):

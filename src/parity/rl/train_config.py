@@ -581,7 +581,14 @@ class TrainConfig:
                 f"episode.turn_tokens: must be in [1, rollout.max_new_tokens={self.rollout.max_new_tokens}] (the "
                 f"episode's whole budget), got {e.turn_tokens}"
             )
-        if not self.episodes:
+        if not self.episodes:  # they were ignored; turn_tokens is left out, as older runs' config.yaml fill it in
+            changed = [f for f in dataclasses.fields(e) if f.name != "turn_tokens" and getattr(e, f.name) != f.default]
+            if changed:
+                key = f"episode.{changed[0].name}={getattr(e, changed[0].name)}"
+                raise ConfigError(
+                    f"{key}: a setting of episodes, and this run has none (task.tools, task.environment or "
+                    "task.name=lookup)"
+                )
             return
         refusal = TASKS[self.task.name].refused_models.get(self.model)
         if refusal:
