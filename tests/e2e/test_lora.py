@@ -331,6 +331,8 @@ def test_a_moved_base_model_is_given_its_new_place_and_checked(tmp_path, capsys)
     assert f"model: {moved}" in (run / "config.yaml").read_text() and len(checkpoints(run)) == 2
     refused(["train", "--resume", str(full), "steps=2"], "put it back there (a symlink will do)")
     refused(["train", "--resume", str(full), "steps=2", f"model={moved}"], "cannot change on resume of a full run")
+    (full / "config.yaml").write_text((full / "config.yaml").read_text().replace(f"model: {base}", f"model: {moved}"))
+    refused(["train", "--resume", str(full), "steps=2"], "config.yaml differs from the config the run was trained with")
 
 
 def test_lora_and_full_checkpoints_do_not_cross(tmp_path):

@@ -138,7 +138,8 @@ def resumed_config(run_dir: Path, overrides: list[str], trust_code: bool, note: 
         defaults = config_mod.flatten(config_mod.to_dict(TrainConfig()))
         saved = {k: saved.get(k, defaults.get(k)) for k in current}
         changed = [k for k in current if k != "run_dir" and saved[k] != current[k]]
-        refused = [k for k in changed if k not in (*RESUMABLE_KEYS, "model")]
+        movable = ("model",) if cfg.lora.rank > 0 else ()  # a LoRA run's base, checked against its fingerprint
+        refused = [k for k in changed if k not in (*RESUMABLE_KEYS, *movable)]
         if refused:
             diffs = "; ".join(f"{k}: {saved.get(k)!r} when saved, {current[k]!r} now" for k in refused[:4])
             raise ConfigError(
