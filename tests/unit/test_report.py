@@ -187,3 +187,13 @@ def test_a_step_whose_accuracy_is_no_number_is_named_by_its_line(tmp_path, capsy
     assert code == 2 and err[-1].endswith(
         "metrics.jsonl:2: expected a JSON object of metrics with a number for 'reward/accuracy'"
     )
+
+
+def test_a_best_short_of_95_percent_does_not_read_as_95():
+    """A best of 0.946875 was printed 0.95 beside 'steps to 95%: —' and 'did not reach 95%'."""
+    from parity.commands.report import summarize, summary_table
+    from parity.commands.sanity import _verdict
+
+    run = summarize(_history([0.9, 0.946875, 0.946875, 0.946875, 0.946875, 0.946875], k3=0.0))
+    assert run["steps_to_95"] is None and "(0.94) | — |" in summary_table({"r": run})
+    assert _verdict("r", run).endswith("(best 0.94).")

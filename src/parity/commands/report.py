@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,6 +160,11 @@ def held_out_summary(history: list[dict]) -> dict:
     return {"eval_first": evaluated[0][key], "eval_last": evaluated[-1][key], "eval_last_step": evaluated[-1]["step"]}
 
 
+def rounded_down(x: float) -> str:
+    """`x` to two decimals, rounded down: a best accuracy of 0.946 reads 0.94, not the 0.95 it did not reach."""
+    return f"{math.floor(x * 100 + 1e-9) / 100:.2f}"
+
+
 def summary_table(summaries: dict[str, dict]) -> str:
     """One row per run; a held-out column when any run evaluated (`eval.*`)."""
     held_out = any("eval_last" in s for s in summaries.values())
@@ -180,7 +186,8 @@ def summary_table(summaries: dict[str, dict]) -> str:
         to95 = "—" if s["steps_to_95"] is None else str(s["steps_to_95"])
         sec = "—" if s["seconds_to_95"] is None else f"{s['seconds_to_95']:.0f}"
         kind = "" if scored else " accuracy" if s["metric"] == "reward/accuracy" else " mean reward"
-        cells = [name, f"{s['initial_accuracy']:.2f} → {s['final_accuracy']:.2f} ({s['best_accuracy']:.2f}){kind}"]
+        best = rounded_down(s["best_accuracy"])
+        cells = [name, f"{s['initial_accuracy']:.2f} → {s['final_accuracy']:.2f} ({best}){kind}"]
         if held_out:
             cells.append(f"{s['eval_first']:.2f} → {s['eval_last']:.2f}" if "eval_last" in s else "—")
         cells += [

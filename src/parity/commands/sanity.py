@@ -35,6 +35,7 @@ from parity.commands.report import (
     plot_accuracy,
     plot_histogram,
     plot_mismatch_curves,
+    rounded_down,
     summarize,
     summary_table,
 )
@@ -356,7 +357,7 @@ def _verdict(name: str, s: dict) -> str:
     if s["steps_to_95"] is None:
         line = (
             f"- **{name}** did not reach 95% in {s['steps']} steps: training accuracy "
-            f"{s['initial_accuracy']:.2f} → {s['final_accuracy']:.2f} (best {s['best_accuracy']:.2f})."
+            f"{s['initial_accuracy']:.2f} → {s['final_accuracy']:.2f} (best {rounded_down(s['best_accuracy'])})."
         )
     else:
         line = f"- **{name}** reached 95% training accuracy at step {s['steps_to_95']} ({s['seconds_to_95']:.0f} s)."
