@@ -22,6 +22,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -50,6 +51,7 @@ class StopSignals:
         self.command = command
         self.signum: int | None = None
         self.deferred_until: str | None = None  # inside `deferred`: when the command stops
+        self._at_once = threading.Lock()  # the handler and `_count` may both see a second signal
 
     def __call__(self, signum: int, _frame) -> None:
         first = self.signum is None
@@ -57,8 +59,26 @@ class StopSignals:
         if first:
             self.first()
             return
-        print(f"\nparity {self.command}: {self.stopped_line(at_once=True)}", file=sys.stderr, flush=True)
-        os._exit(128 + signum)
+        self._stop_at_once(signum)
+
+    def _stop_at_once(self, signum: int) -> None:
+        with self._at_once:
+            self.signum = self.signum or signum
+            print(f"\nparity {self.command}: {self.stopped_line(at_once=True)}", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+
+    def _count(self, read_fd: int) -> None:
+        """Count the stop signals as they come: `signal.set_wakeup_fd` writes a byte per signal, where Python
+        runs its handler once for two of a kind that come before it can (a double Ctrl-C while the driver waits
+        in Ray's native code). The second stops the process at once. Ends at a 0 byte (`installed`'s end: a
+        forked worker holds the pipe open, so its end would come only as the interpreter exits, too late for a
+        thread to wake in) or at the pipe's end."""
+        seen = 0
+        with open(read_fd, "rb", buffering=0) as pipe:
+            while (chunk := pipe.read(64)) and 0 not in chunk:
+                seen += sum(byte in STOP_SIGNALS for byte in chunk)
+                if seen >= 2:
+                    self._stop_at_once(next(byte for byte in reversed(chunk) if byte in STOP_SIGNALS))
 
     def first(self) -> None:
         if self.deferred_until is None:
@@ -78,12 +98,28 @@ class StopSignals:
         a run meant to outlive its terminal)."""
         previous = {s: signal.signal(s, self) for s in taken_signals()}
         _installed.append(self)
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        counter = threading.Thread(target=self._count, args=(read_fd,), name="stop-signals", daemon=True)
+        try:
+            previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread, whose handlers these are not either
+            previous_fd = None
+            os.close(read_fd)
+        else:
+            counter.start()
         try:
             yield self
         finally:
             _installed.remove(self)
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            if previous_fd is not None:
+                signal.set_wakeup_fd(previous_fd)
+                with contextlib.suppress(OSError):  # a full pipe: the counter is reading it
+                    os.write(write_fd, b"\0")
+                counter.join(timeout=5)
+            os.close(write_fd)
 
 
 _installed: list[StopSignals] = []  # the handlers in place, the one in force last
@@ -122,6 +158,8 @@ def worker_started(parent_pid: int, die_with_parent: bool = True) -> None:
     (a forked worker would otherwise run the command's handler), and with `die_with_parent`, die with it."""
     for s in STOP_SIGNALS:
         signal.signal(s, _left_to_the_command)
+    with contextlib.suppress(ValueError):  # a forked worker would write its signals into its command's count
+        signal.set_wakeup_fd(-1)
     if die_with_parent:
         _die_with(parent_pid)
 

@@ -57,3 +57,31 @@ def test_a_signal_ignored_where_parity_starts_stays_ignored():
     """`nohup parity train ...`: the run went on past the terminal's hangup only until the hangup came."""
     done = _parity("import", signal.SIGHUP, ignored=signal.SIGHUP)
     assert done.returncode == 2 and done.stderr.strip().startswith("parity report: error:"), done.stderr
+
+
+def _counted(signals: list[int]) -> subprocess.CompletedProcess:
+    """A command's `StopSignals` in place, and its wakeup pipe given the bytes Python's C handler writes for
+    `signals` (one each, as they arrive): what its count makes of them when Python ran no handler yet."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, time
+        from parity.stopping import StopSignals
+        with StopSignals("test").installed():
+            fd = signal.set_wakeup_fd(-1)
+            signal.set_wakeup_fd(fd)
+            os.write(fd, bytes({[int(s) for s in signals]!r}))
+            time.sleep(2)
+        print("went on")
+        """
+    )
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+
+
+def test_two_stop_signals_that_python_merged_stop_at_once():
+    """A double Ctrl-C while the driver waited in Ray's native code ran the handler once: the run went on to the
+    end of its step. Each signal is counted as it comes."""
+    done = _counted([signal.SIGTERM, signal.SIGTERM])
+    assert done.returncode == 128 + signal.SIGTERM and done.stdout == "", done.stderr
+    assert done.stderr.strip() == "parity test: stopped by SIGTERM at once"
+    done = _counted([signal.SIGALRM, signal.SIGTERM])  # a reward's time limit and one stop: not two stops
+    assert done.returncode == 0 and done.stdout.strip() == "went on", done.stderr
