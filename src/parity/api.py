@@ -165,13 +165,18 @@ def _tools(tools: object) -> list[Callable[..., Any]]:
     return tools
 
 
-def _environment(environment: object) -> object:
+def _episode_code(tools: object, environment: object) -> tuple[list[Callable[..., Any]], object]:
+    """`tools=` (`_tools`) and `environment=`, checked: an environment is a class or a function making one, and
+    it offers its own tools."""
+    tools = _tools(tools)
     if environment is not None and not callable(environment):
         raise ConfigError(
             f"environment: expected a class (made once per episode) or a function making one, got "
             f"{described(environment)}"
         )
-    return environment
+    if tools and environment is not None:
+        raise ConfigError("tools and environment: give one (an environment offers its own tools, as its `tools`)")
+    return tools, environment
 
 
 def _lora_keys(peft_config: object) -> dict[str, Any]:
@@ -253,9 +258,7 @@ class Trainer:
             ours[TRL_TRAINER_NAMES[name]] = value
         rewards, config, dataset = ours["rewards"], ours["config"], ours["dataset"]
         self.rewards = _rewards(rewards)
-        self.tools, self.environment = _tools(tools), _environment(environment)
-        if self.tools and self.environment is not None:
-            raise ConfigError("tools and environment: give one (an environment offers its own tools, as its `tools`)")
+        self.tools, self.environment = _episode_code(tools, environment)
         self.callbacks = checked_callbacks(callbacks)
         self.progress = _flag("progress", progress)
         values = {k.replace("__", "."): v for k, v in keys.items()}
@@ -578,7 +581,7 @@ def evaluate(
     use_free_cores()
     target = _path("target", target, 'a model directory, a LoRA adapter folder, a run directory or "builtin"')
     bound = _rewards(rewards)
-    tools, environment = _tools(tools), _environment(environment)
+    tools, environment = _episode_code(tools, environment)
     if out is not None:
         out = Path(_path("out", out, "a folder's path or None"))
         check_output_dir(out, "out")  # before the evaluation, not after it

@@ -160,51 +160,48 @@ class Target:
 
 def _adapter_target(path: Path, model: str) -> Target:
     """A PEFT LoRA adapter folder: its base model (`base_model_name_or_path`, or `model` where it is now) with
-    its adapters."""
+    its adapters. A checkpoint's adapters are checked against the base it fingerprints; others fit or not."""
     try:
         lora, base = read_adapter_config(path)
     except AdapterError as e:
         raise ConfigError(str(e)) from None
-    if model != "auto":  # a checkpoint's adapters are checked against the base it fingerprints; others fit or not
-        model_dir = _base_dir(model, "model")
+    if model != "auto":
         in_checkpoint = path.name == ADAPTER_DIR and (path.parent / "state.json").is_file()
-        problem = base_problem(path.parent, model_dir) if in_checkpoint else None
-        if problem is not None:
-            raise ConfigError(f"model: {problem}")
-        return Target(model_dir, None, [], (path, lora))
+        return Target(_given_base(model, path.parent if in_checkpoint else None), None, [], (path, lora))
     if not isinstance(base, str) or not base:
         raise ConfigError(
             f"{path / CONFIG_FILE}: base_model_name_or_path: expected the base model (a directory or a Hugging Face "
             f"id), got {base!r:.80}; or give it: model=DIR"
         )
-    return Target(_base_dir(base, "adapter_config.json's base_model_name_or_path"), None, [], (path, lora))
+    named_by = "adapter_config.json's base_model_name_or_path"
+    return Target(_base_dir(base, named_by, "if it moved, give its place: model=DIR"), None, [], (path, lora))
 
 
-def _base_dir(model: str, named_by: str) -> Path:
-    """The base model directory `model` names (given as `named_by`), or a ConfigError saying how to give it
-    where it is now."""
+def _base_dir(model: str, named_by: str, hint: str = "") -> Path:
+    """The base model directory `model` names (given as `named_by`), or a ConfigError ending in `hint`."""
     try:
         return resolve_model_dir(model)
     except ModelError as e:
-        hint = "" if named_by == "model" else "; if it moved, give its place: model=DIR"
-        raise ConfigError(f"{e} ({named_by}){hint}") from None
+        raise ConfigError(f"{e} ({named_by})" + (f"; {hint}" if hint else "")) from None
 
 
-def _run_base(run: TrainConfig, saved: list[Path], model: str) -> Path:
-    """A run's base model: where config.yaml says, or for a LoRA run `model`, where it is now, checked against
-    the fingerprint its checkpoints record. A full run's checkpoints record none."""
-    if model == "auto":
-        try:
-            return resolve_model_dir(run.model)
-        except ModelError as e:
-            raise ConfigError(f"{e} (config.yaml's model); {moved_model_hint(run.lora.rank > 0)}") from None
-    if run.lora.rank == 0:
-        raise ConfigError("model: a full run's checkpoints do not record their base model; it stays config.yaml's")
+def _given_base(model: str, checkpoint: Path | None) -> Path:
+    """`model=`, a base model where it is now: the one the LoRA `checkpoint` fingerprints, when there is one."""
     model_dir = _base_dir(model, "model")
-    problem = base_problem(saved[-1], model_dir)
+    problem = None if checkpoint is None else base_problem(checkpoint, model_dir)
     if problem is not None:
         raise ConfigError(f"model: {problem}")
     return model_dir
+
+
+def _run_base(run: TrainConfig, saved: list[Path], model: str) -> Path:
+    """A run's base model: where config.yaml says, or for a LoRA run `model`, where it is now. A full run's
+    checkpoints record no fingerprint to check another place against."""
+    if model == "auto":
+        return _base_dir(run.model, "config.yaml's model", moved_model_hint(run.lora.rank > 0))
+    if run.lora.rank == 0:
+        raise ConfigError("model: a full run's checkpoints do not record their base model; it stays config.yaml's")
+    return _given_base(model, saved[-1])
 
 
 def resolve_target(cfg: EvalConfig) -> Target:
@@ -388,8 +385,6 @@ def run_eval(
     reference = cfg.reference if cfg.reference != "auto" else run.trainer_precision if run else "fp32"
     tokenizer = load_tokenizer(target.model_dir)
     numerics = kernels.numerics(cfg.device)
-    if tools and environment is not None:
-        raise ConfigError("tools and environment: give one (an environment offers its own tools, as its `tools`)")
     episode_run = (
         run or episodes_of or _task_of_episodes(target, task, evalset.sampling.max_new_tokens, tools, environment)
     )

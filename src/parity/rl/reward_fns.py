@@ -421,6 +421,9 @@ def call_reward(
     return scores
 
 
+_PARITY_SOURCE = str(Path(__file__).resolve().parents[1])  # src/parity
+
+
 def _trace(e: BaseException) -> str:
     """The traceback of what a reward function raised, from its own code on (Parity's calling frames left out)."""
     import traceback
@@ -429,9 +432,6 @@ def _trace(e: BaseException) -> str:
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PARITY_SOURCE):
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(e), e, tb or e.__traceback__))
-
-
-_PARITY_SOURCE = str(Path(__file__).resolve().parents[1])  # src/parity
 
 
 def call_rewards(

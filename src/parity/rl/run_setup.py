@@ -102,8 +102,8 @@ def resumed_config(run_dir: Path, overrides: list[str], trust_code: bool, note: 
     Leftovers of an interrupted write are cleaned first; `note` hears what changed."""
     for line in clean_leftovers(run_dir):
         note(line)
-    for item in overrides:
-        key = item.split("=", 1)[0].strip()
+    keys = [item.split("=", 1)[0].strip() for item in overrides]
+    for key in keys:
         if key not in (*RESUMABLE_KEYS, "model"):  # model: a LoRA run's base, moved (checked below)
             raise ConfigError(
                 f"--resume {run_dir}: {key} cannot change on resume (a resumed run trains exactly as it "
@@ -112,7 +112,7 @@ def resumed_config(run_dir: Path, overrides: list[str], trust_code: bool, note: 
     cfg = config_mod.load(TrainConfig, run_dir / "config.yaml", overrides)
     cfg.run_dir = str(run_dir)
     cfg.resolve_paths(Path.cwd())  # an override names a file from here; the saved paths are absolute
-    _check_moved_model(run_dir, cfg, any(item.split("=", 1)[0].strip() == "model" for item in overrides))
+    _check_moved_model(run_dir, cfg, "model" in keys)
     for key, data in (("task.data", cfg.task.data), ("eval.data", cfg.eval.data)):
         if data not in ("builtin", "auto") and not Path(data).exists():
             raise ConfigError(f"{key}: {data!r} does not exist; if the run's data moved, give its place: {key}=PATH")
