@@ -125,6 +125,16 @@ class StopSignals:
 _installed: list[StopSignals] = []  # the handlers in place, the one in force last
 
 
+def _uncounted() -> None:
+    """In a forked child, at once: its signals are not its command's to count (`StopSignals._count`), which a
+    Ctrl-C to the process group, reaching a reward worker as it forked, made two and a stop at once."""
+    with contextlib.suppress(ValueError):  # forked from another thread than the main one: Python set none
+        signal.set_wakeup_fd(-1)
+
+
+os.register_at_fork(after_in_child=_uncounted)
+
+
 def requested() -> bool:
     """A stop signal has come (and was noted, inside `deferred`)."""
     return bool(_installed) and _installed[-1].signum is not None
@@ -158,8 +168,6 @@ def worker_started(parent_pid: int, die_with_parent: bool = True) -> None:
     (a forked worker would otherwise run the command's handler), and with `die_with_parent`, die with it."""
     for s in STOP_SIGNALS:
         signal.signal(s, _left_to_the_command)
-    with contextlib.suppress(ValueError):  # a forked worker would write its signals into its command's count
-        signal.set_wakeup_fd(-1)
     if die_with_parent:
         _die_with(parent_pid)
 
