@@ -13,6 +13,7 @@ _API = (
     "DataError",
     "GRPOConfig",
     "Reward",
+    "RewardError",
     "Step",
     "TrainConfig",
     "TrainResult",

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from parity.distributed.driver import open_run
 from parity.engines.lora import TARGETS as LORA_TARGETS
 from parity.engines.lora import AdapterError, check_adapter_fields
 from parity.engines.models.config import ModelError
-from parity.engines.models.io import resolve_model_dir
+from parity.engines.models.io import load_checked_config, resolve_model_dir
 from parity.outdir import check_output_dir
 from parity.rl.callbacks import (  # noqa: F401 - CallbackError, TrainerCallback, TrainerControl: parity's names
     Callback,
@@ -40,6 +40,7 @@ from parity.rl.checkpoint import checkpoints, export_model
 from parity.rl.data import DataError, write_rows  # noqa: F401 - parity.DataError
 from parity.rl.episodes import Step  # noqa: F401 - parity.Step, what an environment returns
 from parity.rl.reward_fns import Reward, found_again, function_spec, importing_user_code
+from parity.rl.rewards import RewardError  # noqa: F401 - parity.RewardError: rewards that time out or keep failing
 from parity.rl.train_config import TrainConfig
 from parity.rl.trl_config import grpo_config
 from parity.rundir import checkpoint_step
@@ -89,8 +90,17 @@ def _rows(data: Dataset, name: str) -> list[dict[str, Any]] | str:
     if isinstance(data, Mapping):
         keys = ", ".join(map(str, list(data)[:6]))
         raise ConfigError(f"{name}: a mapping ({keys}); pass one split (a datasets.Dataset) or a list of row dicts")
+    if isinstance(data, Iterable) and not isinstance(data, Sized):  # a stream: refused before it is read
+        raise ConfigError(
+            f"{name}: {described(data)} has no length (a stream: an IterableDataset, a generator); the run writes "
+            "its rows into its directory first, and a stream is read to its end: give the rows it needs as a list "
+            "or a datasets.Dataset (Dataset.from_list(list(stream.take(N))))"
+        )
     to_list = getattr(data, "to_list", None)  # datasets.Dataset
-    rows = to_list() if callable(to_list) else data
+    if not callable(to_list) and hasattr(data, "columns") and callable(getattr(data, "to_dict", None)):
+        rows = data.to_dict("records")  # a pandas DataFrame, whose iteration gives its column names
+    else:
+        rows = to_list() if callable(to_list) else data
     if isinstance(rows, (bytes, bytearray)) or not isinstance(rows, Iterable):
         raise ConfigError(
             f"{name}: expected a datasets.Dataset, a list of dicts or a JSONL/Parquet file's path, got "
@@ -148,6 +158,13 @@ def _rewards(rewards: object) -> list[Reward]:
             )
         out.append(r if isinstance(r, Reward) else Reward(r))
     return out
+
+
+def _is_rewards(value: object) -> bool:
+    """A function, a Reward or a list of them: reward functions where a dataset was expected."""
+    one = isinstance(value, Reward) or (callable(value) and not isinstance(value, type))
+    many = isinstance(value, (list, tuple)) and value and all(_is_rewards(v) for v in value)
+    return one or bool(many)
 
 
 def _tools(tools: object) -> list[Callable[..., Any]]:
@@ -236,7 +253,7 @@ class Trainer:
         model: str | Path = "builtin",
         dataset: Dataset | None = None,
         rewards: RewardLike | Iterable[RewardLike] | None = (),
-        *,
+        *more: Any,
         config: TrainConfig | str | Path | Mapping[str, Any] | None = None,
         eval_dataset: Dataset | None = None,
         callbacks: Iterable[Any] | None = (),
@@ -247,6 +264,13 @@ class Trainer:
         **keys: Any,
     ):
         _not_importing("parity.Trainer")
+        if more or _is_rewards(dataset):
+            raise ConfigError(
+                "Trainer(model, dataset, rewards, config=...): "
+                + ("the second argument holds reward functions" if _is_rewards(dataset) else f"{3 + len(more)} given")
+                + "; GRPOTrainer's order, (model, reward_funcs, args, train_dataset), is not Parity's: give them in "
+                "Parity's order, or by TRL's names (reward_funcs=..., args=..., train_dataset=...)"
+            )
         use_free_cores()
         trl = {name: keys.pop(name) for name in TRL_TRAINER_NAMES if name in keys}  # TRL's code, as written
         if "processing_class" in keys:
@@ -311,7 +335,7 @@ class Trainer:
                 values[key] = "builtin" if split == "train" else "auto"  # until written into the run
         self.config = _config(config, values)
         try:  # before anything runs, and as the API's error: a ModelError is also a damaged checkpoint's
-            resolve_model_dir(self.config.model)
+            load_checked_config(self.config.model)  # config.json against the weights' headers: no tensor read
         except ModelError as e:
             raise ConfigError(str(e)) from None
         code = [("reward function", r.fn) for r in self.rewards] + [("tool", fn) for fn in self.tools]

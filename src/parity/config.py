@@ -198,6 +198,21 @@ def unknown_key(root: type, dotted: str, allowed: list[str]) -> str:
     return f"unknown config key {dotted}; allowed keys here: {', '.join(sorted(allowed))}"
 
 
+def closed_keys(root: type) -> None:
+    """Make the config dataclass `root` and each of its sections refuse an attribute that is none of its keys,
+    with the unknown key's line: `config.output_dir = ...` (TRL's name) or `config.trainer.lrr = ...` would
+    otherwise set an attribute that nothing reads."""
+
+    def set_key(self: Any, name: str, value: Any) -> None:
+        if name not in self.__dataclass_fields__ and not name.startswith("_"):
+            raise ConfigError(unknown_key(type(self), name, [_key(f) for f in dataclasses.fields(self)]))
+        object.__setattr__(self, name, value)
+
+    for tp in {root, *(t for t in typing.get_type_hints(root).values() if dataclasses.is_dataclass(t))}:
+        if not tp.__dataclass_params__.frozen:
+            tp.__setattr__ = set_key
+
+
 def coerce(value: Any, tp: Any, key: str, root: type | None = None) -> Any:
     """`value` as the config type `tp` of the key `key` (a section's dataclass from a dict), or a one-line
     ConfigError naming the key; `root`: the config whose key it is (for an unknown key's message)."""

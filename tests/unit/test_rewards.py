@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -107,28 +109,37 @@ def _step(errors: int, timeouts: int = 0) -> RewardResult:
 
 def test_health_warns_when_the_failure_rate_reaches_the_threshold():
     health = RewardHealth(warn_rate=0.5, max_failed_steps=0)
-    assert health.observe(1, _step(1), 4) is None
-    line = health.observe(2, _step(1, timeouts=1), 4)
+    assert health.observe(1, _step(1)) is None
+    line = health.observe(2, _step(1, timeouts=1))
     assert line is not None and "step 2: 50%" in line and "1 errors, 1 timeouts of 4" in line
     assert "ZeroDivisionError" in line and "reward.warn_error_rate=0.5" in line
-    assert health.observe(3, _step(3), 4) is None  # still above: warned already
-    assert health.observe(4, _step(0), 4) is None
-    assert "step 5: 75%" in health.observe(5, _step(3), 4)  # crossed again
+    assert health.observe(3, _step(3)) is None  # still above: warned already
+    assert health.observe(4, _step(0)) is None
+    assert "step 5: 75%" in health.observe(5, _step(3))  # crossed again
 
 
 def test_health_stops_after_consecutive_all_failed_steps():
     health = RewardHealth(warn_rate=1.0, max_failed_steps=2)
-    health.observe(1, _step(4), 4)
-    health.observe(2, _step(3), 4)  # one reward scored: the count starts over
-    health.observe(3, _step(2, timeouts=2), 4)
+    health.observe(1, _step(4))
+    health.observe(2, _step(3))  # one reward scored: the count starts over
+    health.observe(3, _step(2, timeouts=2))
     with pytest.raises(RewardError, match=r"in 2 consecutive steps.*ZeroDivisionError.*reward\.max_failed_steps=2"):
-        health.observe(4, _step(4), 4)
+        health.observe(4, _step(4))
+
+
+def test_health_counts_each_functions_calls():
+    """One of two functions failing on every sample fails half of the calls: the other still scores them."""
+    health = RewardHealth(warn_rate=0.5, max_failed_steps=1)
+    half = RewardResult([1.0] * 4, errors=4, timeouts=0, first_error="f: ValueError", functions=2)
+    assert "50% of rewards failed (4 errors, 0 timeouts of 8 calls, 4 samples × 2" in health.observe(1, half)
+    with pytest.raises(RewardError, match="every reward failed in 1 consecutive"):
+        health.observe(2, dataclasses.replace(half, errors=8))
 
 
 def test_health_max_failed_steps_zero_never_stops():
     health = RewardHealth(warn_rate=0.1, max_failed_steps=0)
     for step in range(10):
-        health.observe(step, _step(4), 4)
+        health.observe(step, _step(4))
 
 
 def _gone(pid: int) -> bool:
@@ -185,6 +196,13 @@ def test_a_cut_off_response_scores_as_algorithm_truncated_says():
     assert training_rewards(checked, cut_off, "zero_reward").tolist() == [0.0, 1.0, 0.0, 0.0]
     for mode in ("keep", "drop"):  # drop takes them out of the loss instead
         assert training_rewards(checked, cut_off, mode).tolist() == checked.tolist()
+    # A response no function scored stays unscored, cut off or not: out of its group's baseline.
+    unscored = torch.tensor([math.nan, math.nan, 1.0])
+    assert training_rewards(unscored, torch.tensor([True, False, True]), "zero_reward").isnan().tolist() == [
+        True,
+        True,
+        False,
+    ]
 
 
 def test_accuracy_and_the_perfectible_search_score_cut_off_answers_as_training_does(tmp_path, monkeypatch):
@@ -547,6 +565,9 @@ def test_the_cli_stops_a_run_whose_reward_never_returns(tmp_path, monkeypatch, c
     assert _train_with_reward(tmp_path, "never_returns", *keys, "reward.in_process_timeout_s=0.5") == 1
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("parity ")]
     assert lines == [f"parity train: the run stopped: {overran_line('score', 0.5)}"]
+    # Nothing was trained: the run leaves nothing, as a first batch that fails its check does (it was left
+    # holding config.yaml, refused by the same call again as "already holds a run").
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit, GeneratorExit], ids=lambda e: e.__name__)

@@ -267,3 +267,55 @@ def test_tools_given_twice_are_refused():
 
     with pytest.raises(ConfigError, match=r"^tools= and task.tools: give one"):
         parity.Trainer("builtin-agent", [{"prompt": "a?", "answer": 1}], tools=[lookup], task__tools=["m:search"])
+
+
+def test_trl_s_positional_order_a_stream_and_a_folder_that_is_no_model_are_one_line(tmp_path):
+    """GRPOTrainer(model, reward_funcs, args, train_dataset) by position was "train_dataset and dataset: give
+    one" or a bare TypeError; an IterableDataset was read to its end (an endless one hung); a folder that is
+    no model passed until train()."""
+    datasets = pytest.importorskip("datasets")
+
+    def reward(prompts, completions, **kw):
+        return [0.0] * len(completions)
+
+    def endless():
+        while True:
+            yield {"prompt": "1+1=", "answer": 2}
+
+    rows = [{"prompt": "1+1=", "answer": 2}]
+    order = r"^Trainer\(model, dataset, rewards, config=...\): the second argument holds reward functions; GRPO"
+    for args, kwargs in [
+        (("builtin", [reward], parity.GRPOConfig(), rows), {}),
+        (("builtin", reward), {"args": parity.GRPOConfig(), "train_dataset": rows}),
+    ]:
+        with pytest.raises(ConfigError, match=order):
+            parity.Trainer(*args, **kwargs)
+    with pytest.raises(ConfigError, match=r"^Trainer\(model, dataset, rewards, config=...\): 4 given"):
+        parity.Trainer("builtin", rows, [reward], parity.GRPOConfig())
+    for stream in (datasets.IterableDataset.from_generator(endless), endless()):
+        with pytest.raises(ConfigError, match=r"^dataset: .* has no length \(a stream"):
+            parity.Trainer("builtin", stream, run_dir=tmp_path / "r")
+    frame = datasets.Dataset.from_list(rows).to_pandas()
+    assert parity.Trainer("builtin", frame).datasets["train"] == rows
+    with pytest.raises(ConfigError, match=r"no config.json; this is not a Hugging Face model directory"):
+        parity.Trainer(tmp_path, rows, run_dir=tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_config_takes_its_keys_as_attributes_and_refuses_other_names():
+    """`args.output_dir = ...` after GRPOConfig(...) set an attribute nothing read: the run went elsewhere."""
+    config = parity.GRPOConfig(max_steps=4)
+    config.steps, config.trainer.lr = 2, 1e-5
+    assert (config.steps, config.trainer.lr) == (2, 1e-5)
+    for name, line in [
+        ("output_dir", "unknown config key output_dir; did you mean run_dir (TRL's output_dir)?"),
+        ("max_steps", "unknown config key max_steps; did you mean steps (TRL's max_steps)?"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            setattr(config, name, 1)
+        assert str(e.value) == line
+    with pytest.raises(ConfigError, match=r"^unknown config key lrr; did you mean lr\?$"):
+        config.trainer.lrr = 1.0
+    config.rollout.max_new_tokens = -5  # a key's value is checked where the config is taken
+    with pytest.raises(ConfigError, match=r"^rollout.max_new_tokens must be >= 1, got -5$"):
+        parity.Trainer("builtin", config=config)

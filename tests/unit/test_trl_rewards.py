@@ -289,3 +289,38 @@ def test_a_function_failing_its_first_batch_shows_its_own_traceback(capsys):
     err = capsys.readouterr().err
     assert "reward _divides_by_zero: first failure, ZeroDivisionError: division by zero\nTraceback" in err
     assert "in _divides_by_zero" in err and "parity/rl/" not in err
+
+
+def test_a_function_naming_no_parameter_is_called_as_trl_calls_it():
+    """`def f(**kwargs)` (TRL calls by keyword) was refused as a per-sample function; a decorator without
+    functools.wraps, `(*args, **kwargs)`, called its TRL function per sample, which failed."""
+
+    def keywords_only(**kwargs):
+        return [float(len(c)) for c in kwargs["completions"]]
+
+    def decorated(*args, **kwargs):
+        return only_twos(*args, **kwargs)
+
+    out = _run([Reward(keywords_only), Reward(decorated)], [(TEXT, "abc", 3), (TEXT, "hello", 5)])
+    assert out.rewards == [4.0, 6.0] and out.errors == 0
+
+
+@pytest.mark.parametrize(
+    "returned, line",
+    [
+        ({"score": 1.0}, "returned dict {'score': 1.0}, not a list of 2 numbers"),
+        (["1.0", "2.0"], "returned str '1.0', not a number"),
+        ([math.inf, math.inf], "ValueError: reward is inf"),
+    ],
+    ids=["dict", "strings", "inf"],
+)
+def test_what_a_function_returns_that_is_no_reward_is_one_line_without_parity_s_traceback(capsys, returned, line):
+    """A string or inf was shown with a traceback through Parity's own frames, as if the function had raised."""
+
+    def gives(completions, **kwargs):
+        return returned
+
+    with pytest.raises(RewardCheckError) as raised:
+        _run([Reward(gives)], [(TEXT, "a", 1), (TEXT, "b", 1)])
+    assert line in str(raised.value)
+    assert "Traceback" not in capsys.readouterr().err

@@ -58,7 +58,7 @@ from parity.rl.evaluation import EvalSet, Evaluator, eval_sampling, evaluation_d
 from parity.rl.metrics_log import MetricsLog
 from parity.rl.problems import Problem
 from parity.rl.reward_fns import Reward, binary_reward, config_rewards, data_columns, run_rewards
-from parity.rl.rewards import RewardHealth, score_rollouts
+from parity.rl.rewards import RewardError, RewardHealth, score_rollouts
 from parity.rl.run_setup import NewRunDir, lock_for_resume, new_run_dir, resumed_config
 from parity.rl.step import (
     LocalBackend,
@@ -474,7 +474,7 @@ class Run:
 
         t = time.perf_counter()
         result = score_rollouts(batch, problems, self.tokenizer, self.rewards)
-        warning = self.reward_health.observe(self.step_count + 1, result, len(result.rewards))
+        warning = self.reward_health.observe(self.step_count + 1, result)
         if warning is not None:
             tqdm.write(f"WARNING {warning}", file=sys.stderr)
         unscored = sum(r != r for r in result.rewards)  # NaN: every reward function returned None
@@ -650,15 +650,15 @@ class Run:
         `should_training_stop`, or the first form's `on_step_end` returning True) ends the run early, with a
         checkpoint of the last step. A callback that raises, or answers what the run cannot use, stops it
         the same way, then raises a CallbackError (`rl/callbacks.py`, which says when each event comes).
-        `self.state` is the run's `TrainerState` afterwards. A reward function that fails its first batch, or
-        an environment that cannot be made, stops the run before it trains (a ConfigError), and a run
-        directory this run made goes with it."""
+        `self.state` is the run's `TrainerState` afterwards. A reward function that fails its first batch (a
+        ConfigError) or runs past its time (a RewardError), or an environment that cannot be made, stops the run
+        before it trains, and a run directory this run made goes with it."""
         logged = self.log.rows() if self.step_count else []  # a resumed run's earlier steps
         self.state = TrainerState(self.step_count, self.cfg.steps, self._epoch(), logged)
         hooks = Callbacks(checked_callbacks(callbacks), copy.deepcopy(self.cfg), self.state)
         try:
             return self._train(should_stop, hooks)
-        except ConfigError:
+        except (ConfigError, RewardError):
             if self.new_dir is not None and self.step_count == 0:
                 self.new_dir.remove()  # nothing was trained: the run leaves nothing
             raise

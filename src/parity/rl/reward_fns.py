@@ -4,10 +4,11 @@ check on the first batch, the weighted sum and each function's own scores.
     batched      fn(prompts, completions, **columns) -> list of numbers, one per completion (TRL's form)
     per sample   fn(prompt, completion, **columns) -> number
 
-A function is batched when a parameter is named `prompts` or `completions`; `Reward(fn, batched=...)`
-says so where the names do not. Each column of the data but the prompt is passed by its own name, as
-the file or dataset holds it (an integer answer stays an integer; a batched function gets a list per
-column); a function takes the columns it names, or every column with `**kwargs`. Its signature is
+A function is batched when a parameter is named `prompts` or `completions`, or when it names none (`**kwargs`:
+TRL calls every function by keyword); `Reward(fn, batched=...)` says so where the names do not. Each column
+of the data but the prompt is passed by its own name, as the file or dataset holds it (an integer answer
+stays an integer; a batched function gets a list per column); a function takes the columns it names, or
+every column with `**kwargs`. Its signature is
 checked against the data's columns before the run starts, and its first batch's result (a number per
 completion) before the first update: either failing stops the run with one line naming the function.
 Later failures score that function 0 on the samples concerned and are counted (`rl/rewards.py`).
@@ -38,7 +39,7 @@ import math
 import numbers
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -219,8 +220,10 @@ def bind(reward: Reward | Callable[..., Any], columns: Sequence[str]) -> BoundRe
     except (TypeError, ValueError):  # a builtin without a signature: trust it with every argument
         batched = bool(reward.batched)
         return BoundReward(fn, name, reward.weight, batched, 0 if batched else 2, None)
-    named = {p.name for p in params}
-    batched = reward.batched if reward.batched is not None else bool(named & {"prompts", "completions"})
+    named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    # TRL calls every function by keyword: one that names no parameter (`**kwargs`, or a decorator's
+    # `(*args, **kwargs)` without functools.wraps) is called its way, batched.
+    batched = reward.batched if reward.batched is not None else not named or bool(named & {"prompts", "completions"})
     positional = 0 if batched else 2
     heads = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if not batched and len(heads) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
@@ -313,8 +316,8 @@ def _failure(e: BaseException, completions: list[Any]) -> str:
     """A function's failure on one line; a TypeError on string completions says how to get TRL's form
     (a function written for it indexes a string: "string indices must be integers")."""
     line = exception_summary(e)
-    returned = str(e).startswith("returned")  # `_number`'s: what the function gave, not how it failed
-    if isinstance(e, TypeError) and not returned and completions and isinstance(completions[0], str):
+    indexed = "string indices" in str(e)  # a function written for TRL's chat form, given a string
+    if isinstance(e, TypeError) and indexed and completions and isinstance(completions[0], str):
         line = f"{line} ({STRING_HINT})"
     return line
 
@@ -380,7 +383,7 @@ def call_reward(
             raise
         except BaseException as e:  # noqa: BLE001 - a failure of the function's, as in a worker process
             return Scores([0.0] * n, n, _failure(e, completions), _trace(e))
-        if isinstance(returned, (str, bytes)) or not hasattr(returned, "__len__"):
+        if isinstance(returned, (str, bytes, Mapping)) or not hasattr(returned, "__len__"):
             what = f"returned {type(returned).__name__} {returned!r:.60}, not a list of {n} numbers"
             return Scores([0.0] * n, n, what, type_error=what)
         if len(returned) != n:
@@ -425,13 +428,14 @@ _PARITY_SOURCE = str(Path(__file__).resolve().parents[1])  # src/parity
 
 
 def _trace(e: BaseException) -> str:
-    """The traceback of what a reward function raised, from its own code on (Parity's calling frames left out)."""
+    """The traceback of what a reward function raised, from its own code on (Parity's calling frames left out);
+    none for what Parity raised on what it returned (a string, inf): the one line says it all."""
     import traceback
 
     tb = e.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PARITY_SOURCE):
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(e), e, tb or e.__traceback__))
+    return "".join(traceback.format_exception(type(e), e, tb)) if tb is not None else ""
 
 
 def call_rewards(
@@ -508,7 +512,7 @@ class UserRewards:
         if not self.checked:
             self._check_first(got, n, timed_out)
         # The weighted sum over the functions that scored each sample; NaN where none did (all None).
-        result = RewardResult([math.nan] * n, errors=0, timeouts=0)
+        result = RewardResult([math.nan] * n, errors=0, timeouts=0, functions=len(self.rewards))
         logged: dict[str, list[float]] = {}  # `log_metric`'s values, by name, over every function
         for reward, scores in zip(self.rewards, got):
             for name, values in scores.metrics.items():

@@ -181,6 +181,7 @@ class RewardResult:
     errors: int  # raised or returned a non-finite / non-number value; a dead worker counts here too
     timeouts: int
     first_error: str | None = None  # the first failure of these samples, one line
+    functions: int = 1  # the reward functions each sample was scored by (errors and timeouts count their calls)
     responses: list[str] = field(default_factory=list)  # the decoded responses scored (`score_rollouts`)
     # Each reward function's own scores (NaN: it returned None, not scoring the sample) and weight.
     per_function: dict[str, list[float]] = field(default_factory=dict)
@@ -383,10 +384,13 @@ class RewardHealth:
         self._above_warn_rate = False  # the last step's rate was at or above warn_rate
         self._all_failed_steps = 0  # consecutive steps in which every reward failed
 
-    def observe(self, step: int, result: RewardResult, num_samples: int) -> str | None:
-        failed = result.errors + result.timeouts
-        rate = failed / num_samples if num_samples else 0.0
-        self._all_failed_steps = self._all_failed_steps + 1 if num_samples and failed >= num_samples else 0
+    def observe(self, step: int, result: RewardResult) -> str | None:
+        """A step's rewards: a failure is one function's on one sample, so that one broken function of two
+        fails half of the calls, not every reward."""
+        failed, samples = result.errors + result.timeouts, len(result.rewards)
+        calls = samples * result.functions
+        rate = failed / calls if calls else 0.0
+        self._all_failed_steps = self._all_failed_steps + 1 if calls and failed >= calls else 0
         if self.max_failed_steps and self._all_failed_steps >= self.max_failed_steps:
             raise RewardError(
                 f"every reward failed in {self._all_failed_steps} consecutive steps (up to step {step}); "
@@ -397,18 +401,19 @@ class RewardHealth:
         self._above_warn_rate = rate >= self.warn_rate
         if not crossed:
             return None
+        of = f"{samples} samples" if result.functions == 1 else f"{calls} calls, {samples} samples × {result.functions}"
         return (
             f"reward: step {step}: {rate:.0%} of rewards failed ({result.errors} errors, {result.timeouts} timeouts "
-            f"of {num_samples} samples; first: {result.first_error}); "
-            f"this warns at reward.warn_error_rate={self.warn_rate}"
+            f"of {of}; first: {result.first_error}); this warns at reward.warn_error_rate={self.warn_rate}"
         )
 
 
 def training_rewards(rewards: torch.Tensor, truncated: torch.Tensor, mode: str) -> torch.Tensor:
     """The rewards the loss sees under `algorithm.truncated=mode`: with `zero_reward` a response cut off
     at the length limit scores 0 whatever it holds (a right number in an unfinished answer is not an
-    answer); `keep` and `drop` leave the rewards as they are (`drop` takes such responses out of the loss)."""
-    return rewards.masked_fill(truncated, 0.0) if mode == "zero_reward" else rewards
+    answer); `keep` and `drop` leave the rewards as they are (`drop` takes such responses out of the loss). A
+    response that no reward function scored (NaN) stays unscored: out of its group's baseline, advantage 0."""
+    return rewards.masked_fill(truncated & ~rewards.isnan(), 0.0) if mode == "zero_reward" else rewards
 
 
 def score_rollouts(

@@ -725,3 +725,4 @@ def _checked_init(init):
 
 
 TrainConfig.__init__ = _checked_init(TrainConfig.__init__)
+config_mod.closed_keys(TrainConfig)
