@@ -296,6 +296,13 @@ class Trainer:
         self._model_given = model != "builtin"
         if model != "builtin":  # else the config's (a YAML file's, a dict's), or the built-in model
             values["model"] = model
+        for key, given in (("task.tools", self.tools), ("task.environment", self.environment)):
+            if given and key in values:  # the Python objects would win over the key, silently
+                raise ConfigError(f"{key.split('.')[1]}= and {key}: give one (the objects, or where to import them)")
+        if self.tools:
+            values["task.tools"] = [function_spec(fn) for fn in self.tools]
+        if self.environment is not None:  # before the config is first read (episode.* keys need them)
+            values["task.environment"] = function_spec(self.environment)
         if self.rewards:
             # Plain functions take task.reward_weights (TRL's reward_weights), one per function, from the keys
             # or the config, when given; a `parity.Reward` keeps its own weight.
@@ -313,13 +320,6 @@ class Trainer:
                 ]
             values["task.reward_fn"] = [function_spec(r.fn) for r in self.rewards]
             values["task.reward_weights"] = [r.weight for r in self.rewards]
-        for key, given in (("task.tools", self.tools), ("task.environment", self.environment)):
-            if given and key in values:  # the Python objects would win over the key, silently
-                raise ConfigError(f"{key.split('.')[1]}= and {key}: give one (the objects, or where to import them)")
-        if self.tools:
-            values["task.tools"] = [function_spec(fn) for fn in self.tools]
-        if self.environment is not None:
-            values["task.environment"] = function_spec(self.environment)
         self.datasets: dict[str, list[dict[str, Any]]] = {}
         for split, name, data, key in (
             ("train", "dataset", dataset, "task.data"),

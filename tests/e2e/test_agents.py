@@ -318,3 +318,29 @@ def test_the_environment_s_last_word_is_recorded_not_fed(tmp_path):
     for row in written:
         assert row["messages"][-1] == {"role": "user", "content": "verdict: seen"} and row["turns"] == 1
         assert row["end"] == "done" and row["fed_tokens"] == 0
+
+
+class _FailsLater:
+    """Resets 8 times (two steps of 2 prompts × 2), then its table is gone."""
+
+    made = 0
+
+    def reset(self, row):
+        _FailsLater.made += 1
+        if _FailsLater.made > 8:
+            raise KeyError("table")
+        return "hi"
+
+    def step(self, assistant):
+        return parity.Step(done=True)
+
+
+def test_an_environment_that_fails_at_a_later_step_keeps_the_steps_before_it(tmp_path):
+    """The steps before were lost: no checkpoint (checkpoint_every=10), and a resume started again at step 0."""
+    rows = [{"prompt": [{"role": "user", "content": f"{k}?"}], "answer": 1} for k in "ab"]
+    small = dict(steps=4, prompts_per_step=2, rollout__group_size=2, progress=False, eval__every=-1)
+    with pytest.raises(
+        ConfigError, match=r"failed as it was made or reset: .*; the run stopped: the newest checkpoint is step_000002$"
+    ):
+        parity.train("builtin-agent", rows, environment=_FailsLater, run_dir=tmp_path / "r", **small)
+    assert len((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()) == 2

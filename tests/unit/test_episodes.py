@@ -6,7 +6,9 @@ from __future__ import annotations
 import re
 import time
 
+import numpy as np
 import pytest
+import torch
 
 from parity import config
 from parity.config import ConfigError
@@ -139,6 +141,11 @@ def test_an_environment_step_that_goes_wrong_is_named(answer, error):
         environment_step(_Odd(answer), {"role": "assistant", "content": "x"}, 0.3)
     assert exception_summary(caught.value).startswith(error)
     assert environment_step(_Odd(Step(reward=1)), {"role": "assistant", "content": "x"}, 1.0) == Step([], False, 1.0)
+    # A NumPy or 0-d torch scalar is a number, as a reward function's is (it ended every episode, unscored).
+    for number in (np.float32(0.5), torch.tensor(0.5)):
+        assert environment_step(_Odd(Step(reward=number)), {"role": "assistant"}, 1.0).reward == 0.5
+    with pytest.raises(TypeError, match=r"step\(\).reward is tensor\(\[1., 2.\]\), not a finite number"):
+        environment_step(_Odd(Step(reward=torch.tensor([1.0, 2.0]))), {"role": "assistant"}, 1.0)
 
 
 class _BadReset:
@@ -198,3 +205,46 @@ def test_an_environment_whose_reset_gives_no_messages_is_refused():
 
     with pytest.raises(ConfigError, match=r"^environment: <lambda>.reset\(\) gave no first messages"):
         _new_episode(lambda: type("E", (), {"reset": lambda self, row: [], "step": lambda self, a: None})(), {}, 1.0)
+
+
+def test_an_episode_its_environment_broke_is_unscored_and_its_record_is_not_the_rewards_to_edit():
+    """An environment_error episode scored 0 and trained against what the model did (advantage -0.5 beside
+    +0.5); and a reward that edited `messages` rewrote the completions file's record."""
+    from types import SimpleNamespace
+
+    from parity.rl.episodes import EpisodeBatch
+    from parity.rl.problems import Problem
+    from parity.rl.rewards import RewardResult
+    from parity.rl.step import trained_rewards
+
+    ends = ["done", "environment_error", "done", "environment_error"]
+    episodes = EpisodeBatch([Episode([{"role": "user", "content": "q"}], end=end) for end in ends])
+    batch = SimpleNamespace(
+        response_mask=torch.ones(4, 2, dtype=torch.bool),
+        truncated=torch.zeros(4, dtype=torch.bool),
+        group_index=torch.tensor([0, 0, 0, 0]),
+        episodes=episodes,
+    )
+    result = RewardResult([1.0, 0.0, 0.0, 0.0], errors=0, timeouts=0)
+    rewards, advantages = trained_rewards(batch, result, "grpo", "zero_reward")
+    assert rewards.isnan().tolist() == [False, True, False, True]
+    assert advantages[1] == advantages[3] == 0 and advantages[0] > 0 > advantages[2]
+    items = episodes.reward_items([Problem("q", "a")] * 4, [1] * 4)
+    items[0][0].columns["messages"][0]["content"] = "edited by a reward"
+    assert episodes.episodes[0].messages[0]["content"] == "q"
+
+
+def test_text_that_is_not_utf8_is_a_tools_error_or_the_environments_in_one_line():
+    """A lone surrogate (text read with errors="surrogateescape") ended the run in the tokenizer's traceback."""
+    from parity.rl.episodes import _new_episode
+
+    odd = "verdict: caf\udce9"
+    assert tool_text(odd) == (
+        "error: the tool's answer is not UTF-8 text: a lone surrogate '\\udce9' at character 12",
+        True,
+    )
+    with pytest.raises(TypeError, match=r"^step\(\).messages\[0\]'s content is not UTF-8 text: a lone surrogate"):
+        environment_step(_Odd(Step([{"role": "user", "content": odd}], done=True)), {"role": "assistant"}, 1.0)
+    reset = type("E", (), {"reset": lambda self, row: odd, "step": lambda self, a: Step(done=True)})
+    with pytest.raises(ConfigError, match=r"^environment: E.reset\(\)'s answer\[0\]'s content is not UTF-8 text"):
+        _new_episode(reset, {"prompt": "x"}, 1.0)

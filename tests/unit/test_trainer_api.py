@@ -319,3 +319,21 @@ def test_a_config_takes_its_keys_as_attributes_and_refuses_other_names():
     config.rollout.max_new_tokens = -5  # a key's value is checked where the config is taken
     with pytest.raises(ConfigError, match=r"^rollout.max_new_tokens must be >= 1, got -5$"):
         parity.Trainer("builtin", config=config)
+
+
+def test_episode_keys_are_taken_beside_reward_functions():
+    """With rewards given, the config was read before the tools were in it: every episode.* key was refused
+    as "a setting of episodes, and this run has none"."""
+
+    def lookup(key: str) -> str:
+        """The value under a key."""
+        return key
+
+    def reward(prompts, completions, **kw):
+        return [0.0] * len(completions)
+
+    rows = [{"prompt": "a?", "answer": 1}]
+    trainer = parity.Trainer("builtin-agent", rows, [reward], tools=[lookup], episode__max_turns=2)
+    assert trainer.config.episode.max_turns == 2
+    trainer = parity.Trainer("builtin-agent", rows, [reward], tools=[lookup], config={"episode": {"max_turns": 3}})
+    assert trainer.config.episode.max_turns == 3

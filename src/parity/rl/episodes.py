@@ -85,9 +85,21 @@ def tool_text(value: Any) -> tuple[str, bool]:
             text = json.dumps(value, ensure_ascii=False, allow_nan=False)  # NaN is no JSON
         except (TypeError, ValueError):
             text, failed = f"error: the tool returned {type(value).__name__!r}, not text or JSON", True
+    if not failed and (problem := not_utf8(text)):
+        text, failed = f"error: the tool's answer {problem}", True
     if len(text) > TOOL_TEXT_CHARS:
         text = text[:TOOL_TEXT_CHARS] + f" [cut: {len(text) - TOOL_TEXT_CHARS} more characters]"
     return text, failed
+
+
+def not_utf8(text: str) -> str:
+    """What keeps `text` from being UTF-8, which a tokenizer reads ('' if nothing): a lone surrogate, as text
+    read with errors="surrogateescape" holds for each byte it could not decode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"is not UTF-8 text: a lone surrogate {text[e.start]!r} at character {e.start}"
+    return ""
 
 
 def call_tool(fn: Callable[..., Any], name: str, arguments: Any, timeout_s: float) -> tuple[str, bool]:
@@ -286,6 +298,9 @@ def _checked_messages(messages: Any, what: str) -> list[Message]:
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
     ):
         raise TypeError(f"{what} is {messages!r:.80}, not a list of messages with text content")
+    for i, m in enumerate(messages):
+        if problem := not_utf8(m["content"]):
+            raise TypeError(f"{what}[{i}]'s content {problem}")
     return copy.deepcopy(messages)
 
 
@@ -301,10 +316,16 @@ def environment_step(env: Any, assistant: Message, timeout_s: float) -> Step:
     if not isinstance(step, Step):
         raise TypeError(f"step() returned {type(step).__name__}, not parity.Step")
     reward = step.reward
-    if reward is not None:
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+    if reward is not None:  # a number as reward functions give one: a NumPy or 0-d torch scalar too
+        number = None
+        if not isinstance(reward, (bool, str, bytes)) and hasattr(reward, "__float__"):
+            try:
+                number = float(reward)
+            except (TypeError, ValueError, RuntimeError):  # a tensor of several values
+                pass
+        if number is None or not math.isfinite(number):
             raise TypeError(f"step().reward is {reward!r:.40}, not a finite number or None")
-        reward = float(reward)
+        reward = number
     if not isinstance(step.done, bool):  # `bool("no")` is True: a string would end the episode
         raise TypeError(f"step().done is {step.done!r:.40}, not True or False")
     return Step(_checked_messages(step.messages, "step().messages"), step.done, reward)
@@ -342,7 +363,7 @@ def _new_episode(make: Callable[[], Any], row: dict[str, Any], timeout_s: float)
     except Exception as e:  # noqa: BLE001 - code of yours: one line naming it
         raise ConfigError(f"environment: {name} failed as it was made or reset: {exception_summary(e)}") from None
     if isinstance(messages, str):
-        return env, [{"role": "user", "content": messages}]
+        messages = [{"role": "user", "content": messages}]
     if messages == []:
         raise ConfigError(f"environment: {name}.reset() gave no first messages; the model needs a prompt to answer")
     try:
@@ -431,7 +452,7 @@ class Episodes:
             except Exception as e:  # noqa: BLE001 - messages the chat template cannot render end the episode
                 del episode.messages[-len(step.messages) :]  # never fed: the conversation is what the model saw
                 episode.end, episode.error = "environment_error", f"its messages do not render: {exception_summary(e)}"
-                setup.note_once(f"environment {type(env).__name__}.step() gave {episode.error} (the episode ends)")
+                setup.note_once(f"environment {type(env).__name__}.step(): {episode.error} (the episode ends)")
                 continue
             if len(fed) + 1 >= room:
                 episode.end = "no_room"
@@ -535,14 +556,20 @@ class EpisodeBatch:
             tuple(sum(x) / len(logprobs) for x in zip(*logprobs)) if logprobs else None,
         )
 
+    def broken(self) -> list[bool]:
+        """The episodes their environment broke (`environment_error`): not the model's doing, so not scored
+        (`rl/step.trained_rewards`)."""
+        return [e.end == "environment_error" for e in self.episodes]
+
     def reward_items(self, problems: list[Problem], lengths: list[int]) -> list[tuple]:
         """What the rewards score (`UserRewards`' items): each episode's last answer, with its data row's
-        columns (`problems`: each episode's) plus EPISODE_COLUMNS."""
+        columns (`problems`: each episode's) plus EPISODE_COLUMNS, the messages a copy (a reward that edits
+        them leaves the episode's record as it was)."""
         items = []
         for episode, problem, length in zip(self.episodes, problems, lengths):
             columns = {
                 **problem.columns,
-                "messages": episode.messages,
+                "messages": copy.deepcopy(episode.messages),
                 "environment_reward": episode.environment_reward,
             }
             items.append((Problem(problem.prompt, problem.answer, columns), episode.answer, length))

@@ -15,6 +15,7 @@ the rest runs where the rollouts arrive.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -178,12 +179,16 @@ def trained_rewards(
     batch: RolloutBatch, result: RewardResult, advantage: str, truncated: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rewards the loss sees (the scores with `algorithm.truncated` applied) and their group advantages
-    (`algorithm.advantage`), one per row."""
+    (`algorithm.advantage`), one per row. An episode its environment broke is not the model's doing: it is
+    unscored, as a sample no function scored."""
     device = batch.response_mask.device
-    rewards = training_rewards(torch.tensor(result.rewards, device=device), batch.truncated, truncated)
+    broken = torch.tensor(batch.episodes.broken() if batch.episodes is not None else [False], device=device)
+    rewards = torch.tensor(result.rewards, device=device).masked_fill(broken, math.nan)
+    rewards = training_rewards(rewards, batch.truncated, truncated)
     scores = weights = None
     if advantage in PER_FUNCTION_ADVANTAGES and result.per_function:  # each function's scores [B, K]
         scores = torch.tensor(list(result.per_function.values()), device=device).T
+        scores = scores.masked_fill(broken[:, None], math.nan)
         scores = training_rewards(scores, batch.truncated[:, None], truncated)
         weights = torch.tensor([result.weights[name] for name in result.per_function], device=device)
     # A sample no reward function scored (each returned None) is NaN: `group_advantages` gives it 0.
