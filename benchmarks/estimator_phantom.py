@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--out", default="estimator-phantom")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    out = claim_output_dir(Path(args.out), folders=("runs",))
+    out = claim_output_dir(Path(args.out), "estimator-phantom", folders=("runs",))
     start = time.perf_counter()
     rows = {}
     for name, est in ESTIMATORS.items():

@@ -608,7 +608,7 @@ def evaluate(
     tools, environment = _episode_code(tools, environment)
     if out is not None:
         out = Path(_path("out", out, "a folder's path or None"))
-        check_output_dir(out, "out")  # before the evaluation, not after it
+        check_output_dir(out, "eval", "out")  # before the evaluation, not after it
     _flag("progress", progress)
     values = {k.replace("__", "."): v for k, v in keys.items()}
     cfg = config_mod.load(EvalConfig, None, None, {"target": target, **values, "out": str(out or "")})

@@ -36,8 +36,11 @@ class Mark:
     """What `.parity-out` records: each file's accepted SHA-256s (the bytes Parity wrote) and the folders
     Parity made."""
 
-    def __init__(self, files: dict[str, list[str]] | None = None, folders: set[str] | None = None):
+    def __init__(
+        self, files: dict[str, list[str]] | None = None, folders: set[str] | None = None, command: str | None = None
+    ):
         self.files, self.folders = files or {}, folders or set()
+        self.command = command  # the command whose results these are (None: a mark of Parity before it said)
 
     @classmethod
     def read(cls, out: Folder) -> Mark | None:
@@ -56,12 +59,20 @@ class Mark:
             and all(isinstance(h, str) and _HASH.fullmatch(h) for h in hashes)
         }
         folders = data.get("folders", [])
+        command = data.get("command")
         return cls(
-            files, {f for f in folders if isinstance(f, str) and _plain(f)} if isinstance(folders, list) else set()
+            files,
+            {f for f in folders if isinstance(f, str) and _plain(f)} if isinstance(folders, list) else set(),
+            command if isinstance(command, str) else None,
         )
 
     def write(self, out: Folder) -> None:
-        mark = {"written_by": "parity", "files": dict(sorted(self.files.items())), "folders": sorted(self.folders)}
+        mark = {
+            "written_by": "parity",
+            **({"command": self.command} if self.command else {}),
+            "files": dict(sorted(self.files.items())),
+            "folders": sorted(self.folders),
+        }
         out.write_text(MARK, json.dumps(mark, indent=2) + "\n")
 
 
@@ -99,8 +110,10 @@ def _foreign(out: Folder, mark: Mark) -> list[str]:
     return foreign
 
 
-def check_output_dir(out: Path, key: str = "--out") -> None:
-    """Refuse `out` (the value of `key`) unless Parity may write there; writes nothing."""
+def check_output_dir(out: Path, command: str, key: str = "--out") -> None:
+    """Refuse `out` (the value of `key`) unless `parity command` may write there: new, empty, or holding only
+    what Parity wrote, that command's results (another's would be replaced: a sanity run's report.md by a
+    report's); writes nothing."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{key} {out}: a file, not a folder")
     run = enclosing_run(out)
@@ -119,7 +132,13 @@ def check_output_dir(out: Path, key: str = "--out") -> None:
         return
     refuse_links(out, key)
     with Folder.open(out, key=key) as folder:
-        foreign = _foreign(folder, Mark.read(folder) or Mark())
+        mark = Mark.read(folder) or Mark()
+        foreign = _foreign(folder, mark)
+    if mark.command not in (None, command) and not foreign:
+        raise ConfigError(
+            f"{key} {out}: holds the results of `parity {mark.command}`, which `parity {command}` would replace; "
+            "choose another folder"
+        )
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise ConfigError(
@@ -129,16 +148,17 @@ def check_output_dir(out: Path, key: str = "--out") -> None:
         )
 
 
-def claim_output_dir(out: Path, key: str = "--out", folders: tuple[str, ...] = ()) -> Path:
-    """Check `out` again (it may have changed during the work), create it, and mark it as Parity's with the
-    sub-folders `folders` that the command makes there: call it just before writing."""
-    check_output_dir(out, key)
+def claim_output_dir(out: Path, command: str, key: str = "--out", folders: tuple[str, ...] = ()) -> Path:
+    """Check `out` again (it may have changed during the work), create it, and mark it as `parity command`'s
+    with the sub-folders `folders` that the command makes there: call it just before writing."""
+    check_output_dir(out, command, key)
     with Folder.open(out, create=True, key=key) as folder:
         mark = Mark.read(folder) or Mark()
         for name in folder.names():
             if _leftover(folder, mark, name):
                 folder.remove(name)
         mark.folders |= set(folders)
+        mark.command = command
         mark.write(folder)
     return out
 
@@ -174,11 +194,12 @@ def _finite(value: object) -> object:
     return value
 
 
-def mark_written(out: Path) -> None:
-    """Record every file `out` holds now as written by Parity: for a folder Parity has just built whole
-    (`parity build-model` builds it in a fresh folder, then renames it into place)."""
+def mark_written(out: Path, command: str) -> None:
+    """Record every file `out` holds now as written by `parity command`: for a folder Parity has just built
+    whole (`parity build-model` builds it in a fresh folder, then renames it into place)."""
     with Folder.open(out) as folder:
         mark = Mark.read(folder) or Mark()
+        mark.command = command
         for name in folder.names():
             if _plain(name) and folder.is_file(name):
                 mark.files[name] = [folder.sha256(name)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import tracemalloc
 
 import pyarrow as pa
@@ -229,6 +230,21 @@ def test_perfectible_checks_prompts_against_the_model(tmp_path):
     message = r"d.jsonl:2: prompt is 43 tokens; at most 32 fit \(model max_position_embeddings 128 minus"
     with pytest.raises(DataError, match=message):
         candidate_problems(cfg)
+
+
+def test_a_perfectible_search_is_of_the_model_directory_s_files_not_only_its_weights(tmp_path):
+    """A copy of the built-in model with another rope_theta (the same weights) reused the original's search:
+    200 of 256 problems kept, where a search of its own keeps none."""
+    from parity.commands.perfectible import cache_key
+    from parity.engines.models.io import BUILTIN_DIR
+
+    copy = tmp_path / "m"
+    shutil.copytree(BUILTIN_DIR, copy)
+    same = cache_key(PerfectibleConfig(model=str(copy)))
+    assert same == cache_key(PerfectibleConfig())
+    settings = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**settings, "rope_theta": 10.0}))
+    assert cache_key(PerfectibleConfig(model=str(copy))) != same
 
 
 @pytest.fixture(scope="module")

@@ -81,14 +81,14 @@ def test_what_a_kill_left_as_parity_wrote_its_mark_is_parity_s(tmp_path):
     """A kill while the mark was written left its temporary file, and the folder was refused from then on as
     holding a file Parity did not write; the next command takes the folder and removes what was left."""
     out = tmp_path / "out"
-    claim_output_dir(out)
+    claim_output_dir(out, "report")
     leftover = out / f".{MARK}.65b189ca.tmp"
     leftover.write_text("{")
     (out / ".notes.65b189ca.tmp").write_text("mine: not a file the mark records\n")
     with pytest.raises(ConfigError, match=r"holds files Parity did not write \(\.notes\.65b189ca\.tmp\)"):
-        claim_output_dir(out)
+        claim_output_dir(out, "report")
     (out / ".notes.65b189ca.tmp").unlink()
-    claim_output_dir(out)
+    claim_output_dir(out, "report")
     assert not leftover.exists() and (out / MARK).is_file()
 
 
@@ -179,10 +179,29 @@ def test_result_files_are_strict_json(tmp_path):
     """eval.json and doctor.json held bare NaN, which strict parsers (jq, JavaScript) refuse."""
     from parity.outdir import claim_output_dir, write_output_json
 
-    out = claim_output_dir(tmp_path / "out")
+    out = claim_output_dir(tmp_path / "out", "report")
     write_output_json(out / "r.json", {"kl": float("nan"), "gaps": [float("inf"), 1.5], "n": 2})
 
     def refuse(constant):
         raise ValueError(constant)
 
     assert json.loads((out / "r.json").read_text(), parse_constant=refuse) == {"kl": None, "gaps": [None, 1.5], "n": 2}
+
+
+def test_a_folder_of_one_command_s_results_is_refused_to_another(tmp_path):
+    """`parity report --out` a sanity run's folder replaced its report.md and summary.json, silently."""
+    from parity.outdir import check_output_dir, claim_output_dir, write_output
+
+    out = claim_output_dir(tmp_path / "sanity", "sanity", folders=("runs",))
+    write_output(out / "report.md", "the sanity run's\n")
+    check_output_dir(out, "sanity")  # its own command writes there again
+    with pytest.raises(ConfigError) as e:
+        claim_output_dir(out, "report")
+    assert str(e.value) == (
+        f"--out {out}: holds the results of `parity sanity`, which `parity report` would replace; choose another folder"
+    )
+    assert (out / "report.md").read_text() == "the sanity run's\n"
+    # A mark written before it named its command takes any command's results, as it did.
+    mark = json.loads((out / MARK).read_text())
+    (out / MARK).write_text(json.dumps({k: v for k, v in mark.items() if k != "command"}))
+    claim_output_dir(out, "report")

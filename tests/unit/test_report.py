@@ -197,3 +197,14 @@ def test_a_best_short_of_95_percent_does_not_read_as_95():
     run = summarize(_history([0.9, 0.946875, 0.946875, 0.946875, 0.946875, 0.946875], k3=0.0))
     assert run["steps_to_95"] is None and "(0.94) | — |" in summary_table({"r": run})
     assert _verdict("r", run).endswith("(best 0.94).")
+
+
+def test_a_mean_reward_has_no_steps_to_95_percent():
+    """A reward of 0 to 5 passed 0.95 at its first step: "steps to 95%: 1" of a run that had no accuracy."""
+    from parity.commands.report import summarize
+
+    rewards = [{k: v for k, v in m.items() if k != "reward/accuracy"} for m in _history([0.0] * 6, 0.0)]
+    for m in rewards:
+        m["reward/mean"] = 4.0
+    run = summarize(rewards)
+    assert run["metric"] == "reward/mean" and run["steps_to_95"] is None and run["seconds_to_95"] is None

@@ -129,7 +129,7 @@ def check_build_dir(out_dir: Path, shipped_dir: Path) -> None:
     """Refuse `out_dir` unless it is new, empty, the shipped model's folder (Parity's own), or one
     `build-model` wrote (`outdir.py`)."""
     if out_dir.resolve() != shipped_dir.resolve():
-        check_output_dir(out_dir)
+        check_output_dir(out_dir, "build-model")
 
 
 def set_lr(trainer: Trainer, lr: float) -> None:
@@ -198,4 +198,4 @@ def _build(out_dir: Path, tok_dir: Path, cfg: BuildConfig, log, on_eval) -> dict
 def model_files(tok_dir: Path, folder: Path) -> None:
     """The tokenizer's files beside the weights, and the mark that makes the folder Parity's to replace."""
     copy_tokenizer_files(tok_dir, folder)
-    mark_written(folder)
+    mark_written(folder, "build-model")

@@ -48,7 +48,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.out:
         overrides.append(f"out={args.out}")
     cfg = cfg_mod.load(EvalConfig, config, [f"target={args.target}", *overrides])
-    check_output_dir(Path(cfg.out), "out")
+    check_output_dir(Path(cfg.out), "eval", "out")
     result = run_eval(cfg, trust_reward_fn=args.trust_reward_fn)
     write_outputs(result, Path(cfg.out))
     print(markdown_table(result))

@@ -57,7 +57,7 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
     if args.out:
         overrides.append(f"out={args.out}")
     cfg = cfg_mod.load(MismatchConfig, config, overrides)
-    check_output_dir(Path(cfg.out), "out")
+    check_output_dir(Path(cfg.out), "mismatch", "out")
     results = run_mismatch(cfg, locate_rows=args.locate)
     out = write_outputs(cfg, results)
     print(markdown_table(results))

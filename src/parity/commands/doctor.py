@@ -268,7 +268,7 @@ def run_doctor(
 
     kernels.check_device(device, "--device")
     if out is not None:
-        check_output_dir(out)
+        check_output_dir(out, "doctor")
     if not 1 <= num_prompts <= MAX_PROMPTS:
         raise ConfigError(f"--prompts: must be between 1 and {MAX_PROMPTS}, got {num_prompts}")
     model_dir = resolve_model_dir(model)
@@ -326,7 +326,7 @@ def run_doctor(
         "mismatch": mismatch,
     }
     if out is not None:
-        claim_output_dir(out)
+        claim_output_dir(out, "doctor")
         write_output_json(out / "doctor.json", result)
         write_output(out / "doctor.md", render(result))
     return result

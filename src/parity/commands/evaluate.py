@@ -528,7 +528,7 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 
 def write_outputs(result: dict[str, Any], out: Path) -> None:
-    claim_output_dir(out, "out")
+    claim_output_dir(out, "eval", "out")
     write_output_json(out / "eval.json", result)
     md = (
         f"# Held-out evaluation: {result['target']}\n\n"

@@ -354,7 +354,7 @@ def length_table(results: list[PairResult]) -> str:
 
 
 def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
-    out = claim_output_dir(Path(cfg.out), "out")
+    out = claim_output_dir(Path(cfg.out), "mismatch", "out")
     write_output_json(out / "mismatch.json", results_json(cfg.model, results))
     num_prompts = results[0].num_sequences // cfg.group_size if results else 0
     distributions, lengths = distribution_table(results), length_table(results)

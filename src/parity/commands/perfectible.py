@@ -223,12 +223,13 @@ def write_set(path: Path, problems: list[Problem], accuracies: list[float], keep
 
 
 def cache_key(cfg: PerfectibleConfig) -> str:
-    """Identifies a perfectible search: the model's weights and every setting that shapes its accuracies
-    (the bounds lo and hi only filter them)."""
+    """Identifies a perfectible search: the model directory's files (its weights, and its config, tokenizer
+    and chat template, which shape its answers as much) and every setting that shapes its accuracies (the
+    bounds lo and hi only filter them)."""
     model_dir = resolve_model_dir(cfg.model)
     h = hashlib.sha256()
-    for f in sorted(model_dir.glob("*.safetensors")):
-        h.update(f.read_bytes())
+    for f in sorted(f for f in model_dir.iterdir() if f.is_file()):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
     settings = {k: v for k, v in vars(cfg).items() if k not in ("model", "out", "batch_prompts", "lo", "hi")}
     h.update(json.dumps(settings, sort_keys=True).encode())
     if cfg.data != "builtin":  # a data file edited in place is another set of problems

@@ -221,10 +221,10 @@ def run_phantom(
     bad_eps = [e for e in eps_sweep if not 0 < e < math.inf]
     if bad_eps or not eps_sweep:
         raise ConfigError(f"--eps: expected clip epsilons > 0, comma-separated, got {bad_eps or 'none'}")
-    check_output_dir(out)
+    check_output_dir(out, "phantom")
     start = time.perf_counter()
     beta, probs, parts_bf16 = mismatch_parts("builtin", 64, seed, "bf16", device)
-    claim_output_dir(out, folders=PHANTOM_FOLDERS)
+    claim_output_dir(out, "phantom", folders=PHANTOM_FOLDERS)
     plot_beta_distribution(beta.cpu(), probs.cpu(), out / "beta.png")
     parts_fp16 = mismatch_parts("builtin", 64, seed, "fp16", device)[2]
     device_key = (f"device={device}",)
@@ -459,7 +459,7 @@ def run_writeup(
     limit = prompt_limit(load_tokenizer(model_dir), positions, first.rollout.max_new_tokens, key, template)
     for i, prompt in enumerate(prompts):
         limit.check(f"prompt {i}", prompt)
-    claim_output_dir(out, folders=PHANTOM_FOLDERS)
+    claim_output_dir(out, "phantom", folders=PHANTOM_FOLDERS)
     write_output(prompt_file, "".join(json.dumps({"prompt": p, "answer": ""}) + "\n" for p in prompts))
     start = time.perf_counter()
     results: dict[str, dict] = {}

@@ -121,7 +121,8 @@ def summarize(history: list[dict]) -> dict:
     key = _reward_key(history[0])
     acc = moving_average([m[key] for m in history])
     elapsed = [sum(m["time/step"] for m in history[: i + 1]) for i in range(len(history))]
-    hit = next((i for i, a in enumerate(acc) if a >= TARGET_ACCURACY), None)
+    # 95% of an accuracy: a mean reward has no such scale (a reward of 0 to 5 passes 0.95 at once)
+    hit = next((i for i, a in enumerate(acc) if a >= TARGET_ACCURACY), None) if key == "reward/accuracy" else None
     peak = acc.index(max(acc))
     fell = None
     if key == "reward/accuracy" and acc[peak] >= COLLAPSE_FRACTION:
@@ -331,12 +332,12 @@ def run_labels(run_dirs: list[Path]) -> list[str]:
 
 def report_runs(run_dirs: list[Path], out: Path) -> dict[str, dict]:
     """`parity report`: summary table and plots for `parity train` runs, side by side."""
-    check_output_dir(out)
+    check_output_dir(out, "report")
     labels = run_labels(run_dirs)
     histories = {label: load_history(Path(d)) for label, d in zip(labels, run_dirs)}  # all read before `out` is made
     completions = {label: read_completions(Path(d), MAX_LINE_BYTES) for label, d in zip(labels, run_dirs)}
     summaries = {name: summarize(h) for name, h in histories.items()}
-    claim_output_dir(out)
+    claim_output_dir(out, "report")
     plot_accuracy(histories, out / "accuracy.png")
     plot_mismatch_curves(histories, out / "mismatch.png")
     write_output_json(out / "summary.json", summaries)

@@ -123,7 +123,7 @@ def run_sanity(options: SanityOptions, log=print) -> dict:
     """The sanity test as `options` says; writes its outputs to `options.out` and returns the summary."""
     settings = QUICK if options.quick else FULL
     task = options.task or ("builtin" if options.model == "builtin" else "number")
-    check_output_dir(options.out)
+    check_output_dir(options.out, "sanity")
     start = time.perf_counter()
 
     pcfg = PerfectibleConfig(
@@ -183,7 +183,7 @@ def run_sanity(options: SanityOptions, log=print) -> dict:
         f"perfectible set: {len(keep)} of {len(accuracies)} problems ({'cached' if cached else 'measured'}): {set_path}"
     )
     log(format_histogram(counts, pcfg.lo, pcfg.hi))
-    claim_output_dir(options.out, folders=("runs",))
+    claim_output_dir(options.out, "sanity", folders=("runs",))
     write_output(options.out / "perfectible.jsonl", set_path.read_text())
     plot_histogram(counts, pcfg.lo, pcfg.hi, options.out / "perfectible_histogram.png")
 
