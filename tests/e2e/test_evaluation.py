@@ -180,6 +180,13 @@ def test_evaluation_leaves_training_untouched_and_a_resumed_run_exact(tmp_path):
     ]
     assert trained == metrics(tmp_path / "without", drop=TIMING)
 
+    # `parity eval RUN_DIR` repeats the run's own evaluation (its eval.num_prompts x eval.samples): it took 64 x 8
+    out = tmp_path / "eval"
+    assert main(["eval", str(tmp_path / "whole"), "precisions=[fp16]", f"out={out}"]) == 0
+    result = json.loads((out / "eval.json").read_text())
+    assert (result["prompts"], result["samples"]) == (6, 2)
+    assert result["states"][-1]["metrics"]["eval/fp16/accuracy"] == whole[-1]["eval/accuracy"]
+
     _run(tmp_path, "resumed", *[c.replace("steps=4", "steps=2") for c in common])
     assert main(["train", "--resume", str(tmp_path / "resumed"), "steps=4"]) == 0
     assert metrics(tmp_path / "resumed", drop=TIMING) == metrics(tmp_path / "whole", drop=TIMING)

@@ -115,6 +115,17 @@ def test_perfectible_replaces_only_a_set_it_wrote(tmp_path, capsys, monkeypatch)
     assert all(json.loads(x).keys() == {"prompt", "answer", "base_accuracy"} for x in out.read_text().splitlines())
 
 
+def test_perfectible_refuses_where_it_cannot_write_before_its_search(tmp_path, capsys, monkeypatch):
+    """An out, or a cache folder, it could not write was found after the whole search (27 min on SmolLM2)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "afile").write_text("")
+    argv = ["perfectible", "num_candidates=4", "samples=2"]
+    _refused([*argv, f"out={tmp_path / 'afile' / 'set.jsonl'}"], capsys, f"out: {tmp_path}/afile/set.jsonl: cannot")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "afile" / "cache"))
+    _refused([*argv, f"out={tmp_path / 'set.jsonl'}"], capsys, "the perfectible search's cache")
+    assert not (tmp_path / "set.jsonl").exists()
+
+
 def test_sanity_and_phantom_refuse_bad_flags_before_writing(tmp_path, capsys):
     out = tmp_path / "out"
     _refused(["sanity", "--quick", "--jobs", "0", "--out", str(out)], capsys, "--jobs must be >= 1, got 0")

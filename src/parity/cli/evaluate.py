@@ -22,8 +22,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "with its tools or environment). Config keys: precisions (default "
             "[fp32,bf16,fp16]), reference (auto: a run's trainer precision, fp32 for a model), data (auto: a run's "
             "eval.data, else the task's held-out split; or a JSONL/Parquet file), task, difficulty, reward_fn "
-            "(module:function, several comma-separated; default a run's own), reward_weights, num_prompts, "
-            "samples, temperature (0 = greedy), max_new_tokens (0: a run's rollout.max_new_tokens, else 96), "
+            "(module:function, several comma-separated; default a run's own), reward_weights, num_prompts and "
+            "samples (0: a run's eval.num_prompts and eval.samples, so that its own evaluation is repeated; else 64 "
+            "and 8), temperature (0 = greedy), max_new_tokens (0: a run's rollout.max_new_tokens, else 96), "
             "chat_template, completion_format (run: a run's, else text; or text, messages, auto), device, seed. "
             "Example: parity eval runs/my-run --trust-reward-fn precisions=fp32,bf16 --out eval-my-run"
         ),

@@ -11,6 +11,7 @@ checkpoint).
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,7 @@ from parity.rundir import in_use_by, refuse_run_links
 from parity.runtime import draws_bars
 
 BUILTIN_MAX_NEW_TOKENS = 96  # a model directory's default response budget (a run's is its own)
+MODEL_NUM_PROMPTS, MODEL_SAMPLES = 64, 8  # a model directory's default evaluation (a run's is its own eval.*)
 
 
 @dataclass
@@ -84,8 +86,10 @@ class EvalConfig:
     data: str = "auto"  # auto: the task's held-out split (without a run's training problems); or a file
     task: str = "auto"  # the reward: auto = a run's task.name; builtin for the built-in model, number otherwise
     difficulty: str = "auto"  # task=number's generated problems: auto = a run's, else standard
-    num_prompts: int = 64
-    samples: int = 8  # responses per prompt (pass@k's k)
+    # 0: a run's own eval.num_prompts and eval.samples, so that `parity eval RUN_DIR` repeats its evaluation;
+    # for a model, 64 and 8
+    num_prompts: int = 0
+    samples: int = 0  # responses per prompt (pass@k's k)
     temperature: float = 1.0  # 0 = greedy
     max_new_tokens: int = 0  # 0: a run's rollout.max_new_tokens, else 96
     chat_template: str = "auto"
@@ -132,11 +136,11 @@ class EvalConfig:
                 f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_fn)} reward functions "
                 "(reward_fn); give one per function, or none (1 each)"
             )
-        for key, low in (("num_prompts", 1), ("samples", 1), ("max_new_tokens", 0)):
+        for key, low in (("num_prompts", 0), ("samples", 0), ("max_new_tokens", 0)):
             if getattr(self, key) < low:
                 raise ConfigError(f"{key}: must be >= {low}, got {getattr(self, key)}")
         # as `parity train`'s eval.num_prompts and seed; samples and max_new_tokens are checked against the model
-        check_range("num_prompts", self.num_prompts, self.num_prompts <= MAX_PROBLEMS, f"in [1, {MAX_PROBLEMS:,}]")
+        check_range("num_prompts", self.num_prompts, self.num_prompts <= MAX_PROBLEMS, f"in [0, {MAX_PROBLEMS:,}]")
         check_range("seed", self.seed, 0 <= self.seed <= MAX_SEED, f"in [0, {MAX_SEED}]")
         if self.temperature < 0:
             raise ConfigError(f"temperature: must be >= 0 (0 = greedy), got {self.temperature}")
@@ -251,6 +255,8 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
     difficulty = cfg.difficulty if cfg.difficulty != "auto" else run.task.difficulty if run else "standard"
     chat_template = run.task.chat_template if run and cfg.chat_template == "auto" else cfg.chat_template
     max_new = cfg.max_new_tokens or (run.rollout.max_new_tokens if run else BUILTIN_MAX_NEW_TOKENS)
+    num_prompts = cfg.num_prompts or (run.eval.num_prompts if run else MODEL_NUM_PROMPTS)
+    samples = cfg.samples or (run.eval.samples if run else MODEL_SAMPLES)
     key = "max_new_tokens" if cfg.max_new_tokens or not run else "the run's rollout.max_new_tokens"
     tokenizer = load_tokenizer(target.model_dir)
     model_config = load_checked_config(target.model_dir)
@@ -260,7 +266,7 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
     data = cfg.data if cfg.data != "auto" else run.eval.data if run is not None and run.eval.data != "auto" else None
     if data is not None:
         problems = load_problems(data, limit, columns=columns)
-        problems, source = problems[: cfg.num_prompts], str(Path(data).resolve())
+        problems, source = problems[:num_prompts], str(Path(data).resolve())
     else:
         if run is not None and run.eval_data is None:
             scored = "your reward functions" if run.task.reward_fn else f"task.name={run.task.name}"
@@ -274,16 +280,16 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
                 trained = {str(p.prompt) for p in builtin_problems(task, run.task.num_problems, run.seed, difficulty)}
             else:
                 trained = {str(p.prompt) for p in load_problems(run.task.data, columns=columns)}
-        problems = heldout_problems(task, difficulty, cfg.num_prompts, run.seed if run else cfg.seed, trained)
+        problems = heldout_problems(task, difficulty, num_prompts, run.seed if run else cfg.seed, trained)
         source = f"the held-out split of task {task} (generated)"
     if not problems:
         raise ConfigError(f"data: no problems to evaluate on ({cfg.data})")
-    rows = len(problems) * cfg.samples
+    rows = len(problems) * samples
     check_rollout_memory(model_config, rows, limit.longest, max_new, f"num_prompts x samples, {key}", cfg.device)
     evalset = EvalSet(
         problems=problems,
         prompts=[limit.check(f"held-out problem {i}", p.prompt) for i, p in enumerate(problems)],
-        samples=cfg.samples,
+        samples=samples,
         sampling=eval_sampling(cfg.temperature, max_new),
         binary=TASKS[task].binary and not _reward_specs(cfg, target.run)[0],
     )
@@ -393,8 +399,10 @@ def run_eval(
     if progress:
         print(f"eval: {len(evalset.problems)} prompts from {source}", file=sys.stderr)
     states = [("base", 0, None)] + [(p.name, _step(p), p) for p in target.checkpoints]
-    if target.adapter is not None:
-        states = [("base", 0, None), (target.adapter[0].name, 0, target.adapter[0])]
+    if target.adapter is not None:  # a checkpoint's adapter folder is of its step; another's step is unknown
+        folder = target.adapter[0]
+        step = _step(folder.parent) if re.fullmatch(r"step_\d+", folder.parent.name) else None
+        states = [("base", 0, None), (folder.name, step, folder)]
     if newest_only:
         states = states[-1:]
     results = []
@@ -440,7 +448,7 @@ def run_eval(
         "reference": reference,
         "precisions": cfg.precisions,
         "prompts": len(evalset.prompts),
-        "samples": cfg.samples,
+        "samples": evalset.samples,
         "temperature": cfg.temperature,
         "max_new_tokens": evalset.sampling.max_new_tokens,
         "turn_tokens": evaluator.turn_tokens or None,  # episodes: a model turn's limit (max_new_tokens: the episode's)
@@ -523,7 +531,8 @@ def markdown_table(result: dict[str, Any]) -> str:
                 "-" if changed is None else f"{changed:.1%}",
                 "-" if kl is None else f"{kl:.2e}",
             ]
-            lines.append(f"| {state['name']} | {state['step']} | {name} | " + " | ".join(cells) + " |")
+            step = "—" if state["step"] is None else state["step"]
+            lines.append(f"| {state['name']} | {step} | {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -552,29 +561,39 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
 
 
 def plot_eval(result: dict[str, Any], path: Path) -> None:
-    """Left: the score per policy against the step of each state (base = step 0). Right: each serving
-    precision's gap to the trainer's policy, with ± one standard error (paired over prompts)."""
+    """Left: the score per policy at each state (the base model, then each checkpoint in step order). Right:
+    each serving precision's gap to the trainer's policy, with ± one standard error (paired over prompts). The
+    states stand at even places, labelled with their steps, and each policy a little apart at its state: one
+    state, or steps far apart, no longer stack the points on one another."""
     from parity.commands.report import plt, save_figure
 
     states = result["states"]
     binary = any("accuracy" in k for k in states[0]["metrics"])
     score = "accuracy" if binary else "reward_mean"
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
-    steps = [s["step"] for s in states]
-    for label in [*result["precisions"], TRAINER]:
+    places = range(len(states))
+    labels = [s["name"] if s["step"] in (0, None) else f"step {s['step']}" for s in states]
+
+    def apart(i: int, count: int) -> list[float]:
+        return [x + (i - (count - 1) / 2) * min(0.3, 0.6 / count) for x in places]
+
+    policies = [*result["precisions"], TRAINER]
+    for i, label in enumerate(policies):
         name = label if label != TRAINER else f"trainer policy ({result['reference']})"
         style = dict(ls=":", color="black") if label == TRAINER else {}
-        left.plot(steps, [s["metrics"][f"eval/{label}/{score}"] for s in states], marker="o", label=name, **style)
+        scores = [s["metrics"][f"eval/{label}/{score}"] for s in states]
+        left.plot(apart(i, len(policies)), scores, marker="o", label=name, **style)
     for i, p in enumerate(result["precisions"]):
         gaps = [s["metrics"][f"deploy/gap_{p}"] for s in states]
         errors = [s["metrics"][f"deploy/gap_se_{p}"] for s in states]
-        shift = (i - (len(result["precisions"]) - 1) / 2) * 0.6  # side by side at each step
-        right.errorbar([x + shift for x in steps], gaps, yerr=errors, marker="o", capsize=3, ls="none", label=p)
+        at = apart(i, len(result["precisions"]))
+        right.errorbar(at, gaps, yerr=errors, marker="o", capsize=3, ls="none", label=p)
     right.axhline(0, color="black", lw=0.7)
-    left.set(xlabel="training step of the checkpoint (0 = base model)", ylabel=f"held-out {score}")
-    left.set_title("Held-out score per serving precision")
-    right.set(xlabel="training step of the checkpoint (0 = base model)", ylabel=f"{score} served − trainer policy's")
+    for ax in (left, right):
+        ax.set_xticks(list(places), labels)
+        ax.set_xlim(-0.5, len(states) - 0.5)
+        ax.legend(fontsize=8)
+    left.set(xlabel="model evaluated", ylabel=f"held-out {score}", title="Held-out score per serving precision")
+    right.set(xlabel="model evaluated", ylabel=f"{score} served − trainer policy's")
     right.set_title("Deployment gap (± 1 standard error over prompts)")
-    left.legend(fontsize=8)
-    right.legend(fontsize=8)
     save_figure(fig, path)

@@ -194,9 +194,20 @@ SET_FIELDS = {"prompt", "answer", "base_accuracy"}  # each row `write_set` write
 MAX_SET_BYTES = 256 * 2**20
 
 
+def check_writable(folder: Path, what: str) -> None:
+    """Refuse, before a search of minutes, a folder (made when written, as the first one that exists allows)
+    where this user cannot write what the search writes at its end."""
+    there = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    if not there.is_dir() or not os.access(there, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what}: cannot be written in {there}, where this user may not write")
+
+
 def check_out(path: Path) -> None:
-    """Refuse an existing `out` that is not a perfectible set (every line a row `write_set` writes): Parity
-    replaces only a file it wrote, never one of the user's under the same name."""
+    """Refuse an `out` that cannot be written, or that exists and is not a perfectible set (every line a row
+    `write_set` writes): Parity replaces only a file it wrote, never one of the user's under the same name.
+    The search's cache folder must take it too (`cache_dir`)."""
+    check_writable(path.parent, f"out: {path}")
+    check_writable(cache_dir(), f"the perfectible search's cache {cache_dir()} (XDG_CACHE_HOME)")
     if not path.exists() and not path.is_symlink():
         return
     if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_SET_BYTES:

@@ -26,6 +26,8 @@ from parity.commands.mismatch import MismatchConfig, SamplingConfig, plot_mismat
 from parity.commands.perfectible import (
     PerfectibleConfig,
     build_or_load,
+    cache_dir,
+    check_writable,
     filter_perfectible,
     format_histogram,
     histogram,
@@ -124,6 +126,7 @@ def run_sanity(options: SanityOptions, log=print) -> dict:
     settings = QUICK if options.quick else FULL
     task = options.task or ("builtin" if options.model == "builtin" else "number")
     check_output_dir(options.out, "sanity")
+    check_writable(cache_dir(), f"the perfectible search's cache {cache_dir()} (XDG_CACHE_HOME)")
     start = time.perf_counter()
 
     pcfg = PerfectibleConfig(
