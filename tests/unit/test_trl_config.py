@@ -86,14 +86,37 @@ def test_batches_counts_and_the_rest():
         ({"num_generations": 3}, r"^GRPOConfig\(generation_batch_size=8\): must be divisible by num_generations=3"),
         ({"num_generations": 16, "generation_batch_size": 32}, r"× gradient_accumulation_steps=1 = 8 completions"),
         ({"max_steps": 3, "num_iterations": 2}, r"^GRPOConfig\(max_steps=3\): counts optimizer updates"),
-        ({"max_completion_length": 0}, r"rollout.max_new_tokens must be >= 1, got 0"),
-        ({"scale_rewards": "std"}, r"^algorithm.scale_rewards: unknown value 'std'"),
+        # a value Parity refuses is named as the user gave it (it was named by Parity's key only)
+        ({"max_completion_length": 0}, r"^GRPOConfig\(max_completion_length=0\): rollout.max_new_tokens must be >= 1"),
+        ({"scale_rewards": "std"}, r"^GRPOConfig\(scale_rewards='std'\): algorithm.scale_rewards: unknown value"),
+        ({"temperature": 0.0}, r"^GRPOConfig\(temperature=0.0\): rollout.temperature must be > 0"),
+        ({"learning_rate": -1}, r"^GRPOConfig\(learning_rate=-1\): trainer.lr: must be > 0"),
+        ({"push_to_hub": True}, r"^GRPOConfig\(push_to_hub=True\): push the trained model with Trainer.push_to_hub"),
+        ({"report_to": "wandb"}, r"^GRPOConfig\(report_to='wandb'\): trackers are Parity's log.to key"),
     ],
 )
 def test_what_parity_cannot_express_is_one_line(given, message):
     with pytest.raises(ConfigError, match=message) as raised:
         parity.GRPOConfig(**given)
     assert "\n" not in str(raised.value)
+
+
+def test_trl_s_names_that_change_nothing_parity_trains_are_taken():
+    """A TRL script's config line failed on report_to="none", remove_unused_columns=False, logging_dir, ..."""
+    plain = config.to_dict(parity.GRPOConfig())
+    harmless = dict(
+        report_to="none",
+        remove_unused_columns=False,
+        shuffle_dataset=True,
+        entropy_coef=0.0,
+        push_to_hub=False,
+        logging_dir="logs",
+        run_name="mine",
+        disable_dropout=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+    assert config.to_dict(parity.GRPOConfig(**harmless)) == plain
+    assert config.to_dict(parity.GRPOConfig(report_to=[])) == plain
 
 
 def test_transformers_5_s_fractions_and_names():

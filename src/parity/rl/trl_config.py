@@ -77,6 +77,59 @@ FIXED: dict[str, tuple[Any, str]] = {
     "top_entropy_quantile": (1.0, "Parity trains on every token"),
     "off_policy_mask_threshold": (None, "Parity's off-policy sequence mask is algorithm.name=grpo_opsm"),
     "num_train_epochs": (3.0, "Parity counts steps: give max_steps"),
+    "remove_unused_columns": (False, "Parity gives reward functions every column of the data"),
+    "shuffle_dataset": (True, "Parity draws the prompts in a fresh seeded permutation every epoch"),
+    "entropy_coef": (0.0, "Parity's losses have no entropy term"),
+    "use_adaptive_entropy": (False, "Parity's losses have no entropy term"),
+    "push_to_hub": (False, "push the trained model with Trainer.push_to_hub(repo_id) or parity.push_to_hub"),
+    "use_liger_kernel": (False, "Parity computes the loss with its own kernels"),
+    "torch_compile": (False, "Parity compiles what it compiles itself"),
+    "report_to": ("none", "trackers are Parity's log.to key (wandb, trackio, mlflow)"),
+}
+# TRL's (and transformers') names that change nothing Parity trains or writes: taken, whatever their value.
+IGNORED = frozenset(
+    {
+        "logging_dir",
+        "logging_strategy",
+        "logging_first_step",
+        "run_name",
+        "disable_tqdm",
+        "log_level",
+        "dataloader_num_workers",
+        "dataloader_pin_memory",
+        "dataloader_persistent_workers",
+        "dataloader_prefetch_factor",
+        "gradient_checkpointing_kwargs",
+        "activation_checkpointing_kwargs",
+        "disable_dropout",  # Parity's models run without dropout
+        "do_train",
+        "skip_memory_metrics",
+    }
+)
+# The Parity key each TRL name sets alone, for a value Parity refuses to be named as the user wrote it.
+SETS = {
+    "rollout.group_size": "num_generations",
+    "rollout.max_new_tokens": "max_completion_length",
+    "rollout.temperature": "temperature",
+    "rollout.top_p": "top_p",
+    "rollout.top_k": "top_k",
+    "trainer.lr": "learning_rate",
+    "trainer.weight_decay": "weight_decay",
+    "trainer.beta1": "adam_beta1",
+    "trainer.beta2": "adam_beta2",
+    "trainer.eps": "adam_epsilon",
+    "trainer.grad_clip": "max_grad_norm",
+    "algorithm.clip_low": "epsilon",
+    "algorithm.clip_high": "epsilon_high",
+    "algorithm.kl_coef": "beta",
+    "algorithm.tau_pos": "sapo_temperature_pos",
+    "algorithm.tau_neg": "sapo_temperature_neg",
+    "algorithm.scale_rewards": "scale_rewards",
+    "algorithm.multi_objective_aggregation": "multi_objective_aggregation",
+    "task.reward_weights": "reward_weights",
+    "seed": "seed",
+    "run_dir": "output_dir",
+    "keep_checkpoints": "save_total_limit",
 }
 # loss_type -> (algorithm.name, algorithm.aggregation): how TRL normalises each loss (compute_loss).
 LOSS_TYPES = {
@@ -97,13 +150,15 @@ def _refuse(name: str, value: Any, why: str) -> ConfigError:
 
 def grpo_config(**given: Any) -> TrainConfig:
     """A `TrainConfig` from TRL's `GRPOConfig` names (TRL's defaults for those not given)."""
-    unknown = [name for name in given if name not in TRL_DEFAULTS and name not in FIXED]
+    unknown = [name for name in given if name not in TRL_DEFAULTS and name not in FIXED and name not in IGNORED]
     if unknown:
         close = difflib.get_close_matches(unknown[0], [*TRL_DEFAULTS, *FIXED], n=1, cutoff=0.75)
         table = 'docs/your-task.md, "TRL\'s names and reward semantics"'
         hint = f"; did you mean {close[0]}?" if close else f" (the names it maps: {table})"
         raise ConfigError(f"GRPOConfig: {', '.join(unknown)}: no Parity counterpart{hint}")
     for name, value in given.items():
+        if name == "report_to" and value in ("none", None, [], ["none"]):
+            continue  # transformers' spellings of no tracker
         if name in FIXED and value != FIXED[name][0]:
             fixed, why = FIXED[name]
             raise _refuse(name, value, f"{why}; only {name}={fixed!r} is taken")
@@ -268,4 +323,10 @@ def grpo_config(**given: Any) -> TrainConfig:
     keys["keep_checkpoints"] = MAX_STEPS if t["save_total_limit"] is None else t["save_total_limit"]
     shown_rows = t["num_completions_to_print"] or batch
     keys["log.completions"] = shown_rows if t["log_completions"] else 0
-    return config_mod.load(TrainConfig, None, None, keys)
+    try:
+        return config_mod.load(TrainConfig, None, None, keys)
+    except ConfigError as e:  # a value Parity refuses, named as the user gave it
+        key = next((k for k in sorted(SETS, key=len, reverse=True) if str(e).startswith(k)), None)
+        if key is None or SETS[key] not in given:
+            raise
+        raise _refuse(SETS[key], given[SETS[key]], str(e)) from None
