@@ -344,3 +344,21 @@ def test_an_environment_that_fails_at_a_later_step_keeps_the_steps_before_it(tmp
     ):
         parity.train("builtin-agent", rows, environment=_FailsLater, run_dir=tmp_path / "r", **small)
     assert len((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_tool_is_not_run_when_its_answer_could_not_be_fed(tmp_path):
+    """At episode.max_turns the tool still ran for every episode (its side effects and up to tool_timeout_s each,
+    for an answer no model read)."""
+    calls = []
+
+    def lookup(key: str) -> str:
+        """The value under a key."""
+        calls.append(key)
+        return "427"
+
+    rows = [{"prompt": [{"role": "user", "content": f"{k}?"}], "answer": 427} for k in "abcd"]
+    small = dict(steps=1, prompts_per_step=4, rollout__group_size=2, progress=False, eval__every=-1)
+    result = parity.train(
+        "builtin-agent", rows, tools=[lookup], run_dir=tmp_path / "r", episode__max_turns=1, log__completions=0, **small
+    )
+    assert result.history[-1]["episode/end_max_turns_frac"] > 0 and calls == []

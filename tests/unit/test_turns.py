@@ -20,6 +20,7 @@ from parity.engines.turns import (
     parse_assistant,
     replacing_tokens,
     retokenized_ids,
+    tool_role,
 )
 from parity.rl.tools import tool_schema
 from real_tokenizers import real_tokenizer_dir
@@ -376,3 +377,19 @@ def test_tool_schema_refuses(fn, match):
     with pytest.raises(ConfigError, match=match) as error:
         tool_schema(fn)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_tools_answer_takes_the_role_the_template_has(loaded, name):
+    """`tools=` answered in a tool message on every template: Gemma 3's refuses one ("Conversation roles must
+    alternate"), so every episode ended at its first call; there the answers come as one user message."""
+    from parity.rl.episodes import ToolEnvironment
+
+    tok, _ = loaded[name]
+    role = tool_role(tok)
+    assert role == CASES[name][2]
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    step = ToolEnvironment([get_weather], "prompt", 5.0, role).step({"role": "assistant", "tool_calls": [call] * 2})
+    assert [m["role"] for m in step.messages] == (["tool", "tool"] if role == "tool" else ["user"])
+    conversation = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": CASES[name][0]}]
+    TurnRenderer(tok).between_ids(conversation, step.messages)  # renders: no template error

@@ -52,6 +52,21 @@ def call_style(tokenizer: Tokenizer) -> str | None:
     return None
 
 
+def tool_role(tokenizer: Tokenizer) -> str:
+    """The role a tool's answer takes in the model's chat template: "tool" where the template renders one,
+    else "user" (Gemma 3's and Qwen2's templates have no tool role; Gemma 3's refuses one)."""
+    probe = "tool answer 7301"
+    conversation = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "tool", "content": probe},
+    ]
+    try:
+        return "tool" if probe in tokenizer.render_chat(conversation, add_generation_prompt=True) else "user"
+    except ChatTemplateError:
+        return "user"
+
+
 def _call(name: Any, arguments: Any) -> tuple[dict[str, Any] | None, str | None]:
     """(an OpenAI-style tool call, None), or (None, the problem) for a name or arguments that are not usable."""
     if not isinstance(name, str) or not name.strip():

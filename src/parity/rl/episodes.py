@@ -33,7 +33,7 @@ from parity.config import ConfigError, described
 from parity.engines.batch import RolloutBatch
 from parity.engines.tokenizer import Message, Tokenizer
 from parity.engines.trainer import sequence_logprobs
-from parity.engines.turns import TurnRenderer, drifted_tokens, replacing_tokens, retokenized_ids
+from parity.engines.turns import TurnRenderer, drifted_tokens, replacing_tokens, retokenized_ids, tool_role
 from parity.rl.lookup import LOOKUP_SCHEMA, TOOL_NAME, lookup_tool, parse_table
 from parity.rl.problems import Problem
 from parity.rl.reward_fns import import_reward_fn
@@ -123,12 +123,14 @@ def call_tool(fn: Callable[..., Any], name: str, arguments: Any, timeout_s: floa
 
 class ToolEnvironment:
     """The environment `tools=[fn, ...]` builds: the data row's prompt is the first message; a turn with
-    tool calls gets each call's result as a tool message; a turn without one ends the episode."""
+    tool calls gets each call's result as a tool message; a turn without one ends the episode. Where the
+    chat template has no tool role (`turns.tool_role`: Gemma 3's), the results come as one user message,
+    each in a ```tool_output block (Gemma's convention), since its turns must alternate."""
 
-    def __init__(self, tools: Sequence[Callable[..., Any]], prompt_column: str, timeout_s: float):
+    def __init__(self, tools: Sequence[Callable[..., Any]], prompt_column: str, timeout_s: float, role: str = "tool"):
         self.tools = list(tools)
         self.by_name = {fn.__name__: fn for fn in self.tools}
-        self.prompt_column, self.timeout_s = prompt_column, timeout_s
+        self.prompt_column, self.timeout_s, self.role = prompt_column, timeout_s, role
         self.errors = 0
 
     def reset(self, row: dict[str, Any]) -> list[Message] | str:
@@ -149,6 +151,9 @@ class ToolEnvironment:
                 text, failed = call_tool(fn, name, function.get("arguments"), self.timeout_s)
             self.errors += failed
             answers.append({"role": "tool", "name": str(name), "content": text})
+        if self.role == "user":
+            blocks = [f"```tool_output\n{answer['content']}\n```" for answer in answers]
+            return Step([{"role": "user", "content": "\n".join(blocks)}])
         return Step(answers)
 
 
@@ -230,7 +235,8 @@ def episode_setup(cfg: TrainConfig, tokenizer: Tokenizer, tools=None, environmen
         names = [fn.__name__ for fn in tools]
         if len(set(names)) != len(names):
             raise ConfigError(f"task.tools: two tools are named {sorted(n for n in names if names.count(n) > 1)[0]!r}")
-        make = functools.partial(ToolEnvironment, tools, cfg.task.prompt_column, cfg.episode.tool_timeout_s)
+        role = tool_role(tokenizer)
+        make = functools.partial(ToolEnvironment, tools, cfg.task.prompt_column, cfg.episode.tool_timeout_s, role)
     e = cfg.episode
     return EpisodeSetup(
         tokenizer,
@@ -428,6 +434,9 @@ class Episodes:
             episode.malformed_calls += bool(problems)
             episode.tool_calls += len(assistant.get("tool_calls") or [])
             env = self.environments[row]
+            if isinstance(env, ToolEnvironment) and episode.turns >= setup.max_turns and assistant.get("tool_calls"):
+                episode.end = "max_turns"  # the tools' answers could not be fed: they are not run for nothing
+                continue
             before = getattr(env, "errors", 0)
             try:
                 step = environment_step(env, assistant, setup.tool_timeout_s)
