@@ -266,10 +266,10 @@ class Trainer:
         _not_importing("parity.Trainer")
         if more or _is_rewards(dataset):
             raise ConfigError(
-                "Trainer(model, dataset, rewards, config=...): "
-                + ("the second argument holds reward functions" if _is_rewards(dataset) else f"{3 + len(more)} given")
-                + "; GRPOTrainer's order, (model, reward_funcs, args, train_dataset), is not Parity's: give them in "
-                "Parity's order, or by TRL's names (reward_funcs=..., args=..., train_dataset=...)"
+                ("dataset: reward functions" if _is_rewards(dataset) else f"Trainer: {3 + len(more)} arguments")
+                + " by position in GRPOTrainer's order, (model, reward_funcs, args, train_dataset), not Parity's, "
+                "(model, dataset, rewards, config=...): give them in Parity's order, or by TRL's names "
+                "(reward_funcs=..., args=..., train_dataset=...)"
             )
         use_free_cores()
         trl = {name: keys.pop(name) for name in TRL_TRAINER_NAMES if name in keys}  # TRL's code, as written

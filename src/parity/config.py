@@ -282,7 +282,7 @@ def _coerce(value: Any, tp: Any, key: str, root: type | None = None) -> Any:
         raise ConfigError(f"{key}: expected a string, got {shown(value)}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping of {_type_name(tp)} fields, got {shown(value)}")
+            raise ConfigError(f"{key}: expected a mapping of {key}.* keys, got {shown(value)}")
         return _build(tp, value, f"{key}.", root)
     raise ConfigError(f"{key}: unsupported config type {tp!r}")
 

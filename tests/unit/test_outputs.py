@@ -216,3 +216,10 @@ def test_a_folder_of_one_command_s_results_is_refused_to_another(tmp_path):
     mark = json.loads((out / MARK).read_text())
     (out / MARK).write_text(json.dumps({k: v for k, v in mark.items() if k != "command"}))
     claim_output_dir(out, "report")
+
+
+def test_a_flag_and_its_key_given_together_are_refused(capsys):
+    """`out=a --out b` wrote b alone; `model=builtin --model DIR` took DIR: one of them was dropped silently."""
+    _refused(["mismatch", "out=a", "--out", "b"], capsys, "--out and out=: give one")
+    _refused(["mismatch", "model=builtin", "--model", "builtin"], capsys, "--model and model=: give one")
+    _refused(["eval", "builtin", "out=a", "--out", "b"], capsys, "--out and out=: give one")

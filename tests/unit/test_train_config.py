@@ -206,3 +206,15 @@ def test_episodes_without_the_chat_template_are_refused():
 
     with pytest.raises(ConfigError, match="^task.chat_template=none: episodes are conversations"):
         config.load(TrainConfig, None, ["model=builtin-agent", "task.tools=m:t", "task.chat_template=none"])
+
+
+def test_a_misspelt_key_on_resume_is_an_unknown_key(tmp_path, capsys):
+    """`--resume RUN episode.bogus=1` said "episode.bogus cannot change on resume"."""
+    from parity.cli import main
+
+    run = tmp_path / "run"
+    args = ["train", f"run_dir={run}", "steps=1", "prompts_per_step=2", "rollout.group_size=2", "eval.every=-1"]
+    assert main([*args, "tensorboard=false", "rollout.max_new_tokens=8"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "stepz=2"]) == 2
+    assert capsys.readouterr().err.strip().endswith("unknown config key stepz; did you mean steps?")

@@ -283,14 +283,14 @@ def test_trl_s_positional_order_a_stream_and_a_folder_that_is_no_model_are_one_l
             yield {"prompt": "1+1=", "answer": 2}
 
     rows = [{"prompt": "1+1=", "answer": 2}]
-    order = r"^Trainer\(model, dataset, rewards, config=...\): the second argument holds reward functions; GRPO"
+    order = r"^dataset: reward functions by position in GRPOTrainer's order, \(model, reward_funcs, args, train_da"
     for args, kwargs in [
         (("builtin", [reward], parity.GRPOConfig(), rows), {}),
         (("builtin", reward), {"args": parity.GRPOConfig(), "train_dataset": rows}),
     ]:
         with pytest.raises(ConfigError, match=order):
             parity.Trainer(*args, **kwargs)
-    with pytest.raises(ConfigError, match=r"^Trainer\(model, dataset, rewards, config=...\): 4 given"):
+    with pytest.raises(ConfigError, match=r"^Trainer: 4 arguments by position in GRPOTrainer's order"):
         parity.Trainer("builtin", rows, [reward], parity.GRPOConfig())
     for stream in (datasets.IterableDataset.from_generator(endless), endless()):
         with pytest.raises(ConfigError, match=r"^dataset: .* has no length \(a stream"):
@@ -337,3 +337,19 @@ def test_episode_keys_are_taken_beside_reward_functions():
     assert trainer.config.episode.max_turns == 2
     trainer = parity.Trainer("builtin-agent", rows, [reward], tools=[lookup], config={"episode": {"max_turns": 3}})
     assert trainer.config.episode.max_turns == 3
+
+
+def test_evaluate_names_its_metrics_alike_before_and_after_training(tmp_path):
+    """Before training, a Trainer with reward functions reported the task's accuracy; after, the functions'
+    mean reward, as its run does."""
+
+    def reward(prompts, completions, **kw):
+        return [float(len(c) > 20) for c in completions]
+
+    rows = [{"prompt": f"{a}+{a}=", "answer": 2 * a} for a in range(1, 9)]
+    keys = dict(steps=1, prompts_per_step=2, rollout__group_size=2, eval__num_prompts=4, eval__samples=1)
+    trainer = parity.Trainer("builtin", rows, [reward], run_dir=tmp_path / "r", progress=False, **keys)
+    before = trainer.evaluate(rows)
+    trainer.train()
+    after = trainer.evaluate(rows)
+    assert "eval/fp16/accuracy" not in before and set(before) == set(after)

@@ -19,3 +19,18 @@ def split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
         overrides.insert(0, config)
         config = None
     return config, overrides
+
+
+def with_flags(overrides: list[str], flags: dict[str, str | None]) -> list[str]:
+    """`overrides` with each flag given (`--out DIR` as `out=DIR`); a flag whose key an override sets too is
+    refused (one of them was dropped silently)."""
+    from parity.config import ConfigError
+
+    given = {item.split("=", 1)[0].strip() for item in overrides}
+    for key, value in flags.items():
+        if value is None:
+            continue
+        if key in given:
+            raise ConfigError(f"--{key} and {key}=: give one")
+        overrides = [*overrides, f"{key}={value}"]
+    return overrides

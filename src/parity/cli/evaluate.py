@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from parity.cli.config_args import add_config_args, split_config
+from parity.cli.config_args import add_config_args, split_config, with_flags
 from parity.outdir import check_output_dir
 
 
@@ -46,8 +46,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from parity.commands.evaluate import EvalConfig, markdown_table, run_eval, write_outputs
 
     config, overrides = split_config(args)
-    if args.out:
-        overrides.append(f"out={args.out}")
+    overrides = with_flags(overrides, {"out": args.out or None})
     cfg = cfg_mod.load(EvalConfig, config, [f"target={args.target}", *overrides])
     check_output_dir(Path(cfg.out), "eval", "out")
     result = run_eval(cfg, trust_reward_fn=args.trust_reward_fn)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from parity.cli.config_args import add_config_args, split_config
+from parity.cli.config_args import add_config_args, split_config, with_flags
 from parity.outdir import check_output_dir
 
 
@@ -52,10 +52,7 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
     )
 
     config, overrides = split_config(args)
-    if args.model:
-        overrides.append(f"model={args.model}")
-    if args.out:
-        overrides.append(f"out={args.out}")
+    overrides = with_flags(overrides, {"model": args.model or None, "out": args.out or None})
     cfg = cfg_mod.load(MismatchConfig, config, overrides)
     check_output_dir(Path(cfg.out), "mismatch", "out")
     results = run_mismatch(cfg, locate_rows=args.locate)

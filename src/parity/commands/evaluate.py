@@ -140,7 +140,12 @@ class EvalConfig:
             if getattr(self, key) < low:
                 raise ConfigError(f"{key}: must be >= {low}, got {getattr(self, key)}")
         # as `parity train`'s eval.num_prompts and seed; samples and max_new_tokens are checked against the model
-        check_range("num_prompts", self.num_prompts, self.num_prompts <= MAX_PROBLEMS, f"in [0, {MAX_PROBLEMS:,}]")
+        check_range(
+            "num_prompts",
+            self.num_prompts,
+            self.num_prompts <= MAX_PROBLEMS,
+            f"in [1, {MAX_PROBLEMS:,}] (0: a run's own)",
+        )
         check_range("seed", self.seed, 0 <= self.seed <= MAX_SEED, f"in [0, {MAX_SEED}]")
         if self.temperature < 0:
             raise ConfigError(f"temperature: must be >= 0 (0 = greedy), got {self.temperature}")
@@ -239,9 +244,10 @@ def resolve_target(cfg: EvalConfig) -> Target:
         raise ConfigError(f"target: {e}; or a `parity train` run directory") from None
 
 
-def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
+def evaluation_set(cfg: EvalConfig, target: Target, functions: bool = False) -> tuple[EvalSet, str, str]:
     """The problems and how they are answered; also the task name whose reward scores them, and where
-    the problems came from (a file, or the task's generated held-out split)."""
+    the problems came from (a file, or the task's generated held-out split). `functions`: reward functions
+    given from Python score them."""
     run = target.run
     task = (
         cfg.task
@@ -291,7 +297,8 @@ def evaluation_set(cfg: EvalConfig, target: Target) -> tuple[EvalSet, str, str]:
         prompts=[limit.check(f"held-out problem {i}", p.prompt) for i, p in enumerate(problems)],
         samples=samples,
         sampling=eval_sampling(cfg.temperature, max_new),
-        binary=TASKS[task].binary and not _reward_specs(cfg, target.run)[0],
+        # reward functions (`functions`: the API's) score a mean reward, as a run of them reports, not accuracy
+        binary=TASKS[task].binary and not functions and not _reward_specs(cfg, target.run)[0],
     )
     return evalset, task, source
 
@@ -386,7 +393,7 @@ def run_eval(
     `trust_reward_fn`); `episodes_of`: the run whose episodes a model target is answered in (the API's, before
     its first checkpoint)."""
     target = resolve_target(cfg)
-    evalset, task, source = evaluation_set(cfg, target)
+    evalset, task, source = evaluation_set(cfg, target, bool(rewards))
     run = target.run
     reference = cfg.reference if cfg.reference != "auto" else run.trainer_precision if run else "fp32"
     tokenizer = load_tokenizer(target.model_dir)

@@ -367,8 +367,15 @@ def write_outputs(cfg: MismatchConfig, results: list[PairResult]) -> Path:
         + markdown_table(results)
         + (
             f"\nWhole next-token distributions at {cfg.full_vocab_positions} sampled positions, rollout engine (μ) "
-            f"against trainer (π); and the trainer's log-probs of the same tokens scored in micro-batches of "
-            f"{cfg.shape_micro_batch} rows against one batch:\n\n" + distributions
+            "against trainer (π)"
+            + (
+                f"; and the trainer's log-probs of the same tokens scored in micro-batches of {cfg.shape_micro_batch} "
+                "rows against one batch"
+                if cfg.shape_micro_batch
+                else ""
+            )
+            + ":\n\n"
+            + distributions
             if distributions
             else ""
         )

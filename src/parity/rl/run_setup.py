@@ -103,7 +103,10 @@ def resumed_config(run_dir: Path, overrides: list[str], trust_code: bool, note: 
     for line in clean_leftovers(run_dir):
         note(line)
     keys = [item.split("=", 1)[0].strip() for item in overrides]
+    known = config_mod.config_keys(TrainConfig)
     for key in keys:
+        if key not in known and key not in TrainConfig.RENAMED_KEYS:  # a misspelling is no key, not a change
+            raise ConfigError(config_mod.unknown_key(TrainConfig, key, RESUMABLE_KEYS))
         if key not in (*RESUMABLE_KEYS, "model"):  # model: a LoRA run's base, moved (checked below)
             raise ConfigError(
                 f"--resume {run_dir}: {key} cannot change on resume (a resumed run trains exactly as it "
