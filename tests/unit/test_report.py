@@ -195,8 +195,11 @@ def test_a_best_short_of_95_percent_does_not_read_as_95():
     from parity.commands.sanity import _verdict
 
     run = summarize(_history([0.9, 0.946875, 0.946875, 0.946875, 0.946875, 0.946875], k3=0.0))
-    assert run["steps_to_95"] is None and "(0.94) | — |" in summary_table({"r": run})
-    assert _verdict("r", run).endswith("(best 0.94).")
+    assert run["steps_to_95"] is None and "(0.946) | — |" in summary_table({"r": run})
+    assert _verdict("r", run).endswith("(best 0.946).")
+    # A best equal to the final reads as the final does (it was rounded down beside a final rounded up)
+    done = summarize(_history([0.9890625] * 6, k3=0.0))
+    assert "0.99 → 0.99 (0.99)" in summary_table({"r": done})
 
 
 def test_a_mean_reward_has_no_steps_to_95_percent():

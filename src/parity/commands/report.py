@@ -161,9 +161,12 @@ def held_out_summary(history: list[dict]) -> dict:
     return {"eval_first": evaluated[0][key], "eval_last": evaluated[-1][key], "eval_last_step": evaluated[-1]["step"]}
 
 
-def rounded_down(x: float) -> str:
-    """`x` to two decimals, rounded down: a best accuracy of 0.946 reads 0.94, not the 0.95 it did not reach."""
-    return f"{math.floor(x * 100 + 1e-9) / 100:.2f}"
+def accuracy_text(x: float) -> str:
+    """`x` to two decimals, but a value short of TARGET_ACCURACY that two would round up to it to three, rounded
+    down: 0.9469 reads 0.946, not the 0.95 it did not reach (beside "steps to 95%: —"), and start, final and best are
+    rounded alike (a best rounded down read below the final it equalled)."""
+    shown = f"{x:.2f}"
+    return f"{math.floor(x * 1000) / 1000:.3f}" if x < TARGET_ACCURACY <= float(shown) else shown
 
 
 def summary_table(summaries: dict[str, dict]) -> str:
@@ -187,8 +190,8 @@ def summary_table(summaries: dict[str, dict]) -> str:
         to95 = "—" if s["steps_to_95"] is None else str(s["steps_to_95"])
         sec = "—" if s["seconds_to_95"] is None else f"{s['seconds_to_95']:.0f}"
         kind = "" if scored else " accuracy" if s["metric"] == "reward/accuracy" else " mean reward"
-        best = rounded_down(s["best_accuracy"])
-        cells = [name, f"{s['initial_accuracy']:.2f} → {s['final_accuracy']:.2f} ({best}){kind}"]
+        start, final, best = (accuracy_text(s[k]) for k in ("initial_accuracy", "final_accuracy", "best_accuracy"))
+        cells = [name, f"{start} → {final} ({best}){kind}"]
         if held_out:
             cells.append(f"{s['eval_first']:.2f} → {s['eval_last']:.2f}" if "eval_last" in s else "—")
         cells += [
@@ -212,37 +215,60 @@ class Panel:
     hline: float | None = None
     smooth: bool = True  # a moving average over SMOOTHING steps; off for metrics logged now and then (eval/*)
     ylim: tuple[float, float] | None = None
+    runs: frozenset[str] | None = None  # the runs it draws (None: every run that logs `key`)
 
 
 def plot_curves(histories: dict[str, list[dict]], panels: list[Panel], path: Path) -> None:
-    """One panel per metric, one line per run ({SMOOTHING}-step moving average, or the points themselves)."""
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.3), squeeze=False, layout="constrained")
+    """One panel per metric, one line per run ({SMOOTHING}-step moving average, or the points themselves), in
+    one colour in every panel: FP16 runs solid, others dashed; the legend beneath the panels, not over them. A
+    log-scale panel names the runs it cannot draw, whose values are all 0 (exact mode's mismatch)."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.6), squeeze=False, layout="constrained")
     for ax, panel in zip(axes[0], panels):
-        for name, h in histories.items():
+        unseen = []
+        for i, (name, h) in enumerate(histories.items()):
             rows = [m for m in h if panel.key in m]
-            if rows:
-                ls = "-" if name.startswith("fp16") else "--"
-                values = [m[panel.key] for m in rows]
-                values = moving_average(values) if panel.smooth else values
-                ax.plot([m["step"] for m in rows], values, label=name, ls=ls, marker=None if panel.smooth else "o")
+            if not rows or (panel.runs is not None and name not in panel.runs):
+                continue
+            values = [m[panel.key] for m in rows]
+            if panel.log and not any(v > 0 for v in values):
+                unseen.append(name)
+                continue
+            values = moving_average(values) if panel.smooth else values
+            ls = "-" if "fp16" in name else "--"
+            marker = None if panel.smooth else "o"
+            ax.plot([m["step"] for m in rows], values, label=name, ls=ls, marker=marker, color=f"C{i % 10}")  # one each
         if panel.hline is not None:
             ax.axhline(panel.hline, color="grey", lw=0.7, ls=":")
-        ax.set(xlabel="step", ylabel=panel.key, title=panel.title, yscale="log" if panel.log else "linear")
+        average = f" ({SMOOTHING}-step moving average)" if panel.smooth else ""
+        ax.set(xlabel="step", ylabel=panel.key + average, title=panel.title, yscale="log" if panel.log else "linear")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        if unseen:
+            ax.text(0.01, 0.01, "0 throughout, not drawn: " + ", ".join(unseen), transform=ax.transAxes, fontsize=7)
         if panel.ylim is not None:
             ax.set_ylim(*panel.ylim)
-    axes[0][0].legend(fontsize=8)
+    handles = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=min(4, len(handles)), fontsize=8)
     save_figure(fig, path)
 
 
 def plot_accuracy(histories: dict[str, list[dict]], path: Path) -> None:
-    """Training accuracy; beside it the held-out accuracy of the runs that evaluated (`eval.*`)."""
-    binary = any("reward/accuracy" in h[0] for h in histories.values())
-    key = "reward/accuracy" if binary else "reward/mean"
-    scale = (0.0, 1.02) if binary else None  # both panels on one scale
-    panels = [Panel(key, "Training accuracy", hline=TARGET_ACCURACY if binary else None, ylim=scale)]
-    held_out = "eval/accuracy" if binary else "eval/reward_mean"
-    if any(held_out in m for h in histories.values() for m in h):
-        panels.append(Panel(held_out, "Held-out accuracy (served by the rollout engine)", smooth=False, ylim=scale))
+    """Training accuracy; beside it the held-out accuracy of the runs that evaluated (`eval.*`). Runs scored by
+    their mean reward (no accuracy) get a panel of their own: on an accuracy's axis they would not be drawn."""
+    scored = frozenset(name for name, h in histories.items() if "reward/accuracy" in h[0])
+    rewarded = frozenset(histories) - scored
+    panels = []
+    if scored:
+        scale = (0.0, 1.02)
+        panels.append(Panel("reward/accuracy", "Training accuracy", hline=TARGET_ACCURACY, ylim=scale))
+        if any("eval/accuracy" in m for h in histories.values() for m in h):
+            panels.append(
+                Panel("eval/accuracy", "Held-out accuracy (served by the rollout engine)", smooth=False, ylim=scale)
+            )
+    if rewarded:
+        panels.append(Panel("reward/mean", "Training mean reward", runs=rewarded))
+        if any("eval/reward_mean" in m for name in rewarded for m in histories[name]):
+            title = "Held-out mean reward (served by the rollout engine)"
+            panels.append(Panel("eval/reward_mean", title, smooth=False, runs=rewarded))
     plot_curves(histories, panels, path)
 
 

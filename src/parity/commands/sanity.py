@@ -34,10 +34,10 @@ from parity.commands.perfectible import (
     search_path,
 )
 from parity.commands.report import (
+    accuracy_text,
     plot_accuracy,
     plot_histogram,
     plot_mismatch_curves,
-    rounded_down,
     summarize,
     summary_table,
 )
@@ -360,7 +360,8 @@ def _verdict(name: str, s: dict) -> str:
     if s["steps_to_95"] is None:
         line = (
             f"- **{name}** did not reach 95% in {s['steps']} steps: training accuracy "
-            f"{s['initial_accuracy']:.2f} → {s['final_accuracy']:.2f} (best {rounded_down(s['best_accuracy'])})."
+            f"{accuracy_text(s['initial_accuracy'])} → {accuracy_text(s['final_accuracy'])} "
+            f"(best {accuracy_text(s['best_accuracy'])})."
         )
     else:
         line = f"- **{name}** reached 95% training accuracy at step {s['steps_to_95']} ({s['seconds_to_95']:.0f} s)."
