@@ -826,3 +826,15 @@ def test_a_run_outside_the_main_thread_says_its_time_limits_do_not_hold(tmp_path
     thread.join()
     assert "WARNING: this run trains outside the main thread, where the time limits" in capsys.readouterr().err
     assert (tmp_path / "r" / "metrics.jsonl").is_file()
+
+
+def test_rows_given_from_python_are_named_as_given(tmp_path):
+    """A NaN (pandas' missing value) in a column no reward reads named no column; a row the model cannot
+    encode was named by RUN_DIR/data/train.jsonl:2, a file the refused run then removed."""
+    rows = [{"prompt": "1+1=", "answer": "2", "notes": "x"}, {"prompt": "2+2=", "answer": "4", "notes": float("nan")}]
+    with pytest.raises(parity.DataError, match=r"^train dataset row 1: column 'notes' holds NaN or an infinity"):
+        parity.train("builtin", rows, steps=1, run_dir=tmp_path / "r", progress=False)
+    chat = [{"prompt": "1+1=", "answer": "2"}, {"prompt": [{"role": "user", "content": "2+2="}], "answer": "4"}]
+    with pytest.raises(parity.DataError, match=r"^train dataset row 1: 'prompt' is a list of messages, which needs"):
+        parity.train("builtin", chat, steps=1, run_dir=tmp_path / "r", progress=False)
+    assert not (tmp_path / "r").exists()

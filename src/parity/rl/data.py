@@ -101,6 +101,7 @@ def load_problems(
     limit: PromptLimit | None = None,
     chat_template_key: str = "task.chat_template",
     columns: DataColumns | None = None,
+    run_dir: Path | None = None,
 ) -> list[Problem]:
     """Problems from a JSONL or Parquet file whose rows have a `prompt` (a non-empty string, or a list of
     chat messages {"role": ..., "content": ...}) and a string or number `answer` (`columns` names them
@@ -110,7 +111,8 @@ def load_problems(
     With `limit`, every prompt is encoded as training will encode it (under the limit's chat template, the
     value of the config key `chat_template_key`): a list of messages needs the model's chat template, and
     every prompt must fit the limit (`prompt_limit`). The file is read a row at a time, and every error is
-    a `DataError` naming the file and line (JSONL) or row (Parquet, counted from 0).
+    a `DataError` naming the file and line (JSONL) or row (Parquet, counted from 0); in the file `write_rows`
+    made in `run_dir` of the rows given from Python, the dataset's row (a refused run removes the file).
     """
     path = Path(path)
     columns = columns or DataColumns()
@@ -124,8 +126,11 @@ def load_problems(
     else:
         prompt_room = 0 if limit is None else JSON_BYTES_PER_TEXT_BYTE * limit.max_bytes
         rows = jsonl_rows(path, ROW_BYTES + prompt_room)
+    given = path.stem if run_dir is not None and path.parent.resolve() == (run_dir / DATA_DIR).resolve() else None
     problems = []
     for where, row in rows:
+        if given is not None:  # one row per line, as `write_rows` wrote them
+            where = f"{given} dataset row {int(where.rpartition(':')[2]) - 1}"
         problem = _problem(where, row, columns)
         if limit is not None:
             if not limit.tokenizer.uses_chat_template(limit.chat_template, problem.prompt) and not isinstance(
@@ -308,13 +313,25 @@ def write_rows(
         try:
             lines.append(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
         except (TypeError, ValueError) as e:
-            raise DataError(f"{split} dataset row {i}: {e} (columns must hold JSON values)") from None
+            raise DataError(f"{split} dataset row {i}: {_unwritable(row, e)} (columns must hold JSON values)") from None
     if not lines:
         raise DataError(f"{split} dataset: no rows")
     with Folder.open(run_dir, key="run_dir") as run:
         run.mkdir(str(Path(name).parent))
         run.write_text(name, "".join(lines))
     return run_dir / name
+
+
+def _unwritable(row: dict[str, Any], error: Exception) -> str:
+    """What of `row` JSON cannot hold, named by its column: a NaN (pandas' missing value), a set, an object."""
+    for column, value in row.items():
+        try:
+            json.dumps(value, allow_nan=False)
+        except ValueError:
+            return f"column {column!r} holds NaN or an infinity, which JSON has no number for (missing? fill it)"
+        except TypeError as e:
+            return f"column {column!r}: {e}"
+    return str(error)
 
 
 def fingerprint(problems: list[Problem]) -> str:

@@ -189,7 +189,7 @@ class Run:
             for i, problem in enumerate(self.problems):
                 limit.check(f"task.data=builtin: generated problem {i}", problem.prompt)
         else:
-            self.problems = load_problems(cfg.task.data, limit, columns=self.columns)
+            self.problems = load_problems(cfg.task.data, limit, columns=self.columns, run_dir=run_dir)
         first_prompt = limit.check("task.data: problem 0", self.problems[0].prompt)
         precisions = {p: to_dtype(p) for p in (cfg.trainer_precision, cfg.rollout_precision)}
         require_finite_logits(model, first_prompt, precisions, self.model_dir)
@@ -272,7 +272,7 @@ class Run:
             for i, problem in enumerate(problems):
                 limit.check(f"eval: held-out problem {i}", problem.prompt)
         elif source is not None:
-            problems = load_problems(source, limit, columns=self.columns)
+            problems = load_problems(source, limit, columns=self.columns, run_dir=self.run_dir)
             problems = problems[: e.num_prompts]
         if not problems:
             scored = f"task.name={cfg.task.name}"
