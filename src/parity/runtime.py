@@ -77,3 +77,10 @@ def draws_bars(progress: bool = True) -> bool:
     """Whether progress bars are drawn: asked for, and stderr a terminal or a notebook's output (which redraws a
     line); in a log file (nohup, a batch job) each redraw would be appended to one long line."""
     return progress and (sys.stderr.isatty() or "ipykernel" in sys.modules)
+
+
+def progress_line(progress: bool, text: str) -> None:
+    """`text` on stderr where progress is asked for and no bar is drawn (a log file): a long command's stages
+    are said there, one line each, as its bar would show them."""
+    if progress and not draws_bars(progress):
+        print(text, file=sys.stderr, flush=True)

@@ -69,7 +69,7 @@ from parity.rl.run_setup import moved_model_hint
 from parity.rl.tasks import EVAL_SEED, TASKS, builtin_problems
 from parity.rl.train_config import COMPLETION_FORMATS, MAX_SEED, MICRO_BATCH_TOKENS, RewardSection, TrainConfig
 from parity.rundir import in_use_by, refuse_run_links
-from parity.runtime import draws_bars
+from parity.runtime import draws_bars, progress_line
 
 BUILTIN_MAX_NEW_TOKENS = 96  # a model directory's default response budget (a run's is its own)
 MODEL_NUM_PROMPTS, MODEL_SAMPLES = 64, 8  # a model directory's default evaluation (a run's is its own eval.*)
@@ -439,10 +439,13 @@ def run_eval(
             episodes,
             episode_run.turn_tokens if episodes else 0,
         )
-        for name, step, path in tqdm(states, desc="checkpoints", unit="state", disable=not draws_bars(progress)):
+        bar = tqdm(states, desc="checkpoints", unit="state", disable=not draws_bars(progress))
+        for i, (name, step, path) in enumerate(bar, 1):
+            progress_line(progress, f"eval: state {i}/{len(states)}, {name}")
             trainer = adapted.pop(path, None) or _trainer(target, run, path, reference, cfg.device, base)
             weights, version = trainer.export_weights(merge=True)
-            metrics = evaluator.evaluate(weights, version, (run.seed if run else cfg.seed) + EVAL_SEED, trainer.model)
+            seed = (run.seed if run else cfg.seed) + EVAL_SEED
+            metrics = evaluator.evaluate(weights, version, seed, trainer.model, progress=progress)
             results.append({"name": name, "step": step, "metrics": metrics})
     finally:
         scorer.close()

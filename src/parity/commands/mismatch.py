@@ -42,7 +42,7 @@ from parity.rl.diagnostics import (
 )
 from parity.rl.problems import MAX_PROBLEMS, ArithmeticTask
 from parity.rl.train_config import MAX_SEED
-from parity.runtime import draws_bars
+from parity.runtime import draws_bars, progress_line
 
 # Metrics shown in the markdown table, with their ratio to the FP16 run.
 TABLE_METRICS = ("k3", "token_abs_log_ratio_mean", "seq_abs_log_ratio", "prob_abs_diff_mean", "chi2_token")
@@ -226,7 +226,8 @@ def run_mismatch(
     require_finite_weights(model, model_dir, "no mismatch can be measured (`parity doctor` shows where)")
     require_finite_logits(model, prompts[0], {"fp32": torch.float32}, model_dir)
     results: list[PairResult] = []
-    for pair in tqdm(cfg.pairs, desc="mismatch", unit="pair", disable=not draws_bars(progress)):
+    for i, pair in enumerate(tqdm(cfg.pairs, desc="mismatch", unit="pair", disable=not draws_bars(progress)), 1):
+        progress_line(progress, f"mismatch: pair {i}/{len(cfg.pairs)}, {pair}: sampling and scoring {rows} responses")
         train_p, roll_p = parse_pair(pair)
         start = time.perf_counter()
         trainer = Trainer(model, train_p, OptimConfig())

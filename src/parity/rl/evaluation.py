@@ -32,7 +32,7 @@ from parity.rl.diagnostics import mismatch_metrics
 from parity.rl.problems import Problem
 from parity.rl.rewards import RewardRunner, score_rollouts
 from parity.rl.tasks import TASKS
-from parity.runtime import draws_bars
+from parity.runtime import draws_bars, progress_line
 
 TRAINER = "trainer"  # the label of the trainer's policy among the evaluated ones
 HELDOUT_DRAWS = 8  # candidates drawn per held-out problem wanted, before duplicates and training prompts go
@@ -180,9 +180,10 @@ class Evaluator:
         outcomes: dict[str, dict[str, float]] = {}
         batches: dict[str, RolloutBatch] = {}
         scores: dict[str, torch.Tensor] = {}
-        for label, engine in tqdm(
-            self.engines.items(), desc="eval", unit="policy", leave=False, disable=not draws_bars(progress)
-        ):
+        policies = tqdm(self.engines.items(), desc="eval", unit="policy", leave=False, disable=not draws_bars(progress))
+        for i, (label, engine) in enumerate(policies, 1):
+            answers = f"{len(es.prompts)} x {es.samples}"
+            progress_line(progress, f"eval:   policy {i}/{len(self.engines)}, {label}: answering {answers}")
             engine.weights.load(weights, version)
             batch = self._answer(engine, seed)
             result = score_rollouts(batch, es.problems, self.tokenizer, self.rewards)
