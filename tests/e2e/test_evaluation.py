@@ -331,3 +331,16 @@ def test_evaluation_reports_each_reward_function(tmp_path):
         f"{base['eval/fp32/reward/correct/mean']:.3f}",
         f"{base['eval/fp32/reward/short/mean']:.3f}",
     ]
+
+
+def test_parity_eval_names_the_data_s_columns_by_its_own_keys(tmp_path, capsys):
+    """The hint said to set task.answer_column, which parity eval refused as a key it does not take."""
+    data = tmp_path / "alt.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "ans": str(a + 1)}) + "\n" for a in range(2)))
+    out = tmp_path / "eval"
+    assert main(["eval", "builtin", f"data={data}", f"out={out}"]) == 2
+    assert capsys.readouterr().err.strip().endswith("set answer_column to the column that holds the answer")
+    assert (
+        main(["eval", "builtin", f"data={data}", "answer_column=ans", "num_prompts=2", "samples=1", f"out={out}"]) == 0
+    )
+    assert json.loads((out / "eval.json").read_text())["prompts"] == 2

@@ -11,6 +11,7 @@ checkpoint).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 import sys
 from dataclasses import dataclass, field
@@ -93,6 +94,10 @@ class EvalConfig:
     temperature: float = 1.0  # 0 = greedy
     max_new_tokens: int = 0  # 0: a run's rollout.max_new_tokens, else 96
     chat_template: str = "auto"
+    # The data's prompt and answer columns: auto = a run's task.prompt_column and task.answer_column, else
+    # prompt and answer
+    prompt_column: str = "auto"
+    answer_column: str = "auto"
     # Reward functions, module:function each (with reward_weights): the target's rewards instead of a task's
     # built-in reward. Unset: a run's own task.reward_fn
     reward_fn: list[str] = field(default_factory=list)
@@ -269,6 +274,13 @@ def evaluation_set(cfg: EvalConfig, target: Target, functions: bool = False) -> 
     positions = model_config.max_position_embeddings
     limit = prompt_limit(tokenizer, positions, max_new, key, chat_template)
     columns = data_columns(run) if run is not None else DataColumns(answer_required=not cfg.reward_fn)
+    columns = dataclasses.replace(
+        columns,
+        prompt=columns.prompt if cfg.prompt_column == "auto" else cfg.prompt_column,
+        answer=columns.answer if cfg.answer_column == "auto" else cfg.answer_column,
+        keys=True,
+        prefix="",  # named by this command's own keys
+    )
     data = cfg.data if cfg.data != "auto" else run.eval.data if run is not None and run.eval.data != "auto" else None
     if data is not None:
         problems = load_problems(data, limit, columns=columns)

@@ -205,6 +205,7 @@ class DataColumns:
     answer: str = "answer"
     answer_required: bool = True
     keys: bool = False  # the columns are the ones `task.prompt_column` and `task.answer_column` name (a run's)
+    prefix: str = "task."  # of those keys' names (`parity eval`'s are prompt_column and answer_column)
 
     @property
     def required(self) -> tuple[str, ...]:
@@ -213,7 +214,8 @@ class DataColumns:
     def missing(self, name: str, have: list[str], holder: str = "the row") -> str:
         """What to say of data without column `name` (one of the two), whose `holder` has the columns `have`:
         the config key that names the column, and the columns there are."""
-        what, key = ("prompt", "task.prompt_column") if name == self.prompt else ("answer", "task.answer_column")
+        what = "prompt" if name == self.prompt else "answer"
+        key = f"{self.prefix}{what}_column"
         has = f"{holder} has {', '.join(map(repr, have))}" if have else f"{holder} has no columns"
         if not self.keys:
             return f"no {what} column '{name}' ({has})"
