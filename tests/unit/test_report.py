@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from parity.cli import main
 
@@ -211,3 +212,16 @@ def test_a_mean_reward_has_no_steps_to_95_percent():
         m["reward/mean"] = 4.0
     run = summarize(rewards)
     assert run["metric"] == "reward/mean" and run["steps_to_95"] is None and run["seconds_to_95"] is None
+
+
+def test_a_signed_estimate_gets_no_ratio_to_fp16():
+    """chi2_token read "-0.000526 (-14.2× fp16)": a ratio of an estimate below its mean says nothing."""
+    from parity.commands.mismatch import TABLE_METRICS, PairResult, markdown_table
+
+    def pair(precision: str, chi2: float) -> PairResult:
+        metrics = {k: 1e-6 for k in TABLE_METRICS} | {"chi2_token": chi2}
+        empty = torch.zeros(1, 1)
+        return PairResult(precision, precision, metrics, {}, 1, 1, 0.0, empty, empty, empty.bool())
+
+    table = markdown_table([pair("fp16", 3.7e-5), pair("bf16", -5.26e-4)])
+    assert "-0.000526 |" in table and "-14.2" not in table and "(1× fp16)" in table

@@ -281,7 +281,8 @@ def results_json(model: str, results: list[PairResult]) -> dict[str, Any]:
 
 
 def markdown_table(results: list[PairResult]) -> str:
-    """One row per precision pair; each metric with its ratio to the FP16/FP16 run."""
+    """One row per precision pair; each metric with its ratio to the FP16/FP16 run, where both are positive (a
+    ratio of a signed estimate, k1's or a χ²'s below its mean, says nothing)."""
     ref = next((r for r in results if r.trainer_precision == r.rollout_precision == prec.Precision.FP16), None)
     head = "| trainer | rollout | tokens | " + " | ".join(TABLE_METRICS) + " |"
     lines = [head, "|" + "---|" * (3 + len(TABLE_METRICS))]
@@ -290,7 +291,7 @@ def markdown_table(results: list[PairResult]) -> str:
         for k in TABLE_METRICS:
             v = r.metrics[k]
             ratio = ""
-            if ref is not None and ref.metrics[k] > 0:
+            if ref is not None and ref.metrics[k] > 0 and v >= 0:
                 ratio = f" ({v / ref.metrics[k]:.3g}× fp16)"
             cells.append(f"{v:.3g}{ratio}")
         lines.append(f"| {r.trainer_precision} | {r.rollout_precision} | {r.num_tokens} | " + " | ".join(cells) + " |")
