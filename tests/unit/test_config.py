@@ -287,7 +287,7 @@ COMMAND_HUGE = [
     (["mismatch", "seed=100000000000"], "seed: must be in [0, 4294967295]"),
     (["perfectible", "num_candidates=1000000000"], "num_candidates: must be in [1, 100,000]"),
     (["perfectible", "samples=1000000000"], "batch_prompts x samples, max_new_tokens: "),
-    (["perfectible", "batch_prompts=0"], "batch_prompts must be >= 1"),
+    (["perfectible", "batch_prompts=0"], "batch_prompts: must be >= 1, got 0"),
 ]
 
 

@@ -223,3 +223,14 @@ def test_a_flag_and_its_key_given_together_are_refused(capsys):
     _refused(["mismatch", "out=a", "--out", "b"], capsys, "--out and out=: give one")
     _refused(["mismatch", "model=builtin", "--model", "builtin"], capsys, "--model and model=: give one")
     _refused(["eval", "builtin", "out=a", "--out", "b"], capsys, "--out and out=: give one")
+
+
+def test_bad_values_are_named_by_their_keys(tmp_path, capsys):
+    """Each said less: a missing data file named no key (or task.data, a key perfectible does not take), a
+    count below 1 named two keys and no value, a file given as the model was "no such directory"."""
+    (tmp_path / "afile.txt").write_text("")
+    missing = tmp_path / "none.jsonl"
+    _refused(["perfectible", f"data={missing}"], capsys, f"data: '{missing}' does not exist")
+    _refused(["perfectible", "samples=0"], capsys, "samples: must be >= 1, got 0")
+    _refused(["mismatch", "group_size=0"], capsys, "group_size: must be >= 1, got 0")
+    _refused(["mismatch", "--model", str(tmp_path / "afile.txt")], capsys, "afile.txt': a file, not a directory")

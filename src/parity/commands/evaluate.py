@@ -283,7 +283,7 @@ def evaluation_set(cfg: EvalConfig, target: Target, functions: bool = False) -> 
     )
     data = cfg.data if cfg.data != "auto" else run.eval.data if run is not None and run.eval.data != "auto" else None
     if data is not None:
-        problems = load_problems(data, limit, columns=columns)
+        problems = load_problems(data, limit, columns=columns, key="data" if cfg.data != "auto" else "eval.data")
         problems, source = problems[:num_prompts], str(Path(data).resolve())
     else:
         if run is not None and run.eval_data is None:

@@ -103,7 +103,8 @@ class MismatchConfig:
                     "in one precision; use pairs like fp16/fp16"
                 )
         if self.num_prompts < 1 or self.group_size < 1:
-            raise ConfigError("num_prompts and group_size must be >= 1")
+            low = "num_prompts" if self.num_prompts < 1 else "group_size"
+            raise ConfigError(f"{low}: must be >= 1, got {getattr(self, low)}")
         # as `parity train`'s counts; num_prompts x group_size is checked against the model (`run_mismatch`)
         check_range("num_prompts", self.num_prompts, self.num_prompts <= MAX_PROBLEMS, f"in [1, {MAX_PROBLEMS:,}]")
         check_range("seed", self.seed, 0 <= self.seed <= MAX_SEED, f"in [0, {MAX_SEED}]")

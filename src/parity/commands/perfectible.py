@@ -27,7 +27,7 @@ from parity.engines.precision import PRECISIONS
 from parity.engines.rollout import RolloutEngine
 from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, load_tokenizer
-from parity.files import JSONError, parse_json
+from parity.files import JSONError, parse_json, regular_file_problem
 from parity.folders import atomic_write_text
 from parity.rl.algorithms import TRUNCATION_MODES
 from parity.rl.data import load_problems, prompt_limit
@@ -83,8 +83,12 @@ class PerfectibleConfig:
             )
         if not 0 <= self.lo <= self.hi <= 1:
             raise ConfigError(f"lo, hi: need 0 <= lo <= hi <= 1, got {self.lo}, {self.hi}")
-        if self.samples < 1 or self.num_candidates < 1 or self.batch_prompts < 1:
-            raise ConfigError("samples, num_candidates and batch_prompts must be >= 1")
+        for key in ("samples", "num_candidates", "batch_prompts"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
+        problem = regular_file_problem(Path(self.data).expanduser()) if self.data != "builtin" else None
+        if problem is not None:
+            raise ConfigError(f"data: {self.data!r} {problem} (builtin, or a JSONL/Parquet file)")
         # as `parity train`'s counts; batch_prompts x samples is checked against the model (`candidate_problems`)
         check_range(
             "num_candidates", self.num_candidates, self.num_candidates <= MAX_PROBLEMS, f"in [1, {MAX_PROBLEMS:,}]"
@@ -123,7 +127,7 @@ def candidate_problems(cfg: PerfectibleConfig) -> list[Problem]:
     positions = config.max_position_embeddings
     limit = prompt_limit(load_tokenizer(model_dir), positions, cfg.max_new_tokens, "max_new_tokens", cfg.chat_template)
     if cfg.data != "builtin":
-        problems = load_problems(cfg.data, limit, "chat_template")
+        problems = load_problems(cfg.data, limit, "chat_template", key="data")
     else:
         problems = builtin_problems(cfg.task, cfg.num_candidates, cfg.seed, cfg.difficulty)
         for i, problem in enumerate(problems):

@@ -102,6 +102,7 @@ def load_problems(
     chat_template_key: str = "task.chat_template",
     columns: DataColumns | None = None,
     run_dir: Path | None = None,
+    key: str = "task.data",
 ) -> list[Problem]:
     """Problems from a JSONL or Parquet file whose rows have a `prompt` (a non-empty string, or a list of
     chat messages {"role": ..., "content": ...}) and a string or number `answer` (`columns` names them
@@ -111,14 +112,15 @@ def load_problems(
     With `limit`, every prompt is encoded as training will encode it (under the limit's chat template, the
     value of the config key `chat_template_key`): a list of messages needs the model's chat template, and
     every prompt must fit the limit (`prompt_limit`). The file is read a row at a time, and every error is
-    a `DataError` naming the file and line (JSONL) or row (Parquet, counted from 0); in the file `write_rows`
+    a `DataError` naming the file and line (JSONL) or row (Parquet, counted from 0), or the config `key` that
+    names a file that cannot be read; in the file `write_rows`
     made in `run_dir` of the rows given from Python, the dataset's row (a refused run removes the file).
     """
     path = Path(path)
     columns = columns or DataColumns()
     problem = regular_file_problem(path)
     if problem is not None:
-        raise DataError(f"task.data: {str(path)!r} {problem}")
+        raise DataError(f"{key}: {str(path)!r} {problem}")
     if limit is not None and limit.max_tokens < 1:
         raise DataError(f"{path}: no prompt can fit in {limit.max_tokens} tokens{limit.reason}")
     if path.suffix == ".parquet":

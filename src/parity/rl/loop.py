@@ -272,7 +272,7 @@ class Run:
             for i, problem in enumerate(problems):
                 limit.check(f"eval: held-out problem {i}", problem.prompt)
         elif source is not None:
-            problems = load_problems(source, limit, columns=self.columns, run_dir=self.run_dir)
+            problems = load_problems(source, limit, columns=self.columns, run_dir=self.run_dir, key="eval.data")
             problems = problems[: e.num_prompts]
         if not problems:
             scored = f"task.name={cfg.task.name}"

@@ -122,8 +122,9 @@ def resolve_model_dir(model: str | Path) -> Path:
             f"model {text!r}: no such directory, and not in the local Hugging Face cache ({hf_cache_dir()}); "
             f"Parity never downloads: fetch it first (hf download {text})"
         )
+    what = "a file, not a directory" if path.exists() else "no such directory"
     raise ModelError(
-        f"model {text!r}: no such directory (give a model directory, a Hugging Face id in the local cache, "
+        f"model {text!r}: {what} (give a model directory, a Hugging Face id in the local cache, "
         "builtin or builtin-agent)"
     )
 
