@@ -297,7 +297,7 @@ def evaluation_set(cfg: EvalConfig, target: Target, functions: bool = False) -> 
             if run.task.data == "builtin":
                 trained = {str(p.prompt) for p in builtin_problems(task, run.task.num_problems, run.seed, difficulty)}
             else:
-                trained = {str(p.prompt) for p in load_problems(run.task.data, columns=columns)}
+                trained = {str(p.prompt) for p in load_problems(run.task.data, columns=data_columns(run))}
         problems = heldout_problems(task, difficulty, num_prompts, run.seed if run else cfg.seed, trained)
         source = f"the held-out split of task {task} (generated)"
     if not problems:

@@ -8,9 +8,9 @@ A function is batched when a parameter is named `prompts` or `completions`, or w
 TRL calls every function by keyword); `Reward(fn, batched=...)` says so where the names do not. Each column
 of the data but the prompt is passed by its own name, as the file or dataset holds it (an integer answer
 stays an integer; a batched function gets a list per column); a function takes the columns it names, or
-every column with `**kwargs`. Its signature is
-checked against the data's columns before the run starts, and its first batch's result (a number per
-completion) before the first update: either failing stops the run with one line naming the function.
+every column with `**kwargs`. Its signature is checked against the data's columns before the run starts, and
+its first batch's result (a number per completion) before the first update: either failing stops the run
+with one line naming the function.
 Later failures score that function 0 on the samples concerned and are counted (`rl/rewards.py`).
 
 A function may return None for a sample it does not score (TRL's convention), on any batch: the reward
