@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+from collections.abc import Callable
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameter numbers from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
@@ -71,6 +72,28 @@ def use_free_cores() -> int:
         _threads = int(named) if named and named.isdigit() and int(named) > 0 else free_cores()
         torch.set_num_threads(_threads)
     return _threads
+
+
+def keep_threads(threads: int, note: Callable[[str], None]) -> None:
+    """A resumed run computes on the threads its run had (numerics.json): a CPU op split over other threads
+    sums in another order, and the run would not go on bit for bit (measured: grad/norm apart in the 8th digit
+    at the first resumed step, then every metric). Unless PARITY_THREADS or OMP_NUM_THREADS chooses, or this
+    machine has fewer cores than that (oversubscribed threads would wait on each other at every op)."""
+    global _threads
+    import torch
+
+    if os.environ.get("PARITY_THREADS") or os.environ.get("OMP_NUM_THREADS") or threads == torch.get_num_threads():
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if threads > cores:
+        note(
+            f"the run computed on {threads} threads and this machine has {cores} cores: it goes on with "
+            f"{torch.get_num_threads()}, not bit for bit as it would on {threads}"
+        )
+        return
+    note(f"threads: {threads}, as the run had (on others it would not go on bit for bit; PARITY_THREADS=N chooses)")
+    _threads = threads
+    torch.set_num_threads(threads)
 
 
 def draws_bars(progress: bool = True) -> bool:

@@ -53,3 +53,41 @@ def test_reuse_freed_memory_is_idempotent():
     first = reuse_freed_memory()
     assert reuse_freed_memory() == first
     assert first == GLIBC
+
+
+def test_a_resume_computes_on_the_threads_its_run_had(tmp_path, monkeypatch):
+    """A run resumed on other threads (the cores free at its start) did not go on bit for bit: grad/norm apart
+    in the 8th digit at its first step, then every metric. numerics.json records the threads; a resume keeps
+    them, unless PARITY_THREADS or OMP_NUM_THREADS chooses or the machine has fewer cores."""
+    import json
+    import os
+
+    import torch
+
+    from parity import runtime
+    from parity.rl.run_setup import recorded_threads
+
+    (tmp_path / "numerics.json").write_text(json.dumps({"device": "cpu", "threads": 1}))
+    assert recorded_threads(tmp_path) == 1
+    for forged in (10**9, "2", True, None):
+        (tmp_path / "numerics.json").write_text(json.dumps({"threads": forged}))
+        assert recorded_threads(tmp_path) is None
+    (tmp_path / "numerics.json").write_text("[1]")
+    assert recorded_threads(tmp_path) is None
+
+    before, notes = torch.get_num_threads(), []
+    monkeypatch.setattr(runtime, "_threads", before)
+    try:
+        monkeypatch.setenv("PARITY_THREADS", str(before))  # the user's choice wins
+        runtime.keep_threads(before + 1, notes.append)
+        assert torch.get_num_threads() == before and notes == []
+        monkeypatch.delenv("PARITY_THREADS", raising=False)
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(2)  # as the free cores may have given
+        runtime.keep_threads(1, notes.append)
+        assert torch.get_num_threads() == 1 and notes[-1].startswith("threads: 1, as the run had")
+        cores = len(os.sched_getaffinity(0))
+        runtime.keep_threads(cores + 1, notes.append)  # more than this machine has: not oversubscribed
+        assert torch.get_num_threads() == 1 and f"and this machine has {cores} cores" in notes[-1]
+    finally:
+        torch.set_num_threads(before)

@@ -59,7 +59,7 @@ from parity.rl.metrics_log import MetricsLog
 from parity.rl.problems import Problem
 from parity.rl.reward_fns import Reward, binary_reward, config_rewards, data_columns, run_rewards
 from parity.rl.rewards import RewardError, RewardHealth, score_rollouts
-from parity.rl.run_setup import NewRunDir, lock_for_resume, new_run_dir, resumed_config
+from parity.rl.run_setup import NewRunDir, lock_for_resume, new_run_dir, recorded_threads, resumed_config
 from parity.rl.step import (
     LocalBackend,
     Prepared,
@@ -76,7 +76,7 @@ from parity.rl.tasks import EVAL_SEED, TASKS, builtin_problems
 from parity.rl.trackers import check_trackers, open_trackers
 from parity.rl.train_config import CHUNKED_HEAD_MODES, TrainConfig
 from parity.rundir import RunLock, checkpoint_step
-from parity.runtime import draws_bars, reuse_freed_memory
+from parity.runtime import draws_bars, keep_threads, reuse_freed_memory
 
 PROGRESS_LINES = 50  # lines a run prints in place of its progress bar when stderr is no terminal
 
@@ -348,9 +348,10 @@ class Run:
             raise
 
     def record_numerics(self) -> None:
-        """numerics.json: the device, processor and kernel path per precision this process runs
-        (a resumed run on another machine records its own)."""
-        atomic_write_json(self.run_dir / "numerics.json", self.numerics.describe())
+        """numerics.json: the device, processor and kernel path per precision this process runs, and its CPU
+        threads, which a resume keeps (`runtime.keep_threads`); a resumed run on another machine records its own."""
+        described = {**self.numerics.describe(), "threads": torch.get_num_threads()}
+        atomic_write_json(self.run_dir / "numerics.json", described)
 
     # -- construction ---------------------------------------------------------
 
@@ -405,6 +406,9 @@ class Run:
         lock = lock_for_resume(run_dir)
         try:
             cfg = resumed_config(run_dir, overrides or [], trust_reward_fn or rewards is not None, _note)
+            threads = recorded_threads(run_dir)
+            if threads is not None:
+                keep_threads(threads, _note)
             # checks model, data, reward before writing anything
             run = cls(cfg, run_dir, progress, rewards, backend, tools, environment)
             with run._closed_on_failure():

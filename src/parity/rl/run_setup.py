@@ -16,6 +16,7 @@ from parity import config as config_mod
 from parity.config import ConfigError
 from parity.engines.models.config import ModelError
 from parity.engines.models.io import resolve_model_dir
+from parity.files import JSONError, parse_json, regular_file_problem
 from parity.rl.checkpoint import checkpoints, saved_config
 from parity.rl.data import DATA_DIR, write_rows
 from parity.rl.reward_fns import data_columns
@@ -188,3 +189,16 @@ def _saved_config(run_dir: Path) -> dict[str, Any] | None:
         if saved is not None:
             return {TrainConfig.RENAMED_KEYS.get(k, k): v for k, v in config_mod.flatten(saved).items()}
     return None
+
+
+def recorded_threads(run_dir: Path) -> int | None:
+    """The CPU threads the run computed on, as its numerics.json records them (`Run.record_numerics`), or None
+    (a run recorded before it said, or a file that is not the run's: a received folder's is not trusted)."""
+    path = run_dir / "numerics.json"
+    if regular_file_problem(path) is not None or path.stat().st_size > 2**20:
+        return None
+    try:
+        threads = parse_json(path.read_text(encoding="utf-8")).get("threads")
+    except (OSError, ValueError, JSONError, UnicodeDecodeError, AttributeError):
+        return None
+    return threads if isinstance(threads, int) and not isinstance(threads, bool) and 1 <= threads <= 4096 else None
