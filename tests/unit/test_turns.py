@@ -363,6 +363,10 @@ def _positional(city: str, /): ...
 def _object(city: object): ...
 
 
+class _Lookup:
+    def __init__(self, key: str): ...
+
+
 @pytest.mark.parametrize(
     "fn, match",
     [
@@ -371,6 +375,7 @@ def _object(city: object): ...
         (_kwargs, "tool _kwargs, parameter extra: \\*args and \\*\\*kwargs"),
         (_positional, "tool _positional, parameter city: positional-only"),
         (_object, "tool _object, parameter city: the annotation"),
+        (_Lookup, "tool _Lookup: a class, not a function; an environment is task.environment"),  # it was taken
     ],
 )
 def test_tool_schema_refuses(fn, match):

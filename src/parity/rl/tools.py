@@ -86,6 +86,8 @@ def tool_schema(fn) -> dict[str, Any]:
     name = getattr(fn, "__name__", None)
     if not callable(fn) or not isinstance(name, str):
         raise ConfigError(f"tool {fn!r}: not a named function")
+    if isinstance(fn, type):  # calling it makes an object, which is no answer (task.tools=m:Class was taken)
+        raise ConfigError(f"tool {name}: a class, not a function; an environment is task.environment")
     try:
         signature = inspect.signature(fn)
         hints = typing.get_type_hints(fn)
