@@ -92,9 +92,12 @@ class Folder:
         """Open `root` (following a link there: the user named it); `create` makes it and its parents.
         `key` names the folder in errors (`run_dir`, `--out`)."""
         root = Path(root)
-        if create:
-            root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if create:
+                root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:  # named by its key where it has one: the folder the user gave (`--out /proc/x`)
+            raise OSError(e.errno, e.strerror, str(root) if key == "folder" else f"{key} {root}") from None
         return cls(root, PurePosixPath(), fd, key)
 
     # -- naming ---------------------------------------------------------------

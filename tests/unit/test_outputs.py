@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import copy_run
 from parity.builtin.build import BuildConfig, build_model
 from parity.cli import main
 from parity.config import ConfigError
@@ -234,3 +235,12 @@ def test_bad_values_are_named_by_their_keys(tmp_path, capsys):
     _refused(["perfectible", "samples=0"], capsys, "samples: must be >= 1, got 0")
     _refused(["mismatch", "group_size=0"], capsys, "group_size: must be >= 1, got 0")
     _refused(["mismatch", "--model", str(tmp_path / "afile.txt")], capsys, "afile.txt': a file, not a directory")
+
+
+def test_a_folder_that_cannot_be_made_or_a_run_without_its_config_is_named(tiny_run, tmp_path, capsys):
+    """`--out /proc/x` said "/proc/x: No such file or directory" (no key); a run folder whose config.yaml is
+    gone said "no tokenizer.json", as if it were a model."""
+    _refused(["report", str(tiny_run), "--out", "/proc/parity-x"], capsys, "--out /proc/parity-x: No such file")
+    run = copy_run(tiny_run, tmp_path / "run")
+    (run / "config.yaml").unlink()
+    _refused(["eval", str(run)], capsys, "(a run directory without its config.yaml, which `parity eval`")

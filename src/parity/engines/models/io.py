@@ -138,6 +138,8 @@ def not_a_model(folder: Path) -> str:
         return " (a run directory: `parity eval` takes it; a checkpoint's model is checkpoints/step_N/model)"
     if (folder / "adapter_config.json").is_file():
         return " (a LoRA adapter: `parity eval` takes it; other commands take its base model)"
+    if (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").is_file():
+        return " (a run directory without its config.yaml, which `parity eval` and `--resume` read)"
     return ""
 
 
