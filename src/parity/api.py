@@ -167,6 +167,22 @@ def _is_rewards(value: object) -> bool:
     return one or bool(many)
 
 
+def _positional_order(dataset: object, more: tuple, call: str) -> None:
+    """Refuse arguments by position past (model, dataset, rewards): GRPOTrainer's order (reward functions
+    second) is named as such, anything else goes by name."""
+    if _is_rewards(dataset):
+        raise ConfigError(
+            "dataset: reward functions, by position in GRPOTrainer's order (model, reward_funcs, args, "
+            "train_dataset), not Parity's (model, dataset, rewards, config=...): give them in Parity's order, or "
+            "by TRL's names (reward_funcs=..., args=..., train_dataset=...)"
+        )
+    if more:
+        raise ConfigError(
+            f"{call}: {3 + len(more)} arguments by position; it takes (model, dataset, rewards), then the rest by "
+            "name (config=..., eval_dataset=...)"
+        )
+
+
 def _tools(tools: object) -> list[Callable[..., Any]]:
     """`tools=` as a list of functions (each described by `rl/tools.tool_schema` when the run is built)."""
     if tools is None:
@@ -264,13 +280,7 @@ class Trainer:
         **keys: Any,
     ):
         _not_importing("parity.Trainer")
-        if more or _is_rewards(dataset):
-            raise ConfigError(
-                ("dataset: reward functions" if _is_rewards(dataset) else f"Trainer: {3 + len(more)} arguments")
-                + " by position in GRPOTrainer's order, (model, reward_funcs, args, train_dataset), not Parity's, "
-                "(model, dataset, rewards, config=...): give them in Parity's order, or by TRL's names "
-                "(reward_funcs=..., args=..., train_dataset=...)"
-            )
+        _positional_order(dataset, more, "Trainer")
         use_free_cores()
         trl = {name: keys.pop(name) for name in TRL_TRAINER_NAMES if name in keys}  # TRL's code, as written
         if "processing_class" in keys:
@@ -523,7 +533,7 @@ def train(
     model: str | Path = "builtin",
     dataset: Dataset | None = None,
     rewards: RewardLike | Iterable[RewardLike] | None = (),
-    *,
+    *more: Any,
     tools: Iterable[Callable[..., Any]] | None = None,
     environment: Callable[[], Any] | None = None,
     eval_dataset: Dataset | None = None,
@@ -549,6 +559,7 @@ def train(
     change; pass `rewards` again). Every argument is checked before anything is loaded or written: a
     wrong one raises `ConfigError` (or `DataError`, for rows) with one line, the line the CLI prints. A
     callback that raises stops the run after a checkpoint of its step, with a `CallbackError`."""
+    _positional_order(dataset, more, "train")
     if resume is None:
         trainer = Trainer(
             model, dataset, rewards, config=config, eval_dataset=eval_dataset, callbacks=callbacks, tools=tools,

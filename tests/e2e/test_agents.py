@@ -362,3 +362,32 @@ def test_a_tool_is_not_run_when_its_answer_could_not_be_fed(tmp_path):
         "builtin-agent", rows, tools=[lookup], run_dir=tmp_path / "r", episode__max_turns=1, log__completions=0, **small
     )
     assert result.history[-1]["episode/end_max_turns_frac"] > 0 and calls == []
+
+
+class _Flaky:
+    """Every other episode's step raises (a sandbox that went away); the others score 1."""
+
+    made = 0
+
+    def reset(self, row):
+        _Flaky.made += 1
+        self.broken = _Flaky.made % 2 == 0
+        return "hi"
+
+    def step(self, assistant):
+        if self.broken:
+            raise ConnectionError("sandbox gone")
+        return parity.Step(done=True, reward=1.0)
+
+
+def test_an_episode_its_environment_broke_is_left_out_of_every_reward_statistic(tmp_path):
+    """Such an episode trained as a failure of the model's (reward 0, advantage -0.5), then was left out of
+    reward/mean but still counted in reward/environment/mean."""
+    rows = [{"prompt": [{"role": "user", "content": f"{k}?"}], "answer": 1} for k in "abcd"]
+    small = dict(steps=1, prompts_per_step=4, rollout__group_size=2, progress=False, eval__every=-1)
+    result = parity.train(
+        "builtin-agent", rows, environment=_Flaky, run_dir=tmp_path / "r", log__completions=0, **small
+    )
+    metrics = result.history[-1]
+    assert metrics["reward/unscored_frac"] == 0.5 and metrics["episode/environment_errors"] == 4
+    assert metrics["reward/mean"] == metrics["reward/environment/mean"] == 1.0

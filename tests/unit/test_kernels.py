@@ -174,7 +174,8 @@ def test_a_run_records_its_numerics(tmp_path):
     run = Run.create(cfg, progress=False)
     run.close()
     recorded = json.loads((tmp_path / "run" / "numerics.json").read_text())
-    assert recorded == {**kernels.numerics("cpu", True).describe(), "threads": torch.get_num_threads()}
+    threads = torch.get_num_threads()
+    assert recorded == {**kernels.numerics("cpu", True).describe(), "threads": threads, "run_threads": threads}
     assert recorded["exact"] == "true" and recorded["matmul_fp32"] == cpu.NATIVE
     assert run.backend.trainer.model.numerics is run.backend.sampler.engine.numerics is run.numerics
 

@@ -121,7 +121,8 @@ def test_perfectible_refuses_where_it_cannot_write_before_its_search(tmp_path, c
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     (tmp_path / "afile").write_text("")
     argv = ["perfectible", "num_candidates=4", "samples=2"]
-    _refused([*argv, f"out={tmp_path / 'afile' / 'set.jsonl'}"], capsys, f"out: {tmp_path}/afile/set.jsonl: cannot")
+    out = tmp_path / "afile" / "set.jsonl"
+    _refused([*argv, f"out={out}"], capsys, f"out: {out}: {tmp_path}/afile is a file, not a folder")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "afile" / "cache"))
     _refused([*argv, f"out={tmp_path / 'set.jsonl'}"], capsys, "the perfectible search's cache")
     assert not (tmp_path / "set.jsonl").exists()

@@ -69,6 +69,9 @@ def test_a_resume_computes_on_the_threads_its_run_had(tmp_path, monkeypatch):
 
     (tmp_path / "numerics.json").write_text(json.dumps({"device": "cpu", "threads": 1}))
     assert recorded_threads(tmp_path) == 1
+    # A resume on fewer cores computed on its own, and the run's stay what a later resume keeps
+    (tmp_path / "numerics.json").write_text(json.dumps({"threads": 1, "run_threads": 16}))
+    assert recorded_threads(tmp_path) == 16
     for forged in (10**9, "2", True, None):
         (tmp_path / "numerics.json").write_text(json.dumps({"threads": forged}))
         assert recorded_threads(tmp_path) is None

@@ -283,15 +283,19 @@ def test_trl_s_positional_order_a_stream_and_a_folder_that_is_no_model_are_one_l
             yield {"prompt": "1+1=", "answer": 2}
 
     rows = [{"prompt": "1+1=", "answer": 2}]
-    order = r"^dataset: reward functions by position in GRPOTrainer's order, \(model, reward_funcs, args, train_da"
+    order = r"^dataset: reward functions, by position in GRPOTrainer's order \(model, reward_funcs, args, train_d"
     for args, kwargs in [
         (("builtin", [reward], parity.GRPOConfig(), rows), {}),
         (("builtin", reward), {"args": parity.GRPOConfig(), "train_dataset": rows}),
     ]:
         with pytest.raises(ConfigError, match=order):
             parity.Trainer(*args, **kwargs)
-    with pytest.raises(ConfigError, match=r"^Trainer: 4 arguments by position in GRPOTrainer's order"):
+    with pytest.raises(ConfigError, match=r"^Trainer: 4 arguments by position; it takes \(model, dataset, rewards\)"):
         parity.Trainer("builtin", rows, [reward], parity.GRPOConfig())
+    with pytest.raises(ConfigError, match=order):  # parity.train as Trainer (it was a bare TypeError)
+        parity.train("builtin", reward, parity.GRPOConfig(), rows)
+    with pytest.raises(ConfigError, match=r"^train: 4 arguments by position; it takes \(model, dataset, rewards\)"):
+        parity.train("builtin", rows, [reward], parity.GRPOConfig())
     for stream in (datasets.IterableDataset.from_generator(endless), endless()):
         with pytest.raises(ConfigError, match=r"^dataset: .* has no length \(a stream"):
             parity.Trainer("builtin", stream, run_dir=tmp_path / "r")

@@ -34,6 +34,7 @@ def cmd_perfectible(args: argparse.Namespace) -> int:
         histogram,
         search_path,
     )
+    from parity.config import ConfigError
     from parity.folders import atomic_write_text
 
     config, overrides = split_config(args)
@@ -42,7 +43,10 @@ def cmd_perfectible(args: argparse.Namespace) -> int:
     # Through the cache that `parity sanity` reads: a search run here is not run again there.
     set_path, accuracies, cached = build_or_load(cfg)
     keep = filter_perfectible(accuracies, cfg.lo, cfg.hi)
-    atomic_write_text(Path(cfg.out), set_path.read_text())
+    try:
+        atomic_write_text(Path(cfg.out), set_path.read_text())
+    except OSError as e:  # the search is cached: it is not run again for another out
+        raise ConfigError(f"out: {e.filename or cfg.out}: {e.strerror or e}") from None
     print(format_histogram(histogram(accuracies, cfg.samples), cfg.lo, cfg.hi))
     found = f"the search of {search_path(cfg)}" if cached else "measured now"
     print(f"kept {len(keep)} of {len(accuracies)} problems ({found}) -> {cfg.out}")

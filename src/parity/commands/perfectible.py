@@ -202,7 +202,9 @@ def check_writable(folder: Path, what: str) -> None:
     """Refuse, before a search of minutes, a folder (made when written, as the first one that exists allows)
     where this user cannot write what the search writes at its end."""
     there = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
-    if not there.is_dir() or not os.access(there, os.W_OK | os.X_OK):
+    if not there.is_dir():
+        raise ConfigError(f"{what}: {there} is a file, not a folder")
+    if not os.access(there, os.W_OK | os.X_OK):
         raise ConfigError(f"{what}: cannot be written in {there}, where this user may not write")
 
 

@@ -220,8 +220,8 @@ class Panel:
 
 def plot_curves(histories: dict[str, list[dict]], panels: list[Panel], path: Path) -> None:
     """One panel per metric, one line per run ({SMOOTHING}-step moving average, or the points themselves), in
-    one colour in every panel: FP16 runs solid, others dashed; the legend beneath the panels, not over them. A
-    log-scale panel names the runs it cannot draw, whose values are all 0 (exact mode's mismatch)."""
+    one colour in every panel: runs whose label names fp16 solid, others dashed; the legend beneath the panels,
+    not over them. A log-scale panel names the runs it cannot draw, whose values are all 0 (exact mode's)."""
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.6), squeeze=False, layout="constrained")
     for ax, panel in zip(axes[0], panels):
         unseen = []
@@ -235,7 +235,7 @@ def plot_curves(histories: dict[str, list[dict]], panels: list[Panel], path: Pat
                 continue
             values = moving_average(values) if panel.smooth else values
             ls = "-" if "fp16" in name else "--"
-            marker = None if panel.smooth else "o"
+            marker = None if panel.smooth and len(rows) > 1 else "o"  # a single point is no line
             ax.plot([m["step"] for m in rows], values, label=name, ls=ls, marker=marker, color=f"C{i % 10}")  # one each
         if panel.hline is not None:
             ax.axhline(panel.hline, color="grey", lw=0.7, ls=":")

@@ -54,7 +54,7 @@ def call_style(tokenizer: Tokenizer) -> str | None:
 
 def tool_role(tokenizer: Tokenizer) -> str:
     """The role a tool's answer takes in the model's chat template: "tool" where the template renders one,
-    else "user" (Gemma 3's and Qwen2's templates have no tool role; Gemma 3's refuses one)."""
+    else "user" (Gemma 3's refuses one; a template that leaves a tool message out renders none)."""
     probe = "tool answer 7301"
     conversation = [
         {"role": "user", "content": "q"},

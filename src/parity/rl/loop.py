@@ -171,6 +171,7 @@ class Run:
         self.tokenizer = load_tokenizer(self.model_dir)
         # The kernels every engine of this run computes with, decided once (numerics.json records them).
         self.numerics = kernels.numerics(cfg.device, cfg.exact)
+        self.run_threads = torch.get_num_threads()  # a resumed run's are its start's (`Run.resume`)
         model = load_model(self.model_dir, self.numerics)
         require_finite_weights(model, self.model_dir, "nothing can be trained from them (`parity doctor` shows where)")
         model.activation_checkpointing = cfg.trainer.activation_checkpointing
@@ -348,10 +349,11 @@ class Run:
             raise
 
     def record_numerics(self) -> None:
-        """numerics.json: the device, processor and kernel path per precision this process runs, and its CPU
-        threads, which a resume keeps (`runtime.keep_threads`); a resumed run on another machine records its own."""
-        described = {**self.numerics.describe(), "threads": torch.get_num_threads()}
-        atomic_write_json(self.run_dir / "numerics.json", described)
+        """numerics.json: the device, processor and kernel path per precision this process runs, its CPU threads,
+        and the run's (`run_threads`: its start's, which a resume keeps, `runtime.keep_threads`, where it can: a
+        resume on a machine of fewer cores does not change what a later one keeps)."""
+        threads = {"threads": torch.get_num_threads(), "run_threads": self.run_threads}
+        atomic_write_json(self.run_dir / "numerics.json", {**self.numerics.describe(), **threads})
 
     # -- construction ---------------------------------------------------------
 
@@ -411,6 +413,7 @@ class Run:
                 keep_threads(threads, _note)
             # checks model, data, reward before writing anything
             run = cls(cfg, run_dir, progress, rewards, backend, tools, environment)
+            run.run_threads = threads or run.run_threads
             with run._closed_on_failure():
                 saved = checkpoints(run_dir)
                 done = checkpoint_step(saved[-1].name) if saved else 0
@@ -566,9 +569,10 @@ class Run:
             samples, budget = int(metrics["train/samples"]), f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens}"
             done = "scored them 0" if a.truncated == "zero_reward" else "left them out of the loss"
             where, raise_ = f"at {budget}", "rollout.max_new_tokens"
-            if self.cfg.episodes:  # a turn's limit, or the episode's budget with no room for what came between
-                where = f"(a turn at episode.turn_tokens={self.cfg.turn_tokens}, or the episode at {budget})"
-                raise_ = "episode.turn_tokens or rollout.max_new_tokens"
+            if self.cfg.episodes:  # a turn's limit, the episode's budget, or its turns (episode.max_turns)
+                turns = f"episode.max_turns={self.cfg.episode.max_turns}"
+                where = f"(a turn at episode.turn_tokens={self.cfg.turn_tokens}, the episode at {budget} or {turns})"
+                raise_ = "episode.turn_tokens, rollout.max_new_tokens or episode.max_turns (episode/end_* says which)"
             tqdm.write(
                 f"WARNING step {self.step_count}: {round(cut * samples)} of {samples} responses were cut off {where} "
                 f"and algorithm.truncated={a.truncated} {done}; raise {raise_}, or set algorithm.truncated=keep to "

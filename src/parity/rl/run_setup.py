@@ -198,7 +198,8 @@ def recorded_threads(run_dir: Path) -> int | None:
     if regular_file_problem(path) is not None or path.stat().st_size > 2**20:
         return None
     try:
-        threads = parse_json(path.read_text(encoding="utf-8")).get("threads")
+        recorded = parse_json(path.read_text(encoding="utf-8"))
+        threads = recorded.get("run_threads", recorded.get("threads"))  # `threads` alone: recorded before run_threads
     except (OSError, ValueError, JSONError, UnicodeDecodeError, AttributeError):
         return None
     return threads if isinstance(threads, int) and not isinstance(threads, bool) and 1 <= threads <= 4096 else None
