@@ -220,6 +220,9 @@ def coerce(value: Any, tp: Any, key: str, root: type | None = None) -> Any:
 
 
 def _coerce(value: Any, tp: Any, key: str, root: type | None = None) -> Any:
+    if isinstance(value, dict) and value and root is not None and not dataclasses.is_dataclass(tp):
+        # `task.answer_column=x` where `task` is a key, not a section: the dotted key is unknown here
+        raise ConfigError(unknown_key(root, f"{key}.{next(iter(value))}", config_keys(root)))
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)

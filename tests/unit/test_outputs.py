@@ -245,3 +245,8 @@ def test_a_folder_that_cannot_be_made_or_a_run_without_its_config_is_named(tiny_
     run = copy_run(tiny_run, tmp_path / "run")
     (run / "config.yaml").unlink()
     _refused(["eval", str(run)], capsys, "(a run directory without its config.yaml, which `parity eval`")
+
+
+def test_a_dotted_key_under_a_plain_key_is_an_unknown_key(capsys):
+    """`parity eval ... task.answer_column=x` said "task: expected a string, got {'answer_column': 'x'}"."""
+    _refused(["eval", "builtin", "task.answer_column=x"], capsys, "unknown config key task.answer_column; did you mean")
