@@ -122,11 +122,7 @@ def check_output_dir(out: Path, command: str, key: str = "--out") -> None:
             f"{key} {out}: inside the run directory {run}, which holds a run's files only; choose a folder outside it"
         )
     if not out.exists():  # it is made when the work is done: a place it cannot be made is refused now
-        parent = next(p for p in out.absolute().parents if p.exists())
-        if not parent.is_dir():
-            raise ConfigError(f"{key} {out}: {parent} is a file, not a folder")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise ConfigError(f"{key} {out}: cannot be made in {parent}, where this user may not write")
+        check_writable(out, f"{key} {out}")
         return
     if not any(out.iterdir()):
         return
@@ -146,6 +142,16 @@ def check_output_dir(out: Path, command: str, key: str = "--out") -> None:
             "only into a new or empty folder, or one holding only what it wrote there, so that none of yours is "
             "overwritten; choose another folder"
         )
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """Refuse, before the work, a folder (made when it is written, where it does not exist yet) that cannot be
+    written: the nearest one that exists is a file, or one this user may not write in. `what` names it."""
+    there = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    if not there.is_dir():
+        raise ConfigError(f"{what}: {there} is a file, not a folder")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what}: cannot be written in {there}, where this user may not write")
 
 
 def claim_output_dir(out: Path, command: str, key: str = "--out", folders: tuple[str, ...] = ()) -> Path:

@@ -53,10 +53,15 @@ def reuse_freed_memory() -> bool:
 _threads: int | None = None
 
 
+def _cores() -> int:
+    """The cores this process may run on (its affinity mask)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def free_cores() -> int:
     """The cores this process may run on that other processes are not already using: the cores of its
     affinity mask less the 1-minute load average (rounded), at least 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = _cores()
     busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
     return max(1, min(cores, cores - busy))
 
@@ -84,7 +89,7 @@ def keep_threads(threads: int, note: Callable[[str], None]) -> None:
 
     if os.environ.get("PARITY_THREADS") or os.environ.get("OMP_NUM_THREADS") or threads == torch.get_num_threads():
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = _cores()
     if threads > cores:
         note(
             f"the run computed on {threads} threads and this machine has {cores} cores: it goes on with "

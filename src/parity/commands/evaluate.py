@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,7 +68,7 @@ from parity.rl.rewards import RewardRunner
 from parity.rl.run_setup import moved_model_hint
 from parity.rl.tasks import EVAL_SEED, TASKS, builtin_problems
 from parity.rl.train_config import COMPLETION_FORMATS, MAX_SEED, MICRO_BATCH_TOKENS, RewardSection, TrainConfig
-from parity.rundir import in_use_by, refuse_run_links
+from parity.rundir import checkpoint_step, in_use_by, refuse_run_links
 from parity.runtime import draws_bars, progress_line
 
 BUILTIN_MAX_NEW_TOKENS = 96  # a model directory's default response budget (a run's is its own)
@@ -417,10 +416,10 @@ def run_eval(
     scorer = _rewards(cfg, target, task, evalset.problems, rewards, trust_reward_fn, episode_run)
     if progress:
         print(f"eval: {len(evalset.problems)} prompts from {source}", file=sys.stderr)
-    states = [("base", 0, None)] + [(p.name, _step(p), p) for p in target.checkpoints]
+    states = [("base", 0, None)] + [(p.name, checkpoint_step(p.name), p) for p in target.checkpoints]
     if target.adapter is not None:  # a checkpoint's adapter folder is of its step; another's step is unknown
         folder = target.adapter[0]
-        step = _step(folder.parent) if re.fullmatch(r"step_\d+", folder.parent.name) else None
+        step = checkpoint_step(folder.parent.name)
         states = [("base", 0, None), (folder.name, step, folder)]
     if newest_only:
         states = states[-1:]
@@ -493,10 +492,6 @@ def _check_lora(target: Target, base: CausalLM) -> None:
         check_lora(base, lora, *(f"{source}: {key}" for key in keys))
     except AdapterError as e:
         raise ConfigError(str(e)) from None
-
-
-def _step(checkpoint: Path) -> int:
-    return int(checkpoint.name.removeprefix("step_"))
 
 
 def _trainer(

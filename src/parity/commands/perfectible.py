@@ -29,6 +29,7 @@ from parity.engines.sampling import SamplingParams
 from parity.engines.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer, load_tokenizer
 from parity.files import JSONError, parse_json, regular_file_problem
 from parity.folders import atomic_write_text
+from parity.outdir import check_writable
 from parity.rl.algorithms import TRUNCATION_MODES
 from parity.rl.data import load_problems, prompt_limit
 from parity.rl.problems import DIFFICULTIES, MAX_PROBLEMS, Problem
@@ -196,16 +197,6 @@ def measure_accuracies(cfg: PerfectibleConfig, problems: list[Problem], progress
 
 SET_FIELDS = {"prompt", "answer", "base_accuracy"}  # each row `write_set` writes, and only those
 MAX_SET_BYTES = 256 * 2**20
-
-
-def check_writable(folder: Path, what: str) -> None:
-    """Refuse, before a search of minutes, a folder (made when written, as the first one that exists allows)
-    where this user cannot write what the search writes at its end."""
-    there = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
-    if not there.is_dir():
-        raise ConfigError(f"{what}: {there} is a file, not a folder")
-    if not os.access(there, os.W_OK | os.X_OK):
-        raise ConfigError(f"{what}: cannot be written in {there}, where this user may not write")
 
 
 def check_out(path: Path) -> None:

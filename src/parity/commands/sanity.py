@@ -27,7 +27,6 @@ from parity.commands.perfectible import (
     PerfectibleConfig,
     build_or_load,
     cache_dir,
-    check_writable,
     filter_perfectible,
     format_histogram,
     histogram,
@@ -43,7 +42,7 @@ from parity.commands.report import (
 )
 from parity.config import ConfigError
 from parity.engines.precision import PRECISIONS
-from parity.outdir import check_output_dir, claim_output_dir, write_output, write_output_json
+from parity.outdir import check_output_dir, check_writable, claim_output_dir, write_output, write_output_json
 from parity.rl.algorithms import ESTIMATORS
 from parity.rl.loop import Run, TrainingError
 from parity.rl.train_config import TrainConfig

@@ -704,7 +704,7 @@ class Run:
                 hooks.control.new_step()
                 hooks.event("on_step_begin")
                 self._stop_on_failure(hooks)
-                metrics = self._finished_steps_kept(self.step)
+                metrics = self._step_keeping_finished()
                 state.global_step, state.epoch = self.step_count, self._epoch()
                 hooks.control.should_log = True  # every step is logged
                 hooks.event("on_step_end", metrics=metrics)
@@ -782,12 +782,12 @@ class Run:
             self.close()
         return history
 
-    def _finished_steps_kept(self, step: Callable[[], dict[str, float]]) -> dict[str, float]:
+    def _step_keeping_finished(self) -> dict[str, float]:
         """`step()`; one that stops the run before its update (an environment that cannot be reset, rewards that
         keep failing) leaves the steps before it whole: they are checkpointed (unless checkpoint_every=-1), and
         the error says where the run resumes from."""
         try:
-            return step()
+            return self.step()
         except (ConfigError, RewardError) as e:
             if self.step_count == self.saved_step or self.cfg.checkpoint_every < 0:
                 raise

@@ -16,7 +16,8 @@ from parity import config as config_mod
 from parity.config import ConfigError
 from parity.engines.models.config import ModelError
 from parity.engines.models.io import resolve_model_dir
-from parity.files import JSONError, parse_json, regular_file_problem
+from parity.files import JSONError, parse_json
+from parity.folders import Folder
 from parity.rl.checkpoint import checkpoints, saved_config
 from parity.rl.data import DATA_DIR, write_rows
 from parity.rl.reward_fns import data_columns
@@ -194,12 +195,10 @@ def _saved_config(run_dir: Path) -> dict[str, Any] | None:
 def recorded_threads(run_dir: Path) -> int | None:
     """The CPU threads the run computed on, as its numerics.json records them (`Run.record_numerics`), or None
     (a run recorded before it said, or a file that is not the run's: a received folder's is not trusted)."""
-    path = run_dir / "numerics.json"
-    if regular_file_problem(path) is not None or path.stat().st_size > 2**20:
-        return None
-    try:
-        recorded = parse_json(path.read_text(encoding="utf-8"))
+    try:  # through the folder: never a link, never more than a numerics.json holds
+        with Folder.open(run_dir, key="run_dir") as run:
+            recorded = parse_json(run.read_bytes("numerics.json", 2**20).decode("utf-8"))
         threads = recorded.get("run_threads", recorded.get("threads"))  # `threads` alone: recorded before run_threads
-    except (OSError, ValueError, JSONError, UnicodeDecodeError, AttributeError):
+    except (OSError, ValueError, ConfigError, JSONError, UnicodeDecodeError, AttributeError):
         return None
     return threads if isinstance(threads, int) and not isinstance(threads, bool) and 1 <= threads <= 4096 else None

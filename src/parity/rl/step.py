@@ -387,10 +387,11 @@ def step_metrics(
         metrics["reward/correct_cut_off_frac"] = float((checked & (rewards < 1.0)).float().mean())
     if update.kls:  # per token over the step, whichever learner scored which tokens
         metrics["loss/kl"] = sum(update.kls) / max(sum(update.kl_tokens), 1.0)
-    broken = batch.episodes.broken() if batch.episodes is not None else [False] * len(result.rewards)
     for name, values in result.per_function.items():  # each reward function's own, unweighted scores
-        scores = torch.tensor(values, dtype=torch.float64).masked_fill(torch.tensor(broken), math.nan)
-        scores = scores[~scores.isnan()]  # the samples it scored (None for the others; no broken episode)
+        # the samples it scored (None for the others), of those the loss scores (not an episode its environment
+        # broke: `trained_rewards` left it unscored, as a sample no function scored)
+        scores = torch.tensor(values, dtype=torch.float64)[scored.cpu()]
+        scores = scores[~scores.isnan()]
         if scores.numel():
             metrics[f"reward/{name}/mean"] = float(scores.mean())
             metrics[f"reward/{name}/std"] = float(scores.std()) if scores.numel() > 1 else 0.0
