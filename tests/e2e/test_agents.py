@@ -230,6 +230,38 @@ def test_parity_evaluate_answers_a_model_in_episodes_with_the_tools_or_environme
         parity.evaluate("builtin-agent", [graded], tools=[lookup], environment=_NoTable, **keys)
 
 
+def test_parity_eval_answers_a_model_in_episodes_with_the_tools_named_on_the_command_line(tmp_path, capsys):
+    """`parity eval MODEL` took no tools: a model could be evaluated with tools from Python only. `tools=` and
+    `environment=` name them as `parity train`'s task.tools and task.environment do; a run directory keeps its
+    own, and a bad spec is named by the key given."""
+    code = tmp_path / "agent_code.py"
+    calls = tmp_path / "calls.txt"
+    code.write_text(
+        "def lookup(key: str) -> str:\n"
+        '    """The value under a key."""\n'
+        f"    open({str(calls)!r}, 'a').write(key + '\\n')\n"
+        "    return '427'\n\n"
+        "def graded(completions, answer, **columns):\n"
+        "    return [float(c.strip() == str(a)) for c, a in zip(completions, answer)]\n"
+    )
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": [{"role": "user", "content": f"{k}?"}], "answer": 427}) + "\n" for k in "abcd")
+    )
+    keys = [f"data={data}", "precisions=[fp32]", "num_prompts=2", "samples=2", f"reward_fn={code}:graded"]
+    assert main(["eval", "builtin-agent", f"tools={code}:lookup", *keys, f"out={tmp_path / 'e'}"]) == 0
+    result = json.loads((tmp_path / "e" / "eval.json").read_text())
+    assert calls.read_text() and result["turn_tokens"]
+    assert result["states"][0]["metrics"]["eval/fp32/reward/graded/mean"] == 1.0
+    capsys.readouterr()
+    assert main(["eval", "builtin-agent", f"tools={code}:nope", *keys, f"out={tmp_path / 'f'}"]) == 2
+    assert capsys.readouterr().err.endswith(f"error: tools: module {str(code)!r} has no function 'nope'\n")
+    assert not (tmp_path / "f").exists()
+    spec = f"environment={code}:lookup"
+    assert main(["eval", "builtin-agent", f"tools={code}:lookup", spec, *keys, f"out={tmp_path / 'f'}"]) == 2
+    assert "error: tools and environment: give one" in capsys.readouterr().err
+
+
 class _ExitsInStep:
     def reset(self, row):
         return "a?"

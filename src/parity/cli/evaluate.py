@@ -26,7 +26,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "samples (0: a run's eval.num_prompts and eval.samples, so that its own evaluation is repeated; else 64 "
             "and 8), temperature (0 = greedy), max_new_tokens (0: a run's rollout.max_new_tokens, else 96), "
             "chat_template, prompt_column and answer_column (auto: a run's task.*_column, else prompt and answer), "
-            "completion_format (run: a run's, else text; or text, messages, auto), device, seed. "
+            "completion_format (run: a run's, else text; or text, messages, auto), tools or environment (a model "
+            "answered in episodes: module:function each, or module:Class), model, device, seed. "
             "Example: parity eval runs/my-run --trust-reward-fn precisions=fp32,bf16 --out eval-my-run"
         ),
     )

@@ -104,6 +104,10 @@ class EvalConfig:
     # How reward functions get completions: text | messages (TRL's chat form) | auto (messages on chat
     # prompts); run: a run's task.completion_format, or text for a model
     completion_format: str = "run"
+    # A model answered in episodes (docs/agents.md): tools, module:function each, or an environment,
+    # module:Class, as `parity train`'s task.tools and task.environment. A run answers with its own
+    tools: list[str] = field(default_factory=list)
+    environment: str = ""
     device: str = "cpu"
     seed: int = 0
     out: str = "parity-eval"
@@ -135,6 +139,8 @@ class EvalConfig:
             raise ConfigError(
                 f"chat_template: unknown value {self.chat_template!r}; allowed: {', '.join(CHAT_TEMPLATE_MODES)}"
             )
+        if self.tools and self.environment:
+            raise ConfigError("tools and environment: give one (an environment offers its own tools)")
         if self.reward_weights and len(self.reward_weights) != len(self.reward_fn):  # zip dropped the extra ones
             raise ConfigError(
                 f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_fn)} reward functions "
@@ -374,14 +380,19 @@ def _episodes(
     return episode_setup(run, tokenizer, tools, environment)
 
 
-def _task_of_episodes(target: Target, task: str, max_new_tokens: int, tools, environment) -> TrainConfig | None:
+def _task_of_episodes(
+    cfg: EvalConfig, target: Target, task: str, max_new_tokens: int, tools, environment
+) -> TrainConfig | None:
     """For a model target answered in episodes, the run whose episodes it answers in (the environment, limits
-    and tool-call format): with the API's `tools` or `environment`, or a built-in task of episodes (lookup)."""
+    and tool-call format): with the API's `tools` or `environment`, the `tools` or `environment` keys, or a
+    built-in task of episodes (lookup)."""
     values = {"model": str(target.model_dir), "task.name": task, "rollout.max_new_tokens": max_new_tokens}
     if tools:
         values["task.tools"] = [function_spec(fn) for fn in tools]
     elif environment is not None:
         values["task.environment"] = function_spec(environment)
+    elif cfg.tools or cfg.environment:
+        values["task.tools"], values["task.environment"] = cfg.tools, cfg.environment
     elif not TASKS[task].episodes:
         return None
     return config_mod.load(TrainConfig, None, None, values)
@@ -404,15 +415,27 @@ def run_eval(
     `trust_reward_fn`); `episodes_of`: the run whose episodes a model target is answered in (the API's, before
     its first checkpoint)."""
     target = resolve_target(cfg)
-    evalset, task, source = evaluation_set(cfg, target, bool(rewards))
     run = target.run
+    if run is not None and (cfg.tools or cfg.environment):
+        key = "tools" if cfg.tools else "environment"
+        raise ConfigError(f"{key}: for a model; a run directory answers with its own task.tools or task.environment")
+    evalset, task, source = evaluation_set(cfg, target, bool(rewards))
     reference = cfg.reference if cfg.reference != "auto" else run.trainer_precision if run else "fp32"
     tokenizer = load_tokenizer(target.model_dir)
     numerics = kernels.numerics(cfg.device)
-    episode_run = (
-        run or episodes_of or _task_of_episodes(target, task, evalset.sampling.max_new_tokens, tools, environment)
-    )
-    episodes = _episodes(cfg, episode_run, tokenizer, trust_reward_fn, tools, environment)
+    try:
+        episode_run = run or episodes_of
+        episode_run = episode_run or _task_of_episodes(
+            cfg, target, task, evalset.sampling.max_new_tokens, tools, environment
+        )
+        # Code named in this call's own keys is the user's to run, as reward_fn is.
+        trust_code = trust_reward_fn or bool(cfg.tools or cfg.environment)
+        episodes = _episodes(cfg, episode_run, tokenizer, trust_code, tools, environment)
+    except ConfigError as e:
+        if not (cfg.tools or cfg.environment):
+            raise
+        # named by this command's keys, not `parity train`'s
+        raise ConfigError(str(e).replace("task.tools", "tools").replace("task.environment", "environment")) from None
     scorer = _rewards(cfg, target, task, evalset.problems, rewards, trust_reward_fn, episode_run)
     if progress:
         print(f"eval: {len(evalset.problems)} prompts from {source}", file=sys.stderr)
