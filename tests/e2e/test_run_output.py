@@ -117,3 +117,15 @@ def test_a_step_whose_every_answer_is_right_does_not_say_it_trained_nothing(tmp_
     result = parity.train("builtin", rows, run_dir=tmp_path / "w", progress=False, tensorboard=False, **keys)
     assert result.history[0]["reward/accuracy"] == 0
     assert "every advantage is 0 and the step trained nothing" in capsys.readouterr().err
+
+
+def test_the_last_line_names_a_resumed_runs_first_step():
+    from parity.rl.loop import summary_line
+
+    def step(n, acc):
+        return {"step": n, "reward/accuracy": acc, "response/length_mean": 30.0, "mismatch/k3": 1e-7}
+
+    fresh = summary_line([step(1, 0.5), step(2, 0.75)])
+    assert fresh == "step 2: reward/accuracy 0.500 -> 0.750, response length 30.0, mismatch k3 1.00e-07"
+    resumed = summary_line([step(32, 0.8), step(33, 0.9)])
+    assert resumed.startswith("step 33: reward/accuracy 0.800 (step 32) -> 0.900, ")

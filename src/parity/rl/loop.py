@@ -835,11 +835,14 @@ def settings_line(cfg: TrainConfig) -> str:
 
 
 def summary_line(history: list[dict[str, Any]]) -> str:
+    """`parity train`'s last line: the headline reward at the first and the last step this call trained (a
+    resumed run's first is named by its step, so that it does not read as the run's step 1)."""
     if not history:
         return "no steps run"
     first, last = history[0], history[-1]
     key = "reward/accuracy" if "reward/accuracy" in last else "reward/mean"
+    since = f" (step {first['step']})" if first["step"] != 1 else ""
     return (
-        f"step {last['step']}: {key} {first[key]:.3f} -> {last[key]:.3f}, "
+        f"step {last['step']}: {key} {first[key]:.3f}{since} -> {last[key]:.3f}, "
         f"response length {last['response/length_mean']:.1f}, mismatch k3 {last['mismatch/k3']:.2e}"
     )
