@@ -266,20 +266,6 @@ def test_mismatch_reports_full_vocabulary_and_batch_shape(tmp_path):
     assert exact["full_vocab"]["tv"] == 0.0 and exact["full_vocab"]["max_abs_log_ratio"] == 0.0
 
 
-def test_metrics_doc_lists_the_evaluation_and_full_vocabulary_names(tmp_path):
-    lines = _run(tmp_path, "r", "steps=1", "eval.precisions=[bf16]", *EVAL, "checkpoint_every=-1")
-    doc = (DOCS / "metrics.md").read_text()
-    new = [
-        k
-        for k in lines[-1]
-        if k.startswith(("eval/", "deploy/", "full_vocab/")) or k in ("time/eval", "time/full_vocab")
-    ]
-    missing = [
-        k for k in new if f"`{re.sub(r'(fp32|bf16|fp16|trainer)', '<p>', k)}`" not in doc and f"`{k}`" not in doc
-    ]
-    assert new and not missing, f"docs/metrics.md lacks {missing}"
-
-
 def test_evaluation_reports_each_reward_function(tmp_path):
     """With reward functions of your own, a held-out evaluation reports each one's mean score beside the
     weighted total: in the run's metrics, to `on_eval`, and in `parity eval`'s eval.json and eval.md."""

@@ -13,6 +13,7 @@ import pytest
 import parity
 from conftest import TINY
 from parity.cli import main
+from parity.rl.loop import summary_line
 from parity.rl.train_config import TrainConfig
 
 # The built-in model writes its working, then `>ANSWER` and EOS: 31 tokens for this problem, so at a limit of
@@ -120,8 +121,6 @@ def test_a_step_whose_every_answer_is_right_does_not_say_it_trained_nothing(tmp_
 
 
 def test_the_last_line_names_a_resumed_runs_first_step():
-    from parity.rl.loop import summary_line
-
     def step(n, acc):
         return {"step": n, "reward/accuracy": acc, "response/length_mean": 30.0, "mismatch/k3": 1e-7}
 
