@@ -27,7 +27,6 @@ from parity.rl.loop import Run, TrainingError
 from parity.rl.tasks import builtin_problems
 from parity.rl.train_config import TrainConfig
 
-DOCS = Path(__file__).parents[2] / "docs"
 SMALL = [*TINY, "rollout.max_new_tokens=40"]
 EVAL = ["eval.num_prompts=6", "eval.samples=2"]
 

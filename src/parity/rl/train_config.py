@@ -379,7 +379,7 @@ class TrainConfig:
 
     model: str = "builtin"
     precision: str = "fp16"  # both engines; rollout.precision / trainer.precision override one side
-    device: str = "cpu"  # cpu | cuda: where both engines run (the batch and the RL arithmetic stay on the CPU)
+    device: str = "cpu"  # cpu | cuda: where both engines run, and the batch and the RL arithmetic with them
     # Exact mode: the rollout engine and the trainer compute the same bits for every sampled token
     # (μ = π_old), checked every step (docs/exact.md).
     exact: bool = False
