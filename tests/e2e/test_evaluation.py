@@ -220,6 +220,17 @@ def test_parity_eval_on_a_run_directory(tmp_path, capsys):
     assert "and Parity generates no held-out split for it; pass data=FILE" in capsys.readouterr().err
 
 
+def test_parity_eval_of_an_exact_run_repeats_its_deployment_kls(tmp_path):
+    """`parity eval RUN_DIR` scores deploy/kl_* with the run's trainer code path: an exact-mode run's, so its
+    figures are the run's own evaluation's, deploy/kl_trainer's 0 included."""
+    whole = _run(tmp_path, "exact", "steps=1", "exact=true", "eval.precisions=[bf16]", *EVAL)
+    out = tmp_path / "eval"
+    assert main(["eval", str(tmp_path / "exact"), "precisions=[bf16]", f"out={out}"]) == 0
+    m = json.loads((out / "eval.json").read_text())["states"][-1]["metrics"]
+    assert m["deploy/kl_trainer"] == whole[-1]["deploy/kl_trainer"] == 0
+    assert m["deploy/kl_bf16"] == whole[-1]["deploy/kl_bf16"]
+
+
 def test_exact_mode_compares_whole_distributions_and_finds_them_equal(tmp_path):
     lines = _run(tmp_path, "exact", "steps=2", "exact=true", "rollout.top_k=5", "checkpoint_every=-1", "eval.every=-1")
     for m in lines:

@@ -523,7 +523,8 @@ def _trainer(
     """A trainer in `precision` holding the base weights (a copy of `base`), a checkpoint's, or an adapter
     folder's adapters on their base."""
     model = copy.deepcopy(base).to(device)
-    model.numerics = kernels.numerics(device)
+    # An exact-mode run's trainer computed with exact mode's numerics: its deploy/kl_* are those of that code path.
+    model.numerics = kernels.numerics(device, exact=bool(run and run.exact))
     if target.adapter is not None and checkpoint is not None:
         trainer = Trainer(model, precision, OptimConfig(), target.adapter[1])
         try:
