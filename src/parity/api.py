@@ -372,6 +372,7 @@ class Trainer:
         checkpoint's folder); a resumed run keeps its model, config and data, and only the keys `parity train
         --resume` lets change may differ from them (`ConfigError` otherwise). A callback that raises stops the
         run after a checkpoint of its step, with a `CallbackError`."""
+        use_free_cores()  # the process's threads again, after any resume since this Trainer was made
         parts = dict(progress=self.progress, rewards=self.rewards or None, tools=self.tools or None)
         if resume_from_checkpoint is None or resume_from_checkpoint is False:
             cfg = copy.deepcopy(self.config)
@@ -446,6 +447,7 @@ class Trainer:
         training, as `parity eval` measures them: `eval/<precision>/*` for the run's rollout precision and each
         of eval.precisions, `eval/trainer/*` for the trainer's policy and `deploy/*` for the gaps; with the
         run's eval.* settings and rewards, on `eval_dataset` (rows or a file), else on the run's held-out data."""
+        use_free_cores()  # as parity.evaluate: not a resumed run's threads
         rows = None if eval_dataset is None else _rows(eval_dataset, "eval_dataset")
         cfg, e = self.config, self.config.eval
         keys: dict[str, Any] = {

@@ -67,15 +67,17 @@ def free_cores() -> int:
 
 
 def use_free_cores() -> int:
-    """Set torch's threads to `free_cores()`, once per process (later runs of the process would count
-    its own load), unless OMP_NUM_THREADS or PARITY_THREADS names a number; returns the count in force."""
+    """Set torch's threads to `free_cores()`, counted once per process (later runs of the process would count
+    its own load), unless OMP_NUM_THREADS or PARITY_THREADS names a number; returns the count in force. Set again
+    at every call: a resume computes on its run's threads (`keep_threads`), and a new run after it in the same
+    process (a notebook's next cell) must compute on the process's, as the same run before it did."""
     global _threads
     import torch
 
     if _threads is None:
         named = os.environ.get("PARITY_THREADS") or os.environ.get("OMP_NUM_THREADS")
         _threads = int(named) if named and named.isdigit() and int(named) > 0 else free_cores()
-        torch.set_num_threads(_threads)
+    torch.set_num_threads(_threads)
     return _threads
 
 
@@ -83,8 +85,8 @@ def keep_threads(threads: int, note: Callable[[str], None]) -> None:
     """A resumed run computes on the threads its run had (numerics.json): a CPU op split over other threads
     sums in another order, and the run would not go on bit for bit (measured: grad/norm apart in the 8th digit
     at the first resumed step, then every metric). Unless PARITY_THREADS or OMP_NUM_THREADS chooses, or this
-    machine has fewer cores than that (oversubscribed threads would wait on each other at every op)."""
-    global _threads
+    machine has fewer cores than that (oversubscribed threads would wait on each other at every op). For this run
+    only: the process's next `use_free_cores` sets its own count again."""
     import torch
 
     if os.environ.get("PARITY_THREADS") or os.environ.get("OMP_NUM_THREADS") or threads == torch.get_num_threads():
@@ -97,7 +99,6 @@ def keep_threads(threads: int, note: Callable[[str], None]) -> None:
         )
         return
     note(f"threads: {threads}, as the run had (on others it would not go on bit for bit; PARITY_THREADS=N chooses)")
-    _threads = threads
     torch.set_num_threads(threads)
 
 

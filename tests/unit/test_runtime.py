@@ -94,3 +94,24 @@ def test_a_resume_computes_on_the_threads_its_run_had(tmp_path, monkeypatch):
         assert torch.get_num_threads() == 1 and f"and this machine has {cores} cores" in notes[-1]
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_resume_s_threads_are_its_own(monkeypatch):
+    """A resume computes on its run's threads, and the process's next run on the process's again: in one notebook,
+    a new run after a resume of a run on 2 threads computed on 2, the same run before it on 1, and they saved other
+    weights at step 3."""
+    import torch
+
+    from parity import runtime
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("PARITY_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(runtime, "_threads", 2)  # the process's count (the free cores at its first run)
+    try:
+        torch.set_num_threads(2)
+        runtime.keep_threads(1, lambda note: None)  # a resume of a run on 1 thread
+        assert torch.get_num_threads() == 1
+        assert runtime.use_free_cores() == 2 and torch.get_num_threads() == 2  # the next run's
+    finally:
+        torch.set_num_threads(before)
