@@ -33,6 +33,7 @@ CHECKPOINTS_DIR = "checkpoints"
 _CHECKPOINT = re.compile(r"step_(\d{6,})")
 _CHECKPOINT_TMP = re.compile(r"\.step_\d{6,}\..+\.tmp")
 _CHECKPOINT_OLD = re.compile(r"\.(step_\d{6,})\.old")
+_COMPLETIONS_TMP = re.compile(r"\.step_\d{6,}\.jsonl\.[0-9a-f]+\.tmp")  # `Folder.write_bytes`'s, in completions/
 RUN_ENTRIES = {
     "config.yaml",
     "numerics.json",
@@ -208,6 +209,8 @@ def clean_leftovers(run_dir: Path) -> list[str]:
         for name in run.names():
             if any(fnmatch.fnmatchcase(name, pattern) for pattern in TEMP_PATTERNS):
                 run.remove(name)
+        for name in [n for n in run.names("completions") if _COMPLETIONS_TMP.fullmatch(n)]:
+            run.remove(f"completions/{name}")  # a step's completions, cut off as they were written
     return done
 
 

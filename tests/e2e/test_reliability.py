@@ -357,6 +357,7 @@ def test_resume_cleans_half_written_checkpoints_and_restores_a_swapped_one(train
     ckpts = run_dir / "checkpoints"
     (ckpts / ".step_000003.x1y2.tmp" / "model").mkdir(parents=True)
     (run_dir / ".metrics.jsonl.abc.tmp").write_text("half")
+    (run_dir / "completions" / ".step_000003.jsonl.0badc0de.tmp").write_text("half")
     # Killed between atomic_dir's two renames: only `.step_000002.old` is left.
     os.replace(ckpts / "step_000002", ckpts / ".step_000002.old")
     assert main(["train", "--resume", str(run_dir), "steps=3"]) == 0
@@ -364,7 +365,7 @@ def test_resume_cleans_half_written_checkpoints_and_restores_a_swapped_one(train
     assert "removed .step_000003.x1y2.tmp" in err and "restored step_000002" in err
     assert "continuing from step 2" in err
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000003"]
-    assert not list(run_dir.glob(".*.tmp"))
+    assert not list(run_dir.glob(".*.tmp")) and not list(run_dir.glob("completions/.*.tmp"))
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest"])
