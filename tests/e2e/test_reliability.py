@@ -368,6 +368,16 @@ def test_resume_cleans_half_written_checkpoints_and_restores_a_swapped_one(train
     assert not list(run_dir.glob(".*.tmp")) and not list(run_dir.glob("completions/.*.tmp"))
 
 
+def test_resume_drops_the_completions_of_steps_past_its_checkpoint(trained_run, tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    copy_run(trained_run(*TINY, "steps=2", "checkpoint_every=1"), run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_000002")  # killed after step 2's completions, before its save
+    assert main(["train", "--resume", str(run_dir), "steps=1"]) == 0
+    assert sorted(p.name for p in (run_dir / "completions").iterdir()) == ["step_000001.jsonl"]
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "rep")]) == 0
+    assert "completions of step 1" in (tmp_path / "rep" / "report.md").read_text()
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(trained_run, tmp_path, capsys, damage):
     run_dir = tmp_path / "r"

@@ -73,6 +73,15 @@ def write_completions(run_dir: Path, step: int, rows: list[dict[str, Any]]) -> P
     return run_dir / name
 
 
+def drop_completions_after(run_dir: Path, step: int) -> None:
+    """Remove the completions of steps after `step` (a killed run's steps past its checkpoint, whose metrics
+    `MetricsLog.truncate_after` drops): a report would show them as the run's newest."""
+    with Folder.open(run_dir, key="run_dir") as run:
+        for name in run.names(COMPLETIONS_DIR):
+            if STEP_FILE.fullmatch(name) and int(name.removeprefix("step_").removesuffix(".jsonl")) > step:
+                run.remove(f"{COMPLETIONS_DIR}/{name}")
+
+
 def _is_number(value: Any) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False

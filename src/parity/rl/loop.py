@@ -50,7 +50,13 @@ from parity.rl.checkpoint import (
     checkpoints,
     require_finite_weights,
 )
-from parity.rl.completions import completion_rows, markdown_table, sample_rows, write_completions
+from parity.rl.completions import (
+    completion_rows,
+    drop_completions_after,
+    markdown_table,
+    sample_rows,
+    write_completions,
+)
 from parity.rl.data import DataOrder, fingerprint, load_problems, prompt_limit
 from parity.rl.diagnostics import mismatch_alarm
 from parity.rl.episodes import episode_setup
@@ -444,6 +450,7 @@ class Run:
         elif checkpoints(self.run_dir) or self.log.path.is_file():
             _note("no usable checkpoint; starting again from step 0")
         self.log.truncate_after(self.step_count)
+        drop_completions_after(self.run_dir, self.step_count)
         for logged in self.log.rows():
             self.alarm_series.append(logged["mismatch/k3"])
             self.alarmed = self.alarmed or bool(logged.get("health/mismatch_alarm"))
