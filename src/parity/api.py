@@ -27,7 +27,7 @@ from parity.engines.lora import TARGETS as LORA_TARGETS
 from parity.engines.lora import AdapterError, check_adapter_fields
 from parity.engines.models.config import ModelError
 from parity.engines.models.io import load_checked_config, resolve_model_dir
-from parity.outdir import check_output_dir
+from parity.outdir import check_output_dir, release_output_dir
 from parity.rl.callbacks import (  # noqa: F401 - CallbackError, TrainerCallback, TrainerControl: parity's names
     Callback,
     CallbackError,
@@ -627,7 +627,10 @@ def evaluate(
     cfg = config_mod.load(EvalConfig, None, None, {"target": target, **values, "out": str(out or "")})
     result = run_eval(cfg, progress, bound or None, trust_reward_fn=True, tools=tools or None, environment=environment)
     if out is not None:
-        write_outputs(result, out)
+        try:
+            write_outputs(result, out)
+        finally:
+            release_output_dir(out)
     return result
 
 

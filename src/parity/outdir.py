@@ -13,6 +13,7 @@ through a link.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -30,6 +31,10 @@ MARK = ".parity-out"
 MAX_MARK_BYTES = 2**20
 _HASH = re.compile(r"[0-9a-f]{64}")
 _TEMPORARY = re.compile(r"\.(.+)\.[0-9a-f]+\.tmp")  # `Folder.write_bytes`'s, left behind by a crash
+# Output folders this process has claimed, each held by a lock on a descriptor of it until the process ends (or
+# `release_output_dir`): two commands writing one folder at once mixed their results, and each rewrote the mark
+# from its own view of it, leaving files it had written recorded with the other's bytes (then refused as not Parity's).
+_claimed: dict[tuple[int, int], int] = {}
 
 
 class Mark:
@@ -128,6 +133,7 @@ def check_output_dir(out: Path, command: str, key: str = "--out") -> None:
         return
     refuse_links(out, key)
     with Folder.open(out, key=key) as folder:
+        _hold(folder, out, key, keep=False)
         mark = Mark.read(folder) or Mark()
         foreign = _foreign(folder, mark)
     if mark.command not in (None, command) and not foreign:
@@ -159,6 +165,7 @@ def claim_output_dir(out: Path, command: str, key: str = "--out", folders: tuple
     with the sub-folders `folders` that the command makes there: call it just before writing."""
     check_output_dir(out, command, key)
     with Folder.open(out, create=True, key=key) as folder:
+        _hold(folder, out, key, keep=True)
         mark = Mark.read(folder) or Mark()
         for name in folder.names():
             if _leftover(folder, mark, name):
@@ -167,6 +174,38 @@ def claim_output_dir(out: Path, command: str, key: str = "--out", folders: tuple
         mark.command = command
         mark.write(folder)
     return out
+
+
+def _hold(folder: Folder, out: Path, key: str, keep: bool) -> None:
+    """Refuse `out` while another process holds it; `keep`: hold it for this one (`_claimed`)."""
+    st = os.fstat(folder.fd)
+    if (st.st_dev, st.st_ino) in _claimed:
+        return
+    fd = os.dup(folder.fd)  # its own descriptor: the lock outlives `folder`
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if keep else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            f"{key} {out}: another Parity command is writing its results there now; wait for it to end, or "
+            "choose another folder"
+        ) from None
+    if keep:
+        _claimed[(st.st_dev, st.st_ino)] = fd
+    else:
+        os.close(fd)
+
+
+def release_output_dir(out: Path) -> None:
+    """Let other processes write `out` again (a command run from Python has finished writing there)."""
+    try:
+        with Folder.open(out) as folder:
+            st = os.fstat(folder.fd)
+    except OSError:  # never made: nothing is held
+        return
+    fd = _claimed.pop((st.st_dev, st.st_ino), None)
+    if fd is not None:
+        os.close(fd)
 
 
 def write_output(path: Path, data: str | bytes) -> None:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +95,31 @@ def test_what_a_kill_left_as_parity_wrote_its_mark_is_parity_s(tmp_path):
     (out / ".notes.65b189ca.tmp").unlink()
     claim_output_dir(out, "report")
     assert not leftover.exists() and (out / MARK).is_file()
+
+
+def test_an_output_folder_another_process_writes_is_refused_until_it_ends(tmp_path, capsys):
+    """Two commands writing one folder at once mixed their results and rewrote the mark each from its own view,
+    recording files with the other's bytes: the folder was then refused as holding files Parity did not write."""
+    out = tmp_path / "out"
+    claim = f"import parity.outdir as o, pathlib; o.claim_output_dir(pathlib.Path({str(out)!r}), 'report'); input()"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", claim],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")},
+    )
+    try:
+        while not (out / MARK).exists():
+            assert writer.poll() is None
+            time.sleep(0.05)
+        before = _digest(out)
+        _refused(["report", "x", "--out", str(out)], capsys, "another Parity command is writing its results there")
+        with pytest.raises(ConfigError, match="another Parity command is writing"):
+            claim_output_dir(out, "report")
+        assert _digest(out) == before
+    finally:
+        writer.communicate(b"\n")
+    claim_output_dir(out, "report")  # the writer ended: its lock went with it
 
 
 def test_report_refuses_a_missing_run_without_creating_its_folder(tiny_run, tmp_path, capsys):
