@@ -239,9 +239,11 @@ class Folder:
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, leaf, src_dir_fd=fd, dst_dir_fd=fd)
-            except BaseException:
+            except BaseException as e:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp, dir_fd=fd)
+                if isinstance(e, OSError):  # no space, a file-size limit: named by the file, not by no name at all
+                    raise self._named(name, e) from None
                 raise
 
     def write_text(self, name: str, text: str) -> None:
@@ -257,8 +259,11 @@ class Folder:
             if not stat.S_ISREG(os.fstat(out).st_mode):
                 os.close(out)
                 raise NotRegularError(f"{self.shown / name}: not a regular file, which Parity does not append to")
-            with os.fdopen(out, "a", encoding="utf-8") as f:
-                f.write(text)
+            try:
+                with os.fdopen(out, "a", encoding="utf-8") as f:
+                    f.write(text)
+            except OSError as e:
+                raise self._named(name, e) from None
 
     def open_lock(self, name: str) -> int:
         """A descriptor of `name` for a lock file: read, written in place, made if missing; never through a link,

@@ -3,9 +3,11 @@ work, a folder Parity wrote is written again, and a refused command writes nothi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -131,6 +133,18 @@ def test_report_refuses_a_missing_run_without_creating_its_folder(tiny_run, tmp_
     _refused(["report", str(run), "--out", str(mine)], capsys, "holds files Parity did not write")
     assert (mine / "report.md").read_text() == "the user's report.md\n"
     assert main(["report", str(run), "--out", str(out)]) == 0 and (out / "report.md").is_file()
+
+
+def test_a_result_that_cannot_be_written_for_its_size_is_named_in_one_line(tiny_run, tmp_path):
+    """A write past a file-size limit (or a full disk) was `parity report: error: File too large`, naming no file."""
+    limit = functools.partial(resource.setrlimit, resource.RLIMIT_FSIZE, (8_000, 8_000))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+    argv = [sys.executable, "-m", "parity", "report", str(tiny_run), "--out", str(tmp_path / "rep")]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, preexec_fn=limit)
+    assert done.returncode == 2 and done.stderr.splitlines()[-1] == (
+        f"parity report: error: {tmp_path / 'rep' / 'accuracy.png'}: File too large"
+    )
+    assert "Traceback" not in done.stderr and [p.name for p in (tmp_path / "rep").iterdir()] == [MARK]
 
 
 def test_perfectible_replaces_only_a_set_it_wrote(tmp_path, capsys, monkeypatch):
