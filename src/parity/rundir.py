@@ -176,6 +176,9 @@ class RunLock:
 def in_use_by(run_dir: Path) -> str | None:
     """The pid of the process that holds `run_dir` (a run going on), or None; takes nothing, writes nothing."""
     with Folder.open(run_dir, key="run_dir") as folder:
+        st = os.fstat(folder.fd)
+        if (st.st_dev, st.st_ino) in _held:  # ours: closing a descriptor of .lock would drop this process's lock
+            return str(os.getpid())
         if not folder.is_file(LOCK_NAME):
             return None
         with folder.open_read(LOCK_NAME) as lock:  # a link or a FIFO is refused, never followed

@@ -40,6 +40,7 @@ from parity.engines.trainer import OptimConfig, Trainer
 from parity.rl.checkpoint import CheckpointError, RunState, checkpoints, load_shards, save_checkpoint, save_shards
 from parity.rl.loop import Run, TrainingError
 from parity.rl.train_config import TrainConfig
+from parity.rundir import RunLock, in_use_by
 
 
 def _train(run_dir: Path, *overrides: str) -> int:
@@ -70,6 +71,19 @@ def test_a_locked_run_dir_is_refused_naming_the_holder(trained_run, tmp_path):
     # The kernel dropped the dead holder's lock: the run continues.
     assert main(["train", "--resume", str(run_dir), "steps=2"]) == 0
     assert _steps(run_dir) == [1, 2]
+
+
+def test_asking_whether_a_run_is_in_use_from_its_own_process_keeps_its_lock(tmp_path):
+    """`parity.evaluate` of a run from a callback of its own training asks whether the run is in use: opening and
+    closing `.lock` there dropped the run's POSIX lock, and a second process could then take the run."""
+    lock = RunLock(tmp_path)
+    try:
+        assert in_use_by(tmp_path) == str(os.getpid())
+        code = f"from pathlib import Path; from parity.rundir import RunLock; RunLock(Path({str(tmp_path)!r}))"
+        second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert second.returncode != 0 and f"in use by another Parity process (pid {os.getpid()})" in second.stderr
+    finally:
+        lock.release()
 
 
 def test_two_runs_started_on_one_dir_at_once(tmp_path):
