@@ -20,7 +20,9 @@ import fnmatch
 import os
 import re
 import stat
+import struct
 from pathlib import Path
+from typing import IO
 
 from parity.config import ConfigError
 from parity.folders import Folder, link_refusal, links_below
@@ -155,7 +157,7 @@ class RunLock:
         try:
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            holder = _holder(self._fd)
             os.close(self._fd)
             self._fd = None
             raise ConfigError(
@@ -173,20 +175,37 @@ class RunLock:
             _held.discard(self.folder_id)
 
 
-def in_use_by(run_dir: Path) -> str | None:
-    """The pid of the process that holds `run_dir` (a run going on), or None; takes nothing, writes nothing."""
+def in_use_by(run_dir: Path, held: list[IO[bytes]] | None = None) -> str | None:
+    """The pid of the process that holds `run_dir` (a run going on), or None; writes nothing. `held`: where the
+    run is free, its lock file is appended there, open under a shared lock until it is closed: no run starts
+    there meanwhile (a `--resume` would prune the checkpoints being read)."""
     with Folder.open(run_dir, key="run_dir") as folder:
         st = os.fstat(folder.fd)
         if (st.st_dev, st.st_ino) in _held:  # ours: closing a descriptor of .lock would drop this process's lock
             return str(os.getpid())
         if not folder.is_file(LOCK_NAME):
             return None
-        with folder.open_read(LOCK_NAME) as lock:  # a link or a FIFO is refused, never followed
-            try:
-                fcntl.lockf(lock.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)  # conflicts with a run's exclusive lock
-            except OSError:
-                return os.pread(lock.fileno(), 64, 0).decode(errors="replace").strip() or "unknown"
+        lock = folder.open_read(LOCK_NAME)  # a link or a FIFO is refused, never followed
+        try:
+            fcntl.lockf(lock.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)  # conflicts with a run's exclusive lock
+        except OSError:
+            holder = _holder(lock.fileno())
+            lock.close()
+            return holder
+        if held is None:
+            lock.close()
+        else:
+            held.append(lock)
     return None
+
+
+def _holder(fd: int) -> str:
+    """The pid of a process holding a lock that conflicts with writing the lock file `fd`, as the kernel records
+    it: a run's, or a `parity eval`'s reading the run (the pid in the file is the last run's)."""
+    layout = "hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len, l_pid
+    probe = struct.pack(layout, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+    kind, _, _, _, pid = struct.unpack(layout, fcntl.fcntl(fd, fcntl.F_GETLK, probe))
+    return "unknown" if kind == fcntl.F_UNLCK else str(pid)
 
 
 def clean_leftovers(run_dir: Path) -> list[str]:

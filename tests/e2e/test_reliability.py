@@ -86,6 +86,21 @@ def test_asking_whether_a_run_is_in_use_from_its_own_process_keeps_its_lock(tmp_
         lock.release()
 
 
+def test_a_run_that_parity_eval_reads_is_not_resumed_meanwhile(tmp_path):
+    """`parity eval` of a run checked that no run held it, then read its checkpoints: a `--resume` started
+    meanwhile pruned them, and the evaluation ended in `No such file or directory` after minutes of work."""
+    (tmp_path / ".lock").write_text("999999\n")  # the last run's pid, long gone
+    held = []
+    assert in_use_by(tmp_path, held) is None and len(held) == 1  # eval's hold, as resolve_target keeps it
+    code = f"from pathlib import Path; from parity.rundir import RunLock; RunLock(Path({str(tmp_path)!r}))"
+    try:
+        second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert second.returncode != 0 and f"in use by another Parity process (pid {os.getpid()})" in second.stderr
+    finally:
+        held[0].close()
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
 def test_two_runs_started_on_one_dir_at_once(tmp_path):
     """Two real `parity train` processes on one new directory: exactly one runs."""
     run_dir = tmp_path / "run"

@@ -15,7 +15,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from safetensors import SafetensorError
 from tqdm import tqdm
@@ -223,14 +223,16 @@ def _run_base(run: TrainConfig, saved: list[Path], model: str) -> Path:
     return _given_base(model, saved[-1])
 
 
-def resolve_target(cfg: EvalConfig) -> Target:
+def resolve_target(cfg: EvalConfig, held: list[IO[bytes]]) -> Target:
+    """What `cfg.target` names; a run's lock file is appended to `held`, open under a shared lock that keeps a
+    `parity train` from starting there until it is closed."""
     path = Path(cfg.target).expanduser()
     if (path / CONFIG_FILE).exists():
         return _adapter_target(path, cfg.model)
     started = (path / "metrics.jsonl").exists() or (path / "checkpoints").is_dir()
     if (path / "config.yaml").is_file() and started:
         refuse_run_links(path, "target")  # a run someone sent: read only what it holds itself
-        holder = in_use_by(path)
+        holder = in_use_by(path, held)
         if holder is not None:
             raise ConfigError(
                 f"{path}: in use by a running `parity train` (pid {holder}), which writes and prunes its "
@@ -414,7 +416,26 @@ def run_eval(
     episodes, with its tools or environment (`tools`, `environment`: the API's objects; else imported, with
     `trust_reward_fn`); `episodes_of`: the run whose episodes a model target is answered in (the API's, before
     its first checkpoint)."""
-    target = resolve_target(cfg)
+    held: list[IO[bytes]] = []
+    try:
+        target = resolve_target(cfg, held)
+        return _evaluate(cfg, target, progress, rewards, trust_reward_fn, newest_only, tools, environment, episodes_of)
+    finally:
+        for lock in held:
+            lock.close()
+
+
+def _evaluate(
+    cfg: EvalConfig,
+    target: Target,
+    progress: bool,
+    rewards: list[Reward] | None,
+    trust_reward_fn: bool,
+    newest_only: bool,
+    tools: list | None,
+    environment: object,
+    episodes_of: TrainConfig | None,
+) -> dict[str, Any]:
     run = target.run
     if run is not None and (cfg.tools or cfg.environment):
         key = "tools" if cfg.tools else "environment"
