@@ -21,6 +21,7 @@ import os
 import re
 import stat
 import struct
+import sys
 from pathlib import Path
 from typing import IO
 
@@ -201,7 +202,10 @@ def in_use_by(run_dir: Path, held: list[IO[bytes]] | None = None) -> str | None:
 
 def _holder(fd: int) -> str:
     """The pid of a process holding a lock that conflicts with writing the lock file `fd`, as the kernel records
-    it: a run's, or a `parity eval`'s reading the run (the pid in the file is the last run's)."""
+    it: a run's, or a `parity eval`'s reading the run (the pid in the file is the last run's). Elsewhere than on
+    Linux, whose `struct flock` layout this reads, the pid the file holds."""
+    if not sys.platform.startswith("linux"):
+        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
     layout = "hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len, l_pid
     probe = struct.pack(layout, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
     kind, _, _, _, pid = struct.unpack(layout, fcntl.fcntl(fd, fcntl.F_GETLK, probe))
