@@ -60,7 +60,7 @@ def _number(value) -> float | None:
 
 
 def load_history(run_dir: Path) -> list[dict]:
-    """The steps in RUN_DIR/metrics.jsonl. A last line cut short (a run killed mid-write) is left out
+    """The steps in RUN_DIR/metrics.jsonl. A last line cut short (a run writing it, or killed mid-write) is left out
     with a warning on stderr; any other unreadable line, or no complete step, is a DataError. A run folder
     holding a link (but W&B's own) is refused (`rundir.refuse_run_links`): report reads only what the run wrote."""
     run_dir = Path(run_dir)
@@ -95,7 +95,8 @@ def _history(path: Path, f) -> list[dict]:
                 if not line.endswith(b"\n"):  # the last line, and its write never finished
                     if history:
                         steps = f"{history[0]['step']}-{history[-1]['step']}"
-                        warning = f"incomplete last line (the run was killed mid-write); reporting steps {steps}"
+                        cut = "incomplete last line (the run is writing it, or was killed mid-write)"
+                        warning = f"{cut}; reporting steps {steps}"
                         print(f"{path}:{lineno}: {warning}", file=sys.stderr)
                     continue
                 raise DataError(
