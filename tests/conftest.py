@@ -51,16 +51,22 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 TIERS = {"unit", "e2e"}  # tests/unit and tests/e2e (docs/testing.md)
 
-# With `-n auto --dist loadgroup`, pytest-xdist runs the suite in one process per core. Each takes its share of
-# the cores for torch, and so do the `parity` commands the tests start (PARITY_THREADS): more threads than
-# cores would make every op wait for a descheduled thread. Fixed in a single process too: a thread count
-# read from the load average (`runtime.use_free_cores`, at a test's first `main()`) could differ from the
-# one the test's earlier runs computed on, and two runs a test compares bit for bit would sum in other orders.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-_threads = str(max(1, len(os.sched_getaffinity(0)) // WORKERS))
-os.environ.setdefault("PARITY_THREADS", _threads)  # `parity` commands (runtime.use_free_cores)
-os.environ.setdefault("OMP_NUM_THREADS", _threads)  # the benchmark scripts and other child processes
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_configure(config):
+    """With `-n auto --dist loadgroup`, pytest-xdist runs the suite in one process per core. Each takes its share of
+    the cores for torch, and so do the `parity` commands the tests start (PARITY_THREADS): more threads than cores
+    would make every op wait for a descheduled thread. Fixed in a single process too: a thread count read from the
+    load average (`runtime.use_free_cores`, at a test's first `main()`) could differ from the one the test's earlier
+    runs computed on, and two runs a test compares bit for bit would sum in other orders. Not in xdist's controller,
+    which runs no test: its workers would inherit its count (all the cores each, twice as slow on two)."""
+    if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    threads = str(max(1, len(os.sched_getaffinity(0)) // WORKERS))
+    os.environ.setdefault("PARITY_THREADS", threads)  # `parity` commands (runtime.use_free_cores)
+    os.environ.setdefault("OMP_NUM_THREADS", threads)  # the benchmark scripts and other child processes
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin, pytest would refuse to start
