@@ -20,6 +20,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 from collections.abc import Iterator
@@ -81,6 +82,15 @@ def _random_suffix() -> str:
     return os.urandom(4).hex()
 
 
+_WRITING = re.compile(r"\.(.+)\.[0-9a-f]+\.tmp")  # `Folder.write_bytes`'s temporary copy of a file
+
+
+def written_name(name: str) -> str | None:
+    """The file that `name` is `Folder.write_bytes`'s temporary copy of (left behind by a kill), or None."""
+    writing = _WRITING.fullmatch(name)
+    return None if writing is None else writing[1]
+
+
 class Folder:
     """An open folder: `root` as the user named it, `rel` the path below it that was walked to reach it."""
 
@@ -101,6 +111,12 @@ class Folder:
         return cls(root, PurePosixPath(), fd, key)
 
     # -- naming ---------------------------------------------------------------
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        """(device, inode): the same folder whatever path reached it."""
+        st = os.fstat(self.fd)
+        return st.st_dev, st.st_ino
 
     @property
     def shown(self) -> Path:

@@ -24,13 +24,12 @@ from pathlib import Path
 
 from parity.config import ConfigError
 from parity.files import JSONError, parse_json
-from parity.folders import Folder, refuse_links
+from parity.folders import Folder, refuse_links, written_name
 from parity.rundir import enclosing_run
 
 MARK = ".parity-out"
 MAX_MARK_BYTES = 2**20
 _HASH = re.compile(r"[0-9a-f]{64}")
-_TEMPORARY = re.compile(r"\.(.+)\.[0-9a-f]+\.tmp")  # `Folder.write_bytes`'s, left behind by a crash
 # Output folders this process has claimed, each held by a lock on a descriptor of it until the process ends (or
 # `release_output_dir`): two commands writing one folder at once mixed their results, and each rewrote the mark
 # from its own view of it, leaving files it had written recorded with the other's bytes (then refused as not Parity's).
@@ -92,8 +91,8 @@ def _plain(name: str) -> bool:
 
 def _leftover(out: Folder, mark: Mark, name: str) -> bool:
     """Whether `name` is a temporary file a kill left behind as Parity wrote a recorded file or the mark."""
-    temporary = _TEMPORARY.fullmatch(name)
-    return temporary is not None and (temporary[1] in mark.files or temporary[1] == MARK) and out.is_file(name)
+    written = written_name(name)
+    return written is not None and (written in mark.files or written == MARK) and out.is_file(name)
 
 
 def _foreign(out: Folder, mark: Mark) -> list[str]:
@@ -178,8 +177,7 @@ def claim_output_dir(out: Path, command: str, key: str = "--out", folders: tuple
 
 def _hold(folder: Folder, out: Path, key: str, keep: bool) -> None:
     """Refuse `out` while another process holds it; `keep`: hold it for this one (`_claimed`)."""
-    st = os.fstat(folder.fd)
-    if (st.st_dev, st.st_ino) in _claimed:
+    if folder.identity in _claimed:
         return
     fd = os.dup(folder.fd)  # its own descriptor: the lock outlives `folder`
     try:
@@ -191,7 +189,7 @@ def _hold(folder: Folder, out: Path, key: str, keep: bool) -> None:
             "choose another folder"
         ) from None
     if keep:
-        _claimed[(st.st_dev, st.st_ino)] = fd
+        _claimed[folder.identity] = fd
     else:
         os.close(fd)
 
@@ -200,10 +198,9 @@ def release_output_dir(out: Path) -> None:
     """Let other processes write `out` again (a command run from Python has finished writing there)."""
     try:
         with Folder.open(out) as folder:
-            st = os.fstat(folder.fd)
+            fd = _claimed.pop(folder.identity, None)
     except OSError:  # never made: nothing is held
         return
-    fd = _claimed.pop((st.st_dev, st.st_ino), None)
     if fd is not None:
         os.close(fd)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO
 
 from parity.config import ConfigError
-from parity.folders import Folder, link_refusal, links_below
+from parity.folders import Folder, link_refusal, links_below, written_name
 
 LOCK_NAME = ".lock"
 CHECKPOINTS_DIR = "checkpoints"
@@ -36,7 +36,6 @@ CHECKPOINTS_DIR = "checkpoints"
 _CHECKPOINT = re.compile(r"step_(\d{6,})")
 _CHECKPOINT_TMP = re.compile(r"\.step_\d{6,}\..+\.tmp")
 _CHECKPOINT_OLD = re.compile(r"\.(step_\d{6,})\.old")
-_COMPLETIONS_TMP = re.compile(r"\.step_\d{6,}\.jsonl\.[0-9a-f]+\.tmp")  # `Folder.write_bytes`'s, in completions/
 RUN_ENTRIES = {
     "config.yaml",
     "numerics.json",
@@ -150,8 +149,7 @@ class RunLock:
 
     def __init__(self, run_dir: Path):
         with Folder.open(run_dir, key="run_dir") as folder:
-            st = os.fstat(folder.fd)
-            self.folder_id = (st.st_dev, st.st_ino)
+            self.folder_id = folder.identity
             if self.folder_id in _held:
                 raise ConfigError(f"run_dir: {run_dir} is in use by a run in this process (pid {os.getpid()})")
             self._fd: int | None = folder.open_lock(LOCK_NAME)
@@ -181,8 +179,7 @@ def in_use_by(run_dir: Path, held: list[IO[bytes]] | None = None) -> str | None:
     run is free, its lock file is appended there, open under a shared lock until it is closed: no run starts
     there meanwhile (a `--resume` would prune the checkpoints being read)."""
     with Folder.open(run_dir, key="run_dir") as folder:
-        st = os.fstat(folder.fd)
-        if (st.st_dev, st.st_ino) in _held:  # ours: closing a descriptor of .lock would drop this process's lock
+        if folder.identity in _held:  # ours: closing a descriptor of .lock would drop this process's lock
             return str(os.getpid())
         if not folder.is_file(LOCK_NAME):
             return None
@@ -235,7 +232,7 @@ def clean_leftovers(run_dir: Path) -> list[str]:
         for name in run.names():
             if any(fnmatch.fnmatchcase(name, pattern) for pattern in TEMP_PATTERNS):
                 run.remove(name)
-        for name in [n for n in run.names("completions") if _COMPLETIONS_TMP.fullmatch(n)]:
+        for name in [n for n in run.names("completions") if written_name(n)]:
             run.remove(f"completions/{name}")  # a step's completions, cut off as they were written
     return done
 

@@ -16,7 +16,7 @@ from parity.rl.data import DataError
 from parity.rl.problems import Problem
 
 COMPLETIONS_DIR = "completions"
-STEP_FILE = re.compile(r"step_\d{6,}\.jsonl")
+STEP_FILE = re.compile(r"step_(\d{6,})\.jsonl")
 CELL_CHARS = 60  # characters of a prompt or completion shown in the printed table
 
 
@@ -78,7 +78,7 @@ def drop_completions_after(run_dir: Path, step: int) -> None:
     `MetricsLog.truncate_after` drops): a report would show them as the run's newest."""
     with Folder.open(run_dir, key="run_dir") as run:
         for name in run.names(COMPLETIONS_DIR):
-            if STEP_FILE.fullmatch(name) and int(name.removeprefix("step_").removesuffix(".jsonl")) > step:
+            if (file := STEP_FILE.fullmatch(name)) and int(file[1]) > step:
                 run.remove(f"{COMPLETIONS_DIR}/{name}")
 
 
