@@ -1,15 +1,13 @@
 """The rollout (inference) engine: `prefill` the prompts, then one static-shape `decode_step` per token.
 
-A call samples `group_size` responses per prompt. Each prompt is prefilled once, its keys and values written to
-every row of its group; each decode step feeds every active row its last token and samples the next on the
-device (`sampling.draw`), recording μ, the token's log-probability under the distribution actually sampled from
-(after temperature, top-k and top-p), and with filtering that distribution's support, for the trainer to score π
-on. A step reads and writes only a `_Workspace` of fixed shapes, reused by the next call of the same shape, never
-the host; each row's random numbers are drawn up front per (row, step), so a sample never depends on which rows
-share its batch. On CUDA each step is a CUDA graph per batch size, and the host reads the batch every
-`CHECK_EVERY` steps: it stops when every row is done and drops finished rows once they are a quarter of the
-batch. On the CPU the same code runs eagerly and checks after every token; its tokens, μ and supports are bit for
-bit those of tests/reference_rollout.py.
+A call samples `group_size` responses per prompt: each prompt is prefilled once into every cache row of its
+group, then each decode step feeds the active rows their last tokens and samples the next on the device
+(`sampling.draw`), recording μ, the token's log-probability under the distribution actually sampled from (after
+temperature, top-k and top-p), and with filtering that distribution's support. A step touches only a
+`_Workspace` of fixed shapes, reused by the next call of the same shape; each row's random numbers are drawn up
+front per (row, step), so a sample never depends on which rows share its batch. On CUDA a step is a CUDA graph
+per batch size and the host reads the batch every `CHECK_EVERY` steps; on the CPU the same code runs eagerly,
+reading it after every token, bit for bit tests/reference_rollout.py.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -31,14 +28,7 @@ from parity.engines.models.decoder import heads_together, layer_tap, scale_embed
 from parity.engines.models.families import family
 from parity.engines.models.modules import rope_angles, softcap
 from parity.engines.packing import Routing
-from parity.engines.sampling import (
-    SamplingParams,
-    Widths,
-    draw,
-    filter_logits,
-    log_distribution,
-    supports_in_id_order,
-)
+from parity.engines.sampling import SamplingParams, Widths, draw, filter_logits, log_distribution, supports_in_id_order
 from parity.engines.weights import RolloutWeights
 
 # Decode batch sizes stay multiples of this: each size is one CUDA graph (and, on the CPU, oneDNN builds
@@ -53,6 +43,12 @@ FULL_VOCAB_PER_ROW = 16
 # the longer each cached row (a CPU has no graphs to keep).
 SLOT_MULTIPLE = {"cpu": 1, "cuda": 64}
 STEP_MULTIPLE = 64
+
+Angles = dict[str, tuple[torch.Tensor, torch.Tensor]]  # RoPE's (cos, sin) per attention type
+# What comes between two model turns of an episode, asked on the host as soon as rows end a turn with an end-of-turn
+# token: between(rows, their tokens so far, the columns each has left) -> {row: (ids to feed it, fewer than its
+# room; its next turn's token limit)} for each row that goes on; a row left out is over.
+Between = Callable[[list[int], list[list[int]], list[int]], dict[int, tuple[list[int], int]]]
 
 
 class _FullVocabRecorder:
@@ -101,14 +97,14 @@ class _FullVocabRecorder:
 
 @dataclass
 class _Workspace:
-    """One shape of call's device state (see the module docstring). Per active position of the decode batch:
-    `order` (its output row), `token`, `position` (where its next token goes), `done`; per output row: `limit`,
-    `column` (where its next token goes), `position_of_row` (-1 once it left the batch) and the outputs.
-    `starts`: the value each buffer starts a call with (the others are set from the call's arguments)."""
+    """One shape of call's device state. Per active position of the decode batch: `order` (its output row),
+    `token`, `position` (where its next token goes), `done`; per output row: `limit`, `column` (where its next
+    token goes), `position_of_row` (-1 once it left the batch) and the outputs. `starts`: each buffer's value at a
+    call's start (the others are set from the call's arguments)."""
 
     key: tuple
     cache: object
-    angles: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    angles: Angles
     sampling: SamplingParams
     widths: Widths | None
     recorder: _FullVocabRecorder | None
@@ -144,52 +140,30 @@ def _grown(have: int, need: int) -> int:
     return have if need <= have else -(-2 * need // 64) * 64
 
 
-class Between(Protocol):
-    """What comes between two model turns of an episode (`generate(between=...)`), asked on the host as soon
-    as rows end a turn with an end-of-turn token."""
-
-    def __call__(self, rows: list[int], tokens: list[list[int]], rooms: list[int]) -> dict[int, tuple[list[int], int]]:
-        """`rows`: the output rows that just ended a turn; `tokens`: each one's tokens so far (sampled and
-        fed); `rooms`: the columns each has left. Returns, for each row that goes on, the ids to feed it
-        (fewer than its room) and the token limit of its next turn; a row left out is over."""
-        ...
-
-
 class RolloutEngine:
     """Samples from a copy of the policy whose weights are stored in the rollout precision."""
 
     def __init__(
-        self,
-        config: ModelConfig,
-        precision: str,
-        eos_ids: Sequence[int],
-        pad_id: int,
-        numerics: kernels.Numerics,
+        self, config: ModelConfig, precision: str, eos_ids: Sequence[int], pad_id: int, numerics: kernels.Numerics
     ):
-        self.config = config
-        self.precision = precision
-        self.dtype = prec.to_dtype(precision)
-        self.device = numerics.device
-        self.pad_id = pad_id
+        self.config, self.precision, self.dtype = config, precision, prec.to_dtype(precision)
+        self.device, self.pad_id = numerics.device, pad_id
         self.eos_ids = tuple(sorted(set(eos_ids)))
         self._eos = torch.tensor(self.eos_ids, device=self.device)
         self.weights = RolloutWeights(config, self.dtype, numerics)
         # Decode tokens between host reads of the batch's state (`generate`): free on the CPU, a wait on a GPU.
         self.check_every = 1 if self.device.type == "cpu" else CHECK_EVERY
-        # CUDA graphs for the decode step; set to False to run it eagerly. A capture that fails turns them off
-        # for this engine and says why here.
+        # CUDA graphs for the decode step (False: eager steps). A capture that fails turns them off, saying why.
         self.use_graphs = self.device.type == "cuda"
         self.graphs_off_reason: str | None = None
         self._workspace: _Workspace | None = None
-        self._capture_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # `trace` sets this to record each stage's output (stage name, tensor) as the layers run.
-        self._tap: Callable[[str, torch.Tensor], None] | None = None
+        self._capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
+        self._tap: Callable[[str, torch.Tensor], None] | None = None  # `trace`'s: each stage's output as it runs
 
     @property
     def numerics(self) -> kernels.Numerics:
-        """The device, and exact mode: the trainer's norm and attention numerics, so that μ is the trainer's π bit
-        for bit. No default: an engine never computes with another mode's kernels by omission. Its weights
-        compute with it (`RolloutWeights.numerics`)."""
+        """The device and exact mode (exact: the trainer's norm and attention numerics, μ its π bit for bit), given
+        with no default; the weights compute with it."""
         return self.weights.numerics
 
     @numerics.setter
@@ -199,19 +173,13 @@ class RolloutEngine:
     # ------------------------------------------------------------------ one forward through the layers
 
     def _layers(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        angles: dict[str, tuple[torch.Tensor, torch.Tensor]],
-        attend: Callable[..., torch.Tensor],
-        ctx: object,
+        self, ids: torch.Tensor, positions: torch.Tensor, angles: Angles, attend: Callable[..., torch.Tensor], ctx
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Hidden states [B, T, H] of tokens `ids` [B, T] at `positions` ([B, T] or [1, T]) after every decoder
-        layer (the family's layer function on the stored weights), before the final norm, and the experts each
-        MoE layer chose ([B, T, MoE layers, k], None for a dense model). `angles`: RoPE's cos and sin tables per
-        attention type; `attend(layer, qk, v, cos, sin, ctx)` is the cache's `prefill`, `decode` or `extend`: it
-        ropes the query and key heads qk [B, T, heads + KV heads, D] by cos and sin [B, 1, T, D], stores the
-        new keys and values v [B, T, KV heads · D] and returns the attention [B, heads, T, D]."""
+        """Hidden states [B, T, H] of `ids` [B, T] at `positions` ([B, T] or [1, T]) after every layer (its
+        family's layer function on the stored weights), before the final norm, and the experts each MoE layer
+        chose ([B, T, MoE layers, k]; None for a dense model). `attend(layer, qk, v, cos, sin, ctx)` is the
+        cache's `prefill`, `decode` or `extend`: it ropes the query and key heads qk [B, T, heads + KV heads, D],
+        stores the keys and values v [B, T, KV heads · D] and returns the attention [B, heads, T, D]."""
         cfg = self.config
         b, t = ids.shape
         angles = {kind: (cos[positions][:, None], sin[positions][:, None]) for kind, (cos, sin) in angles.items()}
@@ -230,9 +198,9 @@ class RolloutEngine:
         return stream(x, pending), torch.stack(routing, dim=2) if routing else None
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] from last hidden states [B, H]: final norm, LM head, soft-cap. In the LM head's dtype
-        (FP32 with a soft-cap): the draw reads them as FP32 (`sampling.draw`), and the fused one reads the
-        16-bit values directly rather than a [B, V] FP32 copy (78 MB a step at 128 rows of Qwen2's)."""
+        """Logits [B, V] of hidden states [B, H] (final norm, LM head, soft-cap), in the LM head's dtype (FP32
+        with a soft-cap): the fused draw reads 16-bit logits, not a [B, V] FP32 copy (78 MB a step at 128 rows
+        of Qwen2's)."""
         cfg = self.config
         final = self.numerics.engine_norm(hidden, self.weights.root["norm"], cfg.rms_norm_eps, cfg.gemma)
         logits = self.numerics.linear(final, self.weights.lm_head, prerounded=True, fast=self.weights.lm_head_fast)
@@ -243,39 +211,36 @@ class RolloutEngine:
             self._tap("logits", logits)
         return logits
 
+    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
+        """Token rows right-padded to the longest, on the device (one copy, not one per row)."""
+        width = max(map(len, rows))
+        return torch.tensor([list(row) + [self.pad_id] * (width - len(row)) for row in rows], device=self.device)
+
     def prefill(
-        self,
-        prompts: list[list[int]],
-        cache,
-        prompt_of_row: torch.Tensor,
-        angles: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        self, prompts: list[list[int]], cache, prompt_of_row: torch.Tensor, angles: Angles
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run each prompt once, right-padded to a common length (slot = position, as in the trainer): its keys
-        and values go to every cache row of its group (`prompt_of_row`), attending causally (a pad attends to
-        the real tokens before it; nothing attends to a pad). Returns the logits [P, V] after each prompt's last
-        token, and the experts each MoE layer chose ([P, T, MoE layers, k], None for a dense model)."""
-        dev = self.device
-        length = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), length), self.pad_id, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p)
-        ids = ids.to(dev)  # one copy to the device, not one per prompt
-        hidden, routes = self._layers(ids, torch.arange(length, device=dev)[None], angles, cache.prefill, prompt_of_row)
+        """Run each prompt once, right-padded (slot = position, as in the trainer), its keys and values written to
+        every cache row of its group (`prompt_of_row`), attending causally (nothing attends to a pad). Returns the
+        logits [P, V] after each prompt's last token, and each MoE layer's experts ([P, T, MoE layers, k])."""
+        dev, ids = self.device, self._padded(prompts)
+        hidden, routes = self._layers(
+            ids, torch.arange(ids.shape[1], device=dev)[None], angles, cache.prefill, prompt_of_row
+        )
         last = torch.tensor([len(p) - 1 for p in prompts], device=dev)
         return self._logits(hidden[torch.arange(len(prompts), device=dev), last]), routes
 
     def decode_step(
-        self, tokens: torch.Tensor, cache, ctx: StepContext, angles: dict[str, tuple[torch.Tensor, torch.Tensor]]
+        self, tokens: torch.Tensor, cache, ctx: StepContext, angles: Angles
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Feed each of the first n active rows its token `tokens` [n] at `ctx.positions`: its keys and values
-        go to the cache, it attends over its cache, and the logits [n, V] of its next token come back, with
-        the experts each MoE layer chose ([n, 1, MoE layers, k]). Device ops on fixed shapes only."""
+        """Feed each of the first n active rows its token `tokens` [n] at `ctx.positions` (its keys and values to
+        the cache, attending over it): the logits [n, V] of its next token and each MoE layer's experts ([n, 1,
+        MoE layers, k]). Device ops on fixed shapes only."""
         hidden, routes = self._layers(tokens[:, None], ctx.positions[:, None], angles, cache.decode, ctx)
         return self._logits(hidden[:, 0]), routes
 
     # ------------------------------------------------------------------ sampling loop
 
-    def _angles(self, slots: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def _angles(self, slots: int) -> Angles:
         # Computed where the trainer computes its angles, on the device: a GPU's cos and sin differ from the
         # CPU's in the last bit (measured on an H200: exact mode parted at position 1).
         positions = torch.arange(slots, device=self.device)
@@ -285,14 +250,7 @@ class RolloutEngine:
         }
 
     def _workspace_for(
-        self,
-        rows: int,
-        max_len: int,
-        max_new: int,
-        sampling: SamplingParams,
-        widths: Widths | None,
-        full_vocab: int,
-        episodes: bool,
+        self, rows: int, max_len: int, max_new: int, sampling: SamplingParams, widths, full_vocab: int, episodes: bool
     ) -> _Workspace:
         multiple = SLOT_MULTIPLE.get(self.device.type, 1)
         slots = -(-max_len // multiple) * multiple
@@ -421,9 +379,7 @@ class RolloutEngine:
             graph.replay()
             return
         stream = self._capture_stream
-        if n not in ws.warmed:
-            # A batch size's first step runs eagerly on the stream that will capture it: kernels compile,
-            # libraries make their handles, and the step's results are real.
+        if n not in ws.warmed:  # a size's first step runs eagerly on the capture stream: kernels compile, handles
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self._step(ws, n, keys)
@@ -457,10 +413,8 @@ class RolloutEngine:
         return Widths(wider.candidates, min(wider.support, wider.candidates))
 
     def _next_turns(self, ws: _Workspace, n: int, between: Between) -> None:
-        """Rows that just ended a turn: `between` says which go on, and with which ids. Those continue from
-        their KV cache: one forward (`extend`) writes the keys and values of the turn's last token and of the
-        ids but the last, which becomes the row's next input, so that its next turn is sampled by the decode
-        steps as any token is. A row done without an end-of-turn token (its limit) is over. Once the call is
+        """Rows that just ended a turn: `between` says which go on, with which ids, and they continue from their
+        cache (`_extend`); a row done at its limit, without an end-of-turn token, is over. Once the call is
         `pausing`, a row that goes on gets its ids in its outputs and stops there (a later call continues it)."""
         order, done = ws.order[:n].tolist(), ws.done[:n].tolist()
         new = {row: at for at, (row, d) in enumerate(zip(order, done)) if d and row not in ws.over}
@@ -502,26 +456,23 @@ class RolloutEngine:
 
     def _extend(self, ws: _Workspace, feeds: list[tuple[int, int, int, list[int], int]]) -> None:
         """Continue rows from their caches. `feeds`: (active position, output row, next column, ids, limit of
-        the next turn), the ids already in the outputs. The turn's last token and the ids but the last go
-        through one forward at their positions; the last id becomes the row's next input."""
+        the next turn), the ids already in the outputs. One forward writes the keys and values of the turn's
+        last token and the ids but the last, which becomes the row's next input: its next turn is then sampled
+        by the decode steps as any token is."""
         dev = self.device
         at = torch.tensor([f[0] for f in feeds], device=dev)
-        width = max(len(f[3]) for f in feeds)  # the turn's last token + all ids but the last
-        inputs = torch.full((len(feeds), width), self.pad_id, dtype=torch.long)
-        counts = []
-        for i, (_, row, c, ids, limit) in enumerate(feeds):
-            inputs[i, 0] = ws.token[at[i]]
-            inputs[i, 1 : len(ids)] = torch.tensor(ids[:-1])
-            counts.append(len(ids))
+        inputs = self._padded([[self.pad_id, *ids[:-1]] for _, _, _, ids, _ in feeds])
+        inputs[:, 0] = ws.token[at]  # the turn's last token
+        for _, row, c, ids, limit in feeds:
             ws.limit[row] = min(c + len(ids) + limit, ws.budgets[row])
-        start, count = ws.position[at], torch.tensor(counts, device=dev)
-        positions = (start[:, None] + torch.arange(width, device=dev)).clamp(max=ws.max_position)
+        start, count = ws.position[at], torch.tensor([len(f[3]) for f in feeds], device=dev)
+        positions = (start[:, None] + torch.arange(inputs.shape[1], device=dev)).clamp(max=ws.max_position)
         ctx = ws.cache.extend_context(at, positions, count)
-        _, routes = self._layers(inputs.to(dev), positions, ws.angles, ws.cache.extend, ctx)
+        _, routes = self._layers(inputs, positions, ws.angles, ws.cache.extend, ctx)
         rows = torch.tensor([f[1] for f in feeds], device=dev)
         if routes is not None:  # the experts of each token fed: the turn's last token's column and the ids'
             first = ws.column[rows] - 1
-            for j in range(width):
+            for j in range(inputs.shape[1]):
                 real = j < count
                 ws.routes.index_put_((rows[real], (first + j)[real]), routes[real, j])
         ws.token[at] = torch.tensor([f[3][-1] for f in feeds], device=dev)
@@ -572,20 +523,17 @@ class RolloutEngine:
         between: Between | None = None,
         budgets: list[int] | None = None,
     ) -> RolloutBatch:
-        """`group_size` samples per prompt. `full_vocab`: also keep the whole distribution at about that
-        many positions (`RolloutBatch.full_vocab`), for comparing it with the trainer's. `limits`: each
-        output row's own token limit (default `sampling.max_new_tokens`). `stop`: called with the output
-        rows' finished flags whenever the host reads them; True ends the call, leaving unfinished rows
-        as they are (partial rollouts continue them later).
+        """`group_size` samples per prompt. `full_vocab`: also keep the whole distribution at about that many
+        positions (`RolloutBatch.full_vocab`). `limits`: each output row's token limit (default
+        `sampling.max_new_tokens`). `stop`: called with the output rows' finished flags whenever the host reads
+        them; True ends the call, leaving unfinished rows as they are (partial rollouts continue them later).
 
-        `between`: episodes of several model turns. A row that ends a turn is fed the ids `between` gives
-        (the tool's answer and the next turn's prompt, `Between`) from its KV cache on, in one forward
-        (`_extend`), then samples its next turn; its outputs hold both (`RolloutBatch.env_mask` marks the fed ids).
-        `budgets` (default `sampling.max_new_tokens`) then bounds each row's whole episode after its prompt
-        and `limits` its first turn. The host reads the batch after every token. With `stop`, an episode's
-        rows stop at turn boundaries: once `stop` answers yes, a row that ends a turn gets what `between`
-        gives in its outputs, unfed, and stops (the last of its outputs is then a fed id); the call ends
-        when every row has."""
+        `between`: episodes of several model turns (`Between`). A row that ends a turn is fed the ids `between`
+        gives (a tool's answer, the next turn's prompt) from its cache on, then samples its next turn; its
+        outputs hold both (`RolloutBatch.env_mask` marks the fed ids). `budgets` (default
+        `sampling.max_new_tokens`) then bounds each row's whole episode and `limits` its first turn; the host
+        reads the batch after every token. Once `stop` answers yes, a row that ends a turn gets what `between`
+        gives in its outputs, unfed, and stops there; the call ends when every row has."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs at least one prompt, each with at least one token")
         if not self.weights.layers:
@@ -628,9 +576,7 @@ class RolloutEngine:
         logits, prompt_routes = self.prefill(prompts, ws.cache, prompt_of_row, ws.angles)
         self._sample(ws, n, logits.repeat_interleave(group_size, dim=0))
 
-        def reach() -> int:
-            """The highest slot any active row writes next: the longest prompt's at this step, or in an episode,
-            where rows run ahead of the step by the ids fed to them, the furthest row's."""
+        def reach() -> int:  # the highest slot an active row writes next (episodes' rows run ahead by their feeds)
             return prompt_len + t if between is None else int(ws.position[:n].max())
 
         for t in range(max(ws.budgets) - 1):  # t: the response token just sampled
@@ -680,9 +626,9 @@ class RolloutEngine:
 
     @torch.no_grad()
     def trace(self, prompt: list[int], response: list[int], sampling: SamplingParams) -> dict[str, torch.Tensor]:
-        """Replay one sequence as sampling ran it (prefill the prompt, then feed each response
-        token but the last) and return every stage's output, FP32, one row per position fed
-        (`norm`, `logits` and `logprob`: one per response token): what `locate` compares."""
+        """Replay one sequence as sampling ran it (prefill the prompt, then feed each response token but the last):
+        every stage's output, FP32, a row per position fed (`norm`, `logits`, `logprob`: per response token), as
+        `locate` compares them."""
         stages: dict[str, list[torch.Tensor]] = {}
         self._tap = lambda name, value: stages.setdefault(name, []).append(value.float().reshape(-1, value.shape[-1]))
         try:

@@ -1,10 +1,9 @@
 """The rollout engine's weights: stored in the rollout precision, with the Q/K/V and gate/up projections
 fused into one matrix each (as inference engines hold them), loaded and synced under the trainer's model's names.
 
-Kept apart from the decode loop (`rollout.py`): a weight sync writes into the buffers the first load built,
-so the decode step's CUDA graphs, which read those buffers, stay valid; anything that allocates anew
-(the first load, new LoRA adapters, a load that drops them) bumps `layout`, which tells the engine to
-capture again.
+A weight sync writes into the buffers the first load built, so the decode step's CUDA graphs, which read them,
+stay valid; anything that allocates anew (the first load, new LoRA adapters, a load that drops them) bumps
+`layout`, which tells the engine to capture again.
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ class LayerWeights:
     """One decoder layer as the rollout engine holds it, and its `decoder.Layer`: the engine's norms (one
     rounding, the residual added in the same pass), the fused projections with their unmerged adapters."""
 
-    config: ModelConfig
-    numerics: kernels.Numerics
+    owner: RolloutWeights  # whose config and numerics it computes with
     # By `fusions`' parts: qkv, gate_up (fused) and their biases, o, down, the norms (Hugging Face's
     # names), a MoE layer's router and its experts' fused projections stacked (experts_gate_up [E·2I, H],
     # experts_down [E·H, I]). A part the model lacks is absent.
@@ -38,22 +36,21 @@ class LayerWeights:
     fast: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return self.numerics.engine_norm(x, self.tensors[name], self.config.rms_norm_eps, self.config.gemma)
+        cfg = self.owner.config
+        return self.owner.numerics.engine_norm(x, self.tensors[name], cfg.rms_norm_eps, cfg.gemma)
 
     def add_norm(self, name: str, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.numerics.engine_add_norm(x, delta, self.tensors[name], self.config.rms_norm_eps)
+        return self.owner.numerics.engine_add_norm(x, delta, self.tensors[name], self.owner.config.rms_norm_eps)
 
     def project(self, part: str, x: torch.Tensor) -> torch.Tensor:
         """The projection `part` (qkv, o, gate_up, down), with its unmerged adapter."""
-        weight, bias = self.tensors[part], self.tensors.get(part + "_bias")
-        out = self.numerics.linear(x, weight, bias, prerounded=True, fast=self.fast.get(part))
-        if part in self.lora:
-            out = self.numerics.add_adapter(out, x, *self.lora[part])
-        return out
+        numerics, weight, bias = self.owner.numerics, self.tensors[part], self.tensors.get(part + "_bias")
+        out = numerics.linear(x, weight, bias, prerounded=True, fast=self.fast.get(part))
+        return numerics.add_adapter(out, x, *self.lora[part]) if part in self.lora else out
 
     def attention_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views into the fused projection's output (Q's heads, then K's, then V's)."""
-        cfg, rows = self.config, x.shape[:-1]
+        cfg, rows = self.owner.config, x.shape[:-1]
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, k, v = self.project("qkv", x).split([h * d, hkv * d, hkv * d], dim=-1)
         return q.view(*rows, h, d), k.view(*rows, hkv, d), v.view(*rows, hkv, d)
@@ -69,15 +66,17 @@ class LayerWeights:
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor | None:
         router = self.tensors.get("router")
-        return None if router is None else self.numerics.linear(x, router, prerounded=True)
+        return None if router is None else self.owner.numerics.linear(x, router, prerounded=True)
 
     def expert_inputs(self, expert: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        weight = self.tensors["experts_gate_up"].unflatten(0, (self.config.num_experts, -1))[expert]
-        return self.numerics.linear(x, weight, prerounded=True).chunk(2, dim=-1)
+        return self._expert("experts_gate_up", expert, x).chunk(2, dim=-1)
 
     def expert_output(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        weight = self.tensors["experts_down"].unflatten(0, (self.config.num_experts, -1))[expert]
-        return self.numerics.linear(x, weight, prerounded=True)
+        return self._expert("experts_down", expert, x)
+
+    def _expert(self, part: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        weight = self.tensors[part].unflatten(0, (self.owner.config.num_experts, -1))[expert]  # its rows of the stack
+        return self.owner.numerics.linear(x, weight, prerounded=True)
 
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the dense layer's matmuls, as the engine fuses them
@@ -125,9 +124,8 @@ class RolloutWeights:
     """The weights one rollout engine samples with, in `dtype`, on `numerics.device`."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, numerics: kernels.Numerics):
-        self.config = config
-        self.dtype = dtype
-        self.device = numerics.device
+        self.config, self.dtype, self.device = config, dtype, numerics.device
+        self.numerics = numerics  # how the weights compute (every layer's)
         with torch.device("meta"):  # a tied LM head is the embedding: one parameter, under the embedding's name
             shapes = {name: p.shape for name, p in CausalLM(config, numerics).named_parameters()}
         self._shapes = shapes  # every parameter a load must send
@@ -137,21 +135,9 @@ class RolloutWeights:
         self.names += [parts(shapes, f"model.layers.{i}.", groups, rest=True) for i in range(config.num_layers)]
         self.root: dict[str, torch.Tensor] = {}  # by `ROOT`'s parts
         self.layers: list[LayerWeights] = []
-        self.numerics = numerics
         self.lm_head_fast: torch.Tensor | None = None  # the LM head as `Numerics.fast_matrix` reorders it
         self.version = -1
         self.layout = 0  # bumped whenever a buffer is allocated anew (see the module docstring)
-
-    @property
-    def numerics(self) -> kernels.Numerics:
-        """How the weights compute; every layer's (`LayerWeights.numerics`) follows it."""
-        return self._numerics
-
-    @numerics.setter
-    def numerics(self, value: kernels.Numerics) -> None:
-        self._numerics = value
-        for layer in self.layers:
-            layer.numerics = value
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -188,7 +174,7 @@ class RolloutWeights:
             return out
 
         self.root = buffers(self.names[0])
-        self.layers = [LayerWeights(self.config, self.numerics, buffers(names)) for names in self.names[1:]]
+        self.layers = [LayerWeights(self, buffers(names)) for names in self.names[1:]]
         self.layout += 1
 
     def _reorder(self) -> None:
