@@ -612,7 +612,7 @@ def evaluate(
     checkpoint of a run, per serving precision. `rewards`: the functions to score with (a run's own by
     default, imported from its config.yaml). A run of episodes answers in episodes, with `tools` or
     `environment` (default: the run's own, imported from its config.yaml). `keys`: `parity eval`'s keys
-    (precisions, data, samples...).
+    (precisions, data, samples...), dots as `__` (a model's episodes: `episode__max_turns=2`).
     Writes eval.json, eval.md and eval.png into `out` when given; returns what eval.json holds."""
     _not_importing("parity.evaluate")
     use_free_cores()

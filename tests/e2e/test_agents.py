@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -58,7 +59,7 @@ def test_the_builtin_tool_task_in_exact_mode(tmp_path, lora):
     assert "tool lookup:" in (tmp_path / "report" / "report.md").read_text()
 
 
-def test_parity_eval_answers_in_episodes_as_the_runs_own_evaluation_did(tmp_path):
+def test_parity_eval_answers_in_episodes_as_the_runs_own_evaluation_did(tmp_path, capsys):
     """`parity eval RUN` on a run of episodes: every state answers held-out episodes in each serving precision
     and under the trainer's policy; the last checkpoint's figures are the run's own held-out evaluation of that
     step, to the bit (the same weights, problems, environments and random numbers), and `parity eval
@@ -92,6 +93,11 @@ def test_parity_eval_answers_in_episodes_as_the_runs_own_evaluation_did(tmp_path
     assert main(["eval", "builtin-agent", *keys]) == 0
     base = json.loads((tmp_path / "base" / "eval.json").read_text())["states"]
     assert base[0]["metrics"] == result["states"][0]["metrics"]
+    # A run answers with its own episode.* settings, as with its own tools
+    capsys.readouterr()
+    assert main(["eval", str(run), "episode.max_turns=2", f"out={tmp_path / 'turns'}"]) == 2
+    own_turns = "parity eval: error: episode.max_turns=2: for a model; a run directory answers with its own episode.*\n"
+    assert capsys.readouterr().err == own_turns and not (tmp_path / "turns").exists()
     # perfectible samples one turn per problem: a task of episodes is refused in one line
     assert main(["perfectible", "model=builtin-agent", "task=lookup", f"out={tmp_path / 'p.jsonl'}"]) == 2
     assert not (tmp_path / "p.jsonl").exists()
@@ -230,24 +236,31 @@ def test_parity_evaluate_answers_a_model_in_episodes_with_the_tools_or_environme
         parity.evaluate("builtin-agent", [graded], tools=[lookup], environment=_NoTable, **keys)
 
 
-def test_parity_eval_answers_a_model_in_episodes_with_the_tools_named_on_the_command_line(tmp_path, capsys):
-    """`parity eval MODEL` took no tools: a model could be evaluated with tools from Python only. `tools=` and
-    `environment=` name them as `parity train`'s task.tools and task.environment do; a run directory keeps its
-    own, and a bad spec is named by the key given."""
-    code = tmp_path / "agent_code.py"
-    calls = tmp_path / "calls.txt"
+def _agent_code(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A file of a tool (`lookup`, which records its calls in the calls file) and reward functions (`graded`;
+    `turns`: an episode's model turns), a data file of 4 lookups, and the calls file."""
+    code, data, calls = tmp_path / "agent_code.py", tmp_path / "d.jsonl", tmp_path / "calls.txt"
     code.write_text(
         "def lookup(key: str) -> str:\n"
         '    """The value under a key."""\n'
         f"    open({str(calls)!r}, 'a').write(key + '\\n')\n"
         "    return '427'\n\n"
         "def graded(completions, answer, **columns):\n"
-        "    return [float(c.strip() == str(a)) for c, a in zip(completions, answer)]\n"
+        "    return [float(c.strip() == str(a)) for c, a in zip(completions, answer)]\n\n"
+        "def turns(completions, messages, **columns):\n"
+        "    return [sum(m['role'] == 'assistant' for m in ms) for ms in messages]\n"
     )
-    data = tmp_path / "d.jsonl"
     data.write_text(
         "".join(json.dumps({"prompt": [{"role": "user", "content": f"{k}?"}], "answer": 427}) + "\n" for k in "abcd")
     )
+    return code, data, calls
+
+
+def test_parity_eval_answers_a_model_in_episodes_with_the_tools_named_on_the_command_line(tmp_path, capsys):
+    """`parity eval MODEL` took no tools: a model could be evaluated with tools from Python only. `tools=` and
+    `environment=` name them as `parity train`'s task.tools and task.environment do; a run directory keeps its
+    own, and a bad spec is named by the key given."""
+    code, data, calls = _agent_code(tmp_path)
     keys = [f"data={data}", "precisions=[fp32]", "num_prompts=2", "samples=2", f"reward_fn={code}:graded"]
     assert main(["eval", "builtin-agent", f"tools={code}:lookup", *keys, f"out={tmp_path / 'e'}"]) == 0
     result = json.loads((tmp_path / "e" / "eval.json").read_text())
@@ -260,6 +273,57 @@ def test_parity_eval_answers_a_model_in_episodes_with_the_tools_named_on_the_com
     spec = f"environment={code}:lookup"
     assert main(["eval", "builtin-agent", f"tools={code}:lookup", spec, *keys, f"out={tmp_path / 'f'}"]) == 2
     assert "error: tools and environment: give one" in capsys.readouterr().err
+
+
+def test_parity_eval_answers_a_model_s_episodes_within_the_episode_keys_given(tmp_path, capsys):
+    """`parity eval MODEL tools=` and `parity.evaluate(MODEL, tools=)` took no episode.* keys: an agent was
+    evaluated in 4 turns of up to max_new_tokens (96) each, whatever it runs with. They are `parity train`'s keys,
+    checked by its checks and named as given; an evaluation without episodes refuses them, as a run does."""
+    code, data, calls = _agent_code(tmp_path)
+    keys = [f"tools={code}:lookup", f"data={data}", "precisions=[fp32]", "num_prompts=2", "samples=2"]
+    keys.append(f"reward_fn={code}:turns")
+
+    def evaluate(*episode: str, out: str = "e") -> dict:
+        assert main(["eval", "builtin-agent", *keys, *episode, f"out={tmp_path / out}"]) == 0
+        result = json.loads((tmp_path / out / "eval.json").read_text())
+        return {"turn_tokens": result["turn_tokens"], **result["states"][0]["metrics"]}
+
+    free = evaluate()  # a tool call (44 tokens), then the answer
+    assert (free["turn_tokens"], free["eval/fp32/reward_mean"], free["eval/fp32/mean_length"]) == (96, 2.0, 48.0)
+    assert calls.read_text()
+    calls.unlink()
+    one = evaluate("episode.max_turns=1", out="one")  # the call is made, and not run: no turn would read it
+    assert (one["turn_tokens"], one["eval/fp32/reward_mean"], one["eval/fp32/mean_length"]) == (96, 1.0, 44.0)
+    cut = evaluate("episode.max_turns=2", "episode.turn_tokens=32", out="cut")  # the call is cut off at 32
+    assert (cut["turn_tokens"], cut["eval/fp32/reward_mean"], cut["eval/fp32/mean_length"]) == (32, 1.0, 32.0)
+    assert not calls.exists() and "each model turn at most 32" in (tmp_path / "cut" / "eval.md").read_text()
+    capsys.readouterr()
+    for key, error in (
+        ("episode.max_turns=0", "episode.max_turns: must be in [1, 100], got 0"),
+        ("episode.turn_tokens=500", "episode.turn_tokens: must be in [1, max_new_tokens=96] (the episode's whole "),
+        ("episode.tool_format=xml", "episode.tool_format: unknown value 'xml'; allowed: auto, gemma, hermes, "),
+        ("episode.max_turns=two", "episode.max_turns: expected an integer, got 'two'"),
+    ):
+        assert main(["eval", "builtin-agent", *keys, key, f"out={tmp_path / 'bad'}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"parity eval: error: {error}") and err.count("\n") == 1, err
+        assert not (tmp_path / "bad").exists()
+    one_turn = [f"data={data}", f"reward_fn={code}:turns", "episode.max_turns=2", f"out={tmp_path / 'bad'}"]
+    assert main(["eval", "builtin-agent", *one_turn]) == 2
+    assert capsys.readouterr().err == (
+        "parity eval: error: episode.max_turns=2: a setting of episodes, and this evaluation has none (tools, "
+        "environment or task=lookup)\n"
+    )
+    assert not (tmp_path / "bad").exists()
+    # From Python, as `parity.train` takes them: by name, dots as `__`, or a dict of the section
+    lookup, turns = (runpy.run_path(str(code))[name] for name in ("lookup", "turns"))
+    given = dict(data=str(data), precisions=["fp32"], num_prompts=2, samples=2, progress=False)
+    result = parity.evaluate("builtin-agent", [turns], tools=[lookup], episode__max_turns=1, **given)
+    assert result["states"][0]["metrics"]["eval/fp32/reward_mean"] == 1.0 and not calls.exists()
+    result = parity.evaluate("builtin-agent", [turns], tools=[lookup], episode={"turn_tokens": 32}, **given)
+    assert result["turn_tokens"] == 32 and result["states"][0]["metrics"]["eval/fp32/mean_length"] == 32.0
+    with pytest.raises(ConfigError, match=r"^episode.turn_tokens: must be in \[1, max_new_tokens=96\]"):
+        parity.evaluate("builtin-agent", [turns], tools=[lookup], episode__turn_tokens=500, **given)
 
 
 class _ExitsInStep:

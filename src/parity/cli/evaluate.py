@@ -27,7 +27,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "and 8), temperature (0 = greedy), max_new_tokens (0: a run's rollout.max_new_tokens, else 96), "
             "chat_template, prompt_column and answer_column (auto: a run's task.*_column, else prompt and answer), "
             "completion_format (run: a run's, else text; or text, messages, auto), tools or environment (a model "
-            "answered in episodes: module:function each, or module:Class), model, device, seed. "
+            "answered in episodes: module:function each, or module:Class), episode.* (a model's episodes: "
+            "`parity train`'s episode.max_turns, episode.turn_tokens, ...; a run keeps its own), model, device, seed. "
             "Example: parity eval runs/my-run --trust-reward-fn precisions=fp32,bf16 --out eval-my-run"
         ),
     )

@@ -67,7 +67,14 @@ from parity.rl.reward_fns import (
 from parity.rl.rewards import RewardRunner
 from parity.rl.run_setup import moved_model_hint
 from parity.rl.tasks import EVAL_SEED, TASKS, builtin_problems
-from parity.rl.train_config import COMPLETION_FORMATS, MAX_SEED, MICRO_BATCH_TOKENS, RewardSection, TrainConfig
+from parity.rl.train_config import (
+    COMPLETION_FORMATS,
+    MAX_SEED,
+    MICRO_BATCH_TOKENS,
+    EpisodeSection,
+    RewardSection,
+    TrainConfig,
+)
 from parity.rundir import checkpoint_step, in_use_by, refuse_run_links
 from parity.runtime import draws_bars, progress_line
 
@@ -108,6 +115,8 @@ class EvalConfig:
     # module:Class, as `parity train`'s task.tools and task.environment. A run answers with its own
     tools: list[str] = field(default_factory=list)
     environment: str = ""
+    # The limits of a model's episodes: `parity train`'s episode.* keys, checked by its checks. A run keeps its own
+    episode: EpisodeSection = field(default_factory=EpisodeSection)
     device: str = "cpu"
     seed: int = 0
     out: str = "parity-eval"
@@ -388,7 +397,12 @@ def _task_of_episodes(
     """For a model target answered in episodes, the run whose episodes it answers in (the environment, limits
     and tool-call format): with the API's `tools` or `environment`, the `tools` or `environment` keys, or a
     built-in task of episodes (lookup)."""
-    values = {"model": str(target.model_dir), "task.name": task, "rollout.max_new_tokens": max_new_tokens}
+    values = {
+        "model": str(target.model_dir),
+        "task.name": task,
+        "rollout.max_new_tokens": max_new_tokens,
+        "episode": config_mod.to_dict(cfg.episode),
+    }
     if tools:
         values["task.tools"] = [function_spec(fn) for fn in tools]
     elif environment is not None:
@@ -396,6 +410,11 @@ def _task_of_episodes(
     elif cfg.tools or cfg.environment:
         values["task.tools"], values["task.environment"] = cfg.tools, cfg.environment
     elif not TASKS[task].episodes:
+        if cfg.episode.given():  # one-turn answers would ignore them
+            raise ConfigError(
+                f"{cfg.episode.given()[0]}: a setting of episodes, and this evaluation has none (tools, environment "
+                "or task=lookup)"
+            )
         return None
     return config_mod.load(TrainConfig, None, None, values)
 
@@ -440,6 +459,8 @@ def _evaluate(
     if run is not None and (cfg.tools or cfg.environment):
         key = "tools" if cfg.tools else "environment"
         raise ConfigError(f"{key}: for a model; a run directory answers with its own task.tools or task.environment")
+    if run is not None and cfg.episode.given():
+        raise ConfigError(f"{cfg.episode.given()[0]}: for a model; a run directory answers with its own episode.*")
     evalset, task, source = evaluation_set(cfg, target, bool(rewards))
     reference = cfg.reference if cfg.reference != "auto" else run.trainer_precision if run else "fp32"
     tokenizer = load_tokenizer(target.model_dir)
@@ -453,10 +474,14 @@ def _evaluate(
         trust_code = trust_reward_fn or bool(cfg.tools or cfg.environment)
         episodes = _episodes(cfg, episode_run, tokenizer, trust_code, tools, environment)
     except ConfigError as e:
-        if not (cfg.tools or cfg.environment):
+        if run is not None or episodes_of is not None:
             raise
-        # named by this command's keys, not `parity train`'s
-        raise ConfigError(str(e).replace("task.tools", "tools").replace("task.environment", "environment")) from None
+        # a model's episodes are set by this command's keys: named by them, not by `parity train`'s
+        message = str(e)
+        renamed = {"task.tools": "tools", "task.environment": "environment", "rollout.max_new_tokens": "max_new_tokens"}
+        for train_key, key in renamed.items():
+            message = message.replace(train_key, key)
+        raise ConfigError(message) from None
     scorer = _rewards(cfg, target, task, evalset.problems, rewards, trust_reward_fn, episode_run)
     if progress:
         print(f"eval: {len(evalset.problems)} prompts from {source}", file=sys.stderr)

@@ -193,6 +193,11 @@ class EpisodeSection:
     # the episodes that drift)
     retokenization_logprob: bool = False
 
+    def given(self) -> list[str]:
+        """The keys set to other than their defaults, as `episode.KEY=VALUE`: settings that need episodes."""
+        fields = dataclasses.fields(self)
+        return [f"episode.{f.name}={getattr(self, f.name)}" for f in fields if getattr(self, f.name) != f.default]
+
 
 @dataclass
 class DiagnosticsSection:
@@ -582,11 +587,10 @@ class TrainConfig:
                 f"episode's whole budget), got {e.turn_tokens}"
             )
         if not self.episodes:  # they were ignored; turn_tokens is left out, as older runs' config.yaml fill it in
-            changed = [f for f in dataclasses.fields(e) if f.name != "turn_tokens" and getattr(e, f.name) != f.default]
+            changed = [key for key in e.given() if not key.startswith("episode.turn_tokens=")]
             if changed:
-                key = f"episode.{changed[0].name}={getattr(e, changed[0].name)}"
                 raise ConfigError(
-                    f"{key}: a setting of episodes, and this run has none (task.tools, task.environment or "
+                    f"{changed[0]}: a setting of episodes, and this run has none (task.tools, task.environment or "
                     "task.name=lookup)"
                 )
             return
