@@ -92,8 +92,11 @@ EXACT = ["exact=true", "precision=fp16", "distributed.rollout_workers=1", "distr
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_exact_mode_with_a_worker_and_two_learners(tmp_path, staleness, ray_cluster):
     """μ = π_old for every token and every checked distribution on the worker; at staleness 0 the learners'
-    first π_θ pass is π_old's bits too (checked before they step: the run would stop)."""
+    first π_θ pass is π_old's bits too (checked before they step: the run would stop). Micro-batches of 100
+    tokens: the learners' shares pack into different numbers of them, which each learner evens out (one with
+    fewer left the other waiting in an FSDP2 gather for ever)."""
     overrides = [f"run_dir={tmp_path / 'run'}", *SMALL, *EXACT, f"async.max_staleness={staleness}", "steps=3"]
+    overrides.append("trainer.micro_batch_tokens=100")
     history = Run.create(config.load(TrainConfig, None, overrides), progress=False, backend=RayBackend).train()
     assert [m["mismatch/exact_tokens_frac"] for m in history] == [1.0] * 3
     assert all(m["full_vocab/max_abs_log_ratio"] == 0.0 and m["sync/verified"] == 1 for m in history)

@@ -69,6 +69,50 @@ def test_concat_batches_keeps_rows_and_groups():
     assert (both.support[:2, a.support.shape[1] :] == -1).all()
 
 
+def test_every_learner_runs_as_many_micro_batches_as_the_others():
+    """Under FSDP2 each micro-batch's forward and backward are collectives every learner joins: a learner whose
+    share packs into fewer micro-batches left the others waiting in a gather for ever (2 learners,
+    trainer.micro_batch_tokens=100, hung in step 1). Here learner 0's long rows need two micro-batches of 10
+    tokens, learner 1's short ones one; both now run two."""
+    from parity.engines.batch import RolloutBatch
+    from parity.engines.trainer import OptimConfig, Trainer
+    from parity.rl.step import Prepared, UpdatePlan, train_on_batch
+
+    lengths = torch.tensor([6, 6, 1, 1])
+    mask = torch.arange(6) < lengths[:, None]
+    batch = RolloutBatch(
+        prompt_ids=[[1] * 4, [2] * 4, [3] * 4, [4] * 4],
+        response_ids=torch.zeros(4, 6, dtype=torch.long),
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(4, 6),
+        support=None,
+        truncated=torch.zeros(4, dtype=torch.bool),
+        group_index=torch.tensor([0, 0, 1, 1]),
+        weight_version=0,
+        sampling=SamplingParams(),
+    )
+    prepared = Prepared(
+        rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]),
+        advantages=torch.tensor([0.5, -0.5, 0.5, -0.5]),
+        loss_mask=mask,
+        rejected=None,
+        old_logprobs=torch.zeros(4, 6),
+        old_source="sampler",
+    )
+    cfg = config.load(TrainConfig, None, ["precision=fp32"])
+    plan = UpdatePlan(cfg.algorithm.build(), micro_batch_tokens=10, prompts=2, group_size=2, max_new_tokens=6)
+    model = load_model(resolve_model_dir("builtin"), kernels.numerics())
+
+    def passes(rank: int) -> list[list[int]]:  # the rows of each π_θ pass learner `rank` runs
+        trainer, rows_seen = Trainer(model, "fp32", OptimConfig(lr=0.0)), []
+        real = trainer.batch_logprobs
+        trainer.batch_logprobs = lambda batch, rows, *args: rows_seen.append(rows.tolist()) or real(batch, rows, *args)
+        train_on_batch(trainer, batch, prepared, plan, order_seed=0, rank=rank, world=2)
+        return rows_seen
+
+    assert [passes(0), passes(1)] == [[[0], [1]], [[2], [3]]]
+
+
 def test_weight_sync_verification_names_the_damaged_tensor():
     """A worker loads a sync, checks both of its copies, and refuses one damaged in transit."""
     model_dir = resolve_model_dir("builtin")

@@ -271,7 +271,7 @@ def train_on_batch(
         for mb in row_order.split(rows_per_mb):
             norm = denominators(loss_mask[mb], plan.max_new_tokens)
             with trainer.model.casting_once():
-                micro_batches = batch.micro_batches(mb.tensor_split(world)[rank], plan.micro_batch_tokens)
+                micro_batches = share_micro_batches(batch, mb, plan.micro_batch_tokens, rank, world)
                 for rows in micro_batches:
                     record_here = record_in_passes and not out.updates
                     logp = trainer.batch_logprobs(batch, rows, plan.routing_replay, record_here)
@@ -320,6 +320,23 @@ def train_on_batch(
             out.grad_norms.append(out.step_stats.grad_norm)
     out.first_pass = first_pass
     return out
+
+
+def share_micro_batches(
+    batch: RolloutBatch, rows: torch.Tensor, tokens: int, rank: int, world: int
+) -> list[torch.Tensor]:
+    """Learner `rank`'s contiguous share of a mini-batch's `rows` as micro-batches of at most `tokens`
+    (`RolloutBatch.micro_batches`), as many as the learner with the most: under FSDP2 every micro-batch's
+    forward and backward are collectives all learners join, and one with fewer left the others waiting for
+    ever. The shares hold equal numbers of rows, so the micro-batch of most rows can always be halved again."""
+    shares = rows.tensor_split(world)
+    mine = batch.micro_batches(shares[rank], tokens)
+    if world > 1:
+        most = max(len(batch.micro_batches(share, tokens)) for share in shares)
+        while len(mine) < most:
+            widest = max(range(len(mine)), key=lambda i: len(mine[i]))
+            mine[widest : widest + 1] = mine[widest].tensor_split(2)
+    return mine
 
 
 def host_floats(values: list[torch.Tensor | float], device: torch.device) -> list[float]:
