@@ -37,6 +37,23 @@ def test_bad_distributed_combinations_are_refused_before_any_work(overrides, mes
         config.load(TrainConfig, None, SMALL + overrides)
 
 
+def test_where_and_how_long_a_distributed_run_waits_may_change_on_resume(tmp_path):
+    """A run stopped because Ray took longer than distributed.restart_timeout_s to restart a worker is told to
+    raise that key; `--resume RUN distributed.restart_timeout_s=...` was refused ("cannot change on resume"),
+    and so was a new address for a cluster that came back elsewhere: that run could not be continued at all.
+    Where the run's processes run and how long it waits for them train nothing else."""
+    from parity.rl.run_setup import resumed_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = config.load(TrainConfig, None, [*SMALL, f"run_dir={run}", "distributed.rollout_workers=1"])
+    (run / "config.yaml").write_text(config.dump_yaml(cfg))
+    changes = ["distributed.restart_timeout_s=3600", "distributed.connect_timeout_s=120", "distributed.address=auto"]
+    resumed = resumed_config(run, changes, trust_code=False, note=lambda line: None)
+    d = resumed.distributed
+    assert (d.restart_timeout_s, d.connect_timeout_s, d.address) == (3600, 120, "auto")
+
+
 # ----------------------------------------------------------------------------- pieces
 
 

@@ -37,7 +37,8 @@ MICRO_BATCH_TOKENS = {"cpu": 8192, "cuda": 16384}
 # So do the trainer's memory keys, for a run resumed after it ran out of memory: they change how the
 # gradient's sums are grouped, not what is trained.
 # Data paths may change too (the same data moved, or the run resumed from another folder): the data order
-# is a position in the file's rows.
+# is a position in the file's rows. So may where a distributed run's processes run and how long it waits for
+# them: a run stopped by restart_timeout_s is told to raise it, and a cluster may come back at another address.
 RESUMABLE_KEYS = (
     "steps",
     "checkpoint_every",
@@ -46,6 +47,9 @@ RESUMABLE_KEYS = (
     "log.to",
     "log.completions",
     "distributed.learners",
+    "distributed.address",
+    "distributed.restart_timeout_s",
+    "distributed.connect_timeout_s",
     "trainer.micro_batch_tokens",
     "trainer.activation_checkpointing",
     "trainer.chunked_head",
