@@ -199,6 +199,44 @@ def test_a_killed_worker_loses_no_prompt_of_its_pool(tmp_path):
     assert trained + waiting == run.backend.requests.next_key  # none lost, none trained twice
 
 
+@pytest.mark.slow
+def test_a_worker_killed_while_idle_is_noticed_and_its_pool_sampled_again(tmp_path, ray_cluster):
+    """A worker killed while the learners train (at staleness 0 it is idle then) and restarted by Ray before
+    the driver's next call answered that call from a new process: the driver never noticed (no restart
+    counted) and the groups of the dead pool were never sampled again, nor trained on. Each call now names
+    the worker process it is meant for, and a new one refuses it, so the driver recovers it as it does a
+    worker that dies mid-call."""
+    import ray
+
+    overrides = [f"run_dir={tmp_path / 'r'}", "steps=4", "checkpoint_every=-1", "eval.every=-1"]
+    overrides += ["distributed.rollout_workers=1", "async.partial_rollouts=2"]
+    run = Run.create(config.load(TrainConfig, None, SMALL + overrides), progress=False, backend=RayBackend)
+    backend = run.backend
+    update = backend.update
+
+    def killed_then_update(step, *args):
+        if step == 1:  # the worker's pool holds its spare groups; no call of the driver's is on its way
+            os.kill(backend.worker_pids[0], signal.SIGKILL)
+            while True:  # until Ray has it back: the next call goes to the new process
+                try:
+                    if ray.get(backend.workers[0].pid.remote(), timeout=60) != backend.worker_pids[0]:
+                        break
+                except ray.exceptions.RayActorError:
+                    time.sleep(0.2)
+        return update(step, *args)
+
+    backend.update = killed_then_update
+    try:
+        history = [run.step() for _ in range(4)]
+        pool = ray.get(backend.workers[0].__ray_call__.remote(lambda worker: [g.key for g in worker.pool.groups]))
+        waiting = sorted(backend.requests.outstanding)
+    finally:
+        run.close()
+    assert history[-1]["faults/worker_restarts"] == 1
+    assert all(m["train/samples"] == 8 * 4 for m in history)
+    assert waiting == sorted(pool)  # every prompt sent and not trained on is in the pool, none lost with it
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_episodes_pause_at_turn_boundaries_and_go_on_on_newer_weights(precision):
     """Episodes in a worker's pool, exact mode: a request ends with episodes paused at turn boundaries

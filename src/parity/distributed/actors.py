@@ -74,8 +74,15 @@ def load_sharded(model_dir: Path, mesh, numerics: kernels.Numerics, precision: s
     return load_model(model_dir, numerics, shard=shard)
 
 
+class WorkerRestarted(Exception):
+    """A sampling call meant for an earlier process of this rollout worker: Ray restarted it between two of the
+    driver's calls, and the driver, which has not noticed, must recover it (its pool and requests) first."""
+
+
 class RolloutWorker:
-    """Samples with the rollout engine and scores its own samples (π_old, the probe)."""
+    """Samples with the rollout engine and scores its own samples (π_old, the probe). Each sampling call
+    names the worker process the driver sent it to (`for_pid`): a worker Ray restarted while idle would
+    otherwise answer it from a new process, whose pool is empty, and the driver would never know."""
 
     def __init__(self, index: int, model_dir: str, cfg: TrainConfig, threads: int | None):
         _set_process_threads(threads)
@@ -101,6 +108,10 @@ class RolloutWorker:
             raise self.setup_error
         return os.getpid()
 
+    def _check_process(self, for_pid: int) -> None:
+        if for_pid != os.getpid():
+            raise WorkerRestarted(f"{self.where} restarted: process {os.getpid()}, the call was for {for_pid}")
+
     def load_weights(self, tensors: dict[str, torch.Tensor], manifest) -> dict[str, float]:
         """Load a weight sync and check both copies against the learners' checksums
         (raises `SyncError` naming the first tensor that differs)."""
@@ -121,6 +132,7 @@ class RolloutWorker:
 
     def generate(
         self,
+        for_pid: int,
         prompts: list[list[int]] | list[Problem],
         group_size: int,
         sampling: SamplingParams,
@@ -130,6 +142,7 @@ class RolloutWorker:
         """Sample `group_size` responses per prompt and score them (and the whole distribution at
         `full_vocab` positions); also how long this worker sat idle before the call and how long each
         part took. In a run of episodes `prompts` are the problems, each an episode's data row."""
+        self._check_process(for_pid)
         start = time.perf_counter()
         if self.episodes is None:
             batch = self.sampler.generate(prompts, group_size, sampling, seed, full_vocab)
@@ -153,10 +166,11 @@ class RolloutWorker:
         if self.retokenization_logprob:
             episodes.drift_logprobs(batch, self.sampler.scorer, to_dtype(self.sampler.trainer_precision))
 
-    def generate_partial(self, request: PoolRequest) -> tuple[RolloutBatch, dict]:
+    def generate_partial(self, for_pid: int, request: PoolRequest) -> tuple[RolloutBatch, dict]:
         """`async.partial_rollouts`: add the request's prompts to this worker's pool and return its `need`
         complete groups (`PartialRollouts.generate`); the info also holds their keys, the tokens dropped as
         too old and the responses left unfinished in the pool."""
+        self._check_process(for_pid)
         start = time.perf_counter()
         batch, done, dropped = self.pool.generate(request, self._verify)
         self.idle_since, idle = time.perf_counter(), start - self.idle_since

@@ -30,7 +30,7 @@ import torch
 
 from parity import config as config_mod
 from parity.config import ConfigError
-from parity.distributed.actors import Learner, RolloutWorker
+from parity.distributed.actors import Learner, RolloutWorker, WorkerRestarted
 from parity.distributed.cluster import LocalCluster, import_ray, join, require_cpus
 from parity.distributed.requests import Pools, Request, Shard, WholeGroups
 from parity.engines.batch import RolloutBatch, concat_batches
@@ -364,7 +364,7 @@ class RayBackend:
         return problems if self.cfg.episodes else [self.parts.encode(p) for p in problems]
 
     def _send(self, shard: Shard) -> None:
-        shard.ref = self.requests.call(self.workers[shard.worker], shard)
+        shard.ref = self.requests.call(self.workers[shard.worker], self.worker_pids[shard.worker], shard)
 
     def _recover(self, worker: int) -> None:
         """After worker `worker` died: wait for Ray's restart, give it the newest weights and
@@ -443,8 +443,11 @@ class RayBackend:
                 except _worker_gone():
                     self._recover(shard.worker)
                     continue
-                except ray.exceptions.RayTaskError as e:  # exact mode's check on the worker, before training
-                    raise TrainingError(f"step {self.step + 1}: {e.cause}") from None
+                except ray.exceptions.RayTaskError as e:
+                    if isinstance(e.cause, WorkerRestarted):  # restarted while idle: recovered as if it died now
+                        self._recover(shard.worker)
+                        continue
+                    raise TrainingError(f"step {self.step + 1}: {e.cause}") from None  # exact mode's check
                 if self.step - batch.weight_version > cfg.async_.max_token_staleness:
                     self.dropped += batch.response_ids.shape[0]  # too old (only after a restart): sample again
                     self._send(shard)

@@ -51,9 +51,9 @@ class WholeGroups:
     def open(self, shard: Shard, problems: list[Problem], positions: list[int], need: int, step: int) -> None:
         """Record what `shard` carries (its prompts' problems and data positions) before it is sent."""
 
-    def call(self, worker, shard: Shard):
-        """The worker's sampling call for `shard` (a Ray ObjectRef)."""
-        return worker.generate.remote(shard.prompts, self.group_size, self.sampling, shard.seed, self.full_vocab)
+    def call(self, worker, pid: int, shard: Shard):
+        """The worker's sampling call for `shard` (a Ray ObjectRef), meant for its process `pid`."""
+        return worker.generate.remote(pid, shard.prompts, self.group_size, self.sampling, shard.seed, self.full_vocab)
 
     def lost(self, worker: int, resend: list[Shard], prompts) -> None:
         """Worker `worker` restarted: add to the first shard sent to it again what it held beyond its requests
@@ -96,12 +96,12 @@ class Pools(WholeGroups):
         self.next_key += n
         self.spare[shard.worker] += n - need
 
-    def call(self, worker, shard: Shard):
+    def call(self, worker, pid: int, shard: Shard):
         request = PoolRequest(
             shard.prompts, shard.keys, shard.need, self.group_size, self.sampling, shard.seed, shard.min_version,
             self.full_vocab,
         )  # fmt: skip
-        return worker.generate_partial.remote(request)
+        return worker.generate_partial.remote(pid, request)
 
     def lost(self, worker: int, resend: list[Shard], prompts) -> None:
         if not resend:
