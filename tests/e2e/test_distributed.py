@@ -20,7 +20,7 @@ from parity.distributed.driver import RayBackend
 from parity.engines import kernels
 from parity.engines.models.io import load_model, resolve_model_dir
 from parity.engines.trainer import OptimConfig, Trainer
-from parity.rl.checkpoint import load_checkpoint, save_shards
+from parity.rl.checkpoint import CheckpointError, load_checkpoint, save_shards
 from parity.rl.loop import Run, TrainingError
 from parity.rl.train_config import TrainConfig
 
@@ -290,15 +290,8 @@ def test_a_sharded_checkpoint_resumes_with_another_learner_count(tmp_path, ray_c
     assert state.step == 4 and trainer.weight_version == 4 and len(trainer.optimizer.state) == len(trainer.params)
 
 
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_sharded_shards_holding_nan_are_set_aside_and_the_learners_start_from_the_base(tmp_path, capsys, ray_cluster):
-    """A checkpoint whose shards hold NaN (its manifest matching): the learners read it in place, the resume
-    sets it aside, and the run starts again from step 0 with the base weights on the learners."""
-    common = SMALL + ["precision=fp32", "steps=1", "checkpoint_every=1", "eval.every=-1"]
-    common += ["distributed.rollout_workers=1", "distributed.learners=2"]
-    assert main(["train", f"run_dir={tmp_path / 'r'}", *common]) == 0
-    ckpt = tmp_path / "r" / "checkpoints" / "step_000001"
+def _poison_shards(ckpt) -> None:
+    """Rewrite a sharded checkpoint's shards with a NaN in the weights, its manifest matching them."""
     trainer = Trainer(load_model(resolve_model_dir("builtin"), kernels.numerics()), "fp32", OptimConfig())
     load_checkpoint(ckpt, trainer)
     with torch.no_grad():
@@ -306,19 +299,43 @@ def test_sharded_shards_holding_nan_are_set_aside_and_the_learners_start_from_th
     shutil.rmtree(ckpt / "sharded")
     save_shards(trainer, ckpt / "sharded")
     reseal(ckpt)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_sharded_shards_holding_nan_are_set_aside_or_the_resume_refused(tmp_path, capsys, ray_cluster):
+    """Step 2's shards hold NaN (its manifest matching): the learners read them in place, the resume sets the
+    checkpoint aside and the learners continue from step 1's weights. With step 1's poisoned too, no checkpoint
+    is usable: the resume is refused in one line, nothing moved, metrics.jsonl as it was."""
+    common = SMALL + ["precision=fp32", "steps=2", "checkpoint_every=1", "eval.every=-1"]
+    common += ["distributed.rollout_workers=1", "distributed.learners=2"]
+    assert main(["train", f"run_dir={tmp_path / 'r'}", *common]) == 0
+    shutil.copytree(tmp_path / "r", tmp_path / "all")
+    _poison_shards(tmp_path / "r" / "checkpoints" / "step_000002")
     capsys.readouterr()
 
     run = Run.resume(tmp_path / "r", backend=RayBackend)
     try:
         err = capsys.readouterr().err
-        assert "checkpoint step_000001 is unusable" in err and "inf/NaN in model.norm.weight" in err
-        assert "starting again from step 0" in err and run.step_count == 0
-        assert (tmp_path / "r" / "checkpoints" / "corrupt" / "step_000001").is_dir()
+        assert "checkpoint step_000002 is unusable" in err and "inf/NaN in model.norm.weight" in err
+        assert "continuing from step 1" in err and run.step_count == 1
+        assert (tmp_path / "r" / "checkpoints" / "corrupt" / "step_000002").is_dir()
+        saved = Trainer(load_model(resolve_model_dir("builtin"), kernels.numerics()), "fp32", OptimConfig())
+        load_checkpoint(tmp_path / "r" / "checkpoints" / "step_000001", saved)
         weights, version = run.backend.learner_weights()
-        base = load_model(resolve_model_dir("builtin"), kernels.numerics()).state_dict()
-        assert version == 0 and all(torch.equal(w, base[n]) for n, w in weights.items())
+        assert version == 1 and all(torch.equal(w, saved.model.state_dict()[n]) for n, w in weights.items())
     finally:
         run.close()
+
+    for step in (1, 2):
+        _poison_shards(tmp_path / "all" / "checkpoints" / f"step_00000{step}")
+    logged = (tmp_path / "all" / "metrics.jsonl").read_text()
+    with pytest.raises(CheckpointError, match="no checkpoint of the run is usable") as refused:
+        Run.resume(tmp_path / "all", backend=RayBackend)
+    assert "step_000002: inf/NaN in model.norm.weight" in str(refused.value)
+    assert "step_000001: inf/NaN in model.norm.weight" in str(refused.value)
+    assert sorted(p.name for p in (tmp_path / "all" / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    assert (tmp_path / "all" / "metrics.jsonl").read_text() == logged
 
 
 def test_a_cluster_that_cannot_start_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):

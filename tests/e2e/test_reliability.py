@@ -328,7 +328,10 @@ def test_resume_accepts_a_run_saved_before_a_key_existed(trained_run, tmp_path, 
     state = json.loads(state_file.read_text())
     del state["config"]["exact"]
     state_file.write_text(json.dumps(state))
+    reseal(state_file.parent)  # as that version wrote it: else the checkpoint is damaged, and the resume refused
+    capsys.readouterr()
     assert main(["train", "--resume", str(run_dir), "steps=2"]) == 0
+    assert "continuing from step 1" in capsys.readouterr().err
     assert _steps(run_dir) == [1, 2]
 
 
@@ -428,6 +431,43 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(trained_run
     err = capsys.readouterr().err
     assert "checkpoint step_000003 is unusable" in err and "continuing from step 2" in err
     assert (run_dir / "checkpoints" / "corrupt" / "step_000003").is_dir()
+    assert metrics(run_dir, drop=TIMING) == reference
+
+
+def _files(run_dir: Path) -> dict[str, bytes]:
+    """Every file of the run but its lock (whose pid a refused resume rewrites), by relative path."""
+    files = (p for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock")
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in files}
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_is_refused_and_left_as_it_was(trained_run, tmp_path, capsys):
+    """Every checkpoint damaged: the resume set each aside, started again from step 0 and cut metrics.jsonl back,
+    so the run's history was lost; now one line names each checkpoint and its damage, exit 2, nothing moved."""
+    run_dir = tmp_path / "r"
+    copy_run(trained_run(*TINY, "steps=2", "checkpoint_every=1"), run_dir)
+    (run_dir / "checkpoints" / "step_000002" / "manifest.json").write_text("{")
+    (run_dir / "checkpoints" / "step_000001" / "model" / "model.safetensors").unlink()
+    before = _files(run_dir)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir), "steps=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"parity train: error: --resume {run_dir}: no checkpoint of the run is usable (")
+    assert "step_000002: manifest.json is unreadable" in err[-1]
+    assert "step_000001: model/model.safetensors is missing" in err[-1]
+    assert "nothing was moved or cut back" in err[-1] and not any("moved it to" in line for line in err)
+    assert _files(run_dir) == before and not (run_dir / "checkpoints" / "corrupt").exists()
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_from_step_0(trained_run, tmp_path, capsys):
+    """No checkpoint at all (killed before the first save, or checkpoint_every=-1), steps logged: no weights hold
+    them, so the resume takes them again from step 0 and logs them as they were."""
+    run_dir = tmp_path / "r"
+    copy_run(trained_run(*TINY, "steps=2", "checkpoint_every=1"), run_dir)
+    reference = metrics(run_dir, drop=TIMING)
+    shutil.rmtree(run_dir / "checkpoints")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    assert "no checkpoint (the run stopped before its first); starting again from step 0" in capsys.readouterr().err
     assert metrics(run_dir, drop=TIMING) == reference
 
 

@@ -20,13 +20,14 @@ A checkpoint is input like any other: a run directory may come from someone else
 Parity's own names under `checkpoints/` are read (`rundir.checkpoint_step`), each reached from the
 run's folder without following a link (`folders.Folder`), every field of
 `manifest.json` and `state.json` is checked before anything is loaded, and a checkpoint that
-fails a check is set aside on resume, or refused in one line by `parity eval`.
+fails a check is set aside on resume (when an older one is intact), or refused in one line by `parity eval`.
 
 A checkpoint directory appears only once complete (written to a temporary
 folder, then renamed), so a run killed mid-save leaves the previous one intact;
 only finite weights are ever saved. On resume a checkpoint whose files do not
 match its manifest, or whose weights are not finite, is moved to
-`checkpoints/corrupt/` and the newest intact one is used instead.
+`checkpoints/corrupt/` and the newest intact one is used instead; where none is intact,
+the resume is refused and nothing is moved (`restore_latest`).
 """
 
 from __future__ import annotations
@@ -628,18 +629,38 @@ def _load(ckpt: Folder, path: Path, trainer: Trainer, base_dir: Path | None, ver
 
 def restore_latest(run_dir: Path, load: Callable[[Path], RunState], log: Callable[[str], None]) -> RunState | None:
     """The newest usable checkpoint, loaded by `load(path)` (`load_checkpoint` into the run's trainer, or into
-    every learner); a damaged one (CheckpointError) is set aside in `checkpoints/corrupt/`, saying so through
-    `log`. None when there is none."""
+    every learner); the damaged ones newer than it (CheckpointError) are set aside in `checkpoints/corrupt/`,
+    saying so through `log`. None when the run has no checkpoint.
+
+    When none can be used, a CheckpointError naming each, and nothing moved: the run's history (metrics.jsonl)
+    stands on them, a copy may repair them, and "damaged" may be the user's doing (another base model put where
+    the run's was), where setting every checkpoint aside and training again from step 0 would lose the run."""
+    unusable: list[tuple[Path, str]] = []
     for path in reversed(checkpoints(run_dir)):
         try:
-            return load(path)
+            state = load(path)
         except CheckpointError as e:
-            with Folder.open(run_dir, key="run_dir") as run:
-                run.mkdir(f"{CHECKPOINTS_DIR}/corrupt")
-                aside, n = path.name, 1
-                while run.lstat(f"{CHECKPOINTS_DIR}/corrupt/{aside}") is not None:
-                    aside, n = f"{path.name}.{n}", n + 1
-                run.replace(f"{CHECKPOINTS_DIR}/{path.name}", f"{CHECKPOINTS_DIR}/corrupt/{aside}")
-            shown = run_dir / CHECKPOINTS_DIR / "corrupt" / aside
-            log(f"checkpoint {path.name} is unusable ({str(e).removeprefix(f'{path}: ')}); moved it to {shown}")
+            unusable.append((path, str(e).removeprefix(f"{path}: ")))
+            continue
+        for damaged, problem in unusable:
+            log(f"checkpoint {damaged.name} is unusable ({problem}); moved it to {_set_aside(run_dir, damaged.name)}")
+        return state
+    if unusable:
+        problems = "; ".join(f"{path.name}: {problem}" for path, problem in unusable)
+        raise CheckpointError(
+            f"--resume {run_dir}: no checkpoint of the run is usable ({problems}); nothing was moved or cut "
+            "back. Restore them from a copy, or start a new run (to train this one again from step 0, move its "
+            f"{CHECKPOINTS_DIR}/ away)"
+        )
     return None
+
+
+def _set_aside(run_dir: Path, name: str) -> Path:
+    """Move the run's checkpoint `name` into `checkpoints/corrupt/` (as `name.N` where one by its name is there)."""
+    with Folder.open(run_dir, key="run_dir") as run:
+        run.mkdir(f"{CHECKPOINTS_DIR}/corrupt")
+        aside, n = name, 1
+        while run.lstat(f"{CHECKPOINTS_DIR}/corrupt/{aside}") is not None:
+            aside, n = f"{name}.{n}", n + 1
+        run.replace(f"{CHECKPOINTS_DIR}/{name}", f"{CHECKPOINTS_DIR}/corrupt/{aside}")
+    return run_dir / CHECKPOINTS_DIR / "corrupt" / aside

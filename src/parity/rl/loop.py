@@ -447,8 +447,10 @@ class Run:
             self.step_count = state.step
             self.data.position = state.data_position
             _note(f"continuing from step {state.step}")
-        elif checkpoints(self.run_dir) or self.log.path.is_file():
-            _note("no usable checkpoint; starting again from step 0")
+        elif self.log.path.is_file():
+            # Stopped before its first checkpoint (`restore_latest` refuses one whose every checkpoint is damaged):
+            # no weights hold the steps logged, and taking them again from the same seed logs them again.
+            _note("no checkpoint (the run stopped before its first); starting again from step 0, its steps logged anew")
         self.log.truncate_after(self.step_count)
         drop_completions_after(self.run_dir, self.step_count)
         for logged in self.log.rows():
