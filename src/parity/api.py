@@ -8,6 +8,7 @@ dicts (written into the run directory's data/, so that `--resume` and `parity ev
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -27,7 +28,7 @@ from parity.engines.lora import TARGETS as LORA_TARGETS
 from parity.engines.lora import AdapterError, check_adapter_fields
 from parity.engines.models.config import ModelError
 from parity.engines.models.io import load_checked_config, resolve_model_dir
-from parity.outdir import check_output_dir, release_output_dir
+from parity.outdir import held_output_dir
 from parity.rl.callbacks import (  # noqa: F401 - CallbackError, TrainerCallback, TrainerControl: parity's names
     Callback,
     CallbackError,
@@ -621,16 +622,16 @@ def evaluate(
     tools, environment = _episode_code(tools, environment)
     if out is not None:
         out = Path(_path("out", out, "a folder's path or None"))
-        check_output_dir(out, "eval", "out")  # before the evaluation, not after it
     _flag("progress", progress)
     values = {k.replace("__", "."): v for k, v in keys.items()}
     cfg = config_mod.load(EvalConfig, None, None, {"target": target, **values, "out": str(out or "")})
-    result = run_eval(cfg, progress, bound or None, trust_reward_fn=True, tools=tools or None, environment=environment)
-    if out is not None:
-        try:
+    # Held from before the evaluation to the return: a second one is refused at once, not after its work.
+    with held_output_dir(out, "eval", "out") if out is not None else contextlib.nullcontext():
+        result = run_eval(
+            cfg, progress, bound or None, trust_reward_fn=True, tools=tools or None, environment=environment
+        )
+        if out is not None:
             write_outputs(result, out)
-        finally:
-            release_output_dir(out)
     return result
 
 

@@ -13,6 +13,7 @@ through a link.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -20,18 +21,19 @@ import math
 import os
 import re
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from parity.config import ConfigError
 from parity.files import JSONError, parse_json
 from parity.folders import Folder, refuse_links, written_name
-from parity.rundir import enclosing_run
+from parity.rundir import enclosing_run, lock_holder
 
 MARK = ".parity-out"
 MAX_MARK_BYTES = 2**20
 _HASH = re.compile(r"[0-9a-f]{64}")
 # Output folders this process has claimed, each held by a lock on a descriptor of it until the process ends (or
-# `release_output_dir`): two commands writing one folder at once mixed their results, and each rewrote the mark
+# `held_output_dir` ends): two commands writing one folder at once mixed their results, and each rewrote the mark
 # from its own view of it, leaving files it had written recorded with the other's bytes (then refused as not Parity's).
 _claimed: dict[tuple[int, int], int] = {}
 
@@ -175,33 +177,48 @@ def claim_output_dir(out: Path, command: str, key: str = "--out", folders: tuple
     return out
 
 
+@contextlib.contextmanager
+def held_output_dir(out: Path, command: str, key: str = "--out") -> Iterator[Path]:
+    """Hold `out` for `parity command` from before its work to its end: checked (`check_output_dir`), made where
+    it is new, and locked, so that a second command given it is refused at once, naming this process, and not
+    only once it has done its own work. A command that fails (bad input found in the work, a signal) removes
+    the folders made here while they are still empty: nothing is left of it."""
+    check_output_dir(out, command, key)
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    with Folder.open(out, create=True, key=key) as folder:
+        identity, ours = folder.identity, folder.identity not in _claimed  # not ours: held further out, kept
+        _hold(folder, out, key, keep=True)
+    try:
+        yield out
+    except BaseException:
+        for path in made:  # deepest first, while still held: no other command has taken it meanwhile
+            try:
+                path.rmdir()  # only an empty folder: nothing written there
+            except OSError:
+                break
+        raise
+    finally:
+        if ours:  # a command run from Python has ended: other processes may write there again
+            os.close(_claimed.pop(identity))
+
+
 def _hold(folder: Folder, out: Path, key: str, keep: bool) -> None:
-    """Refuse `out` while another process holds it; `keep`: hold it for this one (`_claimed`)."""
+    """Refuse `out` while another process holds it, naming it; `keep`: hold it for this one (`_claimed`)."""
     if folder.identity in _claimed:
         return
     fd = os.dup(folder.fd)  # its own descriptor: the lock outlives `folder`
     try:
         fcntl.flock(fd, (fcntl.LOCK_EX if keep else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:
+        holder = lock_holder(fd)
         os.close(fd)
         raise ConfigError(
-            f"{key} {out}: another Parity command is writing its results there now; wait for it to end, or "
-            "choose another folder"
+            f"{key} {out}: in use by another Parity command (pid {holder}), which writes its results there; wait "
+            "for it to end, or choose another folder"
         ) from None
     if keep:
         _claimed[folder.identity] = fd
     else:
-        os.close(fd)
-
-
-def release_output_dir(out: Path) -> None:
-    """Let other processes write `out` again (a command run from Python has finished writing there)."""
-    try:
-        with Folder.open(out) as folder:
-            fd = _claimed.pop(folder.identity, None)
-    except OSError:  # never made: nothing is held
-        return
-    if fd is not None:
         os.close(fd)
 
 

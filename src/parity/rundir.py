@@ -156,7 +156,7 @@ class RunLock:
         try:
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = _holder(self._fd)
+            holder = lock_holder(self._fd)
             os.close(self._fd)
             self._fd = None
             raise ConfigError(
@@ -187,7 +187,7 @@ def in_use_by(run_dir: Path, held: list[IO[bytes]] | None = None) -> str | None:
         try:
             fcntl.lockf(lock.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)  # conflicts with a run's exclusive lock
         except OSError:
-            holder = _holder(lock.fileno())
+            holder = lock_holder(lock.fileno())
             lock.close()
             return holder
         if held is None:
@@ -197,10 +197,20 @@ def in_use_by(run_dir: Path, held: list[IO[bytes]] | None = None) -> str | None:
     return None
 
 
-def _holder(fd: int) -> str:
-    """The pid of a process holding a lock that conflicts with writing the lock file `fd`, as the kernel records
-    it: a run's, or a `parity eval`'s reading the run (the pid in the file is the last run's). Elsewhere than on
-    Linux, whose `struct flock` layout this reads, the pid the file holds."""
+def lock_holder(fd: int) -> str:
+    """The pid of a process holding a lock that conflicts with an exclusive one on `fd`, as the kernel records
+    it: a run's, or a `parity eval`'s reading the run (a POSIX lock on `.lock`, whose pid is the last run's), or
+    an `--out` folder's holder (a flock of the folder, `outdir._hold`, which F_GETLK does not see and /proc/locks
+    lists by device and inode). Elsewhere than on Linux, whose `struct flock` layout this reads, the pid a lock
+    file holds."""
+    st = os.fstat(fd)
+    if stat.S_ISDIR(st.st_mode):
+        where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        try:  # "1: FLOCK  ADVISORY  WRITE PID MAJOR:MINOR:INODE 0 EOF"; a waiter's line reads "1: -> FLOCK ..."
+            with open("/proc/locks") as locks:
+                return next((f[4] for f in map(str.split, locks) if f[1:2] == ["FLOCK"] and f[5] == where), "unknown")
+        except OSError:  # no /proc/locks: not Linux
+            return "unknown"
     if not sys.platform.startswith("linux"):
         return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
     layout = "hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len, l_pid

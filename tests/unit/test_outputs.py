@@ -115,13 +115,57 @@ def test_an_output_folder_another_process_writes_is_refused_until_it_ends(tmp_pa
             assert writer.poll() is None
             time.sleep(0.05)
         before = _digest(out)
-        _refused(["report", "x", "--out", str(out)], capsys, "another Parity command is writing its results there")
-        with pytest.raises(ConfigError, match="another Parity command is writing"):
+        _refused(["report", "x", "--out", str(out)], capsys, f"in use by another Parity command (pid {writer.pid})")
+        with pytest.raises(ConfigError, match=rf"in use by another Parity command \(pid {writer.pid}\)"):
             claim_output_dir(out, "report")
         assert _digest(out) == before
     finally:
         writer.communicate(b"\n")
     claim_output_dir(out, "report")  # the writer ended: its lock went with it
+
+
+# Each command's input that only its work finds bad: a run with no metrics.jsonl, a model that is not there.
+BAD_WORK = {
+    "report": ["report", "NOWHERE", "--out", "OUT"],
+    "eval": ["eval", "NOWHERE", "out=OUT"],
+    "mismatch": ["mismatch", "model=NOWHERE", "out=OUT"],
+    "doctor": ["doctor", "--model", "NOWHERE", "--out", "OUT"],
+}
+
+
+def _bad_work(command: str, out: Path, tmp_path: Path) -> list[str]:
+    return [a.replace("NOWHERE", str(tmp_path / "nowhere")).replace("OUT", str(out)) for a in BAD_WORK[command]]
+
+
+@pytest.mark.parametrize("command", BAD_WORK)
+def test_a_second_command_on_a_held_out_folder_is_refused_before_its_work_naming_the_holder(command, tmp_path, capsys):
+    """A command held its --out folder only once it came to write: a second given the same folder did all its
+    work (minutes) before it was refused, without saying by whom. Each now holds the folder before its work: the
+    second is refused at once (here before it meets its own bad input), naming the holder's pid."""
+    out = tmp_path / "out"
+    hold = (
+        "import pathlib, parity.outdir as o\n"
+        f"with o.held_output_dir(pathlib.Path({str(out)!r}), 'eval', 'out'):\n    print(flush=True); input()"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    try:
+        holder.stdout.readline()  # the folder is made and held, nothing written in it yet
+        _refused(
+            _bad_work(command, out, tmp_path), capsys, f"{out}: in use by another Parity command (pid {holder.pid})"
+        )
+        assert list(out.iterdir()) == []
+    finally:
+        holder.communicate(b"\n")
+
+
+@pytest.mark.parametrize("command", BAD_WORK)
+def test_a_command_whose_work_finds_bad_input_leaves_no_out_folder(command, tmp_path, capsys):
+    """The --out folder, made before the work to hold it, goes again with the folders made for it when the
+    work refuses its input: nothing is left of a refused command."""
+    out = tmp_path / "new" / "out"
+    assert main(_bad_work(command, out, tmp_path)) == 2
+    assert "nowhere" in capsys.readouterr().err and not (tmp_path / "new").exists()
 
 
 def test_report_refuses_a_missing_run_without_creating_its_folder(tiny_run, tmp_path, capsys):

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from parity.cli.config_args import add_config_args, split_config, with_flags
-from parity.outdir import check_output_dir
+from parity.outdir import held_output_dir
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -51,9 +51,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     config, overrides = split_config(args)
     overrides = with_flags(overrides, {"out": args.out or None})
     cfg = cfg_mod.load(EvalConfig, config, [f"target={args.target}", *overrides])
-    check_output_dir(Path(cfg.out), "eval", "out")
-    result = run_eval(cfg, trust_reward_fn=args.trust_reward_fn)
-    write_outputs(result, Path(cfg.out))
+    with held_output_dir(Path(cfg.out), "eval", "out"):  # before the evaluation: a second one is refused at once
+        result = run_eval(cfg, trust_reward_fn=args.trust_reward_fn)
+        write_outputs(result, Path(cfg.out))
     print(markdown_table(result))
     print(f"wrote {cfg.out}/eval.json, eval.md, eval.png")
     return 0

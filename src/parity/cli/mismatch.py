@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from parity.cli.config_args import add_config_args, split_config, with_flags
-from parity.outdir import check_output_dir
+from parity.outdir import held_output_dir
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -54,9 +54,9 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
     config, overrides = split_config(args)
     overrides = with_flags(overrides, {"model": args.model or None, "out": args.out or None})
     cfg = cfg_mod.load(MismatchConfig, config, overrides)
-    check_output_dir(Path(cfg.out), "mismatch", "out")
-    results = run_mismatch(cfg, locate_rows=args.locate)
-    out = write_outputs(cfg, results)
+    with held_output_dir(Path(cfg.out), "mismatch", "out"):  # before the work: a second one is refused at once
+        results = run_mismatch(cfg, locate_rows=args.locate)
+        out = write_outputs(cfg, results)
     print(markdown_table(results))
     print(distribution_table(results))
     for r in results:

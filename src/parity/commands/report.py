@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from parity.config import ConfigError  # noqa: E402
 from parity.files import JSONError, LineTooLong, bounded_lines, parse_json  # noqa: E402
 from parity.folders import Folder  # noqa: E402
-from parity.outdir import check_output_dir, claim_output_dir, write_output, write_output_json  # noqa: E402
+from parity.outdir import claim_output_dir, held_output_dir, write_output, write_output_json  # noqa: E402
 from parity.rl.completions import markdown_table, read_completions, sample_rows  # noqa: E402
 from parity.rl.data import DataError  # noqa: E402
 from parity.rl.metrics_log import MAX_LINE_BYTES  # noqa: E402
@@ -359,21 +359,21 @@ def run_labels(run_dirs: list[Path]) -> list[str]:
 
 def report_runs(run_dirs: list[Path], out: Path) -> dict[str, dict]:
     """`parity report`: summary table and plots for `parity train` runs, side by side."""
-    check_output_dir(out, "report")
     labels = run_labels(run_dirs)
-    histories = {label: load_history(Path(d)) for label, d in zip(labels, run_dirs)}  # all read before `out` is made
-    completions = {label: read_completions(Path(d), MAX_LINE_BYTES) for label, d in zip(labels, run_dirs)}
-    summaries = {name: summarize(h) for name, h in histories.items()}
-    claim_output_dir(out, "report")
-    plot_accuracy(histories, out / "accuracy.png")
-    plot_mismatch_curves(histories, out / "mismatch.png")
-    write_output_json(out / "summary.json", summaries)
-    md = (
-        "# Runs\n\n"
-        + summary_table(summaries)
-        + f"\nAccuracy (or the mean reward, for runs of other rewards) is the {SMOOTHING}-step moving average "
-        "over the training batches; mismatch figures are means of the last 5 steps.\n\n"
-        "![training accuracy](accuracy.png)\n\n![mismatch](mismatch.png)\n" + completions_section(completions)
-    )
-    write_output(out / "report.md", md)
+    with held_output_dir(out, "report"):  # before the runs are read: a second report there is refused at once
+        histories = {label: load_history(Path(d)) for label, d in zip(labels, run_dirs)}  # all read before writing
+        completions = {label: read_completions(Path(d), MAX_LINE_BYTES) for label, d in zip(labels, run_dirs)}
+        summaries = {name: summarize(h) for name, h in histories.items()}
+        claim_output_dir(out, "report")
+        plot_accuracy(histories, out / "accuracy.png")
+        plot_mismatch_curves(histories, out / "mismatch.png")
+        write_output_json(out / "summary.json", summaries)
+        md = (
+            "# Runs\n\n"
+            + summary_table(summaries)
+            + f"\nAccuracy (or the mean reward, for runs of other rewards) is the {SMOOTHING}-step moving average "
+            "over the training batches; mismatch figures are means of the last 5 steps.\n\n"
+            "![training accuracy](accuracy.png)\n\n![mismatch](mismatch.png)\n" + completions_section(completions)
+        )
+        write_output(out / "report.md", md)
     return summaries
