@@ -449,13 +449,15 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_refused_and_left_as_it_was(t
     (run_dir / "checkpoints" / "step_000001" / "model" / "model.safetensors").unlink()
     before = _files(run_dir)
     capsys.readouterr()
-    assert main(["train", "--resume", str(run_dir), "steps=3"]) == 2
+    # tensorboard=true: its writer, opened before the checkpoints were read, left an events file in the run
+    assert main(["train", "--resume", str(run_dir), "steps=3", "tensorboard=true"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"parity train: error: --resume {run_dir}: no checkpoint of the run is usable (")
     assert "step_000002: manifest.json is unreadable" in err[-1]
     assert "step_000001: model/model.safetensors is missing" in err[-1]
     assert "nothing was moved or cut back" in err[-1] and not any("moved it to" in line for line in err)
     assert _files(run_dir) == before and not (run_dir / "checkpoints" / "corrupt").exists()
+    assert not (run_dir / "tensorboard").exists()
 
 
 def test_a_run_stopped_before_its_first_checkpoint_starts_again_from_step_0(trained_run, tmp_path, capsys):

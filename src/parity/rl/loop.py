@@ -258,9 +258,6 @@ class Run:
                     self.episodes,
                 )
             )
-            # After the backend, whose trainer refuses a LoRA config that does not fit the model.
-            flat = config_mod.flatten(config_mod.to_dict(cfg))
-            self.log.trackers = open_trackers(cfg.tensorboard, cfg.log.to, run_dir, cfg.log.project, flat)
 
     def _evaluator(self, config: ModelConfig, asked: bool = False) -> Evaluator | None:
         """The held-out evaluation `eval.*` asks for (`asked`: a callback's `control.should_evaluate` asks,
@@ -354,6 +351,14 @@ class Run:
             self.close()
             raise
 
+    def _open_trackers(self) -> None:
+        """TensorBoard and `log.to`'s trackers, opened once nothing can refuse the run any more (`create`, after the
+        backend, whose trainer refuses a LoRA config that does not fit the model; `_restore`): each writes in the run
+        directory as it opens, and W&B and MLflow start (or resume) a run of theirs."""
+        cfg = self.cfg
+        flat = config_mod.flatten(config_mod.to_dict(cfg))
+        self.log.trackers = open_trackers(cfg.tensorboard, cfg.log.to, self.run_dir, cfg.log.project, flat)
+
     def record_numerics(self) -> None:
         """numerics.json: the device, processor and kernel path per precision this process runs, its CPU threads,
         and the run's (`run_threads`: its start's, which a resume keeps, `runtime.keep_threads`, where it can: a
@@ -387,6 +392,7 @@ class Run:
             run = cls(cfg, new.path, progress, rewards, backend, tools, environment)
             run.new_dir = new
             with run._closed_on_failure():
+                run._open_trackers()
                 atomic_write_text(new.path / "config.yaml", config_mod.dump_yaml(cfg))
                 run.record_numerics()
         except BaseException:
@@ -443,6 +449,7 @@ class Run:
                 f"task.data={self.cfg.task.data}: not the problems the run trained on (its step {state.step} "
                 "checkpoint records others); a resume goes on through the same problems: give the file it trained on"
             )
+        self._open_trackers()  # not before: a refused resume leaves no TensorBoard file, starts no W&B run
         if state is not None:
             self.step_count = state.step
             self.data.position = state.data_position
