@@ -8,7 +8,6 @@ dicts (written into the run directory's data/, so that `--resume` and `parity ev
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
@@ -626,7 +625,7 @@ def evaluate(
     values = {k.replace("__", "."): v for k, v in keys.items()}
     cfg = config_mod.load(EvalConfig, None, None, {"target": target, **values, "out": str(out or "")})
     # Held from before the evaluation to the return: a second one is refused at once, not after its work.
-    with held_output_dir(out, "eval", "out") if out is not None else contextlib.nullcontext():
+    with held_output_dir(out, "eval", "out"):
         result = run_eval(
             cfg, progress, bound or None, trust_reward_fn=True, tools=tools or None, environment=environment
         )

@@ -178,11 +178,15 @@ def claim_output_dir(out: Path, command: str, key: str = "--out", folders: tuple
 
 
 @contextlib.contextmanager
-def held_output_dir(out: Path, command: str, key: str = "--out") -> Iterator[Path]:
+def held_output_dir(out: Path | None, command: str, key: str = "--out") -> Iterator[Path | None]:
     """Hold `out` for `parity command` from before its work to its end: checked (`check_output_dir`), made where
     it is new, and locked, so that a second command given it is refused at once, naming this process, and not
     only once it has done its own work. A command that fails (bad input found in the work, a signal) removes
-    the folders made here while they are still empty: nothing is left of it."""
+    the folders made here while they are still empty: nothing is left of it. None: a command that writes no
+    folder (from Python), nothing held."""
+    if out is None:
+        yield None
+        return
     check_output_dir(out, command, key)
     made = [p for p in (out, *out.parents) if not p.exists()]
     with Folder.open(out, create=True, key=key) as folder:

@@ -29,7 +29,6 @@ Verdict, first rule that applies:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 import time
@@ -270,66 +269,73 @@ def run_doctor(
     kernels.check_device(device, "--device")
     if not 1 <= num_prompts <= MAX_PROMPTS:
         raise ConfigError(f"--prompts: must be between 1 and {MAX_PROMPTS}, got {num_prompts}")
-    # Held from here to the end (minutes on a large model on a CPU): a second doctor there is refused at once.
-    with held_output_dir(out, "doctor") if out is not None else contextlib.nullcontext():
-        model_dir = resolve_model_dir(model)
-        tok = load_tokenizer(model_dir)
-        texts = load_prompts("builtin", num_prompts, seed, str(model))
-        positions = load_config(model_dir).max_position_embeddings
-        limit = prompt_limit(tok, positions, PROBE_NEW_TOKENS, "the doctor's new tokens", chat_template)
-        prompts = [limit.check(f"probe prompt {i + 1}", t) for i, t in enumerate(texts)]
-        net = load_model(model_dir, kernels.numerics(device))
-
-        stage(f"weights and activations of each layer, {len(prompts)} prompts")
-        bad = non_finite_weights(net)
-        reports = layer_reports(net, prompts)
-        overflow = next((r.name for r in reports if not math.isfinite(r.activation_max)), None)
-        if bad or overflow:
-            # The layer table shows where NaN/inf spread; a training pass or mismatch through them measures nothing.
-            precision, reason = UNTRAINABLE, untrainable_reason(bad) if bad else fp32_overflow_reason(overflow)
-            fp16_pass, mismatch = None, {}
-        else:
-            stage("an FP16 training pass")
-            fp16_pass = measure_fp16_pass(net, prompts)
-            stage("the mismatch in FP32, BF16 and FP16")
-            pairs = run_mismatch(
-                MismatchConfig(
-                    model=str(model),
-                    group_size=2,
-                    pairs=["fp32/fp32", "bf16/bf16", "fp16/fp16"],
-                    sampling=SamplingConfig(max_new_tokens=PROBE_NEW_TOKENS),
-                    seed=seed,
-                    chat_template=chat_template,
-                    device=device,
-                ),
-                progress=progress,
-                texts=texts,
-            )
-            mismatch = {p.trainer_precision: p.metrics for p in pairs}
-            precision, reason = recommend(reports, fp16_pass, mismatch)
-        stage("done")
-        result = {
-            "model": str(model),
-            "recommendation": precision,
-            "reason": reason,
-            "non_finite_weights": [{"name": name, "count": count} for name, count in bad],
-            "fp16_pass": None if fp16_pass is None else asdict(fp16_pass),
-            "layers": [
-                {
-                    "name": r.name,
-                    "weight_max": r.weight_max,
-                    "activation_max": r.activation_max,
-                    "headroom": r.headroom,
-                    "tiny_weight_frac": r.tiny_weight_frac,
-                }
-                for r in reports
-            ],
-            "mismatch": mismatch,
-        }
+    # Held from before the work (minutes on a large model on a CPU): a second doctor there is refused at once.
+    with held_output_dir(out, "doctor"):
+        result = _diagnose(model, num_prompts, seed, chat_template, device, progress, stage)
         if out is not None:
             claim_output_dir(out, "doctor")
             write_output_json(out / "doctor.json", result)
             write_output(out / "doctor.md", render(result))
+    return result
+
+
+def _diagnose(model: str, num_prompts: int, seed: int, chat_template: str, device: str, progress: bool, stage) -> dict:
+    """What doctor.json holds: the layers' weights and activations, then (all finite) an FP16 training pass and
+    the mismatch in each precision, and the recommendation."""
+    model_dir = resolve_model_dir(model)
+    tok = load_tokenizer(model_dir)
+    texts = load_prompts("builtin", num_prompts, seed, str(model))
+    positions = load_config(model_dir).max_position_embeddings
+    limit = prompt_limit(tok, positions, PROBE_NEW_TOKENS, "the doctor's new tokens", chat_template)
+    prompts = [limit.check(f"probe prompt {i + 1}", t) for i, t in enumerate(texts)]
+    net = load_model(model_dir, kernels.numerics(device))
+
+    stage(f"weights and activations of each layer, {len(prompts)} prompts")
+    bad = non_finite_weights(net)
+    reports = layer_reports(net, prompts)
+    overflow = next((r.name for r in reports if not math.isfinite(r.activation_max)), None)
+    if bad or overflow:
+        # The layer table shows where NaN/inf spread; a training pass or mismatch through them measures nothing.
+        precision, reason = UNTRAINABLE, untrainable_reason(bad) if bad else fp32_overflow_reason(overflow)
+        fp16_pass, mismatch = None, {}
+    else:
+        stage("an FP16 training pass")
+        fp16_pass = measure_fp16_pass(net, prompts)
+        stage("the mismatch in FP32, BF16 and FP16")
+        pairs = run_mismatch(
+            MismatchConfig(
+                model=str(model),
+                group_size=2,
+                pairs=["fp32/fp32", "bf16/bf16", "fp16/fp16"],
+                sampling=SamplingConfig(max_new_tokens=PROBE_NEW_TOKENS),
+                seed=seed,
+                chat_template=chat_template,
+                device=device,
+            ),
+            progress=progress,
+            texts=texts,
+        )
+        mismatch = {p.trainer_precision: p.metrics for p in pairs}
+        precision, reason = recommend(reports, fp16_pass, mismatch)
+    stage("done")
+    result = {
+        "model": str(model),
+        "recommendation": precision,
+        "reason": reason,
+        "non_finite_weights": [{"name": name, "count": count} for name, count in bad],
+        "fp16_pass": None if fp16_pass is None else asdict(fp16_pass),
+        "layers": [
+            {
+                "name": r.name,
+                "weight_max": r.weight_max,
+                "activation_max": r.activation_max,
+                "headroom": r.headroom,
+                "tiny_weight_frac": r.tiny_weight_frac,
+            }
+            for r in reports
+        ],
+        "mismatch": mismatch,
+    }
     return result
 
 
