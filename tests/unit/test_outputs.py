@@ -130,6 +130,8 @@ BAD_WORK = {
     "eval": ["eval", "NOWHERE", "out=OUT"],
     "mismatch": ["mismatch", "model=NOWHERE", "out=OUT"],
     "doctor": ["doctor", "--model", "NOWHERE", "--out", "OUT"],
+    "sanity": ["sanity", "--quick", "--model", "NOWHERE", "--out", "OUT"],
+    "phantom": ["phantom", "--model", "NOWHERE", "--out", "OUT"],
 }
 
 

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from parity.config import ConfigError
+from parity.outdir import held_output_dir
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -55,15 +56,16 @@ def cmd_phantom(args: argparse.Namespace) -> int:
             option = next(name for name, set_ in given.items() if set_)
             raise ConfigError(f"{option} goes with the built-in model's experiment, not --model DIR")
         seeds = _listed(args.seeds or "0,1", int, "--seeds")
-        summary = phantom.run_writeup(
-            args.model,
-            Path(args.out),
-            steps=phantom.WRITEUP_STEPS if args.steps is None else args.steps,
-            seeds=seeds,
-            overrides=tuple(args.overrides),
-            with_async=not args.no_async,
-            device=args.device,
-        )
+        with held_output_dir(Path(args.out), "phantom"):  # before the runs: a second one is refused at once
+            summary = phantom.run_writeup(
+                args.model,
+                Path(args.out),
+                steps=phantom.WRITEUP_STEPS if args.steps is None else args.steps,
+                seeds=seeds,
+                overrides=tuple(args.overrides),
+                with_async=not args.no_async,
+                device=args.device,
+            )
         for name, arm in summary["arms"].items():
             for seed, r in arm["seeds"].items():
                 to2 = r["steps_to_length_2"]
@@ -78,13 +80,14 @@ def cmd_phantom(args: argparse.Namespace) -> int:
     if args.overrides or args.no_async or args.seeds is not None:
         raise ConfigError("key=value overrides, --seeds and --no-async go with --model DIR (the write-up's runs)")
     eps = _listed(args.eps or "0.02,0.005,0.001,0.0002", float, "--eps")
-    summary = phantom.run_phantom(
-        Path(args.out),
-        steps=phantom.BUILTIN_STEPS if args.steps is None else args.steps,
-        eps_sweep=eps,
-        seed=0 if args.seed is None else args.seed,
-        device=args.device,
-    )
+    with held_output_dir(Path(args.out), "phantom"):  # before the runs: a second one is refused at once
+        summary = phantom.run_phantom(
+            Path(args.out),
+            steps=phantom.BUILTIN_STEPS if args.steps is None else args.steps,
+            eps_sweep=eps,
+            seed=0 if args.seed is None else args.seed,
+            device=args.device,
+        )
     for name, r in summary["runs"].items():
         to2 = r["steps_to_length_2"]
         print(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from parity.outdir import held_output_dir
 from parity.rl.problems import DIFFICULTIES
 
 
@@ -75,7 +76,8 @@ def cmd_sanity(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         device=args.device,
     )
-    summary = run_sanity(options)
+    with held_output_dir(options.out, "sanity"):  # before the search and the runs: a second one is refused at once
+        summary = run_sanity(options)
     from parity.commands.report import summary_table
 
     print(summary_table(summary["runs"]))
