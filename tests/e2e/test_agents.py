@@ -286,17 +286,24 @@ def test_parity_eval_answers_a_model_s_episodes_within_the_episode_keys_given(tm
     def evaluate(*episode: str, out: str = "e") -> dict:
         assert main(["eval", "builtin-agent", *keys, *episode, f"out={tmp_path / out}"]) == 0
         result = json.loads((tmp_path / out / "eval.json").read_text())
-        return {"turn_tokens": result["turn_tokens"], **result["states"][0]["metrics"]}
+        return {
+            "turn_tokens": result["turn_tokens"],
+            "max_turns": result["max_turns"],
+            **result["states"][0]["metrics"],
+        }
 
     free = evaluate()  # a tool call (44 tokens), then the answer
     assert (free["turn_tokens"], free["eval/fp32/reward_mean"], free["eval/fp32/mean_length"]) == (96, 2.0, 48.0)
+    assert free["max_turns"] == 4
     assert calls.read_text()
     calls.unlink()
     one = evaluate("episode.max_turns=1", out="one")  # the call is made, and not run: no turn would read it
     assert (one["turn_tokens"], one["eval/fp32/reward_mean"], one["eval/fp32/mean_length"]) == (96, 1.0, 44.0)
+    assert one["max_turns"] == 1
     cut = evaluate("episode.max_turns=2", "episode.turn_tokens=32", out="cut")  # the call is cut off at 32
     assert (cut["turn_tokens"], cut["eval/fp32/reward_mean"], cut["eval/fp32/mean_length"]) == (32, 1.0, 32.0)
-    assert not calls.exists() and "each model turn at most 32" in (tmp_path / "cut" / "eval.md").read_text()
+    assert cut["max_turns"] == 2 and not calls.exists()
+    assert "(2 model turns at most, each model turn at most 32)" in (tmp_path / "cut" / "eval.md").read_text()
     capsys.readouterr()
     for key, error in (
         ("episode.max_turns=0", "episode.max_turns: must be in [1, 100], got 0"),

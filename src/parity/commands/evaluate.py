@@ -542,6 +542,7 @@ def _evaluate(
         "temperature": cfg.temperature,
         "max_new_tokens": evalset.sampling.max_new_tokens,
         "turn_tokens": evaluator.turn_tokens or None,  # episodes: a model turn's limit (max_new_tokens: the episode's)
+        "max_turns": episode_run.episode.max_turns if episodes else None,  # episodes: its model turns at most
         "numerics": numerics.describe(),
         "states": results,
     }
@@ -631,7 +632,11 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
         f"{result['prompts']} held-out prompts ({result['data']}) x {result['samples']} samples at temperature "
         f"{result['temperature']} "
         f"(0 = greedy), up to {result['max_new_tokens']} new tokens"
-        + (f" per episode (each model turn at most {result['turn_tokens']})" if result.get("turn_tokens") else "")
+        + (
+            f" per episode ({result['max_turns']} model turns at most, each model turn at most {result['turn_tokens']})"
+            if result.get("turn_tokens")
+            else ""
+        )
         + f", task {result['task']}; the same random draws for "
         f"every state and policy. Policies: the weights served in each precision, and the trainer's policy "
         f"({result['reference']}, sampled with the trainer's arithmetic). Gap = a policy's score minus the "
