@@ -194,4 +194,4 @@ def test_a_transformers_callback_as_it_is_and_resume_from_checkpoint(tmp_path):
             callbacks=transformers.EarlyStoppingCallback(), run_dir=tmp_path / "s", progress=False, steps=2, **SMALL
         ).train()
     assert str(e.value).startswith("before step 1: callback EarlyStoppingCallback.on_train_begin raised ")
-    assert str(e.value).endswith("the run stopped: no checkpoint was written")
+    assert str(e.value).endswith("the run stopped: no checkpoint was written (a resume starts again from step 0)")

@@ -8,7 +8,6 @@ import sys
 
 from parity.cli.config_args import add_config_args, split_config
 from parity.config import ConfigError
-from parity.rl.checkpoint import checkpoints
 from parity.rl.train_config import RESUMABLE_KEYS
 from parity.stopping import StopSignals
 
@@ -104,9 +103,8 @@ class StopRequests(StopSignals):
         name = signal.Signals(self.signum).name
         if self.run is None:
             return f"stopped by {name} before the run started"
-        saved = checkpoints(self.run.run_dir)
-        newest = f"the newest checkpoint is {saved[-1].name}" if saved else "no checkpoint was written"
         run = self.run
         going_on = at_once and run.step_count < run.cfg.steps  # else its steps were all taken: it was closing
         when = f"during step {run.step_count + 1}" if going_on else f"after step {run.step_count}"
-        return f"stopped by {name} {when}; {newest}; continue with `{run.cfg.resume_command(run.run_dir)}`"
+        resume = run.cfg.resume_command(run.run_dir)
+        return f"stopped by {name} {when}; {run.newest_checkpoint()}; continue with `{resume}`"

@@ -639,7 +639,7 @@ class Run:
             update.non_finite_weights,
         )
 
-        where = self._newest_checkpoint
+        where = self.newest_checkpoint
         if bad:
             raise TrainingError(
                 f"step {step}: the weights hold inf/NaN after the optimizer step (trainer.lr="
@@ -660,10 +660,12 @@ class Run:
                 f"stopped; {where()}"
             )
 
-    def _newest_checkpoint(self) -> str:
+    def newest_checkpoint(self) -> str:
         """Where a stopped run can resume from, for its last line (a directory listing: only on the way out)."""
         last = checkpoints(self.run_dir)
-        return f"the newest checkpoint is {last[-1].name}" if last else "no checkpoint was written"
+        if not last:  # `--resume` then takes the run again from step 0 (`Run.resume`): said here, not found there
+            return "no checkpoint was written (a resume starts again from step 0)"
+        return f"the newest checkpoint is {last[-1].name}"
 
     # -- the loop -------------------------------------------------------------
 
@@ -808,7 +810,7 @@ class Run:
             if self.step_count == self.saved_step or self.cfg.checkpoint_every < 0:
                 raise
             self.checkpoint()
-            raise type(e)(f"{e}; the run stopped: {self._newest_checkpoint()}") from None
+            raise type(e)(f"{e}; the run stopped: {self.newest_checkpoint()}") from None
 
     def _stop_on_failure(self, hooks: Callbacks) -> None:
         """A callback's failure: a checkpoint of the newest step if it has none (unless checkpoint_every=-1),
@@ -818,7 +820,7 @@ class Run:
         if self.step_count > self.saved_step and self.cfg.checkpoint_every >= 0:
             self.checkpoint()
         line, cause = hooks.failure
-        raise CallbackError(f"{line}; the run stopped: {self._newest_checkpoint()}") from cause
+        raise CallbackError(f"{line}; the run stopped: {self.newest_checkpoint()}") from cause
 
     def checkpoint(self) -> Path:
         self.saved_step = self.step_count
