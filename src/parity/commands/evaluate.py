@@ -410,10 +410,9 @@ def _task_of_episodes(
     elif cfg.tools or cfg.environment:
         values["task.tools"], values["task.environment"] = cfg.tools, cfg.environment
     elif not TASKS[task].episodes:
-        if cfg.episode.given():  # one-turn answers would ignore them
+        if given := cfg.episode.given():  # one-turn answers would ignore them
             raise ConfigError(
-                f"{cfg.episode.given()[0]}: a setting of episodes, and this evaluation has none (tools, environment "
-                "or task=lookup)"
+                f"{given[0]}: a setting of episodes, and this evaluation has none (tools, environment or task=lookup)"
             )
         return None
     return config_mod.load(TrainConfig, None, None, values)
@@ -459,8 +458,8 @@ def _evaluate(
     if run is not None and (cfg.tools or cfg.environment):
         key = "tools" if cfg.tools else "environment"
         raise ConfigError(f"{key}: for a model; a run directory answers with its own task.tools or task.environment")
-    if run is not None and cfg.episode.given():
-        raise ConfigError(f"{cfg.episode.given()[0]}: for a model; a run directory answers with its own episode.*")
+    if run is not None and (given := cfg.episode.given()):
+        raise ConfigError(f"{given[0]}: for a model; a run directory answers with its own episode.*")
     evalset, task, source = evaluation_set(cfg, target, bool(rewards))
     reference = cfg.reference if cfg.reference != "auto" else run.trainer_precision if run else "fp32"
     tokenizer = load_tokenizer(target.model_dir)

@@ -663,7 +663,7 @@ class Run:
     def newest_checkpoint(self) -> str:
         """Where a stopped run can resume from, for its last line (a directory listing: only on the way out)."""
         last = checkpoints(self.run_dir)
-        if not last:  # `--resume` then takes the run again from step 0 (`Run.resume`): said here, not found there
+        if not last:  # what `--resume` will do (`Run.resume`), said before the user runs it
             return "no checkpoint was written (a resume starts again from step 0)"
         return f"the newest checkpoint is {last[-1].name}"
 

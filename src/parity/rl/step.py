@@ -329,13 +329,11 @@ def share_micro_batches(
     (`RolloutBatch.micro_batches`), as many as the learner with the most: under FSDP2 every micro-batch's
     forward and backward are collectives all learners join, and one with fewer left the others waiting for
     ever. The shares hold equal numbers of rows, so the micro-batch of most rows can always be halved again."""
-    shares = rows.tensor_split(world)
-    mine = batch.micro_batches(shares[rank], tokens)
-    if world > 1:
-        most = max(len(batch.micro_batches(share, tokens)) for share in shares)
-        while len(mine) < most:
-            widest = max(range(len(mine)), key=lambda i: len(mine[i]))
-            mine[widest : widest + 1] = mine[widest].tensor_split(2)
+    packed = [batch.micro_batches(share, tokens) for share in rows.tensor_split(world)]
+    mine, most = packed[rank], max(map(len, packed))
+    while len(mine) < most:
+        widest = max(range(len(mine)), key=lambda i: len(mine[i]))
+        mine[widest : widest + 1] = mine[widest].tensor_split(2)
     return mine
 
 
